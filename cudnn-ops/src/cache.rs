@@ -1,0 +1,128 @@
+//! The plan cache: derived-`Hash` keys to shared plans, with hit/miss counters.
+//!
+//! Plans are `Rc`, not `Arc`: a plan is bound to its context's cuDNN handle, which must not be used
+//! from two threads at once, so neither plans nor the context are `Send`.
+
+use crate::graph::NormPhase;
+use crate::plan::Plan;
+use crate::{DataType, Result};
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::rc::Rc;
+
+/// What identifies a plan: the op kind and everything that changes the graph (dims, strides, dtypes,
+/// flags). Runtime scalars (epsilon, attention scale) are by-value tensors and never part of a key.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum PlanKey {
+    /// Fused RMSNorm over row-major `[tokens, hidden]`.
+    RmsNorm {
+        /// Rows.
+        tokens: usize,
+        /// Row length.
+        hidden: usize,
+        /// Element stride between rows (`hidden` when packed).
+        row_stride: usize,
+        /// I/O dtype (x, weight, y).
+        dtype: DataType,
+        /// Inference or training.
+        phase: NormPhase,
+    },
+}
+
+/// Cache counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CacheStats {
+    /// Lookups that found a plan.
+    pub hits: u64,
+    /// Lookups that built one.
+    pub misses: u64,
+    /// Plans held.
+    pub entries: usize,
+}
+
+/// Plans by key. Failed builds are not cached: each call retries (and fails the same way).
+#[derive(Default)]
+pub struct PlanCache {
+    plans: RefCell<HashMap<PlanKey, Rc<Plan>>>,
+    hits: Cell<u64>,
+    misses: Cell<u64>,
+}
+
+impl PlanCache {
+    /// Returns the plan for `key`, building it with `build` on a miss.
+    pub fn get_or_build(&self, key: &PlanKey, build: impl FnOnce() -> Result<Plan>) -> Result<Rc<Plan>> {
+        if let Some(plan) = self.plans.borrow().get(key) {
+            self.hits.set(self.hits.get() + 1);
+            return Ok(plan.clone());
+        }
+        self.misses.set(self.misses.get() + 1);
+        let plan = Rc::new(build()?);
+        self.plans.borrow_mut().insert(key.clone(), plan.clone());
+        Ok(plan)
+    }
+
+    /// The plan for `key`, if built.
+    pub fn get(&self, key: &PlanKey) -> Option<Rc<Plan>> {
+        self.plans.borrow().get(key).cloned()
+    }
+
+    /// Counters and size.
+    pub fn stats(&self) -> CacheStats {
+        CacheStats { hits: self.hits.get(), misses: self.misses.get(), entries: self.plans.borrow().len() }
+    }
+
+    /// Drops every plan and resets the counters.
+    pub fn clear(&self) {
+        self.plans.borrow_mut().clear();
+        self.hits.set(0);
+        self.misses.set(0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::hash_map::DefaultHasher;
+    use std::hash::{Hash, Hasher};
+
+    fn key(tokens: usize, hidden: usize, dtype: DataType, phase: NormPhase) -> PlanKey {
+        PlanKey::RmsNorm { tokens, hidden, row_stride: hidden, dtype, phase }
+    }
+
+    fn hash(k: &PlanKey) -> u64 {
+        let mut h = DefaultHasher::new();
+        k.hash(&mut h);
+        h.finish()
+    }
+
+    #[test]
+    fn same_shape_same_key_any_change_different_key() {
+        let base = key(30, 4096, DataType::BF16, NormPhase::Inference);
+        assert_eq!(base, key(30, 4096, DataType::BF16, NormPhase::Inference));
+        assert_eq!(hash(&base), hash(&key(30, 4096, DataType::BF16, NormPhase::Inference)));
+        let changed = [
+            key(31, 4096, DataType::BF16, NormPhase::Inference),
+            key(30, 2048, DataType::BF16, NormPhase::Inference),
+            key(30, 4096, DataType::F16, NormPhase::Inference),
+            key(30, 4096, DataType::BF16, NormPhase::Training),
+            PlanKey::RmsNorm { tokens: 30, hidden: 4096, row_stride: 4104, dtype: DataType::BF16, phase: NormPhase::Inference },
+        ];
+        for k in changed {
+            assert_ne!(base, k);
+            assert_ne!(hash(&base), hash(&k), "{k:?}");
+        }
+    }
+
+    #[test]
+    fn failed_builds_count_as_misses_and_are_not_cached() {
+        let cache = PlanCache::default();
+        let k = key(1, 8, DataType::F32, NormPhase::Inference);
+        for _ in 0..2 {
+            let err = cache.get_or_build(&k, || Err(crate::Error::invalid("no"))).unwrap_err();
+            assert!(err.to_string().contains("no"));
+        }
+        assert_eq!(cache.stats(), CacheStats { hits: 0, misses: 2, entries: 0 });
+        cache.clear();
+        assert_eq!(cache.stats(), CacheStats::default());
+    }
+}

@@ -1,0 +1,148 @@
+//! The context: one object that owns the cuDNN handle (bound to a cudarc stream), the plan cache,
+//! the growable workspace and the naive kernels.
+
+use crate::cache::PlanCache;
+use crate::raw::{self, Handle, RawHandle};
+use crate::{Error, Result};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use once_cell::unsync::OnceCell;
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::sync::Arc;
+
+/// What the context runs on, for reports.
+#[derive(Debug, Clone)]
+pub struct DeviceInfo {
+    /// Device ordinal.
+    pub ordinal: usize,
+    /// GPU name, e.g. `NVIDIA H100 80GB HBM3`.
+    pub name: String,
+    /// Compute capability (major, minor).
+    pub compute_capability: (i32, i32),
+    /// CUDA driver API version (e.g. 13000).
+    pub driver_version: i32,
+    /// `cudnnGetVersion()`, e.g. 91900.
+    pub cudnn_version: usize,
+    /// The CUDA runtime cuDNN was built for.
+    pub cudnn_cudart_version: usize,
+    /// Which library file was opened.
+    pub cudnn_library: String,
+}
+
+impl DeviceInfo {
+    /// cuDNN version as `9.19.0`.
+    pub fn cudnn_version_string(&self) -> String {
+        cudnn_sys::version_string(self.cudnn_version)
+    }
+}
+
+/// A cuDNN context: handle, stream, plan cache, workspace. Not `Send`: a cuDNN handle must not be used
+/// from two threads at once, so create one context per thread (and per device).
+pub struct Cudnn {
+    // Field order is drop order: plans and workspace go before the handle and the stream.
+    cache: PlanCache,
+    workspace: RefCell<Option<Rc<CudaSlice<u8>>>>,
+    pub(crate) naive: OnceCell<crate::naive::Kernels>,
+    handle: Handle,
+    stream: Arc<CudaStream>,
+    info: DeviceInfo,
+}
+
+impl Cudnn {
+    /// Opens GPU `ordinal` on a new stream. Fails with [`Error::NoGpu`] when there is no driver or no
+    /// device, and [`Error::Load`] when cuDNN is missing or too old; never panics.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        let ctx = open_device(ordinal)?;
+        let stream = ctx.new_stream()?;
+        Self::with_stream(stream)
+    }
+
+    /// A context whose cuDNN work goes to `stream`.
+    pub fn with_stream(stream: Arc<CudaStream>) -> Result<Self> {
+        let ctx = stream.context().clone();
+        ctx.bind_to_thread()?;
+        let (cudnn_version, cudnn_library) = raw::version()?;
+        let handle = Handle::new(stream.cu_stream() as *mut std::ffi::c_void)?;
+        let info = DeviceInfo {
+            ordinal: ctx.ordinal(),
+            name: ctx.name()?,
+            compute_capability: ctx.compute_capability()?,
+            driver_version: driver_version(),
+            cudnn_version,
+            cudnn_cudart_version: raw::cudart_version()?,
+            cudnn_library,
+        };
+        Ok(Cudnn { cache: PlanCache::default(), workspace: RefCell::new(None), naive: OnceCell::new(), handle, stream, info })
+    }
+
+    /// The stream all work of this context is enqueued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The plan cache.
+    pub fn cache(&self) -> &PlanCache {
+        &self.cache
+    }
+
+    /// Device and library versions.
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// Waits for all work on the stream.
+    pub fn synchronize(&self) -> Result<()> {
+        Ok(self.stream.synchronize()?)
+    }
+
+    pub(crate) fn raw_handle(&self) -> RawHandle {
+        self.handle.raw()
+    }
+
+    /// Makes the context's CUDA context current on this thread (cuDNN uses the current context).
+    pub(crate) fn bind(&self) -> Result<()> {
+        Ok(self.stream.context().bind_to_thread()?)
+    }
+
+    /// A workspace of at least `bytes`, grown (never shrunk) as plans need. The `Rc` keeps an old
+    /// buffer alive while a prepared execution still points at it.
+    pub(crate) fn workspace(&self, bytes: usize) -> Result<Option<Rc<CudaSlice<u8>>>> {
+        if bytes == 0 {
+            return Ok(None);
+        }
+        let mut ws = self.workspace.borrow_mut();
+        if ws.as_ref().is_none_or(|w| w.len() < bytes) {
+            let size = bytes.next_power_of_two().max(1 << 20);
+            *ws = Some(Rc::new(self.stream.alloc_zeros::<u8>(size)?));
+        }
+        Ok(ws.clone())
+    }
+
+    /// Bytes of workspace currently held.
+    pub fn workspace_bytes(&self) -> usize {
+        self.workspace.borrow().as_ref().map_or(0, |w| w.len())
+    }
+}
+
+/// Checks for the driver library before cudarc could panic on it, then opens the device.
+pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>> {
+    // SAFETY: only probes whether the shared library can be opened.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(Error::NoGpu("the CUDA driver library (libcuda.so.1) was not found: install an NVIDIA driver".into()));
+    }
+    let count = CudaContext::device_count().map_err(|e| Error::NoGpu(format!("the CUDA driver did not start: {e}")))?;
+    if count == 0 {
+        return Err(Error::NoGpu("the driver reports no CUDA device".into()));
+    }
+    if ordinal >= count as usize {
+        return Err(Error::NoGpu(format!("device {ordinal} requested, but only {count} present")));
+    }
+    Ok(CudaContext::new(ordinal)?)
+}
+
+fn driver_version() -> i32 {
+    let mut v = 0;
+    // SAFETY: a valid out-pointer; the driver library was loaded when the context was created.
+    let _ = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) };
+    v
+}

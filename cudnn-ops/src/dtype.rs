@@ -1,0 +1,141 @@
+//! Element types: the [`DataType`] tag used in graphs and the [`Element`] trait that ties it to Rust
+//! types, so buffers are checked against the graph's dtypes at execute time.
+
+use cudarc::driver::DeviceRepr;
+use half::{bf16, f16};
+
+/// A tensor element type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DataType {
+    /// 32-bit IEEE float.
+    F32,
+    /// 16-bit IEEE float.
+    F16,
+    /// bfloat16.
+    BF16,
+    /// 32-bit signed integer.
+    I32,
+    /// 64-bit signed integer.
+    I64,
+}
+
+impl DataType {
+    /// Size of one element in bytes.
+    pub fn size(self) -> usize {
+        match self {
+            DataType::F16 | DataType::BF16 => 2,
+            DataType::F32 | DataType::I32 => 4,
+            DataType::I64 => 8,
+        }
+    }
+
+    /// Short name used in reports and keys (`bf16`, `f16`, `f32`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            DataType::F32 => "f32",
+            DataType::F16 => "f16",
+            DataType::BF16 => "bf16",
+            DataType::I32 => "i32",
+            DataType::I64 => "i64",
+        }
+    }
+
+    /// Parses [`DataType::name`].
+    pub fn parse(s: &str) -> Option<Self> {
+        [DataType::F32, DataType::F16, DataType::BF16, DataType::I32, DataType::I64]
+            .into_iter()
+            .find(|d| d.name() == s)
+    }
+
+    pub(crate) fn to_raw(self) -> cudnn_sys::cudnnDataType_t {
+        use cudnn_sys::cudnnDataType_t as T;
+        match self {
+            DataType::F32 => T::CUDNN_DATA_FLOAT,
+            DataType::F16 => T::CUDNN_DATA_HALF,
+            DataType::BF16 => T::CUDNN_DATA_BFLOAT16,
+            DataType::I32 => T::CUDNN_DATA_INT32,
+            DataType::I64 => T::CUDNN_DATA_INT64,
+        }
+    }
+}
+
+impl std::fmt::Display for DataType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A Rust type that can live in a device buffer bound to a graph tensor.
+pub trait Element: DeviceRepr + Copy + Default + Send + Sync + 'static {
+    /// The matching graph dtype.
+    const DTYPE: DataType;
+    /// Converts from f64, rounding to nearest.
+    fn from_f64(v: f64) -> Self;
+    /// Converts to f64 exactly.
+    fn to_f64(self) -> f64;
+    /// A NaN of this type, used to poison outputs before a run.
+    fn nan() -> Self;
+}
+
+impl Element for f32 {
+    const DTYPE: DataType = DataType::F32;
+    fn from_f64(v: f64) -> Self {
+        v as f32
+    }
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+    fn nan() -> Self {
+        f32::NAN
+    }
+}
+
+impl Element for f16 {
+    const DTYPE: DataType = DataType::F16;
+    fn from_f64(v: f64) -> Self {
+        f16::from_f64(v)
+    }
+    fn to_f64(self) -> f64 {
+        f16::to_f64(self)
+    }
+    fn nan() -> Self {
+        f16::NAN
+    }
+}
+
+impl Element for bf16 {
+    const DTYPE: DataType = DataType::BF16;
+    fn from_f64(v: f64) -> Self {
+        bf16::from_f64(v)
+    }
+    fn to_f64(self) -> f64 {
+        bf16::to_f64(self)
+    }
+    fn nan() -> Self {
+        bf16::NAN
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_sizes() {
+        for d in [DataType::F32, DataType::F16, DataType::BF16, DataType::I32, DataType::I64] {
+            assert_eq!(DataType::parse(d.name()), Some(d));
+        }
+        assert_eq!(DataType::parse("fp8"), None);
+        assert_eq!((DataType::BF16.size(), DataType::F32.size(), DataType::I64.size()), (2, 4, 8));
+        assert_eq!(<bf16 as Element>::DTYPE, DataType::BF16);
+    }
+
+    #[test]
+    fn raw_codes_match_the_header() {
+        // cudnnDataType_t values written in cudnn_graph.h.
+        assert_eq!(DataType::F32.to_raw().0, 0);
+        assert_eq!(DataType::F16.to_raw().0, 2);
+        assert_eq!(DataType::BF16.to_raw().0, 9);
+        assert_eq!(DataType::I64.to_raw().0, 10);
+    }
+}

@@ -1,0 +1,85 @@
+//! The one error type of the crate. Every failure is a value; nothing here panics on bad input.
+
+/// Result alias used throughout the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong, from a missing driver to a graph cuDNN cannot run.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A cuDNN call failed. `status` is the numeric code, `name` its `cudnnGetErrorString` name,
+    /// `message` the text of `cudnnGetLastErrorString` right after the failure.
+    #[error("cuDNN {step} failed: {name} ({status}){}", detail(.message))]
+    Cudnn {
+        /// The step that failed, e.g. `finalize OPERATIONGRAPH` or `execute`.
+        step: String,
+        /// The raw `cudnnStatus_t`.
+        status: u32,
+        /// Its name.
+        name: String,
+        /// cuDNN's last error message (may be empty).
+        message: String,
+    },
+    /// cuDNN (or this library) cannot run what was asked on this GPU and version. Callers can fall back
+    /// to another implementation.
+    #[error("not supported: {op}: {reason}")]
+    NotSupported {
+        /// The op or graph, with its shape.
+        op: String,
+        /// Why: the cuDNN status and message, or the library's own rule.
+        reason: String,
+    },
+    /// A graph failed validation; names the offending tensor.
+    #[error("invalid graph `{graph}`: tensor `{tensor}`: {reason}")]
+    InvalidGraph {
+        /// The graph's name.
+        graph: String,
+        /// The offending tensor's name.
+        tensor: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// An argument (shape, buffer length, alignment, binding) is wrong. Nothing was written.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// cuDNN could not be loaded or is too old.
+    #[error(transparent)]
+    Load(#[from] cudnn_sys::LoadError),
+    /// No usable GPU: no driver library, no device, or the driver refused to start.
+    #[error("no CUDA GPU: {0}")]
+    NoGpu(String),
+    /// A CUDA driver call failed.
+    #[error("CUDA driver: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
+    /// NVRTC is missing or a kernel failed to compile.
+    #[error("NVRTC: {0}")]
+    Nvrtc(String),
+}
+
+fn detail(message: &str) -> String {
+    if message.is_empty() {
+        String::new()
+    } else {
+        format!(": {message}")
+    }
+}
+
+impl Error {
+    /// True for [`Error::NotSupported`]: the request is valid but has no implementation here.
+    pub fn is_not_supported(&self) -> bool {
+        matches!(self, Error::NotSupported { .. })
+    }
+
+    pub(crate) fn invalid(msg: impl Into<String>) -> Self {
+        Error::InvalidArgument(msg.into())
+    }
+}
+
+/// `ensure!`-style early return with an [`Error::InvalidArgument`].
+macro_rules! ensure {
+    ($cond:expr, $($fmt:tt)+) => {
+        if !$cond {
+            return Err($crate::Error::InvalidArgument(format!($($fmt)+)));
+        }
+    };
+}
+pub(crate) use ensure;

@@ -1,0 +1,112 @@
+//! Naive baselines: what PyTorch eager runs, one kernel per elementary op with f32 intermediates in
+//! device memory. Kernels are compiled with NVRTC on first use and cached per context.
+
+pub mod rmsnorm;
+
+use crate::{Cudnn, Error, Result};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+
+use cudarc::nvrtc::CompileOptions;
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+const SOURCE: &str = include_str!("kernels.cu");
+/// Threads per block of the elementwise kernels, and elements each thread handles.
+const BLOCK: u32 = 256;
+const ITEMS: u32 = 4;
+
+/// The compiled kernels and the scratch memory their intermediates live in.
+pub struct Kernels {
+    functions: HashMap<&'static str, CudaFunction>,
+    scratch: RefCell<Option<CudaSlice<f32>>>,
+}
+
+const NAMES: &[&str] = &[
+    "cast_bf16_f32",
+    "cast_f16_f32",
+    "cast_f32_bf16",
+    "cast_f32_f16",
+    "pow2_f32",
+    "add_scalar_f32",
+    "rsqrt_f32",
+    "mul_rows_f32",
+    "mul_weight_bf16",
+    "mul_weight_f16",
+    "mul_weight_f32",
+    "mean_rows_f32",
+];
+
+impl Kernels {
+    fn compile(ctx: &Cudnn) -> Result<Self> {
+        // SAFETY: only probes whether the shared library can be opened (cudarc panics if it cannot).
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            return Err(Error::Nvrtc("libnvrtc.so was not found: install the CUDA 13 NVRTC library".into()));
+        }
+        let (major, minor) = ctx.info().compute_capability;
+        let opts = CompileOptions {
+            options: vec![format!("--gpu-architecture=compute_{major}{minor}")],
+            ..Default::default()
+        };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| Error::Nvrtc(format!("{e:?}")))?;
+        let module = ctx.stream().context().load_module(ptx)?;
+        let mut functions = HashMap::new();
+        for &name in NAMES {
+            functions.insert(name, module.load_function(name)?);
+        }
+        Ok(Kernels { functions, scratch: RefCell::new(None) })
+    }
+
+    fn get(ctx: &Cudnn) -> Result<&Kernels> {
+        ctx.naive.get_or_try_init(|| Kernels::compile(ctx))
+    }
+
+    fn function(&self, name: &str) -> &CudaFunction {
+        &self.functions[name]
+    }
+}
+
+/// Scratch f32 memory of at least `len` elements (grown, never shrunk), as a device address. Like
+/// PyTorch's caching allocator, it keeps allocation out of the timed kernels.
+fn scratch(ctx: &Cudnn, kernels: &Kernels, len: usize) -> Result<u64> {
+    use cudarc::driver::DevicePtr;
+    let mut s = kernels.scratch.borrow_mut();
+    if s.as_ref().is_none_or(|s| s.len() < len) {
+        *s = None;
+        *s = Some(ctx.stream().alloc_zeros::<f32>(len)?);
+    }
+    let slice = s.as_ref().expect("just allocated");
+    let (addr, _guard) = slice.device_ptr(ctx.stream());
+    Ok(addr)
+}
+
+/// A kernel argument: device addresses are passed as 64-bit values.
+#[derive(Clone, Copy)]
+enum Arg {
+    Ptr(u64),
+    F32(f32),
+    I64(i64),
+}
+
+fn launch(ctx: &Cudnn, f: &CudaFunction, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+    let mut launch = ctx.stream().launch_builder(f);
+    for a in args {
+        match a {
+            Arg::Ptr(p) => launch.arg(p),
+            Arg::F32(v) => launch.arg(v),
+            Arg::I64(v) => launch.arg(v),
+        };
+    }
+    // SAFETY: callers pass arguments in the order and types of the kernel's signature in kernels.cu,
+    // with every pointer covering the elements (or rows) the kernel touches (checked by the op).
+    unsafe { launch.launch(cfg) }?;
+    Ok(())
+}
+
+/// Launches an elementwise kernel over `n` elements: `args`, then `n`.
+fn elementwise(ctx: &Cudnn, kernels: &Kernels, name: &str, n: usize, args: &[Arg]) -> Result<()> {
+    let per_block = (BLOCK * ITEMS) as usize;
+    let cfg = LaunchConfig { grid_dim: (n.div_ceil(per_block) as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
+    let mut all = args.to_vec();
+    all.push(Arg::I64(n as i64));
+    launch(ctx, kernels.function(name), cfg, &all)
+}

@@ -1,0 +1,3 @@
+//! Fused ops: each builds (once, through the plan cache) a cuDNN graph and executes it.
+
+pub mod rmsnorm;

@@ -1,0 +1,194 @@
+//! The only module that calls into cuDNN. Each wrapper turns a `cudnnStatus_t` into a [`Result`]
+//! carrying the step, the status name and `cudnnGetLastErrorString`. Status codes in the 3000s
+//! (`CUDNN_STATUS_NOT_SUPPORTED*`) become [`Error::NotSupported`] so callers can fall back.
+//!
+//! Backend docs: <https://docs.nvidia.com/deeplearning/cudnn/latest/api/cudnn-graph-library.html>.
+
+use crate::{Error, Result};
+use cudnn_sys as sys;
+use std::ffi::{c_void, CStr};
+
+pub(crate) use sys::{
+    cudnnBackendAttributeName_t as AttrName, cudnnBackendAttributeType_t as AttrType,
+    cudnnBackendDescriptorType_t as DescType, cudnnBackendDescriptor_t as RawDesc, cudnnHandle_t as RawHandle,
+};
+
+/// The loaded, version-checked library.
+pub(crate) fn lib() -> Result<&'static sys::CudnnLib> {
+    Ok(&sys::load()?.lib)
+}
+
+/// `cudnnGetVersion()` of the loaded library, and its path.
+pub(crate) fn version() -> Result<(usize, String)> {
+    let loaded = sys::load()?;
+    Ok((loaded.version, loaded.library.clone()))
+}
+
+/// Maps a status to a result; `step` names the call for the error message.
+fn check(lib: &sys::CudnnLib, status: sys::cudnnStatus_t, step: impl FnOnce() -> String) -> Result<()> {
+    if status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
+        return Ok(());
+    }
+    // SAFETY: cudnnGetErrorString accepts any value and returns a static C string (or null).
+    let name = unsafe { lib.cudnnGetErrorString(status) };
+    let name = if name.is_null() {
+        format!("CUDNN_STATUS_{}", status.0)
+    } else {
+        // SAFETY: non-null pointers from cudnnGetErrorString are NUL-terminated static strings.
+        unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned()
+    };
+    let mut buf = [0 as std::ffi::c_char; 1024];
+    // SAFETY: the buffer is writable for its full length, which we pass; cuDNN NUL-terminates.
+    unsafe { lib.cudnnGetLastErrorString(buf.as_mut_ptr(), buf.len()) };
+    // SAFETY: NUL-terminated by cuDNN (or all zeros).
+    let message = unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().trim().to_string();
+    Err(status_error(status.0, name, message, step()))
+}
+
+/// Builds the error for a failed status (pure, so it can be tested without cuDNN).
+pub(crate) fn status_error(status: u32, name: String, message: String, step: String) -> Error {
+    if status / 1000 * 1000 == sys::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED.0 {
+        let reason = if message.is_empty() { name } else { format!("{name}: {message}") };
+        Error::NotSupported { op: step, reason }
+    } else {
+        Error::Cudnn { step, status, name, message }
+    }
+}
+
+/// Creates an empty backend descriptor of `kind`.
+pub(crate) fn create_descriptor(kind: DescType) -> Result<RawDesc> {
+    let lib = lib()?;
+    let mut d: RawDesc = std::ptr::null_mut();
+    // SAFETY: `d` is a valid out-pointer; cuDNN writes a new descriptor there on success.
+    let status = unsafe { lib.cudnnBackendCreateDescriptor(kind, &mut d) };
+    check(lib, status, || format!("create descriptor {}", kind.0))?;
+    Ok(d)
+}
+
+/// # Safety
+/// `d` must come from [`create_descriptor`] and not have been destroyed.
+pub(crate) unsafe fn destroy_descriptor(d: RawDesc) {
+    if let Ok(lib) = lib() {
+        // SAFETY: guaranteed by the caller. A failure here has nothing left to free; ignore it.
+        let _ = unsafe { lib.cudnnBackendDestroyDescriptor(d) };
+    }
+}
+
+/// # Safety
+/// `d` must be a live descriptor; `ptr` must point to `count` readable values of the C type that
+/// `ty` names.
+pub(crate) unsafe fn set_attribute(
+    d: RawDesc,
+    name: AttrName,
+    ty: AttrType,
+    count: i64,
+    ptr: *const c_void,
+) -> Result<()> {
+    let lib = lib()?;
+    // SAFETY: guaranteed by the caller.
+    let status = unsafe { lib.cudnnBackendSetAttribute(d, name, ty, count, ptr as *mut c_void) };
+    check(lib, status, || format!("set attribute {}", name.0))
+}
+
+/// Reads up to `requested` values into `ptr`; returns how many the attribute holds.
+///
+/// # Safety
+/// `d` must be a live descriptor; `ptr` must be writable for `requested` values of the C type that
+/// `ty` names (or null with `requested == 0`).
+pub(crate) unsafe fn get_attribute(
+    d: RawDesc,
+    name: AttrName,
+    ty: AttrType,
+    requested: i64,
+    ptr: *mut c_void,
+) -> Result<i64> {
+    let lib = lib()?;
+    let mut count = 0i64;
+    // SAFETY: guaranteed by the caller; `count` is a valid out-pointer.
+    let status = unsafe { lib.cudnnBackendGetAttribute(d, name, ty, requested, &mut count, ptr) };
+    check(lib, status, || format!("get attribute {}", name.0))?;
+    Ok(count)
+}
+
+/// # Safety
+/// `d` must be a live descriptor.
+pub(crate) unsafe fn finalize(d: RawDesc, what: &str) -> Result<()> {
+    let lib = lib()?;
+    // SAFETY: guaranteed by the caller.
+    let status = unsafe { lib.cudnnBackendFinalize(d) };
+    check(lib, status, || format!("finalize {what}"))
+}
+
+/// # Safety
+/// `handle` must be live, `plan` a finalized execution plan built for it and `pack` a finalized variant
+/// pack whose pointers are valid for what the plan reads and writes until the work completes.
+pub(crate) unsafe fn execute(handle: RawHandle, plan: RawDesc, pack: RawDesc) -> Result<()> {
+    let lib = lib()?;
+    // SAFETY: guaranteed by the caller.
+    let status = unsafe { lib.cudnnBackendExecute(handle, plan, pack) };
+    check(lib, status, || "execute".to_string())
+}
+
+/// An owned cuDNN handle, destroyed on drop.
+pub(crate) struct Handle(RawHandle);
+
+impl Handle {
+    /// Creates a handle and binds it to `stream` (a `CUstream` from cudarc).
+    pub(crate) fn new(stream: *mut c_void) -> Result<Self> {
+        let lib = lib()?;
+        let mut h: RawHandle = std::ptr::null_mut();
+        // SAFETY: `h` is a valid out-pointer.
+        check(lib, unsafe { lib.cudnnCreate(&mut h) }, || "cudnnCreate".into())?;
+        let handle = Handle(h);
+        // SAFETY: `h` is live; the stream belongs to the current context and outlives the handle (the
+        // owning context keeps both, handle dropped first).
+        check(lib, unsafe { lib.cudnnSetStream(h, stream as sys::cudaStream_t) }, || "cudnnSetStream".into())?;
+        Ok(handle)
+    }
+
+    pub(crate) fn raw(&self) -> RawHandle {
+        self.0
+    }
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        if let Ok(lib) = lib() {
+            // SAFETY: the handle is live and owned; nothing uses it after drop.
+            let _ = unsafe { lib.cudnnDestroy(self.0) };
+        }
+    }
+}
+
+/// `cudnnGetCudartVersion()`: the CUDA runtime cuDNN was built against.
+pub(crate) fn cudart_version() -> Result<usize> {
+    let lib = lib()?;
+    // SAFETY: no arguments, symbol checked at load.
+    Ok(unsafe { lib.cudnnGetCudartVersion() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn not_supported_category_maps_to_not_supported() {
+        for code in [3000, 3001, 3007, 3999] {
+            let e = status_error(code, "CUDNN_STATUS_NOT_SUPPORTED_X".into(), "no engine".into(), "finalize".into());
+            assert!(e.is_not_supported(), "{code}: {e:?}");
+            assert_eq!(e.to_string(), "not supported: finalize: CUDNN_STATUS_NOT_SUPPORTED_X: no engine");
+        }
+        for code in [2000, 2002, 4000, 5000] {
+            let e = status_error(code, "CUDNN_STATUS_BAD_PARAM".into(), "".into(), "set attribute 7".into());
+            assert!(!e.is_not_supported(), "{code}");
+            assert_eq!(e.to_string(), format!("cuDNN set attribute 7 failed: CUDNN_STATUS_BAD_PARAM ({code})"));
+        }
+    }
+
+    #[test]
+    fn status_categories_match_the_header() {
+        assert_eq!(sys::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED.0, 3000);
+        assert_eq!(sys::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED_GRAPH_PATTERN.0 / 1000, 3);
+        assert_eq!(sys::cudnnStatus_t::CUDNN_STATUS_BAD_PARAM.0, 2000);
+    }
+}

@@ -1,0 +1,172 @@
+//! Tensor specifications: what a graph knows about a tensor before any memory exists.
+
+use crate::descriptor::{Attr, Descriptor};
+use crate::dtype::DataType;
+use crate::Result;
+use cudnn_sys::{cudnnBackendAttributeName_t as A, cudnnBackendDescriptorType_t as D};
+
+/// The most dimensions a cuDNN tensor may have (`CUDNN_DIM_MAX`).
+pub const MAX_RANK: usize = cudnn_sys::CUDNN_DIM_MAX as usize;
+
+/// Default byte alignment declared for device tensors, checked against pointers at execute time.
+pub const DEFAULT_ALIGNMENT: i64 = 16;
+
+/// A tensor of a graph: logical dims over strided storage, dtype, unique id and flags.
+///
+/// Layout is only ever expressed through strides: a transposed or head-split view is a different
+/// stride vector over the same memory, never a copy.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct TensorSpec {
+    /// Name used in errors and for binding lookups.
+    pub name: String,
+    /// Logical dimensions.
+    pub dims: Vec<i64>,
+    /// Element strides, one per dimension.
+    pub strides: Vec<i64>,
+    /// Element type.
+    pub dtype: DataType,
+    /// Unique id within the graph (the variant-pack key). 0 means "assign one".
+    pub uid: i64,
+    /// An intermediate that never exists in memory.
+    pub is_virtual: bool,
+    /// A host scalar passed by value at execute time (epsilon, scale).
+    pub by_value: bool,
+    /// Byte alignment the bound pointer is guaranteed to have.
+    pub alignment: i64,
+}
+
+impl TensorSpec {
+    /// A device tensor with packed row-major strides and [`DEFAULT_ALIGNMENT`].
+    pub fn new(name: impl Into<String>, dims: &[i64], dtype: DataType) -> Self {
+        TensorSpec {
+            name: name.into(),
+            dims: dims.to_vec(),
+            strides: packed_strides(dims),
+            dtype,
+            uid: 0,
+            is_virtual: false,
+            by_value: false,
+            alignment: DEFAULT_ALIGNMENT,
+        }
+    }
+
+    /// A host scalar passed by value, shaped all-ones with `rank` dimensions.
+    pub fn scalar(name: impl Into<String>, dtype: DataType, rank: usize) -> Self {
+        let ones = vec![1; rank];
+        TensorSpec { by_value: true, ..TensorSpec::new(name, &ones, dtype) }
+    }
+
+    /// Replaces the strides.
+    pub fn with_strides(mut self, strides: &[i64]) -> Self {
+        self.strides = strides.to_vec();
+        self
+    }
+
+    /// Sets the unique id.
+    pub fn with_uid(mut self, uid: i64) -> Self {
+        self.uid = uid;
+        self
+    }
+
+    /// Sets the declared byte alignment.
+    pub fn with_alignment(mut self, alignment: i64) -> Self {
+        self.alignment = alignment;
+        self
+    }
+
+    /// Number of elements a buffer must hold: one past the furthest element the strides reach.
+    pub fn min_elements(&self) -> usize {
+        if self.dims.iter().any(|&d| d <= 0) {
+            return 0;
+        }
+        1 + self.dims.iter().zip(&self.strides).map(|(&d, &s)| ((d - 1) * s) as usize).sum::<usize>()
+    }
+
+    /// Checks the spec on its own; the message does not repeat the name (callers add it).
+    pub fn check(&self) -> std::result::Result<(), String> {
+        let rank = self.dims.len();
+        if rank == 0 || rank > MAX_RANK {
+            return Err(format!("rank {rank} is outside 1..={MAX_RANK}"));
+        }
+        if self.strides.len() != rank {
+            return Err(format!("{} strides for {rank} dims", self.strides.len()));
+        }
+        if let Some(d) = self.dims.iter().find(|&&d| d <= 0) {
+            return Err(format!("dimension {d} in {:?} is not positive", self.dims));
+        }
+        if let Some(s) = self.strides.iter().find(|&&s| s <= 0) {
+            return Err(format!("stride {s} in {:?} is not positive", self.strides));
+        }
+        if self.is_virtual && self.by_value {
+            return Err("a tensor cannot be both virtual and by-value".into());
+        }
+        let a = self.alignment;
+        if a <= 0 || a & (a - 1) != 0 || (a as usize) < self.dtype.size() {
+            return Err(format!("alignment {a} is not a power of two >= the element size {}", self.dtype.size()));
+        }
+        Ok(())
+    }
+
+    /// Creates and finalizes the backend tensor descriptor.
+    pub(crate) fn descriptor(&self) -> Result<Descriptor> {
+        let mut d = Descriptor::new(D::CUDNN_BACKEND_TENSOR_DESCRIPTOR)?;
+        d.set(A::CUDNN_ATTR_TENSOR_DATA_TYPE, Attr::DataType(self.dtype))?;
+        d.set(A::CUDNN_ATTR_TENSOR_DIMENSIONS, Attr::I64(&self.dims))?;
+        d.set(A::CUDNN_ATTR_TENSOR_STRIDES, Attr::I64(&self.strides))?;
+        d.set(A::CUDNN_ATTR_TENSOR_UNIQUE_ID, Attr::I64(&[self.uid]))?;
+        d.set(A::CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, Attr::I64(&[self.alignment]))?;
+        if self.is_virtual {
+            d.set(A::CUDNN_ATTR_TENSOR_IS_VIRTUAL, Attr::Bool(true))?;
+        }
+        if self.by_value {
+            d.set(A::CUDNN_ATTR_TENSOR_IS_BY_VALUE, Attr::Bool(true))?;
+        }
+        d.finalize(&format!("tensor `{}`", self.name))?;
+        Ok(d)
+    }
+}
+
+/// Row-major (last dimension fastest) strides for `dims`.
+pub fn packed_strides(dims: &[i64]) -> Vec<i64> {
+    let mut strides = vec![1; dims.len()];
+    for i in (0..dims.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1] * dims[i + 1].max(1);
+    }
+    strides
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packed_strides_are_row_major() {
+        assert_eq!(packed_strides(&[2, 3, 4]), vec![12, 4, 1]);
+        assert_eq!(packed_strides(&[5]), vec![1]);
+        let t = TensorSpec::new("x", &[2, 3, 4], DataType::BF16);
+        assert_eq!(t.min_elements(), 24);
+        // A transposed view of a [3, 4] matrix stored row-major: dims [4, 3], strides [1, 4].
+        let v = TensorSpec::new("wT", &[4, 3], DataType::BF16).with_strides(&[1, 4]);
+        assert_eq!(v.min_elements(), 12);
+    }
+
+    #[test]
+    fn check_rejects_bad_specs() {
+        let ok = TensorSpec::new("x", &[2, 3], DataType::F32);
+        assert!(ok.check().is_ok());
+        let cases = [
+            (TensorSpec::new("x", &[], DataType::F32), "rank 0"),
+            (TensorSpec::new("x", &[1; 9], DataType::F32), "rank 9"),
+            (TensorSpec::new("x", &[2, 0], DataType::F32), "dimension 0"),
+            (ok.clone().with_strides(&[3]), "1 strides for 2 dims"),
+            (ok.clone().with_strides(&[3, -1]), "stride -1"),
+            (ok.clone().with_alignment(3), "alignment 3"),
+            (ok.clone().with_alignment(2), "alignment 2"),
+            (TensorSpec { is_virtual: true, ..TensorSpec::scalar("e", DataType::F32, 4) }, "both virtual"),
+        ];
+        for (spec, expected) in cases {
+            let err = spec.check().unwrap_err();
+            assert!(err.contains(expected), "{spec:?}: {err}");
+        }
+    }
+}

@@ -1,0 +1,1 @@
+#include <cudnn_graph.h>

@@ -1,0 +1,107 @@
+//! Helpers shared by benches, GPU tests and reports: opening the GPU without panicking, timing with
+//! CUDA events, medians, random device data and poisoning.
+
+use cudarc::driver::{sys::CUevent_flags, CudaSlice};
+use cudnn_ops::{reference, Cudnn, Element, Result};
+use std::time::Instant;
+
+/// Opens GPU 0, or prints why not (`SKIPPED: ...`) and returns `None`.
+pub fn gpu_or_skip(what: &str) -> Option<Cudnn> {
+    match Cudnn::new(0) {
+        Ok(ctx) => Some(ctx),
+        Err(e) => {
+            eprintln!("SKIPPED {what}: {e}");
+            None
+        }
+    }
+}
+
+/// Median of a sample (NaN-free); 0 for an empty one.
+pub fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    }
+}
+
+/// GPU time in milliseconds of `iters` back-to-back calls of `f`, measured with CUDA events on the
+/// context's stream.
+pub fn gpu_time_ms(ctx: &Cudnn, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    let cuda = ctx.stream().context();
+    let start = cuda.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+    let end = cuda.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+    start.record(ctx.stream())?;
+    for _ in 0..iters {
+        f()?;
+    }
+    end.record(ctx.stream())?;
+    Ok(start.elapsed_ms(&end)? as f64)
+}
+
+/// Median over `reps` samples of the per-call GPU time (ms), each sample timing `batch` calls, after
+/// `warmup` untimed calls.
+pub fn median_call_ms(
+    ctx: &Cudnn,
+    warmup: usize,
+    reps: usize,
+    batch: usize,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<f64> {
+    for _ in 0..warmup {
+        f()?;
+    }
+    ctx.synchronize()?;
+    let mut samples = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        samples.push(gpu_time_ms(ctx, batch, &mut f)? / batch as f64);
+    }
+    Ok(median(samples))
+}
+
+/// Median host time (µs) per call of `f` over `reps` batches of `batch` calls. The device work must be
+/// short enough for the GPU to keep up, so the launch queue never blocks the host.
+pub fn median_host_us(ctx: &Cudnn, reps: usize, batch: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    let mut samples = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        ctx.synchronize()?;
+        let t = Instant::now();
+        for _ in 0..batch {
+            f()?;
+        }
+        samples.push(t.elapsed().as_secs_f64() * 1e6 / batch as f64);
+    }
+    ctx.synchronize()?;
+    Ok(median(samples))
+}
+
+/// Uploads `values` rounded to `T`; returns the device buffer and the rounded values as f64.
+pub fn upload<T: Element>(ctx: &Cudnn, values: &[f64]) -> Result<(CudaSlice<T>, Vec<f64>)> {
+    let host: Vec<T> = reference::to_elements(values);
+    let rounded = host.iter().map(|v| v.to_f64()).collect();
+    Ok((ctx.stream().clone_htod(&host)?, rounded))
+}
+
+/// A device buffer of `n` NaNs, so that unwritten output elements show.
+pub fn poisoned<T: Element>(ctx: &Cudnn, n: usize) -> Result<CudaSlice<T>> {
+    Ok(ctx.stream().clone_htod(&vec![T::nan(); n])?)
+}
+
+/// Copies a device buffer back to the host.
+pub fn download<T: Element>(ctx: &Cudnn, buf: &CudaSlice<T>) -> Result<Vec<T>> {
+    Ok(ctx.stream().clone_dtoh(buf)?)
+}
+
+/// Device-to-device copy bandwidth in GB/s (bytes read + bytes written), median of `reps` copies of
+/// `bytes` bytes.
+pub fn copy_bandwidth_gbps(ctx: &Cudnn, bytes: usize, reps: usize) -> Result<f64> {
+    let src = ctx.stream().clone_htod(&reference::to_elements::<f32>(&reference::random_values(1, bytes / 4)))?;
+    let mut dst = ctx.stream().alloc_zeros::<f32>(bytes / 4)?;
+    let ms = median_call_ms(ctx, 3, reps, 1, || Ok(ctx.stream().memcpy_dtod(&src, &mut dst)?))?;
+    Ok(2.0 * bytes as f64 / (ms * 1e-3) / 1e9)
+}
