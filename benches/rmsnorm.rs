@@ -9,8 +9,12 @@
 
 use criterion::Criterion;
 use cudarc::driver::CudaSlice;
-use cudnn_llm::bench_util::{copy_bandwidth_gbps, gpu_or_skip, gpu_time_ms, median_call_ms, median_host_us, upload};
-use cudnn_llm::cudnn_ops::{naive, reference, rms_norm, Backend, Bindings, Cudnn, DataType, NormPhase, RmsNormArgs, Result};
+use cudnn_llm::bench_util::{
+    copy_bandwidth_gbps, gpu_or_skip, gpu_time_ms, median_call_ms, median_host_us, upload,
+};
+use cudnn_llm::cudnn_ops::{
+    naive, reference, rms_norm, Backend, Bindings, Cudnn, DataType, NormPhase, Result, RmsNormArgs,
+};
 use half::bf16;
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
@@ -60,8 +64,15 @@ fn main() {
 
 fn run(ctx: &Cudnn) -> Result<()> {
     let info = ctx.info().clone();
-    println!("# {} (sm_{}{}), driver {}, cuDNN {} ({})", info.name, info.compute_capability.0, info.compute_capability.1,
-        info.driver_version, info.cudnn_version_string(), info.cudnn_library);
+    println!(
+        "# {} (sm_{}{}), driver {}, cuDNN {} ({})",
+        info.name,
+        info.compute_capability.0,
+        info.compute_capability.1,
+        info.driver_version,
+        info.cudnn_version_string(),
+        info.cudnn_library
+    );
 
     // Cold plan build for every shape (cleared cache), before anything else touches cuDNN's engines.
     let mut cases = Vec::new();
@@ -183,27 +194,72 @@ fn host_overhead(ctx: &Cudnn, b: &mut Buffers) -> Result<HostCost> {
     let raw = median_host_us(ctx, 30, 200, || prepared.execute())?;
     drop(prepared);
     let pack = median_host_us(ctx, 30, 200, || plan.prepare(ctx, &bind).map(drop))?;
-    Ok(HostCost { shape: format!("{}x{}", b.args.tokens, b.args.hidden), ours_us: ours, cudnn_execute_us: raw, variant_pack_us: pack })
+    Ok(HostCost {
+        shape: format!("{}x{}", b.args.tokens, b.args.hidden),
+        ours_us: ours,
+        cudnn_execute_us: raw,
+        variant_pack_us: pack,
+    })
 }
 
-fn render(info: &cudnn_llm::cudnn_ops::DeviceInfo, rows: &[Row], copy_gbps: f64, host: &HostCost) -> (String, String) {
+fn render(
+    info: &cudnn_llm::cudnn_ops::DeviceInfo,
+    rows: &[Row],
+    copy_gbps: f64,
+    host: &HostCost,
+) -> (String, String) {
     let mut csv = String::from("gpu,driver,cudnn,dtype,tokens,hidden,fused_ms,naive_ms,speedup,fused_gbps,naive_gbps,copy_gbps,fused_pct_of_copy,cold_plan_ms,engine\n");
     let mut md = String::new();
     let _ = writeln!(md, "## RMSNorm, bf16: fused (cuDNN) vs naive (8 eager kernels)\n");
-    let _ = writeln!(md, "GPU {}, driver {}, cuDNN {} ({}), build {} ({}), bindings from cuDNN {} headers.\n",
-        info.name, info.driver_version, info.cudnn_version_string(), info.cudnn_library,
-        cudnn_llm::BUILD.git_revision, cudnn_llm::BUILD.rustc, cudnn_llm::BUILD.cudnn_headers);
+    let _ = writeln!(
+        md,
+        "GPU {}, driver {}, cuDNN {} ({}), build {} ({}), bindings from cuDNN {} headers.\n",
+        info.name,
+        info.driver_version,
+        info.cudnn_version_string(),
+        info.cudnn_library,
+        cudnn_llm::BUILD.git_revision,
+        cudnn_llm::BUILD.rustc,
+        cudnn_llm::BUILD.cudnn_headers
+    );
     let _ = writeln!(md, "Device-to-device copy (1 GiB, read + write): **{copy_gbps:.0} GB/s**. Times are medians of CUDA-event samples after warm-up; GB/s counts x read, weight read, y written.\n");
     let _ = writeln!(md, "| tokens × hidden | fused ms | naive ms | speedup | fused GB/s | % of copy | naive GB/s | cold plan build ms | engine |");
     let _ = writeln!(md, "|---|---:|---:|---:|---:|---:|---:|---:|---|");
     for r in rows {
         let pct = 100.0 * r.fused_gbps / r.copy_gbps;
         let speedup = r.naive_ms / r.fused_ms;
-        let _ = writeln!(csv, "{},{},{},bf16,{},{},{:.5},{:.5},{:.2},{:.1},{:.1},{:.1},{:.1},{:.1},{}",
-            info.name, info.driver_version, info.cudnn_version_string(), r.tokens, r.hidden, r.fused_ms, r.naive_ms,
-            speedup, r.fused_gbps, r.naive_gbps, r.copy_gbps, pct, r.cold_ms, r.engine);
-        let _ = writeln!(md, "| {} × {} | {:.4} | {:.4} | {:.1}× | {:.0} | {:.0}% | {:.0} | {:.1} | {} |",
-            r.tokens, r.hidden, r.fused_ms, r.naive_ms, speedup, r.fused_gbps, pct, r.naive_gbps, r.cold_ms, r.engine);
+        let _ = writeln!(
+            csv,
+            "{},{},{},bf16,{},{},{:.5},{:.5},{:.2},{:.1},{:.1},{:.1},{:.1},{:.1},{}",
+            info.name,
+            info.driver_version,
+            info.cudnn_version_string(),
+            r.tokens,
+            r.hidden,
+            r.fused_ms,
+            r.naive_ms,
+            speedup,
+            r.fused_gbps,
+            r.naive_gbps,
+            r.copy_gbps,
+            pct,
+            r.cold_ms,
+            r.engine
+        );
+        let _ = writeln!(
+            md,
+            "| {} × {} | {:.4} | {:.4} | {:.1}× | {:.0} | {:.0}% | {:.0} | {:.1} | {} |",
+            r.tokens,
+            r.hidden,
+            r.fused_ms,
+            r.naive_ms,
+            speedup,
+            r.fused_gbps,
+            pct,
+            r.naive_gbps,
+            r.cold_ms,
+            r.engine
+        );
     }
     let _ = writeln!(md, "\nHost time of a cached fused call ({}): **{:.2} µs** per call; cuDNN's own `cudnnBackendExecute` on the same plan with a prebuilt variant pack: {:.2} µs; so ours is **{:.2} µs** (of which building the variant pack, cuDNN calls too, is {:.2} µs).",
         host.shape, host.ours_us, host.cudnn_execute_us, host.ours_us - host.cudnn_execute_us, host.variant_pack_us);

@@ -66,7 +66,12 @@ pub fn median_call_ms(
 
 /// Median host time (µs) per call of `f` over `reps` batches of `batch` calls. The device work must be
 /// short enough for the GPU to keep up, so the launch queue never blocks the host.
-pub fn median_host_us(ctx: &Cudnn, reps: usize, batch: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+pub fn median_host_us(
+    ctx: &Cudnn,
+    reps: usize,
+    batch: usize,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<f64> {
     let mut samples = Vec::with_capacity(reps);
     for _ in 0..reps {
         ctx.synchronize()?;
@@ -100,7 +105,8 @@ pub fn download<T: Element>(ctx: &Cudnn, buf: &CudaSlice<T>) -> Result<Vec<T>> {
 /// Device-to-device copy bandwidth in GB/s (bytes read + bytes written), median of `reps` copies of
 /// `bytes` bytes.
 pub fn copy_bandwidth_gbps(ctx: &Cudnn, bytes: usize, reps: usize) -> Result<f64> {
-    let src = ctx.stream().clone_htod(&reference::to_elements::<f32>(&reference::random_values(1, bytes / 4)))?;
+    let src =
+        ctx.stream().clone_htod(&reference::to_elements::<f32>(&reference::random_values(1, bytes / 4)))?;
     let mut dst = ctx.stream().alloc_zeros::<f32>(bytes / 4)?;
     let ms = median_call_ms(ctx, 3, reps, 1, || Ok(ctx.stream().memcpy_dtod(&src, &mut dst)?))?;
     Ok(2.0 * bytes as f64 / (ms * 1e-3) / 1e9)

@@ -3,7 +3,9 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use cudnn_llm::bench_util::{download, poisoned, upload};
-use cudnn_llm::cudnn_ops::{naive, reference, rms_norm, rms_norm_train, Backend, Cudnn, DataType, Element, Error, RmsNormArgs};
+use cudnn_llm::cudnn_ops::{
+    naive, reference, rms_norm, rms_norm_train, Backend, Cudnn, DataType, Element, Error, RmsNormArgs,
+};
 use cudnn_ops::ops::rmsnorm::rms_norm_with;
 use half::{bf16, f16};
 
@@ -34,14 +36,22 @@ struct Case {
 
 /// Runs one backend/phase for dtype T on poisoned outputs and compares with the reference.
 fn check<T: Element>(ctx: &Cudnn, case: &Case, backend: Backend, train: bool, failures: &mut Vec<String>) {
-    let (n, args) = (case.tokens * case.hidden, RmsNormArgs { tokens: case.tokens, hidden: case.hidden, epsilon: EPS });
+    let (n, args) =
+        (case.tokens * case.hidden, RmsNormArgs { tokens: case.tokens, hidden: case.hidden, epsilon: EPS });
     let (x, xr) = upload::<T>(ctx, &case.x).unwrap();
     let (w, wr) = upload::<T>(ctx, &case.w).unwrap();
     let (y_ref, inv_ref) = reference::rms_norm(&xr, &wr, case.tokens, case.hidden, EPS as f64);
     let mut y = poisoned::<T>(ctx, n).unwrap();
     let mut inv = poisoned::<f32>(ctx, case.tokens).unwrap();
     let inv_arg: Option<&mut dyn DevicePtrMut<f32>> = if train { Some(&mut inv) } else { None };
-    let tag = format!("{} {} {}x{} {}", backend.name(), T::DTYPE, case.tokens, case.hidden, if train { "training" } else { "inference" });
+    let tag = format!(
+        "{} {} {}x{} {}",
+        backend.name(),
+        T::DTYPE,
+        case.tokens,
+        case.hidden,
+        if train { "training" } else { "inference" }
+    );
     if let Err(e) = rms_norm_with(backend, ctx, args, &x, &w, &mut y, inv_arg) {
         failures.push(format!("{tag}: {e}"));
         return;
@@ -71,7 +81,12 @@ fn fused_and_naive_match_the_reference() {
     for hidden in [768, 2048, 4096, 5120, 8192] {
         for tokens in [1, 7, 30, 2048, 16384] {
             seed += 2;
-            let case = Case { tokens, hidden, x: reference::random_values(seed, tokens * hidden), w: reference::random_values(seed + 1, hidden) };
+            let case = Case {
+                tokens,
+                hidden,
+                x: reference::random_values(seed, tokens * hidden),
+                w: reference::random_values(seed + 1, hidden),
+            };
             for backend in [Backend::Fused, Backend::Naive] {
                 for train in [false, true] {
                     check::<bf16>(&ctx, &case, backend, train, &mut failures);
@@ -127,17 +142,31 @@ fn plan_cache_builds_once_per_shape() {
     let s = ctx.cache().stats();
     assert_eq!((s.misses, s.hits, s.entries), (3, 4, 3));
     let plan = ctx.cache().get(&args.key(DataType::BF16, cudnn_ops::NormPhase::Inference)).unwrap();
-    println!("{}: engine {}, workspace {} B, built in {:?}", plan.name(), plan.engine(), plan.workspace_size(), plan.build_time());
+    println!(
+        "{}: engine {}, workspace {} B, built in {:?}",
+        plan.name(),
+        plan.engine(),
+        plan.workspace_size(),
+        plan.build_time()
+    );
     assert!(plan.build_time().as_nanos() > 0);
 }
 
 /// Fills `y` with 7.0, runs `f`, expects an InvalidArgument error mentioning `expected`, and checks
 /// that `y` still holds 7.0 everywhere.
-fn expect_untouched(ctx: &Cudnn, y: &mut CudaSlice<bf16>, expected: &str, f: impl FnOnce(&mut CudaSlice<bf16>) -> cudnn_ops::Result<()>) {
+fn expect_untouched(
+    ctx: &Cudnn,
+    y: &mut CudaSlice<bf16>,
+    expected: &str,
+    f: impl FnOnce(&mut CudaSlice<bf16>) -> cudnn_ops::Result<()>,
+) {
     let sevens = vec![bf16::from_f32(7.0); y.len()];
     ctx.stream().memcpy_htod(&sevens, y).unwrap();
     let err = f(y).expect_err(expected);
-    assert!(matches!(err, Error::InvalidArgument(_)) && err.to_string().contains(expected), "{expected}: {err}");
+    assert!(
+        matches!(err, Error::InvalidArgument(_)) && err.to_string().contains(expected),
+        "{expected}: {err}"
+    );
     ctx.synchronize().unwrap();
     assert_eq!(download(ctx, y).unwrap(), sevens, "{expected}: output was written");
 }
@@ -153,11 +182,15 @@ fn bad_inputs_are_errors_and_touch_nothing() {
     let (w_short, _) = upload::<bf16>(&ctx, &reference::random_values(2, h - 1)).unwrap();
     let mut y = poisoned::<bf16>(&ctx, t * h + 8).unwrap();
     for backend in [Backend::Fused, Backend::Naive] {
-        let run = |a: RmsNormArgs, x: &dyn DevicePtr<bf16>, w: &dyn DevicePtr<bf16>, y: &mut dyn DevicePtrMut<bf16>| {
-            rms_norm_with(backend, &ctx, a, x, w, y, None)
-        };
+        let run =
+            |a: RmsNormArgs,
+             x: &dyn DevicePtr<bf16>,
+             w: &dyn DevicePtr<bf16>,
+             y: &mut dyn DevicePtrMut<bf16>| { rms_norm_with(backend, &ctx, a, x, w, y, None) };
         expect_untouched(&ctx, &mut y, "weight has 2047 elements", |y| run(args, &x, &w_short, y));
-        expect_untouched(&ctx, &mut y, "tokens must be > 0", |y| run(RmsNormArgs { tokens: 0, ..args }, &x, &w, y));
+        expect_untouched(&ctx, &mut y, "tokens must be > 0", |y| {
+            run(RmsNormArgs { tokens: 0, ..args }, &x, &w, y)
+        });
         expect_untouched(&ctx, &mut y, "output has 61439 elements", |y| {
             let mut short = y.slice_mut(0..t * h - 1);
             run(args, &x, &w, &mut short)

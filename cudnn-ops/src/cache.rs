@@ -105,7 +105,13 @@ mod tests {
             key(30, 2048, DataType::BF16, NormPhase::Inference),
             key(30, 4096, DataType::F16, NormPhase::Inference),
             key(30, 4096, DataType::BF16, NormPhase::Training),
-            PlanKey::RmsNorm { tokens: 30, hidden: 4096, row_stride: 4104, dtype: DataType::BF16, phase: NormPhase::Inference },
+            PlanKey::RmsNorm {
+                tokens: 30,
+                hidden: 4096,
+                row_stride: 4104,
+                dtype: DataType::BF16,
+                phase: NormPhase::Inference,
+            },
         ];
         for k in changed {
             assert_ne!(base, k);

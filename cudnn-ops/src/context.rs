@@ -72,7 +72,14 @@ impl Cudnn {
             cudnn_cudart_version: raw::cudart_version()?,
             cudnn_library,
         };
-        Ok(Cudnn { cache: PlanCache::default(), workspace: RefCell::new(None), naive: OnceCell::new(), handle, stream, info })
+        Ok(Cudnn {
+            cache: PlanCache::default(),
+            workspace: RefCell::new(None),
+            naive: OnceCell::new(),
+            handle,
+            stream,
+            info,
+        })
     }
 
     /// The stream all work of this context is enqueued on.
@@ -128,9 +135,12 @@ impl Cudnn {
 pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>> {
     // SAFETY: only probes whether the shared library can be opened.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        return Err(Error::NoGpu("the CUDA driver library (libcuda.so.1) was not found: install an NVIDIA driver".into()));
+        return Err(Error::NoGpu(
+            "the CUDA driver library (libcuda.so.1) was not found: install an NVIDIA driver".into(),
+        ));
     }
-    let count = CudaContext::device_count().map_err(|e| Error::NoGpu(format!("the CUDA driver did not start: {e}")))?;
+    let count = CudaContext::device_count()
+        .map_err(|e| Error::NoGpu(format!("the CUDA driver did not start: {e}")))?;
     if count == 0 {
         return Err(Error::NoGpu("the driver reports no CUDA device".into()));
     }

@@ -55,11 +55,15 @@ impl Descriptor {
             }
             Attr::Handle(h) => (T::CUDNN_TYPE_HANDLE, 1, (h as *const raw::RawHandle).cast()),
             Attr::VoidPtrs(p) => (T::CUDNN_TYPE_VOID_PTR, p.len(), p.as_ptr().cast()),
-            Attr::NormMode(m) => (T::CUDNN_TYPE_NORM_MODE, 1, (m as *const sys::cudnnBackendNormMode_t).cast()),
+            Attr::NormMode(m) => {
+                (T::CUDNN_TYPE_NORM_MODE, 1, (m as *const sys::cudnnBackendNormMode_t).cast())
+            }
             Attr::NormPhase(p) => {
                 (T::CUDNN_TYPE_NORM_FWD_PHASE, 1, (p as *const sys::cudnnBackendNormFwdPhase_t).cast())
             }
-            Attr::HeurMode(m) => (T::CUDNN_TYPE_HEUR_MODE, 1, (m as *const sys::cudnnBackendHeurMode_t).cast()),
+            Attr::HeurMode(m) => {
+                (T::CUDNN_TYPE_HEUR_MODE, 1, (m as *const sys::cudnnBackendHeurMode_t).cast())
+            }
         };
         // SAFETY: `ptr` points to `count` values of the C type `ty` names, all alive until this returns
         // (borrowed from `value` or the locals above); `self.raw` is live.
@@ -90,14 +94,25 @@ impl Descriptor {
 
     /// Reads a descriptor-array attribute into freshly created descriptors of `kind` (cuDNN fills
     /// pre-created descriptors). With `max = None` the count is queried first.
-    pub(crate) fn get_descriptors(&self, name: AttrName, kind: DescType, max: Option<usize>) -> Result<Vec<Descriptor>> {
+    pub(crate) fn get_descriptors(
+        &self,
+        name: AttrName,
+        kind: DescType,
+        max: Option<usize>,
+    ) -> Result<Vec<Descriptor>> {
         use sys::cudnnBackendAttributeType_t as T;
         let n = match max {
             Some(n) => n,
             None => {
                 // SAFETY: a count query: zero requested, null array; `self.raw` is live.
                 let n = unsafe {
-                    raw::get_attribute(self.raw, name, T::CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, std::ptr::null_mut())?
+                    raw::get_attribute(
+                        self.raw,
+                        name,
+                        T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
+                        0,
+                        std::ptr::null_mut(),
+                    )?
                 };
                 n.max(0) as usize
             }
@@ -106,7 +121,13 @@ impl Descriptor {
         let mut raws: Vec<RawDesc> = out.iter().map(|d| d.raw).collect();
         // SAFETY: `raws` holds `n` live descriptors of the requested kind for cuDNN to fill.
         let got = unsafe {
-            raw::get_attribute(self.raw, name, T::CUDNN_TYPE_BACKEND_DESCRIPTOR, n as i64, raws.as_mut_ptr().cast())?
+            raw::get_attribute(
+                self.raw,
+                name,
+                T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
+                n as i64,
+                raws.as_mut_ptr().cast(),
+            )?
         };
         let mut out = out;
         out.truncate((got.max(0) as usize).min(n));

@@ -23,8 +23,8 @@ use crate::plan::Plan;
 use crate::tensor::TensorSpec;
 use crate::{Cudnn, Error, Result};
 use cudnn_sys as sys;
-use sys::{cudnnBackendAttributeName_t as A, cudnnBackendDescriptorType_t as D};
 use std::collections::HashMap;
+use sys::{cudnnBackendAttributeName_t as A, cudnnBackendDescriptorType_t as D};
 
 /// A tensor of a [`Graph`], returned by the builder methods.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -60,7 +60,14 @@ pub struct RmsNormOutputs {
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 enum Node {
-    RmsNorm { x: TensorId, scale: TensorId, epsilon: TensorId, y: TensorId, inv_rms: Option<TensorId>, phase: NormPhase },
+    RmsNorm {
+        x: TensorId,
+        scale: TensorId,
+        epsilon: TensorId,
+        y: TensorId,
+        inv_rms: Option<TensorId>,
+        phase: NormPhase,
+    },
 }
 
 /// An operation graph under construction.
@@ -106,14 +113,21 @@ impl Graph {
     }
 
     fn intermediate(&mut self, name: String, dims: &[i64], strides: &[i64], dtype: DataType) -> TensorId {
-        let spec = TensorSpec { is_virtual: true, ..TensorSpec::new(name, dims, dtype).with_strides(strides) };
+        let spec =
+            TensorSpec { is_virtual: true, ..TensorSpec::new(name, dims, dtype).with_strides(strides) };
         self.tensor(spec)
     }
 
     /// RMS normalization over every dimension but the first: `y = x / sqrt(mean(x²) + ε) * scale`,
     /// computed in f32. X is `[rows, hidden, 1, 1]`-like, scale `[1, hidden, 1, 1]`, epsilon a by-value f32
     /// scalar.
-    pub fn rmsnorm(&mut self, x: TensorId, scale: TensorId, epsilon: TensorId, phase: NormPhase) -> RmsNormOutputs {
+    pub fn rmsnorm(
+        &mut self,
+        x: TensorId,
+        scale: TensorId,
+        epsilon: TensorId,
+        phase: NormPhase,
+    ) -> RmsNormOutputs {
         let xs = self.spec(x).clone();
         let y = self.intermediate(format!("{}::Y", self.name), &xs.dims, &xs.strides, xs.dtype);
         let inv_rms = (phase == NormPhase::Training).then(|| {
@@ -127,7 +141,11 @@ impl Graph {
     }
 
     fn fail(&self, id: TensorId, reason: impl Into<String>) -> Error {
-        Error::InvalidGraph { graph: self.name.clone(), tensor: self.spec(id).name.clone(), reason: reason.into() }
+        Error::InvalidGraph {
+            graph: self.name.clone(),
+            tensor: self.spec(id).name.clone(),
+            reason: reason.into(),
+        }
     }
 
     /// Checks every tensor and node without touching a GPU. Errors name the offending tensor.
@@ -142,11 +160,17 @@ impl Graph {
             uids.insert(t.uid, i);
         }
         if self.nodes.is_empty() {
-            return Err(Error::InvalidGraph { graph: self.name.clone(), tensor: "-".into(), reason: "no operations".into() });
+            return Err(Error::InvalidGraph {
+                graph: self.name.clone(),
+                tensor: "-".into(),
+                reason: "no operations".into(),
+            });
         }
         for node in &self.nodes {
             match *node {
-                Node::RmsNorm { x, scale, epsilon, y, inv_rms, .. } => self.check_rmsnorm(x, scale, epsilon, y, inv_rms)?,
+                Node::RmsNorm { x, scale, epsilon, y, inv_rms, .. } => {
+                    self.check_rmsnorm(x, scale, epsilon, y, inv_rms)?
+                }
             }
         }
         // Every virtual tensor must be consumed: a node output nobody reads and nobody marked as an output
@@ -159,7 +183,14 @@ impl Graph {
         Ok(())
     }
 
-    fn check_rmsnorm(&self, x: TensorId, scale: TensorId, eps: TensorId, y: TensorId, inv: Option<TensorId>) -> Result<()> {
+    fn check_rmsnorm(
+        &self,
+        x: TensorId,
+        scale: TensorId,
+        eps: TensorId,
+        y: TensorId,
+        inv: Option<TensorId>,
+    ) -> Result<()> {
         let (xs, ss, es) = (self.spec(x), self.spec(scale), self.spec(eps));
         let float = [DataType::F32, DataType::F16, DataType::BF16];
         for id in [x, scale, y] {
@@ -176,7 +207,10 @@ impl Graph {
         let mut expected = xs.dims.clone();
         expected[0] = 1;
         if ss.dims != expected {
-            return Err(self.fail(scale, format!("dims {:?} do not match X {:?}: expected {expected:?}", ss.dims, xs.dims)));
+            return Err(self.fail(
+                scale,
+                format!("dims {:?} do not match X {:?}: expected {expected:?}", ss.dims, xs.dims),
+            ));
         }
         if !es.by_value || es.dtype != DataType::F32 || es.dims.iter().any(|&d| d != 1) {
             return Err(self.fail(eps, "epsilon must be a by-value f32 scalar (all dims 1)"));
@@ -187,7 +221,10 @@ impl Graph {
         if let Some(inv) = inv {
             let s = self.spec(inv);
             if s.dtype != DataType::F32 || s.dims[0] != xs.dims[0] || s.dims[1..].iter().any(|&d| d != 1) {
-                return Err(self.fail(inv, format!("must be f32 [{}, 1, ...], is {} {:?}", xs.dims[0], s.dtype, s.dims)));
+                return Err(self.fail(
+                    inv,
+                    format!("must be f32 [{}, 1, ...], is {} {:?}", xs.dims[0], s.dtype, s.dims),
+                ));
             }
         }
         Ok(())
@@ -220,7 +257,9 @@ impl Graph {
 
     fn unsupported(&self, e: Error) -> Error {
         match e {
-            Error::NotSupported { op, reason } => Error::NotSupported { op: format!("{} ({op})", self.name), reason },
+            Error::NotSupported { op, reason } => {
+                Error::NotSupported { op: format!("{} ({op})", self.name), reason }
+            }
             other => other,
         }
     }
@@ -237,7 +276,10 @@ impl Node {
         match *self {
             Node::RmsNorm { x, scale, epsilon, y, inv_rms, phase } => {
                 let mut op = Descriptor::new(D::CUDNN_BACKEND_OPERATION_NORM_FORWARD_DESCRIPTOR)?;
-                op.set(A::CUDNN_ATTR_OPERATION_NORM_FWD_MODE, Attr::NormMode(sys::cudnnBackendNormMode_t::CUDNN_RMS_NORM))?;
+                op.set(
+                    A::CUDNN_ATTR_OPERATION_NORM_FWD_MODE,
+                    Attr::NormMode(sys::cudnnBackendNormMode_t::CUDNN_RMS_NORM),
+                )?;
                 let raw_phase = match phase {
                     NormPhase::Inference => sys::cudnnBackendNormFwdPhase_t::CUDNN_NORM_FWD_INFERENCE,
                     NormPhase::Training => sys::cudnnBackendNormFwdPhase_t::CUDNN_NORM_FWD_TRAINING,

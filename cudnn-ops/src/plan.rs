@@ -45,7 +45,10 @@ impl Plan {
         started: Instant,
     ) -> Result<Plan> {
         let mut last_error = None;
-        for mode in [sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A, sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK] {
+        for mode in [
+            sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,
+            sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK,
+        ] {
             let configs = match engine_configs(&graph, mode) {
                 Ok(c) => c,
                 Err(e) => {
@@ -56,7 +59,8 @@ impl Plan {
             for config in configs {
                 match finalize_plan(ctx, &config) {
                     Ok(plan) => {
-                        let workspace = plan.get_i64(A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE)?.max(0) as usize;
+                        let workspace =
+                            plan.get_i64(A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE)?.max(0) as usize;
                         let engine = engine_name(&config).unwrap_or_else(|_| "unknown".into());
                         return Ok(Plan {
                             plan,
@@ -125,10 +129,16 @@ impl Plan {
         for t in &self.tensors {
             let mut found = b.entries.iter().filter(|e| e.uid == t.uid);
             let (Some(e), None) = (found.next(), found.next()) else {
-                return Err(Error::invalid(format!("tensor `{}` (uid {}) must be bound exactly once", t.name, t.uid)));
+                return Err(Error::invalid(format!(
+                    "tensor `{}` (uid {}) must be bound exactly once",
+                    t.name, t.uid
+                )));
             };
             if e.dtype != t.dtype {
-                return Err(Error::invalid(format!("tensor `{}` is {}, bound buffer is {}", t.name, t.dtype, e.dtype)));
+                return Err(Error::invalid(format!(
+                    "tensor `{}` is {}, bound buffer is {}",
+                    t.name, t.dtype, e.dtype
+                )));
             }
             match (&e.place, t.by_value) {
                 (Place::Host(_), true) => {}
@@ -218,7 +228,11 @@ fn finalize_plan(ctx: &Cudnn, config: &Descriptor) -> Result<Descriptor> {
 }
 
 fn engine_name(config: &Descriptor) -> Result<String> {
-    let engine = config.get_descriptors(A::CUDNN_ATTR_ENGINECFG_ENGINE, D::CUDNN_BACKEND_ENGINE_DESCRIPTOR, Some(1))?;
+    let engine = config.get_descriptors(
+        A::CUDNN_ATTR_ENGINECFG_ENGINE,
+        D::CUDNN_BACKEND_ENGINE_DESCRIPTOR,
+        Some(1),
+    )?;
     let engine = engine.first().ok_or_else(|| Error::invalid("engine config without engine"))?;
     Ok(format!("eng{}", engine.get_i64(A::CUDNN_ATTR_ENGINE_GLOBAL_INDEX)?))
 }
@@ -266,7 +280,11 @@ impl<'a> Bindings<'a> {
     }
 
     /// Binds a buffer the plan writes.
-    pub fn output<T: Element>(&mut self, uid: i64, buf: &'a mut (impl DevicePtrMut<T> + ?Sized)) -> &mut Self {
+    pub fn output<T: Element>(
+        &mut self,
+        uid: i64,
+        buf: &'a mut (impl DevicePtrMut<T> + ?Sized),
+    ) -> &mut Self {
         let len = buf.len();
         let (addr, guard) = buf.device_ptr_mut(self.stream);
         self.push(uid, T::DTYPE, Place::Device { addr, len }, guard)

@@ -3,7 +3,13 @@
 use crate::dtype::{DataType, Element};
 
 /// RMSNorm of row-major `[tokens, hidden]` in f64: returns `(y, inv_rms)`.
-pub fn rms_norm(x: &[f64], weight: &[f64], tokens: usize, hidden: usize, epsilon: f64) -> (Vec<f64>, Vec<f64>) {
+pub fn rms_norm(
+    x: &[f64],
+    weight: &[f64],
+    tokens: usize,
+    hidden: usize,
+    epsilon: f64,
+) -> (Vec<f64>, Vec<f64>) {
     assert_eq!(x.len(), tokens * hidden, "reference rms_norm: x length");
     assert_eq!(weight.len(), hidden, "reference rms_norm: weight length");
     let mut y = Vec::with_capacity(x.len());

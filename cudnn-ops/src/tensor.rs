@@ -102,7 +102,10 @@ impl TensorSpec {
         }
         let a = self.alignment;
         if a <= 0 || a & (a - 1) != 0 || (a as usize) < self.dtype.size() {
-            return Err(format!("alignment {a} is not a power of two >= the element size {}", self.dtype.size()));
+            return Err(format!(
+                "alignment {a} is not a power of two >= the element size {}",
+                self.dtype.size()
+            ));
         }
         Ok(())
     }

@@ -39,15 +39,16 @@ ELEMENTWISE(pow2_f32, (const float* x, float* y, long n), { float v = x[i]; y[i]
 ELEMENTWISE(add_scalar_f32, (const float* x, float s, float* y, long n), y[i] = x[i] + s)
 // torch.rsqrt(v)
 ELEMENTWISE(rsqrt_f32, (const float* x, float* y, long n), y[i] = rsqrtf(x[i]))
-// x * r, r broadcast along rows of length `cols`
-ELEMENTWISE(mul_rows_f32, (const float* x, const float* r, long cols, float* y, long n), y[i] = x[i] * r[i / cols])
+// x * r, r broadcast along rows of length `cols`. Broadcast indices use 32-bit division, as PyTorch's
+// IntDivider does (callers keep n < 2^32); 64-bit division would make these kernels compute-bound.
+ELEMENTWISE(mul_rows_f32, (const float* x, const float* r, long cols, float* y, long n), y[i] = x[i] * r[(unsigned)i / (unsigned)cols])
 // weight * x, weight broadcast over rows; computed in f32, rounded to the I/O type
 ELEMENTWISE(mul_weight_bf16, (const bits16* w, const bits16* x, long cols, bits16* y, long n),
-            y[i] = f32_to_bf16(bf16_to_f32(w[i % cols]) * bf16_to_f32(x[i])))
+            y[i] = f32_to_bf16(bf16_to_f32(w[(unsigned)i % (unsigned)cols]) * bf16_to_f32(x[i])))
 ELEMENTWISE(mul_weight_f16, (const bits16* w, const bits16* x, long cols, bits16* y, long n),
-            y[i] = f32_to_f16(f16_to_f32(w[i % cols]) * f16_to_f32(x[i])))
+            y[i] = f32_to_f16(f16_to_f32(w[(unsigned)i % (unsigned)cols]) * f16_to_f32(x[i])))
 ELEMENTWISE(mul_weight_f32, (const float* w, const float* x, long cols, float* y, long n),
-            y[i] = w[i % cols] * x[i])
+            y[i] = w[(unsigned)i % (unsigned)cols] * x[i])
 
 // x.mean(-1, keepdim=True): one block per row, f32 accumulation, tree reduction.
 extern "C" __global__ void mean_rows_f32(const float* x, long cols, float* y) {

@@ -47,7 +47,8 @@ impl Kernels {
             options: vec![format!("--gpu-architecture=compute_{major}{minor}")],
             ..Default::default()
         };
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| Error::Nvrtc(format!("{e:?}")))?;
+        let ptx =
+            cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| Error::Nvrtc(format!("{e:?}")))?;
         let module = ctx.stream().context().load_module(ptx)?;
         let mut functions = HashMap::new();
         for &name in NAMES {
@@ -105,7 +106,11 @@ fn launch(ctx: &Cudnn, f: &CudaFunction, cfg: LaunchConfig, args: &[Arg]) -> Res
 /// Launches an elementwise kernel over `n` elements: `args`, then `n`.
 fn elementwise(ctx: &Cudnn, kernels: &Kernels, name: &str, n: usize, args: &[Arg]) -> Result<()> {
     let per_block = (BLOCK * ITEMS) as usize;
-    let cfg = LaunchConfig { grid_dim: (n.div_ceil(per_block) as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(per_block) as u32, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    };
     let mut all = args.to_vec();
     all.push(Arg::I64(n as i64));
     launch(ctx, kernels.function(name), cfg, &all)

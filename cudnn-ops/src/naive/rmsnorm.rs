@@ -66,12 +66,17 @@ pub(crate) fn run<T: Element>(
     let kernels = Kernels::get(ctx)?;
     let (rows, cols) = (args.tokens, args.hidden);
     let n = rows * cols;
+    crate::error::ensure!(
+        n <= u32::MAX as usize,
+        "naive rms_norm: {n} elements exceed the kernels' 32-bit indexing"
+    );
     // Intermediates, as PyTorch allocates them: h, h², mean, mean+eps, rsqrt, h*rsqrt, (cast-down).
     let elem = T::DTYPE.size();
     let down_f32s = if T::DTYPE == DataType::F32 { 0 } else { (n * elem).div_ceil(4) };
     let base = scratch(ctx, kernels, 3 * n + 3 * rows + down_f32s)?;
     let f32_at = |offset: usize| base + 4 * offset as u64;
-    let (sq, normed, mean, var_eps, rs) = (f32_at(n), f32_at(2 * n), f32_at(3 * n), f32_at(3 * n + rows), f32_at(3 * n + 2 * rows));
+    let (sq, normed, mean, var_eps, rs) =
+        (f32_at(n), f32_at(2 * n), f32_at(3 * n), f32_at(3 * n + rows), f32_at(3 * n + 2 * rows));
 
     let (x_ptr, _gx) = x.device_ptr(ctx.stream());
     let (w_ptr, _gw) = weight.device_ptr(ctx.stream());
@@ -93,11 +98,29 @@ pub(crate) fn run<T: Element>(
         f32_at(0)
     };
     elementwise(ctx, kernels, "pow2_f32", n, &[Arg::Ptr(h), Arg::Ptr(sq)])?;
-    let mean_cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
-    launch(ctx, kernels.function("mean_rows_f32"), mean_cfg, &[Arg::Ptr(sq), Arg::I64(cols as i64), Arg::Ptr(mean)])?;
-    elementwise(ctx, kernels, "add_scalar_f32", rows, &[Arg::Ptr(mean), Arg::F32(args.epsilon), Arg::Ptr(var_eps)])?;
+    let mean_cfg =
+        LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
+    launch(
+        ctx,
+        kernels.function("mean_rows_f32"),
+        mean_cfg,
+        &[Arg::Ptr(sq), Arg::I64(cols as i64), Arg::Ptr(mean)],
+    )?;
+    elementwise(
+        ctx,
+        kernels,
+        "add_scalar_f32",
+        rows,
+        &[Arg::Ptr(mean), Arg::F32(args.epsilon), Arg::Ptr(var_eps)],
+    )?;
     elementwise(ctx, kernels, "rsqrt_f32", rows, &[Arg::Ptr(var_eps), Arg::Ptr(rs)])?;
-    elementwise(ctx, kernels, "mul_rows_f32", n, &[Arg::Ptr(h), Arg::Ptr(rs), Arg::I64(cols as i64), Arg::Ptr(normed)])?;
+    elementwise(
+        ctx,
+        kernels,
+        "mul_rows_f32",
+        n,
+        &[Arg::Ptr(h), Arg::Ptr(rs), Arg::I64(cols as i64), Arg::Ptr(normed)],
+    )?;
     let down = if T::DTYPE == DataType::F32 {
         normed
     } else {
@@ -106,7 +129,13 @@ pub(crate) fn run<T: Element>(
         down
     };
     let mul = format!("mul_weight_{suffix}");
-    elementwise(ctx, kernels, &mul, n, &[Arg::Ptr(w_ptr), Arg::Ptr(down), Arg::I64(cols as i64), Arg::Ptr(y_ptr)])?;
+    elementwise(
+        ctx,
+        kernels,
+        &mul,
+        n,
+        &[Arg::Ptr(w_ptr), Arg::Ptr(down), Arg::I64(cols as i64), Arg::Ptr(y_ptr)],
+    )?;
     drop(inv_guard);
     Ok(())
 }

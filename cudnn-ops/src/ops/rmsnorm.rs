@@ -23,7 +23,13 @@ pub struct RmsNormArgs {
 
 impl RmsNormArgs {
     /// Checks the arguments and the buffer lengths shared by every backend; nothing is touched on error.
-    pub fn check(&self, x_len: usize, weight_len: usize, y_len: usize, inv_rms_len: Option<usize>) -> Result<()> {
+    pub fn check(
+        &self,
+        x_len: usize,
+        weight_len: usize,
+        y_len: usize,
+        inv_rms_len: Option<usize>,
+    ) -> Result<()> {
         let RmsNormArgs { tokens, hidden, epsilon } = *self;
         ensure!(tokens > 0, "rms_norm: tokens must be > 0");
         ensure!(hidden > 0, "rms_norm: hidden must be > 0");
@@ -156,13 +162,10 @@ mod tests {
         for phase in [NormPhase::Inference, NormPhase::Training] {
             let g = a.graph(DataType::BF16, phase);
             g.validate().unwrap();
-            let bound: Vec<(String, i64)> = g
-                .tensors()
-                .iter()
-                .filter(|t| !t.is_virtual)
-                .map(|t| (t.name.clone(), t.uid))
-                .collect();
-            let mut expected = vec![("X".into(), 1), ("scale".into(), 2), ("epsilon".into(), 3), ("Y".into(), 4)];
+            let bound: Vec<(String, i64)> =
+                g.tensors().iter().filter(|t| !t.is_virtual).map(|t| (t.name.clone(), t.uid)).collect();
+            let mut expected =
+                vec![("X".into(), 1), ("scale".into(), 2), ("epsilon".into(), 3), ("Y".into(), 4)];
             if phase == NormPhase::Training {
                 expected.push(("inv_rms".into(), 5));
             }

@@ -10,7 +10,8 @@ use std::ffi::{c_void, CStr};
 
 pub(crate) use sys::{
     cudnnBackendAttributeName_t as AttrName, cudnnBackendAttributeType_t as AttrType,
-    cudnnBackendDescriptorType_t as DescType, cudnnBackendDescriptor_t as RawDesc, cudnnHandle_t as RawHandle,
+    cudnnBackendDescriptorType_t as DescType, cudnnBackendDescriptor_t as RawDesc,
+    cudnnHandle_t as RawHandle,
 };
 
 /// The loaded, version-checked library.
@@ -142,7 +143,9 @@ impl Handle {
         let handle = Handle(h);
         // SAFETY: `h` is live; the stream belongs to the current context and outlives the handle (the
         // owning context keeps both, handle dropped first).
-        check(lib, unsafe { lib.cudnnSetStream(h, stream as sys::cudaStream_t) }, || "cudnnSetStream".into())?;
+        check(lib, unsafe { lib.cudnnSetStream(h, stream as sys::cudaStream_t) }, || {
+            "cudnnSetStream".into()
+        })?;
         Ok(handle)
     }
 
@@ -174,14 +177,22 @@ mod tests {
     #[test]
     fn not_supported_category_maps_to_not_supported() {
         for code in [3000, 3001, 3007, 3999] {
-            let e = status_error(code, "CUDNN_STATUS_NOT_SUPPORTED_X".into(), "no engine".into(), "finalize".into());
+            let e = status_error(
+                code,
+                "CUDNN_STATUS_NOT_SUPPORTED_X".into(),
+                "no engine".into(),
+                "finalize".into(),
+            );
             assert!(e.is_not_supported(), "{code}: {e:?}");
             assert_eq!(e.to_string(), "not supported: finalize: CUDNN_STATUS_NOT_SUPPORTED_X: no engine");
         }
         for code in [2000, 2002, 4000, 5000] {
             let e = status_error(code, "CUDNN_STATUS_BAD_PARAM".into(), "".into(), "set attribute 7".into());
             assert!(!e.is_not_supported(), "{code}");
-            assert_eq!(e.to_string(), format!("cuDNN set attribute 7 failed: CUDNN_STATUS_BAD_PARAM ({code})"));
+            assert_eq!(
+                e.to_string(),
+                format!("cuDNN set attribute 7 failed: CUDNN_STATUS_BAD_PARAM ({code})")
+            );
         }
     }
 
