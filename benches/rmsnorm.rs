@@ -13,7 +13,7 @@ use cudnn_llm::bench_util::{
     copy_bandwidth_gbps, gpu_or_skip, gpu_time_ms, median_call_ms, median_host_us, upload,
 };
 use cudnn_llm::cudnn_ops::{
-    naive, reference, rms_norm, Backend, Bindings, Cudnn, DataType, NormPhase, Result, RmsNormArgs,
+    reference, rms_norm, rms_norm_with, Backend, Bindings, Cudnn, DataType, NormPhase, Result, RmsNormArgs,
 };
 use half::bf16;
 use std::fmt::Write as _;
@@ -39,10 +39,7 @@ impl Buffers {
     }
 
     fn run(&mut self, ctx: &Cudnn, backend: Backend) -> Result<()> {
-        match backend {
-            Backend::Fused => rms_norm(ctx, self.args, &self.x, &self.w, &mut self.y),
-            Backend::Naive => naive::rmsnorm::rms_norm(ctx, self.args, &self.x, &self.w, &mut self.y),
-        }
+        rms_norm_with(backend, ctx, self.args, &self.x, &self.w, &mut self.y, None)
     }
 
     /// Bytes a perfect kernel moves: x read, weight read, y written.

@@ -35,7 +35,7 @@ pub use context::{open_device, Cudnn, DeviceInfo};
 pub use dtype::{DataType, Element};
 pub use error::{Error, Result};
 pub use graph::{Graph, NormPhase, RmsNormOutputs, TensorId};
-pub use ops::rmsnorm::{rms_norm, rms_norm_train, RmsNormArgs};
+pub use ops::rmsnorm::{rms_norm, rms_norm_train, rms_norm_with, RmsNormArgs};
 pub use plan::{Bindings, Plan, Prepared};
 pub use tensor::{packed_strides, TensorSpec, DEFAULT_ALIGNMENT, MAX_RANK};
 

@@ -25,29 +25,8 @@ pub fn kernel_count(dtype: DataType) -> usize {
     }
 }
 
-/// Naive RMSNorm, inference phase.
-pub fn rms_norm<T: Element>(
-    ctx: &Cudnn,
-    args: RmsNormArgs,
-    x: &(impl DevicePtr<T> + ?Sized),
-    weight: &(impl DevicePtr<T> + ?Sized),
-    y: &mut (impl DevicePtrMut<T> + ?Sized),
-) -> Result<()> {
-    run::<T>(ctx, args, x, weight, y, None)
-}
-
-/// Naive RMSNorm, training phase: also writes the f32 inverse RMS of each row.
-pub fn rms_norm_train<T: Element>(
-    ctx: &Cudnn,
-    args: RmsNormArgs,
-    x: &(impl DevicePtr<T> + ?Sized),
-    weight: &(impl DevicePtr<T> + ?Sized),
-    y: &mut (impl DevicePtrMut<T> + ?Sized),
-    inv_rms: &mut impl DevicePtrMut<f32>,
-) -> Result<()> {
-    run::<T>(ctx, args, x, weight, y, Some(inv_rms))
-}
-
+/// Runs the eager decomposition; reached through [`crate::ops::rmsnorm::rms_norm_with`] with
+/// [`crate::Backend::Naive`]. `inv_rms` selects the training phase.
 pub(crate) fn run<T: Element>(
     ctx: &Cudnn,
     args: RmsNormArgs,
