@@ -54,8 +54,18 @@ ELEMENTWISE(mul_weight_f32, (const float* w, const float* x, long cols, float* y
 extern "C" __global__ void mean_rows_f32(const float* x, long cols, float* y) {
     __shared__ float partial[32];
     const float* row = x + (long)blockIdx.x * cols;
-    float acc = 0.f;
-    for (long j = threadIdx.x; j < cols; j += blockDim.x) acc += row[j];
+    // Four independent accumulators keep four loads in flight per thread (PyTorch's reduce kernel also
+    // unrolls its input loop).
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+    long j = threadIdx.x;
+    for (; j + 3 * (long)blockDim.x < cols; j += 4 * (long)blockDim.x) {
+        a0 += row[j];
+        a1 += row[j + blockDim.x];
+        a2 += row[j + 2 * blockDim.x];
+        a3 += row[j + 3 * blockDim.x];
+    }
+    for (; j < cols; j += blockDim.x) a0 += row[j];
+    float acc = (a0 + a1) + (a2 + a3);
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, o);
     if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = acc;
     __syncthreads();

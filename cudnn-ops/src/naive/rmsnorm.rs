@@ -78,7 +78,7 @@ pub(crate) fn run<T: Element>(
     };
     elementwise(ctx, kernels, "pow2_f32", n, &[Arg::Ptr(h), Arg::Ptr(sq)])?;
     let mean_cfg =
-        LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
+        LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
     launch(
         ctx,
         kernels.function("mean_rows_f32"),
