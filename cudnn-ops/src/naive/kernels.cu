@@ -40,7 +40,7 @@ ELEMENTWISE(add_scalar_f32, (const float* x, float s, float* y, long n), y[i] = 
 // torch.rsqrt(v)
 ELEMENTWISE(rsqrt_f32, (const float* x, float* y, long n), y[i] = rsqrtf(x[i]))
 // x * r, r broadcast along rows of length `cols`. Broadcast indices use 32-bit division, as PyTorch's
-// IntDivider does (callers keep n < 2^32); 64-bit division would make these kernels compute-bound.
+// IntDivider does (callers keep n < 2^32); on the H200 this measured the same as 64-bit division.
 ELEMENTWISE(mul_rows_f32, (const float* x, const float* r, long cols, float* y, long n), y[i] = x[i] * r[(unsigned)i / (unsigned)cols])
 // weight * x, weight broadcast over rows; computed in f32, rounded to the I/O type
 ELEMENTWISE(mul_weight_bf16, (const bits16* w, const bits16* x, long cols, bits16* y, long n),
