@@ -43,6 +43,7 @@ pub struct Cudnn {
     cache: PlanCache,
     workspace: RefCell<Option<Rc<CudaSlice<u8>>>>,
     pub(crate) naive: OnceCell<crate::naive::Kernels>,
+    blas: OnceCell<cudarc::cublas::CudaBlas>,
     handle: Handle,
     stream: Arc<CudaStream>,
     info: DeviceInfo,
@@ -84,6 +85,7 @@ impl Cudnn {
             cache: PlanCache::default(),
             workspace: RefCell::new(None),
             naive: OnceCell::new(),
+            blas: OnceCell::new(),
             handle,
             stream,
             info,
@@ -131,6 +133,26 @@ impl Cudnn {
             *ws = Some(Rc::new(self.stream.alloc_zeros::<u8>(size)?));
         }
         Ok(ws.clone())
+    }
+
+    /// The cuBLAS handle on this context's stream, created on first use (the naive backend's GEMMs).
+    pub(crate) fn blas(&self) -> Result<&cudarc::cublas::CudaBlas> {
+        self.blas.get_or_try_init(|| {
+            // SAFETY: only probes whether the shared library can be opened (cudarc panics if it cannot).
+            if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+                return Err(Error::Blas(
+                    "libcublas.so was not found: install the CUDA 13 cuBLAS library".into(),
+                ));
+            }
+            self.bind()?;
+            cudarc::cublas::CudaBlas::new(self.stream.clone()).map_err(|e| Error::Blas(e.to_string()))
+        })
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        self.bind()?;
+        Ok(cudarc::driver::result::mem_get_info()?)
     }
 
     /// Bytes of workspace currently held.

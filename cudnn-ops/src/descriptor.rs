@@ -12,6 +12,7 @@ use std::ffi::c_void;
 /// A typed attribute value (borrowed for the duration of the `set` call).
 pub(crate) enum Attr<'a> {
     I64(&'a [i64]),
+    F64(f64),
     Bool(bool),
     DataType(DataType),
     Descriptors(&'a [&'a Descriptor]),
@@ -20,6 +21,8 @@ pub(crate) enum Attr<'a> {
     NormMode(sys::cudnnBackendNormMode_t),
     NormPhase(sys::cudnnBackendNormFwdPhase_t),
     HeurMode(sys::cudnnBackendHeurMode_t),
+    PointwiseMode(sys::cudnnPointwiseMode_t),
+    ReduceOp(sys::cudnnReduceTensorOp_t),
 }
 
 /// An owned `cudnnBackendDescriptor_t`.
@@ -44,6 +47,7 @@ impl Descriptor {
         let descs: Vec<RawDesc>;
         let (ty, count, ptr): (AttrType, usize, *const c_void) = match &value {
             Attr::I64(v) => (T::CUDNN_TYPE_INT64, v.len(), v.as_ptr().cast()),
+            Attr::F64(v) => (T::CUDNN_TYPE_DOUBLE, 1, (v as *const f64).cast()),
             Attr::Bool(v) => (T::CUDNN_TYPE_BOOLEAN, 1, (v as *const bool).cast()),
             Attr::DataType(d) => {
                 dt = d.to_raw();
@@ -63,6 +67,12 @@ impl Descriptor {
             }
             Attr::HeurMode(m) => {
                 (T::CUDNN_TYPE_HEUR_MODE, 1, (m as *const sys::cudnnBackendHeurMode_t).cast())
+            }
+            Attr::PointwiseMode(m) => {
+                (T::CUDNN_TYPE_POINTWISE_MODE, 1, (m as *const sys::cudnnPointwiseMode_t).cast())
+            }
+            Attr::ReduceOp(op) => {
+                (T::CUDNN_TYPE_REDUCTION_OPERATOR_TYPE, 1, (op as *const sys::cudnnReduceTensorOp_t).cast())
             }
         };
         // SAFETY: `ptr` points to `count` values of the C type `ty` names, all alive until this returns

@@ -17,12 +17,15 @@ pub enum DataType {
     I32,
     /// 64-bit signed integer.
     I64,
+    /// Boolean (graph intermediates only, e.g. attention masks).
+    Bool,
 }
 
 impl DataType {
     /// Size of one element in bytes.
     pub fn size(self) -> usize {
         match self {
+            DataType::Bool => 1,
             DataType::F16 | DataType::BF16 => 2,
             DataType::F32 | DataType::I32 => 4,
             DataType::I64 => 8,
@@ -37,12 +40,13 @@ impl DataType {
             DataType::BF16 => "bf16",
             DataType::I32 => "i32",
             DataType::I64 => "i64",
+            DataType::Bool => "bool",
         }
     }
 
     /// Parses [`DataType::name`].
     pub fn parse(s: &str) -> Option<Self> {
-        [DataType::F32, DataType::F16, DataType::BF16, DataType::I32, DataType::I64]
+        [DataType::F32, DataType::F16, DataType::BF16, DataType::I32, DataType::I64, DataType::Bool]
             .into_iter()
             .find(|d| d.name() == s)
     }
@@ -55,6 +59,7 @@ impl DataType {
             DataType::BF16 => T::CUDNN_DATA_BFLOAT16,
             DataType::I32 => T::CUDNN_DATA_INT32,
             DataType::I64 => T::CUDNN_DATA_INT64,
+            DataType::Bool => T::CUDNN_DATA_BOOLEAN,
         }
     }
 }
@@ -122,7 +127,8 @@ mod tests {
 
     #[test]
     fn names_round_trip_and_sizes() {
-        for d in [DataType::F32, DataType::F16, DataType::BF16, DataType::I32, DataType::I64] {
+        for d in [DataType::F32, DataType::F16, DataType::BF16, DataType::I32, DataType::I64, DataType::Bool]
+        {
             assert_eq!(DataType::parse(d.name()), Some(d));
         }
         assert_eq!(DataType::parse("fp8"), None);
@@ -136,6 +142,8 @@ mod tests {
         assert_eq!(DataType::F32.to_raw().0, 0);
         assert_eq!(DataType::F16.to_raw().0, 2);
         assert_eq!(DataType::BF16.to_raw().0, 9);
+        assert_eq!(DataType::I32.to_raw().0, 4);
         assert_eq!(DataType::I64.to_raw().0, 10);
+        assert_eq!(DataType::Bool.to_raw().0, 11);
     }
 }

@@ -53,6 +53,19 @@ pub enum Error {
     /// NVRTC is missing or a kernel failed to compile.
     #[error("NVRTC: {0}")]
     Nvrtc(String),
+    /// cuBLAS is missing or a cuBLAS call failed.
+    #[error("cuBLAS: {0}")]
+    Blas(String),
+    /// Device memory does not fit what was asked (checked before allocating).
+    #[error("out of device memory: {what} needs {needed} bytes, {free} bytes are free")]
+    OutOfMemory {
+        /// What needed the memory, with its shape.
+        what: String,
+        /// Bytes needed.
+        needed: usize,
+        /// Bytes free on the device when checked.
+        free: usize,
+    },
 }
 
 fn detail(message: &str) -> String {

@@ -34,9 +34,12 @@ pub use cache::{CacheStats, PlanCache, PlanKey};
 pub use context::{open_device, Cudnn, DeviceInfo};
 pub use dtype::{DataType, Element};
 pub use error::{Error, Result};
-pub use graph::{Graph, NormPhase, RmsNormOutputs, TensorId};
+pub use graph::{
+    Binary, Graph, Mask, NormPhase, Reduce, RmsNormOutputs, SdpaForm, SdpaOptions, SdpaOutputs, TensorId,
+    Unary,
+};
 pub use ops::rmsnorm::{rms_norm, rms_norm_train, rms_norm_with, RmsNormArgs};
-pub use plan::{Bindings, Plan, Prepared};
+pub use plan::{Bindings, Plan, Prepared, Scalar};
 pub use tensor::{packed_strides, TensorSpec, DEFAULT_ALIGNMENT, MAX_RANK};
 
 /// Which implementation a module runs on.

@@ -11,6 +11,45 @@ use std::rc::Rc;
 use std::time::{Duration, Instant};
 use sys::{cudnnBackendAttributeName_t as A, cudnnBackendDescriptorType_t as D};
 
+/// A by-value scalar: a host value cuDNN reads at execute time.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Scalar {
+    /// 32-bit float.
+    F32(f32),
+    /// 32-bit integer.
+    I32(i32),
+}
+
+impl Scalar {
+    /// The scalar's dtype.
+    pub fn dtype(self) -> DataType {
+        match self {
+            Scalar::F32(_) => DataType::F32,
+            Scalar::I32(_) => DataType::I32,
+        }
+    }
+
+    /// The value's bytes, in a box whose address stays put while the variant pack points at it.
+    fn boxed(self) -> Box<[u8; 4]> {
+        Box::new(match self {
+            Scalar::F32(v) => v.to_ne_bytes(),
+            Scalar::I32(v) => v.to_ne_bytes(),
+        })
+    }
+}
+
+/// What a graph hands over to become a plan.
+pub(crate) struct PlanParts {
+    pub(crate) name: String,
+    pub(crate) form: String,
+    pub(crate) graph: Descriptor,
+    pub(crate) descriptors: Vec<Descriptor>,
+    /// Tensors the caller binds.
+    pub(crate) tensors: Vec<TensorSpec>,
+    /// By-value tensors the plan binds itself (uid, value).
+    pub(crate) constants: Vec<(i64, Scalar)>,
+}
+
 /// A finalized execution plan and what it needs bound at execute time.
 pub struct Plan {
     // Field order is drop order: the plan goes before the graph descriptors it was built from.
@@ -18,9 +57,11 @@ pub struct Plan {
     _graph: Descriptor,
     _parts: Vec<Descriptor>,
     tensors: Vec<TensorSpec>,
+    constants: Vec<(i64, Box<[u8; 4]>)>,
     workspace: usize,
     engine: String,
     name: String,
+    form: String,
     build_time: Duration,
 }
 
@@ -28,6 +69,7 @@ impl std::fmt::Debug for Plan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Plan")
             .field("name", &self.name)
+            .field("form", &self.form)
             .field("engine", &self.engine)
             .field("workspace", &self.workspace)
             .field("build_time", &self.build_time)
@@ -36,14 +78,8 @@ impl std::fmt::Debug for Plan {
 }
 
 impl Plan {
-    pub(crate) fn from_graph(
-        ctx: &Cudnn,
-        name: &str,
-        graph: Descriptor,
-        parts: Vec<Descriptor>,
-        tensors: Vec<TensorSpec>,
-        started: Instant,
-    ) -> Result<Plan> {
+    pub(crate) fn from_graph(ctx: &Cudnn, parts: PlanParts, started: Instant) -> Result<Plan> {
+        let PlanParts { name, form, graph, descriptors, tensors, constants } = parts;
         let mut last_error = None;
         for mode in [
             sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,
@@ -65,11 +101,13 @@ impl Plan {
                         return Ok(Plan {
                             plan,
                             _graph: graph,
-                            _parts: parts,
+                            _parts: descriptors,
                             tensors,
+                            constants: constants.into_iter().map(|(uid, v)| (uid, v.boxed())).collect(),
                             workspace,
                             engine,
-                            name: name.to_string(),
+                            name,
+                            form,
                             build_time: started.elapsed(),
                         });
                     }
@@ -81,12 +119,17 @@ impl Plan {
             Some(e) => format!("no engine configuration finalized (last error: {e})"),
             None => "heuristics returned no engine configuration".into(),
         };
-        Err(Error::NotSupported { op: name.to_string(), reason })
+        Err(Error::NotSupported { op: name, reason })
     }
 
     /// The graph's name.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// The graph's form label (e.g. `composite` or `unified` for attention); empty when unlabeled.
+    pub fn form(&self) -> &str {
+        &self.form
     }
 
     /// The engine that was chosen, as `eng<global index>`.
@@ -178,8 +221,13 @@ impl Plan {
             }
             _ => std::ptr::null_mut(),
         };
-        let uids: Vec<i64> = b.entries.iter().map(|e| e.uid).collect();
-        let ptrs: Vec<*mut c_void> = b.entries.iter().map(Entry::ptr).collect();
+        let mut uids: Vec<i64> = b.entries.iter().map(|e| e.uid).collect();
+        let mut ptrs: Vec<*mut c_void> = b.entries.iter().map(Entry::ptr).collect();
+        for (uid, value) in &self.constants {
+            uids.push(*uid);
+            // cuDNN reads by-value tensors through host pointers; the boxes live as long as the plan.
+            ptrs.push(value.as_ptr() as *mut c_void);
+        }
         let mut pack = Descriptor::new(D::CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR)?;
         pack.set(A::CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, Attr::I64(&uids))?;
         pack.set(A::CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, Attr::VoidPtrs(&ptrs))?;
@@ -239,7 +287,7 @@ fn engine_name(config: &Descriptor) -> Result<String> {
 
 enum Place {
     Device { addr: u64, len: usize },
-    Host(Box<f32>),
+    Host(Box<[u8; 4]>),
 }
 
 struct Entry {
@@ -253,7 +301,7 @@ impl Entry {
         match &self.place {
             Place::Device { addr, .. } => *addr as *mut c_void,
             // cuDNN reads by-value scalars through a host pointer; the box keeps it stable.
-            Place::Host(v) => (&**v as *const f32) as *mut c_void,
+            Place::Host(v) => v.as_ptr() as *mut c_void,
         }
     }
 }
@@ -292,7 +340,12 @@ impl<'a> Bindings<'a> {
 
     /// Binds an f32 host scalar to a by-value tensor.
     pub fn scalar_f32(&mut self, uid: i64, value: f32) -> &mut Self {
-        self.entries.push(Entry { uid, dtype: DataType::F32, place: Place::Host(Box::new(value)) });
+        self.scalar(uid, Scalar::F32(value))
+    }
+
+    /// Binds a host scalar to a by-value tensor.
+    pub fn scalar(&mut self, uid: i64, value: Scalar) -> &mut Self {
+        self.entries.push(Entry { uid, dtype: value.dtype(), place: Place::Host(value.boxed()) });
         self
     }
 

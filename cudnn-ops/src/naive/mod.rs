@@ -1,40 +1,30 @@
 //! Naive baselines: what PyTorch eager runs, one kernel per elementary op with f32 intermediates in
 //! device memory. Kernels are compiled with NVRTC on first use and cached per context.
 
+pub(crate) mod blas;
 pub mod rmsnorm;
 
 use crate::{Cudnn, Error, Result};
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
 
 use cudarc::nvrtc::CompileOptions;
 use std::cell::RefCell;
 use std::collections::HashMap;
 
-const SOURCE: &str = include_str!("kernels.cu");
+/// One NVRTC program: the shared helpers and elementwise kernels first, then each op's kernels.
+const SOURCE: &str =
+    concat!(include_str!("kernels.cu"), include_str!("attention.cu"), include_str!("epilogue.cu"));
 /// Threads per block of the elementwise kernels, and elements each thread handles.
 const BLOCK: u32 = 256;
 const ITEMS: u32 = 4;
 
 /// The compiled kernels and the scratch memory their intermediates live in.
 pub struct Kernels {
-    functions: HashMap<&'static str, CudaFunction>,
+    module: Arc<CudaModule>,
+    functions: RefCell<HashMap<String, CudaFunction>>,
     scratch: RefCell<Option<CudaSlice<f32>>>,
 }
-
-const NAMES: &[&str] = &[
-    "cast_bf16_f32",
-    "cast_f16_f32",
-    "cast_f32_bf16",
-    "cast_f32_f16",
-    "pow2_f32",
-    "add_scalar_f32",
-    "rsqrt_f32",
-    "mul_rows_f32",
-    "mul_weight_bf16",
-    "mul_weight_f16",
-    "mul_weight_f32",
-    "mean_rows_f32",
-];
 
 impl Kernels {
     fn compile(ctx: &Cudnn) -> Result<Self> {
@@ -50,19 +40,21 @@ impl Kernels {
         let ptx =
             cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| Error::Nvrtc(format!("{e:?}")))?;
         let module = ctx.stream().context().load_module(ptx)?;
-        let mut functions = HashMap::new();
-        for &name in NAMES {
-            functions.insert(name, module.load_function(name)?);
-        }
-        Ok(Kernels { functions, scratch: RefCell::new(None) })
+        Ok(Kernels { module, functions: RefCell::new(HashMap::new()), scratch: RefCell::new(None) })
     }
 
     fn get(ctx: &Cudnn) -> Result<&Kernels> {
         ctx.naive.get_or_try_init(|| Kernels::compile(ctx))
     }
 
-    fn function(&self, name: &str) -> &CudaFunction {
-        &self.functions[name]
+    /// The kernel called `name` (looked up once, then cached).
+    fn function(&self, name: &str) -> Result<CudaFunction> {
+        if let Some(f) = self.functions.borrow().get(name) {
+            return Ok(f.clone());
+        }
+        let f = self.module.load_function(name)?;
+        self.functions.borrow_mut().insert(name.to_string(), f.clone());
+        Ok(f)
     }
 }
 
@@ -88,8 +80,9 @@ enum Arg {
     I64(i64),
 }
 
-fn launch(ctx: &Cudnn, f: &CudaFunction, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
-    let mut launch = ctx.stream().launch_builder(f);
+fn launch(ctx: &Cudnn, kernels: &Kernels, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+    let f = kernels.function(name)?;
+    let mut launch = ctx.stream().launch_builder(&f);
     for a in args {
         match a {
             Arg::Ptr(p) => launch.arg(p),
@@ -113,5 +106,5 @@ fn elementwise(ctx: &Cudnn, kernels: &Kernels, name: &str, n: usize, args: &[Arg
     };
     let mut all = args.to_vec();
     all.push(Arg::I64(n as i64));
-    launch(ctx, kernels.function(name), cfg, &all)
+    launch(ctx, kernels, name, cfg, &all)
 }

@@ -16,13 +16,26 @@
 //! println!("{} needs {} bytes of workspace", plan.engine(), plan.workspace_size());
 //! # Ok(()) }
 //! ```
+//!
+//! Builders: [`Graph::rmsnorm`], the elementary [`Graph::unary`], [`Graph::binary`], [`Graph::select`],
+//! [`Graph::gen_index`], [`Graph::reduce`], [`Graph::matmul`], and the attention patterns of
+//! [`Graph::sdpa`]. Node outputs are virtual f32 tensors until marked with [`Graph::output`].
+
+mod attention;
+mod builders;
+mod check;
+mod node;
+
+pub use attention::{Mask, SdpaForm, SdpaOptions, SdpaOutputs};
+pub use node::{Binary, Reduce, Unary};
 
 use crate::descriptor::{Attr, Descriptor};
 use crate::dtype::DataType;
-use crate::plan::Plan;
+use crate::plan::{Plan, Scalar};
 use crate::tensor::TensorSpec;
 use crate::{Cudnn, Error, Result};
 use cudnn_sys as sys;
+use node::Node;
 use std::collections::HashMap;
 use sys::{cudnnBackendAttributeName_t as A, cudnnBackendDescriptorType_t as D};
 
@@ -58,30 +71,36 @@ pub struct RmsNormOutputs {
     pub inv_rms: Option<TensorId>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-enum Node {
-    RmsNorm {
-        x: TensorId,
-        scale: TensorId,
-        epsilon: TensorId,
-        y: TensorId,
-        inv_rms: Option<TensorId>,
-        phase: NormPhase,
-    },
-}
-
 /// An operation graph under construction.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Graph {
     name: String,
     tensors: Vec<TensorSpec>,
     nodes: Vec<Node>,
+    /// By-value tensors whose value is part of the graph (the -inf mask fill, sequence lengths): the
+    /// plan binds them itself.
+    constants: Vec<(TensorId, Scalar)>,
+    /// Virtual outputs a pattern computes and nobody reads (the stats of inference attention).
+    discarded: Vec<TensorId>,
+    form: Option<String>,
 }
 
 impl Graph {
     /// An empty graph; `name` appears in errors.
     pub fn new(name: impl Into<String>) -> Self {
-        Graph { name: name.into(), tensors: Vec::new(), nodes: Vec::new() }
+        Graph {
+            name: name.into(),
+            tensors: Vec::new(),
+            nodes: Vec::new(),
+            constants: Vec::new(),
+            discarded: Vec::new(),
+            form: None,
+        }
+    }
+
+    /// The graph's name.
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     /// Adds an input tensor (device memory, or a host scalar when `spec.by_value`). A zero uid is
@@ -94,9 +113,21 @@ impl Graph {
         TensorId(self.tensors.len() - 1)
     }
 
+    /// A by-value scalar whose value is fixed in the graph; the plan binds it on every execution.
+    pub fn constant(&mut self, name: impl Into<String>, value: Scalar, rank: usize) -> TensorId {
+        let id = self.tensor(TensorSpec::scalar(name, value.dtype(), rank));
+        self.constants.push((id, value));
+        id
+    }
+
     /// The spec of a tensor.
     pub fn spec(&self, id: TensorId) -> &TensorSpec {
         &self.tensors[id.0]
+    }
+
+    /// The spec of a tensor, for adjustments (another dtype for a virtual intermediate, a name).
+    pub fn spec_mut(&mut self, id: TensorId) -> &mut TensorSpec {
+        &mut self.tensors[id.0]
     }
 
     /// Every tensor, in creation order.
@@ -112,32 +143,20 @@ impl Graph {
         t
     }
 
+    /// Labels the graph's form (e.g. which SDPA pattern it lowers to); plans report it.
+    pub fn set_form(&mut self, form: impl Into<String>) {
+        self.form = Some(form.into());
+    }
+
+    /// The form label, if one was set.
+    pub fn form(&self) -> Option<&str> {
+        self.form.as_deref()
+    }
+
     fn intermediate(&mut self, name: String, dims: &[i64], strides: &[i64], dtype: DataType) -> TensorId {
         let spec =
             TensorSpec { is_virtual: true, ..TensorSpec::new(name, dims, dtype).with_strides(strides) };
         self.tensor(spec)
-    }
-
-    /// RMS normalization over every dimension but the first: `y = x / sqrt(mean(x²) + ε) * scale`,
-    /// computed in f32. X is `[rows, hidden, 1, 1]`-like, scale `[1, hidden, 1, 1]`, epsilon a by-value f32
-    /// scalar.
-    pub fn rmsnorm(
-        &mut self,
-        x: TensorId,
-        scale: TensorId,
-        epsilon: TensorId,
-        phase: NormPhase,
-    ) -> RmsNormOutputs {
-        let xs = self.spec(x).clone();
-        let y = self.intermediate(format!("{}::Y", self.name), &xs.dims, &xs.strides, xs.dtype);
-        let inv_rms = (phase == NormPhase::Training).then(|| {
-            let mut dims = vec![1; xs.dims.len()];
-            dims[0] = xs.dims[0];
-            let strides = crate::tensor::packed_strides(&dims);
-            self.intermediate(format!("{}::inv_rms", self.name), &dims, &strides, DataType::F32)
-        });
-        self.nodes.push(Node::RmsNorm { x, scale, epsilon, y, inv_rms, phase });
-        RmsNormOutputs { y, inv_rms }
     }
 
     fn fail(&self, id: TensorId, reason: impl Into<String>) -> Error {
@@ -167,64 +186,19 @@ impl Graph {
             });
         }
         for node in &self.nodes {
-            match *node {
-                Node::RmsNorm { x, scale, epsilon, y, inv_rms, .. } => {
-                    self.check_rmsnorm(x, scale, epsilon, y, inv_rms)?
-                }
-            }
+            self.check_node(node)?;
         }
-        // Every virtual tensor must be consumed: a node output nobody reads and nobody marked as an output
-        // would be computed for nothing (cuDNN rejects such graphs).
         for (i, t) in self.tensors.iter().enumerate() {
-            if t.is_virtual && !self.nodes.iter().any(|n| n.inputs().contains(&TensorId(i))) {
-                return Err(self.fail(TensorId(i), "is computed but never used: mark it with Graph::output"));
+            let id = TensorId(i);
+            let produced = self.nodes.iter().any(|n| n.outputs().contains(&id));
+            // A virtual tensor nobody reads and nobody marked as an output would be computed for nothing
+            // (cuDNN rejects such graphs); one nobody produces would never hold a value.
+            let read = self.nodes.iter().any(|n| n.inputs().contains(&id));
+            if t.is_virtual && !read && !self.discarded.contains(&id) {
+                return Err(self.fail(id, "is computed but never used: mark it with Graph::output"));
             }
-        }
-        Ok(())
-    }
-
-    fn check_rmsnorm(
-        &self,
-        x: TensorId,
-        scale: TensorId,
-        eps: TensorId,
-        y: TensorId,
-        inv: Option<TensorId>,
-    ) -> Result<()> {
-        let (xs, ss, es) = (self.spec(x), self.spec(scale), self.spec(eps));
-        let float = [DataType::F32, DataType::F16, DataType::BF16];
-        for id in [x, scale, y] {
-            if !float.contains(&self.spec(id).dtype) {
-                return Err(self.fail(id, format!("dtype {} is not f32, f16 or bf16", self.spec(id).dtype)));
-            }
-        }
-        if xs.dims.len() < 2 {
-            return Err(self.fail(x, format!("needs at least 2 dims, has {:?}", xs.dims)));
-        }
-        if xs.is_virtual || xs.by_value {
-            return Err(self.fail(x, "must be a device tensor"));
-        }
-        let mut expected = xs.dims.clone();
-        expected[0] = 1;
-        if ss.dims != expected {
-            return Err(self.fail(
-                scale,
-                format!("dims {:?} do not match X {:?}: expected {expected:?}", ss.dims, xs.dims),
-            ));
-        }
-        if !es.by_value || es.dtype != DataType::F32 || es.dims.iter().any(|&d| d != 1) {
-            return Err(self.fail(eps, "epsilon must be a by-value f32 scalar (all dims 1)"));
-        }
-        if self.spec(y).dims != xs.dims {
-            return Err(self.fail(y, format!("dims {:?} differ from X {:?}", self.spec(y).dims, xs.dims)));
-        }
-        if let Some(inv) = inv {
-            let s = self.spec(inv);
-            if s.dtype != DataType::F32 || s.dims[0] != xs.dims[0] || s.dims[1..].iter().any(|&d| d != 1) {
-                return Err(self.fail(
-                    inv,
-                    format!("must be f32 [{}, 1, ...], is {} {:?}", xs.dims[0], s.dtype, s.dims),
-                ));
+            if t.is_virtual && !produced {
+                return Err(self.fail(id, "is virtual but no operation produces it"));
             }
         }
         Ok(())
@@ -243,58 +217,39 @@ impl Graph {
         let tensor = |id: TensorId| descs[id.0].as_ref().expect("every tensor has a descriptor");
         let mut ops = Vec::new();
         for node in &self.nodes {
-            ops.push(node.lower(tensor)?);
+            ops.push(node.lower(tensor).map_err(|e| self.unsupported(e))?);
         }
         let mut graph = Descriptor::new(D::CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR)?;
         graph.set(A::CUDNN_ATTR_OPERATIONGRAPH_HANDLE, Attr::Handle(ctx.raw_handle()))?;
         graph.set(A::CUDNN_ATTR_OPERATIONGRAPH_OPS, Attr::Descriptors(&ops.iter().collect::<Vec<_>>()))?;
         graph.finalize(&format!("operation graph `{}`", self.name)).map_err(|e| self.unsupported(e))?;
-        let bound = self.tensors.iter().filter(|t| !t.is_virtual).cloned().collect();
+        let constants: Vec<(i64, Scalar)> =
+            self.constants.iter().map(|&(id, v)| (self.spec(id).uid, v)).collect();
+        let bound = self
+            .tensors
+            .iter()
+            .filter(|t| !t.is_virtual && !constants.iter().any(|(uid, _)| *uid == t.uid))
+            .cloned()
+            .collect();
         let mut keep: Vec<Descriptor> = descs.into_iter().flatten().collect();
         keep.extend(ops);
-        Plan::from_graph(ctx, &self.name, graph, keep, bound, started).map_err(|e| self.unsupported(e))
+        let parts = crate::plan::PlanParts {
+            name: self.name.clone(),
+            form: self.form.clone().unwrap_or_default(),
+            graph,
+            descriptors: keep,
+            tensors: bound,
+            constants,
+        };
+        Plan::from_graph(ctx, parts, started).map_err(|e| self.unsupported(e))
     }
 
     fn unsupported(&self, e: Error) -> Error {
         match e {
-            Error::NotSupported { op, reason } => {
+            Error::NotSupported { op, reason } if !op.starts_with(&self.name) => {
                 Error::NotSupported { op: format!("{} ({op})", self.name), reason }
             }
             other => other,
-        }
-    }
-}
-
-impl Node {
-    fn inputs(&self) -> Vec<TensorId> {
-        match *self {
-            Node::RmsNorm { x, scale, epsilon, .. } => vec![x, scale, epsilon],
-        }
-    }
-
-    fn lower<'a>(&self, t: impl Fn(TensorId) -> &'a Descriptor) -> Result<Descriptor> {
-        match *self {
-            Node::RmsNorm { x, scale, epsilon, y, inv_rms, phase } => {
-                let mut op = Descriptor::new(D::CUDNN_BACKEND_OPERATION_NORM_FORWARD_DESCRIPTOR)?;
-                op.set(
-                    A::CUDNN_ATTR_OPERATION_NORM_FWD_MODE,
-                    Attr::NormMode(sys::cudnnBackendNormMode_t::CUDNN_RMS_NORM),
-                )?;
-                let raw_phase = match phase {
-                    NormPhase::Inference => sys::cudnnBackendNormFwdPhase_t::CUDNN_NORM_FWD_INFERENCE,
-                    NormPhase::Training => sys::cudnnBackendNormFwdPhase_t::CUDNN_NORM_FWD_TRAINING,
-                };
-                op.set(A::CUDNN_ATTR_OPERATION_NORM_FWD_PHASE, Attr::NormPhase(raw_phase))?;
-                op.set(A::CUDNN_ATTR_OPERATION_NORM_FWD_XDESC, Attr::Descriptors(&[t(x)]))?;
-                op.set(A::CUDNN_ATTR_OPERATION_NORM_FWD_SCALE_DESC, Attr::Descriptors(&[t(scale)]))?;
-                op.set(A::CUDNN_ATTR_OPERATION_NORM_FWD_EPSILON_DESC, Attr::Descriptors(&[t(epsilon)]))?;
-                op.set(A::CUDNN_ATTR_OPERATION_NORM_FWD_YDESC, Attr::Descriptors(&[t(y)]))?;
-                if let Some(inv) = inv_rms {
-                    op.set(A::CUDNN_ATTR_OPERATION_NORM_FWD_INV_VARIANCE_DESC, Attr::Descriptors(&[t(inv)]))?;
-                }
-                op.finalize("rmsnorm operation")?;
-                Ok(op)
-            }
         }
     }
 }

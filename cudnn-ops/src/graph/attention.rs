@@ -1,0 +1,212 @@
+//! Scaled dot-product attention as a graph: the composite pattern cuDNN's fused attention engines
+//! recognize (what the C++ frontend's `CompositeSDPANode` expands to), or the single SDPA operation.
+
+use super::node::{Binary, Node, Reduce, Unary};
+use super::{Graph, TensorId};
+use crate::plan::Scalar;
+
+/// Causal masking of the attention scores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Mask {
+    /// Every query sees every key.
+    None,
+    /// Query `i` sees keys `0..=i` (prefill: the diagonal starts at the top-left corner).
+    CausalTopLeft,
+    /// Query `i` sees keys `0..=i + s_kv − s_q` (decode or chunked prefill against a KV cache: the
+    /// diagonal ends at the bottom-right corner). Needs `s_q ≤ s_kv`.
+    CausalBottomRight,
+}
+
+impl Mask {
+    /// `none`, `causal` or `causal_bottom_right`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mask::None => "none",
+            Mask::CausalTopLeft => "causal",
+            Mask::CausalBottomRight => "causal_bottom_right",
+        }
+    }
+
+    /// Whether key `col` is visible to query `row`.
+    pub fn keeps(self, row: usize, col: usize, s_q: usize, s_kv: usize) -> bool {
+        match self {
+            Mask::None => true,
+            Mask::CausalTopLeft => col <= row,
+            Mask::CausalBottomRight => col + s_q <= row + s_kv,
+        }
+    }
+}
+
+/// Which graph an attention lowers to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SdpaForm {
+    /// Matmul, scale, index-compare-select mask, softmax with stats, matmul: 15-20 nodes that the fused
+    /// flash-attention engines match as a whole. Every cuDNN 9 version.
+    Composite,
+    /// One `OPERATION_SDPA_FWD` node: unmasked from cuDNN 9.13.1. Masks on it need 9.21 headers and
+    /// library (this build's bindings are 9.19).
+    Unified,
+}
+
+impl SdpaForm {
+    /// `composite` or `unified`.
+    pub fn name(self) -> &'static str {
+        match self {
+            SdpaForm::Composite => "composite",
+            SdpaForm::Unified => "unified",
+        }
+    }
+
+    /// The form for a request, as the frontend's automatic choice makes it: the unified operation where
+    /// the effective version (the older of the running library and the headers) supports everything
+    /// asked, the composite graph otherwise.
+    pub fn select(runtime_version: usize, header_version: usize, mask: Mask) -> SdpaForm {
+        let effective = runtime_version.min(header_version);
+        let unified_ok = match mask {
+            Mask::None => effective >= 91301,
+            // Diagonal bounds on the unified node arrive with 9.21.
+            Mask::CausalTopLeft | Mask::CausalBottomRight => effective >= 92100,
+        };
+        if unified_ok {
+            SdpaForm::Unified
+        } else {
+            SdpaForm::Composite
+        }
+    }
+}
+
+/// What [`Graph::sdpa`] builds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SdpaOptions {
+    /// Causal masking.
+    pub mask: Mask,
+    /// Also output the f32 log-sum-exp of each score row (training mode).
+    pub stats: bool,
+    /// Graph form.
+    pub form: SdpaForm,
+    /// The cuDNN version the graph is for (the mask fill is `-inf` from 9.10, the lowest float before).
+    pub cudnn_version: usize,
+}
+
+/// Outputs of [`Graph::sdpa`].
+#[derive(Debug, Clone, Copy)]
+pub struct SdpaOutputs {
+    /// `[b, h_q, s_q, d_v]` in the dtype of Q (packed BHSD until the caller sets strides).
+    pub o: TensorId,
+    /// f32 `[b, h_q, s_q, 1]` log-sum-exp of the scaled, masked scores, when asked for.
+    pub stats: Option<TensorId>,
+}
+
+impl Graph {
+    /// Attention `softmax(scale · Q Kᵀ + mask) V`. Q `[b, h_q, s_q, d]`, K `[b, h_kv, s_kv, d]`,
+    /// V `[b, h_kv, s_kv, d_v]` over any strides with a unit last stride; `h_q` a multiple of `h_kv`
+    /// (grouped-query heads need no copies); `scale` a by-value f32. f32 compute, f16/bf16 I/O.
+    ///
+    /// The composite form turns K into its `[b, h_kv, d, s_kv]` transposed view (a stride swap on the
+    /// same uid), as the frontend does.
+    pub fn sdpa(
+        &mut self,
+        q: TensorId,
+        k: TensorId,
+        v: TensorId,
+        scale: TensorId,
+        opts: SdpaOptions,
+    ) -> SdpaOutputs {
+        let (qd, vd) = (self.spec(q).dims.clone(), self.spec(v).dims.clone());
+        let io = self.spec(q).dtype;
+        let bad_rank = qd.len() != 4 || vd.len() != 4 || self.spec(k).dims.len() != 4;
+        let o_dims = if bad_rank { qd.clone() } else { vec![qd[0], qd[1], qd[2], vd[3]] };
+        let stats_dims = if bad_rank { qd.clone() } else { vec![qd[0], qd[1], qd[2], 1] };
+        self.set_form(opts.form.name());
+        if bad_rank || opts.form == SdpaForm::Unified {
+            let o =
+                self.intermediate(format!("{}::O", self.name), &o_dims, &crate::packed_strides(&o_dims), io);
+            let stats = opts.stats.then(|| {
+                let s = crate::packed_strides(&stats_dims);
+                self.intermediate(format!("{}::stats", self.name), &stats_dims, &s, crate::DataType::F32)
+            });
+            self.nodes.push(Node::SdpaFwd { q, k, v, scale, o, stats, mask: opts.mask });
+            return SdpaOutputs { o, stats };
+        }
+
+        // bmm1 against the transposed view of K.
+        let kt = self.spec_mut(k);
+        kt.dims.swap(2, 3);
+        kt.strides.swap(2, 3);
+        let s = self.matmul(q, k);
+        let s = self.binary(Binary::Mul, s, scale);
+        let s = match opts.mask {
+            Mask::None => s,
+            mask => {
+                let mut row = self.gen_index(s, 2);
+                let col = self.gen_index(s, 3);
+                if mask == Mask::CausalBottomRight {
+                    // row + s_kv − s_q ≥ col, with both lengths as i32 constants (no padding).
+                    let sdims = self.spec(s).dims.clone();
+                    let skv = self.constant("seq_len_kv", Scalar::I32(sdims[3] as i32), 4);
+                    let sq = self.constant("seq_len_q", Scalar::I32(sdims[2] as i32), 4);
+                    row = self.index_arith(Binary::Add, row, skv);
+                    row = self.index_arith(Binary::Sub, row, sq);
+                }
+                let keep = self.binary(Binary::CmpGe, row, col);
+                let fill = if opts.cudnn_version >= 91000 { f32::NEG_INFINITY } else { f32::MIN };
+                let fill = self.constant("mask_fill", Scalar::F32(fill), 4);
+                self.select(keep, s, fill)
+            }
+        };
+        // Softmax with its statistics: max, exp(s − max), sum, stats = max + ln(sum), p = e / sum.
+        let max = self.reduce(Reduce::Max, s, &stats_dims);
+        let z = self.binary(Binary::Sub, s, max);
+        let e = self.unary(Unary::Exp, z);
+        let sum = self.reduce(Reduce::Sum, e, &stats_dims);
+        let log_sum = self.unary(Unary::Log, sum);
+        let stats = self.binary(Binary::Add, max, log_sum);
+        self.spec_mut(stats).name = format!("{}::stats", self.name);
+        if !opts.stats {
+            // The engines match the pattern with its stats node; inference leaves the result virtual.
+            self.discarded.push(stats);
+        }
+        let p = self.binary(Binary::Div, e, sum);
+        // cuDNN requires bmm2's A operand in the I/O type.
+        self.spec_mut(p).dtype = io;
+        let o = self.matmul(p, v);
+        let name = format!("{}::O", self.name);
+        let spec = self.spec_mut(o);
+        spec.dtype = io;
+        spec.name = name;
+        SdpaOutputs { o, stats: opts.stats.then_some(stats) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn form_follows_the_effective_version() {
+        let h = 91900;
+        assert_eq!(SdpaForm::select(91300, h, Mask::None), SdpaForm::Composite);
+        assert_eq!(SdpaForm::select(91301, h, Mask::None), SdpaForm::Unified);
+        assert_eq!(SdpaForm::select(91400, h, Mask::None), SdpaForm::Unified);
+        assert_eq!(SdpaForm::select(91900, h, Mask::CausalTopLeft), SdpaForm::Composite);
+        assert_eq!(SdpaForm::select(91900, h, Mask::CausalBottomRight), SdpaForm::Composite);
+        // A 9.21 library with 9.19 headers: the mask attributes are not in the bindings.
+        assert_eq!(SdpaForm::select(92100, h, Mask::CausalTopLeft), SdpaForm::Composite);
+        assert_eq!(SdpaForm::select(92100, 92100, Mask::CausalTopLeft), SdpaForm::Unified);
+        // Old headers hold the unified node back even on a new library.
+        assert_eq!(SdpaForm::select(91900, 91200, Mask::None), SdpaForm::Composite);
+    }
+
+    #[test]
+    fn masks_keep_the_right_keys() {
+        assert!(Mask::None.keeps(0, 9, 4, 10));
+        assert!(Mask::CausalTopLeft.keeps(3, 3, 4, 10) && !Mask::CausalTopLeft.keeps(3, 4, 4, 10));
+        // s_q 4 against s_kv 10: the last query sees all 10 keys, the first sees 7.
+        assert!(Mask::CausalBottomRight.keeps(3, 9, 4, 10));
+        assert!(Mask::CausalBottomRight.keeps(0, 6, 4, 10) && !Mask::CausalBottomRight.keeps(0, 7, 4, 10));
+        // Equal lengths: both alignments agree.
+        for (r, c) in [(0, 0), (2, 1), (1, 2), (5, 5)] {
+            assert_eq!(Mask::CausalTopLeft.keeps(r, c, 6, 6), Mask::CausalBottomRight.keeps(r, c, 6, 6));
+        }
+    }
+}

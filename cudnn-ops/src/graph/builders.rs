@@ -1,0 +1,146 @@
+//! Builder methods: each records a node and returns its (virtual) outputs.
+
+use super::node::{Binary, Node, Pointwise, Reduce, Unary};
+use super::{Graph, NormPhase, RmsNormOutputs, TensorId};
+use crate::dtype::DataType;
+use crate::tensor::packed_strides;
+
+impl Graph {
+    /// RMS normalization over every dimension but the first: `y = x / sqrt(mean(x²) + ε) * scale`,
+    /// computed in f32. X is `[rows, hidden, 1, 1]`-like, scale `[1, hidden, 1, 1]`, epsilon a by-value f32
+    /// scalar.
+    pub fn rmsnorm(
+        &mut self,
+        x: TensorId,
+        scale: TensorId,
+        epsilon: TensorId,
+        phase: NormPhase,
+    ) -> RmsNormOutputs {
+        let xs = self.spec(x).clone();
+        let y = self.intermediate(format!("{}::Y", self.name), &xs.dims, &xs.strides, xs.dtype);
+        let inv_rms = (phase == NormPhase::Training).then(|| {
+            let mut dims = vec![1; xs.dims.len()];
+            dims[0] = xs.dims[0];
+            let strides = packed_strides(&dims);
+            self.intermediate(format!("{}::inv_rms", self.name), &dims, &strides, DataType::F32)
+        });
+        self.nodes.push(Node::RmsNorm { x, scale, epsilon, y, inv_rms, phase });
+        RmsNormOutputs { y, inv_rms }
+    }
+
+    /// `op(x)` elementwise, f32 compute; the output is f32 (change it with [`Graph::spec_mut`] or
+    /// [`Graph::output`]).
+    pub fn unary(&mut self, op: Unary, x: TensorId) -> TensorId {
+        let dims = self.spec(x).dims.clone();
+        self.pointwise(Pointwise::Unary(op), DataType::F32, DataType::F32, x, None, None, &dims, None)
+    }
+
+    /// `a op b` elementwise, with dims of size 1 broadcast (ranks must match). Comparisons give
+    /// booleans; integer inputs give integer arithmetic; everything else is f32.
+    pub fn binary(&mut self, op: Binary, a: TensorId, b: TensorId) -> TensorId {
+        let dims = self.broadcast(a, b);
+        let ints = self.spec(a).dtype == DataType::I32 && self.spec(b).dtype == DataType::I32;
+        let (compute, out) = match op {
+            Binary::CmpGe => (DataType::Bool, DataType::Bool),
+            _ if ints => (DataType::I32, DataType::I32),
+            _ => (DataType::F32, DataType::F32),
+        };
+        self.pointwise(Pointwise::Binary(op), compute, out, a, Some(b), None, &dims, None)
+    }
+
+    /// Integer arithmetic with FE's axis hint, used by the bottom-right causal mask.
+    pub(crate) fn index_arith(&mut self, op: Binary, index: TensorId, by: TensorId) -> TensorId {
+        let dims = self.broadcast(index, by);
+        self.pointwise(
+            Pointwise::Binary(op),
+            DataType::I32,
+            DataType::I32,
+            index,
+            Some(by),
+            None,
+            &dims,
+            Some(3),
+        )
+    }
+
+    /// `cond ? if_true : if_false` elementwise (cuDNN's BINARY_SELECT).
+    pub fn select(&mut self, cond: TensorId, if_true: TensorId, if_false: TensorId) -> TensorId {
+        let dims = self.broadcast(if_true, if_false);
+        self.pointwise(
+            Pointwise::Select,
+            DataType::F32,
+            DataType::F32,
+            if_true,
+            Some(if_false),
+            Some(cond),
+            &dims,
+            None,
+        )
+    }
+
+    /// The index of every element of `like` along `axis`, as i32.
+    pub fn gen_index(&mut self, like: TensorId, axis: usize) -> TensorId {
+        let dims = self.spec(like).dims.clone();
+        self.pointwise(
+            Pointwise::GenIndex,
+            DataType::F32,
+            DataType::I32,
+            like,
+            None,
+            None,
+            &dims,
+            Some(axis as i64),
+        )
+    }
+
+    /// Reduces `x` to `dims` (each equal to x's or 1), f32.
+    pub fn reduce(&mut self, op: Reduce, x: TensorId, dims: &[i64]) -> TensorId {
+        let name =
+            format!("{}::{}{}", self.name, if op == Reduce::Max { "max" } else { "sum" }, self.nodes.len());
+        let y = self.intermediate(name, dims, &packed_strides(dims), DataType::F32);
+        self.nodes.push(Node::Reduction { op, x, y });
+        y
+    }
+
+    /// `a · b` over the last two dims (`[.., m, k] × [.., k, n]`), f32 accumulation; batch dims of `b`
+    /// may divide those of `a` (grouped-query heads). The output is f32, packed.
+    pub fn matmul(&mut self, a: TensorId, b: TensorId) -> TensorId {
+        let (ad, bd) = (&self.spec(a).dims, &self.spec(b).dims);
+        let mut dims: Vec<i64> = ad.iter().zip(bd.iter()).map(|(&x, &y)| x.max(y)).collect();
+        let r = dims.len();
+        if r >= 2 {
+            dims[r - 2] = ad[r - 2];
+            dims[r - 1] = bd[r - 1];
+        }
+        let name = format!("{}::matmul{}", self.name, self.nodes.len());
+        let c = self.intermediate(name, &dims, &packed_strides(&dims), DataType::F32);
+        self.nodes.push(Node::Matmul { a, b, c });
+        c
+    }
+
+    fn broadcast(&self, a: TensorId, b: TensorId) -> Vec<i64> {
+        let (ad, bd) = (&self.spec(a).dims, &self.spec(b).dims);
+        if ad.len() != bd.len() {
+            return ad.clone(); // validation reports the rank mismatch
+        }
+        ad.iter().zip(bd).map(|(&x, &y)| x.max(y)).collect()
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn pointwise(
+        &mut self,
+        op: Pointwise,
+        compute: DataType,
+        out: DataType,
+        x: TensorId,
+        b: Option<TensorId>,
+        t: Option<TensorId>,
+        dims: &[i64],
+        axis: Option<i64>,
+    ) -> TensorId {
+        let name = format!("{}::{}{}", self.name, op.name(), self.nodes.len());
+        let y = self.intermediate(name, dims, &packed_strides(dims), out);
+        self.nodes.push(Node::Pointwise { op, compute, x, b, t, y, axis });
+        y
+    }
+}

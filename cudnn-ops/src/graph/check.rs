@@ -1,0 +1,228 @@
+//! Per-node validation: shapes, dtypes and flags cuDNN would otherwise reject with a bare status.
+
+use super::node::{Binary, Node, Pointwise};
+use super::{Graph, TensorId};
+use crate::dtype::DataType;
+use crate::Result;
+
+const FLOATS: [DataType; 3] = [DataType::F32, DataType::F16, DataType::BF16];
+
+impl Graph {
+    pub(super) fn check_node(&self, node: &Node) -> Result<()> {
+        match *node {
+            Node::RmsNorm { x, scale, epsilon, y, inv_rms, .. } => {
+                self.check_rmsnorm(x, scale, epsilon, y, inv_rms)
+            }
+            Node::Pointwise { op, x, b, t, y, .. } => self.check_pointwise(op, x, b, t, y),
+            Node::Matmul { a, b, c } => self.check_matmul(a, b, c),
+            Node::Reduction { x, y, .. } => {
+                self.check_broadcast(x, y, "reduction input")?;
+                Ok(())
+            }
+            Node::SdpaFwd { q, k, v, o, stats, mask, .. } => {
+                if mask != super::Mask::None {
+                    return Err(crate::Error::NotSupported {
+                        op: self.name.clone(),
+                        reason: format!(
+                            "a {} mask on the unified SDPA operation needs cuDNN 9.21 bindings (these are {}); \
+                             use the composite form",
+                            mask.name(),
+                            crate::version_string(crate::HEADER_VERSION)
+                        ),
+                    });
+                }
+                self.check_sdpa_tensors(q, k, v, o, stats, false)
+            }
+        }
+    }
+
+    /// Every dim of `small` equals the one of `full` or is 1 (ranks equal).
+    fn check_broadcast(&self, small: TensorId, full: TensorId, what: &str) -> Result<()> {
+        let (s, f) = (&self.spec(small).dims, &self.spec(full).dims);
+        if s.len() != f.len() {
+            return Err(
+                self.fail(small, format!("{what}: rank {} differs from rank {} of {f:?}", s.len(), f.len()))
+            );
+        }
+        if s.iter().zip(f).any(|(&a, &b)| a != b && a != 1 && b != 1) {
+            return Err(self.fail(small, format!("{what}: dims {s:?} do not broadcast with {f:?}")));
+        }
+        Ok(())
+    }
+
+    fn check_pointwise(
+        &self,
+        op: Pointwise,
+        x: TensorId,
+        b: Option<TensorId>,
+        t: Option<TensorId>,
+        y: TensorId,
+    ) -> Result<()> {
+        for id in [Some(x), b, t].into_iter().flatten() {
+            self.check_broadcast(id, y, op.name())?;
+        }
+        let needs = match op {
+            Pointwise::Unary(_) | Pointwise::GenIndex => (false, false),
+            Pointwise::Binary(_) => (true, false),
+            Pointwise::Select => (true, true),
+        };
+        if needs != (b.is_some(), t.is_some()) {
+            return Err(self.fail(y, format!("{} has the wrong number of inputs", op.name())));
+        }
+        if let (Pointwise::Select, Some(t)) = (op, t) {
+            if self.spec(t).dtype != DataType::Bool {
+                return Err(self.fail(t, "a select condition must be boolean"));
+            }
+        }
+        if op == Pointwise::Binary(Binary::CmpGe) && self.spec(y).dtype != DataType::Bool {
+            return Err(self.fail(y, "a comparison gives booleans"));
+        }
+        Ok(())
+    }
+
+    fn check_matmul(&self, a: TensorId, b: TensorId, c: TensorId) -> Result<()> {
+        let (ad, bd, cd) = (&self.spec(a).dims, &self.spec(b).dims, &self.spec(c).dims);
+        let r = ad.len();
+        if r < 2 || bd.len() != r || cd.len() != r {
+            return Err(self.fail(b, format!("matmul needs operands of one rank >= 2, got {ad:?} x {bd:?}")));
+        }
+        if ad[r - 1] != bd[r - 2] {
+            return Err(self.fail(
+                b,
+                format!(
+                    "inner dimensions differ: A {ad:?} has k = {}, B {bd:?} has k = {}",
+                    ad[r - 1],
+                    bd[r - 2]
+                ),
+            ));
+        }
+        for i in 0..r - 2 {
+            // Batch dims broadcast, or divide (a K/V head serving a group of query heads).
+            let (x, y, z) = (ad[i], bd[i], cd[i]);
+            if z % x != 0 || z % y != 0 || x.max(y) != z {
+                return Err(self.fail(b, format!("batch dims of A {ad:?} and B {bd:?} do not match")));
+            }
+        }
+        if cd[r - 2] != ad[r - 2] || cd[r - 1] != bd[r - 1] {
+            return Err(
+                self.fail(c, format!("output dims {cd:?} are not [.., {}, {}]", ad[r - 2], bd[r - 1]))
+            );
+        }
+        for id in [a, b] {
+            if !FLOATS.contains(&self.spec(id).dtype) {
+                return Err(
+                    self.fail(id, format!("matmul operand dtype {} is not a float", self.spec(id).dtype))
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Shapes of an attention: Q `[b, h_q, s_q, d]`, K `[b, h_k, s_kv, d]` (or its `[b, h_k, d, s_kv]`
+    /// transposed view when `k_transposed`), V `[b, h_k, s_kv, d_v]`, O `[b, h_q, s_q, d_v]`, stats
+    /// `[b, h_q, s_q, 1]` f32; f16/bf16 with unit last-dim strides.
+    pub(super) fn check_sdpa_tensors(
+        &self,
+        q: TensorId,
+        k: TensorId,
+        v: TensorId,
+        o: TensorId,
+        stats: Option<TensorId>,
+        k_transposed: bool,
+    ) -> Result<()> {
+        for id in [q, k, v, o] {
+            let s = self.spec(id);
+            if s.dims.len() != 4 {
+                return Err(self.fail(id, format!("attention tensors are [b, h, s, d], got {:?}", s.dims)));
+            }
+            if s.dtype != DataType::F16 && s.dtype != DataType::BF16 {
+                return Err(self.fail(id, format!("attention I/O must be f16 or bf16, is {}", s.dtype)));
+            }
+            let unit = if id == k && k_transposed { s.strides[2] } else { s.strides[3] };
+            if unit != 1 {
+                return Err(
+                    self.fail(id, format!("the head dim must have stride 1, strides are {:?}", s.strides))
+                );
+            }
+        }
+        let (qd, vd, od) = (&self.spec(q).dims, &self.spec(v).dims, &self.spec(o).dims);
+        let mut kd = self.spec(k).dims.clone();
+        if k_transposed {
+            kd.swap(2, 3);
+        }
+        if kd[0] != qd[0] || vd[0] != qd[0] {
+            return Err(self.fail(k, format!("batch differs: Q {qd:?}, K {kd:?}, V {vd:?}")));
+        }
+        if kd[1] != vd[1] || qd[1] % kd[1] != 0 {
+            return Err(self.fail(
+                k,
+                format!("query heads {} must be a multiple of the K/V heads ({}, {})", qd[1], kd[1], vd[1]),
+            ));
+        }
+        if kd[2] != vd[2] {
+            return Err(self.fail(v, format!("K and V sequence lengths differ: {} vs {}", kd[2], vd[2])));
+        }
+        if kd[3] != qd[3] {
+            return Err(self.fail(k, format!("Q and K head dims differ: {} vs {}", qd[3], kd[3])));
+        }
+        if od[..] != [qd[0], qd[1], qd[2], vd[3]] {
+            return Err(self.fail(
+                o,
+                format!("output dims {od:?}, expected [{}, {}, {}, {}]", qd[0], qd[1], qd[2], vd[3]),
+            ));
+        }
+        if let Some(s) = stats {
+            let sp = self.spec(s);
+            if sp.dtype != DataType::F32 || sp.dims[..] != [qd[0], qd[1], qd[2], 1] {
+                return Err(self.fail(s, format!("stats must be f32 [{}, {}, {}, 1]", qd[0], qd[1], qd[2])));
+            }
+        }
+        Ok(())
+    }
+
+    fn check_rmsnorm(
+        &self,
+        x: TensorId,
+        scale: TensorId,
+        eps: TensorId,
+        y: TensorId,
+        inv: Option<TensorId>,
+    ) -> Result<()> {
+        let (xs, ss, es) = (self.spec(x), self.spec(scale), self.spec(eps));
+        for id in [x, scale, y] {
+            if !FLOATS.contains(&self.spec(id).dtype) {
+                return Err(self.fail(id, format!("dtype {} is not f32, f16 or bf16", self.spec(id).dtype)));
+            }
+        }
+        if xs.dims.len() < 2 {
+            return Err(self.fail(x, format!("needs at least 2 dims, has {:?}", xs.dims)));
+        }
+        if xs.is_virtual || xs.by_value {
+            return Err(self.fail(x, "must be a device tensor"));
+        }
+        let mut expected = xs.dims.clone();
+        expected[0] = 1;
+        if ss.dims != expected {
+            return Err(self.fail(
+                scale,
+                format!("dims {:?} do not match X {:?}: expected {expected:?}", ss.dims, xs.dims),
+            ));
+        }
+        if !es.by_value || es.dtype != DataType::F32 || es.dims.iter().any(|&d| d != 1) {
+            return Err(self.fail(eps, "epsilon must be a by-value f32 scalar (all dims 1)"));
+        }
+        if self.spec(y).dims != xs.dims {
+            return Err(self.fail(y, format!("dims {:?} differ from X {:?}", self.spec(y).dims, xs.dims)));
+        }
+        if let Some(inv) = inv {
+            let s = self.spec(inv);
+            if s.dtype != DataType::F32 || s.dims[0] != xs.dims[0] || s.dims[1..].iter().any(|&d| d != 1) {
+                return Err(self.fail(
+                    inv,
+                    format!("must be f32 [{}, 1, ...], is {} {:?}", xs.dims[0], s.dtype, s.dims),
+                ));
+            }
+        }
+        Ok(())
+    }
+}

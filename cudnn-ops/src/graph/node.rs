@@ -1,0 +1,273 @@
+//! Graph nodes: what each builder method records, and how it lowers to backend operation descriptors.
+
+use super::{NormPhase, TensorId};
+use crate::descriptor::{Attr, Descriptor};
+use crate::dtype::DataType;
+use crate::Result;
+use cudnn_sys as sys;
+use sys::{cudnnBackendAttributeName_t as A, cudnnBackendDescriptorType_t as D};
+
+/// Elementwise operations with one input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Unary {
+    /// `y = x` (a cast when the output dtype differs).
+    Identity,
+    /// `e^x`.
+    Exp,
+    /// Natural logarithm.
+    Log,
+    /// `max(x, 0)`.
+    Relu,
+    /// `x · sigmoid(x)` (SiLU, cuDNN's SWISH with β = 1).
+    Silu,
+    /// `x · Φ(x)` (erf form).
+    Gelu,
+    /// GELU, tanh approximation.
+    GeluTanh,
+    /// `1 / (1 + e^-x)`.
+    Sigmoid,
+}
+
+/// Elementwise operations with two inputs (the second broadcast over dims of size 1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Binary {
+    /// `a + b`.
+    Add,
+    /// `a − b`.
+    Sub,
+    /// `a · b`.
+    Mul,
+    /// `a / b`.
+    Div,
+    /// `a ≥ b`, a boolean.
+    CmpGe,
+}
+
+/// Reductions over the dims where the output has size 1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Reduce {
+    /// Maximum.
+    Max,
+    /// Sum.
+    Sum,
+}
+
+/// A pointwise node's operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Pointwise {
+    Unary(Unary),
+    Binary(Binary),
+    /// The index of each element along an axis.
+    GenIndex,
+    /// `y = t ? x : b`.
+    Select,
+}
+
+impl Pointwise {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Pointwise::Unary(u) => match u {
+                Unary::Identity => "identity",
+                Unary::Exp => "exp",
+                Unary::Log => "log",
+                Unary::Relu => "relu",
+                Unary::Silu => "silu",
+                Unary::Gelu => "gelu",
+                Unary::GeluTanh => "gelu_tanh",
+                Unary::Sigmoid => "sigmoid",
+            },
+            Pointwise::Binary(b) => match b {
+                Binary::Add => "add",
+                Binary::Sub => "sub",
+                Binary::Mul => "mul",
+                Binary::Div => "div",
+                Binary::CmpGe => "cmp_ge",
+            },
+            Pointwise::GenIndex => "gen_index",
+            Pointwise::Select => "select",
+        }
+    }
+
+    fn raw(self) -> sys::cudnnPointwiseMode_t {
+        use sys::cudnnPointwiseMode_t as M;
+        match self {
+            Pointwise::Unary(u) => match u {
+                Unary::Identity => M::CUDNN_POINTWISE_IDENTITY,
+                Unary::Exp => M::CUDNN_POINTWISE_EXP,
+                Unary::Log => M::CUDNN_POINTWISE_LOG,
+                Unary::Relu => M::CUDNN_POINTWISE_RELU_FWD,
+                Unary::Silu => M::CUDNN_POINTWISE_SWISH_FWD,
+                Unary::Gelu => M::CUDNN_POINTWISE_GELU_FWD,
+                Unary::GeluTanh => M::CUDNN_POINTWISE_GELU_APPROX_TANH_FWD,
+                Unary::Sigmoid => M::CUDNN_POINTWISE_SIGMOID_FWD,
+            },
+            Pointwise::Binary(b) => match b {
+                Binary::Add => M::CUDNN_POINTWISE_ADD,
+                Binary::Sub => M::CUDNN_POINTWISE_SUB,
+                Binary::Mul => M::CUDNN_POINTWISE_MUL,
+                Binary::Div => M::CUDNN_POINTWISE_DIV,
+                Binary::CmpGe => M::CUDNN_POINTWISE_CMP_GE,
+            },
+            Pointwise::GenIndex => M::CUDNN_POINTWISE_GEN_INDEX,
+            Pointwise::Select => M::CUDNN_POINTWISE_BINARY_SELECT,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) enum Node {
+    RmsNorm {
+        x: TensorId,
+        scale: TensorId,
+        epsilon: TensorId,
+        y: TensorId,
+        inv_rms: Option<TensorId>,
+        phase: NormPhase,
+    },
+    /// `x` is cuDNN's X, `b` its B (second operand, or the false branch of a select), `t` the condition.
+    Pointwise {
+        op: Pointwise,
+        compute: DataType,
+        x: TensorId,
+        b: Option<TensorId>,
+        t: Option<TensorId>,
+        y: TensorId,
+        axis: Option<i64>,
+    },
+    Matmul {
+        a: TensorId,
+        b: TensorId,
+        c: TensorId,
+    },
+    Reduction {
+        op: Reduce,
+        x: TensorId,
+        y: TensorId,
+    },
+    /// cuDNN's single SDPA forward operation (9.13.1+): Q, K, V `[b, h, s, d]` (K not transposed).
+    SdpaFwd {
+        q: TensorId,
+        k: TensorId,
+        v: TensorId,
+        scale: TensorId,
+        o: TensorId,
+        stats: Option<TensorId>,
+        /// Only [`Mask::None`] lowers with 9.19 bindings; validation rejects the rest.
+        mask: super::Mask,
+    },
+}
+
+impl Node {
+    pub(crate) fn inputs(&self) -> Vec<TensorId> {
+        match *self {
+            Node::RmsNorm { x, scale, epsilon, .. } => vec![x, scale, epsilon],
+            Node::Pointwise { x, b, t, .. } => [Some(x), b, t].into_iter().flatten().collect(),
+            Node::Matmul { a, b, .. } => vec![a, b],
+            Node::Reduction { x, .. } => vec![x],
+            Node::SdpaFwd { q, k, v, scale, .. } => vec![q, k, v, scale],
+        }
+    }
+
+    pub(crate) fn outputs(&self) -> Vec<TensorId> {
+        match *self {
+            Node::RmsNorm { y, inv_rms, .. } => [Some(y), inv_rms].into_iter().flatten().collect(),
+            Node::Pointwise { y, .. } | Node::Reduction { y, .. } => vec![y],
+            Node::Matmul { c, .. } => vec![c],
+            Node::SdpaFwd { o, stats, .. } => [Some(o), stats].into_iter().flatten().collect(),
+        }
+    }
+
+    /// Creates and finalizes the operation descriptor; `t` maps tensors to their descriptors.
+    pub(crate) fn lower<'a>(&self, t: impl Fn(TensorId) -> &'a Descriptor) -> Result<Descriptor> {
+        match *self {
+            Node::RmsNorm { x, scale, epsilon, y, inv_rms, phase } => {
+                let mut op = Descriptor::new(D::CUDNN_BACKEND_OPERATION_NORM_FORWARD_DESCRIPTOR)?;
+                op.set(
+                    A::CUDNN_ATTR_OPERATION_NORM_FWD_MODE,
+                    Attr::NormMode(sys::cudnnBackendNormMode_t::CUDNN_RMS_NORM),
+                )?;
+                let raw_phase = match phase {
+                    NormPhase::Inference => sys::cudnnBackendNormFwdPhase_t::CUDNN_NORM_FWD_INFERENCE,
+                    NormPhase::Training => sys::cudnnBackendNormFwdPhase_t::CUDNN_NORM_FWD_TRAINING,
+                };
+                op.set(A::CUDNN_ATTR_OPERATION_NORM_FWD_PHASE, Attr::NormPhase(raw_phase))?;
+                op.set(A::CUDNN_ATTR_OPERATION_NORM_FWD_XDESC, Attr::Descriptors(&[t(x)]))?;
+                op.set(A::CUDNN_ATTR_OPERATION_NORM_FWD_SCALE_DESC, Attr::Descriptors(&[t(scale)]))?;
+                op.set(A::CUDNN_ATTR_OPERATION_NORM_FWD_EPSILON_DESC, Attr::Descriptors(&[t(epsilon)]))?;
+                op.set(A::CUDNN_ATTR_OPERATION_NORM_FWD_YDESC, Attr::Descriptors(&[t(y)]))?;
+                if let Some(inv) = inv_rms {
+                    op.set(A::CUDNN_ATTR_OPERATION_NORM_FWD_INV_VARIANCE_DESC, Attr::Descriptors(&[t(inv)]))?;
+                }
+                op.finalize("rmsnorm operation")?;
+                Ok(op)
+            }
+            Node::Pointwise { op: mode, compute, x, b, t: cond, y, axis } => {
+                // The parameter descriptor is copied into the operation at finalize and dropped here.
+                let mut pw = Descriptor::new(D::CUDNN_BACKEND_POINTWISE_DESCRIPTOR)?;
+                pw.set(A::CUDNN_ATTR_POINTWISE_MODE, Attr::PointwiseMode(mode.raw()))?;
+                pw.set(A::CUDNN_ATTR_POINTWISE_MATH_PREC, Attr::DataType(compute))?;
+                if let Some(axis) = axis {
+                    pw.set(A::CUDNN_ATTR_POINTWISE_AXIS, Attr::I64(&[axis]))?;
+                }
+                if mode == Pointwise::Unary(Unary::Silu) {
+                    pw.set(A::CUDNN_ATTR_POINTWISE_SWISH_BETA, Attr::F64(1.0))?;
+                }
+                pw.finalize(&format!("pointwise {} descriptor", mode.name()))?;
+                let mut op = Descriptor::new(D::CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR)?;
+                op.set(A::CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, Attr::Descriptors(&[&pw]))?;
+                op.set(A::CUDNN_ATTR_OPERATION_POINTWISE_XDESC, Attr::Descriptors(&[t(x)]))?;
+                if let Some(b) = b {
+                    op.set(A::CUDNN_ATTR_OPERATION_POINTWISE_BDESC, Attr::Descriptors(&[t(b)]))?;
+                }
+                if let Some(c) = cond {
+                    op.set(A::CUDNN_ATTR_OPERATION_POINTWISE_TDESC, Attr::Descriptors(&[t(c)]))?;
+                }
+                op.set(A::CUDNN_ATTR_OPERATION_POINTWISE_YDESC, Attr::Descriptors(&[t(y)]))?;
+                op.finalize(&format!("pointwise {} operation", mode.name()))?;
+                Ok(op)
+            }
+            Node::Matmul { a, b, c } => {
+                let mut mm = Descriptor::new(D::CUDNN_BACKEND_MATMUL_DESCRIPTOR)?;
+                mm.set(A::CUDNN_ATTR_MATMUL_COMP_TYPE, Attr::DataType(DataType::F32))?;
+                mm.finalize("matmul descriptor")?;
+                let mut op = Descriptor::new(D::CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR)?;
+                op.set(A::CUDNN_ATTR_OPERATION_MATMUL_ADESC, Attr::Descriptors(&[t(a)]))?;
+                op.set(A::CUDNN_ATTR_OPERATION_MATMUL_BDESC, Attr::Descriptors(&[t(b)]))?;
+                op.set(A::CUDNN_ATTR_OPERATION_MATMUL_CDESC, Attr::Descriptors(&[t(c)]))?;
+                op.set(A::CUDNN_ATTR_OPERATION_MATMUL_DESC, Attr::Descriptors(&[&mm]))?;
+                op.finalize("matmul operation")?;
+                Ok(op)
+            }
+            Node::Reduction { op: reduce, x, y } => {
+                use sys::cudnnReduceTensorOp_t as R;
+                let raw = match reduce {
+                    Reduce::Max => R::CUDNN_REDUCE_TENSOR_MAX,
+                    Reduce::Sum => R::CUDNN_REDUCE_TENSOR_ADD,
+                };
+                let mut red = Descriptor::new(D::CUDNN_BACKEND_REDUCTION_DESCRIPTOR)?;
+                red.set(A::CUDNN_ATTR_REDUCTION_OPERATOR, Attr::ReduceOp(raw))?;
+                red.set(A::CUDNN_ATTR_REDUCTION_COMP_TYPE, Attr::DataType(DataType::F32))?;
+                red.finalize("reduction descriptor")?;
+                let mut op = Descriptor::new(D::CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR)?;
+                op.set(A::CUDNN_ATTR_OPERATION_REDUCTION_XDESC, Attr::Descriptors(&[t(x)]))?;
+                op.set(A::CUDNN_ATTR_OPERATION_REDUCTION_YDESC, Attr::Descriptors(&[t(y)]))?;
+                op.set(A::CUDNN_ATTR_OPERATION_REDUCTION_DESC, Attr::Descriptors(&[&red]))?;
+                op.finalize("reduction operation")?;
+                Ok(op)
+            }
+            Node::SdpaFwd { q, k, v, scale, o, stats, .. } => {
+                let mut op = Descriptor::new(D::CUDNN_BACKEND_OPERATION_SDPA_FWD_DESCRIPTOR)?;
+                op.set(A::CUDNN_ATTR_OPERATION_SDPA_FWD_QDESC, Attr::Descriptors(&[t(q)]))?;
+                op.set(A::CUDNN_ATTR_OPERATION_SDPA_FWD_KDESC, Attr::Descriptors(&[t(k)]))?;
+                op.set(A::CUDNN_ATTR_OPERATION_SDPA_FWD_VDESC, Attr::Descriptors(&[t(v)]))?;
+                op.set(A::CUDNN_ATTR_OPERATION_SDPA_FWD_SCALEDESC, Attr::Descriptors(&[t(scale)]))?;
+                op.set(A::CUDNN_ATTR_OPERATION_SDPA_FWD_ODESC, Attr::Descriptors(&[t(o)]))?;
+                if let Some(s) = stats {
+                    op.set(A::CUDNN_ATTR_OPERATION_SDPA_FWD_STATSDESC, Attr::Descriptors(&[t(s)]))?;
+                }
+                op.finalize("sdpa forward operation")?;
+                Ok(op)
+            }
+        }
+    }
+}

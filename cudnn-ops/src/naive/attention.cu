@@ -1,0 +1,1 @@
+// Naive attention kernels (PyTorch math-path SDPA, one op per launch).

@@ -1,0 +1,1 @@
+// Matmul epilogue kernels (one op per launch after the cuBLAS GEMM).
