@@ -111,3 +111,52 @@ pub fn copy_bandwidth_gbps(ctx: &Cudnn, bytes: usize, reps: usize) -> Result<f64
     let ms = median_call_ms(ctx, 3, reps, 1, || Ok(ctx.stream().memcpy_dtod(&src, &mut dst)?))?;
     Ok(2.0 * bytes as f64 / (ms * 1e-3) / 1e9)
 }
+
+/// One line naming the GPU, driver, cuDNN and build, for result summaries.
+pub fn environment(info: &cudnn_ops::DeviceInfo) -> String {
+    format!(
+        "GPU {} (sm_{}{}), driver API {}, cuDNN {} ({}), build {} ({}), bindings from cuDNN {} headers.",
+        info.name,
+        info.compute_capability.0,
+        info.compute_capability.1,
+        info.driver_version,
+        info.cudnn_version_string(),
+        info.cudnn_library,
+        crate::BUILD.git_revision,
+        crate::BUILD.rustc,
+        crate::BUILD.cudnn_headers
+    )
+}
+
+/// Renders rows as CSV (serde field names as headers) and, from the same records, a markdown table.
+pub fn csv_and_markdown<R: serde::Serialize>(
+    rows: &[R],
+) -> std::result::Result<(String, String), csv::Error> {
+    let mut w = csv::Writer::from_writer(Vec::new());
+    for r in rows {
+        w.serialize(r)?;
+    }
+    let csv = String::from_utf8(w.into_inner().map_err(|e| e.into_error())?).expect("csv writes UTF-8");
+    let mut reader = csv::Reader::from_reader(csv.as_bytes());
+    let mut md = String::new();
+    let headers = reader.headers()?.clone();
+    md.push_str(&format!("| {} |\n", headers.iter().collect::<Vec<_>>().join(" | ")));
+    md.push_str(&format!("|{}\n", "---|".repeat(headers.len())));
+    for record in reader.records() {
+        md.push_str(&format!("| {} |\n", record?.iter().collect::<Vec<_>>().join(" | ")));
+    }
+    Ok((csv, md))
+}
+
+/// Writes `name.csv` and `name.md` to `$BENCH_RESULTS_DIR` (default `benches/results`) and prints where.
+pub fn write_results(name: &str, csv: &str, md: &str) {
+    let dir = std::env::var("BENCH_RESULTS_DIR").unwrap_or_else(|_| "benches/results".into());
+    std::fs::create_dir_all(&dir).ok();
+    for (ext, text) in [("csv", csv), ("md", md)] {
+        let path = format!("{dir}/{name}.{ext}");
+        match std::fs::write(&path, text) {
+            Ok(()) => println!("wrote {path}"),
+            Err(e) => eprintln!("cannot write {path}: {e}"),
+        }
+    }
+}

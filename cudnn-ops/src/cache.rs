@@ -4,6 +4,7 @@
 //! from two threads at once, so neither plans nor the context are `Send`.
 
 use crate::graph::NormPhase;
+
 use crate::plan::Plan;
 use crate::{DataType, Result};
 use std::cell::{Cell, RefCell};
@@ -26,6 +27,34 @@ pub enum PlanKey {
         dtype: DataType,
         /// Inference or training.
         phase: NormPhase,
+    },
+    /// Fused matmul with an epilogue (`ops::matmul`).
+    Matmul {
+        /// A `[batch, m, k]` dims and strides.
+        a: crate::ops::matmul::MatrixLayout,
+        /// B `[batch or 1, k, n]` dims and strides.
+        b: crate::ops::matmul::MatrixLayout,
+        /// Dtype of A and B.
+        dtype: DataType,
+        /// Dtype of D and of the epilogue's inputs.
+        out_dtype: DataType,
+        /// The steps after the matmul.
+        epilogue: crate::ops::matmul::Epilogue,
+    },
+    /// Fused attention forward.
+    Sdpa {
+        /// `[batch, heads_q, heads_kv, seq_q, seq_kv, head_dim]`.
+        dims: [usize; 6],
+        /// Element strides of Q, K, V and O over their logical `[b, h, s, d]` dims.
+        strides: [[usize; 4]; 4],
+        /// I/O dtype.
+        dtype: DataType,
+        /// Causal masking.
+        mask: crate::Mask,
+        /// Training mode (stats written).
+        stats: bool,
+        /// The form asked for (`None`: chosen by version).
+        form: Option<crate::SdpaForm>,
     },
 }
 

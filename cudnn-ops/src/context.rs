@@ -10,6 +10,9 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;
 
+/// Engine configurations matmul plans time on first use unless [`Cudnn::set_autotune`] says otherwise.
+pub const DEFAULT_AUTOTUNE: usize = 8;
+
 /// What the context runs on, for reports.
 #[derive(Debug, Clone)]
 pub struct DeviceInfo {
@@ -44,6 +47,7 @@ pub struct Cudnn {
     workspace: RefCell<Option<Rc<CudaSlice<u8>>>>,
     pub(crate) naive: OnceCell<crate::naive::Kernels>,
     blas: OnceCell<cudarc::cublas::CudaBlas>,
+    autotune: std::cell::Cell<usize>,
     handle: Handle,
     stream: Arc<CudaStream>,
     info: DeviceInfo,
@@ -86,6 +90,7 @@ impl Cudnn {
             workspace: RefCell::new(None),
             naive: OnceCell::new(),
             blas: OnceCell::new(),
+            autotune: std::cell::Cell::new(DEFAULT_AUTOTUNE),
             handle,
             stream,
             info,
@@ -133,6 +138,17 @@ impl Cudnn {
             *ws = Some(Rc::new(self.stream.alloc_zeros::<u8>(size)?));
         }
         Ok(ws.clone())
+    }
+
+    /// How many engine configurations ops that autotune (matmul) finalize and time on first use; 1
+    /// takes the heuristics' first choice. Affects plans built afterwards.
+    pub fn set_autotune(&self, candidates: usize) {
+        self.autotune.set(candidates.max(1));
+    }
+
+    /// See [`Cudnn::set_autotune`].
+    pub fn autotune(&self) -> usize {
+        self.autotune.get()
     }
 
     /// The cuBLAS handle on this context's stream, created on first use (the naive backend's GEMMs).

@@ -102,6 +102,14 @@ impl Descriptor {
         Ok(v)
     }
 
+    /// Reads a single 32-bit enum attribute of C type `ty` (e.g. a knob type) as its raw value.
+    pub(crate) fn get_enum(&self, name: AttrName, ty: AttrType) -> Result<u32> {
+        let mut v = 0u32;
+        // SAFETY: one writable 32-bit value, the size of every cuDNN enum; `self.raw` is live.
+        unsafe { raw::get_attribute(self.raw, name, ty, 1, (&mut v as *mut u32).cast())? };
+        Ok(v)
+    }
+
     /// Reads a descriptor-array attribute into freshly created descriptors of `kind` (cuDNN fills
     /// pre-created descriptors). With `max = None` the count is queried first.
     pub(crate) fn get_descriptors(

@@ -9,7 +9,7 @@
 //! | [`PlanCache`], [`PlanKey`] | plans by shape/stride/dtype/flags, with hit and miss counters |
 //! | [`ops`] | fused ops: [`ops::rmsnorm::rms_norm`] ... |
 //! | [`naive`] | the eager baselines: one kernel per elementary op, f32 intermediates |
-//! | [`reference`] | f64 CPU references and the comparison used by tests and reports |
+//! | [`reference`](mod@reference) | f64 CPU references and the comparison used by tests and reports |
 //!
 //! Recipe for a fused call:
 //! 1. `let ctx = Cudnn::new(0)?;` (an error, not a panic, without a driver, GPU or cuDNN);
@@ -38,7 +38,11 @@ pub use graph::{
     Binary, Graph, Mask, NormPhase, Reduce, RmsNormOutputs, SdpaForm, SdpaOptions, SdpaOutputs, TensorId,
     Unary,
 };
+pub use ops::matmul::{
+    linear, matmul, matmul_with, Activation, BufferLens, Epilogue, Linear, MatmulArgs, MatrixLayout, Operands,
+};
 pub use ops::rmsnorm::{rms_norm, rms_norm_train, rms_norm_with, RmsNormArgs};
+pub use ops::sdpa::{sdpa, sdpa_train, sdpa_with, Layout, SdpaArgs, SdpaLens};
 pub use plan::{Bindings, Plan, Prepared, Scalar};
 pub use tensor::{packed_strides, TensorSpec, DEFAULT_ALIGNMENT, MAX_RANK};
 

@@ -6,6 +6,7 @@ use crate::tensor::TensorSpec;
 use crate::{Cudnn, Error, Result};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 use cudnn_sys as sys;
+use std::cell::{Cell, RefCell};
 use std::ffi::c_void;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
@@ -50,16 +51,28 @@ pub(crate) struct PlanParts {
     pub(crate) constants: Vec<(i64, Scalar)>,
 }
 
-/// A finalized execution plan and what it needs bound at execute time.
-pub struct Plan {
-    // Field order is drop order: the plan goes before the graph descriptors it was built from.
+/// One finalized engine configuration of a graph.
+struct Candidate {
     plan: Descriptor,
+    workspace: usize,
+    engine: String,
+}
+
+/// A finalized execution plan and what it needs bound at execute time.
+///
+/// A plan may hold several finalized engine configurations (see [`crate::Graph::build_tuned`]): the
+/// first execution then times each on the caller's buffers and keeps the fastest (the frontend's
+/// autotuning); until then, and with one candidate, the heuristics' first choice runs.
+pub struct Plan {
+    // Field order is drop order: the plans go before the graph descriptors they were built from.
+    candidates: Vec<Candidate>,
+    chosen: Cell<usize>,
+    tuned: Cell<bool>,
+    timings: RefCell<Vec<(String, f64)>>,
     _graph: Descriptor,
     _parts: Vec<Descriptor>,
     tensors: Vec<TensorSpec>,
     constants: Vec<(i64, Box<[u8; 4]>)>,
-    workspace: usize,
-    engine: String,
     name: String,
     form: String,
     build_time: Duration,
@@ -70,21 +83,41 @@ impl std::fmt::Debug for Plan {
         f.debug_struct("Plan")
             .field("name", &self.name)
             .field("form", &self.form)
-            .field("engine", &self.engine)
-            .field("workspace", &self.workspace)
+            .field("engine", &self.engine())
+            .field("candidates", &self.candidates.len())
+            .field("workspace", &self.workspace_size())
             .field("build_time", &self.build_time)
             .finish()
     }
 }
 
 impl Plan {
-    pub(crate) fn from_graph(ctx: &Cudnn, parts: PlanParts, started: Instant) -> Result<Plan> {
+    /// Finalizes engine configurations in heuristics order (mode A, then FALLBACK) until
+    /// `max_candidates` succeed. [`Error::NotSupported`] if none does.
+    pub(crate) fn from_graph(
+        ctx: &Cudnn,
+        parts: PlanParts,
+        started: Instant,
+        max_candidates: usize,
+    ) -> Result<Plan> {
         let PlanParts { name, form, graph, descriptors, tensors, constants } = parts;
         let mut last_error = None;
-        for mode in [
-            sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,
-            sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK,
-        ] {
+        let mut candidates: Vec<Candidate> = Vec::new();
+        // Mode B (a costlier heuristic, with more configurations) only when several candidates are
+        // wanted; the frontend serializes its finalize process-wide, and so do we.
+        let modes: &[sys::cudnnBackendHeurMode_t] = if max_candidates > 1 {
+            &[
+                sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,
+                sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_B,
+                sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK,
+            ]
+        } else {
+            &[
+                sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,
+                sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK,
+            ]
+        };
+        'modes: for &mode in modes {
             let configs = match engine_configs(&graph, mode) {
                 Ok(c) => c,
                 Err(e) => {
@@ -93,33 +126,58 @@ impl Plan {
                 }
             };
             for config in configs {
+                let engine = engine_name(&config).unwrap_or_else(|_| "unknown".into());
+                if candidates.iter().any(|c| c.engine == engine) {
+                    continue; // later modes repeat configurations earlier ones listed
+                }
                 match finalize_plan(ctx, &config) {
                     Ok(plan) => {
                         let workspace =
                             plan.get_i64(A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE)?.max(0) as usize;
-                        let engine = engine_name(&config).unwrap_or_else(|_| "unknown".into());
-                        return Ok(Plan {
-                            plan,
-                            _graph: graph,
-                            _parts: descriptors,
-                            tensors,
-                            constants: constants.into_iter().map(|(uid, v)| (uid, v.boxed())).collect(),
-                            workspace,
-                            engine,
-                            name,
-                            form,
-                            build_time: started.elapsed(),
-                        });
+                        candidates.push(Candidate { plan, workspace, engine });
+                        if candidates.len() >= max_candidates.max(1) {
+                            break 'modes;
+                        }
                     }
                     Err(e) => last_error = Some(e),
                 }
             }
         }
-        let reason = match last_error {
-            Some(e) => format!("no engine configuration finalized (last error: {e})"),
-            None => "heuristics returned no engine configuration".into(),
-        };
-        Err(Error::NotSupported { op: name, reason })
+        if candidates.is_empty() {
+            let reason = match last_error {
+                Some(e) => format!("no engine configuration finalized (last error: {e})"),
+                None => "heuristics returned no engine configuration".into(),
+            };
+            return Err(Error::NotSupported { op: name, reason });
+        }
+        Ok(Plan {
+            tuned: Cell::new(candidates.len() == 1),
+            candidates,
+            chosen: Cell::new(0),
+            timings: RefCell::new(Vec::new()),
+            _graph: graph,
+            _parts: descriptors,
+            tensors,
+            constants: constants.into_iter().map(|(uid, v)| (uid, v.boxed())).collect(),
+            name,
+            form,
+            build_time: started.elapsed(),
+        })
+    }
+
+    fn chosen(&self) -> &Candidate {
+        &self.candidates[self.chosen.get()]
+    }
+
+    /// Engines that finalized, in heuristics order (the first is the heuristics' choice).
+    pub fn candidates(&self) -> Vec<&str> {
+        self.candidates.iter().map(|c| c.engine.as_str()).collect()
+    }
+
+    /// Median milliseconds per candidate from autotuning (empty until the first execution of a plan
+    /// with several candidates).
+    pub fn timings(&self) -> Vec<(String, f64)> {
+        self.timings.borrow().clone()
     }
 
     /// The graph's name.
@@ -132,14 +190,14 @@ impl Plan {
         &self.form
     }
 
-    /// The engine that was chosen, as `eng<global index>`.
+    /// The engine that runs, as `eng<global index>`.
     pub fn engine(&self) -> &str {
-        &self.engine
+        &self.chosen().engine
     }
 
-    /// Workspace bytes the plan needs per execution.
+    /// Workspace bytes the running engine needs per execution.
     pub fn workspace_size(&self) -> usize {
-        self.workspace
+        self.chosen().workspace
     }
 
     /// Wall time from validation to the finalized plan (the cold cost a cache hit avoids).
@@ -211,11 +269,21 @@ impl Plan {
 
     /// Checks the bindings and builds the variant pack once; [`Prepared::execute`] then only enqueues.
     pub fn prepare<'p>(&'p self, ctx: &'p Cudnn, b: &'p Bindings<'_>) -> Result<Prepared<'p>> {
+        self.prepare_candidate(ctx, b, self.chosen.get())
+    }
+
+    fn prepare_candidate<'p>(
+        &'p self,
+        ctx: &'p Cudnn,
+        b: &'p Bindings<'_>,
+        index: usize,
+    ) -> Result<Prepared<'p>> {
         self.check(b)?;
         ctx.bind()?;
-        let workspace = ctx.workspace(self.workspace)?;
+        let need = self.candidates[index].workspace;
+        let workspace = ctx.workspace(need)?;
         let ws_ptr = match &workspace {
-            Some(ws) if self.workspace > 0 => {
+            Some(ws) if need > 0 => {
                 let (addr, _sync) = ws.device_ptr(ctx.stream());
                 addr as *mut c_void
             }
@@ -233,18 +301,52 @@ impl Plan {
         pack.set(A::CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, Attr::VoidPtrs(&ptrs))?;
         pack.set(A::CUDNN_ATTR_VARIANT_PACK_WORKSPACE, Attr::VoidPtrs(&[ws_ptr]))?;
         pack.finalize("variant pack")?;
-        Ok(Prepared { plan: self, ctx, pack, _workspace: workspace })
+        Ok(Prepared { plan: &self.candidates[index].plan, ctx, pack, _workspace: workspace })
     }
 
-    /// Checks the bindings and enqueues the plan on the context's stream.
+    /// Checks the bindings and enqueues the plan on the context's stream. The first execution of a
+    /// plan with several candidates times them first (synchronizing the stream), so run it once before
+    /// capturing a CUDA graph.
     pub fn execute(&self, ctx: &Cudnn, b: &Bindings<'_>) -> Result<()> {
+        if !self.tuned.get() {
+            self.autotune(ctx, b)?;
+        }
         self.prepare(ctx, b)?.execute()
+    }
+
+    /// Times every candidate on these bindings (one warm-up, then the median of 5 CUDA-event samples
+    /// of 3 executions each) and keeps the fastest. Outputs are overwritten; inputs are only read.
+    pub fn autotune(&self, ctx: &Cudnn, b: &Bindings<'_>) -> Result<()> {
+        let cuda = ctx.stream().context();
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let (start, end) = (cuda.new_event(flags)?, cuda.new_event(flags)?);
+        let mut timings = Vec::with_capacity(self.candidates.len());
+        for (i, c) in self.candidates.iter().enumerate() {
+            let prepared = self.prepare_candidate(ctx, b, i)?;
+            prepared.execute()?;
+            let mut samples = Vec::with_capacity(5);
+            for _ in 0..5 {
+                start.record(ctx.stream())?;
+                for _ in 0..3 {
+                    prepared.execute()?;
+                }
+                end.record(ctx.stream())?;
+                samples.push(start.elapsed_ms(&end)? as f64 / 3.0);
+            }
+            samples.sort_by(f64::total_cmp);
+            timings.push((c.engine.clone(), samples[2]));
+        }
+        let best = (0..timings.len()).min_by(|&a, &b| timings[a].1.total_cmp(&timings[b].1)).unwrap_or(0);
+        self.chosen.set(best);
+        self.tuned.set(true);
+        *self.timings.borrow_mut() = timings;
+        Ok(())
     }
 }
 
 /// A plan with its variant pack built: executing it is a single `cudnnBackendExecute`.
 pub struct Prepared<'p> {
-    plan: &'p Plan,
+    plan: &'p Descriptor,
     ctx: &'p Cudnn,
     pack: Descriptor,
     _workspace: Option<Rc<CudaSlice<u8>>>,
@@ -255,15 +357,23 @@ impl Prepared<'_> {
     pub fn execute(&self) -> Result<()> {
         // SAFETY: the plan was finalized for this context's handle; the variant pack's pointers were
         // checked against the plan's tensors and are borrowed (bindings, workspace) for `'p`.
-        unsafe { crate::raw::execute(self.ctx.raw_handle(), self.plan.plan.raw(), self.pack.raw()) }
+        unsafe { crate::raw::execute(self.ctx.raw_handle(), self.plan.raw(), self.pack.raw()) }
     }
 }
+
+/// Heuristics mode B's finalize is not thread-safe (the frontend holds a process-wide mutex around it).
+static HEUR_B: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn engine_configs(graph: &Descriptor, mode: sys::cudnnBackendHeurMode_t) -> Result<Vec<Descriptor>> {
     let mut heur = Descriptor::new(D::CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR)?;
     heur.set(A::CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, Attr::Descriptors(&[graph]))?;
     heur.set(A::CUDNN_ATTR_ENGINEHEUR_MODE, Attr::HeurMode(mode))?;
-    heur.finalize("engine heuristics")?;
+    if mode == sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_B {
+        let _serialized = HEUR_B.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        heur.finalize("engine heuristics (mode B)")?;
+    } else {
+        heur.finalize("engine heuristics")?;
+    }
     heur.get_descriptors(A::CUDNN_ATTR_ENGINEHEUR_RESULTS, D::CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, None)
 }
 
@@ -275,6 +385,7 @@ fn finalize_plan(ctx: &Cudnn, config: &Descriptor) -> Result<Descriptor> {
     Ok(plan)
 }
 
+/// The frontend's engine tag: `eng<global index>` then `_k<knob type>=<value>` per knob choice.
 fn engine_name(config: &Descriptor) -> Result<String> {
     let engine = config.get_descriptors(
         A::CUDNN_ATTR_ENGINECFG_ENGINE,
@@ -282,7 +393,20 @@ fn engine_name(config: &Descriptor) -> Result<String> {
         Some(1),
     )?;
     let engine = engine.first().ok_or_else(|| Error::invalid("engine config without engine"))?;
-    Ok(format!("eng{}", engine.get_i64(A::CUDNN_ATTR_ENGINE_GLOBAL_INDEX)?))
+    let mut tag = format!("eng{}", engine.get_i64(A::CUDNN_ATTR_ENGINE_GLOBAL_INDEX)?);
+    let knobs = config.get_descriptors(
+        A::CUDNN_ATTR_ENGINECFG_KNOB_CHOICES,
+        D::CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR,
+        Some(sys::cudnnBackendKnobType_t::CUDNN_KNOB_TYPE_COUNTS.0 as usize),
+    )?;
+    for k in knobs {
+        let ty = k.get_enum(
+            A::CUDNN_ATTR_KNOB_CHOICE_KNOB_TYPE,
+            sys::cudnnBackendAttributeType_t::CUDNN_TYPE_KNOB_TYPE,
+        )?;
+        tag += &format!("_k{ty}={}", k.get_i64(A::CUDNN_ATTR_KNOB_CHOICE_KNOB_VALUE)?);
+    }
+    Ok(tag)
 }
 
 enum Place {

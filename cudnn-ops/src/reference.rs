@@ -23,6 +23,79 @@ pub fn rms_norm(
     (y, inv)
 }
 
+/// Shape of a reference attention: Q `[batch, heads_q, seq_q, dim]`, K/V `[batch, heads_kv, seq_kv, dim]`,
+/// all packed BHSD.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionShape {
+    /// Batch.
+    pub batch: usize,
+    /// Query heads.
+    pub heads_q: usize,
+    /// Key/value heads (divides `heads_q`).
+    pub heads_kv: usize,
+    /// Query length.
+    pub seq_q: usize,
+    /// Key/value length.
+    pub seq_kv: usize,
+    /// Head dim.
+    pub dim: usize,
+}
+
+/// Attention in f64: `softmax(scale · Q Kᵀ masked) V` with query head `h` reading K/V head
+/// `h / (heads_q / heads_kv)`. Returns `(o, stats)`: O packed `[b, h_q, s_q, d]`, stats the natural-log
+/// log-sum-exp of each scaled, masked score row `[b, h_q, s_q]`.
+pub fn attention(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    shape: AttentionShape,
+    scale: f64,
+    mask: crate::Mask,
+) -> (Vec<f64>, Vec<f64>) {
+    let AttentionShape { batch, heads_q, heads_kv, seq_q, seq_kv, dim } = shape;
+    assert!(heads_kv > 0 && heads_q % heads_kv == 0, "reference attention: heads");
+    assert_eq!(q.len(), batch * heads_q * seq_q * dim, "reference attention: q length");
+    assert_eq!(k.len(), batch * heads_kv * seq_kv * dim, "reference attention: k length");
+    assert_eq!(v.len(), k.len(), "reference attention: v length");
+    let group = heads_q / heads_kv;
+    let mut o = vec![0.0; q.len()];
+    let mut stats = vec![0.0; batch * heads_q * seq_q];
+    let mut scores = vec![0.0; seq_kv];
+    for b in 0..batch {
+        for h in 0..heads_q {
+            let kv = (b * heads_kv + h / group) * seq_kv * dim;
+            for i in 0..seq_q {
+                let qi = &q[((b * heads_q + h) * seq_q + i) * dim..][..dim];
+                let mut max = f64::NEG_INFINITY;
+                for (j, s) in scores.iter_mut().enumerate() {
+                    *s = if mask.keeps(i, j, seq_q, seq_kv) {
+                        let kj = &k[kv + j * dim..][..dim];
+                        scale * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>()
+                    } else {
+                        f64::NEG_INFINITY
+                    };
+                    max = max.max(*s);
+                }
+                let mut sum = 0.0;
+                for s in scores.iter_mut() {
+                    *s = (*s - max).exp();
+                    sum += *s;
+                }
+                let row = (b * heads_q + h) * seq_q + i;
+                stats[row] = max + sum.ln();
+                let oi = &mut o[row * dim..][..dim];
+                for (j, p) in scores.iter().enumerate() {
+                    let vj = &v[kv + j * dim..][..dim];
+                    for (out, x) in oi.iter_mut().zip(vj) {
+                        *out += p / sum * x;
+                    }
+                }
+            }
+        }
+    }
+    (o, stats)
+}
+
 /// Named tolerances per dtype: relative L2 error `‖out − ref‖ / ‖ref‖`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Tolerance {
@@ -125,6 +198,132 @@ pub fn to_elements<T: Element>(values: &[f64]) -> Vec<T> {
     values.iter().map(|&v| T::from_f64(v)).collect()
 }
 
+/// Rows `rows` (indices into the `batch · m` rows of D) of the matmul `A · B` in f64, with A and B laid
+/// out as `args` says; `rows.len() · n` values, row-major. Sampling rows keeps references of large shapes
+/// cheap.
+pub fn matmul_rows(args: &crate::MatmulArgs, a: &[f64], b: &[f64], rows: &[usize]) -> Vec<f64> {
+    let (m, n, k) = (args.m(), args.n(), args.k());
+    let ([sa0, sa1, sa2], [sb0, sb1, sb2]) = (args.a.strides, args.b.strides);
+    assert!(a.len() >= args.a.min_elements().unwrap_or(usize::MAX), "reference matmul: A length");
+    assert!(b.len() >= args.b.min_elements().unwrap_or(usize::MAX), "reference matmul: B length");
+    let mut out = vec![0.0; rows.len() * n];
+    for (row, d) in rows.iter().zip(out.chunks_exact_mut(n)) {
+        let (batch, i) = (row / m, row % m);
+        assert!(batch < args.batch(), "reference matmul: row {row} out of range");
+        let a_row = batch * sa0 + i * sa1;
+        let b_mat = if args.b.dims[0] == 1 { 0 } else { batch * sb0 };
+        if sb1 == 1 {
+            // Column-major B (a transposed weight): each output is a dot product of contiguous vectors.
+            for (j, dj) in d.iter_mut().enumerate() {
+                let col = b_mat + j * sb2;
+                *dj = (0..k).map(|p| a[a_row + p * sa2] * b[col + p]).sum();
+            }
+        } else {
+            for p in 0..k {
+                let (ap, b_row) = (a[a_row + p * sa2], b_mat + p * sb1);
+                for (j, dj) in d.iter_mut().enumerate() {
+                    *dj += ap * b[b_row + j * sb2];
+                }
+            }
+        }
+    }
+    out
+}
+
+/// An activation in f64.
+pub fn activation(act: crate::Activation, x: f64) -> f64 {
+    use crate::Activation as A;
+    match act {
+        A::Silu => x / (1.0 + (-x).exp()),
+        A::Gelu => 0.5 * x * (1.0 + erf(x / std::f64::consts::SQRT_2)),
+        A::GeluTanh => {
+            let beta = (2.0 / std::f64::consts::PI).sqrt();
+            0.5 * x * (1.0 + (beta * (x + 0.044715 * x * x * x)).tanh())
+        }
+        A::Relu => x.max(0.0),
+    }
+}
+
+/// The error function to about 1e-15 relative: a series of positive terms below 2, the continued
+/// fraction of erfc above.
+fn erf(x: f64) -> f64 {
+    let ax = x.abs();
+    let v = if ax < 2.0 {
+        // erf(x) = 2/√π e^(-x²) Σ 2^j x^(2j+1) / (1·3·…·(2j+1)): no cancellation, ~30 terms at 2.
+        let (mut term, mut sum, mut j) = (ax, ax, 0.0);
+        while term > 1e-17 * sum {
+            j += 1.0;
+            term *= 2.0 * ax * ax / (2.0 * j + 1.0);
+            sum += term;
+        }
+        sum * (-ax * ax).exp() * 2.0 / std::f64::consts::PI.sqrt()
+    } else {
+        // erfc(x) = e^(-x²)/√π · 1/(x + (1/2)/(x + 1/(x + (3/2)/(x + ...)))), evaluated from the tail;
+        // 80 terms are exact to f64 from 2 up.
+        let mut t = ax;
+        for j in (1..=80).rev() {
+            t = ax + (j as f64 / 2.0) / t;
+        }
+        1.0 - (-ax * ax).exp() / (std::f64::consts::PI.sqrt() * t)
+    };
+    v.copysign(x)
+}
+
+/// An epilogue in f64 on rows of `A · B` (`product` as [`matmul_rows`] returns it): `+ bias [n]`, the
+/// activation, `⊙ gate`, `+ residual`, with the gate U and residual R packed `[batch · m, n]` and read at
+/// `rows`.
+pub fn matmul_epilogue(
+    epilogue: crate::Epilogue,
+    product: &[f64],
+    n: usize,
+    rows: &[usize],
+    bias: Option<&[f64]>,
+    gate: Option<&[f64]>,
+    residual: Option<&[f64]>,
+) -> Vec<f64> {
+    assert_eq!(product.len(), rows.len() * n, "reference matmul epilogue: product length");
+    for (step, wanted, given) in [
+        ("bias", epilogue.bias, bias.is_some()),
+        ("gate", epilogue.gate, gate.is_some()),
+        ("residual", epilogue.residual, residual.is_some()),
+    ] {
+        assert_eq!(wanted, given, "reference matmul epilogue: {step} input");
+    }
+    let mut out = product.to_vec();
+    for (&row, d) in rows.iter().zip(out.chunks_exact_mut(n)) {
+        for (j, v) in d.iter_mut().enumerate() {
+            if let Some(bias) = bias {
+                *v += bias[j];
+            }
+            if let Some(act) = epilogue.activation {
+                *v = activation(act, *v);
+            }
+            if let Some(u) = gate {
+                *v *= u[row * n + j];
+            }
+            if let Some(r) = residual {
+                *v += r[row * n + j];
+            }
+        }
+    }
+    out
+}
+
+/// `D = epilogue(A · B)` in f64, every row: `[batch · m, n]` row-major.
+pub fn matmul(
+    args: &crate::MatmulArgs,
+    epilogue: crate::Epilogue,
+    a: &[f64],
+    b: &[f64],
+    bias: Option<&[f64]>,
+    gate: Option<&[f64]>,
+    residual: Option<&[f64]>,
+) -> Vec<f64> {
+    let rows: Vec<usize> = (0..args.batch() * args.m()).collect();
+    let product = matmul_rows(args, a, b, &rows);
+    matmul_epilogue(epilogue, &product, args.n(), &rows, bias, gate, residual)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -153,6 +352,46 @@ mod tests {
         let (y2, _) = rms_norm(&x1000, &w, 4, 16, 0.0);
         for (a, b) in y1.iter().zip(&y2) {
             assert!((a - b).abs() < 1e-12);
+        }
+    }
+
+    #[test]
+    fn attention_by_hand() {
+        // One head, two keys: scores 2·s·(q·k) with q = [1, 0], k0 = [1, 0], k1 = [0, 1].
+        let shape = AttentionShape { batch: 1, heads_q: 1, heads_kv: 1, seq_q: 2, seq_kv: 2, dim: 2 };
+        let q = [1.0, 0.0, 1.0, 0.0];
+        let k = [1.0, 0.0, 0.0, 1.0];
+        let v = [1.0, 2.0, 3.0, 4.0];
+        let (o, stats) = attention(&q, &k, &v, shape, 0.5, crate::Mask::None);
+        // Scores [0.5, 0]: p0 = e^0.5 / (e^0.5 + 1).
+        let p0 = 0.5f64.exp() / (0.5f64.exp() + 1.0);
+        assert!(
+            (o[0] - (p0 + 3.0 * (1.0 - p0))).abs() < 1e-12
+                && (o[1] - (2.0 * p0 + 4.0 * (1.0 - p0))).abs() < 1e-12
+        );
+        assert!((stats[0] - (0.5f64.exp() + 1.0).ln()).abs() < 1e-12);
+        // Causal: the first query sees only the first key.
+        let (o, stats) = attention(&q, &k, &v, shape, 0.5, crate::Mask::CausalTopLeft);
+        assert_eq!(&o[..2], &[1.0, 2.0]);
+        assert!((stats[0] - 0.5).abs() < 1e-12);
+        assert!((o[2] - (p0 + 3.0 * (1.0 - p0))).abs() < 1e-12);
+    }
+
+    #[test]
+    fn attention_groups_query_heads_onto_kv_heads() {
+        // Four query heads on two K/V heads equal four query heads on K/V repeated per group.
+        let shape = AttentionShape { batch: 2, heads_q: 4, heads_kv: 2, seq_q: 3, seq_kv: 5, dim: 8 };
+        let q = random_values(1, 2 * 4 * 3 * 8);
+        let k = random_values(2, 2 * 2 * 5 * 8);
+        let v = random_values(3, 2 * 2 * 5 * 8);
+        let repeat =
+            |x: &[f64]| -> Vec<f64> { x.chunks(5 * 8).flat_map(|head| [head, head].concat()).collect() };
+        let full = AttentionShape { heads_kv: 4, ..shape };
+        for mask in [crate::Mask::None, crate::Mask::CausalBottomRight] {
+            let (a, sa) = attention(&q, &k, &v, shape, 0.3, mask);
+            let (b, sb) = attention(&q, &repeat(&k), &repeat(&v), full, 0.3, mask);
+            assert_eq!(a, b);
+            assert_eq!(sa, sb);
         }
     }
 

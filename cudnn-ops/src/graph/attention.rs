@@ -174,6 +174,7 @@ impl Graph {
         let spec = self.spec_mut(o);
         spec.dtype = io;
         spec.name = name;
+        self.attentions.push(([q, k, v, o], opts.stats.then_some(stats)));
         SdpaOutputs { o, stats: opts.stats.then_some(stats) }
     }
 }
@@ -195,6 +196,53 @@ mod tests {
         assert_eq!(SdpaForm::select(92100, 92100, Mask::CausalTopLeft), SdpaForm::Unified);
         // Old headers hold the unified node back even on a new library.
         assert_eq!(SdpaForm::select(91900, 91200, Mask::None), SdpaForm::Composite);
+    }
+
+    /// A composite graph over Q, K, V of the given dims (packed), returning the validation error's tensor.
+    fn invalid(
+        qd: [i64; 4],
+        kd: [i64; 4],
+        vd: [i64; 4],
+        dtype: crate::DataType,
+        tweak: impl Fn(&mut Graph),
+    ) -> (String, String) {
+        let mut g = Graph::new("attn");
+        let q = g.tensor(crate::TensorSpec::new("Q", &qd, dtype));
+        let k = g.tensor(crate::TensorSpec::new("K", &kd, dtype));
+        let v = g.tensor(crate::TensorSpec::new("V", &vd, dtype));
+        let scale = g.tensor(crate::TensorSpec::scalar("scale", crate::DataType::F32, 4));
+        let opts = SdpaOptions {
+            mask: Mask::CausalTopLeft,
+            stats: false,
+            form: SdpaForm::Composite,
+            cudnn_version: 91900,
+        };
+        let out = g.sdpa(q, k, v, scale, opts);
+        g.output(out.o);
+        tweak(&mut g);
+        match g.validate() {
+            Err(crate::Error::InvalidGraph { tensor, reason, .. }) => (tensor, reason),
+            other => panic!("expected InvalidGraph, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn attention_validation_names_the_tensor() {
+        use crate::DataType::{BF16, F32};
+        let none = |_: &mut Graph| {};
+        let (t, r) = invalid([1, 8, 16, 64], [2, 2, 16, 64], [2, 2, 16, 64], BF16, none);
+        assert!(t == "K" && r.contains("batch differs"), "{t}: {r}");
+        let (t, r) = invalid([1, 8, 16, 64], [1, 2, 16, 64], [1, 2, 24, 64], BF16, none);
+        assert!(t == "V" && r.contains("sequence lengths differ"), "{t}: {r}");
+        let (t, r) = invalid([1, 6, 16, 64], [1, 4, 16, 64], [1, 4, 16, 64], BF16, none);
+        assert!(t == "K" && r.contains("multiple of the K/V heads"), "{t}: {r}");
+        let (t, r) = invalid([1, 8, 16, 64], [1, 2, 16, 32], [1, 2, 16, 64], BF16, none);
+        assert!(t == "K" && r.contains("head dims differ"), "{t}: {r}");
+        let (t, r) = invalid([1, 8, 16, 64], [1, 2, 16, 64], [1, 2, 16, 64], F32, none);
+        assert!(t == "Q" && r.contains("f16 or bf16"), "{t}: {r}");
+        let strided = |g: &mut Graph| g.spec_mut(TensorId(0)).strides = vec![8 * 16 * 128, 16 * 128, 128, 2];
+        let (t, r) = invalid([1, 8, 16, 64], [1, 2, 16, 64], [1, 2, 16, 64], BF16, strided);
+        assert!(t == "Q" && r.contains("stride 1"), "{t}: {r}");
     }
 
     #[test]

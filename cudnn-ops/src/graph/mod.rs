@@ -82,6 +82,8 @@ pub struct Graph {
     constants: Vec<(TensorId, Scalar)>,
     /// Virtual outputs a pattern computes and nobody reads (the stats of inference attention).
     discarded: Vec<TensorId>,
+    /// Composite attentions, checked as a whole before their nodes: `[q, k (transposed), v, o]`, stats.
+    attentions: Vec<([TensorId; 4], Option<TensorId>)>,
     form: Option<String>,
 }
 
@@ -94,6 +96,7 @@ impl Graph {
             nodes: Vec::new(),
             constants: Vec::new(),
             discarded: Vec::new(),
+            attentions: Vec::new(),
             form: None,
         }
     }
@@ -185,6 +188,9 @@ impl Graph {
                 reason: "no operations".into(),
             });
         }
+        for &([q, k, v, o], stats) in &self.attentions {
+            self.check_sdpa_tensors(q, k, v, o, stats, true)?;
+        }
         for node in &self.nodes {
             self.check_node(node)?;
         }
@@ -207,6 +213,12 @@ impl Graph {
     /// Validates, lowers to backend descriptors, runs heuristics (mode A, then FALLBACK) and finalizes
     /// the first engine configuration that cuDNN accepts. [`Error::NotSupported`] if none does.
     pub fn build(&self, ctx: &Cudnn) -> Result<Plan> {
+        self.build_tuned(ctx, 1)
+    }
+
+    /// Like [`Graph::build`], but finalizes up to `max_candidates` engine configurations; the plan's
+    /// first execution times them and keeps the fastest ([`Plan::autotune`]).
+    pub fn build_tuned(&self, ctx: &Cudnn, max_candidates: usize) -> Result<Plan> {
         self.validate()?;
         let started = std::time::Instant::now();
         ctx.bind()?;
@@ -241,7 +253,7 @@ impl Graph {
             tensors: bound,
             constants,
         };
-        Plan::from_graph(ctx, parts, started).map_err(|e| self.unsupported(e))
+        Plan::from_graph(ctx, parts, started, max_candidates).map_err(|e| self.unsupported(e))
     }
 
     fn unsupported(&self, e: Error) -> Error {

@@ -1,1 +1,31 @@
-// Matmul epilogue kernels (one op per launch after the cuBLAS GEMM).
+// Matmul epilogue kernels (one op per launch after the cuBLAS GEMM), in place on the output D. Each
+// reads and writes the output dtype and computes in f32, as eager's bf16/f16/f32 elementwise kernels do.
+// Broadcast indices use 32-bit division (callers keep n < 2^32).
+
+__device__ __forceinline__ float epi_silu(float x) { return x / (1.0f + expf(-x)); }
+__device__ __forceinline__ float epi_gelu(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
+__device__ __forceinline__ float epi_gelu_tanh(float x) {
+    const float beta = 0.79788456080286536f;  // sqrt(2 / pi)
+    const float kappa = 0.044715f;
+    return 0.5f * x * (1.0f + tanhf(beta * (x + kappa * x * x * x)));
+}
+__device__ __forceinline__ float epi_relu(float x) { return x <= 0.0f ? 0.0f : x; }  // NaN propagates
+
+// One set per output dtype: T the element type, load/store the f32 conversions from kernels.cu.
+#define EPI_KERNELS(T, sfx, load, store)                                                                \
+/* y + bias, bias broadcast over rows of length cols */                                                \
+ELEMENTWISE(epi_bias_##sfx, (T* y, const T* bias, long cols, long n),                                  \
+            y[i] = store(load(y[i]) + load(bias[(unsigned)i % (unsigned)cols])))                       \
+/* F.silu(y), F.gelu(y), F.gelu(y, approximate="tanh"), F.relu(y) */                                    \
+ELEMENTWISE(epi_silu_##sfx, (T* y, long n), y[i] = store(epi_silu(load(y[i]))))                        \
+ELEMENTWISE(epi_gelu_##sfx, (T* y, long n), y[i] = store(epi_gelu(load(y[i]))))                        \
+ELEMENTWISE(epi_gelu_tanh_##sfx, (T* y, long n), y[i] = store(epi_gelu_tanh(load(y[i]))))              \
+ELEMENTWISE(epi_relu_##sfx, (T* y, long n), y[i] = store(epi_relu(load(y[i]))))                        \
+/* y * up (the SwiGLU gate) */                                                                         \
+ELEMENTWISE(epi_mul_##sfx, (T* y, const T* u, long n), y[i] = store(load(y[i]) * load(u[i])))          \
+/* residual + y */                                                                                     \
+ELEMENTWISE(epi_add_##sfx, (T* y, const T* r, long n), y[i] = store(load(r[i]) + load(y[i])))
+
+EPI_KERNELS(bits16, bf16, bf16_to_f32, f32_to_bf16)
+EPI_KERNELS(bits16, f16, f16_to_f32, f32_to_f16)
+EPI_KERNELS(float, f32, f32_to_f32, f32_to_f32)

@@ -17,13 +17,13 @@ __device__ __forceinline__ float f16_to_f32(bits16 h) { float f; asm("cvt.f32.f1
 __device__ __forceinline__ bits16 f32_to_f16(float f) { bits16 h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
 __device__ __forceinline__ float f32_to_f32(float f) { return f; }
 
-#define ELEMENTWISE(name, params, body)                                                  \
+#define ELEMENTWISE(name, params, ...)                                                   \
 extern "C" __global__ void name params {                                                 \
     long base = (long)blockIdx.x * blockDim.x * ITEMS + threadIdx.x;                     \
     _Pragma("unroll")                                                                    \
     for (int k = 0; k < ITEMS; ++k) {                                                    \
         long i = base + (long)k * blockDim.x;                                            \
-        if (i < n) { body; }                                                             \
+        if (i < n) { __VA_ARGS__; }                                                      \
     }                                                                                    \
 }
 

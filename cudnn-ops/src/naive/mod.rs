@@ -1,7 +1,9 @@
 //! Naive baselines: what PyTorch eager runs, one kernel per elementary op with f32 intermediates in
 //! device memory. Kernels are compiled with NVRTC on first use and cached per context.
 
+pub mod attention;
 pub(crate) mod blas;
+pub mod matmul;
 pub mod rmsnorm;
 
 use crate::{Cudnn, Error, Result};
@@ -28,23 +30,18 @@ pub struct Kernels {
 
 impl Kernels {
     fn compile(ctx: &Cudnn) -> Result<Self> {
-        // SAFETY: only probes whether the shared library can be opened (cudarc panics if it cannot).
-        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-            return Err(Error::Nvrtc("libnvrtc.so was not found: install the CUDA 13 NVRTC library".into()));
-        }
-        let (major, minor) = ctx.info().compute_capability;
-        let opts = CompileOptions {
-            options: vec![format!("--gpu-architecture=compute_{major}{minor}")],
-            ..Default::default()
-        };
-        let ptx =
-            cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| Error::Nvrtc(format!("{e:?}")))?;
+        let ptx = ptx(ctx.info().compute_capability)?;
         let module = ctx.stream().context().load_module(ptx)?;
         Ok(Kernels { module, functions: RefCell::new(HashMap::new()), scratch: RefCell::new(None) })
     }
 
     fn get(ctx: &Cudnn) -> Result<&Kernels> {
         ctx.naive.get_or_try_init(|| Kernels::compile(ctx))
+    }
+
+    /// Scratch f32 elements currently held.
+    fn scratch_len(&self) -> usize {
+        self.scratch.borrow().as_ref().map_or(0, |s| s.len())
     }
 
     /// The kernel called `name` (looked up once, then cached).
@@ -56,6 +53,19 @@ impl Kernels {
         self.functions.borrow_mut().insert(name.to_string(), f.clone());
         Ok(f)
     }
+}
+
+/// Compiles the kernel source for a compute capability (no GPU needed, only libnvrtc).
+fn ptx((major, minor): (i32, i32)) -> Result<cudarc::nvrtc::Ptx> {
+    // SAFETY: only probes whether the shared library can be opened (cudarc panics if it cannot).
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(Error::Nvrtc("libnvrtc.so was not found: install the CUDA 13 NVRTC library".into()));
+    }
+    let opts = CompileOptions {
+        options: vec![format!("--gpu-architecture=compute_{major}{minor}")],
+        ..Default::default()
+    };
+    cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| Error::Nvrtc(format!("{e:?}")))
 }
 
 /// Scratch f32 memory of at least `len` elements (grown, never shrunk), as a device address. Like
@@ -107,4 +117,27 @@ fn elementwise(ctx: &Cudnn, kernels: &Kernels, name: &str, n: usize, args: &[Arg
     let mut all = args.to_vec();
     all.push(Arg::I64(n as i64));
     launch(ctx, kernels, name, cfg, &all)
+}
+
+#[cfg(test)]
+mod tests {
+    /// Compiles every kernel where libnvrtc can be loaded (CI fetches it from PyPI; no GPU needed).
+    #[test]
+    fn kernels_compile_where_nvrtc_is_installed() {
+        // SAFETY: only probes whether the shared library can be opened.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            eprintln!("SKIPPED kernels_compile_where_nvrtc_is_installed: no libnvrtc on the library path");
+            return;
+        }
+        for cc in [(8, 0), (9, 0)] {
+            if let Err(e) = super::ptx(cc) {
+                panic!(
+                    "kernels do not compile for sm_{}{}: {}",
+                    cc.0,
+                    cc.1,
+                    e.to_string().replace("\\n", "\n")
+                );
+            }
+        }
+    }
 }

@@ -1,3 +1,6 @@
 //! Fused ops: each builds (once, through the plan cache) a cuDNN graph and executes it.
 
+pub mod epilogue;
+pub mod matmul;
 pub mod rmsnorm;
+pub mod sdpa;

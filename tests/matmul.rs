@@ -1,0 +1,488 @@
+//! Matmul with epilogues end to end: fused (cuDNN) and naive (cuBLAS + one kernel per step) against the
+//! f64 CPU reference. The CPU tests run everywhere; the GPU tests are ignored by default:
+//! `cargo test --release --test matmul -- --include-ignored` on a GPU machine (release keeps the f64
+//! reference of the large shapes fast).
+
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudnn_llm::bench_util::{download, poisoned, upload};
+use cudnn_llm::cudnn_ops::{
+    linear, matmul, matmul_with, reference, Activation, Backend, Cudnn, DataType, Element, Epilogue, Error,
+    Linear, MatmulArgs, MatrixLayout, Operands,
+};
+use half::{bf16, f16};
+
+/// cuDNN may run f32 matmuls on tensor cores as TF32 (inputs rounded to 10 mantissa bits), which gives a
+/// relative error near 1e-3; f32 outputs are held to this instead of the exact-f32 tolerance.
+const F32_MATMUL_TOL: reference::Tolerance = reference::Tolerance { rel_l2: 5e-3 };
+
+fn tolerance(dtype: DataType) -> reference::Tolerance {
+    match dtype {
+        DataType::F32 => F32_MATMUL_TOL,
+        other => reference::tolerance(other),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// CPU: the reference by hand.
+
+#[test]
+fn reference_by_hand() {
+    // A [2, 3] · B [3, 2], B given as the transposed view of W [2, 3] (a Linear weight).
+    let a = [1.0, 2.0, 3.0, -1.0, 0.5, 2.0];
+    let w = [1.0, 0.0, -1.0, 2.0, 1.0, 0.5];
+    let args = MatmulArgs::linear(2, 3, 2);
+    // Row 0: [1 - 3, 2 + 2 + 1.5] = [-2, 5.5]; row 1: [-1 - 2, -2 + 0.5 + 1] = [-3, -0.5].
+    let product = [-2.0, 5.5, -3.0, -0.5];
+    assert_eq!(reference::matmul(&args, Epilogue::NONE, &a, &w, None, None, None), product);
+    // The same B stored row-major [3, 2] gives the same product.
+    let b_rows = [1.0, 2.0, 0.0, 1.0, -1.0, 0.5];
+    let packed = MatmulArgs::packed(1, 2, 3, 2);
+    assert_eq!(reference::matmul(&packed, Epilogue::NONE, &a, &b_rows, None, None, None), product);
+    // Every step, in order: ((AB + bias) -> relu) * U + R.
+    let (bias, u, r) = ([1.0, -6.0], [2.0, 3.0, 4.0, 5.0], [0.5, 0.5, 0.5, 0.5]);
+    let e = Epilogue::BIAS.with_activation(Activation::Relu).with_gate().with_residual();
+    let d = reference::matmul(&args, e, &a, &w, Some(&bias), Some(&u), Some(&r));
+    assert_eq!(d, vec![0.5, 0.5, 0.5, 0.5]);
+    let d = reference::matmul(&args, Epilogue::BIAS.with_residual(), &a, &w, Some(&bias), None, Some(&r));
+    assert_eq!(d, vec![-0.5, 0.0, -1.5, -6.0]);
+    // Sampled rows of a batched product: row 3 is batch 1, row 1.
+    let batched = MatmulArgs::packed(2, 2, 3, 2);
+    let a2: Vec<f64> =
+        a.iter().chain(a.iter().map(|v| v * 2.0).collect::<Vec<_>>().iter()).copied().collect();
+    let b2: Vec<f64> = b_rows.iter().chain(b_rows.iter()).copied().collect();
+    assert_eq!(reference::matmul_rows(&batched, &a2, &b2, &[3, 0]), vec![-6.0, -1.0, -2.0, 5.5]);
+}
+
+#[test]
+fn reference_activations_by_hand() {
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-14 * b.abs().max(1.0);
+    let cases = [
+        (Activation::Silu, 1.0, 0.7310585786300049),
+        (Activation::Silu, -2.0, -0.2384058440442351),
+        (Activation::Gelu, 1.0, 0.8413447460685429),
+        (Activation::Gelu, -1.0, -0.15865525393145707),
+        (Activation::Gelu, 0.5, 0.34573123063700656),
+        // Either side of the switch from series to continued fraction in erf (x/√2 = 2).
+        (Activation::Gelu, 2.8, 2.792845635074802),
+        (Activation::Gelu, 2.9, 2.8945891414288862),
+        (Activation::Gelu, 4.3, 4.299963278406475),
+        (Activation::Gelu, -6.0, -5.919525869479969e-09),
+        (Activation::Gelu, 0.0, 0.0),
+        (Activation::GeluTanh, 1.0, 0.8411919906082768),
+        (Activation::GeluTanh, -3.0, -0.0036373920817729943),
+        (Activation::Relu, -0.5, 0.0),
+        (Activation::Relu, 2.5, 2.5),
+    ];
+    for (act, x, expected) in cases {
+        let y = reference::activation(act, x);
+        assert!(close(y, expected), "{}({x}) = {y:e}, expected {expected:e}", act.name());
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// GPU helpers.
+
+fn gpu() -> Cudnn {
+    Cudnn::new(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU with cuDNN: {e}"))
+}
+
+/// Host values of one case: A and B laid out as the args say, bias, U and R. B is scaled by 3/√k so that
+/// `A·B` has unit variance and the activations see their interesting range.
+struct Host {
+    a: Vec<f64>,
+    b: Vec<f64>,
+    bias: Vec<f64>,
+    u: Vec<f64>,
+    r: Vec<f64>,
+}
+
+impl Host {
+    fn new(seed: u64, args: &MatmulArgs) -> Self {
+        let scale = 3.0 / (args.k() as f64).sqrt();
+        let b_len = args.b.min_elements().unwrap();
+        Host {
+            a: reference::random_values(seed, args.a.min_elements().unwrap()),
+            b: reference::random_values(seed + 1, b_len).iter().map(|v| v * scale).collect(),
+            bias: reference::random_values(seed + 2, args.n()).iter().map(|v| v * 0.5).collect(),
+            u: reference::random_values(seed + 3, args.d_len()),
+            r: reference::random_values(seed + 4, args.d_len()),
+        }
+    }
+}
+
+/// Device copies in the input dtype `T` (A, B) and output dtype `O` (bias, U, R), with the rounded
+/// values the GPU sees.
+struct Device<T: Element, O: Element> {
+    a: CudaSlice<T>,
+    b: CudaSlice<T>,
+    bias: CudaSlice<O>,
+    u: CudaSlice<O>,
+    r: CudaSlice<O>,
+    rounded: Host,
+}
+
+impl<T: Element, O: Element> Device<T, O> {
+    fn new(ctx: &Cudnn, h: &Host) -> Self {
+        let (a, ar) = upload::<T>(ctx, &h.a).unwrap();
+        let (b, br) = upload::<T>(ctx, &h.b).unwrap();
+        let (bias, biasr) = upload::<O>(ctx, &h.bias).unwrap();
+        let (u, ur) = upload::<O>(ctx, &h.u).unwrap();
+        let (r, rr) = upload::<O>(ctx, &h.r).unwrap();
+        Device { a, b, bias, u, r, rounded: Host { a: ar, b: br, bias: biasr, u: ur, r: rr } }
+    }
+
+    /// The operands an epilogue needs.
+    fn operands(&self, e: Epilogue) -> Operands<'_, T, O> {
+        let mut x = Operands::new(&self.a, &self.b);
+        if e.bias {
+            x = x.bias(&self.bias);
+        }
+        if e.gate {
+            x = x.gate(&self.u);
+        }
+        if e.residual {
+            x = x.residual(&self.r);
+        }
+        x
+    }
+
+    /// The reference for `rows`, from the product of those rows.
+    fn expected(&self, e: Epilogue, n: usize, rows: &[usize], product: &[f64]) -> Vec<f64> {
+        let h = &self.rounded;
+        reference::matmul_epilogue(
+            e,
+            product,
+            n,
+            rows,
+            e.bias.then_some(&h.bias[..]),
+            e.gate.then_some(&h.u[..]),
+            e.residual.then_some(&h.r[..]),
+        )
+    }
+}
+
+/// Rows to compare: all of a small output, 16 (or 8 for the largest k·n) spread over a large one,
+/// always including the first and last.
+fn sample_rows(args: &MatmulArgs) -> Vec<usize> {
+    let rows = args.batch() * args.m();
+    let want = if args.k() * args.n() >= 4096 * 14336 { 8 } else { 16 };
+    if rows <= want {
+        return (0..rows).collect();
+    }
+    let mut v: Vec<usize> = (0..want).map(|i| i * (rows - 1) / (want - 1)).collect();
+    v[want / 2] += 1; // an odd row in the middle
+    v
+}
+
+fn download_rows<O: Element>(ctx: &Cudnn, d: &CudaSlice<O>, n: usize, rows: &[usize]) -> Vec<O> {
+    let mut out = Vec::with_capacity(rows.len() * n);
+    for &r in rows {
+        out.extend(ctx.stream().clone_dtoh(&d.slice(r * n..(r + 1) * n)).unwrap());
+    }
+    out
+}
+
+/// Runs `e` on `backend` into a NaN-poisoned D and compares the sampled rows with the reference.
+/// Returns the line to print and whether it passed.
+#[allow(clippy::too_many_arguments)]
+fn check<T: Element, O: Element>(
+    ctx: &Cudnn,
+    args: &MatmulArgs,
+    e: Epilogue,
+    backend: Backend,
+    dev: &Device<T, O>,
+    rows: &[usize],
+    product: &[f64],
+    d: &mut CudaSlice<O>,
+) -> (String, bool) {
+    let tag = format!(
+        "{} {}->{} m={} k={} n={} batch={} {}",
+        backend.name(),
+        T::DTYPE,
+        O::DTYPE,
+        args.m(),
+        args.k(),
+        args.n(),
+        args.batch(),
+        e
+    );
+    ctx.stream().memcpy_htod(&vec![O::nan(); d.len()], d).unwrap();
+    if let Err(err) = matmul_with(backend, ctx, args, e, &dev.operands(e), d) {
+        return (format!("{tag}: {err}"), false);
+    }
+    let out = download_rows(ctx, d, args.n(), rows);
+    let c = reference::compare(&out, &dev.expected(e, args.n(), rows, product));
+    let ok = c.passes(tolerance(O::DTYPE));
+    (format!("{tag}: {c}"), ok)
+}
+
+/// Every epilogue and both backends on one shape and dtype pair; failing lines go to `failures`.
+fn check_shape<T: Element, O: Element>(
+    ctx: &Cudnn,
+    args: &MatmulArgs,
+    epilogues: &[Epilogue],
+    seed: u64,
+    failures: &mut Vec<String>,
+) {
+    let dev = Device::<T, O>::new(ctx, &Host::new(seed, args));
+    let rows = sample_rows(args);
+    let product = reference::matmul_rows(args, &dev.rounded.a, &dev.rounded.b, &rows);
+    let mut d = poisoned::<O>(ctx, args.d_len()).unwrap();
+    for &e in epilogues {
+        for backend in [Backend::Fused, Backend::Naive] {
+            let (line, ok) = check(ctx, args, e, backend, &dev, &rows, &product, &mut d);
+            println!("{} {line}", if ok { "ok  " } else { "FAIL" });
+            if !ok {
+                failures.push(line);
+            }
+        }
+    }
+}
+
+/// The epilogues every small shape runs: each step alone, the SwiGLU gate, and combinations.
+fn epilogues() -> Vec<Epilogue> {
+    let mut v = vec![Epilogue::NONE, Epilogue::BIAS];
+    v.extend(Activation::ALL.map(|a| Epilogue::NONE.with_activation(a)));
+    v.extend([
+        Epilogue::NONE.with_gate(),
+        Epilogue::SWIGLU,
+        Epilogue::RESIDUAL,
+        Epilogue::BIAS.with_activation(Activation::Silu).with_residual(),
+        Epilogue::BIAS.with_activation(Activation::GeluTanh).with_gate().with_residual(),
+    ]);
+    v
+}
+
+// ---------------------------------------------------------------------------------------------------
+// GPU tests.
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn every_epilogue_matches_the_reference() {
+    let ctx = gpu();
+    println!("{} cuDNN {}", ctx.info().name, ctx.info().cudnn_version_string());
+    let mut failures = Vec::new();
+    // Odd and even rows, k and n from {64, 4096, 14336}: every epilogue, bf16 and f16.
+    let small = [(1, 64, 14336), (7, 4096, 64), (30, 14336, 4096), (2048, 64, 4096)];
+    for (i, &(m, k, n)) in small.iter().enumerate() {
+        let args = MatmulArgs::linear(m, k, n);
+        check_shape::<bf16, bf16>(&ctx, &args, &epilogues(), 10 * i as u64, &mut failures);
+        check_shape::<f16, f16>(&ctx, &args, &epilogues(), 10 * i as u64 + 5, &mut failures);
+    }
+    // Large shapes: the epilogues the Llama layers use, bf16.
+    let large = [(2048, 4096, 14336), (2048, 14336, 4096), (1, 14336, 4096)];
+    let used = [
+        Epilogue::NONE,
+        Epilogue::RESIDUAL,
+        Epilogue::SWIGLU,
+        Epilogue::BIAS.with_activation(Activation::Gelu),
+    ];
+    for (i, &(m, k, n)) in large.iter().enumerate() {
+        check_shape::<bf16, bf16>(&ctx, &MatmulArgs::linear(m, k, n), &used, 100 + i as u64, &mut failures);
+    }
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn batched_and_strided_layouts_match_the_reference() {
+    let ctx = gpu();
+    let mut failures = Vec::new();
+    let es =
+        [Epilogue::NONE, Epilogue::BIAS.with_activation(Activation::Silu).with_residual(), Epilogue::SWIGLU];
+    let batched = MatmulArgs::packed(3, 32, 64, 128);
+    let layouts = [
+        // Row-major B per batch.
+        batched,
+        // One B shared by every batch (broadcast).
+        MatmulArgs { b: MatrixLayout::row_major(1, 64, 128), ..batched },
+        // Column-major A (x stored transposed) and a transposed weight view.
+        MatmulArgs { a: MatrixLayout::column_major(3, 32, 64), b: MatrixLayout::column_major(3, 64, 128) },
+        // Padded rows: A rows 72 elements apart, k = 64.
+        MatmulArgs {
+            a: MatrixLayout { dims: [1, 30, 64], strides: [30 * 72, 72, 1] },
+            ..MatmulArgs::linear(30, 64, 128)
+        },
+    ];
+    for (i, args) in layouts.iter().enumerate() {
+        check_shape::<bf16, bf16>(&ctx, args, &es, 200 + i as u64, &mut failures);
+    }
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn f32_io_and_f32_output() {
+    let ctx = gpu();
+    let mut failures = Vec::new();
+    let es =
+        [Epilogue::NONE, Epilogue::BIAS.with_activation(Activation::Gelu), Epilogue::SWIGLU.with_residual()];
+    // bf16 weights and activations with f32 logits-style output: both backends must run it.
+    check_shape::<bf16, f32>(&ctx, &MatmulArgs::linear(30, 4096, 4096), &es, 300, &mut failures);
+    // f32 I/O, with k and n aligned to 16 bytes but not to 8 elements. cuDNN may not support f32 matmul
+    // on every GPU: NotSupported from the fused path is reported, not failed.
+    let args = MatmulArgs::linear(7, 68, 132);
+    let dev = Device::<f32, f32>::new(&ctx, &Host::new(301, &args));
+    let rows = sample_rows(&args);
+    let product = reference::matmul_rows(&args, &dev.rounded.a, &dev.rounded.b, &rows);
+    let mut d = poisoned::<f32>(&ctx, args.d_len()).unwrap();
+    for e in es {
+        for backend in [Backend::Fused, Backend::Naive] {
+            let (line, ok) = check(&ctx, &args, e, backend, &dev, &rows, &product, &mut d);
+            let unsupported = backend == Backend::Fused && line.contains("not supported");
+            println!(
+                "{} {line}",
+                if ok {
+                    "ok  "
+                } else if unsupported {
+                    "SKIP"
+                } else {
+                    "FAIL"
+                }
+            );
+            if !ok && !unsupported {
+                failures.push(line);
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fused_and_naive_agree_on_llama_8b_at_2048_tokens() {
+    let ctx = gpu();
+    let mut failures = Vec::new();
+    for (proj, k, n, e) in [
+        ("qkv", 4096, 6144, Epilogue::NONE),
+        ("o", 4096, 4096, Epilogue::RESIDUAL),
+        ("gate", 4096, 14336, Epilogue::SWIGLU),
+        ("down", 14336, 4096, Epilogue::RESIDUAL),
+    ] {
+        let shape = Linear { tokens: 2048, in_features: k, out_features: n };
+        let args = shape.args();
+        let dev = Device::<bf16, bf16>::new(&ctx, &Host::new(400 + k as u64, &args));
+        let mut out = Vec::new();
+        for backend in [Backend::Fused, Backend::Naive] {
+            let mut y = poisoned::<bf16>(&ctx, args.d_len()).unwrap();
+            linear(backend, &ctx, shape, e, &dev.operands(e), &mut y).unwrap();
+            out.push(download(&ctx, &y).unwrap());
+        }
+        let naive: Vec<f64> = out[1].iter().map(|v| v.to_f64()).collect();
+        let c = reference::compare(&out[0], &naive);
+        let ok = c.passes(reference::BF16_TOL);
+        let line = format!("8B {proj} 2048x{k}->{n} {e}: fused vs naive {c}");
+        println!("{} {line}", if ok { "ok  " } else { "FAIL" });
+        if !ok {
+            failures.push(line);
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn plan_cache_builds_once_per_shape_and_epilogue() {
+    let ctx = gpu();
+    let args = MatmulArgs::linear(30, 2048, 2048);
+    let dev = Device::<bf16, bf16>::new(&ctx, &Host::new(500, &args));
+    let mut d = poisoned::<bf16>(&ctx, args.d_len()).unwrap();
+    ctx.cache().clear();
+    for _ in 0..3 {
+        matmul(&ctx, &args, Epilogue::RESIDUAL, &dev.operands(Epilogue::RESIDUAL), &mut d).unwrap();
+    }
+    assert_eq!(ctx.cache().stats().misses, 1);
+    matmul(&ctx, &args, Epilogue::NONE, &dev.operands(Epilogue::NONE), &mut d).unwrap();
+    let fewer = MatmulArgs::linear(29, 2048, 2048);
+    matmul(&ctx, &fewer, Epilogue::NONE, &dev.operands(Epilogue::NONE), &mut d).unwrap();
+    // The naive backend builds no plan.
+    matmul_with(Backend::Naive, &ctx, &args, Epilogue::SWIGLU, &dev.operands(Epilogue::SWIGLU), &mut d)
+        .unwrap();
+    let s = ctx.cache().stats();
+    assert_eq!((s.misses, s.hits, s.entries), (3, 2, 3));
+    let plan = ctx.cache().get(&args.key(DataType::BF16, DataType::BF16, Epilogue::RESIDUAL)).unwrap();
+    println!(
+        "{}: engine {}, workspace {} B, built in {:?}",
+        plan.name(),
+        plan.engine(),
+        plan.workspace_size(),
+        plan.build_time()
+    );
+    assert!(plan.name().contains("epilogue residual"));
+}
+
+/// Fills `d` with 7.0, runs `f`, expects an error mentioning `expected`, and checks that `d` still
+/// holds 7.0 everywhere.
+fn expect_untouched(
+    ctx: &Cudnn,
+    d: &mut CudaSlice<bf16>,
+    expected: &str,
+    f: impl FnOnce(&mut CudaSlice<bf16>) -> cudnn_llm::Result<()>,
+) {
+    let sevens = vec![bf16::from_f32(7.0); d.len()];
+    ctx.stream().memcpy_htod(&sevens, d).unwrap();
+    let err = f(d).expect_err(expected);
+    assert!(err.to_string().contains(expected), "{expected}: {err}");
+    ctx.synchronize().unwrap();
+    assert_eq!(download(ctx, d).unwrap(), sevens, "{expected}: output was written");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bad_inputs_are_errors_and_touch_nothing() {
+    let ctx = gpu();
+    let args = MatmulArgs::linear(30, 64, 128);
+    let dev = Device::<bf16, bf16>::new(&ctx, &Host::new(600, &args));
+    let (wide, _) = upload::<bf16>(&ctx, &reference::random_values(601, 30 * 64 + 8)).unwrap();
+    let mut d = poisoned::<bf16>(&ctx, args.d_len() + 8).unwrap();
+    for backend in [Backend::Fused, Backend::Naive] {
+        let run = |args: &MatmulArgs, e: Epilogue, x: &Operands<'_, bf16>, d: &mut CudaSlice<bf16>| {
+            matmul_with(backend, &ctx, args, e, x, d)
+        };
+        let x = dev.operands(Epilogue::NONE);
+        expect_untouched(&ctx, &mut d, "inner dimensions differ", |d| {
+            run(&MatmulArgs { b: MatrixLayout::column_major(1, 72, 128), ..args }, Epilogue::NONE, &x, d)
+        });
+        expect_untouched(&ctx, &mut d, "batch mismatch", |d| {
+            run(&MatmulArgs { b: MatrixLayout::column_major(2, 64, 128), ..args }, Epilogue::NONE, &x, d)
+        });
+        expect_untouched(&ctx, &mut d, "misaligned k for bf16", |d| {
+            run(&MatmulArgs::linear(30, 60, 128), Epilogue::NONE, &x, d)
+        });
+        expect_untouched(&ctx, &mut d, "A has 1919 elements", |d| {
+            let short = dev.a.slice(0..30 * 64 - 1);
+            run(&args, Epilogue::NONE, &Operands::new(&short, &dev.b), d)
+        });
+        expect_untouched(&ctx, &mut d, "output has 3839 elements", |d| {
+            let mut short = d.slice_mut(0..30 * 128 - 1);
+            let short: &mut dyn DevicePtrMut<bf16> = &mut short;
+            matmul_with(backend, &ctx, &args, Epilogue::NONE, &x, short)
+        });
+        expect_untouched(&ctx, &mut d, "needs a residual R", |d| run(&args, Epilogue::RESIDUAL, &x, d));
+        let r_short = dev.r.slice(0..100);
+        expect_untouched(&ctx, &mut d, "residual R has 100 elements", |d| {
+            run(&args, Epilogue::RESIDUAL, &dev.operands(Epilogue::NONE).residual(&r_short), d)
+        });
+    }
+    // The fused plan declares 16-byte alignment: an A one element in is refused before cuDNN runs.
+    let off: &dyn DevicePtr<bf16> = &wide.slice(1..);
+    expect_untouched(&ctx, &mut d, "is not 16-byte aligned", |d| {
+        matmul(&ctx, &args, Epilogue::NONE, &Operands::new(off, &dev.b), d)
+    });
+    // cuBLAS takes the same view.
+    let ok = matmul_with(Backend::Naive, &ctx, &args, Epilogue::NONE, &Operands::new(off, &dev.b), &mut d);
+    assert!(ok.is_ok(), "{ok:?}");
+    // Unsupported dtype pair: f16 weights into a bf16 output.
+    let (w16, _) = upload::<f16>(&ctx, &reference::random_values(602, 64 * 128)).unwrap();
+    let (x16, _) = upload::<f16>(&ctx, &reference::random_values(603, 30 * 64)).unwrap();
+    let err = matmul_with(
+        Backend::Naive,
+        &ctx,
+        &args,
+        Epilogue::NONE,
+        &Operands::<f16, bf16>::new(&x16, &w16),
+        &mut d,
+    )
+    .unwrap_err();
+    assert!(matches!(err, Error::NotSupported { .. }) && err.to_string().contains("f16 -> bf16"), "{err}");
+}
