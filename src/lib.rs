@@ -4,6 +4,7 @@
 
 pub use cudnn_ops;
 pub use cudnn_ops::*;
+pub use llama;
 
 pub mod bench_util;
 

@@ -1,0 +1,41 @@
+//! A Llama-3 decoder whose modules run on fused cuDNN graphs or on naive eager-style kernels, chosen per
+//! module kind and per layer, so that the same model measures what each fusion buys.
+//!
+//! | module | what it holds |
+//! |---|---|
+//! | [`config`] | the Llama-3.2-1B / Llama-3.1-8B presets, a tiny test preset, Hugging Face `config.json` |
+//! | [`weights`] | host weights: seeded random init, Hugging Face safetensors checkpoints (single or sharded) |
+//! | [`backends`] | which backend each module kind (and layer) runs on, and its string form |
+//! | [`rope`] | Llama-3 RoPE frequencies and the cos/sin tables |
+//! | [`reference`](mod@reference) | an f64 CPU forward of the whole model, for tests |
+#![deny(missing_docs, rustdoc::broken_intra_doc_links)]
+
+pub mod backends;
+pub mod config;
+pub mod reference;
+pub mod rope;
+pub mod weights;
+
+pub use backends::{Backends, ModuleKind};
+pub use config::LlamaConfig;
+pub use cudnn_ops::Backend;
+
+/// Result alias of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong building or running the model.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A bad configuration or preset name.
+    #[error("config: {0}")]
+    Config(String),
+    /// A checkpoint cannot be read, or a tensor in it is missing or mis-shaped.
+    #[error("weights: {0}")]
+    Weights(String),
+    /// A bad backend selection string.
+    #[error("backends: {0}")]
+    Backends(String),
+    /// A cuDNN, CUDA or argument error from the ops layer.
+    #[error(transparent)]
+    Ops(#[from] cudnn_ops::Error),
+}

@@ -1,0 +1,652 @@
+//! Host weights in Hugging Face layout: seeded random init for tests and benches, and `safetensors`
+//! checkpoints (one file, or shards named by `model.safetensors.index.json`).
+//!
+//! Linear weights are stored as Hugging Face stores them, `[out_features, in_features]`, so a layer
+//! computes `y = x · Wᵀ`. Every tensor has one name and shape, given by [`Weights::names`] in a stable
+//! order; [`Weights::random`], [`Weights::load`] and [`Weights::save`] all walk that list.
+//!
+//! 1. `Weights::<bf16>::random(&cfg, seed)` needs no files.
+//! 2. `Weights::<bf16>::load(&cfg, dir)` memory-maps the checkpoint and converts bf16, f16 or f32 to `T`.
+//! 3. `weights.save(&cfg, file, DataType::BF16)` writes one `safetensors` file with the same names.
+
+use crate::{Error, LlamaConfig, Result};
+use cudnn_ops::reference::random_values;
+use cudnn_ops::{DataType, Element};
+use half::{bf16, f16};
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// A host tensor, row-major.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tensor<T> {
+    /// Dimensions, outermost first.
+    pub shape: Vec<usize>,
+    /// `shape.iter().product()` elements.
+    pub data: Vec<T>,
+}
+
+impl<T: Element> Tensor<T> {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.data.len()
+    }
+
+    /// Whether the tensor has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+
+    /// The values widened to f64 (exact), for CPU references.
+    pub fn to_f64(&self) -> Vec<f64> {
+        self.data.iter().map(|v| v.to_f64()).collect()
+    }
+}
+
+/// One decoder layer's weights. Linear weights are `[out_features, in_features]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerWeights<T> {
+    /// RMSNorm scale before attention, `[hidden]`.
+    pub attn_norm: Tensor<T>,
+    /// `[heads · head_dim, hidden]`.
+    pub q_proj: Tensor<T>,
+    /// `[kv_heads · head_dim, hidden]`.
+    pub k_proj: Tensor<T>,
+    /// `[kv_heads · head_dim, hidden]`.
+    pub v_proj: Tensor<T>,
+    /// `[hidden, heads · head_dim]`.
+    pub o_proj: Tensor<T>,
+    /// RMSNorm scale before the MLP, `[hidden]`.
+    pub mlp_norm: Tensor<T>,
+    /// `[ffn, hidden]`.
+    pub gate_proj: Tensor<T>,
+    /// `[ffn, hidden]`.
+    pub up_proj: Tensor<T>,
+    /// `[hidden, ffn]`.
+    pub down_proj: Tensor<T>,
+}
+
+impl<T> LayerWeights<T> {
+    /// The nine tensors in [`Weights::names`] order.
+    fn tensors(&self) -> [&Tensor<T>; 9] {
+        [
+            &self.attn_norm,
+            &self.q_proj,
+            &self.k_proj,
+            &self.v_proj,
+            &self.o_proj,
+            &self.mlp_norm,
+            &self.gate_proj,
+            &self.up_proj,
+            &self.down_proj,
+        ]
+    }
+}
+
+/// The whole model's weights.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Weights<T> {
+    /// Token embeddings, `[vocab, hidden]`.
+    pub embed: Tensor<T>,
+    /// Decoder layers, first to last.
+    pub layers: Vec<LayerWeights<T>>,
+    /// Final RMSNorm scale, `[hidden]`.
+    pub norm: Tensor<T>,
+    /// Output projection, `[vocab, hidden]`; `None` when tied to [`Weights::embed`].
+    pub lm_head: Option<Tensor<T>>,
+}
+
+/// Hugging Face's per-layer suffixes, in [`LayerWeights::tensors`] order.
+const LAYER_TENSORS: [&str; 9] = [
+    "input_layernorm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "post_attention_layernorm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+];
+
+const EMBED: &str = "model.embed_tokens.weight";
+const SINGLE_FILE: &str = "model.safetensors";
+const INDEX_FILE: &str = "model.safetensors.index.json";
+
+impl<T: Element> Weights<T> {
+    /// Hugging Face names and shapes of every tensor `cfg` needs, in a stable order: the embedding, each
+    /// layer's nine tensors, the final norm, then `lm_head.weight` unless the embeddings are tied.
+    pub fn names(cfg: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
+        let (h, q, kv, f) = (cfg.hidden, cfg.attn_width(), cfg.kv_heads * cfg.head_dim, cfg.ffn);
+        let layer = [
+            vec![h],
+            vec![q, h],
+            vec![kv, h],
+            vec![kv, h],
+            vec![h, q],
+            vec![h],
+            vec![f, h],
+            vec![f, h],
+            vec![h, f],
+        ];
+        let mut names = vec![(EMBED.to_string(), vec![cfg.vocab, h])];
+        for i in 0..cfg.layers {
+            for (suffix, shape) in LAYER_TENSORS.iter().zip(&layer) {
+                names.push((format!("model.layers.{i}.{suffix}.weight"), shape.clone()));
+            }
+        }
+        names.push(("model.norm.weight".to_string(), vec![h]));
+        if !cfg.tie_embeddings {
+            names.push(("lm_head.weight".to_string(), vec![cfg.vocab, h]));
+        }
+        names
+    }
+
+    /// Seeded random weights, deterministic for a seed. Each tensor draws from
+    /// [`random_values`] with its own seed, mixed from `seed` and its name: the embedding is uniform in
+    /// ±1, Linear weights in ±1/√in_features, and norm scales are `1 + 0.1·u`, never zero. Values are
+    /// rounded to `T`.
+    pub fn random(cfg: &LlamaConfig, seed: u64) -> Self {
+        let tensors = Self::names(cfg).into_iter().map(|(name, shape)| {
+            let n = shape.iter().product();
+            let u = random_values(tensor_seed(seed, &name), n);
+            let data = match shape[..] {
+                [_] => u.iter().map(|u| T::from_f64(1.0 + 0.1 * u)).collect(),
+                _ if name == EMBED => u.iter().map(|&u| T::from_f64(u)).collect(),
+                [_, fan_in] => {
+                    let bound = 1.0 / (fan_in as f64).sqrt();
+                    u.iter().map(|u| T::from_f64(bound * u)).collect()
+                }
+                _ => unreachable!("weights are 1-D or 2-D"),
+            };
+            Tensor { shape, data }
+        });
+        Self::from_tensors(cfg, tensors)
+    }
+
+    /// Loads a Hugging Face checkpoint. `path` is a directory holding `model.safetensors` or
+    /// `model.safetensors.index.json` plus the shards its `weight_map` names, an index file itself, or
+    /// a single `.safetensors` file.
+    ///
+    /// Files are memory-mapped; bf16, f16 and f32 tensors are converted to `T`. Tensors the config
+    /// does not need (such as `rotary_emb.inv_freq`) are ignored, and so is `lm_head.weight` when
+    /// `cfg.tie_embeddings`. A missing or mis-shaped tensor, another dtype, an unreadable file or a
+    /// bad index is an [`Error::Weights`] naming the tensor and the file.
+    pub fn load(cfg: &LlamaConfig, path: &Path) -> Result<Self> {
+        let wanted = Self::names(cfg);
+        let files = locate(path, &wanted)?;
+        let mut shards: Vec<&PathBuf> = files.iter().collect();
+        shards.sort();
+        shards.dedup();
+        let maps = shards.iter().map(|p| map_file(p)).collect::<Result<Vec<_>>>()?;
+        let tables = shards
+            .iter()
+            .zip(&maps)
+            .map(|(p, map)| SafeTensors::deserialize(map).map_err(st_fail(p)))
+            .collect::<Result<Vec<_>>>()?;
+        let tensors = wanted
+            .into_iter()
+            .zip(&files)
+            .map(|((name, shape), file)| {
+                let table = &tables[shards.binary_search(&file).expect("every file was mapped")];
+                read(table, name, shape, file)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self::from_tensors(cfg, tensors))
+    }
+
+    /// Writes one `safetensors` file at `path` with Hugging Face names, in `dtype` (bf16, f16 or f32).
+    /// The weights must have the shapes [`Weights::names`] gives for `cfg`.
+    pub fn save(&self, cfg: &LlamaConfig, path: &Path, dtype: DataType) -> Result<()> {
+        let names = Self::names(cfg);
+        let tensors: Vec<&Tensor<T>> = self.tensors().collect();
+        if names.len() != tensors.len() {
+            let (n, m) = (names.len(), tensors.len());
+            return Err(fail(format!("config `{}` has {n} tensors, these weights {m}", cfg.name)));
+        }
+        for ((name, shape), t) in names.iter().zip(&tensors) {
+            if *shape != t.shape || t.len() != shape.iter().product::<usize>() {
+                let (found, len) = (&t.shape, t.len());
+                return Err(fail(format!("`{name}` has shape {found:?} ({len} values), expected {shape:?}")));
+            }
+        }
+        let file_dtype = match dtype {
+            DataType::BF16 => Dtype::BF16,
+            DataType::F16 => Dtype::F16,
+            DataType::F32 => Dtype::F32,
+            other => return Err(fail(format!("cannot save weights as {other}: expected bf16, f16 or f32"))),
+        };
+        let bytes: Vec<Vec<u8>> = tensors.iter().map(|t| encode(&t.data, dtype)).collect();
+        let views = names
+            .into_iter()
+            .zip(&bytes)
+            .map(|((name, shape), b)| {
+                Ok((name, TensorView::new(file_dtype, shape, b).map_err(st_fail(path))?))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        safetensors::serialize_to_file(views, None, path).map_err(st_fail(path))
+    }
+
+    /// Total elements over all tensors.
+    pub fn len(&self) -> usize {
+        self.tensors().map(Tensor::len).sum()
+    }
+
+    /// Whether there are no elements at all.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Every tensor in [`Weights::names`] order.
+    fn tensors(&self) -> impl Iterator<Item = &Tensor<T>> {
+        std::iter::once(&self.embed)
+            .chain(self.layers.iter().flat_map(LayerWeights::tensors))
+            .chain(std::iter::once(&self.norm))
+            .chain(self.lm_head.as_ref())
+    }
+
+    /// Assembles weights from tensors given in [`Weights::names`] order.
+    fn from_tensors(cfg: &LlamaConfig, tensors: impl IntoIterator<Item = Tensor<T>>) -> Self {
+        let mut it = tensors.into_iter();
+        let mut next = || it.next().expect("one tensor per name");
+        let embed = next();
+        let layers = (0..cfg.layers)
+            .map(|_| LayerWeights {
+                attn_norm: next(),
+                q_proj: next(),
+                k_proj: next(),
+                v_proj: next(),
+                o_proj: next(),
+                mlp_norm: next(),
+                gate_proj: next(),
+                up_proj: next(),
+                down_proj: next(),
+            })
+            .collect();
+        let norm = next();
+        let lm_head = (!cfg.tie_embeddings).then(next);
+        Weights { embed, layers, norm, lm_head }
+    }
+}
+
+/// A per-tensor seed: FNV-1a over the model seed and the tensor name.
+fn tensor_seed(seed: u64, name: &str) -> u64 {
+    seed.to_le_bytes()
+        .iter()
+        .chain(name.as_bytes())
+        .fold(0xCBF2_9CE4_8422_2325, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01B3))
+}
+
+/// The file holding each wanted tensor, in `wanted` order.
+fn locate(path: &Path, wanted: &[(String, Vec<usize>)]) -> Result<Vec<PathBuf>> {
+    let index = if path.is_dir() {
+        if path.join(SINGLE_FILE).is_file() {
+            return Ok(vec![path.join(SINGLE_FILE); wanted.len()]);
+        }
+        if !path.join(INDEX_FILE).is_file() {
+            return Err(fail(format!("{}: holds neither {SINGLE_FILE} nor {INDEX_FILE}", path.display())));
+        }
+        path.join(INDEX_FILE)
+    } else if path.extension().is_some_and(|e| e == "json") {
+        path.to_path_buf()
+    } else {
+        return Ok(vec![path.to_path_buf(); wanted.len()]);
+    };
+
+    #[derive(serde::Deserialize)]
+    struct Index {
+        weight_map: HashMap<String, String>,
+    }
+    let bad = |e: &dyn std::fmt::Display| fail(format!("{}: bad index: {e}", index.display()));
+    let json = std::fs::read_to_string(&index).map_err(|e| bad(&e))?;
+    let index_map: Index = serde_json::from_str(&json).map_err(|e| bad(&e))?;
+    let dir = index.parent().unwrap_or(Path::new("."));
+    wanted
+        .iter()
+        .map(|(name, _)| match index_map.weight_map.get(name) {
+            Some(shard) => Ok(dir.join(shard)),
+            None => Err(fail(format!("tensor `{name}` is missing from {}", index.display()))),
+        })
+        .collect()
+}
+
+/// Memory-maps a whole file read-only.
+fn map_file(path: &Path) -> Result<memmap2::Mmap> {
+    let file = std::fs::File::open(path).map_err(|e| fail(format!("{}: {e}", path.display())))?;
+    // SAFETY: the map is read-only and lives only for this load; as with every memory-mapped
+    // checkpoint reader, the file must not be truncated or rewritten by another process meanwhile.
+    unsafe { memmap2::Mmap::map(&file) }.map_err(|e| fail(format!("{}: {e}", path.display())))
+}
+
+/// Reads one tensor from a file's table, checking its shape and converting it to `T`.
+fn read<T: Element>(table: &SafeTensors, name: String, shape: Vec<usize>, file: &Path) -> Result<Tensor<T>> {
+    let view = table
+        .tensor(&name)
+        .map_err(|_| fail(format!("tensor `{name}` is missing from {}", file.display())))?;
+    if view.shape() != shape {
+        return Err(fail(format!(
+            "tensor `{name}` in {} has shape {:?}, expected {shape:?}",
+            file.display(),
+            view.shape()
+        )));
+    }
+    let b = view.data();
+    let data = match view.dtype() {
+        Dtype::BF16 => {
+            b.chunks_exact(2).map(|c| T::from_f64(bf16::from_le_bytes([c[0], c[1]]).to_f64())).collect()
+        }
+        Dtype::F16 => {
+            b.chunks_exact(2).map(|c| T::from_f64(f16::from_le_bytes([c[0], c[1]]).to_f64())).collect()
+        }
+        Dtype::F32 => b
+            .chunks_exact(4)
+            .map(|c| T::from_f64(f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64))
+            .collect(),
+        other => {
+            return Err(fail(format!(
+                "tensor `{name}` in {} has dtype {other:?}, expected BF16, F16 or F32",
+                file.display()
+            )))
+        }
+    };
+    Ok(Tensor { shape, data })
+}
+
+/// Little-endian bytes of `data` rounded to `dtype` (bf16, f16 or f32).
+fn encode<T: Element>(data: &[T], dtype: DataType) -> Vec<u8> {
+    match dtype {
+        DataType::BF16 => data.iter().flat_map(|v| bf16::from_f64(v.to_f64()).to_le_bytes()).collect(),
+        DataType::F16 => data.iter().flat_map(|v| f16::from_f64(v.to_f64()).to_le_bytes()).collect(),
+        DataType::F32 => data.iter().flat_map(|v| (v.to_f64() as f32).to_le_bytes()).collect(),
+        other => unreachable!("save checked the dtype, got {other}"),
+    }
+}
+
+/// An [`Error::Weights`].
+fn fail(message: String) -> Error {
+    Error::Weights(message)
+}
+
+/// Maps a `safetensors` error to one naming `path`.
+fn st_fail(path: &Path) -> impl Fn(safetensors::SafeTensorError) -> Error + '_ {
+    move |e| fail(format!("{}: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fresh directory under the system temp dir, removed on drop.
+    struct TempDir(PathBuf);
+
+    impl TempDir {
+        fn new(tag: &str) -> Self {
+            let dir = std::env::temp_dir().join(format!("llama-weights-{}-{tag}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).unwrap();
+            TempDir(dir)
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn tiny() -> LlamaConfig {
+        LlamaConfig::tiny().with_layers(1)
+    }
+
+    /// Writes `(name, dtype, shape, bytes)` tensors as one `safetensors` file.
+    fn write(path: &Path, tensors: &[(String, Dtype, Vec<usize>, Vec<u8>)]) {
+        let views =
+            tensors.iter().map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()));
+        safetensors::serialize_to_file(views, None, path).unwrap();
+    }
+
+    /// The tensors of `w` as `write` takes them, in bf16.
+    fn entries(cfg: &LlamaConfig, w: &Weights<f32>) -> Vec<(String, Dtype, Vec<usize>, Vec<u8>)> {
+        Weights::<f32>::names(cfg)
+            .into_iter()
+            .zip(w.tensors())
+            .map(|((n, s), t)| (n, Dtype::BF16, s, encode(&t.data, DataType::BF16)))
+            .collect()
+    }
+
+    fn load_err(cfg: &LlamaConfig, path: &Path) -> String {
+        Weights::<f32>::load(cfg, path).unwrap_err().to_string()
+    }
+
+    /// `v` rounded to `dtype`, as a file in that dtype holds it.
+    fn round(v: f64, dtype: DataType) -> f64 {
+        match dtype {
+            DataType::BF16 => bf16::from_f64(v).to_f64(),
+            DataType::F16 => f16::from_f64(v).to_f64(),
+            _ => v as f32 as f64,
+        }
+    }
+
+    fn all_f64<T: Element>(w: &Weights<T>) -> Vec<f64> {
+        w.tensors().flat_map(Tensor::to_f64).collect()
+    }
+
+    #[test]
+    fn weights_names_and_shapes_of_the_tiny_preset() {
+        let cfg = LlamaConfig::tiny();
+        let names = Weights::<f32>::names(&cfg);
+        assert_eq!(names.len(), 1 + 2 * 9 + 2);
+        assert_eq!(names[0], (EMBED.to_string(), vec![512, 128]));
+        let layer1: Vec<_> = names[10..19].iter().map(|(n, s)| (n.as_str(), s.as_slice())).collect();
+        assert_eq!(
+            layer1,
+            [
+                ("model.layers.1.input_layernorm.weight", &[128][..]),
+                ("model.layers.1.self_attn.q_proj.weight", &[128, 128]),
+                ("model.layers.1.self_attn.k_proj.weight", &[64, 128]),
+                ("model.layers.1.self_attn.v_proj.weight", &[64, 128]),
+                ("model.layers.1.self_attn.o_proj.weight", &[128, 128]),
+                ("model.layers.1.post_attention_layernorm.weight", &[128]),
+                ("model.layers.1.mlp.gate_proj.weight", &[256, 128]),
+                ("model.layers.1.mlp.up_proj.weight", &[256, 128]),
+                ("model.layers.1.mlp.down_proj.weight", &[128, 256]),
+            ]
+        );
+        assert_eq!(names[19], ("model.norm.weight".to_string(), vec![128]));
+        assert_eq!(names[20], ("lm_head.weight".to_string(), vec![512, 128]));
+    }
+
+    #[test]
+    fn weights_names_count_every_parameter_of_the_presets() {
+        for (cfg, tensors) in
+            [(LlamaConfig::llama_3_2_1b(), 1 + 16 * 9 + 1), (LlamaConfig::llama_3_1_8b(), 1 + 32 * 9 + 2)]
+        {
+            let names = Weights::<bf16>::names(&cfg);
+            assert_eq!(names.len(), tensors, "{}", cfg.name);
+            assert_eq!(names.iter().any(|(n, _)| n == "lm_head.weight"), !cfg.tie_embeddings);
+            let total: usize = names.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+            assert_eq!(total, cfg.parameters(), "{}", cfg.name);
+        }
+    }
+
+    #[test]
+    fn weights_random_is_seeded_bounded_and_never_zero() {
+        let cfg = LlamaConfig::tiny();
+        let a = Weights::<bf16>::random(&cfg, 7);
+        assert_eq!(a, Weights::<bf16>::random(&cfg, 7));
+        assert_ne!(a, Weights::<bf16>::random(&cfg, 8));
+        assert_eq!((a.len(), a.layers.len(), a.lm_head.is_some()), (cfg.parameters(), 2, true));
+        // Distinct seeds per tensor: same-shaped tensors differ.
+        assert_ne!(a.layers[0].q_proj, a.layers[1].q_proj);
+        assert_ne!(a.layers[0].attn_norm, a.layers[0].mlp_norm);
+
+        let w = Weights::<f32>::random(&cfg, 7);
+        // The same draws, rounded to each type (bf16 within half an ulp of the f32 value, plus f32's).
+        let close =
+            all_f64(&a).iter().zip(all_f64(&w)).all(|(b, f)| (b - f).abs() <= f.abs() * (1.0 / 256.0));
+        assert!(close, "bf16 and f32 random weights disagree");
+        for ((name, shape), t) in Weights::<f32>::names(&cfg).iter().zip(w.tensors()) {
+            assert_eq!(&t.shape, shape);
+            assert_eq!(t.len(), shape.iter().product::<usize>());
+            let (lo, hi) = match shape[..] {
+                [_] => (0.9, 1.1),
+                _ if name == EMBED => (-1.0, 1.0),
+                [_, fan_in] => (-1.0 / (fan_in as f64).sqrt(), 1.0 / (fan_in as f64).sqrt()),
+                _ => unreachable!(),
+            };
+            let v = t.to_f64();
+            assert!(v.iter().all(|&v| v != 0.0 && (lo..=hi).contains(&v)), "{name} outside [{lo}, {hi}]");
+            // Spread over the range, not stuck near zero.
+            let max = v.iter().fold(f64::MIN, |m, &v| m.max(v));
+            assert!(max > hi - (hi - lo) * 0.05, "{name}: max {max}");
+        }
+        assert!(all_f64(&a).iter().all(|&v| v != 0.0));
+    }
+
+    #[test]
+    fn weights_save_load_round_trips_every_dtype() {
+        let cfg = tiny();
+        let dir = TempDir::new("round-trip");
+        let w = Weights::<f32>::random(&cfg, 1);
+        for dtype in [DataType::BF16, DataType::F16, DataType::F32] {
+            let file = dir.0.join(format!("{dtype}.safetensors"));
+            w.save(&cfg, &file, dtype).unwrap();
+            let as_f32 = Weights::<f32>::load(&cfg, &file).unwrap();
+            let in_file: Vec<f64> = all_f64(&w).iter().map(|&v| round(v, dtype)).collect();
+            assert_eq!(all_f64(&as_f32), in_file, "{dtype} into f32");
+            let as_bf16 = Weights::<bf16>::load(&cfg, &file).unwrap();
+            let expected: Vec<f64> = in_file.iter().map(|&v| round(v, DataType::BF16)).collect();
+            assert_eq!(all_f64(&as_bf16), expected, "{dtype} into bf16");
+            if dtype == DataType::F32 {
+                assert_eq!(as_f32, w);
+            }
+            if dtype == DataType::BF16 {
+                // Same dtype both ways is exact, also through a directory holding model.safetensors.
+                let model_dir = dir.0.join("bf16-model");
+                std::fs::create_dir_all(&model_dir).unwrap();
+                as_bf16.save(&cfg, &model_dir.join(SINGLE_FILE), dtype).unwrap();
+                assert_eq!(Weights::<bf16>::load(&cfg, &model_dir).unwrap(), as_bf16);
+            }
+        }
+        let e = w.save(&cfg, &dir.0.join("x.safetensors"), DataType::I64).unwrap_err().to_string();
+        assert!(e.contains("i64"), "{e}");
+        let e = w
+            .save(&LlamaConfig::tiny(), &dir.0.join("x.safetensors"), DataType::F32)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("config `tiny` has 21 tensors, these weights 12"), "{e}");
+        let mut bad = w.clone();
+        bad.norm.shape = vec![127];
+        let e = bad.save(&cfg, &dir.0.join("x.safetensors"), DataType::F32).unwrap_err().to_string();
+        assert!(e.contains("`model.norm.weight` has shape [127] (128 values), expected [128]"), "{e}");
+    }
+
+    #[test]
+    fn weights_load_a_sharded_checkpoint() {
+        let cfg = tiny();
+        let dir = TempDir::new("sharded");
+        let w = Weights::<f32>::random(&cfg, 2);
+        let mut all = entries(&cfg, &w);
+        // Checkpoints often carry buffers the model does not need.
+        let inv_freq = vec![0u8; 16 * 4];
+        all.push(("model.layers.0.self_attn.rotary_emb.inv_freq".into(), Dtype::F32, vec![16], inv_freq));
+        let second = all.split_off(6);
+        let shards =
+            [("model-00001-of-00002.safetensors", all), ("model-00002-of-00002.safetensors", second)];
+        let mut weight_map = serde_json::Map::new();
+        for (file, tensors) in &shards {
+            write(&dir.0.join(file), tensors);
+            for (name, ..) in tensors {
+                weight_map.insert(name.clone(), (*file).into());
+            }
+        }
+        let index =
+            serde_json::json!({ "metadata": { "total_size": w.len() * 2 }, "weight_map": weight_map });
+        std::fs::write(dir.0.join(INDEX_FILE), index.to_string()).unwrap();
+
+        let expected: Vec<f64> = all_f64(&w).iter().map(|&v| round(v, DataType::BF16)).collect();
+        let from_dir = Weights::<f32>::load(&cfg, &dir.0).unwrap();
+        assert_eq!(all_f64(&from_dir), expected);
+        assert_eq!(Weights::<f32>::load(&cfg, &dir.0.join(INDEX_FILE)).unwrap(), from_dir);
+
+        // A shard the index names but that is not there.
+        std::fs::remove_file(dir.0.join(shards[1].0)).unwrap();
+        let e = load_err(&cfg, &dir.0);
+        assert!(e.contains("model-00002-of-00002.safetensors"), "{e}");
+    }
+
+    #[test]
+    fn weights_load_reports_missing_and_mis_shaped_tensors() {
+        let cfg = tiny();
+        let dir = TempDir::new("bad-tensors");
+        let file = dir.0.join("model.safetensors");
+        let good = entries(&cfg, &Weights::random(&cfg, 3));
+
+        let mut missing = good.clone();
+        missing.retain(|(n, ..)| n != "model.layers.0.mlp.up_proj.weight");
+        write(&file, &missing);
+        let e = load_err(&cfg, &file);
+        assert!(
+            e.contains("`model.layers.0.mlp.up_proj.weight` is missing") && e.contains("model.safetensors"),
+            "{e}"
+        );
+
+        let mut transposed = good.clone();
+        transposed[3].2 = vec![128, 64];
+        write(&file, &transposed);
+        let e = load_err(&cfg, &file);
+        assert!(e.contains("model.layers.0.self_attn.k_proj.weight"), "{e}");
+        assert!(e.contains("has shape [128, 64], expected [64, 128]"), "{e}");
+
+        let mut ints = good.clone();
+        let norm = ints.iter_mut().find(|(n, ..)| n == "model.norm.weight").unwrap();
+        (norm.1, norm.3) = (Dtype::I64, vec![1u8; 128 * 8]);
+        write(&file, &ints);
+        let e = load_err(&cfg, &file);
+        assert!(e.contains("`model.norm.weight`") && e.contains("dtype I64"), "{e}");
+
+        // Untied configs need lm_head.weight.
+        let mut headless = good;
+        headless.retain(|(n, ..)| n != "lm_head.weight");
+        write(&file, &headless);
+        let e = load_err(&cfg, &file);
+        assert!(e.contains("`lm_head.weight` is missing"), "{e}");
+    }
+
+    #[test]
+    fn weights_load_reports_bad_files_and_indexes() {
+        let cfg = tiny();
+        let dir = TempDir::new("bad-files");
+        let e = load_err(&cfg, &dir.0.join("nowhere.safetensors"));
+        assert!(e.contains("nowhere.safetensors"), "{e}");
+        let e = load_err(&cfg, &dir.0);
+        assert!(e.contains("neither model.safetensors nor model.safetensors.index.json"), "{e}");
+
+        std::fs::write(dir.0.join(INDEX_FILE), "{\"weight_map\": [").unwrap();
+        let e = load_err(&cfg, &dir.0);
+        assert!(e.contains("model.safetensors.index.json: bad index"), "{e}");
+        std::fs::write(dir.0.join(INDEX_FILE), r#"{"weight_map": {"model.norm.weight": "a.safetensors"}}"#)
+            .unwrap();
+        let e = load_err(&cfg, &dir.0);
+        assert!(e.contains("`model.embed_tokens.weight` is missing from") && e.contains("index.json"), "{e}");
+
+        let junk = dir.0.join("junk.safetensors");
+        std::fs::write(&junk, b"not a safetensors file").unwrap();
+        let e = load_err(&cfg, &junk);
+        assert!(e.starts_with("weights: ") && e.contains("junk.safetensors"), "{e}");
+    }
+
+    #[test]
+    fn weights_tied_config_ignores_lm_head_in_the_file() {
+        let untied = tiny();
+        let tied = LlamaConfig { tie_embeddings: true, ..tiny() };
+        let dir = TempDir::new("tied");
+        let file = dir.0.join("model.safetensors");
+        let w = Weights::<f32>::random(&untied, 4);
+        w.save(&untied, &file, DataType::F32).unwrap();
+        let loaded = Weights::<f32>::load(&tied, &file).unwrap();
+        assert!(loaded.lm_head.is_none());
+        assert_eq!((loaded.embed, loaded.layers, loaded.norm), (w.embed, w.layers, w.norm));
+        assert_eq!(Weights::<f32>::random(&tied, 4).lm_head, None);
+    }
+}
