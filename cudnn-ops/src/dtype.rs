@@ -1,7 +1,7 @@
 //! Element types: the [`DataType`] tag used in graphs and the [`Element`] trait that ties it to Rust
 //! types, so buffers are checked against the graph's dtypes at execute time.
 
-use cudarc::driver::DeviceRepr;
+use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 use half::{bf16, f16};
 
 /// A tensor element type.
@@ -71,7 +71,7 @@ impl std::fmt::Display for DataType {
 }
 
 /// A Rust type that can live in a device buffer bound to a graph tensor.
-pub trait Element: DeviceRepr + Copy + Default + Send + Sync + 'static {
+pub trait Element: DeviceRepr + ValidAsZeroBits + Copy + Default + Send + Sync + 'static {
     /// The matching graph dtype.
     const DTYPE: DataType;
     /// Converts from f64, rounding to nearest.

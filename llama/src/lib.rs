@@ -6,12 +6,14 @@
 //! | [`config`] | the Llama-3.2-1B / Llama-3.1-8B presets, a tiny test preset, Hugging Face `config.json` |
 //! | [`weights`] | host weights: seeded random init, Hugging Face safetensors checkpoints (single or sharded) |
 //! | [`backends`] | which backend each module kind (and layer) runs on, and its string form |
+//! | [`model`] | the decoder on the GPU: per-module backends, KV cache, fallbacks, an observer hook |
 //! | [`rope`] | Llama-3 RoPE frequencies and the cos/sin tables |
 //! | [`reference`](mod@reference) | an f64 CPU forward of the whole model, for tests |
 #![deny(missing_docs, rustdoc::broken_intra_doc_links)]
 
 pub mod backends;
 pub mod config;
+pub mod model;
 pub mod reference;
 pub mod rope;
 pub mod weights;
@@ -19,6 +21,7 @@ pub mod weights;
 pub use backends::{Backends, ModuleKind};
 pub use config::LlamaConfig;
 pub use cudnn_ops::Backend;
+pub use model::{Fallback, KvCache, Llama, NoObserver, Observer};
 
 /// Result alias of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

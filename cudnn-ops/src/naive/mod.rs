@@ -15,8 +15,12 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 
 /// One NVRTC program: the shared helpers and elementwise kernels first, then each op's kernels.
-const SOURCE: &str =
-    concat!(include_str!("kernels.cu"), include_str!("attention.cu"), include_str!("epilogue.cu"));
+const SOURCE: &str = concat!(
+    include_str!("kernels.cu"),
+    include_str!("attention.cu"),
+    include_str!("epilogue.cu"),
+    include_str!("model.cu")
+);
 /// Threads per block of the elementwise kernels, and elements each thread handles.
 const BLOCK: u32 = 256;
 const ITEMS: u32 = 4;
@@ -35,7 +39,7 @@ impl Kernels {
         Ok(Kernels { module, functions: RefCell::new(HashMap::new()), scratch: RefCell::new(None) })
     }
 
-    fn get(ctx: &Cudnn) -> Result<&Kernels> {
+    pub(crate) fn get(ctx: &Cudnn) -> Result<&Kernels> {
         ctx.naive.get_or_try_init(|| Kernels::compile(ctx))
     }
 
@@ -70,7 +74,7 @@ fn ptx((major, minor): (i32, i32)) -> Result<cudarc::nvrtc::Ptx> {
 
 /// Scratch f32 memory of at least `len` elements (grown, never shrunk), as a device address. Like
 /// PyTorch's caching allocator, it keeps allocation out of the timed kernels.
-fn scratch(ctx: &Cudnn, kernels: &Kernels, len: usize) -> Result<u64> {
+pub(crate) fn scratch(ctx: &Cudnn, kernels: &Kernels, len: usize) -> Result<u64> {
     use cudarc::driver::DevicePtr;
     let mut s = kernels.scratch.borrow_mut();
     if s.as_ref().is_none_or(|s| s.len() < len) {
@@ -84,13 +88,19 @@ fn scratch(ctx: &Cudnn, kernels: &Kernels, len: usize) -> Result<u64> {
 
 /// A kernel argument: device addresses are passed as 64-bit values.
 #[derive(Clone, Copy)]
-enum Arg {
+pub(crate) enum Arg {
     Ptr(u64),
     F32(f32),
     I64(i64),
 }
 
-fn launch(ctx: &Cudnn, kernels: &Kernels, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+pub(crate) fn launch(
+    ctx: &Cudnn,
+    kernels: &Kernels,
+    name: &str,
+    cfg: LaunchConfig,
+    args: &[Arg],
+) -> Result<()> {
     let f = kernels.function(name)?;
     let mut launch = ctx.stream().launch_builder(&f);
     for a in args {
@@ -107,7 +117,7 @@ fn launch(ctx: &Cudnn, kernels: &Kernels, name: &str, cfg: LaunchConfig, args: &
 }
 
 /// Launches an elementwise kernel over `n` elements: `args`, then `n`.
-fn elementwise(ctx: &Cudnn, kernels: &Kernels, name: &str, n: usize, args: &[Arg]) -> Result<()> {
+pub(crate) fn elementwise(ctx: &Cudnn, kernels: &Kernels, name: &str, n: usize, args: &[Arg]) -> Result<()> {
     let per_block = (BLOCK * ITEMS) as usize;
     let cfg = LaunchConfig {
         grid_dim: (n.div_ceil(per_block) as u32, 1, 1),

@@ -3,4 +3,6 @@
 pub mod epilogue;
 pub mod matmul;
 pub mod rmsnorm;
+pub mod rope;
+pub mod rows;
 pub mod sdpa;

@@ -1,0 +1,63 @@
+
+// ---- Decoder-model kernels: embedding lookup, KV-cache writes, rotary embedding. ----
+
+// embed_tokens(ids): row ids[r] of the [vocab, cols] table to row r of y (16-bit elements; ids were
+// checked on the host).
+ELEMENTWISE(embedding_16, (const unsigned* ids, const bits16* table, long cols, bits16* y, long n),
+            y[i] = table[(long)ids[i / cols] * cols + i % cols])
+
+// Writes `seq` rows of `cols` elements per batch, read with row stride `ss` (a view into the QKV
+// buffer), into a cache [batch, max_seq, cols] at rows start.. (StaticCache.update's index_copy_).
+ELEMENTWISE(cache_rows_16, (const bits16* src, long ss, long seq, long cols, long max_seq, long start, bits16* dst, long n), {
+    long c = i % cols, r = i / cols;
+    long s = r % seq, b = r / seq;
+    dst[(b * max_seq + start + s) * cols + c] = src[r * ss + c];
+})
+
+// Fused RoPE: rotates Q and K heads in place, one thread per (row, head, pair), f32 math, one rounding.
+// Rows are tokens (row r is position start + r % seq) `ss` elements apart; the first `heads` heads of a
+// row (Q, then K) start at element 0; cos/sin are f32 [positions, dim / 2].
+#define ROPE_FUSED(T, sfx, load, store)                                                                   \
+ELEMENTWISE(rope_fused_##sfx, (T* x, long ss, long seq, long heads, long dim, long start,                \
+                               const float* cos_t, const float* sin_t, long n), {                         \
+    long half = dim / 2, j = i % half, r = i / half;                                                      \
+    long h = r % heads; r /= heads;                                                                       \
+    long pos = start + r % seq;                                                                           \
+    T* v = x + r * ss + h * dim;                                                                          \
+    float a = load(v[j]), b = load(v[j + half]);                                                          \
+    float c = cos_t[pos * half + j], s = sin_t[pos * half + j];                                           \
+    v[j] = store(a * c - b * s);                                                                          \
+    v[j + half] = store(b * c + a * s);                                                                   \
+})
+ROPE_FUSED(bits16, bf16, bf16_to_f32, f32_to_bf16)
+ROPE_FUSED(bits16, f16, f16_to_f32, f32_to_f16)
+
+// Hugging Face's apply_rotary_pos_emb as eager runs it on one of Q or K, in the I/O dtype, one op per
+// launch: t1 = x * cos; t2 = -x[..., half:]; t3 = cat(t2, x[..., :half]); t4 = t3 * sin; x = t1 + t4.
+// x is [rows, heads, dim] with rows `ss` apart; temporaries are packed; cos/sin are [positions, dim]
+// in the I/O dtype (both halves, as HF's cat(freqs, freqs)), indexed by position start + row % seq.
+#define ROPE_EAGER(T, sfx, load, store)                                                                   \
+ELEMENTWISE(rope_mul_cos_##sfx, (const T* x, long ss, long seq, long heads, long dim, long start,         \
+                                 const T* cos_t, T* t1, long n), {                                        \
+    long e = i % dim, r = i / (dim * heads), h = (i / dim) % heads;                                       \
+    t1[i] = store(load(x[r * ss + h * dim + e]) * load(cos_t[(start + r % seq) * dim + e]));              \
+})                                                                                                        \
+ELEMENTWISE(rope_neg_half_##sfx, (const T* x, long ss, long heads, long dim, T* t2, long n), {            \
+    long half = dim / 2, e = i % half, r = i / (half * heads), h = (i / half) % heads;                    \
+    t2[i] = store(-load(x[r * ss + h * dim + half + e]));                                                 \
+})                                                                                                        \
+ELEMENTWISE(rope_cat_##sfx, (const T* t2, const T* x, long ss, long heads, long dim, T* t3, long n), {    \
+    long half = dim / 2, e = i % dim, r = i / (dim * heads), h = (i / dim) % heads;                       \
+    t3[i] = e < half ? t2[(r * heads + h) * half + e] : x[r * ss + h * dim + e - half];                   \
+})                                                                                                        \
+ELEMENTWISE(rope_mul_sin_##sfx, (const T* t3, long seq, long heads, long dim, long start,                 \
+                                 const T* sin_t, T* t4, long n), {                                        \
+    long e = i % dim, r = i / (dim * heads);                                                              \
+    t4[i] = store(load(t3[i]) * load(sin_t[(start + r % seq) * dim + e]));                                \
+})                                                                                                        \
+ELEMENTWISE(rope_add_##sfx, (const T* t1, const T* t4, long ss, long heads, long dim, T* x, long n), {    \
+    long e = i % dim, r = i / (dim * heads), h = (i / dim) % heads;                                       \
+    x[r * ss + h * dim + e] = store(load(t1[i]) + load(t4[i]));                                           \
+})
+ROPE_EAGER(bits16, bf16, bf16_to_f32, f32_to_bf16)
+ROPE_EAGER(bits16, f16, f16_to_f32, f32_to_f16)

@@ -1,0 +1,220 @@
+//! Rotary position embedding of Q and K in place, inside a fused QKV buffer. Fused: one custom kernel
+//! (f32 math, one rounding). Naive: Hugging Face's `apply_rotary_pos_emb` as eager runs it, five kernels
+//! for Q and five for K in the I/O dtype (`x·cos`, `-x₂`, `cat`, `·sin`, `+`).
+//!
+//! A QKV buffer holds one row per token: Q heads, then K heads, then V heads, each `head_dim` wide;
+//! rows are `row_stride` elements apart. Row `r` of a call is the token at position
+//! `start + r % seq` (batch-major rows).
+
+use crate::dtype::{DataType, Element};
+use crate::error::ensure;
+use crate::naive::{elementwise, scratch, Arg, Kernels};
+use crate::{Backend, Cudnn, Error, Result};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+
+/// Shape of a RoPE call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RopeArgs {
+    /// Sequences.
+    pub batch: usize,
+    /// Tokens per sequence in this call.
+    pub seq: usize,
+    /// Query heads (rotated), first in each row.
+    pub heads_q: usize,
+    /// Key heads (rotated), right after the query heads.
+    pub heads_kv: usize,
+    /// Head dim (even).
+    pub head_dim: usize,
+    /// Elements between consecutive tokens.
+    pub row_stride: usize,
+    /// Position of each sequence's first token in this call.
+    pub start: usize,
+}
+
+/// The cos/sin tables both backends read, on the device: f32 `[positions, dim / 2]` for the fused
+/// kernel, and `[positions, dim]` in the I/O dtype (both halves) for the eager path, as Hugging Face
+/// casts them to the activations' dtype.
+pub struct RopeTables<T> {
+    positions: usize,
+    dim: usize,
+    cos_half: CudaSlice<f32>,
+    sin_half: CudaSlice<f32>,
+    cos_full: CudaSlice<T>,
+    sin_full: CudaSlice<T>,
+}
+
+impl<T: Element> RopeTables<T> {
+    /// Uploads host tables `cos`, `sin` of `[positions, dim / 2]` angles.
+    pub fn new(ctx: &Cudnn, cos: &[f64], sin: &[f64], dim: usize) -> Result<Self> {
+        ensure!(dim > 0 && dim.is_multiple_of(2), "rope: head dim {dim} must be even and > 0");
+        let half = dim / 2;
+        ensure!(
+            cos.len() == sin.len() && cos.len().is_multiple_of(half),
+            "rope: tables must be [positions, dim / 2]"
+        );
+        let full = |t: &[f64]| -> Vec<T> {
+            t.chunks(half).flat_map(|row| row.iter().chain(row.iter()).map(|&v| T::from_f64(v))).collect()
+        };
+        let f32s = |t: &[f64]| t.iter().map(|&v| v as f32).collect::<Vec<f32>>();
+        let s = ctx.stream();
+        Ok(RopeTables {
+            positions: cos.len() / half,
+            dim,
+            cos_half: s.clone_htod(&f32s(cos))?,
+            sin_half: s.clone_htod(&f32s(sin))?,
+            cos_full: s.clone_htod(&full(cos))?,
+            sin_full: s.clone_htod(&full(sin))?,
+        })
+    }
+
+    /// Positions covered.
+    pub fn positions(&self) -> usize {
+        self.positions
+    }
+}
+
+impl RopeArgs {
+    /// Checks the shape against the buffer length and the tables.
+    pub fn check(&self, len: usize, positions: usize, dim: usize) -> Result<()> {
+        let RopeArgs { batch, seq, heads_q, heads_kv, head_dim, row_stride, start } = *self;
+        ensure!(batch > 0 && seq > 0 && heads_q > 0 && heads_kv > 0, "rope: empty shape {self:?}");
+        ensure!(head_dim == dim, "rope: head_dim {head_dim} differs from the tables' {dim}");
+        let width = (heads_q + heads_kv) * head_dim;
+        ensure!(row_stride >= width, "rope: row stride {row_stride} is narrower than Q and K ({width})");
+        let need = (batch * seq - 1) * row_stride + width;
+        ensure!(len >= need, "rope: buffer has {len} elements, needs {need}");
+        ensure!(
+            start + seq <= positions,
+            "rope: positions up to {} exceed the tables' {positions}",
+            start + seq
+        );
+        Ok(())
+    }
+}
+
+/// Kernels the eager path launches per call.
+pub const NAIVE_KERNELS: usize = 10;
+
+fn suffix(dtype: DataType) -> Result<&'static str> {
+    match dtype {
+        DataType::BF16 => Ok("bf16"),
+        DataType::F16 => Ok("f16"),
+        other => {
+            Err(Error::NotSupported { op: "rope".into(), reason: format!("takes f16 or bf16, not {other}") })
+        }
+    }
+}
+
+/// Rotates Q and K of `qkv` in place on the chosen backend.
+pub fn rope_with<T: Element>(
+    backend: Backend,
+    ctx: &Cudnn,
+    args: RopeArgs,
+    tables: &RopeTables<T>,
+    qkv: &mut (impl DevicePtrMut<T> + ?Sized),
+) -> Result<()> {
+    let sfx = suffix(T::DTYPE)?;
+    args.check(qkv.len(), tables.positions, tables.dim)?;
+    let kernels = Kernels::get(ctx)?;
+    let RopeArgs { batch, seq, heads_q, heads_kv, head_dim: d, row_stride, start } = args;
+    let rows = batch * seq;
+    let (x, _gx) = qkv.device_ptr_mut(ctx.stream());
+    let i = |v: usize| Arg::I64(v as i64);
+    match backend {
+        Backend::Fused => {
+            let (c, _gc) = tables.cos_half.device_ptr(ctx.stream());
+            let (s, _gs) = tables.sin_half.device_ptr(ctx.stream());
+            let heads = heads_q + heads_kv;
+            let a = [Arg::Ptr(x), i(row_stride), i(seq), i(heads), i(d), i(start), Arg::Ptr(c), Arg::Ptr(s)];
+            elementwise(ctx, kernels, &format!("rope_fused_{sfx}"), rows * heads * d / 2, &a)
+        }
+        Backend::Naive => {
+            let (c, _gc) = tables.cos_full.device_ptr(ctx.stream());
+            let (s, _gs) = tables.sin_full.device_ptr(ctx.stream());
+            let elem = T::DTYPE.size() as u64;
+            // t1, t3, t4 hold rows · heads · d elements, t2 half of that, all in the I/O dtype.
+            let n = rows * heads_q * d;
+            let base = scratch(ctx, kernels, (n * 7 / 2 * T::DTYPE.size()).div_ceil(4))?;
+            let (t1, t2, t3, t4) = (
+                base,
+                base + elem * n as u64,
+                base + elem * (3 * n / 2) as u64,
+                base + elem * (5 * n / 2) as u64,
+            );
+            for (offset, heads) in [(0, heads_q), (heads_q * d, heads_kv)] {
+                let xh = x + elem * offset as u64;
+                let n = rows * heads * d;
+                let k = |name: &str| format!("rope_{name}_{sfx}");
+                elementwise(
+                    ctx,
+                    kernels,
+                    &k("mul_cos"),
+                    n,
+                    &[
+                        Arg::Ptr(xh),
+                        i(row_stride),
+                        i(seq),
+                        i(heads),
+                        i(d),
+                        i(start),
+                        Arg::Ptr(c),
+                        Arg::Ptr(t1),
+                    ],
+                )?;
+                elementwise(
+                    ctx,
+                    kernels,
+                    &k("neg_half"),
+                    n / 2,
+                    &[Arg::Ptr(xh), i(row_stride), i(heads), i(d), Arg::Ptr(t2)],
+                )?;
+                elementwise(
+                    ctx,
+                    kernels,
+                    &k("cat"),
+                    n,
+                    &[Arg::Ptr(t2), Arg::Ptr(xh), i(row_stride), i(heads), i(d), Arg::Ptr(t3)],
+                )?;
+                elementwise(
+                    ctx,
+                    kernels,
+                    &k("mul_sin"),
+                    n,
+                    &[Arg::Ptr(t3), i(seq), i(heads), i(d), i(start), Arg::Ptr(s), Arg::Ptr(t4)],
+                )?;
+                elementwise(
+                    ctx,
+                    kernels,
+                    &k("add"),
+                    n,
+                    &[Arg::Ptr(t1), Arg::Ptr(t4), i(row_stride), i(heads), i(d), Arg::Ptr(xh)],
+                )?;
+            }
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn argument_errors() {
+        let a =
+            RopeArgs { batch: 2, seq: 5, heads_q: 4, heads_kv: 2, head_dim: 32, row_stride: 256, start: 3 };
+        let len = 9 * 256 + 6 * 32;
+        a.check(len, 8, 32).unwrap();
+        for (bad, l, expected) in [
+            (a, len - 1, "needs"),
+            (RopeArgs { start: 4, ..a }, len, "exceed the tables' 8"),
+            (RopeArgs { row_stride: 100, ..a }, len, "narrower"),
+            (RopeArgs { seq: 0, ..a }, len, "empty shape"),
+            (RopeArgs { head_dim: 16, ..a }, len, "differs from the tables"),
+        ] {
+            let e = bad.check(l, 8, 32).unwrap_err().to_string();
+            assert!(e.contains(expected), "{expected}: {e}");
+        }
+        assert!(suffix(DataType::F32).unwrap_err().is_not_supported());
+    }
+}

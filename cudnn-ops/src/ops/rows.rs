@@ -1,0 +1,104 @@
+//! Row moves a decoder needs on both backends (one kernel each, as in eager): the embedding lookup and
+//! writing K/V rows into a preallocated cache.
+
+use crate::dtype::Element;
+use crate::error::ensure;
+use crate::naive::{elementwise, Arg, Kernels};
+use crate::{Cudnn, Error, Result};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
+
+fn sixteen_bit<T: Element>(op: &str) -> Result<()> {
+    if T::DTYPE.size() == 2 {
+        return Ok(());
+    }
+    Err(Error::NotSupported { op: op.into(), reason: format!("takes 16-bit elements, not {}", T::DTYPE) })
+}
+
+/// `y[r] = table[ids[r]]` for a `[vocab, hidden]` table. Ids are checked on the host (an id ≥ vocab is
+/// an error, nothing is launched) and uploaded.
+pub fn embedding<T: Element>(
+    ctx: &Cudnn,
+    ids: &[u32],
+    table: &(impl DevicePtr<T> + ?Sized),
+    vocab: usize,
+    hidden: usize,
+    y: &mut (impl DevicePtrMut<T> + ?Sized),
+) -> Result<()> {
+    sixteen_bit::<T>("embedding")?;
+    ensure!(!ids.is_empty() && hidden > 0, "embedding: no tokens or zero hidden size");
+    if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+        return Err(Error::invalid(format!(
+            "embedding: token id {bad} is outside the vocabulary of {vocab}"
+        )));
+    }
+    ensure!(
+        table.len() >= vocab * hidden,
+        "embedding: table has {} elements, needs {}",
+        table.len(),
+        vocab * hidden
+    );
+    let n = ids.len() * hidden;
+    ensure!(y.len() >= n, "embedding: output has {} elements, needs {n}", y.len());
+    let kernels = Kernels::get(ctx)?;
+    let ids_dev = ctx.stream().clone_htod(ids)?;
+    let (i, _gi) = ids_dev.device_ptr(ctx.stream());
+    let (t, _gt) = table.device_ptr(ctx.stream());
+    let (o, _go) = y.device_ptr_mut(ctx.stream());
+    elementwise(
+        ctx,
+        kernels,
+        "embedding_16",
+        n,
+        &[Arg::Ptr(i), Arg::Ptr(t), Arg::I64(hidden as i64), Arg::Ptr(o)],
+    )
+}
+
+/// Where rows go in a `[batch, max_seq, cols]` cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheWrite {
+    /// Sequences.
+    pub batch: usize,
+    /// Rows per sequence written now.
+    pub seq: usize,
+    /// Elements per row.
+    pub cols: usize,
+    /// Elements between source rows (a view into a wider buffer).
+    pub src_stride: usize,
+    /// Cache rows per sequence.
+    pub max_seq: usize,
+    /// First cache row written in each sequence.
+    pub start: usize,
+}
+
+/// Copies `batch · seq` rows of `src` into the cache at rows `start..start + seq` of each sequence.
+pub fn write_cache<T: Element>(
+    ctx: &Cudnn,
+    w: CacheWrite,
+    src: &(impl DevicePtr<T> + ?Sized),
+    cache: &mut (impl DevicePtrMut<T> + ?Sized),
+) -> Result<()> {
+    sixteen_bit::<T>("write_cache")?;
+    let CacheWrite { batch, seq, cols, src_stride, max_seq, start } = w;
+    ensure!(batch > 0 && seq > 0 && cols > 0, "write_cache: empty shape {w:?}");
+    ensure!(src_stride >= cols, "write_cache: source stride {src_stride} < row width {cols}");
+    ensure!(
+        start + seq <= max_seq,
+        "write_cache: rows {}..{} overflow a cache of {max_seq}",
+        start,
+        start + seq
+    );
+    let need = (batch * seq - 1) * src_stride + cols;
+    ensure!(src.len() >= need, "write_cache: source has {} elements, needs {need}", src.len());
+    ensure!(
+        cache.len() >= batch * max_seq * cols,
+        "write_cache: cache has {} elements, needs {}",
+        cache.len(),
+        batch * max_seq * cols
+    );
+    let kernels = Kernels::get(ctx)?;
+    let (s, _gs) = src.device_ptr(ctx.stream());
+    let (c, _gc) = cache.device_ptr_mut(ctx.stream());
+    let i = |v: usize| Arg::I64(v as i64);
+    let args = [Arg::Ptr(s), i(src_stride), i(seq), i(cols), i(max_seq), i(start), Arg::Ptr(c)];
+    elementwise(ctx, kernels, "cache_rows_16", batch * seq * cols, &args)
+}

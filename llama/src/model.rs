@@ -1,0 +1,394 @@
+//! The decoder on the GPU. Each module runs on the backend [`Backends`] gives its kind and layer:
+//!
+//! ```text
+//! x = embed(tokens)
+//! for each layer:
+//!     h   = prenorm(x)                      # fwd.layer.attn.prenorm  RMSNorm graph | 8 eager kernels
+//!     qkv = qkv_proj(h)                     # fwd.layer.attn.qkv_proj matmul graph  | cuBLAS GEMM
+//!     rope(qkv)                             # fwd.layer.attn.rope     1 kernel      | 10 eager kernels
+//!     o   = gqa(qkv, cache)                 # fwd.layer.attn.gqa      SDPA graph    | math-path attention
+//!     x   = x + o_proj(o)                   # fwd.layer.attn.o_proj   matmul+residual | GEMM, add
+//!     h   = prenorm(x)                      # fwd.layer.mlp.prenorm
+//!     x   = x + down(silu(gate(h)) * up(h)) # fwd.layer.mlp.mlp       3 graphs (SwiGLU, residual) | 3 GEMMs, silu, mul, add
+//! y = output_norm(x)                        # fwd.output_norm
+//! ```
+//!
+//! Q, K and V live in one `[tokens, (h_q + 2·h_kv)·d]` buffer (one GEMM against the concatenated
+//! weight, as gpt-fast's `wqkv`); RoPE rotates Q and K there, K and V rows are copied into a
+//! preallocated cache, and attention reads Q and the cache through strides. Prefill uses a top-left
+//! causal mask; later calls (decode, chunked prefill) attend bottom-right aligned over the cache.
+//! A fused module that cuDNN cannot run for a shape runs naive instead; [`Llama::fallbacks`] says
+//! which and why, and the shape is not retried.
+
+use crate::backends::{Backends, ModuleKind};
+use crate::config::LlamaConfig;
+use crate::weights::{Tensor, Weights};
+use crate::{Backend, Error, Result};
+use cudarc::driver::CudaSlice;
+use cudnn_ops::{
+    embedding, linear, rms_norm_with, rope_with, sdpa_with, write_cache, CacheWrite, Cudnn, Element,
+    Epilogue, Layout, Linear, Mask, Operands, RmsNormArgs, RopeArgs, RopeTables, SdpaArgs,
+};
+use std::collections::HashSet;
+
+/// Called around every module call, for profilers (CUDA events, NVTX, kernel attribution).
+pub trait Observer {
+    /// A module call begins: its range name (e.g. `fwd.layer.attn.gqa`) and layer.
+    fn begin(&mut self, _range: &'static str, _layer: Option<usize>) {}
+    /// The call ends (its work is enqueued).
+    fn end(&mut self, _range: &'static str, _layer: Option<usize>) {}
+}
+
+/// An observer that does nothing.
+pub struct NoObserver;
+impl Observer for NoObserver {}
+
+/// A fused module that ran naive instead.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fallback {
+    /// Range name of the module.
+    pub range: &'static str,
+    /// Its layer.
+    pub layer: Option<usize>,
+    /// The shape it failed for.
+    pub shape: String,
+    /// cuDNN's reason.
+    pub reason: String,
+}
+
+struct Layer<T> {
+    attn_norm: CudaSlice<T>,
+    qkv: CudaSlice<T>,
+    o_proj: CudaSlice<T>,
+    mlp_norm: CudaSlice<T>,
+    gate: CudaSlice<T>,
+    up: CudaSlice<T>,
+    down: CudaSlice<T>,
+}
+
+/// Per-layer K and V caches, `[batch, max_seq, h_kv · d]` each.
+pub struct KvCache<T> {
+    k: Vec<CudaSlice<T>>,
+    v: Vec<CudaSlice<T>>,
+    batch: usize,
+    max_seq: usize,
+    len: usize,
+}
+
+impl<T> KvCache<T> {
+    /// Tokens cached per sequence.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True before the first forward.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Forgets the cached tokens (the memory is kept).
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+}
+
+/// Activation buffers for `rows` tokens.
+struct Activations<T> {
+    rows: usize,
+    x: [CudaSlice<T>; 2],
+    h: CudaSlice<T>,
+    qkv: CudaSlice<T>,
+    attn: CudaSlice<T>,
+    up: CudaSlice<T>,
+    act: CudaSlice<T>,
+    out: CudaSlice<T>,
+}
+
+/// A Llama-3 decoder on one GPU.
+pub struct Llama<T: Element> {
+    cfg: LlamaConfig,
+    embed: CudaSlice<T>,
+    layers: Vec<Layer<T>>,
+    norm: CudaSlice<T>,
+    lm_head: Option<CudaSlice<T>>,
+    rope: RopeTables<T>,
+    acts: Option<Activations<T>>,
+    fallbacks: Vec<Fallback>,
+    unsupported: HashSet<(ModuleKind, Option<usize>, String)>,
+}
+
+impl<T: Element> Llama<T> {
+    /// Uploads `weights` (the Q, K and V projections concatenated into one matrix) and RoPE tables for
+    /// positions `0..max_positions`.
+    pub fn new(ctx: &Cudnn, cfg: &LlamaConfig, weights: &Weights<T>, max_positions: usize) -> Result<Self> {
+        cfg.check()?;
+        if weights.layers.len() != cfg.layers {
+            return Err(Error::Weights(format!(
+                "{} layers of weights for a {}-layer config",
+                weights.layers.len(),
+                cfg.layers
+            )));
+        }
+        let s = ctx.stream();
+        let up = |t: &Tensor<T>| -> Result<CudaSlice<T>> {
+            Ok(s.clone_htod(&t.data).map_err(cudnn_ops::Error::from)?)
+        };
+        let mut layers = Vec::with_capacity(cfg.layers);
+        for l in &weights.layers {
+            let qkv: Vec<T> =
+                [&l.q_proj, &l.k_proj, &l.v_proj].iter().flat_map(|t| t.data.iter().copied()).collect();
+            layers.push(Layer {
+                attn_norm: up(&l.attn_norm)?,
+                qkv: s.clone_htod(&qkv).map_err(cudnn_ops::Error::from)?,
+                o_proj: up(&l.o_proj)?,
+                mlp_norm: up(&l.mlp_norm)?,
+                gate: up(&l.gate_proj)?,
+                up: up(&l.up_proj)?,
+                down: up(&l.down_proj)?,
+            });
+        }
+        let (cos, sin) = crate::rope::tables(cfg, 0, max_positions);
+        Ok(Llama {
+            cfg: cfg.clone(),
+            embed: up(&weights.embed)?,
+            layers,
+            norm: up(&weights.norm)?,
+            lm_head: weights.lm_head.as_ref().map(up).transpose()?,
+            rope: RopeTables::new(ctx, &cos, &sin, cfg.head_dim)?,
+            acts: None,
+            fallbacks: Vec::new(),
+            unsupported: HashSet::new(),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    /// Fused modules that ran naive, with the reason (each module, layer and shape once).
+    pub fn fallbacks(&self) -> &[Fallback] {
+        &self.fallbacks
+    }
+
+    /// An empty cache for `batch` sequences of up to `max_seq` tokens.
+    pub fn cache(&self, ctx: &Cudnn, batch: usize, max_seq: usize) -> Result<KvCache<T>> {
+        if max_seq > self.rope.positions() {
+            return Err(Error::Config(format!(
+                "a cache of {max_seq} exceeds the {} RoPE positions",
+                self.rope.positions()
+            )));
+        }
+        let n = batch * max_seq * self.cfg.kv_heads * self.cfg.head_dim;
+        let alloc = || ctx.stream().alloc_zeros::<T>(n).map_err(cudnn_ops::Error::from);
+        let mut k = Vec::with_capacity(self.cfg.layers);
+        let mut v = Vec::with_capacity(self.cfg.layers);
+        for _ in 0..self.cfg.layers {
+            k.push(alloc()?);
+            v.push(alloc()?);
+        }
+        Ok(KvCache { k, v, batch, max_seq, len: 0 })
+    }
+
+    fn activations(&mut self, ctx: &Cudnn, rows: usize) -> Result<()> {
+        if self.acts.as_ref().is_some_and(|a| a.rows >= rows) {
+            return Ok(());
+        }
+        let c = &self.cfg;
+        let alloc = |n: usize| ctx.stream().alloc_zeros::<T>(rows * n).map_err(cudnn_ops::Error::from);
+        self.acts = Some(Activations {
+            rows,
+            x: [alloc(c.hidden)?, alloc(c.hidden)?],
+            h: alloc(c.hidden)?,
+            qkv: alloc(c.qkv_width())?,
+            attn: alloc(c.attn_width())?,
+            up: alloc(c.ffn)?,
+            act: alloc(c.ffn)?,
+            out: alloc(c.hidden)?,
+        });
+        Ok(())
+    }
+
+    /// Runs the next `tokens` of every sequence (equal counts) through the model, appending their K/V
+    /// to `cache`, and returns the output-normed hidden states `[batch · seq, hidden]` (valid until the
+    /// next call).
+    pub fn forward(
+        &mut self,
+        ctx: &Cudnn,
+        tokens: &[Vec<u32>],
+        cache: &mut KvCache<T>,
+        backends: &Backends,
+        obs: &mut dyn Observer,
+    ) -> Result<&CudaSlice<T>> {
+        let batch = tokens.len();
+        let seq = tokens.first().map_or(0, Vec::len);
+        if batch == 0 || seq == 0 || tokens.iter().any(|t| t.len() != seq) {
+            return Err(Error::Config(
+                "forward: give one or more sequences of equal, non-zero length".into(),
+            ));
+        }
+        if batch != cache.batch || cache.len + seq > cache.max_seq {
+            return Err(Error::Config(format!(
+                "forward: {batch} x {seq} tokens do not fit a cache of {} x {} holding {}",
+                cache.batch, cache.max_seq, cache.len
+            )));
+        }
+        let rows = batch * seq;
+        self.activations(ctx, rows)?;
+        let ids: Vec<u32> = tokens.iter().flatten().copied().collect();
+        let c = self.cfg.clone();
+        let mut me =
+            Step { fallbacks: &mut self.fallbacks, unsupported: &mut self.unsupported, backends, obs };
+        let acts = self.acts.as_mut().expect("allocated above");
+        let (hid, d, hq, hkv, w) = (c.hidden, c.head_dim, c.heads, c.kv_heads, c.qkv_width());
+        let start = cache.len;
+        embedding(ctx, &ids, &self.embed, c.vocab, hid, &mut acts.x[0])?;
+        let mut cur = 0;
+        let norm = RmsNormArgs { tokens: rows, hidden: hid, epsilon: c.rms_eps as f32 };
+        let wide = Linear { tokens: rows, in_features: hid, out_features: c.ffn };
+        for (l, layer) in self.layers.iter().enumerate() {
+            let at = Some(l);
+            let shape = format!("{rows} tokens");
+            me.run(ModuleKind::Prenorm, 0, at, &shape, |b| {
+                rms_norm_with(b, ctx, norm, &acts.x[cur], &layer.attn_norm, &mut acts.h, None)
+            })?;
+            let qkv_lin = Linear { tokens: rows, in_features: hid, out_features: w };
+            me.run(ModuleKind::QkvProj, 0, at, &shape, |b| {
+                linear(b, ctx, qkv_lin, Epilogue::NONE, &Operands::new(&acts.h, &layer.qkv), &mut acts.qkv)
+            })?;
+            let rope = RopeArgs { batch, seq, heads_q: hq, heads_kv: hkv, head_dim: d, row_stride: w, start };
+            me.run(ModuleKind::Rope, 0, at, &shape, |b| rope_with(b, ctx, rope, &self.rope, &mut acts.qkv))?;
+            let mask = if start == 0 { Mask::CausalTopLeft } else { Mask::CausalBottomRight };
+            let mut attn = SdpaArgs::new(batch, hq, hkv, seq, start + seq, d, Layout::Bshd).with_mask(mask);
+            attn.q_strides = [seq * w, d, w, 1];
+            let kv = [cache.max_seq * hkv * d, d, hkv * d, 1];
+            (attn.k_strides, attn.v_strides) = (kv, kv);
+            let (kc, vc) = (&mut cache.k[l], &mut cache.v[l]);
+            let attn_shape = format!("{batch}x{seq} over {}", start + seq);
+            me.run(ModuleKind::Gqa, 0, at, &attn_shape, |b| {
+                let write =
+                    CacheWrite { batch, seq, cols: hkv * d, src_stride: w, max_seq: cache.max_seq, start };
+                write_cache(ctx, write, &acts.qkv.slice(hq * d..), kc)?;
+                write_cache(ctx, write, &acts.qkv.slice((hq + hkv) * d..), vc)?;
+                sdpa_with(b, ctx, attn, &acts.qkv, &*kc, &*vc, &mut acts.attn, None)
+            })?;
+            let (xa, xb) = acts.x.split_at_mut(1);
+            let (src, dst) = if cur == 0 { (&xa[0], &mut xb[0]) } else { (&xb[0], &mut xa[0]) };
+            let o_lin = Linear { tokens: rows, in_features: hq * d, out_features: hid };
+            me.run(ModuleKind::OProj, 0, at, &shape, |b| {
+                linear(
+                    b,
+                    ctx,
+                    o_lin,
+                    Epilogue::RESIDUAL,
+                    &Operands::new(&acts.attn, &layer.o_proj).residual(src),
+                    dst,
+                )
+            })?;
+            cur = 1 - cur;
+            me.run(ModuleKind::Prenorm, 1, at, &shape, |b| {
+                rms_norm_with(b, ctx, norm, &acts.x[cur], &layer.mlp_norm, &mut acts.h, None)
+            })?;
+            let (xa, xb) = acts.x.split_at_mut(1);
+            let (src, dst) = if cur == 0 { (&xa[0], &mut xb[0]) } else { (&xb[0], &mut xa[0]) };
+            let narrow = Linear { tokens: rows, in_features: c.ffn, out_features: hid };
+            me.run(ModuleKind::Mlp, 0, at, &shape, |b| {
+                linear(b, ctx, wide, Epilogue::NONE, &Operands::new(&acts.h, &layer.up), &mut acts.up)?;
+                linear(
+                    b,
+                    ctx,
+                    wide,
+                    Epilogue::SWIGLU,
+                    &Operands::new(&acts.h, &layer.gate).gate(&acts.up),
+                    &mut acts.act,
+                )?;
+                linear(
+                    b,
+                    ctx,
+                    narrow,
+                    Epilogue::RESIDUAL,
+                    &Operands::new(&acts.act, &layer.down).residual(src),
+                    dst,
+                )
+            })?;
+            cur = 1 - cur;
+        }
+        me.run(ModuleKind::OutputNorm, 0, None, &format!("{rows} tokens"), |b| {
+            rms_norm_with(b, ctx, norm, &acts.x[cur], &self.norm, &mut acts.out, None)
+        })?;
+        cache.len += seq;
+        Ok(&acts.out)
+    }
+
+    /// Logits `[rows, vocab]` of the last forward's first `rows` output rows (`lm_head`, or the
+    /// embedding when tied), on the backend chosen for [`ModuleKind::LmHead`].
+    pub fn logits(
+        &mut self,
+        ctx: &Cudnn,
+        rows: usize,
+        backends: &Backends,
+        obs: &mut dyn Observer,
+    ) -> Result<CudaSlice<T>> {
+        let acts = self.acts.as_ref().ok_or_else(|| Error::Config("logits: run forward first".into()))?;
+        if rows > acts.rows {
+            return Err(Error::Config(format!(
+                "logits: {rows} rows asked, the last forward had {}",
+                acts.rows
+            )));
+        }
+        let c = &self.cfg;
+        let mut out = ctx.stream().alloc_zeros::<T>(rows * c.vocab).map_err(cudnn_ops::Error::from)?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let lin = Linear { tokens: rows, in_features: c.hidden, out_features: c.vocab };
+        let mut me =
+            Step { fallbacks: &mut self.fallbacks, unsupported: &mut self.unsupported, backends, obs };
+        me.run(ModuleKind::LmHead, 0, None, &format!("{rows} tokens"), |b| {
+            linear(b, ctx, lin, Epilogue::NONE, &Operands::new(&acts.out, head), &mut out)
+        })?;
+        Ok(out)
+    }
+}
+
+/// One forward's view of the model's bookkeeping: backends, observer, fallbacks.
+struct Step<'a> {
+    fallbacks: &'a mut Vec<Fallback>,
+    unsupported: &'a mut HashSet<(ModuleKind, Option<usize>, String)>,
+    backends: &'a Backends,
+    obs: &'a mut dyn Observer,
+}
+
+impl Step<'_> {
+    /// Runs module `kind` (its `which`-th range name) of `layer` on its backend inside the observer's
+    /// range; a fused `NotSupported` is recorded once per shape and the module runs naive.
+    fn run(
+        &mut self,
+        kind: ModuleKind,
+        which: usize,
+        layer: Option<usize>,
+        shape: &str,
+        mut f: impl FnMut(Backend) -> cudnn_ops::Result<()>,
+    ) -> Result<()> {
+        let range = kind.ranges()[which];
+        self.obs.begin(range, layer);
+        let mut backend = self.backends.get(layer, kind);
+        let key = (kind, layer, shape.to_string());
+        if backend == Backend::Fused && self.unsupported.contains(&key) {
+            backend = Backend::Naive;
+        }
+        let result = match f(backend) {
+            Err(e) if backend == Backend::Fused && e.is_not_supported() => {
+                self.fallbacks.push(Fallback {
+                    range,
+                    layer,
+                    shape: shape.to_string(),
+                    reason: e.to_string(),
+                });
+                self.unsupported.insert(key);
+                f(Backend::Naive)
+            }
+            other => other,
+        };
+        self.obs.end(range, layer);
+        Ok(result?)
+    }
+}

@@ -1,0 +1,133 @@
+//! The Llama model on the GPU: every backend mix against the f64 CPU forward (tiny preset), fused vs
+//! naive on the 1B preset, prefill + decode against a full forward, and recorded fallbacks. GPU tests are
+//! ignored by default; run them with `--include-ignored` on a GPU machine.
+
+use cudnn_llm::cudnn_ops::reference::{compare, Tolerance};
+use cudnn_llm::cudnn_ops::{Backend, Cudnn};
+use cudnn_llm::llama::weights::Weights;
+use cudnn_llm::llama::{reference, Backends, Llama, LlamaConfig, NoObserver};
+use half::bf16;
+
+/// Hidden states through a whole bf16 model, against f64.
+const MODEL_TOL: Tolerance = Tolerance { rel_l2: 3e-2 };
+
+fn gpu() -> Cudnn {
+    Cudnn::new(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU with cuDNN: {e}"))
+}
+
+fn tokens(batch: usize, seq: usize, vocab: usize, seed: u32) -> Vec<Vec<u32>> {
+    (0..batch)
+        .map(|b| (0..seq).map(|s| (seed + 7919 * b as u32 + 104729 * s as u32) % vocab as u32).collect())
+        .collect()
+}
+
+fn hidden(ctx: &Cudnn, model: &mut Llama<bf16>, toks: &[Vec<u32>], backends: &Backends) -> Vec<bf16> {
+    let rows = toks.len() * toks[0].len();
+    let mut cache = model.cache(ctx, toks.len(), toks[0].len()).unwrap();
+    let out = model.forward(ctx, toks, &mut cache, backends, &mut NoObserver).unwrap();
+    let mut host = ctx.stream().clone_dtoh(out).unwrap();
+    host.truncate(rows * model.config().hidden);
+    host
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn tiny_model_matches_the_cpu_reference_on_every_backend_mix() {
+    let ctx = gpu();
+    let cfg = LlamaConfig::tiny();
+    let w = Weights::<bf16>::random(&cfg, 1);
+    let mut model = Llama::new(&ctx, &cfg, &w, 64).unwrap();
+    let toks = tokens(3, 10, cfg.vocab, 5);
+    let expected = reference::forward(&cfg, &w, &toks, 0);
+    let mut failures = Vec::new();
+    for sel in
+        ["", "fused=all", "fused=prenorm,gqa", "fused=qkv_proj,rope,o_proj", "fused=all;naive=mlp@1,rope@0"]
+    {
+        let b = Backends::parse(sel).unwrap();
+        let c = compare(&hidden(&ctx, &mut model, &toks, &b), &expected);
+        println!("`{sel}`: {c}");
+        if !c.passes(MODEL_TOL) {
+            failures.push(format!("`{sel}`: {c}"));
+        }
+    }
+    assert!(model.fallbacks().is_empty(), "{:?}", model.fallbacks());
+    assert!(failures.is_empty(), "{failures:?}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fused_and_naive_agree_on_the_1b_preset() {
+    let ctx = gpu();
+    let cfg = LlamaConfig::llama_3_2_1b();
+    let w = Weights::<bf16>::random(&cfg, 2);
+    let mut model = Llama::new(&ctx, &cfg, &w, 256).unwrap();
+    let toks = tokens(2, 100, cfg.vocab, 11);
+    let naive = hidden(&ctx, &mut model, &toks, &Backends::all(Backend::Naive));
+    let fused = hidden(&ctx, &mut model, &toks, &Backends::all(Backend::Fused));
+    let c = compare(&fused, &naive.iter().map(|v| v.to_f64()).collect::<Vec<_>>());
+    println!("1B fused vs naive: {c}");
+    assert!(c.passes(MODEL_TOL), "{c}");
+    assert!(model.fallbacks().is_empty(), "{:?}", model.fallbacks());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn prefill_then_decode_equals_a_full_forward() {
+    let ctx = gpu();
+    let cfg = LlamaConfig::tiny();
+    let w = Weights::<bf16>::random(&cfg, 3);
+    let mut model = Llama::new(&ctx, &cfg, &w, 64).unwrap();
+    let (batch, prompt, steps) = (2, 6, 4);
+    let all = tokens(batch, prompt + steps, cfg.vocab, 9);
+    let expected = reference::forward(&cfg, &w, &all, 0);
+    let h = cfg.hidden;
+    for sel in ["", "fused=all"] {
+        let b = Backends::parse(sel).unwrap();
+        let mut cache = model.cache(&ctx, batch, prompt + steps).unwrap();
+        let first: Vec<Vec<u32>> = all.iter().map(|t| t[..prompt].to_vec()).collect();
+        model.forward(&ctx, &first, &mut cache, &b, &mut NoObserver).unwrap();
+        for s in prompt..prompt + steps {
+            let step: Vec<Vec<u32>> = all.iter().map(|t| vec![t[s]]).collect();
+            let out = ctx
+                .stream()
+                .clone_dtoh(model.forward(&ctx, &step, &mut cache, &b, &mut NoObserver).unwrap())
+                .unwrap();
+            for bi in 0..batch {
+                let row = &out[bi * h..][..h];
+                let want = &expected[(bi * (prompt + steps) + s) * h..][..h];
+                let c = compare(row, want);
+                assert!(c.passes(MODEL_TOL), "`{sel}` sequence {bi} position {s}: {c}");
+            }
+        }
+        assert_eq!(cache.len(), prompt + steps);
+        assert!(
+            model.forward(&ctx, &[vec![1], vec![2]], &mut cache, &b, &mut NoObserver).is_err(),
+            "cache full"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn unsupported_fused_modules_fall_back_and_say_why() {
+    let ctx = gpu();
+    // Head dim 264 is past every GPU's fused-attention limit: attention must fall back, once per shape.
+    let cfg = LlamaConfig {
+        name: "wide-heads".into(),
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 264,
+        ..LlamaConfig::tiny()
+    };
+    let w = Weights::<bf16>::random(&cfg, 4);
+    let mut model = Llama::new(&ctx, &cfg, &w, 32).unwrap();
+    let toks = tokens(1, 8, cfg.vocab, 1);
+    let expected = reference::forward(&cfg, &w, &toks, 0);
+    for _ in 0..2 {
+        let c = compare(&hidden(&ctx, &mut model, &toks, &Backends::all(Backend::Fused)), &expected);
+        assert!(c.passes(MODEL_TOL), "{c}");
+    }
+    let f = model.fallbacks();
+    assert_eq!(f.len(), cfg.layers, "one record per layer, not per call: {f:?}");
+    assert!(f.iter().all(|f| f.range == "fwd.layer.attn.gqa" && f.reason.contains("head_dim 264")), "{f:?}");
+}
