@@ -90,6 +90,11 @@ impl<T> KvCache<T> {
     pub fn clear(&mut self) {
         self.len = 0;
     }
+
+    /// Keeps only the first `len` cached tokens of each sequence (e.g. to time one decode step again).
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
 }
 
 /// Activation buffers for `rows` tokens.
