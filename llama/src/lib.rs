@@ -7,6 +7,8 @@
 //! | [`weights`] | host weights: seeded random init, Hugging Face safetensors checkpoints (single or sharded) |
 //! | [`backends`] | which backend each module kind (and layer) runs on, and its string form |
 //! | [`model`] | the decoder on the GPU: per-module backends, KV cache, fallbacks, an observer hook |
+//! | [`profile`] | attributing kernels to module ranges (what an Nsight Systems NVTX projection shows) |
+//! | [`report`] | the per-module speedup report: markdown, terminal, CSV and JSON |
 //! | [`rope`] | Llama-3 RoPE frequencies and the cos/sin tables |
 //! | [`reference`](mod@reference) | an f64 CPU forward of the whole model, for tests |
 #![deny(missing_docs, rustdoc::broken_intra_doc_links)]
@@ -14,7 +16,9 @@
 pub mod backends;
 pub mod config;
 pub mod model;
+pub mod profile;
 pub mod reference;
+pub mod report;
 pub mod rope;
 pub mod weights;
 
