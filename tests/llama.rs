@@ -131,3 +131,47 @@ fn unsupported_fused_modules_fall_back_and_say_why() {
     assert_eq!(f.len(), cfg.layers, "one record per layer, not per call: {f:?}");
     assert!(f.iter().all(|f| f.range == "fwd.layer.attn.gqa" && f.reason.contains("head_dim 264")), "{f:?}");
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn chunked_prefill_uses_the_bottom_right_mask_and_logits_match() {
+    let ctx = gpu();
+    let cfg = LlamaConfig::tiny();
+    let w = Weights::<bf16>::random(&cfg, 6);
+    let mut model = Llama::new(&ctx, &cfg, &w, 64).unwrap();
+    let (batch, first, chunk) = (2, 6, 4);
+    let all = tokens(batch, first + chunk, cfg.vocab, 13);
+    let expected = reference::forward(&cfg, &w, &all, 0);
+    let h = cfg.hidden;
+    for sel in ["", "fused=all"] {
+        let b = Backends::parse(sel).unwrap();
+        let mut cache = model.cache(&ctx, batch, first + chunk).unwrap();
+        let head: Vec<Vec<u32>> = all.iter().map(|t| t[..first].to_vec()).collect();
+        let tail: Vec<Vec<u32>> = all.iter().map(|t| t[first..].to_vec()).collect();
+        model.forward(&ctx, &head, &mut cache, &b, &mut NoObserver).unwrap();
+        // Four queries against ten keys: the bottom-right causal mask.
+        let out = ctx
+            .stream()
+            .clone_dtoh(model.forward(&ctx, &tail, &mut cache, &b, &mut NoObserver).unwrap())
+            .unwrap();
+        let mut want = Vec::new();
+        for bi in 0..batch {
+            want.extend_from_slice(&expected[(bi * (first + chunk) + first) * h..][..chunk * h]);
+        }
+        let c = compare(&out[..batch * chunk * h], &want);
+        println!("`{sel}` chunk: {c}");
+        assert!(c.passes(MODEL_TOL), "`{sel}` chunk: {c}");
+        // Logits of the chunk's rows against the reference's (from the same bf16 weights).
+        let logits = ctx
+            .stream()
+            .clone_dtoh(&model.logits(&ctx, batch * chunk, &b, &mut NoObserver).unwrap())
+            .unwrap();
+        let want_logits = reference::logits(&cfg, &w, &want);
+        let c = compare(&logits, &want_logits);
+        assert!(c.passes(MODEL_TOL), "`{sel}` logits: {c}");
+        assert!(
+            model.logits(&ctx, batch * chunk + 1, &b, &mut NoObserver).is_err(),
+            "rows past the last forward"
+        );
+    }
+}

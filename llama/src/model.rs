@@ -26,8 +26,8 @@ use crate::weights::{Tensor, Weights};
 use crate::{Backend, Error, Result};
 use cudarc::driver::CudaSlice;
 use cudnn_ops::{
-    embedding, linear, rms_norm_with, rope_with, sdpa_with, write_cache, CacheWrite, Cudnn, Element,
-    Epilogue, Layout, Linear, Mask, Operands, RmsNormArgs, RopeArgs, RopeTables, SdpaArgs,
+    check_ids, embedding, linear, rms_norm_with, rope_with, sdpa_with, write_cache, CacheWrite, Cudnn,
+    Element, Epilogue, Layout, Linear, Mask, Operands, RmsNormArgs, RopeArgs, RopeTables, SdpaArgs,
 };
 use std::collections::HashSet;
 
@@ -100,6 +100,9 @@ impl<T> KvCache<T> {
 /// Activation buffers for `rows` tokens.
 struct Activations<T> {
     rows: usize,
+    /// Rows of the last forward.
+    last: usize,
+    ids: CudaSlice<u32>,
     x: [CudaSlice<T>; 2],
     h: CudaSlice<T>,
     qkv: CudaSlice<T>,
@@ -119,7 +122,7 @@ pub struct Llama<T: Element> {
     rope: RopeTables<T>,
     acts: Option<Activations<T>>,
     fallbacks: Vec<Fallback>,
-    unsupported: HashSet<(ModuleKind, Option<usize>, String)>,
+    unsupported: HashSet<(&'static str, Option<usize>, String)>,
 }
 
 impl<T: Element> Llama<T> {
@@ -203,6 +206,8 @@ impl<T: Element> Llama<T> {
         let alloc = |n: usize| ctx.stream().alloc_zeros::<T>(rows * n).map_err(cudnn_ops::Error::from);
         self.acts = Some(Activations {
             rows,
+            last: 0,
+            ids: ctx.stream().alloc_zeros::<u32>(rows).map_err(cudnn_ops::Error::from)?,
             x: [alloc(c.hidden)?, alloc(c.hidden)?],
             h: alloc(c.hidden)?,
             qkv: alloc(c.qkv_width())?,
@@ -215,8 +220,8 @@ impl<T: Element> Llama<T> {
     }
 
     /// Runs the next `tokens` of every sequence (equal counts) through the model, appending their K/V
-    /// to `cache`, and returns the output-normed hidden states `[batch · seq, hidden]` (valid until the
-    /// next call).
+    /// to `cache`, and returns the buffer whose first `batch · seq` rows are the output-normed hidden
+    /// states (`[rows, hidden]`; valid until the next call, longer than that after a longer call).
     pub fn forward(
         &mut self,
         ctx: &Cudnn,
@@ -225,6 +230,39 @@ impl<T: Element> Llama<T> {
         backends: &Backends,
         obs: &mut dyn Observer,
     ) -> Result<&CudaSlice<T>> {
+        let (batch, seq) = self.upload(ctx, tokens, cache)?;
+        self.run(ctx, batch, seq, cache, backends, obs)?;
+        Ok(&self.acts.as_ref().expect("allocated by upload").out)
+    }
+
+    /// Captures the forward of `tokens` as a CUDA graph (run [`Llama::forward`] with the same shapes
+    /// and backends first, so that plans are built, autotuned and kernels loaded outside the capture).
+    /// Replaying the graph recomputes the same positions (the cache rows are rewritten); `cache`
+    /// counts the tokens once. The graph holds the activation buffers' addresses: a later forward with
+    /// more tokens than any before reallocates them and invalidates the graph.
+    pub fn capture(
+        &mut self,
+        ctx: &Cudnn,
+        tokens: &[Vec<u32>],
+        cache: &mut KvCache<T>,
+        backends: &Backends,
+    ) -> Result<cudarc::driver::CudaGraph> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        let (batch, seq) = self.upload(ctx, tokens, cache)?;
+        let stream = ctx.stream().clone();
+        stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(cudnn_ops::Error::from)?;
+        let ran = self.run(ctx, batch, seq, cache, backends, &mut NoObserver);
+        let graph = stream
+            .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+            .map_err(cudnn_ops::Error::from)?;
+        ran?;
+        graph.ok_or_else(|| Error::Config("capture: the forward enqueued no work".into()))
+    }
+
+    /// Checks the tokens against the cache and vocabulary, sizes the activations and uploads the ids.
+    fn upload(&mut self, ctx: &Cudnn, tokens: &[Vec<u32>], cache: &KvCache<T>) -> Result<(usize, usize)> {
         let batch = tokens.len();
         let seq = tokens.first().map_or(0, Vec::len);
         if batch == 0 || seq == 0 || tokens.iter().any(|t| t.len() != seq) {
@@ -238,16 +276,43 @@ impl<T: Element> Llama<T> {
                 cache.batch, cache.max_seq, cache.len
             )));
         }
-        let rows = batch * seq;
-        self.activations(ctx, rows)?;
         let ids: Vec<u32> = tokens.iter().flatten().copied().collect();
+        check_ids(&ids, self.cfg.vocab)?;
+        if cache.k.len() != self.cfg.layers {
+            return Err(Error::Config(format!(
+                "forward: a cache of {} layers for a {}-layer model",
+                cache.k.len(),
+                self.cfg.layers
+            )));
+        }
+        self.activations(ctx, batch * seq)?;
+        let acts = self.acts.as_mut().expect("allocated above");
+        acts.last = batch * seq;
+        ctx.stream()
+            .memcpy_htod(&ids, &mut acts.ids.slice_mut(..ids.len()))
+            .map_err(cudnn_ops::Error::from)?;
+        Ok((batch, seq))
+    }
+
+    /// The forward body over ids already uploaded: only kernel launches and cuDNN/cuBLAS calls, so it
+    /// can be captured.
+    fn run(
+        &mut self,
+        ctx: &Cudnn,
+        batch: usize,
+        seq: usize,
+        cache: &mut KvCache<T>,
+        backends: &Backends,
+        obs: &mut dyn Observer,
+    ) -> Result<()> {
+        let rows = batch * seq;
         let c = self.cfg.clone();
         let mut me =
             Step { fallbacks: &mut self.fallbacks, unsupported: &mut self.unsupported, backends, obs };
         let acts = self.acts.as_mut().expect("allocated above");
         let (hid, d, hq, hkv, w) = (c.hidden, c.head_dim, c.heads, c.kv_heads, c.qkv_width());
         let start = cache.len;
-        embedding(ctx, &ids, &self.embed, c.vocab, hid, &mut acts.x[0])?;
+        embedding(ctx, &acts.ids, rows, &self.embed, c.vocab, hid, &mut acts.x[0])?;
         let mut cur = 0;
         let norm = RmsNormArgs { tokens: rows, hidden: hid, epsilon: c.rms_eps as f32 };
         let wide = Linear { tokens: rows, in_features: hid, out_features: c.ffn };
@@ -269,7 +334,8 @@ impl<T: Element> Llama<T> {
             let kv = [cache.max_seq * hkv * d, d, hkv * d, 1];
             (attn.k_strides, attn.v_strides) = (kv, kv);
             let (kc, vc) = (&mut cache.k[l], &mut cache.v[l]);
-            let attn_shape = format!("{batch}x{seq} over {}", start + seq);
+            // The fallback key leaves s_kv out, so decode steps do not retry a shape that failed.
+            let attn_shape = format!("{batch}x{seq} {}", mask.name());
             me.run(ModuleKind::Gqa, 0, at, &attn_shape, |b| {
                 let write =
                     CacheWrite { batch, seq, cols: hkv * d, src_stride: w, max_seq: cache.max_seq, start };
@@ -322,7 +388,7 @@ impl<T: Element> Llama<T> {
             rms_norm_with(b, ctx, norm, &acts.x[cur], &self.norm, &mut acts.out, None)
         })?;
         cache.len += seq;
-        Ok(&acts.out)
+        Ok(())
     }
 
     /// Logits `[rows, vocab]` of the last forward's first `rows` output rows (`lm_head`, or the
@@ -357,7 +423,7 @@ impl<T: Element> Llama<T> {
 /// One forward's view of the model's bookkeeping: backends, observer, fallbacks.
 struct Step<'a> {
     fallbacks: &'a mut Vec<Fallback>,
-    unsupported: &'a mut HashSet<(ModuleKind, Option<usize>, String)>,
+    unsupported: &'a mut HashSet<(&'static str, Option<usize>, String)>,
     backends: &'a Backends,
     obs: &'a mut dyn Observer,
 }
@@ -376,7 +442,7 @@ impl Step<'_> {
         let range = kind.ranges()[which];
         self.obs.begin(range, layer);
         let mut backend = self.backends.get(layer, kind);
-        let key = (kind, layer, shape.to_string());
+        let key = (range, layer, shape.to_string());
         if backend == Backend::Fused && self.unsupported.contains(&key) {
             backend = Backend::Naive;
         }

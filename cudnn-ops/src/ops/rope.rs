@@ -132,8 +132,9 @@ pub fn rope_with<T: Element>(
             let (c, _gc) = tables.cos_full.device_ptr(ctx.stream());
             let (s, _gs) = tables.sin_full.device_ptr(ctx.stream());
             let elem = T::DTYPE.size() as u64;
-            // t1, t3, t4 hold rows · heads · d elements, t2 half of that, all in the I/O dtype.
-            let n = rows * heads_q * d;
+            // t1, t3, t4 hold rows · heads · d elements, t2 half of that, all in the I/O dtype (sized for
+            // the wider of the Q and K passes).
+            let n = rows * heads_q.max(heads_kv) * d;
             let base = scratch(ctx, kernels, (n * 7 / 2 * T::DTYPE.size()).div_ceil(4))?;
             let (t1, t2, t3, t4) = (
                 base,

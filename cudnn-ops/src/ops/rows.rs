@@ -14,34 +14,42 @@ fn sixteen_bit<T: Element>(op: &str) -> Result<()> {
     Err(Error::NotSupported { op: op.into(), reason: format!("takes 16-bit elements, not {}", T::DTYPE) })
 }
 
-/// `y[r] = table[ids[r]]` for a `[vocab, hidden]` table. Ids are checked on the host (an id ≥ vocab is
-/// an error, nothing is launched) and uploaded.
+/// Checks token ids against the vocabulary on the host (before they are uploaded).
+pub fn check_ids(ids: &[u32], vocab: usize) -> Result<()> {
+    ensure!(!ids.is_empty(), "embedding: no tokens");
+    if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+        return Err(Error::invalid(format!(
+            "embedding: token id {bad} is outside the vocabulary of {vocab}"
+        )));
+    }
+    Ok(())
+}
+
+/// `y[r] = table[ids[r]]` for the first `rows` device ids and a `[vocab, hidden]` table. The ids must
+/// have passed [`check_ids`] (the kernel does not bound them). Launch-only, so it can be captured in a
+/// CUDA graph.
 pub fn embedding<T: Element>(
     ctx: &Cudnn,
-    ids: &[u32],
+    ids: &(impl DevicePtr<u32> + ?Sized),
+    rows: usize,
     table: &(impl DevicePtr<T> + ?Sized),
     vocab: usize,
     hidden: usize,
     y: &mut (impl DevicePtrMut<T> + ?Sized),
 ) -> Result<()> {
     sixteen_bit::<T>("embedding")?;
-    ensure!(!ids.is_empty() && hidden > 0, "embedding: no tokens or zero hidden size");
-    if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
-        return Err(Error::invalid(format!(
-            "embedding: token id {bad} is outside the vocabulary of {vocab}"
-        )));
-    }
+    ensure!(rows > 0 && hidden > 0, "embedding: no tokens or zero hidden size");
+    ensure!(ids.len() >= rows, "embedding: {} ids for {rows} rows", ids.len());
     ensure!(
         table.len() >= vocab * hidden,
         "embedding: table has {} elements, needs {}",
         table.len(),
         vocab * hidden
     );
-    let n = ids.len() * hidden;
+    let n = rows * hidden;
     ensure!(y.len() >= n, "embedding: output has {} elements, needs {n}", y.len());
     let kernels = Kernels::get(ctx)?;
-    let ids_dev = ctx.stream().clone_htod(ids)?;
-    let (i, _gi) = ids_dev.device_ptr(ctx.stream());
+    let (i, _gi) = ids.device_ptr(ctx.stream());
     let (t, _gt) = table.device_ptr(ctx.stream());
     let (o, _go) = y.device_ptr_mut(ctx.stream());
     elementwise(
@@ -101,4 +109,17 @@ pub fn write_cache<T: Element>(
     let i = |v: usize| Arg::I64(v as i64);
     let args = [Arg::Ptr(s), i(src_stride), i(seq), i(cols), i(max_seq), i(start), Arg::Ptr(c)];
     elementwise(ctx, kernels, "cache_rows_16", batch * seq * cols, &args)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_checked_against_the_vocabulary() {
+        check_ids(&[0, 5, 9], 10).unwrap();
+        let e = check_ids(&[0, 10], 10).unwrap_err().to_string();
+        assert!(e.contains("token id 10 is outside the vocabulary of 10"), "{e}");
+        assert!(check_ids(&[], 10).is_err());
+    }
 }
