@@ -1,0 +1,429 @@
+//! `cargo run --release --bin speedup-report -- [options]`: what the fused cuDNN modules buy over naive
+//! kernels, module by module, on this GPU. See `--help` and the README.
+//!
+//! For each scenario (prefill, then decode steps) and each backend selection (all naive, then the
+//! fused one) it runs warm-up forwards, then `--repeat` measured forwards with every module call in an
+//! NVTX range, between CUDA events, and (when CUPTI loads) with every kernel recorded and attributed to
+//! the range that launched it. It also times the whole forward with plain launches and replayed as a
+//! CUDA graph, the first (cold) call of each module against a warm one, peak device memory and GPU
+//! clocks, checks that fused and naive hidden states agree, and writes report.{md,csv,json,svg}.
+
+use clap::Parser;
+use cudnn_llm::bench_util::median;
+use cudnn_llm::report_chart;
+use cudnn_llm::report_cli::{Options, Plan};
+use cudnn_llm::{reference, BUILD};
+use cudnn_ops::{Cudnn, DataType, Element};
+use half::{bf16, f16};
+use indicatif::{ProgressBar, ProgressStyle};
+use llama::profile::{attribute, KernelRecord, RangeRecord};
+use llama::report::{Meta, ModuleRow, Report, Scenario};
+use llama::trace::Tracer;
+use llama::weights::Weights;
+use llama::{Backend, Backends, KvCache, Llama, ModuleKind, NoObserver};
+use std::collections::BTreeMap;
+use std::process::ExitCode;
+use std::time::Instant;
+
+type Error = Box<dyn std::error::Error>;
+
+fn main() -> ExitCode {
+    let opts = Options::parse();
+    let plan = match opts.resolve() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("speedup-report: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let ctx = match Cudnn::new(0) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("speedup-report: cannot run without a usable GPU: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let result = match plan.dtype {
+        DataType::F16 => run::<f16>(&ctx, &opts, &plan),
+        _ => run::<bf16>(&ctx, &opts, &plan),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("speedup-report: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Per range name: calls, kernels, kernel ms (CUPTI) and event ms, summed over the measured forwards.
+#[derive(Default, Clone, Copy)]
+struct Sums {
+    calls: f64,
+    kernels: f64,
+    kernel_ms: f64,
+    event_ms: f64,
+}
+
+struct Measured {
+    sums: BTreeMap<String, Sums>,
+    forwards: usize,
+    /// Whole-forward GPU ms (events around each forward), median.
+    forward_gpu_ms: f64,
+    /// Whole-forward host ms (forward + synchronize), median.
+    forward_wall_ms: f64,
+    /// Host ms of each range's first (cold) and second (warm) call.
+    cold: BTreeMap<String, (f64, f64)>,
+}
+
+/// Kernel collection: CUPTI when it loads, else nothing (event times only).
+struct Kernels(Option<cupti::Cupti>);
+
+impl Kernels {
+    fn clock(&self) -> Box<dyn FnMut() -> u64> {
+        match &self.0 {
+            Some(c) => {
+                let c = c.clone();
+                Box::new(move || cupti::timestamp(&c).unwrap_or(0))
+            }
+            None => Tracer::host_clock(),
+        }
+    }
+
+    fn start(&self) -> Result<(), Error> {
+        if let Some(c) = &self.0 {
+            c.start()?;
+        }
+        Ok(())
+    }
+
+    fn stop(&self) -> Result<Vec<KernelRecord>, Error> {
+        let Some(c) = &self.0 else { return Ok(Vec::new()) };
+        let got = c.stop_and_collect()?;
+        if got.dropped > 0 {
+            eprintln!("speedup-report: CUPTI dropped {} records", got.dropped);
+        }
+        Ok(got
+            .kernels
+            .into_iter()
+            .map(|k| KernelRecord {
+                name: k.name,
+                launch_ns: k.launch_ns,
+                start_ns: k.start_ns,
+                end_ns: k.end_ns,
+            })
+            .collect())
+    }
+}
+
+/// One scenario: the forwards it runs on a model whose cache holds `start` tokens.
+struct Work {
+    name: String,
+    tokens: Vec<Vec<Vec<u32>>>,
+    start: usize,
+}
+
+fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error> {
+    let cfg = &plan.config;
+    let info = ctx.info().clone();
+    let clocks_start = gpu_clocks();
+    eprintln!("speedup-report: {} x {} layers, {}, on {}", cfg.name, cfg.layers, plan.dtype, info.name);
+    let weights = Weights::<T>::random(cfg, 0);
+    let max_seq = opts.seq + opts.decode_steps;
+    let mut model = Llama::new(ctx, cfg, &weights, max_seq)?;
+    drop(weights);
+    let kernels = Kernels(match cupti::Cupti::load() {
+        Ok(c) => Some(c),
+        Err(e) => {
+            eprintln!(
+                "speedup-report: CUPTI unavailable ({e}); reporting CUDA-event times, no kernel counts"
+            );
+            None
+        }
+    });
+    let have_cupti = kernels.0.is_some();
+    let prompt: Vec<Vec<u32>> = (0..opts.batch)
+        .map(|b| (0..opts.seq).map(|t| ((b * 7919 + t * 104729) % cfg.vocab) as u32).collect())
+        .collect();
+    let mut works = vec![Work {
+        name: format!("prefill {}x{}", opts.batch, opts.seq),
+        tokens: vec![prompt.clone()],
+        start: 0,
+    }];
+    if opts.decode_steps > 0 {
+        let steps =
+            (0..opts.decode_steps).map(|s| vec![vec![(s * 31 % cfg.vocab) as u32]; opts.batch]).collect();
+        works.push(Work {
+            name: format!("decode {} steps after {}", opts.decode_steps, opts.seq),
+            tokens: steps,
+            start: opts.seq,
+        });
+    }
+    let selections = [("naive", Backends::all(Backend::Naive)), ("fused", plan.fused.clone())];
+    let total = works.len() * selections.len() * (2 + opts.warmup + opts.repeat);
+    let bar = ProgressBar::new(total as u64).with_style(
+        ProgressStyle::with_template("{msg:>28} [{bar:30}] {pos}/{len} forwards").expect("a valid template"),
+    );
+    let mut cache = model.cache(ctx, opts.batch, max_seq)?;
+    let mut scenarios = Vec::new();
+    let mut extra = Vec::new();
+    let mut peak = BTreeMap::new();
+    let mut hidden: Vec<Vec<T>> = Vec::new();
+    for work in &works {
+        let mut measured = Vec::new();
+        for (label, backends) in &selections {
+            bar.set_message(format!("{} {label}", work.name));
+            let m = measure(ctx, &mut model, &mut cache, work, &prompt, backends, opts, &kernels, &bar)?;
+            let (free, all) = ctx.memory_info()?;
+            let used = peak.entry(label.to_string()).or_insert(0usize);
+            *used = (*used).max(all - free);
+            if work.start == 0 {
+                let out = model.forward(
+                    ctx,
+                    &work.tokens[0],
+                    {
+                        cache.clear();
+                        &mut cache
+                    },
+                    backends,
+                    &mut NoObserver,
+                )?;
+                let rows = opts.batch * opts.seq * cfg.hidden;
+                hidden.push(ctx.stream().clone_dtoh(&out.slice(..rows))?);
+            }
+            measured.push(m);
+        }
+        scenarios.push(scenario(work, &measured, &model, have_cupti));
+        for (label, m) in selections.iter().map(|s| s.0).zip(&measured) {
+            for (range, (cold, warm)) in &m.cold {
+                extra.push((
+                    format!("{} {label} {range} first call / warm call (host ms)", work.name),
+                    format!("{cold:.1} / {warm:.3}"),
+                ));
+            }
+        }
+    }
+    bar.finish_and_clear();
+    if let [naive, fused] = &hidden[..] {
+        let naive: Vec<f64> = naive.iter().map(|v| v.to_f64()).collect();
+        let c = reference::compare(fused, &naive);
+        eprintln!("speedup-report: fused vs naive hidden states: {c}");
+        extra.push(("fused vs naive hidden states (prefill)".into(), c.to_string()));
+        if !c.passes(reference::Tolerance { rel_l2: 3e-2 }) {
+            return Err(format!("fused and naive outputs disagree: {c}").into());
+        }
+    }
+    // The whole prefill forward replayed as a CUDA graph (plans are built and tuned by now).
+    let graph_ms = graph_replay(ctx, &mut model, &mut cache, &prompt, &plan.fused, opts.repeat);
+    match &graph_ms {
+        Ok(ms) => scenarios[0].forward_ms.push(("fused, CUDA graph replay (wall)".into(), *ms)),
+        Err(e) => extra.push(("CUDA graph replay".into(), format!("failed: {e}"))),
+    }
+    for (label, bytes) in &peak {
+        extra.push((
+            format!("device memory in use after {label} runs"),
+            format!("{:.2} GiB", *bytes as f64 / (1u64 << 30) as f64),
+        ));
+    }
+    extra.push(("GPU clocks at start".into(), clocks_start));
+    extra.push(("GPU clocks at end".into(), gpu_clocks()));
+    extra.push((
+        "kernel attribution".into(),
+        if have_cupti {
+            "CUPTI activity records".into()
+        } else {
+            "unavailable: CUDA-event times only".into()
+        },
+    ));
+    for f in model.fallbacks() {
+        extra.push((format!("fallback {} layer {:?} ({})", f.range, f.layer, f.shape), f.reason.clone()));
+    }
+    let report = Report {
+        meta: Meta {
+            gpu: info.name.clone(),
+            driver: gpu_query("driver_version"),
+            cuda: info.driver_version.to_string(),
+            cudnn: info.cudnn_version_string(),
+            git_revision: BUILD.git_revision.into(),
+            model: format!("{} x {} layers, batch {}, seq {}", cfg.name, cfg.layers, opts.batch, opts.seq),
+            dtype: plan.dtype.to_string(),
+            fused: plan.fused.to_selection(),
+            extra,
+        },
+        scenarios,
+    };
+    for s in &report.scenarios {
+        println!("\n{}\n{}", s.name, report.table(s, false));
+        for (what, ms) in &s.forward_ms {
+            println!("forward, {what}: {ms:.3} ms");
+        }
+    }
+    std::fs::create_dir_all(&opts.out)?;
+    std::fs::write(opts.out.join("report.md"), report.to_markdown())?;
+    std::fs::write(opts.out.join("report.csv"), report.to_csv()?)?;
+    std::fs::write(opts.out.join("report.json"), report.to_json())?;
+    std::fs::write(opts.out.join("report.svg"), report_chart::svg(&report)?)?;
+    println!("\nwrote report.{{md,csv,json,svg}} to {}", opts.out.display());
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn measure<T: Element>(
+    ctx: &Cudnn,
+    model: &mut Llama<T>,
+    cache: &mut KvCache<T>,
+    work: &Work,
+    prompt: &[Vec<u32>],
+    backends: &Backends,
+    opts: &Options,
+    kernels: &Kernels,
+    bar: &ProgressBar,
+) -> Result<Measured, Error> {
+    // Puts the cache where the scenario starts (a prefill fills it for decode).
+    let reset = |model: &mut Llama<T>, cache: &mut KvCache<T>| -> Result<(), Error> {
+        cache.clear();
+        if work.start > 0 {
+            model.forward(ctx, prompt, cache, backends, &mut NoObserver)?;
+        }
+        Ok(())
+    };
+    let pass = |model: &mut Llama<T>, cache: &mut KvCache<T>, tracer: &mut Tracer| -> Result<(), Error> {
+        for tokens in &work.tokens {
+            model.forward(ctx, tokens, cache, backends, tracer)?;
+        }
+        Ok(())
+    };
+    // Cold then warm call of every module, host time per range.
+    let mut cold = BTreeMap::new();
+    for i in 0..2 {
+        reset(model, cache)?;
+        let mut t = Tracer::new(ctx.stream().clone(), Tracer::host_clock());
+        pass(model, cache, &mut t)?;
+        ctx.synchronize()?;
+        for call in t.finish()? {
+            let ms = (call.range.end_ns - call.range.start_ns) as f64 * 1e-6;
+            let e: &mut (f64, f64) = cold.entry(call.range.name.clone()).or_insert((0.0, 0.0));
+            if i == 0 {
+                e.0 = e.0.max(ms)
+            } else {
+                e.1 = e.1.max(ms)
+            }
+        }
+        bar.inc(1);
+    }
+    for _ in 0..opts.warmup {
+        reset(model, cache)?;
+        pass(model, cache, &mut Tracer::new(ctx.stream().clone(), Tracer::host_clock()))?;
+        bar.inc(1);
+    }
+    ctx.synchronize()?;
+    let mut sums: BTreeMap<String, Sums> = BTreeMap::new();
+    let (mut gpu, mut wall) = (Vec::new(), Vec::new());
+    let mut ranges: Vec<RangeRecord> = Vec::new();
+    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let (e0, e1) = (ctx.stream().context().new_event(flags)?, ctx.stream().context().new_event(flags)?);
+    kernels.start()?;
+    for _ in 0..opts.repeat {
+        reset(model, cache)?;
+        ctx.synchronize()?;
+        let mut t = Tracer::new(ctx.stream().clone(), kernels.clock());
+        let host = Instant::now();
+        e0.record(ctx.stream())?;
+        pass(model, cache, &mut t)?;
+        e1.record(ctx.stream())?;
+        ctx.synchronize()?;
+        wall.push(host.elapsed().as_secs_f64() * 1e3);
+        gpu.push(e0.elapsed_ms(&e1)? as f64);
+        for call in t.finish()? {
+            let s = sums.entry(call.range.name.clone()).or_default();
+            s.calls += 1.0;
+            s.event_ms += call.gpu_ms()?;
+            ranges.push(call.range);
+        }
+        bar.inc(1);
+    }
+    let records = kernels.stop()?;
+    for (name, t) in attribute(&ranges, &records) {
+        let s = sums.entry(name).or_default();
+        s.kernels += t.kernels as f64;
+        s.kernel_ms += t.kernel_ns as f64 * 1e-6;
+    }
+    Ok(Measured {
+        sums,
+        forwards: opts.repeat * work.tokens.len(),
+        forward_gpu_ms: median(gpu),
+        forward_wall_ms: median(wall),
+        cold,
+    })
+}
+
+/// Rows in forward order, per forward (averaged over the measured forwards).
+fn scenario<T: Element>(work: &Work, m: &[Measured], model: &Llama<T>, have_cupti: bool) -> Scenario {
+    let (naive, fused) = (&m[0], &m[1]);
+    let mut rows = Vec::new();
+    let names: Vec<&str> = ModuleKind::ALL.iter().flat_map(|k| k.ranges().iter().copied()).collect();
+    for name in names.iter().copied().chain([llama::profile::UNATTRIBUTED]) {
+        let (Some(n), Some(f)) = (naive.sums.get(name), fused.sums.get(name)) else { continue };
+        let per = |s: &Sums, m: &Measured| {
+            let k = m.forwards as f64;
+            let ms = if have_cupti { s.kernel_ms } else { s.event_ms };
+            ((s.kernels / k).round() as usize, ms / k)
+        };
+        let fallbacks: Vec<&str> =
+            model.fallbacks().iter().filter(|f| f.range == name).map(|f| f.reason.as_str()).collect();
+        let note = if fallbacks.is_empty() { String::new() } else { format!("fell back: {}", fallbacks[0]) };
+        rows.push(ModuleRow::new(
+            name,
+            (n.calls / naive.forwards as f64).round() as usize,
+            per(n, naive),
+            per(f, fused),
+            &note,
+        ));
+    }
+    let forward_ms = vec![
+        ("naive, GPU".into(), naive.forward_gpu_ms),
+        ("fused, GPU".into(), fused.forward_gpu_ms),
+        ("naive, wall".into(), naive.forward_wall_ms),
+        ("fused, wall".into(), fused.forward_wall_ms),
+    ];
+    Scenario { name: work.name.clone(), rows, forward_ms }
+}
+
+/// Median wall ms of replaying a captured prefill (graph launch + synchronize).
+fn graph_replay<T: Element>(
+    ctx: &Cudnn,
+    model: &mut Llama<T>,
+    cache: &mut KvCache<T>,
+    prompt: &[Vec<u32>],
+    backends: &Backends,
+    repeat: usize,
+) -> Result<f64, Error> {
+    cache.clear();
+    model.forward(ctx, prompt, cache, backends, &mut NoObserver)?;
+    cache.clear();
+    let graph = model.capture(ctx, prompt, cache, backends)?;
+    graph.upload()?;
+    let mut wall = Vec::new();
+    for _ in 0..repeat.max(3) {
+        ctx.synchronize()?;
+        let t = Instant::now();
+        graph.launch()?;
+        ctx.synchronize()?;
+        wall.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    Ok(median(wall))
+}
+
+fn gpu_query(field: &str) -> String {
+    std::process::Command::new("nvidia-smi")
+        .args([&format!("--query-gpu={field}"), "--format=csv,noheader"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).lines().next().unwrap_or("").trim().to_string())
+        .unwrap_or_else(|| "n/a".into())
+}
+
+fn gpu_clocks() -> String {
+    gpu_query("clocks.sm,clocks.mem,temperature.gpu,power.draw")
+}

@@ -1,0 +1,43 @@
+//! The report binary's exit codes without a GPU: bad options exit 2 with the reason, a missing GPU exits
+//! 1 with what is missing, and nothing panics.
+
+use std::path::Path;
+use std::process::Command;
+
+/// The binary cargo built for this test, if it is where cargo put it (staged test binaries run
+/// elsewhere, where it may not be).
+fn binary() -> Option<&'static str> {
+    let path = env!("CARGO_BIN_EXE_speedup-report");
+    Path::new(path).exists().then_some(path).or_else(|| {
+        eprintln!("SKIPPED: {path} is not here");
+        None
+    })
+}
+
+#[test]
+fn bad_options_exit_2_with_the_reason() {
+    let Some(bin) = binary() else { return };
+    let out = Command::new(bin).args(["--config", "gpt2"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("unknown preset `gpt2`") && !err.contains("panicked"), "{err}");
+    let out = Command::new(bin).args(["--fuse", "fused=attention"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("valid modules are"));
+}
+
+#[test]
+fn no_gpu_exits_1_saying_what_is_missing() {
+    let Some(bin) = binary() else { return };
+    if cudnn_llm::Cudnn::new(0).is_ok() {
+        eprintln!("SKIPPED: this machine has a GPU");
+        return;
+    }
+    let out = Command::new(bin)
+        .args(["--config", "tiny", "--out", &std::env::temp_dir().join("no-gpu-report").to_string_lossy()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("cannot run without a usable GPU") && !err.contains("panicked"), "{err}");
+}
