@@ -11,7 +11,7 @@
 //! before), its times join the 4-layer rows. `LLAMA_BENCH_LAYERS` overrides the 4.
 
 use cudnn_llm::bench_util::{
-    csv_and_markdown, environment, gpu_or_skip, median, median_call_ms, write_results,
+    bench_main, csv_and_markdown, environment, median, median_call_ms, write_results,
 };
 use cudnn_llm::cudnn_ops::{Backend, Cudnn, Error, Result};
 use cudnn_llm::llama::weights::Weights;
@@ -97,14 +97,7 @@ impl Bench {
 }
 
 fn main() {
-    let Some(ctx) = gpu_or_skip("llama_layer bench") else {
-        println!("llama_layer bench: no usable GPU, nothing measured");
-        return;
-    };
-    if let Err(e) = run(&ctx) {
-        eprintln!("llama_layer bench failed: {e}");
-        std::process::exit(1);
-    }
+    bench_main("llama_layer bench", run);
 }
 
 fn run(ctx: &Cudnn) -> Result<()> {

@@ -21,7 +21,7 @@
 
 use criterion::{Criterion, Throughput};
 use cudarc::driver::CudaSlice;
-use cudnn_llm::bench_util::{environment, gpu_or_skip, gpu_time_ms, median, write_results};
+use cudnn_llm::bench_util::{bench_main, environment, gpu_time_ms, median, write_results};
 use cudnn_llm::cudnn_ops::naive::matmul::kernel_count;
 use cudnn_llm::cudnn_ops::{
     matmul_with, reference, Activation, Backend, Cudnn, DataType, Epilogue, MatmulArgs, Operands, Result,
@@ -188,14 +188,7 @@ fn main() {
         }
         return;
     }
-    let Some(ctx) = gpu_or_skip("matmul bench") else {
-        println!("matmul bench: no usable GPU, nothing measured");
-        return;
-    };
-    if let Err(e) = run(&ctx) {
-        eprintln!("matmul bench failed: {e}");
-        std::process::exit(1);
-    }
+    bench_main("matmul bench", run);
 }
 
 #[derive(Default)]

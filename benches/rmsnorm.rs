@@ -10,7 +10,7 @@
 use criterion::Criterion;
 use cudarc::driver::CudaSlice;
 use cudnn_llm::bench_util::{
-    copy_bandwidth_gbps, gpu_or_skip, gpu_time_ms, median_call_ms, median_host_us, upload,
+    bench_main, copy_bandwidth_gbps, gpu_time_ms, median_call_ms, median_host_us, upload,
 };
 use cudnn_llm::cudnn_ops::{
     reference, rms_norm, rms_norm_with, Backend, Bindings, Cudnn, DataType, NormPhase, Result, RmsNormArgs,
@@ -49,14 +49,7 @@ impl Buffers {
 }
 
 fn main() {
-    let Some(ctx) = gpu_or_skip("rmsnorm bench") else {
-        println!("rmsnorm bench: no usable GPU, nothing measured");
-        return;
-    };
-    if let Err(e) = run(&ctx) {
-        eprintln!("rmsnorm bench failed: {e}");
-        std::process::exit(1);
-    }
+    bench_main("rmsnorm bench", run);
 }
 
 fn run(ctx: &Cudnn) -> Result<()> {

@@ -13,7 +13,7 @@
 use criterion::Criterion;
 use cudarc::driver::CudaSlice;
 use cudnn_llm::bench_util::{
-    csv_and_markdown, environment, gpu_or_skip, gpu_time_ms, median_call_ms, upload, write_results,
+    bench_main, csv_and_markdown, environment, gpu_time_ms, median_call_ms, upload, write_results,
 };
 use cudnn_llm::cudnn_ops::{
     reference, sdpa_with, Backend, Cudnn, DataType, Error, Layout, Mask, Result, SdpaArgs, SdpaForm,
@@ -127,14 +127,7 @@ fn round(x: f64, digits: i32) -> f64 {
 }
 
 fn main() {
-    let Some(ctx) = gpu_or_skip("sdpa bench") else {
-        println!("sdpa bench: no usable GPU, nothing measured");
-        return;
-    };
-    if let Err(e) = run(&ctx) {
-        eprintln!("sdpa bench failed: {e}");
-        std::process::exit(1);
-    }
+    bench_main("sdpa bench", run);
 }
 
 fn run(ctx: &Cudnn) -> Result<()> {

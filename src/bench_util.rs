@@ -16,6 +16,19 @@ pub fn gpu_or_skip(what: &str) -> Option<Cudnn> {
     }
 }
 
+/// The body of a bench's `main`: opens GPU 0 and runs `run`; without a GPU it says so and returns
+/// (exit 0, so `cargo bench` on a machine without one is not a failure); an error exits 1.
+pub fn bench_main<E: std::fmt::Display>(name: &str, run: impl FnOnce(&Cudnn) -> std::result::Result<(), E>) {
+    let Some(ctx) = gpu_or_skip(name) else {
+        println!("{name}: no usable GPU, nothing measured");
+        return;
+    };
+    if let Err(e) = run(&ctx) {
+        eprintln!("{name} failed: {e}");
+        std::process::exit(1);
+    }
+}
+
 /// Median of a sample (NaN-free); 0 for an empty one.
 pub fn median(mut v: Vec<f64>) -> f64 {
     if v.is_empty() {

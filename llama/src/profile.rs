@@ -18,24 +18,11 @@ pub struct RangeRecord {
     pub end_ns: u64,
 }
 
-/// One kernel execution: when its launch was called on the host, and when it ran on the GPU.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KernelRecord {
-    /// Kernel (function) name.
-    pub name: String,
-    /// Host time of the launch call (ns, same clock as the ranges).
-    pub launch_ns: u64,
-    /// GPU start (ns).
-    pub start_ns: u64,
-    /// GPU end (ns).
-    pub end_ns: u64,
-}
+pub use cupti::KernelRecord;
 
-impl KernelRecord {
-    /// GPU duration in ns.
-    pub fn duration_ns(&self) -> u64 {
-        self.end_ns.saturating_sub(self.start_ns)
-    }
+/// GPU duration of a kernel in ns.
+pub fn duration_ns(k: &KernelRecord) -> u64 {
+    k.end_ns.saturating_sub(k.start_ns)
 }
 
 /// What the kernels of one range name add up to.
@@ -69,7 +56,7 @@ pub fn attribute(ranges: &[RangeRecord], kernels: &[KernelRecord]) -> BTreeMap<S
         let name = owner.map_or(UNATTRIBUTED, |r| r.name.as_str());
         let t = totals.entry(name.to_string()).or_default();
         t.kernels += 1;
-        t.kernel_ns += k.duration_ns();
+        t.kernel_ns += duration_ns(k);
     }
     totals
 }
@@ -98,7 +85,7 @@ pub fn attribute_inclusive(
         for n in names {
             let t = totals.entry(n.to_string()).or_default();
             t.kernels += 1;
-            t.kernel_ns += k.duration_ns();
+            t.kernel_ns += duration_ns(k);
         }
     }
     totals
@@ -136,7 +123,7 @@ mod tests {
         assert_eq!(t["gqa"], RangeTotals { calls: 1, kernels: 1, kernel_ns: 5 });
         assert_eq!(t[UNATTRIBUTED], RangeTotals { calls: 0, kernels: 1, kernel_ns: 1 });
         let total: u64 = t.values().map(|x| x.kernel_ns).sum();
-        assert_eq!(total, kernels.iter().map(KernelRecord::duration_ns).sum::<u64>());
+        assert_eq!(total, kernels.iter().map(duration_ns).sum::<u64>());
         // Inclusive: fwd contains everything launched in [0, 100).
         let inc = attribute_inclusive(&ranges, &kernels);
         assert_eq!(inc["fwd"], RangeTotals { calls: 1, kernels: 5, kernel_ns: 105 });
