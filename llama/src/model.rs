@@ -31,6 +31,9 @@ use cudnn_ops::{
 };
 use std::collections::HashSet;
 
+/// The range of the embedding lookup (one kernel on both backends).
+pub const EMBED_RANGE: &str = "fwd.embed";
+
 /// Called around every module call, for profilers (CUDA events, NVTX, kernel attribution).
 pub trait Observer {
     /// A module call begins: its range name (e.g. `fwd.layer.attn.gqa`) and layer.
@@ -312,7 +315,10 @@ impl<T: Element> Llama<T> {
         let acts = self.acts.as_mut().expect("allocated above");
         let (hid, d, hq, hkv, w) = (c.hidden, c.head_dim, c.heads, c.kv_heads, c.qkv_width());
         let start = cache.len;
-        embedding(ctx, &acts.ids, rows, &self.embed, c.vocab, hid, &mut acts.x[0])?;
+        me.obs.begin(EMBED_RANGE, None);
+        let embedded = embedding(ctx, &acts.ids, rows, &self.embed, c.vocab, hid, &mut acts.x[0]);
+        me.obs.end(EMBED_RANGE, None);
+        embedded?;
         let mut cur = 0;
         let norm = RmsNormArgs { tokens: rows, hidden: hid, epsilon: c.rms_eps as f32 };
         let wide = Linear { tokens: rows, in_features: hid, out_features: c.ffn };

@@ -322,10 +322,12 @@ fn measure<T: Element>(
     let mut ranges: Vec<RangeRecord> = Vec::new();
     let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
     let (e0, e1) = (ctx.stream().context().new_event(flags)?, ctx.stream().context().new_event(flags)?);
-    kernels.start()?;
+    let mut records = Vec::new();
     for _ in 0..opts.repeat {
         reset(model, cache)?;
         ctx.synchronize()?;
+        // Kernels are collected around the measured pass only (not the decode scenario's prefill).
+        kernels.start()?;
         let mut t = Tracer::new(ctx.stream().clone(), kernels.clock());
         let host = Instant::now();
         e0.record(ctx.stream())?;
@@ -334,6 +336,7 @@ fn measure<T: Element>(
         ctx.synchronize()?;
         wall.push(host.elapsed().as_secs_f64() * 1e3);
         gpu.push(e0.elapsed_ms(&e1)? as f64);
+        records.extend(kernels.stop()?);
         for call in t.finish()? {
             let s = sums.entry(call.range.name.clone()).or_default();
             s.calls += 1.0;
@@ -342,7 +345,6 @@ fn measure<T: Element>(
         }
         bar.inc(1);
     }
-    let records = kernels.stop()?;
     for (name, t) in attribute(&ranges, &records) {
         let s = sums.entry(name).or_default();
         s.kernels += t.kernels as f64;
@@ -361,7 +363,8 @@ fn measure<T: Element>(
 fn scenario<T: Element>(work: &Work, m: &[Measured], model: &Llama<T>, have_cupti: bool) -> Scenario {
     let (naive, fused) = (&m[0], &m[1]);
     let mut rows = Vec::new();
-    let names: Vec<&str> = ModuleKind::ALL.iter().flat_map(|k| k.ranges().iter().copied()).collect();
+    let mut names: Vec<&str> = vec![llama::model::EMBED_RANGE];
+    names.extend(ModuleKind::ALL.iter().flat_map(|k| k.ranges().iter().copied()));
     for name in names.iter().copied().chain([llama::profile::UNATTRIBUTED]) {
         let (Some(n), Some(f)) = (naive.sums.get(name), fused.sums.get(name)) else { continue };
         let per = |s: &Sums, m: &Measured| {
