@@ -82,7 +82,15 @@ fn reference_activations_by_hand() {
 // ---------------------------------------------------------------------------------------------------
 // GPU helpers.
 
+/// A context taking the heuristics' first engine: correctness does not need autotuning, which costs
+/// seconds per plan (`fused_and_naive_agree_on_llama_8b_at_2048_tokens` keeps it on).
 fn gpu() -> Cudnn {
+    let ctx = tuned_gpu();
+    ctx.set_autotune(1);
+    ctx
+}
+
+fn tuned_gpu() -> Cudnn {
     Cudnn::new(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU with cuDNN: {e}"))
 }
 
@@ -351,7 +359,8 @@ fn f32_io_and_f32_output() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn fused_and_naive_agree_on_llama_8b_at_2048_tokens() {
-    let ctx = gpu();
+    // Autotuned plans: whichever engine wins must agree too.
+    let ctx = tuned_gpu();
     let mut failures = Vec::new();
     for (proj, k, n, e) in [
         ("qkv", 4096, 6144, Epilogue::NONE),
@@ -485,4 +494,28 @@ fn bad_inputs_are_errors_and_touch_nothing() {
     )
     .unwrap_err();
     assert!(matches!(err, Error::NotSupported { .. }) && err.to_string().contains("f16 -> bf16"), "{err}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn autotuning_times_every_candidate_and_keeps_the_fastest() {
+    let ctx = tuned_gpu();
+    let args = MatmulArgs::linear(2048, 4096, 4096);
+    let dev = Device::<bf16, bf16>::new(&ctx, &Host::new(600, &args));
+    let mut d = poisoned::<bf16>(&ctx, args.d_len()).unwrap();
+    let plan = args.plan(&ctx, DataType::BF16, DataType::BF16, Epilogue::RESIDUAL).unwrap();
+    assert!(plan.timings().is_empty(), "nothing is timed before the first execution");
+    matmul(&ctx, &args, Epilogue::RESIDUAL, &dev.operands(Epilogue::RESIDUAL), &mut d).unwrap();
+    let timings = plan.timings();
+    println!("candidates {:?}, timings {timings:?}, chose {}", plan.candidates(), plan.engine());
+    assert_eq!(timings.len(), plan.candidates().len());
+    assert!(timings.len() <= ctx.autotune() && timings.iter().all(|(_, ms)| *ms > 0.0));
+    let fastest = timings.iter().min_by(|a, b| a.1.total_cmp(&b.1)).unwrap();
+    assert_eq!(plan.engine(), fastest.0);
+    // With autotuning off, the heuristics' first choice runs and nothing is timed.
+    ctx.set_autotune(1);
+    ctx.cache().clear();
+    let first = args.plan(&ctx, DataType::BF16, DataType::BF16, Epilogue::RESIDUAL).unwrap();
+    assert_eq!(first.candidates().len(), 1);
+    assert_eq!(first.engine(), plan.candidates()[0]);
 }
