@@ -21,7 +21,7 @@
 
 use criterion::{Criterion, Throughput};
 use cudarc::driver::CudaSlice;
-use cudnn_llm::bench_util::{bench_main, environment, gpu_time_ms, median, write_results};
+use cudnn_llm::bench_util::{bench_main, csv_and_markdown, environment, gpu_time_ms, median, write_results};
 use cudnn_llm::cudnn_ops::naive::matmul::kernel_count;
 use cudnn_llm::cudnn_ops::{
     matmul_with, reference, Activation, Backend, Cudnn, DataType, Epilogue, MatmulArgs, Operands, Result,
@@ -385,11 +385,54 @@ fn speedup(row: &Row) -> Option<f64> {
     Some(row.naive_ms? / row.fused_ms?)
 }
 
+/// One line of `matmul.csv` and of the markdown table (the same records).
+#[derive(serde::Serialize)]
+struct Out {
+    model: &'static str,
+    proj: &'static str,
+    tokens: usize,
+    k: usize,
+    n: usize,
+    epilogue: String,
+    fused_ms: String,
+    naive_ms: String,
+    speedup: String,
+    fused_tflops: String,
+    naive_tflops: String,
+    engine: String,
+    autotuned_ms: String,
+    plan_build_ms: String,
+    naive_kernels: usize,
+    check: String,
+    error: String,
+}
+
 fn render(info: &cudnn_llm::cudnn_ops::DeviceInfo, cases: &[Case], rows: &[Row]) -> (String, String) {
-    let mut csv = String::from(
-        "gpu,driver,cudnn,model,proj,tokens,k,n,epilogue,fused_ms,naive_ms,speedup,fused_tflops,naive_tflops,\
-         engine,autotuned_ms,plan_build_ms,naive_kernels,check,error\n",
-    );
+    let out: Vec<Out> = cases
+        .iter()
+        .zip(rows)
+        .map(|(c, r)| Out {
+            model: c.model,
+            proj: c.proj,
+            tokens: c.tokens,
+            k: c.args.k(),
+            n: c.args.n(),
+            epilogue: c.epilogue.to_string(),
+            fused_ms: fmt_ms(r.fused_ms),
+            naive_ms: fmt_ms(r.naive_ms),
+            speedup: speedup(r).map_or("n/a".into(), |s| format!("{s:.2}")),
+            fused_tflops: tflops(c, r.fused_ms),
+            naive_tflops: tflops(c, r.naive_ms),
+            engine: r.engine.clone(),
+            autotuned_ms: r.tuning.clone(),
+            plan_build_ms: r.plan_ms.map_or("n/a".into(), |v| format!("{v:.1}")),
+            naive_kernels: kernel_count(c.epilogue),
+            check: r.check.clone(),
+            error: r.error.clone(),
+        })
+        .collect();
+    let (csv, table) =
+        csv_and_markdown(&out).unwrap_or_else(|e| (String::new(), format!("(cannot render: {e})")));
     let mut md = String::new();
     let _ = writeln!(
         md,
@@ -404,59 +447,10 @@ fn render(info: &cudnn_llm::cudnn_ops::DeviceInfo, cases: &[Case], rows: &[Row])
          comparison is fused vs cuBLAS alone. Times are medians of {REPS} alternating CUDA-event samples \
          (≥ {SAMPLE_MS} ms each) on hot buffers (at 30 tokens the weights of the smaller projections fit in L2). \
          TFLOP/s counts 2·m·n·k. Speedup = naive / fused. Plan build = cold `Graph::build_tuned` (validate → \
-         finalize up to 8 engine configurations; the first execution times them and keeps the fastest, \
-         `autotuned_ms` in the CSV). Check: {CHECK_ROWS} rows of each output vs the f64 reference, relative L2 (bf16 bound 1e-2).\n"
+         finalize up to 8 engine configurations; the first execution times them and keeps the fastest: \
+         `autotuned_ms`). Check: {CHECK_ROWS} rows of each output vs the f64 reference, relative L2 (bf16 bound 1e-2).\n"
     );
-    let _ = writeln!(md, "| model | proj | tokens | k → n | epilogue | fused ms | naive ms | speedup | fused TFLOP/s | naive TFLOP/s | engine | plan build ms | naive kernels | check |");
-    let _ = writeln!(md, "|---|---|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---|");
-    for (c, r) in cases.iter().zip(rows) {
-        let s = speedup(r).map_or("n/a".into(), |s| format!("{s:.2}"));
-        let s_md = speedup(r).map_or("n/a".into(), |s| format!("{s:.2}×"));
-        let plan = r.plan_ms.map_or("n/a".into(), |v| format!("{v:.1}"));
-        let _ = writeln!(
-            csv,
-            "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},\"{}\"",
-            info.name,
-            info.driver_version,
-            info.cudnn_version_string(),
-            c.model,
-            c.proj,
-            c.tokens,
-            c.args.k(),
-            c.args.n(),
-            c.epilogue,
-            fmt_ms(r.fused_ms),
-            fmt_ms(r.naive_ms),
-            s,
-            tflops(c, r.fused_ms),
-            tflops(c, r.naive_ms),
-            r.engine,
-            r.tuning,
-            plan,
-            kernel_count(c.epilogue),
-            r.check.replace(',', ";"),
-            r.error.replace('"', "'")
-        );
-        let _ = writeln!(
-            md,
-            "| {} | {} | {} | {} → {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
-            c.model,
-            c.proj,
-            c.tokens,
-            c.args.k(),
-            c.args.n(),
-            c.epilogue,
-            fmt_ms(r.fused_ms),
-            fmt_ms(r.naive_ms),
-            s_md,
-            tflops(c, r.fused_ms),
-            tflops(c, r.naive_ms),
-            r.engine,
-            plan,
-            kernel_count(c.epilogue),
-            r.check
-        );
-    }
+    md += &table;
     let errors: Vec<String> = cases
         .iter()
         .zip(rows)

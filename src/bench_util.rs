@@ -173,3 +173,26 @@ pub fn write_results(name: &str, csv: &str, md: &str) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(serde::Serialize)]
+    struct Row {
+        name: &'static str,
+        ms: f64,
+        note: Option<f64>,
+    }
+
+    #[test]
+    fn csv_and_markdown_share_the_records() {
+        let rows = [Row { name: "a, b", ms: 0.5, note: None }, Row { name: "c", ms: 12.0, note: Some(1.5) }];
+        let (csv, md) = csv_and_markdown(&rows).unwrap();
+        assert_eq!(csv, "name,ms,note\n\"a, b\",0.5,\nc,12.0,1.5\n");
+        assert_eq!(md, "| name | ms | note |\n|---|---|---|\n| a, b | 0.5 |  |\n| c | 12.0 | 1.5 |\n");
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert_eq!(median(vec![]), 0.0);
+    }
+}
