@@ -17,7 +17,7 @@ use super::blas::{gemm, Gemm, Operand};
 use super::{elementwise, launch, scratch, Arg, Kernels};
 use crate::dtype::{DataType, Element};
 use crate::graph::Mask;
-use crate::ops::sdpa::{check_dtype, SdpaArgs, SdpaLens};
+use crate::ops::sdpa::{SdpaArgs, SdpaLens};
 use crate::{Cudnn, Error, Result};
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
 
@@ -67,11 +67,9 @@ pub(crate) fn run<T: Element>(
     o: &mut (impl DevicePtrMut<T> + ?Sized),
     stats: Option<&mut dyn DevicePtrMut<f32>>,
 ) -> Result<()> {
-    check_dtype(T::DTYPE)?;
     let lens =
         SdpaLens { q: q.len(), k: k.len(), v: v.len(), o: o.len(), stats: stats.as_ref().map(|s| s.len()) };
-    args.check(lens)?;
-    let args = args.normalized();
+    let args = args.validated(T::DTYPE, lens)?;
     let kernels = Kernels::get(ctx)?;
     let (total, [p_at, p_io_at, k_at, v_at]) = layout(&args, T::DTYPE);
     let held = kernels.scratch_len();

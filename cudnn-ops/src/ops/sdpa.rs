@@ -143,6 +143,13 @@ impl SdpaArgs {
         }
     }
 
+    /// What both backends do first: [`check_dtype`], [`SdpaArgs::check`], then [`SdpaArgs::normalized`].
+    pub fn validated(self, dtype: DataType, lens: SdpaLens) -> Result<Self> {
+        check_dtype(dtype)?;
+        self.check(lens)?;
+        Ok(self.normalized())
+    }
+
     /// The scale applied to the scores.
     pub fn scale(&self) -> f32 {
         self.scale.unwrap_or(1.0 / (self.head_dim as f32).sqrt())
@@ -364,11 +371,9 @@ fn fused<T: Element>(
     o: &mut (impl DevicePtrMut<T> + ?Sized),
     stats: Option<&mut dyn DevicePtrMut<f32>>,
 ) -> Result<()> {
-    check_dtype(T::DTYPE)?;
     let lens =
         SdpaLens { q: q.len(), k: k.len(), v: v.len(), o: o.len(), stats: stats.as_ref().map(|s| s.len()) };
-    args.check(lens)?;
-    let args = args.normalized();
+    let args = args.validated(T::DTYPE, lens)?;
     let info = ctx.info();
     let limit = max_head_dim(info.compute_capability, info.cudnn_version);
     if args.head_dim > limit {
