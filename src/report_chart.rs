@@ -68,19 +68,28 @@ pub fn svg(report: &Report) -> Result<String, String> {
                 .margin(10)
                 .x_label_area_size(40)
                 .y_label_area_size(60)
-                .build_cartesian_2d(BACKENDS.as_slice().into_segmented(), 0.0..total)
+                .build_cartesian_2d((0..BACKENDS.len()).into_segmented(), 0.0..total)
                 .map_err(|e| e.to_string())?;
-            stack.configure_mesh().disable_x_mesh().y_desc("ms").draw().map_err(|e| e.to_string())?;
-            for (col, times) in BACKENDS.iter().zip([&naive, &fused]) {
+            stack
+                .configure_mesh()
+                .disable_x_mesh()
+                .y_desc("ms")
+                .x_label_formatter(&|x| match x {
+                    SegmentValue::CenterOf(i) => BACKENDS.get(*i).unwrap_or(&"").to_string(),
+                    _ => String::new(),
+                })
+                .draw()
+                .map_err(|e| e.to_string())?;
+            for (col, times) in [&naive, &fused].into_iter().enumerate() {
                 let mut base = 0.0;
                 for (i, &t) in times.iter().enumerate() {
                     let mut bar = Rectangle::new(
-                        [(SegmentValue::CenterOf(col), base), (SegmentValue::CenterOf(col), base + t)],
+                        [(SegmentValue::Exact(col), base), (SegmentValue::Exact(col + 1), base + t)],
                         COLORS[i % COLORS.len()].filled(),
                     );
                     bar.set_margin(0, 0, 30, 30);
                     let series = stack.draw_series(std::iter::once(bar)).map_err(|e| e.to_string())?;
-                    if *col == "naive" {
+                    if col == 0 {
                         series.label(names[i]).legend(move |(x, y)| {
                             Rectangle::new([(x, y - 5), (x + 10, y + 5)], COLORS[i % COLORS.len()].filled())
                         });
@@ -118,6 +127,10 @@ mod tests {
         };
         let svg = svg(&report).unwrap();
         assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"), "{}", &svg[..100]);
+        // Every drawn rectangle has a positive size (a zero-width segment with margins goes negative).
+        assert!(!svg.contains("width=\"-") && !svg.contains("height=\"-"), "negative rectangles");
+        let filled = svg.matches("<rect").count();
+        assert!(filled >= 3 + 2 * 3, "3 speedup bars and 2 stacks of 3, got {filled} rects");
         for label in ["attn.prenorm", "attn.gqa", "output_norm", "fused speedup per module", "naive", "fused"]
         {
             assert!(svg.contains(label), "missing {label}");

@@ -314,6 +314,30 @@ impl Plan {
         self.prepare(ctx, b)?.execute()
     }
 
+    /// Median ms of candidate `i`: one warm-up, then 5 samples of 3 executions.
+    fn time_candidate(
+        &self,
+        ctx: &Cudnn,
+        b: &Bindings<'_>,
+        i: usize,
+        start: &cudarc::driver::CudaEvent,
+        end: &cudarc::driver::CudaEvent,
+    ) -> Result<f64> {
+        let prepared = self.prepare_candidate(ctx, b, i)?;
+        prepared.execute()?;
+        let mut samples = Vec::with_capacity(5);
+        for _ in 0..5 {
+            start.record(ctx.stream())?;
+            for _ in 0..3 {
+                prepared.execute()?;
+            }
+            end.record(ctx.stream())?;
+            samples.push(start.elapsed_ms(end)? as f64 / 3.0);
+        }
+        samples.sort_by(f64::total_cmp);
+        Ok(samples[2])
+    }
+
     /// Times every candidate on these bindings (one warm-up, then the median of 5 CUDA-event samples
     /// of 3 executions each) and keeps the fastest. Outputs are overwritten; inputs are only read.
     pub fn autotune(&self, ctx: &Cudnn, b: &Bindings<'_>) -> Result<()> {
@@ -321,20 +345,19 @@ impl Plan {
         let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         let (start, end) = (cuda.new_event(flags)?, cuda.new_event(flags)?);
         let mut timings = Vec::with_capacity(self.candidates.len());
+        let mut last_error = None;
         for (i, c) in self.candidates.iter().enumerate() {
-            let prepared = self.prepare_candidate(ctx, b, i)?;
-            prepared.execute()?;
-            let mut samples = Vec::with_capacity(5);
-            for _ in 0..5 {
-                start.record(ctx.stream())?;
-                for _ in 0..3 {
-                    prepared.execute()?;
+            // A configuration can finalize and still fail to run: it is timed as never finishing.
+            match self.time_candidate(ctx, b, i, &start, &end) {
+                Ok(ms) => timings.push((c.engine.clone(), ms)),
+                Err(e) => {
+                    timings.push((c.engine.clone(), f64::INFINITY));
+                    last_error = Some(e);
                 }
-                end.record(ctx.stream())?;
-                samples.push(start.elapsed_ms(&end)? as f64 / 3.0);
             }
-            samples.sort_by(f64::total_cmp);
-            timings.push((c.engine.clone(), samples[2]));
+        }
+        if timings.iter().all(|(_, ms)| ms.is_infinite()) {
+            return Err(last_error.unwrap_or_else(|| Error::invalid("autotune: no candidate ran")));
         }
         let best = (0..timings.len()).min_by(|&a, &b| timings[a].1.total_cmp(&timings[b].1)).unwrap_or(0);
         self.chosen.set(best);

@@ -257,10 +257,11 @@ impl<T: Element> Llama<T> {
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(cudnn_ops::Error::from)?;
         let ran = self.run(ctx, batch, seq, cache, backends, &mut NoObserver);
-        let graph = stream
-            .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
-            .map_err(cudnn_ops::Error::from)?;
+        // End the capture in any case; a failed forward is the error worth reporting.
+        let graph =
+            stream.end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
         ran?;
+        let graph = graph.map_err(cudnn_ops::Error::from)?;
         graph.ok_or_else(|| Error::Config("capture: the forward enqueued no work".into()))
     }
 

@@ -66,53 +66,82 @@ struct Sums {
 }
 
 struct Measured {
+    /// Kernel records were collected (CUPTI worked throughout).
+    with_kernels: bool,
     sums: BTreeMap<String, Sums>,
     forwards: usize,
-    /// Whole-forward GPU ms (events around each forward), median.
+    /// Whole-forward GPU ms (events around untraced forwards), median per forward.
     forward_gpu_ms: f64,
-    /// Whole-forward host ms (forward + synchronize), median.
+    /// Whole-forward host ms (untraced forwards + synchronize), median per forward.
     forward_wall_ms: f64,
     /// Host ms of each range's first (cold) and second (warm) call.
     cold: BTreeMap<String, (f64, f64)>,
 }
 
-/// Kernel collection: CUPTI when it loads, else nothing (event times only).
-struct Kernels(Option<cupti::Cupti>);
+/// Kernel collection: CUPTI when it loads and works, else nothing (event times only). A CUPTI error
+/// during the run turns collection off with a warning instead of ending the run.
+struct Kernels(std::cell::RefCell<Option<cupti::Cupti>>);
 
 impl Kernels {
-    fn clock(&self) -> Box<dyn FnMut() -> u64> {
-        match &self.0 {
-            Some(c) => {
-                let c = c.clone();
-                Box::new(move || cupti::timestamp(&c).unwrap_or(0))
+    /// Loads CUPTI and proves it can collect (a start/stop pair), or says why not.
+    fn probe() -> Self {
+        let tried = cupti::Cupti::load().map_err(|e| e.to_string()).and_then(|c| {
+            c.start().map_err(|e| e.to_string())?;
+            c.stop_and_collect().map_err(|e| e.to_string())?;
+            Ok(c)
+        });
+        match tried {
+            Ok(c) => Kernels(std::cell::RefCell::new(Some(c))),
+            Err(e) => {
+                eprintln!(
+                    "speedup-report: CUPTI unavailable ({e}); reporting CUDA-event times, no kernel counts"
+                );
+                Kernels(std::cell::RefCell::new(None))
             }
+        }
+    }
+
+    fn active(&self) -> bool {
+        self.0.borrow().is_some()
+    }
+
+    fn disable(&self, why: impl std::fmt::Display) {
+        eprintln!("speedup-report: CUPTI failed ({why}); kernel counts are off from here on");
+        *self.0.borrow_mut() = None;
+    }
+
+    fn clock(&self) -> Box<dyn FnMut() -> u64> {
+        match self.0.borrow().clone() {
+            Some(c) => Box::new(move || cupti::timestamp(&c).unwrap_or(0)),
             None => Tracer::host_clock(),
         }
     }
 
-    fn start(&self) -> Result<(), Error> {
-        if let Some(c) = &self.0 {
-            c.start()?;
+    fn start(&self) {
+        let failed = self.0.borrow().as_ref().and_then(|c| c.start().err());
+        if let Some(e) = failed {
+            self.disable(e);
         }
-        Ok(())
     }
 
-    fn stop(&self) -> Result<Vec<KernelRecord>, Error> {
-        let Some(c) = &self.0 else { return Ok(Vec::new()) };
-        let got = c.stop_and_collect()?;
-        if got.dropped > 0 {
-            eprintln!("speedup-report: CUPTI dropped {} records", got.dropped);
+    fn stop(&self) -> Vec<KernelRecord> {
+        let got = self.0.borrow().as_ref().map(|c| c.stop_and_collect());
+        match got {
+            None => Vec::new(),
+            Some(Err(e)) => {
+                self.disable(e);
+                Vec::new()
+            }
+            Some(Ok(got)) => {
+                if got.dropped > 0 || got.unmatched > 0 {
+                    eprintln!(
+                        "speedup-report: CUPTI dropped {} records; {} kernels had no launch record",
+                        got.dropped, got.unmatched
+                    );
+                }
+                got.kernels
+            }
         }
-        Ok(got
-            .kernels
-            .into_iter()
-            .map(|k| KernelRecord {
-                name: k.name,
-                launch_ns: k.launch_ns,
-                start_ns: k.start_ns,
-                end_ns: k.end_ns,
-            })
-            .collect())
     }
 }
 
@@ -132,16 +161,8 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
     let max_seq = opts.seq + opts.decode_steps;
     let mut model = Llama::new(ctx, cfg, &weights, max_seq)?;
     drop(weights);
-    let kernels = Kernels(match cupti::Cupti::load() {
-        Ok(c) => Some(c),
-        Err(e) => {
-            eprintln!(
-                "speedup-report: CUPTI unavailable ({e}); reporting CUDA-event times, no kernel counts"
-            );
-            None
-        }
-    });
-    let have_cupti = kernels.0.is_some();
+    let kernels = Kernels::probe();
+
     let prompt: Vec<Vec<u32>> = (0..opts.batch)
         .map(|b| (0..opts.seq).map(|t| ((b * 7919 + t * 104729) % cfg.vocab) as u32).collect())
         .collect();
@@ -193,7 +214,7 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
             }
             measured.push(m);
         }
-        scenarios.push(scenario(work, &measured, &model, have_cupti));
+        scenarios.push(scenario(work, &measured, &model));
         for (label, m) in selections.iter().map(|s| s.0).zip(&measured) {
             for (range, (cold, warm)) in &m.cold {
                 extra.push((
@@ -204,13 +225,14 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
         }
     }
     bar.finish_and_clear();
+    let mut disagree = None;
     if let [naive, fused] = &hidden[..] {
         let naive: Vec<f64> = naive.iter().map(|v| v.to_f64()).collect();
         let c = reference::compare(fused, &naive);
         eprintln!("speedup-report: fused vs naive hidden states: {c}");
         extra.push(("fused vs naive hidden states (prefill)".into(), c.to_string()));
         if !c.passes(reference::Tolerance { rel_l2: 3e-2 }) {
-            return Err(format!("fused and naive outputs disagree: {c}").into());
+            disagree = Some(format!("fused and naive outputs disagree: {c} (the report is written anyway)"));
         }
     }
     // The whole prefill forward replayed as a CUDA graph (plans are built and tuned by now).
@@ -229,7 +251,7 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
     extra.push(("GPU clocks at end".into(), gpu_clocks()));
     extra.push((
         "kernel attribution".into(),
-        if have_cupti {
+        if kernels.active() {
             "CUPTI activity records".into()
         } else {
             "unavailable: CUDA-event times only".into()
@@ -264,7 +286,10 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
     std::fs::write(opts.out.join("report.json"), report.to_json())?;
     std::fs::write(opts.out.join("report.svg"), report_chart::svg(&report)?)?;
     println!("\nwrote report.{{md,csv,json,svg}} to {}", opts.out.display());
-    Ok(())
+    match disagree {
+        Some(e) => Err(e.into()),
+        None => Ok(()),
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -290,6 +315,12 @@ fn measure<T: Element>(
     let pass = |model: &mut Llama<T>, cache: &mut KvCache<T>, tracer: &mut Tracer| -> Result<(), Error> {
         for tokens in &work.tokens {
             model.forward(ctx, tokens, cache, backends, tracer)?;
+        }
+        Ok(())
+    };
+    let pass_untraced = |model: &mut Llama<T>, cache: &mut KvCache<T>| -> Result<(), Error> {
+        for tokens in &work.tokens {
+            model.forward(ctx, tokens, cache, backends, &mut NoObserver)?;
         }
         Ok(())
     };
@@ -327,16 +358,11 @@ fn measure<T: Element>(
         reset(model, cache)?;
         ctx.synchronize()?;
         // Kernels are collected around the measured pass only (not the decode scenario's prefill).
-        kernels.start()?;
+        kernels.start();
         let mut t = Tracer::new(ctx.stream().clone(), kernels.clock());
-        let host = Instant::now();
-        e0.record(ctx.stream())?;
         pass(model, cache, &mut t)?;
-        e1.record(ctx.stream())?;
         ctx.synchronize()?;
-        wall.push(host.elapsed().as_secs_f64() * 1e3);
-        gpu.push(e0.elapsed_ms(&e1)? as f64);
-        records.extend(kernels.stop()?);
+        records.extend(kernels.stop());
         for call in t.finish()? {
             let s = sums.entry(call.range.name.clone()).or_default();
             s.calls += 1.0;
@@ -345,12 +371,27 @@ fn measure<T: Element>(
         }
         bar.inc(1);
     }
+    let with_kernels = kernels.active();
     for (name, t) in attribute(&ranges, &records) {
         let s = sums.entry(name).or_default();
         s.kernels += t.kernels as f64;
         s.kernel_ms += t.kernel_ns as f64 * 1e-6;
     }
+    // Whole-forward times from untraced passes (no events, NVTX or CUPTI per module), per forward.
+    let per_pass = work.tokens.len() as f64;
+    for _ in 0..opts.repeat {
+        reset(model, cache)?;
+        ctx.synchronize()?;
+        let host = Instant::now();
+        e0.record(ctx.stream())?;
+        pass_untraced(model, cache)?;
+        e1.record(ctx.stream())?;
+        ctx.synchronize()?;
+        wall.push(host.elapsed().as_secs_f64() * 1e3 / per_pass);
+        gpu.push(e0.elapsed_ms(&e1)? as f64 / per_pass);
+    }
     Ok(Measured {
+        with_kernels,
         sums,
         forwards: opts.repeat * work.tokens.len(),
         forward_gpu_ms: median(gpu),
@@ -360,16 +401,34 @@ fn measure<T: Element>(
 }
 
 /// Rows in forward order, per forward (averaged over the measured forwards).
-fn scenario<T: Element>(work: &Work, m: &[Measured], model: &Llama<T>, have_cupti: bool) -> Scenario {
+fn scenario<T: Element>(work: &Work, m: &[Measured], model: &Llama<T>) -> Scenario {
     let (naive, fused) = (&m[0], &m[1]);
     let mut rows = Vec::new();
-    let mut names: Vec<&str> = vec![llama::model::EMBED_RANGE];
-    names.extend(ModuleKind::ALL.iter().flat_map(|k| k.ranges().iter().copied()));
-    for name in names.iter().copied().chain([llama::profile::UNATTRIBUTED]) {
-        let (Some(n), Some(f)) = (naive.sums.get(name), fused.sums.get(name)) else { continue };
+    // Forward order: embedding, the attention half, the MLP half, then the once-per-forward modules.
+    let names = [
+        llama::model::EMBED_RANGE,
+        "fwd.layer.attn.prenorm",
+        "fwd.layer.attn.qkv_proj",
+        "fwd.layer.attn.rope",
+        "fwd.layer.attn.gqa",
+        "fwd.layer.attn.o_proj",
+        "fwd.layer.mlp.prenorm",
+        "fwd.layer.mlp.mlp",
+        "fwd.output_norm",
+        "fwd.lm_head",
+        llama::profile::UNATTRIBUTED,
+    ];
+    debug_assert!(ModuleKind::ALL.iter().flat_map(|k| k.ranges()).all(|r| names.contains(r)));
+    let empty = Sums::default();
+    for name in names {
+        let (n, f) = (naive.sums.get(name), fused.sums.get(name));
+        if n.is_none() && f.is_none() {
+            continue;
+        }
+        let (n, f) = (n.unwrap_or(&empty), f.unwrap_or(&empty));
         let per = |s: &Sums, m: &Measured| {
             let k = m.forwards as f64;
-            let ms = if have_cupti { s.kernel_ms } else { s.event_ms };
+            let ms = if m.with_kernels { s.kernel_ms } else { s.event_ms };
             ((s.kernels / k).round() as usize, ms / k)
         };
         let fallbacks: Vec<&str> =
