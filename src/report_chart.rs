@@ -4,7 +4,7 @@
 use llama::report::Report;
 use plotters::prelude::*;
 
-const COLORS: [RGBColor; 8] = [
+const COLORS: [RGBColor; 10] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),
@@ -13,12 +13,21 @@ const COLORS: [RGBColor; 8] = [
     RGBColor(140, 86, 75),
     RGBColor(227, 119, 194),
     RGBColor(127, 127, 127),
+    RGBColor(188, 189, 34),
+    RGBColor(23, 190, 207),
 ];
 
 static BACKENDS: [&str; 2] = ["naive", "fused"];
 
+/// Axis and legend names: `fwd.layer.attn.qkv_proj` is `qkv_proj`, the two prenorms `attn.norm` and
+/// `mlp.norm`.
 fn short(range: &str) -> &str {
-    range.strip_prefix("fwd.layer.").or_else(|| range.strip_prefix("fwd.")).unwrap_or(range)
+    match range {
+        "fwd.layer.attn.prenorm" => "attn.norm",
+        "fwd.layer.mlp.prenorm" => "mlp.norm",
+        "fwd.layer.mlp.mlp" => "mlp",
+        other => other.rsplit('.').next().unwrap_or(other),
+    }
 }
 
 /// Renders the chart as an SVG document.
@@ -35,14 +44,16 @@ pub fn svg(report: &Report) -> Result<String, String> {
             let mut chart = ChartBuilder::on(&area[0])
                 .caption(format!("{}: fused speedup per module", s.name), ("sans-serif", 18))
                 .margin(10)
-                .x_label_area_size(60)
+                .x_label_area_size(40)
                 .y_label_area_size(50)
-                .build_cartesian_2d((0..names.len()).into_segmented(), 0.0..top)
+                .build_cartesian_2d((0..names.len().saturating_sub(1)).into_segmented(), 0.0..top)
                 .map_err(|e| e.to_string())?;
             chart
                 .configure_mesh()
                 .disable_x_mesh()
                 .y_desc("naive / fused kernel time")
+                .x_labels(names.len())
+                .x_label_style(("sans-serif", 11))
                 .x_label_formatter(&|x| match x {
                     SegmentValue::CenterOf(i) => names.get(*i).unwrap_or(&"").to_string(),
                     _ => String::new(),
@@ -68,6 +79,7 @@ pub fn svg(report: &Report) -> Result<String, String> {
                 .margin(10)
                 .x_label_area_size(40)
                 .y_label_area_size(60)
+                // A third, empty segment leaves room for the legend.
                 .build_cartesian_2d((0..BACKENDS.len()).into_segmented(), 0.0..total)
                 .map_err(|e| e.to_string())?;
             stack
@@ -99,6 +111,7 @@ pub fn svg(report: &Report) -> Result<String, String> {
             }
             stack
                 .configure_series_labels()
+                .position(SeriesLabelPosition::UpperRight)
                 .background_style(WHITE.mix(0.8))
                 .border_style(BLACK)
                 .draw()
