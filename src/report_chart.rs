@@ -144,8 +144,7 @@ mod tests {
         assert!(!svg.contains("width=\"-") && !svg.contains("height=\"-"), "negative rectangles");
         let filled = svg.matches("<rect").count();
         assert!(filled >= 3 + 2 * 3, "3 speedup bars and 2 stacks of 3, got {filled} rects");
-        for label in ["attn.prenorm", "attn.gqa", "output_norm", "fused speedup per module", "naive", "fused"]
-        {
+        for label in ["attn.norm", "gqa", "output_norm", "fused speedup per module", "naive", "fused"] {
             assert!(svg.contains(label), "missing {label}");
         }
     }
