@@ -175,22 +175,25 @@ pub fn compare<T: Element>(out: &[T], reference: &[f64]) -> Comparison {
 
 /// Deterministic pseudo-random values in `[-1, 1)` (SplitMix64), never exactly zero.
 pub fn random_values(seed: u64, n: usize) -> Vec<f64> {
+    random_iter(seed).take(n).collect()
+}
+
+/// The endless sequence [`random_values`] takes its values from (no buffer of f64s for large tensors).
+pub fn random_iter(seed: u64) -> impl Iterator<Item = f64> {
     let mut state = seed;
-    (0..n)
-        .map(|_| {
-            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
-            let v = (z >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0;
-            if v == 0.0 {
-                0.5
-            } else {
-                v
-            }
-        })
-        .collect()
+    std::iter::repeat_with(move || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        let v = (z >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0;
+        if v == 0.0 {
+            0.5
+        } else {
+            v
+        }
+    })
 }
 
 /// Rounds f64 values to `T` (what the GPU will actually see).

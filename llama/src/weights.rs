@@ -10,7 +10,7 @@
 //! 3. `weights.save(&cfg, file, DataType::BF16)` writes one `safetensors` file with the same names.
 
 use crate::{Error, LlamaConfig, Result};
-use cudnn_ops::reference::random_values;
+use cudnn_ops::reference::random_iter;
 use cudnn_ops::{DataType, Element};
 use half::{bf16, f16};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
@@ -143,24 +143,43 @@ impl<T: Element> Weights<T> {
     }
 
     /// Seeded random weights, deterministic for a seed. Each tensor draws from
-    /// [`random_values`] with its own seed, mixed from `seed` and its name: the embedding is uniform in
+    /// [`cudnn_ops::reference::random_values`] with its own seed, mixed from `seed` and its name: the embedding is uniform in
     /// ±1, Linear weights in ±1/√in_features, and norm scales are `1 + 0.1·u`, never zero. Values are
     /// rounded to `T`.
     pub fn random(cfg: &LlamaConfig, seed: u64) -> Self {
-        let tensors = Self::names(cfg).into_iter().map(|(name, shape)| {
+        let names = Self::names(cfg);
+        let make = |name: &str, shape: &[usize]| -> Tensor<T> {
             let n = shape.iter().product();
-            let u = random_values(tensor_seed(seed, &name), n);
+            let u = random_iter(tensor_seed(seed, name)).take(n);
             let data = match shape[..] {
-                [_] => u.iter().map(|u| T::from_f64(1.0 + 0.1 * u)).collect(),
-                _ if name == EMBED => u.iter().map(|&u| T::from_f64(u)).collect(),
+                [_] => u.map(|u| T::from_f64(1.0 + 0.1 * u)).collect(),
+                _ if name == EMBED => u.map(T::from_f64).collect(),
                 [_, fan_in] => {
                     let bound = 1.0 / (fan_in as f64).sqrt();
-                    u.iter().map(|u| T::from_f64(bound * u)).collect()
+                    u.map(|u| T::from_f64(bound * u)).collect()
                 }
                 _ => unreachable!("weights are 1-D or 2-D"),
             };
-            Tensor { shape, data }
+            Tensor { shape: shape.to_vec(), data }
+        };
+        // Tensors are independent streams: fill them on every core (an 8B model is 8e9 draws).
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let slots: Vec<std::sync::Mutex<Option<Tensor<T>>>> =
+            names.iter().map(|_| Default::default()).collect();
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(names.len());
+        std::thread::scope(|scope| {
+            for _ in 0..threads {
+                scope.spawn(|| loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some((name, shape)) = names.get(i) else { break };
+                    let t = make(name, shape);
+                    *slots[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
+                });
+            }
         });
+        let tensors = slots
+            .into_iter()
+            .map(|s| s.into_inner().unwrap_or_else(|p| p.into_inner()).expect("every slot was filled"));
         Self::from_tensors(cfg, tensors)
     }
 
