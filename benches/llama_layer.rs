@@ -105,14 +105,8 @@ fn run(ctx: &Cudnn) -> Result<()> {
     println!("# {}", environment(&info));
     let mut selections = vec![("all naive".to_string(), Backends::all(Backend::Naive))];
     selections.push(("all fused".into(), Backends::all(Backend::Fused)));
-    for kind in [
-        ModuleKind::Prenorm,
-        ModuleKind::QkvProj,
-        ModuleKind::Rope,
-        ModuleKind::Gqa,
-        ModuleKind::OProj,
-        ModuleKind::Mlp,
-    ] {
+    // Each per-layer module kind fused alone.
+    for kind in ModuleKind::ALL.into_iter().filter(|k| k.per_layer()) {
         selections.push((
             format!("only {} fused", kind.name()),
             Backends::all(Backend::Naive).with(kind, Backend::Fused),
