@@ -470,3 +470,90 @@ impl Step<'_> {
         Ok(result?)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Records which ranges opened and closed.
+    #[derive(Default)]
+    struct Log(Vec<String>);
+    impl Observer for Log {
+        fn begin(&mut self, range: &'static str, layer: Option<usize>) {
+            self.0.push(format!("+{range}@{layer:?}"));
+        }
+        fn end(&mut self, range: &'static str, layer: Option<usize>) {
+            self.0.push(format!("-{range}@{layer:?}"));
+        }
+    }
+
+    #[test]
+    fn unsupported_fused_modules_fall_back_once_per_shape_and_say_why() {
+        let (mut fallbacks, mut unsupported, mut log) = (Vec::new(), HashSet::new(), Log::default());
+        let backends = Backends::all(Backend::Fused);
+        let mut tried = Vec::new();
+        let not_supported =
+            || cudnn_ops::Error::NotSupported { op: "sdpa".into(), reason: "head_dim 264".into() };
+        for _ in 0..2 {
+            let mut step = Step {
+                fallbacks: &mut fallbacks,
+                unsupported: &mut unsupported,
+                backends: &backends,
+                obs: &mut log,
+            };
+            step.run(ModuleKind::Gqa, 0, Some(3), "1x8 causal", |b| {
+                tried.push(b);
+                if b == Backend::Fused {
+                    Err(not_supported())
+                } else {
+                    Ok(())
+                }
+            })
+            .unwrap();
+        }
+        // Fused once, naive twice; one record; ranges balanced.
+        assert_eq!(tried, vec![Backend::Fused, Backend::Naive, Backend::Naive]);
+        assert_eq!(fallbacks.len(), 1);
+        let f = &fallbacks[0];
+        assert_eq!((f.range, f.layer, f.shape.as_str()), ("fwd.layer.attn.gqa", Some(3), "1x8 causal"));
+        assert!(f.reason.contains("head_dim 264"), "{}", f.reason);
+        assert_eq!(
+            log.0,
+            [
+                "+fwd.layer.attn.gqa@Some(3)",
+                "-fwd.layer.attn.gqa@Some(3)",
+                "+fwd.layer.attn.gqa@Some(3)",
+                "-fwd.layer.attn.gqa@Some(3)"
+            ]
+        );
+        // Another error is not a fallback: it is returned, and the range still closes.
+        let mut step = Step {
+            fallbacks: &mut fallbacks,
+            unsupported: &mut unsupported,
+            backends: &backends,
+            obs: &mut log,
+        };
+        let e = step.run(ModuleKind::Rope, 0, Some(0), "8 tokens", |_| {
+            Err(cudnn_ops::Error::InvalidArgument("bad".into()))
+        });
+        assert!(matches!(e, Err(Error::Ops(cudnn_ops::Error::InvalidArgument(_)))));
+        assert_eq!(log.0.last().unwrap(), "-fwd.layer.attn.rope@Some(0)");
+        assert_eq!(fallbacks.len(), 1);
+        // A naive selection never tries fused.
+        let naive = Backends::all(Backend::Naive);
+        let mut step = Step {
+            fallbacks: &mut fallbacks,
+            unsupported: &mut unsupported,
+            backends: &naive,
+            obs: &mut log,
+        };
+        let mut seen = Vec::new();
+        step.run(ModuleKind::Prenorm, 1, Some(0), "8 tokens", |b| {
+            seen.push(b);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(seen, vec![Backend::Naive]);
+        assert_eq!(log.0.last().unwrap(), "-fwd.layer.mlp.prenorm@Some(0)");
+    }
+}
