@@ -355,3 +355,48 @@ fn bad_inputs_touch_nothing_and_naive_reports_out_of_memory() {
     assert!(matches!(e, Error::OutOfMemory { .. }), "{e}");
     println!("{e}");
 }
+
+/// One padded plan for decode steps of any length: per-sequence lengths from device buffers.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn padded_decode_matches_exact_lengths() {
+    let ctx = gpu();
+    if ctx.info().cudnn_version < 91500 {
+        println!(
+            "SKIPPED: cuDNN {} has no sequence lengths on the unified SDPA",
+            ctx.info().cudnn_version_string()
+        );
+        return;
+    }
+    let (b, hq, hkv, cap, d) = (2, 8, 2, 256, 64);
+    let args = SdpaArgs::new(b, hq, hkv, 1, cap, d, Layout::Bshd).with_seq_lens();
+    let x = inputs::<bf16>(&ctx, &args, 21);
+    let [q, k, v] = &x.logical;
+    for lens in [[100usize, 200], [1, 256], [37, 64]] {
+        let mut o = poisoned::<bf16>(&ctx, b * hq * d).unwrap();
+        let lq = ctx.stream().clone_htod(&[1i32; 2]).unwrap();
+        let lkv = ctx.stream().clone_htod(&lens.map(|l| l as i32)).unwrap();
+        cudnn_llm::sdpa_padded(&ctx, args, &x.q, &x.k, &x.v, &mut o, &lq, &lkv).unwrap();
+        let out = gather(&download(&ctx, &o).unwrap(), [b, hq, 1, d], args.o_strides);
+        for (bi, &len) in lens.iter().enumerate() {
+            // The reference over the first `len` keys of sequence bi alone.
+            let kv = |t: &[f64]| -> Vec<f64> {
+                (0..hkv).flat_map(|h| t[((bi * hkv + h) * cap) * d..][..len * d].to_vec()).collect()
+            };
+            let shape =
+                AttentionShape { batch: 1, heads_q: hq, heads_kv: hkv, seq_q: 1, seq_kv: len, dim: d };
+            let (o_ref, _) = reference::attention(
+                &q[bi * hq * d..][..hq * d],
+                &kv(k),
+                &kv(v),
+                shape,
+                args.scale() as f64,
+                Mask::None,
+            );
+            let c = reference::compare(&out[bi * hq * d..][..hq * d], &o_ref);
+            println!("lens {lens:?} sequence {bi}: {c}");
+            assert!(c.passes(ATTN_BF16), "lens {lens:?} sequence {bi}: {c}");
+        }
+    }
+    assert_eq!(ctx.cache().stats().entries, 1, "one plan for every length");
+}

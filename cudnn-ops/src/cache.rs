@@ -55,6 +55,8 @@ pub enum PlanKey {
         stats: bool,
         /// The form asked for (`None`: chosen by version).
         form: Option<crate::SdpaForm>,
+        /// Sequence lengths bound at run time (seq dims are capacities).
+        padded: bool,
     },
 }
 

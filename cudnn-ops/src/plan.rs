@@ -474,6 +474,13 @@ impl<'a> Bindings<'a> {
         self.push(uid, T::DTYPE, Place::Device { addr, len }, guard)
     }
 
+    /// Binds an i32 buffer the plan reads (sequence lengths).
+    pub fn input_i32(&mut self, uid: i64, buf: &'a (impl DevicePtr<i32> + ?Sized)) -> &mut Self {
+        let len = buf.len();
+        let (addr, guard) = buf.device_ptr(self.stream);
+        self.push(uid, DataType::I32, Place::Device { addr, len }, guard)
+    }
+
     /// Binds a buffer the plan writes.
     pub fn output<T: Element>(
         &mut self,

@@ -86,6 +86,10 @@ pub struct SdpaOptions {
     pub form: SdpaForm,
     /// The cuDNN version the graph is for (the mask fill is `-inf` from 9.10, the lowest float before).
     pub cudnn_version: usize,
+    /// Per-sequence lengths `(seq_len_q, seq_len_kv)`, i32 `[b, 1, 1, 1]` device tensors: the seq dims
+    /// are then capacities and positions past a sequence's length are masked out (one plan serves every
+    /// length up to the capacity). Unified form only (cuDNN 9.15+).
+    pub seq_lens: Option<(TensorId, TensorId)>,
 }
 
 /// Outputs of [`Graph::sdpa`].
@@ -125,10 +129,23 @@ impl Graph {
                 let s = crate::packed_strides(&stats_dims);
                 self.intermediate(format!("{}::stats", self.name), &stats_dims, &s, crate::DataType::F32)
             });
-            self.nodes.push(Node::SdpaFwd { q, k, v, scale, o, stats, mask: opts.mask });
+            self.nodes.push(Node::SdpaFwd {
+                q,
+                k,
+                v,
+                scale,
+                o,
+                stats,
+                mask: opts.mask,
+                seq_lens: opts.seq_lens,
+            });
             return SdpaOutputs { o, stats };
         }
 
+        if let Some((sq, _)) = opts.seq_lens {
+            // The composite padding mask (and its matmul overrides) is not built here: refuse it.
+            self.padded_composite = Some(sq);
+        }
         // bmm1 against the transposed view of K.
         let kt = self.spec_mut(k);
         kt.dims.swap(2, 3);
@@ -216,6 +233,7 @@ mod tests {
             stats: false,
             form: SdpaForm::Composite,
             cudnn_version: 91900,
+            seq_lens: None,
         };
         let out = g.sdpa(q, k, v, scale, opts);
         g.output(out.o);

@@ -19,7 +19,23 @@ impl Graph {
                 self.check_broadcast(x, y, "reduction input")?;
                 Ok(())
             }
-            Node::SdpaFwd { q, k, v, o, stats, mask, .. } => {
+            Node::SdpaFwd { q, k, v, o, stats, mask, seq_lens, .. } => {
+                if let Some((sq, skv)) = seq_lens {
+                    let b = self.spec(q).dims.first().copied().unwrap_or(0);
+                    for t in [sq, skv] {
+                        let s = self.spec(t);
+                        if s.dtype != DataType::I32
+                            || s.dims[..] != [b, 1, 1, 1]
+                            || s.is_virtual
+                            || s.by_value
+                        {
+                            return Err(self.fail(
+                                t,
+                                format!("sequence lengths must be an i32 [{b}, 1, 1, 1] device tensor"),
+                            ));
+                        }
+                    }
+                }
                 if mask != super::Mask::None {
                     return Err(crate::Error::NotSupported {
                         op: self.name.clone(),

@@ -84,6 +84,8 @@ pub struct Graph {
     discarded: Vec<TensorId>,
     /// Composite attentions, checked as a whole before their nodes: `[q, k (transposed), v, o]`, stats.
     attentions: Vec<([TensorId; 4], Option<TensorId>)>,
+    /// A composite attention was asked for with sequence lengths (its padding mask is not built).
+    padded_composite: Option<TensorId>,
     form: Option<String>,
 }
 
@@ -97,6 +99,7 @@ impl Graph {
             constants: Vec::new(),
             discarded: Vec::new(),
             attentions: Vec::new(),
+            padded_composite: None,
             form: None,
         }
     }
@@ -186,6 +189,14 @@ impl Graph {
                 graph: self.name.clone(),
                 tensor: "-".into(),
                 reason: "no operations".into(),
+            });
+        }
+        if let Some(t) = self.padded_composite {
+            return Err(Error::NotSupported {
+                op: format!("{} (tensor `{}`)", self.name, self.spec(t).name),
+                reason: "attention with sequence lengths needs the unified SDPA operation (cuDNN 9.15+); \
+                         the composite padding mask is not built"
+                    .into(),
             });
         }
         for &([q, k, v, o], stats) in &self.attentions {

@@ -154,6 +154,8 @@ pub(crate) enum Node {
         stats: Option<TensorId>,
         /// Only [`Mask::None`] lowers with 9.19 bindings; validation rejects the rest.
         mask: super::Mask,
+        /// Per-sequence lengths (q, kv), i32 `[b, 1, 1, 1]`: padded attention.
+        seq_lens: Option<(TensorId, TensorId)>,
     },
 }
 
@@ -164,7 +166,11 @@ impl Node {
             Node::Pointwise { x, b, t, .. } => [Some(x), b, t].into_iter().flatten().collect(),
             Node::Matmul { a, b, .. } => vec![a, b],
             Node::Reduction { x, .. } => vec![x],
-            Node::SdpaFwd { q, k, v, scale, .. } => vec![q, k, v, scale],
+            Node::SdpaFwd { q, k, v, scale, seq_lens, .. } => {
+                let mut v = vec![q, k, v, scale];
+                v.extend(seq_lens.into_iter().flat_map(|(a, b)| [a, b]));
+                v
+            }
         }
     }
 
@@ -255,7 +261,7 @@ impl Node {
                 op.finalize("reduction operation")?;
                 Ok(op)
             }
-            Node::SdpaFwd { q, k, v, scale, o, stats, .. } => {
+            Node::SdpaFwd { q, k, v, scale, o, stats, seq_lens, .. } => {
                 let mut op = Descriptor::new(D::CUDNN_BACKEND_OPERATION_SDPA_FWD_DESCRIPTOR)?;
                 op.set(A::CUDNN_ATTR_OPERATION_SDPA_FWD_QDESC, Attr::Descriptors(&[t(q)]))?;
                 op.set(A::CUDNN_ATTR_OPERATION_SDPA_FWD_KDESC, Attr::Descriptors(&[t(k)]))?;
@@ -264,6 +270,10 @@ impl Node {
                 op.set(A::CUDNN_ATTR_OPERATION_SDPA_FWD_ODESC, Attr::Descriptors(&[t(o)]))?;
                 if let Some(s) = stats {
                     op.set(A::CUDNN_ATTR_OPERATION_SDPA_FWD_STATSDESC, Attr::Descriptors(&[t(s)]))?;
+                }
+                if let Some((sq, skv)) = seq_lens {
+                    op.set(A::CUDNN_ATTR_OPERATION_SDPA_FWD_SEQ_LEN_QDESC, Attr::Descriptors(&[t(sq)]))?;
+                    op.set(A::CUDNN_ATTR_OPERATION_SDPA_FWD_SEQ_LEN_KVDESC, Attr::Descriptors(&[t(skv)]))?;
                 }
                 op.finalize("sdpa forward operation")?;
                 Ok(op)

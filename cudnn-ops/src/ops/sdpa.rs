@@ -72,6 +72,9 @@ pub struct SdpaArgs {
     /// Graph form for the fused backend; `None` lets the running cuDNN version decide
     /// ([`SdpaForm::select`]), falling back to the composite graph if the unified one is rejected.
     pub form: Option<SdpaForm>,
+    /// `seq_q` and `seq_kv` are capacities and each sequence's lengths come from device tensors at run
+    /// time ([`sdpa_padded`]): one plan for every length up to the capacity (e.g. every decode step).
+    pub padded: bool,
 }
 
 /// Buffer lengths (elements) of an attention call, checked before anything runs.
@@ -115,6 +118,7 @@ impl SdpaArgs {
             v_strides: kv,
             o_strides: q,
             form: None,
+            padded: false,
         }
     }
 
@@ -126,6 +130,11 @@ impl SdpaArgs {
     /// With an explicit scale.
     pub fn with_scale(self, scale: f32) -> Self {
         SdpaArgs { scale: Some(scale), ..self }
+    }
+
+    /// With per-sequence lengths bound at run time (see [`SdpaArgs::padded`]).
+    pub fn with_seq_lens(self) -> Self {
+        SdpaArgs { padded: true, ..self }
     }
 
     /// With a fixed graph form.
@@ -246,6 +255,7 @@ impl SdpaArgs {
             mask: self.mask,
             stats,
             form: self.form,
+            padded: self.padded,
         }
     }
 
@@ -268,7 +278,14 @@ impl SdpaArgs {
         let k = g.tensor(TensorSpec::new("K", &i(self.dims('k')), dtype).with_strides(&i(self.k_strides)));
         let v = g.tensor(TensorSpec::new("V", &i(self.dims('v')), dtype).with_strides(&i(self.v_strides)));
         let scale = g.tensor(TensorSpec::scalar("scale", DataType::F32, 4));
-        let out = g.sdpa(q, k, v, scale, SdpaOptions { mask: self.mask, stats, form, cudnn_version });
+        let seq_lens = self.padded.then(|| {
+            let b = self.batch as i64;
+            let lens =
+                |name: &str| TensorSpec::new(name, &[b, 1, 1, 1], DataType::I32).with_strides(&[1, 1, 1, 1]);
+            (g.tensor(lens("seq_len_q")), g.tensor(lens("seq_len_kv")))
+        });
+        let out =
+            g.sdpa(q, k, v, scale, SdpaOptions { mask: self.mask, stats, form, cudnn_version, seq_lens });
         let o = g.output(out.o);
         o.name = "O".into();
         o.strides = i(self.o_strides).to_vec();
@@ -283,10 +300,21 @@ impl SdpaArgs {
     pub fn plan(&self, ctx: &Cudnn, dtype: DataType, stats: bool) -> Result<Rc<Plan>> {
         let a = self.normalized();
         let version = ctx.info().cudnn_version;
+        if a.padded && version.min(crate::HEADER_VERSION) < 91500 {
+            return Err(Error::NotSupported {
+                op: "sdpa".into(),
+                reason: format!(
+                    "attention with run-time sequence lengths needs cuDNN 9.15 (the unified operation), this is {}",
+                    crate::version_string(version)
+                ),
+            });
+        }
         ctx.cache().get_or_build(&a.key(dtype, stats), || {
             let form = a.form.unwrap_or_else(|| SdpaForm::select(version, crate::HEADER_VERSION, a.mask));
             match a.graph(dtype, stats, form, version).build(ctx) {
-                Err(e) if e.is_not_supported() && a.form.is_none() && form == SdpaForm::Unified => {
+                Err(e)
+                    if e.is_not_supported() && a.form.is_none() && form == SdpaForm::Unified && !a.padded =>
+                {
                     a.graph(dtype, stats, SdpaForm::Composite, version).build(ctx)
                 }
                 other => other,
@@ -349,6 +377,36 @@ pub fn sdpa_with<T: Element>(
         Backend::Fused => fused::<T>(ctx, args, q, k, v, o, stats),
         Backend::Naive => crate::naive::attention::run::<T>(ctx, args, q, k, v, o, stats),
     }
+}
+
+/// Fused attention with per-sequence lengths read from device i32 buffers of `batch` values each:
+/// `args` must be [`SdpaArgs::with_seq_lens`], its seq dims the capacities (buffers are sized by them);
+/// keys past `seq_len_kv[b]` and queries past `seq_len_q[b]` are masked out (their output rows are
+/// unspecified). One plan serves every length, e.g. every step of a decode over a growing cache.
+/// Needs cuDNN 9.15+ and no causal mask (a single decode query needs none).
+#[allow(clippy::too_many_arguments)]
+pub fn sdpa_padded<T: Element>(
+    ctx: &Cudnn,
+    args: SdpaArgs,
+    q: &(impl DevicePtr<T> + ?Sized),
+    k: &(impl DevicePtr<T> + ?Sized),
+    v: &(impl DevicePtr<T> + ?Sized),
+    o: &mut (impl DevicePtrMut<T> + ?Sized),
+    seq_len_q: &(impl DevicePtr<i32> + ?Sized),
+    seq_len_kv: &(impl DevicePtr<i32> + ?Sized),
+) -> Result<()> {
+    ensure!(args.padded, "sdpa_padded: build the arguments with SdpaArgs::with_seq_lens");
+    for (name, len) in [("seq_len_q", seq_len_q.len()), ("seq_len_kv", seq_len_kv.len())] {
+        ensure!(len >= args.batch, "sdpa_padded: {name} has {len} values, batch is {}", args.batch);
+    }
+    let lens = SdpaLens { q: q.len(), k: k.len(), v: v.len(), o: o.len(), stats: None };
+    let args = args.validated(T::DTYPE, lens)?;
+    let plan = args.plan(ctx, T::DTYPE, false)?;
+    let mut b = Bindings::new(ctx.stream());
+    b.input(1, q).input(2, k).input(3, v).scalar_f32(4, args.scale());
+    b.input_i32(plan.uid("seq_len_q")?, seq_len_q).input_i32(plan.uid("seq_len_kv")?, seq_len_kv);
+    b.output(plan.uid("O")?, o);
+    plan.execute(ctx, &b)
 }
 
 /// Rejects what no backend runs: f32 I/O (both backends take f16/bf16).
@@ -474,6 +532,32 @@ mod tests {
         assert_eq!(decode.with_mask(Mask::CausalTopLeft).normalized().mask, Mask::CausalTopLeft);
         let chunk = SdpaArgs { seq_q: 2, ..decode };
         assert_eq!(chunk.normalized().mask, Mask::CausalBottomRight);
+    }
+
+    #[test]
+    fn padded_graphs_bind_sequence_lengths_on_the_unified_form_only() {
+        let a = SdpaArgs::new(2, 8, 2, 1, 256, 64, Layout::Bshd).with_seq_lens();
+        assert_ne!(a.key(DataType::BF16, false), SdpaArgs { padded: false, ..a }.key(DataType::BF16, false));
+        let g = a.graph(DataType::BF16, false, SdpaForm::Unified, 91900);
+        g.validate().unwrap();
+        let bound: Vec<(&str, i64)> = g
+            .tensors()
+            .iter()
+            .filter(|t| !t.is_virtual && !t.by_value)
+            .map(|t| (t.name.as_str(), t.uid))
+            .collect();
+        assert_eq!(&bound[3..5], &[("seq_len_q", 5), ("seq_len_kv", 6)]);
+        let lens = g.tensors().iter().find(|t| t.name == "seq_len_kv").unwrap();
+        assert_eq!((lens.dtype, lens.dims.clone()), (DataType::I32, vec![2, 1, 1, 1]));
+        // The composite graph has no padding mask here; a causal mask cannot go on the unified node.
+        let e = a.graph(DataType::BF16, false, SdpaForm::Composite, 91900).validate().unwrap_err();
+        assert!(e.is_not_supported() && e.to_string().contains("unified SDPA operation"), "{e}");
+        let chunk = SdpaArgs { seq_q: 4, ..a }.with_mask(Mask::CausalBottomRight);
+        assert!(chunk
+            .graph(DataType::BF16, false, SdpaForm::Unified, 91900)
+            .validate()
+            .unwrap_err()
+            .is_not_supported());
     }
 
     #[test]
