@@ -11,7 +11,7 @@
 //! before), its times join the 4-layer rows. `LLAMA_BENCH_LAYERS` overrides the 4.
 
 use cudnn_llm::bench_util::{
-    bench_main, csv_and_markdown, environment, median, median_call_ms, write_results,
+    bench_main, csv_and_markdown, environment, median, median_call_ms, round, write_results,
 };
 use cudnn_llm::cudnn_ops::{Backend, Cudnn, Error, Result};
 use cudnn_llm::llama::weights::Weights;
@@ -33,6 +33,29 @@ struct Row {
     speedup_vs_naive: f64,
     torch_eager_wall_ms: Option<f64>,
     speedup_vs_torch_wall: Option<f64>,
+}
+
+impl Row {
+    /// A row from GPU and wall ms, the all-naive GPU ms of its group and PyTorch's wall ms if run.
+    fn new(
+        scenario: &str,
+        layers: usize,
+        backends: &str,
+        (gpu, wall): (f64, f64),
+        naive_ms: f64,
+        torch: Option<f64>,
+    ) -> Self {
+        Row {
+            scenario: scenario.into(),
+            layers,
+            backends: backends.into(),
+            gpu_ms: round(gpu, 4),
+            wall_ms: round(wall, 4),
+            speedup_vs_naive: round(naive_ms / gpu, 2),
+            torch_eager_wall_ms: torch,
+            speedup_vs_torch_wall: torch.map(|t| round(t / wall, 2)),
+        }
+    }
 }
 
 #[derive(Deserialize)]
@@ -145,16 +168,7 @@ fn run(ctx: &Cudnn) -> Result<()> {
                 naive_ms = gpu;
             }
             println!("{scenario} {name}: {gpu:.3} ms GPU, {wall:.3} ms wall");
-            rows.push(Row {
-                scenario: scenario.into(),
-                layers: 1,
-                backends: name.clone(),
-                gpu_ms: (gpu * 1e4).round() / 1e4,
-                wall_ms: (wall * 1e4).round() / 1e4,
-                speedup_vs_naive: (naive_ms / gpu * 100.0).round() / 100.0,
-                torch_eager_wall_ms: None,
-                speedup_vs_torch_wall: None,
-            });
+            rows.push(Row::new(scenario, 1, name, (gpu, wall), naive_ms, None));
         }
     }
     println!("fallbacks: {:?}", one.model.fallbacks());
@@ -175,16 +189,7 @@ fn run(ctx: &Cudnn) -> Result<()> {
         if name == "all naive" {
             naive_ms = gpu;
         }
-        rows.push(Row {
-            scenario: "prefill 2048".into(),
-            layers,
-            backends: name.clone(),
-            gpu_ms: (gpu * 1e4).round() / 1e4,
-            wall_ms: (wall * 1e4).round() / 1e4,
-            speedup_vs_naive: (naive_ms / gpu * 100.0).round() / 100.0,
-            torch_eager_wall_ms: torch_wall,
-            speedup_vs_torch_wall: torch_wall.map(|t| (t / wall * 100.0).round() / 100.0),
-        });
+        rows.push(Row::new("prefill 2048", layers, name, (gpu, wall), naive_ms, torch_wall));
     }
     println!("fallbacks: {:?}", many.model.fallbacks());
     let (csv, table) = csv_and_markdown(&rows).map_err(|e| Error::InvalidArgument(format!("csv: {e}")))?;

@@ -13,7 +13,7 @@
 use criterion::Criterion;
 use cudarc::driver::CudaSlice;
 use cudnn_llm::bench_util::{
-    bench_main, csv_and_markdown, environment, gpu_time_ms, median_call_ms, upload, write_results,
+    bench_main, csv_and_markdown, environment, gpu_time_ms, median_call_ms, round, upload, write_results,
 };
 use cudnn_llm::cudnn_ops::{
     reference, sdpa_with, Backend, Cudnn, DataType, Error, Layout, Mask, Result, SdpaArgs, SdpaForm,
@@ -119,11 +119,6 @@ struct Row {
     fused_vs_torch_cudnn: Option<f64>,
     fused_vs_torch_flash: Option<f64>,
     plan_build_ms: f64,
-}
-
-fn round(x: f64, digits: i32) -> f64 {
-    let p = 10f64.powi(digits);
-    (x * p).round() / p
 }
 
 fn main() {

@@ -29,6 +29,12 @@ pub fn bench_main<E: std::fmt::Display>(name: &str, run: impl FnOnce(&Cudnn) -> 
     }
 }
 
+/// `x` rounded to `digits` decimals, for result tables.
+pub fn round(x: f64, digits: i32) -> f64 {
+    let p = 10f64.powi(digits);
+    (x * p).round() / p
+}
+
 /// Median of a sample (NaN-free); 0 for an empty one.
 pub fn median(mut v: Vec<f64>) -> f64 {
     if v.is_empty() {
@@ -194,5 +200,7 @@ mod tests {
         assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), 2.5);
         assert_eq!(median(vec![]), 0.0);
+        assert_eq!(round(0.123456, 4), 0.1235);
+        assert_eq!(round(12.345, 1), 12.3);
     }
 }
