@@ -86,6 +86,24 @@ fn time(ctx: &Cudnn, mut step: impl FnMut() -> Result<()>) -> Result<(f64, f64)>
     Ok((gpu, median(wall)))
 }
 
+/// Samples per backend of the many-layer forward.
+const MANY_SAMPLES: usize = 21;
+
+/// One run of `step`: GPU ms between events around it, and wall ms of launching it and synchronizing.
+fn sample(ctx: &Cudnn, step: impl FnOnce() -> Result<()>) -> Result<(f64, f64)> {
+    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let cuda = ctx.stream().context();
+    let (e0, e1) = (cuda.new_event(flags)?, cuda.new_event(flags)?);
+    ctx.synchronize()?;
+    let t = Instant::now();
+    e0.record(ctx.stream())?;
+    step()?;
+    e1.record(ctx.stream())?;
+    ctx.synchronize()?;
+    let wall = t.elapsed().as_secs_f64() * 1e3;
+    Ok((e0.elapsed_ms(&e1)? as f64, wall))
+}
+
 struct Bench {
     model: Llama<bf16>,
     prefill: Vec<Vec<u32>>,
@@ -183,13 +201,24 @@ fn run(ctx: &Cudnn) -> Result<()> {
     let torch_wall =
         torch.iter().find(|t| t.scenario == "prefill 2048" && t.layers == layers).map(|t| t.wall_ms);
     let mut many = Bench::new(ctx, layers)?;
-    let mut naive_ms = 0.0;
-    for (name, b) in &selections[..2] {
-        let (gpu, wall) = time(ctx, || many.prefill(ctx, b))?;
-        if name == "all naive" {
-            naive_ms = gpu;
+    // All-naive and all-fused samples alternate, so that clock drift over the run affects both alike.
+    let ends = &selections[..2];
+    for _ in 0..3 {
+        for (_, b) in ends {
+            many.prefill(ctx, b)?;
         }
-        rows.push(Row::new("prefill 2048", layers, name, (gpu, wall), naive_ms, torch_wall));
+    }
+    let mut samples = vec![(Vec::new(), Vec::new()); ends.len()];
+    for _ in 0..MANY_SAMPLES {
+        for ((_, b), (gpu, wall)) in ends.iter().zip(&mut samples) {
+            let (g, w) = sample(ctx, || many.prefill(ctx, b))?;
+            gpu.push(g);
+            wall.push(w);
+        }
+    }
+    let medians: Vec<(f64, f64)> = samples.into_iter().map(|(g, w)| (median(g), median(w))).collect();
+    for ((name, _), m) in ends.iter().zip(&medians) {
+        rows.push(Row::new("prefill 2048", layers, name, *m, medians[0].0, torch_wall));
     }
     println!("fallbacks: {:?}", many.model.fallbacks());
     let (csv, table) = csv_and_markdown(&rows).map_err(|e| Error::InvalidArgument(format!("csv: {e}")))?;

@@ -125,18 +125,27 @@ pub fn svg(report: &Report) -> Result<String, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use llama::report::{Meta, ModuleRow, Scenario};
+    use llama::report::{Meta, ModuleRow, Scenario, Side};
+
+    fn side(kernels: usize, kernel_ms: f64) -> Side {
+        Side { kernels, kernel_ms, event_ms: kernel_ms }
+    }
 
     #[test]
     fn chart_has_a_bar_per_module_and_both_stacks() {
         let rows = vec![
-            ModuleRow::new("fwd.layer.attn.prenorm", 32, (256, 0.965), (32, 0.083), ""),
-            ModuleRow::new("fwd.layer.attn.gqa", 32, (320, 0.313), (32, 0.144), ""),
-            ModuleRow::new("fwd.output_norm", 1, (8, 0.03), (1, 0.003), ""),
+            ModuleRow::new("fwd.layer.attn.prenorm", 32, side(256, 0.965), side(32, 0.083), ""),
+            ModuleRow::new("fwd.layer.attn.gqa", 32, side(320, 0.313), side(32, 0.144), ""),
+            ModuleRow::new("fwd.output_norm", 1, side(8, 0.03), side(1, 0.003), ""),
         ];
         let report = Report {
             meta: Meta::default(),
-            scenarios: vec![Scenario { name: "prefill 3x10".into(), rows, forward_ms: vec![] }],
+            scenarios: vec![Scenario {
+                name: "prefill 3x10".into(),
+                rows,
+                forward_ms: vec![],
+                first_calls: vec![],
+            }],
         };
         let svg = svg(&report).unwrap();
         assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"), "{}", &svg[..100]);

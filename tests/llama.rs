@@ -5,7 +5,7 @@
 use cudnn_llm::cudnn_ops::reference::{compare, Tolerance};
 use cudnn_llm::cudnn_ops::{Backend, Cudnn};
 use cudnn_llm::llama::weights::Weights;
-use cudnn_llm::llama::{reference, Backends, Llama, LlamaConfig, NoObserver};
+use cudnn_llm::llama::{reference, Backends, Llama, LlamaConfig, ModuleKind, NoObserver};
 use half::bf16;
 
 /// Hidden states through a whole bf16 model, against f64.
@@ -63,10 +63,27 @@ fn fused_and_naive_agree_on_the_1b_preset() {
     let mut model = Llama::new(&ctx, &cfg, &w, 256).unwrap();
     let toks = tokens(2, 100, cfg.vocab, 11);
     let naive = hidden(&ctx, &mut model, &toks, &Backends::all(Backend::Naive));
+    let naive: Vec<f64> = naive.iter().map(|v| v.to_f64()).collect();
     let fused = hidden(&ctx, &mut model, &toks, &Backends::all(Backend::Fused));
-    let c = compare(&fused, &naive.iter().map(|v| v.to_f64()).collect::<Vec<_>>());
+    let c = compare(&fused, &naive);
     println!("1B fused vs naive: {c}");
-    assert!(c.passes(MODEL_TOL), "{c}");
+    // Each kind fused alone and each kind left naive, so that a failure names the module (this is how
+    // cuDNN 9.14's need for per-plan workspaces showed: fused prenorm + fused MLP went wrong together).
+    let mut alone = Vec::new();
+    for kind in ModuleKind::ALL {
+        let b = Backends::all(Backend::Naive).with(kind, Backend::Fused);
+        let c = compare(&hidden(&ctx, &mut model, &toks, &b), &naive);
+        println!("only {} fused: {c}", kind.name());
+        alone.push((kind.name(), c));
+        let b = Backends::all(Backend::Fused).with(kind, Backend::Naive);
+        let c = compare(&hidden(&ctx, &mut model, &toks, &b), &naive);
+        println!("all but {} fused: {c}", kind.name());
+        alone.push((kind.name(), c));
+    }
+    assert!(c.passes(MODEL_TOL), "all fused: {c}; alone: {alone:?}");
+    for (kind, c) in &alone {
+        assert!(c.passes(MODEL_TOL), "{kind} fused alone or left naive alone: {c}");
+    }
     assert!(model.fallbacks().is_empty(), "{:?}", model.fallbacks());
 }
 

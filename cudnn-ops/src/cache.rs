@@ -97,6 +97,11 @@ impl PlanCache {
         self.plans.borrow().get(key).cloned()
     }
 
+    /// Every plan held, in no particular order (e.g. to report which engine each chose).
+    pub fn plans(&self) -> Vec<Rc<Plan>> {
+        self.plans.borrow().values().cloned().collect()
+    }
+
     /// Counters and size.
     pub fn stats(&self) -> CacheStats {
         CacheStats { hits: self.hits.get(), misses: self.misses.get(), entries: self.plans.borrow().len() }

@@ -1,17 +1,24 @@
 //! The context: one object that owns the cuDNN handle (bound to a cudarc stream), the plan cache,
-//! the growable workspace and the naive kernels.
+//! (whose plans each own their workspace) and the naive kernels.
 
 use crate::cache::PlanCache;
 use crate::raw::{self, Handle, RawHandle};
 use crate::{Error, Result};
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::driver::{CudaContext, CudaStream};
 use once_cell::unsync::OnceCell;
-use std::cell::RefCell;
-use std::rc::Rc;
 use std::sync::Arc;
 
-/// Engine configurations matmul plans time on first use unless [`Cudnn::set_autotune`] says otherwise.
+/// Engine configurations matmul plans time on first use unless [`Cudnn::set_autotune`] or
+/// [`AUTOTUNE_ENV`] says otherwise.
 pub const DEFAULT_AUTOTUNE: usize = 8;
+
+/// Environment variable that sets a new context's autotuning candidates (a positive integer).
+pub const AUTOTUNE_ENV: &str = "CUDNN_LLM_AUTOTUNE";
+
+/// The candidate count `value` of [`AUTOTUNE_ENV`] asks for, else [`DEFAULT_AUTOTUNE`].
+fn autotune_from(value: Option<&str>) -> usize {
+    value.and_then(|v| v.trim().parse::<usize>().ok()).filter(|&n| n > 0).unwrap_or(DEFAULT_AUTOTUNE)
+}
 
 /// What the context runs on, for reports.
 #[derive(Debug, Clone)]
@@ -39,12 +46,11 @@ impl DeviceInfo {
     }
 }
 
-/// A cuDNN context: handle, stream, plan cache, workspace. Not `Send`: a cuDNN handle must not be used
+/// A cuDNN context: handle, stream, plan cache (plans and their workspaces). Not `Send`: a cuDNN handle must not be used
 /// from two threads at once, so create one context per thread (and per device).
 pub struct Cudnn {
-    // Field order is drop order: plans and workspace go before the handle and the stream.
+    // Field order is drop order: plans (and their workspaces) go before the handle and the stream.
     cache: PlanCache,
-    workspace: RefCell<Option<Rc<CudaSlice<u8>>>>,
     pub(crate) naive: OnceCell<crate::naive::Kernels>,
     blas: OnceCell<cudarc::cublas::CudaBlas>,
     autotune: std::cell::Cell<usize>,
@@ -87,10 +93,9 @@ impl Cudnn {
         };
         Ok(Cudnn {
             cache: PlanCache::default(),
-            workspace: RefCell::new(None),
             naive: OnceCell::new(),
             blas: OnceCell::new(),
-            autotune: std::cell::Cell::new(DEFAULT_AUTOTUNE),
+            autotune: std::cell::Cell::new(autotune_from(std::env::var(AUTOTUNE_ENV).ok().as_deref())),
             handle,
             stream,
             info,
@@ -126,20 +131,6 @@ impl Cudnn {
         Ok(self.stream.context().bind_to_thread()?)
     }
 
-    /// A workspace of at least `bytes`, grown (never shrunk) as plans need. The `Rc` keeps an old
-    /// buffer alive while a prepared execution still points at it.
-    pub(crate) fn workspace(&self, bytes: usize) -> Result<Option<Rc<CudaSlice<u8>>>> {
-        if bytes == 0 {
-            return Ok(None);
-        }
-        let mut ws = self.workspace.borrow_mut();
-        if ws.as_ref().is_none_or(|w| w.len() < bytes) {
-            let size = bytes.next_power_of_two().max(1 << 20);
-            *ws = Some(Rc::new(self.stream.alloc_zeros::<u8>(size)?));
-        }
-        Ok(ws.clone())
-    }
-
     /// How many engine configurations ops that autotune (matmul) finalize and time on first use; 1
     /// takes the heuristics' first choice. Affects plans built afterwards.
     pub fn set_autotune(&self, candidates: usize) {
@@ -171,9 +162,61 @@ impl Cudnn {
         Ok(cudarc::driver::result::mem_get_info()?)
     }
 
-    /// Bytes of workspace currently held.
+    /// Bytes of stream-ordered device memory (every buffer this context and cudarc allocate; not
+    /// cuDNN's or cuBLAS's own allocations) in use now, and the most in use since the last
+    /// [`Cudnn::reset_peak_memory`].
+    pub fn pool_memory(&self) -> Result<(u64, u64)> {
+        use cudarc::driver::sys::CUmemPool_attribute as P;
+        let pool = self.mem_pool()?;
+        let (mut now, mut high) = (0u64, 0u64);
+        // SAFETY: a live pool of this device; both attributes are written as one u64.
+        unsafe {
+            cudarc::driver::sys::cuMemPoolGetAttribute(
+                pool,
+                P::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
+                (&mut now as *mut u64).cast(),
+            )
+            .result()?;
+            cudarc::driver::sys::cuMemPoolGetAttribute(
+                pool,
+                P::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                (&mut high as *mut u64).cast(),
+            )
+            .result()?;
+        }
+        Ok((now, high))
+    }
+
+    /// Starts a new high-water mark for [`Cudnn::pool_memory`] (at the memory in use now).
+    pub fn reset_peak_memory(&self) -> Result<()> {
+        let pool = self.mem_pool()?;
+        let mut zero = 0u64;
+        // SAFETY: a live pool of this device; the driver only accepts 0 for this attribute, read as a u64.
+        unsafe {
+            cudarc::driver::sys::cuMemPoolSetAttribute(
+                pool,
+                cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                (&mut zero as *mut u64).cast(),
+            )
+            .result()?;
+        }
+        Ok(())
+    }
+
+    /// The device's current memory pool (where cudarc's stream-ordered allocations come from).
+    fn mem_pool(&self) -> Result<cudarc::driver::sys::CUmemoryPool> {
+        self.bind()?;
+        let mut pool = std::ptr::null_mut();
+        // SAFETY: an out-pointer for the pool of this context's device.
+        unsafe {
+            cudarc::driver::sys::cuDeviceGetMemPool(&mut pool, self.stream.context().cu_device()).result()?
+        };
+        Ok(pool)
+    }
+
+    /// Bytes of workspace the cached plans hold (each plan owns its own; see [`Plan::workspace_held`]).
     pub fn workspace_bytes(&self) -> usize {
-        self.workspace.borrow().as_ref().map_or(0, |w| w.len())
+        self.cache.plans().iter().map(|p| p.workspace_held()).sum()
     }
 }
 
@@ -201,4 +244,19 @@ fn driver_version() -> i32 {
     // SAFETY: a valid out-pointer; the driver library was loaded when the context was created.
     let _ = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) };
     v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn autotune_env_takes_positive_counts_only() {
+        assert_eq!(autotune_from(None), DEFAULT_AUTOTUNE);
+        assert_eq!(autotune_from(Some("24")), 24);
+        assert_eq!(autotune_from(Some(" 1 ")), 1);
+        for bad in ["0", "-3", "many", ""] {
+            assert_eq!(autotune_from(Some(bad)), DEFAULT_AUTOTUNE, "{bad:?}");
+        }
+    }
 }

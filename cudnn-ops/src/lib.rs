@@ -3,7 +3,7 @@
 //!
 //! | layer | what it is |
 //! |---|---|
-//! | [`Cudnn`] | the context: cuDNN handle bound to a cudarc stream, plan cache, workspace, naive kernels |
+//! | [`Cudnn`] | the context: cuDNN handle bound to a cudarc stream, plan cache (each plan owns its workspace), naive kernels |
 //! | [`TensorSpec`], [`Graph`] | graph builder in the cuDNN frontend's shape: typed attributes in, named outputs out, `validate()` without a GPU |
 //! | [`Plan`], [`Bindings`] | heuristics (mode A, then FALLBACK) and a finalized plan; execution checks every bound buffer |
 //! | [`PlanCache`], [`PlanKey`] | plans by shape/stride/dtype/flags, with hit and miss counters |
@@ -31,7 +31,7 @@ pub mod reference;
 mod tensor;
 
 pub use cache::{CacheStats, PlanCache, PlanKey};
-pub use context::{open_device, Cudnn, DeviceInfo};
+pub use context::{open_device, Cudnn, DeviceInfo, AUTOTUNE_ENV, DEFAULT_AUTOTUNE};
 pub use dtype::{DataType, Element};
 pub use error::{Error, Result};
 pub use graph::{

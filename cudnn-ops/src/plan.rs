@@ -69,6 +69,8 @@ pub struct Plan {
     chosen: Cell<usize>,
     tuned: Cell<bool>,
     timings: RefCell<Vec<(String, f64)>>,
+    /// This plan's own workspace, zeroed when allocated (see [`Plan::workspace`]).
+    workspace: RefCell<Option<Rc<CudaSlice<u8>>>>,
     _graph: Descriptor,
     _parts: Vec<Descriptor>,
     tensors: Vec<TensorSpec>,
@@ -155,6 +157,7 @@ impl Plan {
             candidates,
             chosen: Cell::new(0),
             timings: RefCell::new(Vec::new()),
+            workspace: RefCell::new(None),
             _graph: graph,
             _parts: descriptors,
             tensors,
@@ -267,6 +270,28 @@ impl Plan {
         Ok(())
     }
 
+    /// The plan's workspace, at least `bytes`, allocated zeroed on first need and kept. Each plan owns
+    /// its workspace rather than sharing one with other plans: on cuDNN 9.14 an engine of the Llama
+    /// MLP's matmuls gave wrong, run-to-run different results after an RMSNorm plan had used the same
+    /// bytes (it expects them as it left them, e.g. zeroed counters); with a workspace of its own,
+    /// or one zeroed before every call, it is right. The `Rc` keeps a replaced buffer alive while a
+    /// prepared execution still points at it.
+    fn workspace(&self, ctx: &Cudnn, bytes: usize) -> Result<Option<Rc<CudaSlice<u8>>>> {
+        if bytes == 0 {
+            return Ok(None);
+        }
+        let mut ws = self.workspace.borrow_mut();
+        if ws.as_ref().is_none_or(|w| w.len() < bytes) {
+            *ws = Some(Rc::new(ctx.stream().alloc_zeros::<u8>(bytes)?));
+        }
+        Ok(ws.clone())
+    }
+
+    /// Bytes of workspace this plan holds (0 until its first execution).
+    pub fn workspace_held(&self) -> usize {
+        self.workspace.borrow().as_ref().map_or(0, |w| w.len())
+    }
+
     /// Checks the bindings and builds the variant pack once; [`Prepared::execute`] then only enqueues.
     pub fn prepare<'p>(&'p self, ctx: &'p Cudnn, b: &'p Bindings<'_>) -> Result<Prepared<'p>> {
         self.prepare_candidate(ctx, b, self.chosen.get())
@@ -281,7 +306,7 @@ impl Plan {
         self.check(b)?;
         ctx.bind()?;
         let need = self.candidates[index].workspace;
-        let workspace = ctx.workspace(need)?;
+        let workspace = self.workspace(ctx, need)?;
         let ws_ptr = match &workspace {
             Some(ws) if need > 0 => {
                 let (addr, _sync) = ws.device_ptr(ctx.stream());
@@ -314,41 +339,54 @@ impl Plan {
         self.prepare(ctx, b)?.execute()
     }
 
-    /// Median ms of candidate `i`: one warm-up, then 5 samples of 3 executions.
+    /// Median ms of candidate `i`: one warm-up, then [`TUNE_SAMPLES`] single executions, each after a
+    /// memset of `flush` (when there is one). The memset evicts L2, as a forward evicts a layer's weights
+    /// before the next layer reads its own, and keeps the GPU busy while the timed launch is enqueued, so
+    /// that a kernel shorter than its launch is timed as the kernel, not as the host.
     fn time_candidate(
         &self,
         ctx: &Cudnn,
         b: &Bindings<'_>,
         i: usize,
-        start: &cudarc::driver::CudaEvent,
-        end: &cudarc::driver::CudaEvent,
+        (start, end): (&cudarc::driver::CudaEvent, &cudarc::driver::CudaEvent),
+        flush: &mut Option<CudaSlice<u8>>,
     ) -> Result<f64> {
         let prepared = self.prepare_candidate(ctx, b, i)?;
         prepared.execute()?;
-        let mut samples = Vec::with_capacity(5);
-        for _ in 0..5 {
-            start.record(ctx.stream())?;
-            for _ in 0..3 {
-                prepared.execute()?;
+        let mut samples = Vec::with_capacity(TUNE_SAMPLES);
+        for _ in 0..TUNE_SAMPLES {
+            if let Some(f) = flush.as_mut() {
+                ctx.stream().memset_zeros(f)?;
             }
+            start.record(ctx.stream())?;
+            prepared.execute()?;
             end.record(ctx.stream())?;
-            samples.push(start.elapsed_ms(end)? as f64 / 3.0);
+            samples.push(start.elapsed_ms(end)? as f64);
         }
         samples.sort_by(f64::total_cmp);
-        Ok(samples[2])
+        Ok(samples[TUNE_SAMPLES / 2])
     }
 
-    /// Times every candidate on these bindings (one warm-up, then the median of 5 CUDA-event samples
-    /// of 3 executions each) and keeps the fastest. Outputs are overwritten; inputs are only read.
+    /// Times every candidate on these bindings (see `time_candidate`) and keeps the fastest. Outputs
+    /// are overwritten; inputs are only read.
     pub fn autotune(&self, ctx: &Cudnn, b: &Bindings<'_>) -> Result<()> {
         let cuda = ctx.stream().context();
         let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         let (start, end) = (cuda.new_event(flags)?, cuda.new_event(flags)?);
+        // Twice the L2 cache; timing goes on without flushes if it cannot be had.
+        let l2 = cuda
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
+            .map_or(0, |b| b.max(0) as usize);
+        let mut flush = if l2 > 0 && ctx.memory_info().is_ok_and(|(free, _)| free > 4 * l2) {
+            ctx.stream().alloc_zeros::<u8>(2 * l2).ok()
+        } else {
+            None
+        };
         let mut timings = Vec::with_capacity(self.candidates.len());
         let mut last_error = None;
         for (i, c) in self.candidates.iter().enumerate() {
             // A configuration can finalize and still fail to run: it is timed as never finishing.
-            match self.time_candidate(ctx, b, i, &start, &end) {
+            match self.time_candidate(ctx, b, i, (&start, &end), &mut flush) {
                 Ok(ms) => timings.push((c.engine.clone(), ms)),
                 Err(e) => {
                     timings.push((c.engine.clone(), f64::INFINITY));
@@ -362,6 +400,8 @@ impl Plan {
         let best = (0..timings.len()).min_by(|&a, &b| timings[a].1.total_cmp(&timings[b].1)).unwrap_or(0);
         self.chosen.set(best);
         self.tuned.set(true);
+        // The candidates scribbled on the workspace: the chosen engine starts from a zeroed one.
+        *self.workspace.borrow_mut() = None;
         *self.timings.borrow_mut() = timings;
         Ok(())
     }
@@ -383,6 +423,9 @@ impl Prepared<'_> {
         unsafe { crate::raw::execute(self.ctx.raw_handle(), self.plan.raw(), self.pack.raw()) }
     }
 }
+
+/// Timed executions per autotuning candidate (the median is kept).
+const TUNE_SAMPLES: usize = 9;
 
 /// Heuristics mode B's finalize is not thread-safe (the frontend holds a process-wide mutex around it).
 static HEUR_B: std::sync::Mutex<()> = std::sync::Mutex::new(());

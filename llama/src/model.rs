@@ -408,10 +408,10 @@ impl<T: Element> Llama<T> {
         obs: &mut dyn Observer,
     ) -> Result<CudaSlice<T>> {
         let acts = self.acts.as_ref().ok_or_else(|| Error::Config("logits: run forward first".into()))?;
-        if rows > acts.rows {
+        if rows > acts.last {
             return Err(Error::Config(format!(
                 "logits: {rows} rows asked, the last forward had {}",
-                acts.rows
+                acts.last
             )));
         }
         let c = &self.cfg;

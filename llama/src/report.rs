@@ -15,31 +15,73 @@ pub struct ModuleRow {
     pub naive_kernels: usize,
     /// Their GPU time (ms).
     pub naive_kernel_ms: f64,
+    /// CUDA-event time of the range on the naive backend (ms).
+    pub naive_event_ms: f64,
     /// Kernels the fused backend launched in the range.
     pub fused_kernels: usize,
     /// Their GPU time (ms).
     pub fused_kernel_ms: f64,
+    /// CUDA-event time of the range on the fused backend (ms).
+    pub fused_event_ms: f64,
     /// `naive_kernel_ms / fused_kernel_ms`, when both ran.
     pub speedup: Option<f64>,
     /// Why a module did not run fused (fallback or error), or empty.
     pub note: String,
 }
 
+/// What one backend did in a range, per forward.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Side {
+    /// Kernels launched.
+    pub kernels: usize,
+    /// Their GPU time (ms), or the event time when kernels were not recorded.
+    pub kernel_ms: f64,
+    /// CUDA-event time around the range (ms).
+    pub event_ms: f64,
+}
+
+/// How far kernel time may fall below event time for a range to count as GPU-bound.
+pub const GPU_BOUND: f64 = 0.10;
+
 impl ModuleRow {
     /// A row with the speedup computed from the kernel times.
-    pub fn new(range: &str, calls: usize, naive: (usize, f64), fused: (usize, f64), note: &str) -> Self {
-        let speedup = (naive.1 > 0.0 && fused.1 > 0.0).then(|| naive.1 / fused.1);
+    pub fn new(range: &str, calls: usize, naive: Side, fused: Side, note: &str) -> Self {
+        let speedup =
+            (naive.kernel_ms > 0.0 && fused.kernel_ms > 0.0).then(|| naive.kernel_ms / fused.kernel_ms);
         ModuleRow {
             range: range.into(),
             calls,
-            naive_kernels: naive.0,
-            naive_kernel_ms: naive.1,
-            fused_kernels: fused.0,
-            fused_kernel_ms: fused.1,
+            naive_kernels: naive.kernels,
+            naive_kernel_ms: naive.kernel_ms,
+            naive_event_ms: naive.event_ms,
+            fused_kernels: fused.kernels,
+            fused_kernel_ms: fused.kernel_ms,
+            fused_event_ms: fused.event_ms,
             speedup,
             note: note.into(),
         }
     }
+
+    /// Whether the kernels kept the GPU busy for the range: kernel time within [`GPU_BOUND`] of the
+    /// event time (`None` when either is missing).
+    pub fn gpu_bound(kernel_ms: f64, event_ms: f64) -> Option<bool> {
+        (kernel_ms > 0.0 && event_ms > 0.0).then(|| (event_ms - kernel_ms).abs() <= GPU_BOUND * event_ms)
+    }
+}
+
+/// Host time of a range's first call (plans built, kernels loaded) and of a warm call, per backend.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FirstCall {
+    /// Range name.
+    pub range: String,
+    /// Naive backend, first call (host ms).
+    pub naive_first_ms: f64,
+    /// Naive backend, warm call (host ms).
+    pub naive_warm_ms: f64,
+    /// Fused backend, first call (host ms).
+    pub fused_first_ms: f64,
+    /// Fused backend, warm call (host ms).
+    pub fused_warm_ms: f64,
 }
 
 /// One scenario (prefill or decode) of the report.
@@ -51,6 +93,8 @@ pub struct Scenario {
     pub rows: Vec<ModuleRow>,
     /// Whole-forward times (ms) by what was measured, e.g. `naive`, `fused`, `fused (CUDA graph)`.
     pub forward_ms: Vec<(String, f64)>,
+    /// First (cold) vs warm call host times per range.
+    pub first_calls: Vec<FirstCall>,
 }
 
 /// How and where the report was made.
@@ -105,10 +149,14 @@ pub struct CsvRow {
     pub naive_kernels: usize,
     /// See [`ModuleRow::naive_kernel_ms`].
     pub naive_kernel_ms: f64,
+    /// See [`ModuleRow::naive_event_ms`].
+    pub naive_event_ms: f64,
     /// See [`ModuleRow::fused_kernels`].
     pub fused_kernels: usize,
     /// See [`ModuleRow::fused_kernel_ms`].
     pub fused_kernel_ms: f64,
+    /// See [`ModuleRow::fused_event_ms`].
+    pub fused_event_ms: f64,
     /// See [`ModuleRow::speedup`].
     pub speedup: Option<f64>,
     /// See [`ModuleRow::note`].
@@ -126,8 +174,10 @@ impl CsvRow {
             calls: r.calls,
             naive_kernels: r.naive_kernels,
             naive_kernel_ms: r.naive_kernel_ms,
+            naive_event_ms: r.naive_event_ms,
             fused_kernels: r.fused_kernels,
             fused_kernel_ms: r.fused_kernel_ms,
+            fused_event_ms: r.fused_event_ms,
             speedup: r.speedup,
             note: r.note.clone(),
         }
@@ -140,8 +190,10 @@ impl CsvRow {
             calls: self.calls,
             naive_kernels: self.naive_kernels,
             naive_kernel_ms: self.naive_kernel_ms,
+            naive_event_ms: self.naive_event_ms,
             fused_kernels: self.fused_kernels,
             fused_kernel_ms: self.fused_kernel_ms,
+            fused_event_ms: self.fused_event_ms,
             speedup: self.speedup,
             note: self.note.clone(),
         }
@@ -197,11 +249,51 @@ impl Report {
         for s in &self.scenarios {
             let _ = writeln!(md, "\n### {}\n", s.name);
             md += &self.table(s, true);
+            let _ = writeln!(md, "\n{}", Self::gpu_bound_summary(s));
             for (what, t) in &s.forward_ms {
                 let _ = writeln!(md, "- forward, {what}: {} ms", ms(*t));
             }
+            if !s.first_calls.is_empty() {
+                md += "\nFirst call (plans built and tuned, kernels loaded) vs a warm call, host ms:\n\n";
+                md += "| range | naive first | naive warm | fused first | fused warm |\n|---|---:|---:|---:|---:|\n";
+                for f in &s.first_calls {
+                    let _ = writeln!(
+                        md,
+                        "| {} | {:.1} | {:.3} | {:.1} | {:.3} |",
+                        f.range, f.naive_first_ms, f.naive_warm_ms, f.fused_first_ms, f.fused_warm_ms
+                    );
+                }
+            }
         }
         md
+    }
+
+    /// One line: per backend, how many ranges were GPU-bound (kernel time within [`GPU_BOUND`] of
+    /// event time) and which were not.
+    pub fn gpu_bound_summary(s: &Scenario) -> String {
+        let side = |label: &str, pick: fn(&ModuleRow) -> (f64, f64)| {
+            let judged: Vec<(&str, bool)> = s
+                .rows
+                .iter()
+                .filter_map(|r| {
+                    let (k, e) = pick(r);
+                    ModuleRow::gpu_bound(k, e).map(|b| (r.range.as_str(), b))
+                })
+                .collect();
+            let bound = judged.iter().filter(|j| j.1).count();
+            let others: Vec<&str> = judged.iter().filter(|j| !j.1).map(|j| j.0).collect();
+            let mut text = format!("{label} {bound} of {}", judged.len());
+            if !others.is_empty() {
+                text += &format!(" (launch-bound: {})", others.join(", "));
+            }
+            text
+        };
+        format!(
+            "Ranges whose kernel time is within {:.0}% of their CUDA-event time (GPU-bound): {}; {}.",
+            GPU_BOUND * 100.0,
+            side("naive", |r| (r.naive_kernel_ms, r.naive_event_ms)),
+            side("fused", |r| (r.fused_kernel_ms, r.fused_event_ms)),
+        )
     }
 
     /// The module table of one scenario, as markdown or as aligned terminal text.
@@ -211,8 +303,10 @@ impl Report {
             "calls",
             "naive kernels",
             "naive kernel ms",
+            "naive event ms",
             "fused kernels",
             "fused kernel ms",
+            "fused event ms",
             "speedup",
         ];
         let mut lines: Vec<Vec<String>> = vec![head.iter().map(|h| h.to_string()).collect()];
@@ -226,8 +320,10 @@ impl Report {
                 r.calls.to_string(),
                 r.naive_kernels.to_string(),
                 ms(r.naive_kernel_ms),
+                ms(r.naive_event_ms),
                 r.fused_kernels.to_string(),
                 ms(r.fused_kernel_ms),
+                ms(r.fused_event_ms),
                 speed,
             ]);
         }
@@ -261,15 +357,19 @@ impl Report {
 mod tests {
     use super::*;
 
+    fn side(kernels: usize, kernel_ms: f64, event_ms: f64) -> Side {
+        Side { kernels, kernel_ms, event_ms }
+    }
+
     fn sample() -> Report {
         let rows = vec![
-            ModuleRow::new("fwd.layer.attn.prenorm", 32, (256, 0.965), (32, 0.083), ""),
-            ModuleRow::new("fwd.layer.attn.gqa", 32, (320, 0.313), (32, 0.144), ""),
+            ModuleRow::new("fwd.layer.attn.prenorm", 32, side(256, 0.965, 0.99), side(32, 0.083, 0.2), ""),
+            ModuleRow::new("fwd.layer.attn.gqa", 32, side(320, 0.313, 0.33), side(32, 0.144, 0.15), ""),
             ModuleRow::new(
                 "fwd.layer.attn.rope",
                 32,
-                (320, 0.2),
-                (0, 0.0),
+                side(320, 0.2, 0.21),
+                Side::default(),
                 "fallback: not supported, ran naive",
             ),
         ];
@@ -289,6 +389,13 @@ mod tests {
                 name: "prefill 3x10".into(),
                 rows,
                 forward_ms: vec![("naive".into(), 6.97), ("fused".into(), 4.94)],
+                first_calls: vec![FirstCall {
+                    range: "fwd.layer.attn.gqa".into(),
+                    naive_first_ms: 40.4,
+                    naive_warm_ms: 0.137,
+                    fused_first_ms: 619.6,
+                    fused_warm_ms: 0.062,
+                }],
             }],
         }
     }
@@ -316,7 +423,18 @@ mod tests {
         let r = sample();
         let md = r.to_markdown();
         assert!(md.contains("| range | calls | naive kernels |"), "{md}");
-        assert!(md.contains("| fwd.layer.attn.prenorm | 32 | 256 | 0.965 | 32 | 0.083 | 11.63× |"), "{md}");
+        assert!(
+            md.contains(
+                "| fwd.layer.attn.prenorm | 32 | 256 | 0.965 | 0.990 | 32 | 0.083 | 0.200 | 11.63× |"
+            ),
+            "{md}"
+        );
+        assert!(md.contains("| fwd.layer.attn.gqa | 40.4 | 0.137 | 619.6 | 0.062 |"), "{md}");
+        // 0.083 of 0.2 ms is launch-bound; the rope row has no fused side to judge.
+        assert!(
+            md.contains("(GPU-bound): naive 3 of 3; fused 1 of 2 (launch-bound: fwd.layer.attn.prenorm)."),
+            "{md}"
+        );
         assert!(md.contains("n/a (fallback: not supported, ran naive)"), "{md}");
         assert!(md.contains("- forward, fused: 4.940 ms") && md.contains("cuDNN 9.19.0"), "{md}");
         let term = r.table(&r.scenarios[0], false);

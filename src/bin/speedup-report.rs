@@ -17,10 +17,10 @@ use cudnn_ops::{Cudnn, DataType, Element};
 use half::{bf16, f16};
 use indicatif::{ProgressBar, ProgressStyle};
 use llama::profile::{attribute, KernelRecord, RangeRecord};
-use llama::report::{Meta, ModuleRow, Report, Scenario};
+use llama::report::{FirstCall, Meta, ModuleRow, Report, Scenario, Side};
 use llama::trace::Tracer;
 use llama::weights::Weights;
-use llama::{Backend, Backends, KvCache, Llama, ModuleKind, NoObserver};
+use llama::{Backend, Backends, KvCache, Llama, ModuleKind, NoObserver, Observer};
 use std::collections::BTreeMap;
 use std::process::ExitCode;
 use std::time::Instant;
@@ -186,43 +186,32 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
         ProgressStyle::with_template("{msg:>28} [{bar:30}] {pos}/{len} forwards").expect("a valid template"),
     );
     let mut cache = model.cache(ctx, opts.batch, max_seq)?;
+    ctx.synchronize()?;
+    let base = ctx.pool_memory()?.0;
     let mut scenarios = Vec::new();
     let mut extra = Vec::new();
     let mut peak = BTreeMap::new();
     let mut hidden: Vec<Vec<T>> = Vec::new();
     for work in &works {
-        let mut measured = Vec::new();
-        for (label, backends) in &selections {
-            bar.set_message(format!("{} {label}", work.name));
-            let m = measure(ctx, &mut model, &mut cache, work, &prompt, backends, opts, &kernels, &bar)?;
-            let (free, all) = ctx.memory_info()?;
-            let used = peak.entry(label.to_string()).or_insert(0usize);
-            *used = (*used).max(all - free);
-            if work.start == 0 {
-                let out = model.forward(
-                    ctx,
-                    &work.tokens[0],
-                    {
-                        cache.clear();
-                        &mut cache
-                    },
-                    backends,
-                    &mut NoObserver,
-                )?;
-                let rows = opts.batch * opts.seq * cfg.hidden;
-                hidden.push(ctx.stream().clone_dtoh(&out.slice(..rows))?);
-            }
-            measured.push(m);
+        let measured = measure(
+            ctx,
+            &mut model,
+            &mut cache,
+            work,
+            &prompt,
+            &selections,
+            opts,
+            &kernels,
+            &bar,
+            &mut peak,
+        )?;
+        for (_, backends) in selections.iter().filter(|_| work.start == 0) {
+            cache.clear();
+            let out = model.forward(ctx, &work.tokens[0], &mut cache, backends, &mut NoObserver)?;
+            let rows = opts.batch * opts.seq * cfg.hidden;
+            hidden.push(ctx.stream().clone_dtoh(&out.slice(..rows))?);
         }
         scenarios.push(scenario(work, &measured, &model));
-        for (label, m) in selections.iter().map(|s| s.0).zip(&measured) {
-            for (range, (cold, warm)) in &m.cold {
-                extra.push((
-                    format!("{} {label} {range} first call / warm call (host ms)", work.name),
-                    format!("{cold:.1} / {warm:.3}"),
-                ));
-            }
-        }
     }
     bar.finish_and_clear();
     let mut disagree = None;
@@ -241,10 +230,12 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
         Ok(ms) => scenarios[0].forward_ms.push(("fused, CUDA graph replay (wall)".into(), *ms)),
         Err(e) => extra.push(("CUDA graph replay".into(), format!("failed: {e}"))),
     }
+    let gib = |b: u64| format!("{:.3} GiB", b as f64 / (1u64 << 30) as f64);
+    extra.push(("device memory of the model (weights, KV cache) before any forward".into(), gib(base)));
     for (label, bytes) in &peak {
         extra.push((
-            format!("device memory in use after {label} runs"),
-            format!("{:.2} GiB", *bytes as f64 / (1u64 << 30) as f64),
+            format!("peak device memory, {label} runs (stream-ordered allocations)"),
+            format!("{} (+{} over the model)", gib(*bytes), gib(bytes.saturating_sub(base))),
         ));
     }
     extra.push(("GPU clocks at start".into(), clocks_start));
@@ -257,6 +248,33 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
             "unavailable: CUDA-event times only".into()
         },
     ));
+    // Which engine each fused plan runs (and, for autotuned plans, the best and worst candidate).
+    let mut plans: Vec<String> = ctx
+        .cache()
+        .plans()
+        .iter()
+        .map(|p| {
+            let t = p.timings();
+            let tuned = match (
+                t.iter().map(|x| x.1).filter(|v| v.is_finite()).reduce(f64::min),
+                t.iter().map(|x| x.1).filter(|v| v.is_finite()).reduce(f64::max),
+            ) {
+                (Some(lo), Some(hi)) if t.len() > 1 => {
+                    format!(", fastest of {} tuned ({lo:.4} ms; slowest {hi:.4} ms)", t.len())
+                }
+                _ => String::new(),
+            };
+            let ws = match p.workspace_held() {
+                0 => String::new(),
+                b => format!(", workspace {:.1} MiB", b as f64 / (1u64 << 20) as f64),
+            };
+            format!("{}: {} {}{tuned}{ws}", p.name(), p.form(), p.engine())
+        })
+        .collect();
+    plans.sort();
+    for (i, p) in plans.into_iter().enumerate() {
+        extra.push((format!("plan {}", i + 1), p));
+    }
     for f in model.fallbacks() {
         extra.push((format!("fallback {} layer {:?} ({})", f.range, f.layer, f.shape), f.reason.clone()));
     }
@@ -292,6 +310,10 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
     }
 }
 
+/// Measures `work` on each backend of `selections`: first (cold) and warm call host times, warm-up,
+/// then traced passes (NVTX, events, CUPTI per range) and untraced ones (whole-forward time). Samples
+/// alternate between backends, so that clock changes over the run (GPUs slow down as they heat) weigh
+/// on both alike. `peak` gets each backend's high-water mark of device memory.
 #[allow(clippy::too_many_arguments)]
 fn measure<T: Element>(
     ctx: &Cudnn,
@@ -299,105 +321,124 @@ fn measure<T: Element>(
     cache: &mut KvCache<T>,
     work: &Work,
     prompt: &[Vec<u32>],
-    backends: &Backends,
+    selections: &[(&str, Backends)],
     opts: &Options,
     kernels: &Kernels,
     bar: &ProgressBar,
-) -> Result<Measured, Error> {
+    peak: &mut BTreeMap<String, u64>,
+) -> Result<Vec<Measured>, Error> {
     // Puts the cache where the scenario starts (a prefill fills it for decode).
-    let reset = |model: &mut Llama<T>, cache: &mut KvCache<T>| -> Result<(), Error> {
+    let reset = |model: &mut Llama<T>, cache: &mut KvCache<T>, b: &Backends| -> Result<(), Error> {
         cache.clear();
         if work.start > 0 {
-            model.forward(ctx, prompt, cache, backends, &mut NoObserver)?;
+            model.forward(ctx, prompt, cache, b, &mut NoObserver)?;
         }
         Ok(())
     };
-    let pass = |model: &mut Llama<T>, cache: &mut KvCache<T>, tracer: &mut Tracer| -> Result<(), Error> {
-        for tokens in &work.tokens {
-            model.forward(ctx, tokens, cache, backends, tracer)?;
-        }
+    let pass = |model: &mut Llama<T>, cache: &mut KvCache<T>, b: &Backends, obs: &mut dyn Observer| {
+        work.tokens.iter().try_for_each(|tokens| model.forward(ctx, tokens, cache, b, obs).map(drop))
+    };
+    let mut note_peak = |label: &str| -> Result<(), Error> {
+        let high = ctx.pool_memory()?.1;
+        let p = peak.entry(label.to_string()).or_insert(0);
+        *p = (*p).max(high);
         Ok(())
     };
-    let pass_untraced = |model: &mut Llama<T>, cache: &mut KvCache<T>| -> Result<(), Error> {
-        for tokens in &work.tokens {
-            model.forward(ctx, tokens, cache, backends, &mut NoObserver)?;
-        }
-        Ok(())
-    };
-    // Cold then warm call of every module, host time per range.
-    let mut cold = BTreeMap::new();
-    for i in 0..2 {
-        reset(model, cache)?;
-        let mut t = Tracer::new(ctx.stream().clone(), Tracer::host_clock());
-        pass(model, cache, &mut t)?;
-        ctx.synchronize()?;
-        for call in t.finish()? {
-            let ms = (call.range.end_ns - call.range.start_ns) as f64 * 1e-6;
-            let e: &mut (f64, f64) = cold.entry(call.range.name.clone()).or_insert((0.0, 0.0));
-            if i == 0 {
-                e.0 = e.0.max(ms)
-            } else {
-                e.1 = e.1.max(ms)
+    let mut colds = Vec::new();
+    for (label, b) in selections {
+        bar.set_message(format!("{} {label}", work.name));
+        ctx.reset_peak_memory()?;
+        // Cold then warm call of every module, host time per range.
+        let mut cold = BTreeMap::new();
+        for i in 0..2 {
+            reset(model, cache, b)?;
+            let mut t = Tracer::new(ctx.stream().clone(), Tracer::host_clock());
+            pass(model, cache, b, &mut t)?;
+            ctx.synchronize()?;
+            for call in t.finish()? {
+                let ms = (call.range.end_ns - call.range.start_ns) as f64 * 1e-6;
+                let e: &mut (f64, f64) = cold.entry(call.range.name.clone()).or_insert((0.0, 0.0));
+                if i == 0 {
+                    e.0 = e.0.max(ms)
+                } else {
+                    e.1 = e.1.max(ms)
+                }
             }
+            bar.inc(1);
         }
-        bar.inc(1);
+        for _ in 0..opts.warmup {
+            reset(model, cache, b)?;
+            pass(model, cache, b, &mut Tracer::new(ctx.stream().clone(), Tracer::host_clock()))?;
+            bar.inc(1);
+        }
+        ctx.synchronize()?;
+        note_peak(label)?;
+        colds.push(cold);
     }
-    for _ in 0..opts.warmup {
-        reset(model, cache)?;
-        pass(model, cache, &mut Tracer::new(ctx.stream().clone(), Tracer::host_clock()))?;
-        bar.inc(1);
-    }
-    ctx.synchronize()?;
-    let mut sums: BTreeMap<String, Sums> = BTreeMap::new();
-    let (mut gpu, mut wall) = (Vec::new(), Vec::new());
-    let mut ranges: Vec<RangeRecord> = Vec::new();
-    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let (e0, e1) = (ctx.stream().context().new_event(flags)?, ctx.stream().context().new_event(flags)?);
-    let mut records = Vec::new();
+    bar.set_message(format!("{} measured", work.name));
+    let n = selections.len();
+    let mut sums: Vec<BTreeMap<String, Sums>> = vec![BTreeMap::new(); n];
+    let mut ranges: Vec<Vec<RangeRecord>> = vec![Vec::new(); n];
+    let mut records: Vec<Vec<KernelRecord>> = vec![Vec::new(); n];
     for _ in 0..opts.repeat {
-        reset(model, cache)?;
-        ctx.synchronize()?;
-        // Kernels are collected around the measured pass only (not the decode scenario's prefill).
-        kernels.start();
-        let mut t = Tracer::new(ctx.stream().clone(), kernels.clock());
-        pass(model, cache, &mut t)?;
-        ctx.synchronize()?;
-        records.extend(kernels.stop());
-        for call in t.finish()? {
-            let s = sums.entry(call.range.name.clone()).or_default();
-            s.calls += 1.0;
-            s.event_ms += call.gpu_ms()?;
-            ranges.push(call.range);
+        for (i, (label, b)) in selections.iter().enumerate() {
+            reset(model, cache, b)?;
+            ctx.synchronize()?;
+            ctx.reset_peak_memory()?;
+            // Kernels are collected around the measured pass only (not the decode scenario's prefill).
+            kernels.start();
+            let mut t = Tracer::new(ctx.stream().clone(), kernels.clock());
+            pass(model, cache, b, &mut t)?;
+            ctx.synchronize()?;
+            records[i].extend(kernels.stop());
+            note_peak(label)?;
+            for call in t.finish()? {
+                let s = sums[i].entry(call.range.name.clone()).or_default();
+                s.calls += 1.0;
+                s.event_ms += call.gpu_ms()?;
+                ranges[i].push(call.range);
+            }
+            bar.inc(1);
         }
-        bar.inc(1);
     }
     let with_kernels = kernels.active();
-    for (name, t) in attribute(&ranges, &records) {
-        let s = sums.entry(name).or_default();
-        s.kernels += t.kernels as f64;
-        s.kernel_ms += t.kernel_ns as f64 * 1e-6;
-    }
     // Whole-forward times from untraced passes (no events, NVTX or CUPTI per module), per forward.
+    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let (e0, e1) = (ctx.stream().context().new_event(flags)?, ctx.stream().context().new_event(flags)?);
     let per_pass = work.tokens.len() as f64;
+    let (mut gpu, mut wall) = (vec![Vec::new(); n], vec![Vec::new(); n]);
     for _ in 0..opts.repeat {
-        reset(model, cache)?;
-        ctx.synchronize()?;
-        let host = Instant::now();
-        e0.record(ctx.stream())?;
-        pass_untraced(model, cache)?;
-        e1.record(ctx.stream())?;
-        ctx.synchronize()?;
-        wall.push(host.elapsed().as_secs_f64() * 1e3 / per_pass);
-        gpu.push(e0.elapsed_ms(&e1)? as f64 / per_pass);
+        for (i, (_, b)) in selections.iter().enumerate() {
+            reset(model, cache, b)?;
+            ctx.synchronize()?;
+            let host = Instant::now();
+            e0.record(ctx.stream())?;
+            pass(model, cache, b, &mut NoObserver)?;
+            e1.record(ctx.stream())?;
+            ctx.synchronize()?;
+            wall[i].push(host.elapsed().as_secs_f64() * 1e3 / per_pass);
+            gpu[i].push(e0.elapsed_ms(&e1)? as f64 / per_pass);
+        }
     }
-    Ok(Measured {
-        with_kernels,
-        sums,
-        forwards: opts.repeat * work.tokens.len(),
-        forward_gpu_ms: median(gpu),
-        forward_wall_ms: median(wall),
-        cold,
-    })
+    let mut out = Vec::new();
+    for (i, ((mut sums, cold), (gpu, wall))) in
+        sums.into_iter().zip(colds).zip(gpu.into_iter().zip(wall)).enumerate()
+    {
+        for (name, t) in attribute(&ranges[i], &records[i]) {
+            let s = sums.entry(name).or_default();
+            s.kernels += t.kernels as f64;
+            s.kernel_ms += t.kernel_ns as f64 * 1e-6;
+        }
+        out.push(Measured {
+            with_kernels,
+            sums,
+            forwards: opts.repeat * work.tokens.len(),
+            forward_gpu_ms: median(gpu),
+            forward_wall_ms: median(wall),
+            cold,
+        });
+    }
+    Ok(out)
 }
 
 /// Rows in forward order, per forward (averaged over the measured forwards).
@@ -428,8 +469,11 @@ fn scenario<T: Element>(work: &Work, m: &[Measured], model: &Llama<T>) -> Scenar
         let (n, f) = (n.unwrap_or(&empty), f.unwrap_or(&empty));
         let per = |s: &Sums, m: &Measured| {
             let k = m.forwards as f64;
-            let ms = if m.with_kernels { s.kernel_ms } else { s.event_ms };
-            ((s.kernels / k).round() as usize, ms / k)
+            Side {
+                kernels: (s.kernels / k).round() as usize,
+                kernel_ms: if m.with_kernels { s.kernel_ms } else { s.event_ms } / k,
+                event_ms: s.event_ms / k,
+            }
         };
         let fallbacks: Vec<&str> =
             model.fallbacks().iter().filter(|f| f.range == name).map(|f| f.reason.as_str()).collect();
@@ -448,7 +492,23 @@ fn scenario<T: Element>(work: &Work, m: &[Measured], model: &Llama<T>) -> Scenar
         ("naive, wall".into(), naive.forward_wall_ms),
         ("fused, wall".into(), fused.forward_wall_ms),
     ];
-    Scenario { name: work.name.clone(), rows, forward_ms }
+    let first_calls = names
+        .iter()
+        .filter_map(|name| {
+            let (n, f) = (naive.cold.get(*name), fused.cold.get(*name));
+            (n.is_some() || f.is_some()).then(|| {
+                let ((nf, nw), (ff, fw)) = (n.copied().unwrap_or_default(), f.copied().unwrap_or_default());
+                FirstCall {
+                    range: name.to_string(),
+                    naive_first_ms: nf,
+                    naive_warm_ms: nw,
+                    fused_first_ms: ff,
+                    fused_warm_ms: fw,
+                }
+            })
+        })
+        .collect();
+    Scenario { name: work.name.clone(), rows, forward_ms, first_calls }
 }
 
 /// Median wall ms of replaying a captured prefill (graph launch + synchronize).

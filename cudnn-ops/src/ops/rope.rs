@@ -8,9 +8,9 @@
 
 use crate::dtype::{DataType, Element};
 use crate::error::ensure;
-use crate::naive::{elementwise, scratch, Arg, Kernels};
+use crate::naive::{elementwise, launch, scratch, Arg, Kernels};
 use crate::{Backend, Cudnn, Error, Result};
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 
 /// Shape of a RoPE call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -126,7 +126,14 @@ pub fn rope_with<T: Element>(
             let (s, _gs) = tables.sin_half.device_ptr(ctx.stream());
             let heads = heads_q + heads_kv;
             let a = [Arg::Ptr(x), i(row_stride), i(seq), i(heads), i(d), i(start), Arg::Ptr(c), Arg::Ptr(s)];
-            elementwise(ctx, kernels, &format!("rope_fused_{sfx}"), rows * heads * d / 2, &a)
+            // One block per row; enough warps for the row's pairs (40 heads x 64 pairs: 256 threads).
+            let threads = (heads * d / 2).next_multiple_of(32).clamp(32, 256) as u32;
+            let cfg = LaunchConfig {
+                grid_dim: (rows as u32, 1, 1),
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            launch(ctx, kernels, &format!("rope_fused_{sfx}"), cfg, &a)
         }
         Backend::Naive => {
             let (c, _gc) = tables.cos_full.device_ptr(ctx.stream());

@@ -1,0 +1,89 @@
+//! RoPE in place on a QKV buffer: the fused kernel and the ten eager kernels against an f64 rotation.
+//! GPU tests are ignored by default; run them with `--include-ignored` on a GPU machine.
+
+use cudnn_llm::bench_util::{download, upload};
+use cudnn_llm::cudnn_ops::{reference, rope_with, Backend, Cudnn, Element, RopeArgs, RopeTables};
+use half::{bf16, f16};
+
+fn gpu() -> Cudnn {
+    Cudnn::new(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU with cuDNN: {e}"))
+}
+
+/// Angles `pos · θ_j` for `positions` rows of `dim / 2` frequencies (plain RoPE; the model adds
+/// Llama-3's scaling on top, which does not change the kernels).
+fn tables(positions: usize, dim: usize) -> (Vec<f64>, Vec<f64>) {
+    let half = dim / 2;
+    let angle = |p: usize, j: usize| p as f64 * 500000f64.powf(-((2 * j) as f64) / dim as f64);
+    let all = |f: fn(f64) -> f64| (0..positions * half).map(|i| f(angle(i / half, i % half))).collect();
+    (all(f64::cos), all(f64::sin))
+}
+
+/// The rotation of Q and K heads (the first `heads_q + heads_kv` heads of each row); V and the
+/// padding past it are untouched.
+fn rotate(x: &[f64], a: &RopeArgs, cos: &[f64], sin: &[f64]) -> Vec<f64> {
+    let (d, half) = (a.head_dim, a.head_dim / 2);
+    let mut y = x.to_vec();
+    for r in 0..a.batch * a.seq {
+        let pos = a.start + r % a.seq;
+        for h in 0..a.heads_q + a.heads_kv {
+            let v = r * a.row_stride + h * d;
+            for j in 0..half {
+                let (c, s) = (cos[pos * half + j], sin[pos * half + j]);
+                let (p, q) = (x[v + j], x[v + j + half]);
+                y[v + j] = p * c - q * s;
+                y[v + j + half] = q * c + p * s;
+            }
+        }
+    }
+    y
+}
+
+fn check<T: Element>(ctx: &Cudnn, a: RopeArgs, positions: usize) {
+    let (cos, sin) = tables(positions, a.head_dim);
+    let t = RopeTables::<T>::new(ctx, &cos, &sin, a.head_dim).unwrap();
+    let n = a.batch * a.seq * a.row_stride;
+    let (x, rounded) = upload::<T>(ctx, &reference::random_values(7, n)).unwrap();
+    let want = rotate(&rounded, &a, &cos, &sin);
+    for backend in [Backend::Fused, Backend::Naive] {
+        let mut buf = x.clone();
+        rope_with(backend, ctx, a, &t, &mut buf).unwrap();
+        let got = download(ctx, &buf).unwrap();
+        let c = reference::compare(&got, &want);
+        println!("{} {backend:?} {a:?}: {c}", T::DTYPE);
+        assert!(c.passes(reference::tolerance(T::DTYPE)), "{backend:?} {a:?}: {c}");
+        // V (and anything past Q and K) is left exactly as it was.
+        let qk = (a.heads_q + a.heads_kv) * a.head_dim;
+        for r in [0, a.batch * a.seq - 1] {
+            let row = r * a.row_stride;
+            assert!(
+                got[row + qk..row + a.row_stride]
+                    .iter()
+                    .zip(&rounded[row + qk..])
+                    .all(|(g, w)| g.to_f64() == *w),
+                "{backend:?}: row {r} changed past Q and K"
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fused_and_eager_rope_rotate_q_and_k_only() {
+    let ctx = gpu();
+    // Llama-3.1-8B widths (32 + 8 + 8 heads of 128) in a prefill, and a decode step deep in the cache.
+    let prefill =
+        RopeArgs { batch: 1, seq: 2048, heads_q: 32, heads_kv: 8, head_dim: 128, row_stride: 6144, start: 0 };
+    check::<bf16>(&ctx, prefill, 4096);
+    check::<f16>(&ctx, RopeArgs { batch: 3, seq: 1, start: 4000, ..prefill }, 4096);
+    // Llama-3.2-1B widths, batch 3 x 10 after 5 cached tokens; odd head counts and a head dim of 8.
+    check::<bf16>(
+        &ctx,
+        RopeArgs { batch: 3, seq: 10, heads_q: 32, heads_kv: 8, head_dim: 64, row_stride: 3072, start: 5 },
+        64,
+    );
+    check::<bf16>(
+        &ctx,
+        RopeArgs { batch: 2, seq: 7, heads_q: 3, heads_kv: 1, head_dim: 8, row_stride: 48, start: 1 },
+        16,
+    );
+}
