@@ -68,7 +68,7 @@ fn fused_and_naive_agree_on_the_1b_preset() {
     let c = compare(&fused, &naive);
     println!("1B fused vs naive: {c}");
     // Each kind fused alone and each kind left naive, so that a failure names the module (this is how
-    // cuDNN 9.14's need for per-plan workspaces showed: fused prenorm + fused MLP went wrong together).
+    // cuDNN 9.14's need for a workspace zeroed before every execution showed).
     let mut alone = Vec::new();
     for kind in ModuleKind::ALL {
         let b = Backends::all(Backend::Naive).with(kind, Backend::Fused);

@@ -1,16 +1,21 @@
 //! The context: one object that owns the cuDNN handle (bound to a cudarc stream), the plan cache,
-//! (whose plans each own their workspace) and the naive kernels.
+//! the growable workspace and the naive kernels.
 
 use crate::cache::PlanCache;
 use crate::raw::{self, Handle, RawHandle};
 use crate::{Error, Result};
-use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use once_cell::unsync::OnceCell;
+use std::cell::RefCell;
+use std::rc::Rc;
 use std::sync::Arc;
 
 /// Engine configurations matmul plans time on first use unless [`Cudnn::set_autotune`] or
 /// [`AUTOTUNE_ENV`] says otherwise.
 pub const DEFAULT_AUTOTUNE: usize = 8;
+
+/// First cuDNN version whose engines we found right on a workspace that is not zeroed per call.
+pub const ZEROED_WORKSPACE_FIXED: usize = 91900;
 
 /// Environment variable that sets a new context's autotuning candidates (a positive integer).
 pub const AUTOTUNE_ENV: &str = "CUDNN_LLM_AUTOTUNE";
@@ -46,11 +51,12 @@ impl DeviceInfo {
     }
 }
 
-/// A cuDNN context: handle, stream, plan cache (plans and their workspaces). Not `Send`: a cuDNN handle must not be used
+/// A cuDNN context: handle, stream, plan cache, workspace. Not `Send`: a cuDNN handle must not be used
 /// from two threads at once, so create one context per thread (and per device).
 pub struct Cudnn {
-    // Field order is drop order: plans (and their workspaces) go before the handle and the stream.
+    // Field order is drop order: plans and workspace go before the handle and the stream.
     cache: PlanCache,
+    workspace: RefCell<Option<Rc<CudaSlice<u8>>>>,
     pub(crate) naive: OnceCell<crate::naive::Kernels>,
     blas: OnceCell<cudarc::cublas::CudaBlas>,
     autotune: std::cell::Cell<usize>,
@@ -93,6 +99,7 @@ impl Cudnn {
         };
         Ok(Cudnn {
             cache: PlanCache::default(),
+            workspace: RefCell::new(None),
             naive: OnceCell::new(),
             blas: OnceCell::new(),
             autotune: std::cell::Cell::new(autotune_from(std::env::var(AUTOTUNE_ENV).ok().as_deref())),
@@ -124,6 +131,28 @@ impl Cudnn {
 
     pub(crate) fn raw_handle(&self) -> RawHandle {
         self.handle.raw()
+    }
+
+    /// A workspace of at least `bytes`, grown (never shrunk) as plans need. The `Rc` keeps an old
+    /// buffer alive while a prepared execution still points at it.
+    pub(crate) fn workspace(&self, bytes: usize) -> Result<Option<Rc<CudaSlice<u8>>>> {
+        if bytes == 0 {
+            return Ok(None);
+        }
+        let mut ws = self.workspace.borrow_mut();
+        if ws.as_ref().is_none_or(|w| w.len() < bytes) {
+            let size = bytes.next_power_of_two().max(1 << 20);
+            *ws = Some(Rc::new(self.stream.alloc_zeros::<u8>(size)?));
+        }
+        Ok(ws.clone())
+    }
+
+    /// Whether plans zero their workspace before every execution: cuDNN before 9.19 has matmul engines
+    /// (seen on 9.14 in the Llama MLP) that return wrong, run-to-run different results unless they
+    /// find the workspace zeroed each time, as an earlier execution (even of the same plan) leaves it
+    /// otherwise. A workspace zeroed before every call made them right; 9.19 needs nothing.
+    pub fn zeroes_workspace(&self) -> bool {
+        self.info.cudnn_version < ZEROED_WORKSPACE_FIXED
     }
 
     /// Makes the context's CUDA context current on this thread (cuDNN uses the current context).
@@ -214,9 +243,9 @@ impl Cudnn {
         Ok(pool)
     }
 
-    /// Bytes of workspace the cached plans hold (each plan owns its own; see [`Plan::workspace_held`]).
+    /// Bytes of workspace currently held.
     pub fn workspace_bytes(&self) -> usize {
-        self.cache.plans().iter().map(|p| p.workspace_held()).sum()
+        self.workspace.borrow().as_ref().map_or(0, |w| w.len())
     }
 }
 

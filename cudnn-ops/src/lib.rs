@@ -3,7 +3,7 @@
 //!
 //! | layer | what it is |
 //! |---|---|
-//! | [`Cudnn`] | the context: cuDNN handle bound to a cudarc stream, plan cache (each plan owns its workspace), naive kernels |
+//! | [`Cudnn`] | the context: cuDNN handle bound to a cudarc stream, plan cache, workspace, naive kernels |
 //! | [`TensorSpec`], [`Graph`] | graph builder in the cuDNN frontend's shape: typed attributes in, named outputs out, `validate()` without a GPU |
 //! | [`Plan`], [`Bindings`] | heuristics (mode A, then FALLBACK) and a finalized plan; execution checks every bound buffer |
 //! | [`PlanCache`], [`PlanKey`] | plans by shape/stride/dtype/flags, with hit and miss counters |

@@ -69,8 +69,6 @@ pub struct Plan {
     chosen: Cell<usize>,
     tuned: Cell<bool>,
     timings: RefCell<Vec<(String, f64)>>,
-    /// This plan's own workspace, zeroed when allocated (see [`Plan::workspace`]).
-    workspace: RefCell<Option<Rc<CudaSlice<u8>>>>,
     _graph: Descriptor,
     _parts: Vec<Descriptor>,
     tensors: Vec<TensorSpec>,
@@ -157,7 +155,6 @@ impl Plan {
             candidates,
             chosen: Cell::new(0),
             timings: RefCell::new(Vec::new()),
-            workspace: RefCell::new(None),
             _graph: graph,
             _parts: descriptors,
             tensors,
@@ -270,28 +267,6 @@ impl Plan {
         Ok(())
     }
 
-    /// The plan's workspace, at least `bytes`, allocated zeroed on first need and kept. Each plan owns
-    /// its workspace rather than sharing one with other plans: on cuDNN 9.14 an engine of the Llama
-    /// MLP's matmuls gave wrong, run-to-run different results after an RMSNorm plan had used the same
-    /// bytes (it expects them as it left them, e.g. zeroed counters); with a workspace of its own,
-    /// or one zeroed before every call, it is right. The `Rc` keeps a replaced buffer alive while a
-    /// prepared execution still points at it.
-    fn workspace(&self, ctx: &Cudnn, bytes: usize) -> Result<Option<Rc<CudaSlice<u8>>>> {
-        if bytes == 0 {
-            return Ok(None);
-        }
-        let mut ws = self.workspace.borrow_mut();
-        if ws.as_ref().is_none_or(|w| w.len() < bytes) {
-            *ws = Some(Rc::new(ctx.stream().alloc_zeros::<u8>(bytes)?));
-        }
-        Ok(ws.clone())
-    }
-
-    /// Bytes of workspace this plan holds (0 until its first execution).
-    pub fn workspace_held(&self) -> usize {
-        self.workspace.borrow().as_ref().map_or(0, |w| w.len())
-    }
-
     /// Checks the bindings and builds the variant pack once; [`Prepared::execute`] then only enqueues.
     pub fn prepare<'p>(&'p self, ctx: &'p Cudnn, b: &'p Bindings<'_>) -> Result<Prepared<'p>> {
         self.prepare_candidate(ctx, b, self.chosen.get())
@@ -306,7 +281,7 @@ impl Plan {
         self.check(b)?;
         ctx.bind()?;
         let need = self.candidates[index].workspace;
-        let workspace = self.workspace(ctx, need)?;
+        let workspace = ctx.workspace(need)?;
         let ws_ptr = match &workspace {
             Some(ws) if need > 0 => {
                 let (addr, _sync) = ws.device_ptr(ctx.stream());
@@ -326,7 +301,9 @@ impl Plan {
         pack.set(A::CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, Attr::VoidPtrs(&ptrs))?;
         pack.set(A::CUDNN_ATTR_VARIANT_PACK_WORKSPACE, Attr::VoidPtrs(&[ws_ptr]))?;
         pack.finalize("variant pack")?;
-        Ok(Prepared { plan: &self.candidates[index].plan, ctx, pack, _workspace: workspace })
+        // Zeroed before each execution where the cuDNN version needs it (see `Cudnn::zeroes_workspace`).
+        let zero = (need > 0 && ctx.zeroes_workspace()).then_some((ws_ptr as u64, need));
+        Ok(Prepared { plan: &self.candidates[index].plan, ctx, pack, zero, _workspace: workspace })
     }
 
     /// Checks the bindings and enqueues the plan on the context's stream. The first execution of a
@@ -400,8 +377,6 @@ impl Plan {
         let best = (0..timings.len()).min_by(|&a, &b| timings[a].1.total_cmp(&timings[b].1)).unwrap_or(0);
         self.chosen.set(best);
         self.tuned.set(true);
-        // The candidates scribbled on the workspace: the chosen engine starts from a zeroed one.
-        *self.workspace.borrow_mut() = None;
         *self.timings.borrow_mut() = timings;
         Ok(())
     }
@@ -412,12 +387,18 @@ pub struct Prepared<'p> {
     plan: &'p Descriptor,
     ctx: &'p Cudnn,
     pack: Descriptor,
+    /// Workspace address and bytes to zero before each execution, if the cuDNN version needs it.
+    zero: Option<(u64, usize)>,
     _workspace: Option<Rc<CudaSlice<u8>>>,
 }
 
 impl Prepared<'_> {
     /// Enqueues the plan on the context's stream.
     pub fn execute(&self) -> Result<()> {
+        if let Some((ptr, bytes)) = self.zero {
+            // SAFETY: `ptr` is the workspace held by `_workspace`, at least `bytes` long, on this stream.
+            unsafe { cudarc::driver::result::memset_d8_async(ptr, 0, bytes, self.ctx.stream().cu_stream())? };
+        }
         // SAFETY: the plan was finalized for this context's handle; the variant pack's pointers were
         // checked against the plan's tensors and are borrowed (bindings, workspace) for `'p`.
         unsafe { crate::raw::execute(self.ctx.raw_handle(), self.plan.raw(), self.pack.raw()) }

@@ -264,7 +264,7 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
                 }
                 _ => String::new(),
             };
-            let ws = match p.workspace_held() {
+            let ws = match p.workspace_size() {
                 0 => String::new(),
                 b => format!(", workspace {:.1} MiB", b as f64 / (1u64 << 20) as f64),
             };
