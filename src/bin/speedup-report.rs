@@ -227,7 +227,11 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
     // The whole prefill forward replayed as a CUDA graph (plans are built and tuned by now).
     let graph_ms = graph_replay(ctx, &mut model, &mut cache, &prompt, &plan.fused, opts.repeat);
     match &graph_ms {
-        Ok(ms) => scenarios[0].forward_ms.push(("fused, CUDA graph replay (wall)".into(), *ms)),
+        Ok((plain, replay)) => {
+            let f = &mut scenarios[0].forward_ms;
+            f.push(("fused, plain launches back to back (wall)".into(), *plain));
+            f.push(("fused, CUDA graph replay back to back (wall)".into(), *replay));
+        }
         Err(e) => extra.push(("CUDA graph replay".into(), format!("failed: {e}"))),
     }
     let gib = |b: u64| format!("{:.3} GiB", b as f64 / (1u64 << 30) as f64);
@@ -511,7 +515,9 @@ fn scenario<T: Element>(work: &Work, m: &[Measured], model: &Llama<T>) -> Scenar
     Scenario { name: work.name.clone(), rows, forward_ms, first_calls }
 }
 
-/// Median wall ms of replaying a captured prefill (graph launch + synchronize).
+/// Median wall ms of the fused prefill launched plainly and of its captured CUDA graph replayed, both
+/// timed the same way (launch + synchronize, back to back, after the other measurements), so that the
+/// ratio is launch overhead alone.
 fn graph_replay<T: Element>(
     ctx: &Cudnn,
     model: &mut Llama<T>,
@@ -519,21 +525,30 @@ fn graph_replay<T: Element>(
     prompt: &[Vec<u32>],
     backends: &Backends,
     repeat: usize,
-) -> Result<f64, Error> {
-    cache.clear();
-    model.forward(ctx, prompt, cache, backends, &mut NoObserver)?;
+) -> Result<(f64, f64), Error> {
+    let mut plain = Vec::new();
+    for _ in 0..repeat.max(3) + 1 {
+        cache.clear();
+        ctx.synchronize()?;
+        let t = Instant::now();
+        model.forward(ctx, prompt, cache, backends, &mut NoObserver)?;
+        ctx.synchronize()?;
+        plain.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    plain.remove(0); // the first after other work warms the host's caches
     cache.clear();
     let graph = model.capture(ctx, prompt, cache, backends)?;
     graph.upload()?;
     let mut wall = Vec::new();
-    for _ in 0..repeat.max(3) {
+    for _ in 0..repeat.max(3) + 1 {
         ctx.synchronize()?;
         let t = Instant::now();
         graph.launch()?;
         ctx.synchronize()?;
         wall.push(t.elapsed().as_secs_f64() * 1e3);
     }
-    Ok(median(wall))
+    wall.remove(0);
+    Ok((median(plain), median(wall)))
 }
 
 fn gpu_query(field: &str) -> String {
