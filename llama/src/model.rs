@@ -17,6 +17,8 @@
 //! weight, as gpt-fast's `wqkv`); RoPE rotates Q and K there, K and V rows are copied into a
 //! preallocated cache, and attention reads Q and the cache through strides. Prefill uses a top-left
 //! causal mask; later calls (decode, chunked prefill) attend bottom-right aligned over the cache.
+//! Fused decode steps (one new token per sequence) all run one attention plan: the whole cache is its
+//! capacity and the lengths are device values (cuDNN 9.15+), so a new cache length builds no plan.
 //! A fused module that cuDNN cannot run for a shape runs naive instead; [`Llama::fallbacks`] says
 //! which and why, and the shape is not retried.
 
@@ -26,8 +28,8 @@ use crate::weights::{Tensor, Weights};
 use crate::{Backend, Error, Result};
 use cudarc::driver::CudaSlice;
 use cudnn_ops::{
-    check_ids, embedding, linear, rms_norm_with, rope_with, sdpa_with, write_cache, CacheWrite, Cudnn,
-    Element, Epilogue, Layout, Linear, Mask, Operands, RmsNormArgs, RopeArgs, RopeTables, SdpaArgs,
+    check_ids, embedding, linear, rms_norm_with, rope_with, sdpa_padded, sdpa_with, write_cache, CacheWrite,
+    Cudnn, Element, Epilogue, Layout, Linear, Mask, Operands, RmsNormArgs, RopeArgs, RopeTables, SdpaArgs,
 };
 use std::collections::HashSet;
 
@@ -76,6 +78,10 @@ pub struct KvCache<T> {
     batch: usize,
     max_seq: usize,
     len: usize,
+    /// Per sequence, the keys a decode step attends to (`len + 1`), and the query count (1): the
+    /// run-time lengths of the one padded attention plan every decode step shares.
+    kv_lens: CudaSlice<i32>,
+    q_lens: CudaSlice<i32>,
 }
 
 impl<T> KvCache<T> {
@@ -99,6 +105,9 @@ impl<T> KvCache<T> {
         self.len = self.len.min(len);
     }
 }
+
+/// First cuDNN version whose unified SDPA takes run-time sequence lengths.
+const PADDED_SDPA: usize = 91500;
 
 /// Activation buffers for `rows` tokens.
 struct Activations<T> {
@@ -126,6 +135,9 @@ pub struct Llama<T: Element> {
     acts: Option<Activations<T>>,
     fallbacks: Vec<Fallback>,
     unsupported: HashSet<(&'static str, Option<usize>, String)>,
+    /// Fused decode steps share one attention plan with run-time sequence lengths (cuDNN 9.15+);
+    /// false once cuDNN refused it, and decode builds a plan per cache length instead.
+    padded_decode: bool,
 }
 
 impl<T: Element> Llama<T> {
@@ -169,6 +181,7 @@ impl<T: Element> Llama<T> {
             acts: None,
             fallbacks: Vec::new(),
             unsupported: HashSet::new(),
+            padded_decode: ctx.info().cudnn_version >= PADDED_SDPA,
         })
     }
 
@@ -198,7 +211,10 @@ impl<T: Element> Llama<T> {
             k.push(alloc()?);
             v.push(alloc()?);
         }
-        Ok(KvCache { k, v, batch, max_seq, len: 0 })
+        let s = ctx.stream();
+        let kv_lens = s.alloc_zeros::<i32>(batch).map_err(cudnn_ops::Error::from)?;
+        let q_lens = s.clone_htod(&vec![1i32; batch]).map_err(cudnn_ops::Error::from)?;
+        Ok(KvCache { k, v, batch, max_seq, len: 0, kv_lens, q_lens })
     }
 
     fn activations(&mut self, ctx: &Cudnn, rows: usize) -> Result<()> {
@@ -266,7 +282,7 @@ impl<T: Element> Llama<T> {
     }
 
     /// Checks the tokens against the cache and vocabulary, sizes the activations and uploads the ids.
-    fn upload(&mut self, ctx: &Cudnn, tokens: &[Vec<u32>], cache: &KvCache<T>) -> Result<(usize, usize)> {
+    fn upload(&mut self, ctx: &Cudnn, tokens: &[Vec<u32>], cache: &mut KvCache<T>) -> Result<(usize, usize)> {
         let batch = tokens.len();
         let seq = tokens.first().map_or(0, Vec::len);
         if batch == 0 || seq == 0 || tokens.iter().any(|t| t.len() != seq) {
@@ -295,6 +311,10 @@ impl<T: Element> Llama<T> {
         ctx.stream()
             .memcpy_htod(&ids, &mut acts.ids.slice_mut(..ids.len()))
             .map_err(cudnn_ops::Error::from)?;
+        if seq == 1 && cache.len > 0 {
+            let lens = vec![(cache.len + 1) as i32; batch];
+            ctx.stream().memcpy_htod(&lens, &mut cache.kv_lens).map_err(cudnn_ops::Error::from)?;
+        }
         Ok((batch, seq))
     }
 
@@ -316,6 +336,7 @@ impl<T: Element> Llama<T> {
         let acts = self.acts.as_mut().expect("allocated above");
         let (hid, d, hq, hkv, w) = (c.hidden, c.head_dim, c.heads, c.kv_heads, c.qkv_width());
         let start = cache.len;
+        let mut padded_decode = self.padded_decode;
         me.obs.begin(EMBED_RANGE, None);
         let embedded = embedding(ctx, &acts.ids, rows, &self.embed, c.vocab, hid, &mut acts.x[0]);
         me.obs.end(EMBED_RANGE, None);
@@ -343,11 +364,19 @@ impl<T: Element> Llama<T> {
             let (kc, vc) = (&mut cache.k[l], &mut cache.v[l]);
             // The fallback key leaves s_kv out, so decode steps do not retry a shape that failed.
             let attn_shape = format!("{batch}x{seq} {}", mask.name());
+            let (kv_lens, q_lens, max_seq) = (&cache.kv_lens, &cache.q_lens, cache.max_seq);
             me.run(ModuleKind::Gqa, 0, at, &attn_shape, |b| {
-                let write =
-                    CacheWrite { batch, seq, cols: hkv * d, src_stride: w, max_seq: cache.max_seq, start };
+                let write = CacheWrite { batch, seq, cols: hkv * d, src_stride: w, max_seq, start };
                 write_cache(ctx, write, &acts.qkv.slice(hq * d..), kc)?;
                 write_cache(ctx, write, &acts.qkv.slice((hq + hkv) * d..), vc)?;
+                if b == Backend::Fused && seq == 1 && start > 0 && padded_decode {
+                    // One plan for every decode step: the whole cache as capacity, lengths on the device.
+                    let padded = SdpaArgs { seq_kv: max_seq, ..attn }.with_mask(Mask::None).with_seq_lens();
+                    match sdpa_padded(ctx, padded, &acts.qkv, &*kc, &*vc, &mut acts.attn, q_lens, kv_lens) {
+                        Err(cudnn_ops::Error::NotSupported { .. }) => padded_decode = false,
+                        done => return done,
+                    }
+                }
                 sdpa_with(b, ctx, attn, &acts.qkv, &*kc, &*vc, &mut acts.attn, None)
             })?;
             let (xa, xb) = acts.x.split_at_mut(1);
@@ -394,6 +423,7 @@ impl<T: Element> Llama<T> {
         me.run(ModuleKind::OutputNorm, 0, None, &format!("{rows} tokens"), |b| {
             rms_norm_with(b, ctx, norm, &acts.x[cur], &self.norm, &mut acts.out, None)
         })?;
+        self.padded_decode = padded_decode;
         cache.len += seq;
         Ok(())
     }
