@@ -40,7 +40,8 @@ pub struct Side {
     pub event_ms: f64,
 }
 
-/// How far kernel time may fall below event time for a range to count as GPU-bound.
+/// How far (as a fraction of the event time) kernel time may differ from event time for a range to
+/// count as GPU-bound.
 pub const GPU_BOUND: f64 = 0.10;
 
 impl ModuleRow {
@@ -255,14 +256,18 @@ impl Report {
             }
             if !s.first_calls.is_empty() {
                 md += "\nFirst call (plans built and tuned, kernels loaded) vs a warm call, host ms:\n\n";
-                md += "| range | naive first | naive warm | fused first | fused warm |\n|---|---:|---:|---:|---:|\n";
+                let head = ["range", "naive first", "naive warm", "fused first", "fused warm"];
+                let mut lines: Vec<Vec<String>> = vec![head.iter().map(|h| h.to_string()).collect()];
                 for f in &s.first_calls {
-                    let _ = writeln!(
-                        md,
-                        "| {} | {:.1} | {:.3} | {:.1} | {:.3} |",
-                        f.range, f.naive_first_ms, f.naive_warm_ms, f.fused_first_ms, f.fused_warm_ms
-                    );
+                    lines.push(vec![
+                        f.range.clone(),
+                        format!("{:.1}", f.naive_first_ms),
+                        format!("{:.3}", f.naive_warm_ms),
+                        format!("{:.1}", f.fused_first_ms),
+                        format!("{:.3}", f.fused_warm_ms),
+                    ]);
                 }
+                md += &render(&lines, true);
             }
         }
         md
@@ -327,30 +332,36 @@ impl Report {
                 speed,
             ]);
         }
-        let mut out = String::new();
-        if markdown {
-            for (i, l) in lines.iter().enumerate() {
-                let _ = writeln!(out, "| {} |", l.join(" | "));
-                if i == 0 {
-                    let _ = writeln!(out, "|---|{}", "---:|".repeat(l.len() - 1));
-                }
-            }
-        } else {
-            let widths: Vec<usize> = (0..head.len())
-                .map(|c| lines.iter().map(|l| l[c].chars().count()).max().unwrap_or(0))
-                .collect();
-            for l in &lines {
-                let cells: Vec<String> = l
-                    .iter()
-                    .zip(&widths)
-                    .enumerate()
-                    .map(|(c, (v, w))| if c == 0 { format!("{v:<w$}") } else { format!("{v:>w$}") })
-                    .collect();
-                let _ = writeln!(out, "{}", cells.join("  ").trim_end());
+        render(&lines, markdown)
+    }
+}
+
+/// Rows (the first is the header) as a markdown table, or as aligned terminal text (first column
+/// left-aligned, the others right-aligned).
+fn render(lines: &[Vec<String>], markdown: bool) -> String {
+    let mut out = String::new();
+    if markdown {
+        for (i, l) in lines.iter().enumerate() {
+            let _ = writeln!(out, "| {} |", l.join(" | "));
+            if i == 0 {
+                let _ = writeln!(out, "|---|{}", "---:|".repeat(l.len() - 1));
             }
         }
-        out
+    } else {
+        let widths: Vec<usize> = (0..lines[0].len())
+            .map(|c| lines.iter().map(|l| l[c].chars().count()).max().unwrap_or(0))
+            .collect();
+        for l in lines {
+            let cells: Vec<String> = l
+                .iter()
+                .zip(&widths)
+                .enumerate()
+                .map(|(c, (v, w))| if c == 0 { format!("{v:<w$}") } else { format!("{v:>w$}") })
+                .collect();
+            let _ = writeln!(out, "{}", cells.join("  ").trim_end());
+        }
     }
+    out
 }
 
 #[cfg(test)]
