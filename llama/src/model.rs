@@ -311,7 +311,7 @@ impl<T: Element> Llama<T> {
         ctx.stream()
             .memcpy_htod(&ids, &mut acts.ids.slice_mut(..ids.len()))
             .map_err(cudnn_ops::Error::from)?;
-        if seq == 1 && cache.len > 0 {
+        if seq == 1 && cache.len > 0 && self.padded_decode {
             let lens = vec![(cache.len + 1) as i32; batch];
             ctx.stream().memcpy_htod(&lens, &mut cache.kv_lens).map_err(cudnn_ops::Error::from)?;
         }
