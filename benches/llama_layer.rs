@@ -11,14 +11,14 @@
 //! before), its times join the 4-layer rows. `LLAMA_BENCH_LAYERS` overrides the 4.
 
 use cudnn_llm::bench_util::{
-    bench_main, csv_and_markdown, environment, median, median_call_ms, round, write_results,
+    bench_main, csv_and_markdown, environment, gpu_and_wall_ms, median, median_call_ms, round, wall_ms,
+    write_results,
 };
 use cudnn_llm::cudnn_ops::{Backend, Cudnn, Error, Result};
 use cudnn_llm::llama::weights::Weights;
 use cudnn_llm::llama::{Backends, KvCache, Llama, LlamaConfig, ModuleKind, NoObserver};
 use half::bf16;
 use serde::{Deserialize, Serialize};
-use std::time::Instant;
 
 const PREFILL: usize = 2048;
 const DECODE_KV: usize = 4096;
@@ -75,34 +75,12 @@ fn ops(e: cudnn_llm::llama::Error) -> Error {
 /// Median GPU ms (CUDA events) and wall ms (host clock, synchronized) of `step`.
 fn time(ctx: &Cudnn, mut step: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
     let gpu = median_call_ms(ctx, 3, 11, 1, &mut step)?;
-    let mut wall = Vec::new();
-    for _ in 0..11 {
-        ctx.synchronize()?;
-        let t = Instant::now();
-        step()?;
-        ctx.synchronize()?;
-        wall.push(t.elapsed().as_secs_f64() * 1e3);
-    }
+    let wall = (0..11).map(|_| wall_ms(ctx, &mut step)).collect::<Result<Vec<f64>>>()?;
     Ok((gpu, median(wall)))
 }
 
 /// Samples per backend of the many-layer forward.
 const MANY_SAMPLES: usize = 21;
-
-/// One run of `step`: GPU ms between events around it, and wall ms of launching it and synchronizing.
-fn sample(ctx: &Cudnn, step: impl FnOnce() -> Result<()>) -> Result<(f64, f64)> {
-    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let cuda = ctx.stream().context();
-    let (e0, e1) = (cuda.new_event(flags)?, cuda.new_event(flags)?);
-    ctx.synchronize()?;
-    let t = Instant::now();
-    e0.record(ctx.stream())?;
-    step()?;
-    e1.record(ctx.stream())?;
-    ctx.synchronize()?;
-    let wall = t.elapsed().as_secs_f64() * 1e3;
-    Ok((e0.elapsed_ms(&e1)? as f64, wall))
-}
 
 struct Bench {
     model: Llama<bf16>,
@@ -211,7 +189,7 @@ fn run(ctx: &Cudnn) -> Result<()> {
     let mut samples = vec![(Vec::new(), Vec::new()); ends.len()];
     for _ in 0..MANY_SAMPLES {
         for ((_, b), (gpu, wall)) in ends.iter().zip(&mut samples) {
-            let (g, w) = sample(ctx, || many.prefill(ctx, b))?;
+            let (g, w) = gpu_and_wall_ms(ctx, || many.prefill(ctx, b))?;
             gpu.push(g);
             wall.push(w);
         }

@@ -63,6 +63,35 @@ pub fn gpu_time_ms(ctx: &Cudnn, iters: usize, mut f: impl FnMut() -> Result<()>)
     Ok(start.elapsed_ms(&end)? as f64)
 }
 
+/// Wall ms of one run of `f` from an idle stream to its end: synchronize, launch, synchronize.
+pub fn wall_ms<E: From<cudnn_ops::Error>>(
+    ctx: &Cudnn,
+    f: impl FnOnce() -> std::result::Result<(), E>,
+) -> std::result::Result<f64, E> {
+    ctx.synchronize()?;
+    let t = Instant::now();
+    f()?;
+    ctx.synchronize()?;
+    Ok(t.elapsed().as_secs_f64() * 1e3)
+}
+
+/// One run of `f` from an idle stream: GPU ms between CUDA events around it, and its [`wall_ms`].
+pub fn gpu_and_wall_ms<E: From<cudnn_ops::Error>>(
+    ctx: &Cudnn,
+    f: impl FnOnce() -> std::result::Result<(), E>,
+) -> std::result::Result<(f64, f64), E> {
+    let cuda = ctx.stream().context();
+    let events = || cuda.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(cudnn_ops::Error::from);
+    let (start, end) = (events()?, events()?);
+    let record = |e: &cudarc::driver::CudaEvent| e.record(ctx.stream()).map_err(|e| E::from(e.into()));
+    let wall = wall_ms(ctx, || {
+        record(&start)?;
+        f()?;
+        record(&end)
+    })?;
+    Ok((start.elapsed_ms(&end).map_err(cudnn_ops::Error::from)? as f64, wall))
+}
+
 /// Median over `reps` samples of the per-call GPU time (ms), each sample timing `batch` calls, after
 /// `warmup` untimed calls.
 pub fn median_call_ms(
@@ -114,6 +143,23 @@ pub fn upload<T: Element>(ctx: &Cudnn, values: &[f64]) -> Result<(CudaSlice<T>, 
 /// A device buffer of `n` NaNs, so that unwritten output elements show.
 pub fn poisoned<T: Element>(ctx: &Cudnn, n: usize) -> Result<CudaSlice<T>> {
     Ok(ctx.stream().clone_htod(&vec![T::nan(); n])?)
+}
+
+/// Fills `d` with 7.0, runs `f`, expects an error whose message contains `expected`, checks that `d`
+/// still holds 7.0 everywhere (bad input touches no memory), and returns the error.
+pub fn expect_untouched(
+    ctx: &Cudnn,
+    d: &mut CudaSlice<half::bf16>,
+    expected: &str,
+    f: impl FnOnce(&mut CudaSlice<half::bf16>) -> Result<()>,
+) -> cudnn_ops::Error {
+    let sevens = vec![half::bf16::from_f32(7.0); d.len()];
+    ctx.stream().memcpy_htod(&sevens, d).unwrap();
+    let err = f(d).expect_err(expected);
+    assert!(err.to_string().contains(expected), "{expected}: {err}");
+    ctx.synchronize().unwrap();
+    assert_eq!(download(ctx, d).unwrap(), sevens, "{expected}: output was written");
+    err
 }
 
 /// Copies a device buffer back to the host.

@@ -4,7 +4,7 @@
 //! reference of the large shapes fast).
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
-use cudnn_llm::bench_util::{download, poisoned, upload};
+use cudnn_llm::bench_util::{download, expect_untouched, poisoned, upload};
 use cudnn_llm::cudnn_ops::{
     linear, matmul, matmul_with, reference, Activation, Backend, Cudnn, DataType, Element, Epilogue, Error,
     Linear, MatmulArgs, MatrixLayout, Operands,
@@ -418,22 +418,6 @@ fn plan_cache_builds_once_per_shape_and_epilogue() {
         plan.build_time()
     );
     assert!(plan.name().contains("epilogue residual"));
-}
-
-/// Fills `d` with 7.0, runs `f`, expects an error mentioning `expected`, and checks that `d` still
-/// holds 7.0 everywhere.
-fn expect_untouched(
-    ctx: &Cudnn,
-    d: &mut CudaSlice<bf16>,
-    expected: &str,
-    f: impl FnOnce(&mut CudaSlice<bf16>) -> cudnn_llm::Result<()>,
-) {
-    let sevens = vec![bf16::from_f32(7.0); d.len()];
-    ctx.stream().memcpy_htod(&sevens, d).unwrap();
-    let err = f(d).expect_err(expected);
-    assert!(err.to_string().contains(expected), "{expected}: {err}");
-    ctx.synchronize().unwrap();
-    assert_eq!(download(ctx, d).unwrap(), sevens, "{expected}: output was written");
 }
 
 #[test]

@@ -3,7 +3,7 @@
 
 use crate::kernels::Kernels;
 use crate::Error;
-use cudnn_llm::bench_util::median;
+use cudnn_llm::bench_util::{gpu_and_wall_ms, median, wall_ms};
 use cudnn_llm::report_cli::Options;
 use cudnn_ops::{Cudnn, Element};
 use indicatif::ProgressBar;
@@ -11,7 +11,6 @@ use llama::profile::{attribute, KernelRecord, RangeRecord};
 use llama::trace::Tracer;
 use llama::{Backends, KvCache, Llama, NoObserver, Observer};
 use std::collections::BTreeMap;
-use std::time::Instant;
 
 /// Per range name: calls, kernels, kernel ms (CUPTI) and event ms, summed over the measured forwards.
 #[derive(Default, Clone, Copy)]
@@ -135,21 +134,14 @@ pub(crate) fn measure<T: Element>(
     }
     let with_kernels = kernels.active();
     // Whole-forward times from untraced passes (no events, NVTX or CUPTI per module), per forward.
-    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let (e0, e1) = (ctx.stream().context().new_event(flags)?, ctx.stream().context().new_event(flags)?);
     let per_pass = work.tokens.len() as f64;
     let (mut gpu, mut wall) = (vec![Vec::new(); n], vec![Vec::new(); n]);
     for _ in 0..opts.repeat {
         for (i, (_, b)) in selections.iter().enumerate() {
             reset(model, cache, b)?;
-            ctx.synchronize()?;
-            let host = Instant::now();
-            e0.record(ctx.stream())?;
-            pass(model, cache, b, &mut NoObserver)?;
-            e1.record(ctx.stream())?;
-            ctx.synchronize()?;
-            wall[i].push(host.elapsed().as_secs_f64() * 1e3 / per_pass);
-            gpu[i].push(e0.elapsed_ms(&e1)? as f64 / per_pass);
+            let (g, w) = gpu_and_wall_ms(ctx, || pass(model, cache, b, &mut NoObserver))?;
+            gpu[i].push(g / per_pass);
+            wall[i].push(w / per_pass);
         }
     }
     let mut out = Vec::new();
@@ -191,17 +183,11 @@ pub(crate) fn graph_replay<T: Element>(
     // The first round warms the host's caches after the other work and is not kept.
     for round in 0..repeat.max(3) + 1 {
         cache.clear();
-        ctx.synchronize()?;
-        let t = Instant::now();
-        model.forward(ctx, prompt, cache, backends, &mut NoObserver)?;
-        ctx.synchronize()?;
-        let p = t.elapsed().as_secs_f64() * 1e3;
-        let t = Instant::now();
-        graph.launch()?;
-        ctx.synchronize()?;
+        let p = wall_ms(ctx, || model.forward(ctx, prompt, cache, backends, &mut NoObserver).map(drop))?;
+        let r = wall_ms(ctx, || graph.launch().map_err(cudnn_ops::Error::from))?;
         if round > 0 {
             plain.push(p);
-            replay.push(t.elapsed().as_secs_f64() * 1e3);
+            replay.push(r);
         }
     }
     Ok((median(plain), median(replay)))
