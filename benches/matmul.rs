@@ -15,7 +15,10 @@
 //! - `MATMUL_BENCH_TOKENS=30,2048`: token counts (default 30, 2048, 8192);
 //! - `MATMUL_BENCH_EPILOGUES=none,residual,silu+gate`: one epilogue list for every shape;
 //! - `MATMUL_BENCH_CRITERION=0`: skip the criterion pass (the summary is what gets written);
-//! - `MATMUL_BENCH_LIST=1`: print the selected case names and exit (no GPU needed).
+//! - `MATMUL_BENCH_LIST=1`: print the selected case names and exit (no GPU needed);
+//! - `CUDNN_LLM_AUTOTUNE=N`, `CUDNN_LLM_KNOB_SEARCH=N` (read by the context): heuristics' configurations
+//!   timed per plan (default 8), and configurations the knob search may add around the fastest
+//!   (default 0; `tune_ms` in the results says what the search cost).
 //!
 //! Without a GPU it says so and exits 0.
 
@@ -25,6 +28,7 @@ use cudnn_llm::bench_util::{bench_main, csv_and_markdown, environment, gpu_time_
 use cudnn_llm::cudnn_ops::naive::matmul::kernel_count;
 use cudnn_llm::cudnn_ops::{
     matmul_with, reference, Activation, Backend, Cudnn, DataType, Epilogue, MatmulArgs, Operands, Result,
+    Tuning,
 };
 use half::bf16;
 use std::collections::hash_map::{Entry, HashMap};
@@ -199,6 +203,7 @@ struct Row {
     /// Autotuning: every finalized engine with its median ms, in heuristics order.
     tuning: String,
     plan_ms: Option<f64>,
+    tune_ms: Option<f64>,
     check: String,
     error: String,
 }
@@ -226,13 +231,18 @@ fn run(ctx: &Cudnn) -> Result<()> {
             row.tuning =
                 plan.timings().iter().map(|(e, ms)| format!("{e} {ms:.4}")).collect::<Vec<_>>().join(" ");
             row.plan_ms = Some(plan.build_time().as_secs_f64() * 1e3);
+            row.tune_ms = Some(plan.tune_time().as_secs_f64() * 1e3);
         }
         row.check = check(ctx, &pools, case, &mut products, &row.error)?;
         println!(
-            "{}: check {}, {}",
+            "{}: check {}, {}; engine {} ({} timed in {:.0} ms: {})",
             case.name,
             row.check,
-            if row.error.is_empty() { "ok" } else { &row.error }
+            if row.error.is_empty() { "ok" } else { &row.error },
+            row.engine,
+            row.tuning.split(' ').count() / 2,
+            row.tune_ms.unwrap_or(0.0),
+            row.tuning
         );
         rows.push(row);
     }
@@ -272,7 +282,7 @@ fn run(ctx: &Cudnn) -> Result<()> {
         row.fused_ms = fused;
         row.naive_ms = naive;
     }
-    let (csv, md) = render(&info, &cases, &rows);
+    let (csv, md) = render(&info, ctx.tuning(), &cases, &rows);
     println!("\n{md}");
     write_results("matmul", &csv, &md);
     Ok(())
@@ -402,12 +412,18 @@ struct Out {
     engine: String,
     autotuned_ms: String,
     plan_build_ms: String,
+    tune_ms: String,
     naive_kernels: usize,
     check: String,
     error: String,
 }
 
-fn render(info: &cudnn_llm::cudnn_ops::DeviceInfo, cases: &[Case], rows: &[Row]) -> (String, String) {
+fn render(
+    info: &cudnn_llm::cudnn_ops::DeviceInfo,
+    tuning: Tuning,
+    cases: &[Case],
+    rows: &[Row],
+) -> (String, String) {
     let out: Vec<Out> = cases
         .iter()
         .zip(rows)
@@ -426,6 +442,7 @@ fn render(info: &cudnn_llm::cudnn_ops::DeviceInfo, cases: &[Case], rows: &[Row])
             engine: r.engine.clone(),
             autotuned_ms: r.tuning.clone(),
             plan_build_ms: r.plan_ms.map_or("n/a".into(), |v| format!("{v:.1}")),
+            tune_ms: r.tune_ms.map_or("n/a".into(), |v| format!("{v:.1}")),
             naive_kernels: kernel_count(c.epilogue),
             check: r.check.clone(),
             error: r.error.clone(),
@@ -447,8 +464,18 @@ fn render(info: &cudnn_llm::cudnn_ops::DeviceInfo, cases: &[Case], rows: &[Row])
          comparison is fused vs cuBLAS alone. Times are medians of {REPS} alternating CUDA-event samples \
          (≥ {SAMPLE_MS} ms each) on hot buffers (at 30 tokens the weights of the smaller projections fit in L2). \
          TFLOP/s counts 2·m·n·k. Speedup = naive / fused. Plan build = cold `Graph::build_tuned` (validate → \
-         finalize up to 8 engine configurations; the first execution times them and keeps the fastest: \
-         `autotuned_ms`). Check: {CHECK_ROWS} rows of each output vs the f64 reference, relative L2 (bf16 bound 1e-2).\n"
+         finalize up to {} engine configurations); the first execution times them{}, keeps the fastest \
+         (`autotuned_ms`, in the order timed) and takes `tune_ms`. Check: {CHECK_ROWS} rows of each output vs the f64 reference, relative L2 (bf16 bound 1e-2).\n",
+        tuning.candidates,
+        if tuning.knob_search > 0 {
+            format!(
+                ", then builds and times up to {} more, one knob changed at a time around the fastest so far \
+                 (knob search, `CUDNN_LLM_KNOB_SEARCH`)",
+                tuning.knob_search
+            )
+        } else {
+            String::new()
+        }
     );
     md += &table;
     let errors: Vec<String> = cases

@@ -6,8 +6,8 @@
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use cudnn_llm::bench_util::{download, expect_untouched, poisoned, upload};
 use cudnn_llm::cudnn_ops::{
-    linear, matmul, matmul_with, reference, Activation, Backend, Cudnn, DataType, Element, Epilogue, Error,
-    Linear, MatmulArgs, MatrixLayout, Operands,
+    knob_name, linear, matmul, matmul_with, reference, Activation, Backend, Cudnn, DataType, Element,
+    Epilogue, Error, Linear, MatmulArgs, MatrixLayout, Operands,
 };
 use half::{bf16, f16};
 
@@ -90,8 +90,12 @@ fn gpu() -> Cudnn {
     ctx
 }
 
+/// A context that autotunes the heuristics' configurations, without a knob search whatever the
+/// environment says.
 fn tuned_gpu() -> Cudnn {
-    Cudnn::new(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU with cuDNN: {e}"))
+    let ctx = Cudnn::new(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU with cuDNN: {e}"));
+    ctx.set_knob_search(0);
+    ctx
 }
 
 /// Host values of one case: A and B laid out as the args say, bias, U and R. B is scaled by 3/√k so that
@@ -502,4 +506,44 @@ fn autotuning_times_every_candidate_and_keeps_the_fastest() {
     let first = args.plan(&ctx, DataType::BF16, DataType::BF16, Epilogue::RESIDUAL).unwrap();
     assert_eq!(first.candidates().len(), 1);
     assert_eq!(first.engine(), plan.candidates()[0]);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn knob_search_builds_configurations_around_the_fastest_and_stays_correct() {
+    let ctx = tuned_gpu();
+    ctx.set_autotune(3);
+    ctx.set_knob_search(12);
+    let args = MatmulArgs::linear(30, 4096, 4096);
+    let dev = Device::<bf16, bf16>::new(&ctx, &Host::new(610, &args));
+    let rows = sample_rows(&args);
+    let product = reference::matmul_rows(&args, &dev.rounded.a, &dev.rounded.b, &rows);
+    let mut d = poisoned::<bf16>(&ctx, args.d_len()).unwrap();
+    let plan = args.plan(&ctx, DataType::BF16, DataType::BF16, Epilogue::RESIDUAL).unwrap();
+    let heuristics = plan.candidates().len();
+    assert!(plan.tune_time().is_zero());
+    let (line, ok) = check(&ctx, &args, Epilogue::RESIDUAL, Backend::Fused, &dev, &rows, &product, &mut d);
+    let timings = plan.timings();
+    let knobs: Vec<String> = plan
+        .knob_ranges()
+        .unwrap()
+        .iter()
+        .map(|k| format!("{} {}..={} step {}", knob_name(k.kind), k.min, k.max, k.stride))
+        .collect();
+    println!("{line}\nchose {} of {timings:?}\nknobs of the chosen engine: {knobs:?}", plan.engine());
+    assert!(ok, "{line}");
+    assert_eq!(timings.len(), plan.candidates().len());
+    assert!(
+        timings.len() > heuristics && timings.len() <= heuristics + 12,
+        "{heuristics} heuristics configurations, {} timed",
+        timings.len()
+    );
+    let fastest = timings.iter().min_by(|a, b| a.1.total_cmp(&b.1)).unwrap();
+    assert_eq!(plan.engine(), fastest.0);
+    assert!(!plan.tune_time().is_zero());
+    // Searched configurations carry their knobs in the tag.
+    assert!(
+        timings[heuristics..].iter().all(|(e, _)| e.starts_with("eng") && e.contains("_k")),
+        "{timings:?}"
+    );
 }

@@ -20,9 +20,33 @@ pub const ZEROED_WORKSPACE_FIXED: usize = 91900;
 /// Environment variable that sets a new context's autotuning candidates (a positive integer).
 pub const AUTOTUNE_ENV: &str = "CUDNN_LLM_AUTOTUNE";
 
+/// Environment variable that sets a new context's knob search: how many engine configurations
+/// autotuning may build beyond the heuristics' (a count; 0 turns the search off).
+pub const KNOB_SEARCH_ENV: &str = "CUDNN_LLM_KNOB_SEARCH";
+
 /// The candidate count `value` of [`AUTOTUNE_ENV`] asks for, else [`DEFAULT_AUTOTUNE`].
 fn autotune_from(value: Option<&str>) -> usize {
     value.and_then(|v| v.trim().parse::<usize>().ok()).filter(|&n| n > 0).unwrap_or(DEFAULT_AUTOTUNE)
+}
+
+/// The knob-search budget `value` of [`KNOB_SEARCH_ENV`] asks for, else 0.
+fn knob_search_from(value: Option<&str>) -> usize {
+    value.and_then(|v| v.trim().parse::<usize>().ok()).unwrap_or(0)
+}
+
+/// How a plan that autotunes picks its engine configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tuning {
+    /// Heuristics' configurations to finalize and time on the first execution (1: take the first).
+    pub candidates: usize,
+    /// Further configurations the first execution may build and time: knob by knob around the
+    /// fastest one so far, while that improves (0: none).
+    pub knob_search: usize,
+}
+
+impl Tuning {
+    /// The heuristics' first choice, untimed.
+    pub const FIRST: Tuning = Tuning { candidates: 1, knob_search: 0 };
 }
 
 /// What the context runs on, for reports.
@@ -60,6 +84,7 @@ pub struct Cudnn {
     pub(crate) naive: OnceCell<crate::naive::Kernels>,
     blas: OnceCell<cudarc::cublas::CudaBlas>,
     autotune: std::cell::Cell<usize>,
+    knob_search: std::cell::Cell<usize>,
     handle: Handle,
     stream: Arc<CudaStream>,
     info: DeviceInfo,
@@ -103,6 +128,9 @@ impl Cudnn {
             naive: OnceCell::new(),
             blas: OnceCell::new(),
             autotune: std::cell::Cell::new(autotune_from(std::env::var(AUTOTUNE_ENV).ok().as_deref())),
+            knob_search: std::cell::Cell::new(knob_search_from(
+                std::env::var(KNOB_SEARCH_ENV).ok().as_deref(),
+            )),
             handle,
             stream,
             info,
@@ -169,6 +197,19 @@ impl Cudnn {
     /// See [`Cudnn::set_autotune`].
     pub fn autotune(&self) -> usize {
         self.autotune.get()
+    }
+
+    /// How many configurations beyond the heuristics' autotuning may build and time, one knob at a
+    /// time around the fastest so far ([`Tuning::knob_search`]); 0 (the default unless
+    /// [`KNOB_SEARCH_ENV`] is set) turns the search off. Affects plans built afterwards.
+    pub fn set_knob_search(&self, budget: usize) {
+        self.knob_search.set(budget);
+    }
+
+    /// What plans that autotune (matmul) are built with: [`Cudnn::set_autotune`] and
+    /// [`Cudnn::set_knob_search`].
+    pub fn tuning(&self) -> Tuning {
+        Tuning { candidates: self.autotune.get(), knob_search: self.knob_search.get() }
     }
 
     /// The cuBLAS handle on this context's stream, created on first use (the naive backend's GEMMs).
@@ -278,6 +319,15 @@ fn driver_version() -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn knob_search_env_takes_counts() {
+        assert_eq!(knob_search_from(None), 0);
+        assert_eq!(knob_search_from(Some("64")), 64);
+        assert_eq!(knob_search_from(Some("0")), 0);
+        assert_eq!(knob_search_from(Some("-3")), 0);
+        assert_eq!(knob_search_from(Some("many")), 0);
+    }
 
     #[test]
     fn autotune_env_takes_positive_counts_only() {

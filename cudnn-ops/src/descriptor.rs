@@ -23,6 +23,7 @@ pub(crate) enum Attr<'a> {
     HeurMode(sys::cudnnBackendHeurMode_t),
     PointwiseMode(sys::cudnnPointwiseMode_t),
     ReduceOp(sys::cudnnReduceTensorOp_t),
+    KnobType(sys::cudnnBackendKnobType_t),
 }
 
 /// An owned `cudnnBackendDescriptor_t`.
@@ -73,6 +74,9 @@ impl Descriptor {
             }
             Attr::ReduceOp(op) => {
                 (T::CUDNN_TYPE_REDUCTION_OPERATOR_TYPE, 1, (op as *const sys::cudnnReduceTensorOp_t).cast())
+            }
+            Attr::KnobType(k) => {
+                (T::CUDNN_TYPE_KNOB_TYPE, 1, (k as *const sys::cudnnBackendKnobType_t).cast())
             }
         };
         // SAFETY: `ptr` points to `count` values of the C type `ty` names, all alive until this returns

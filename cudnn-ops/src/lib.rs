@@ -5,7 +5,7 @@
 //! |---|---|
 //! | [`Cudnn`] | the context: cuDNN handle bound to a cudarc stream, plan cache, workspace, naive kernels |
 //! | [`TensorSpec`], [`Graph`] | graph builder in the cuDNN frontend's shape: typed attributes in, named outputs out, `validate()` without a GPU |
-//! | [`Plan`], [`Bindings`] | heuristics (mode A, then FALLBACK) and a finalized plan; execution checks every bound buffer |
+//! | [`Plan`], [`Bindings`] | heuristics (mode A, then FALLBACK) and a finalized plan, optionally autotuned over engine configurations and knobs ([`Tuning`], [`KnobRange`]); execution checks every bound buffer |
 //! | [`PlanCache`], [`PlanKey`] | plans by shape/stride/dtype/flags, with hit and miss counters |
 //! | [`ops`] | fused ops: [`ops::rmsnorm::rms_norm`] ... |
 //! | [`naive`] | the eager baselines: one kernel per elementary op, f32 intermediates |
@@ -21,6 +21,7 @@ mod cache;
 mod context;
 mod descriptor;
 mod dtype;
+mod engine;
 mod error;
 mod graph;
 pub mod naive;
@@ -31,8 +32,9 @@ pub mod reference;
 mod tensor;
 
 pub use cache::{CacheStats, PlanCache, PlanKey};
-pub use context::{open_device, Cudnn, DeviceInfo, AUTOTUNE_ENV, DEFAULT_AUTOTUNE};
+pub use context::{open_device, Cudnn, DeviceInfo, Tuning, AUTOTUNE_ENV, DEFAULT_AUTOTUNE, KNOB_SEARCH_ENV};
 pub use dtype::{DataType, Element};
+pub use engine::{knob_name, KnobRange};
 pub use error::{Error, Result};
 pub use graph::{
     Binary, Graph, Mask, NormPhase, Reduce, RmsNormOutputs, SdpaForm, SdpaOptions, SdpaOutputs, TensorId,

@@ -2,8 +2,9 @@
 
 use crate::descriptor::{Attr, Descriptor};
 use crate::dtype::{DataType, Element};
+use crate::engine::{knob_ranges, EngineChoice, KnobRange};
 use crate::tensor::TensorSpec;
-use crate::{Cudnn, Error, Result};
+use crate::{Cudnn, Error, Result, Tuning};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 use cudnn_sys as sys;
 use std::cell::{Cell, RefCell};
@@ -53,21 +54,37 @@ pub(crate) struct PlanParts {
 
 /// One finalized engine configuration of a graph.
 struct Candidate {
+    // Field order is drop order: the plan goes before the configuration it was finalized from.
     plan: Descriptor,
     workspace: usize,
+    choice: EngineChoice,
     engine: String,
+    /// The engine configuration and, for configurations built here, its engine and knob choices.
+    _config: Vec<Descriptor>,
+}
+
+impl Candidate {
+    fn new(ctx: &Cudnn, config: Descriptor, choice: EngineChoice, parts: Vec<Descriptor>) -> Result<Self> {
+        let plan = finalize_plan(ctx, &config)?;
+        let workspace = plan.get_i64(A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE)?.max(0) as usize;
+        let mut keep = vec![config];
+        keep.extend(parts);
+        Ok(Candidate { plan, workspace, engine: choice.tag(), choice, _config: keep })
+    }
 }
 
 /// A finalized execution plan and what it needs bound at execute time.
 ///
 /// A plan may hold several finalized engine configurations (see [`crate::Graph::build_tuned`]): the
-/// first execution then times each on the caller's buffers and keeps the fastest (the frontend's
+/// first execution then times each on the caller's buffers, may build more by changing one knob at a
+/// time around the fastest ([`Tuning::knob_search`]), and keeps the fastest (the frontend's
 /// autotuning); until then, and with one candidate, the heuristics' first choice runs.
 pub struct Plan {
     // Field order is drop order: the plans go before the graph descriptors they were built from.
-    candidates: Vec<Candidate>,
+    candidates: RefCell<Vec<Rc<Candidate>>>,
     chosen: Cell<usize>,
     tuned: Cell<bool>,
+    knob_search: usize,
     timings: RefCell<Vec<(String, f64)>>,
     _graph: Descriptor,
     _parts: Vec<Descriptor>,
@@ -76,6 +93,7 @@ pub struct Plan {
     name: String,
     form: String,
     build_time: Duration,
+    tune_time: Cell<Duration>,
 }
 
 impl std::fmt::Debug for Plan {
@@ -84,7 +102,7 @@ impl std::fmt::Debug for Plan {
             .field("name", &self.name)
             .field("form", &self.form)
             .field("engine", &self.engine())
-            .field("candidates", &self.candidates.len())
+            .field("candidates", &self.candidates.borrow().len())
             .field("workspace", &self.workspace_size())
             .field("build_time", &self.build_time)
             .finish()
@@ -93,16 +111,17 @@ impl std::fmt::Debug for Plan {
 
 impl Plan {
     /// Finalizes engine configurations in heuristics order (mode A, then FALLBACK) until
-    /// `max_candidates` succeed. [`Error::NotSupported`] if none does.
+    /// `tuning.candidates` succeed. [`Error::NotSupported`] if none does.
     pub(crate) fn from_graph(
         ctx: &Cudnn,
         parts: PlanParts,
         started: Instant,
-        max_candidates: usize,
+        tuning: Tuning,
     ) -> Result<Plan> {
+        let max_candidates = tuning.candidates;
         let PlanParts { name, form, graph, descriptors, tensors, constants } = parts;
         let mut last_error = None;
-        let mut candidates: Vec<Candidate> = Vec::new();
+        let mut candidates: Vec<Rc<Candidate>> = Vec::new();
         // Mode B (a costlier heuristic, with more configurations) only when several candidates are
         // wanted; the frontend serializes its finalize process-wide, and so do we.
         let modes: &[sys::cudnnBackendHeurMode_t] = if max_candidates > 1 {
@@ -126,15 +145,15 @@ impl Plan {
                 }
             };
             for config in configs {
-                let engine = engine_name(&config).unwrap_or_else(|_| "unknown".into());
-                if candidates.iter().any(|c| c.engine == engine) {
+                // An unreadable configuration still runs; it is only left out of the knob search.
+                let choice =
+                    EngineChoice::read(&config).unwrap_or(EngineChoice { index: -1, knobs: Vec::new() });
+                if choice.index >= 0 && candidates.iter().any(|c| c.choice.same(&choice)) {
                     continue; // later modes repeat configurations earlier ones listed
                 }
-                match finalize_plan(ctx, &config) {
-                    Ok(plan) => {
-                        let workspace =
-                            plan.get_i64(A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE)?.max(0) as usize;
-                        candidates.push(Candidate { plan, workspace, engine });
+                match Candidate::new(ctx, config, choice, Vec::new()) {
+                    Ok(c) => {
+                        candidates.push(Rc::new(c));
                         if candidates.len() >= max_candidates.max(1) {
                             break 'modes;
                         }
@@ -151,8 +170,9 @@ impl Plan {
             return Err(Error::NotSupported { op: name, reason });
         }
         Ok(Plan {
-            tuned: Cell::new(candidates.len() == 1),
-            candidates,
+            tuned: Cell::new(candidates.len() == 1 && tuning.knob_search == 0),
+            knob_search: tuning.knob_search,
+            candidates: RefCell::new(candidates),
             chosen: Cell::new(0),
             timings: RefCell::new(Vec::new()),
             _graph: graph,
@@ -162,16 +182,30 @@ impl Plan {
             name,
             form,
             build_time: started.elapsed(),
+            tune_time: Cell::new(Duration::ZERO),
         })
     }
 
-    fn chosen(&self) -> &Candidate {
-        &self.candidates[self.chosen.get()]
+    fn chosen(&self) -> Rc<Candidate> {
+        self.candidates.borrow()[self.chosen.get()].clone()
     }
 
-    /// Engines that finalized, in heuristics order (the first is the heuristics' choice).
-    pub fn candidates(&self) -> Vec<&str> {
-        self.candidates.iter().map(|c| c.engine.as_str()).collect()
+    /// Engines that finalized, in heuristics order (the first is the heuristics' choice), then those
+    /// the knob search built.
+    pub fn candidates(&self) -> Vec<String> {
+        self.candidates.borrow().iter().map(|c| c.engine.clone()).collect()
+    }
+
+    /// The knobs the running engine exposes (what a knob search varies).
+    pub fn knob_ranges(&self) -> Result<Vec<KnobRange>> {
+        let index = self.chosen().choice.index;
+        if index < 0 {
+            return Err(Error::invalid(format!(
+                "plan `{}`: the running engine could not be read",
+                self.name
+            )));
+        }
+        knob_ranges(&self._graph, index)
     }
 
     /// Median milliseconds per candidate from autotuning (empty until the first execution of a plan
@@ -190,9 +224,10 @@ impl Plan {
         &self.form
     }
 
-    /// The engine that runs, as `eng<global index>`.
-    pub fn engine(&self) -> &str {
-        &self.chosen().engine
+    /// The engine that runs, as the frontend tags it: `eng<global index>` then `_k<knob type>=<value>`
+    /// per knob ([`crate::knob_name`] names the types).
+    pub fn engine(&self) -> String {
+        self.chosen().engine.clone()
     }
 
     /// Workspace bytes the running engine needs per execution.
@@ -203,6 +238,12 @@ impl Plan {
     /// Wall time from validation to the finalized plan (the cold cost a cache hit avoids).
     pub fn build_time(&self) -> Duration {
         self.build_time
+    }
+
+    /// Wall time the first execution spent autotuning (timing candidates, building and timing those
+    /// of the knob search); zero until then and for untuned plans.
+    pub fn tune_time(&self) -> Duration {
+        self.tune_time.get()
     }
 
     /// The tensors that must be bound at execute time.
@@ -280,7 +321,8 @@ impl Plan {
     ) -> Result<Prepared<'p>> {
         self.check(b)?;
         ctx.bind()?;
-        let need = self.candidates[index].workspace;
+        let candidate = self.candidates.borrow()[index].clone();
+        let need = candidate.workspace;
         let workspace = ctx.workspace(need)?;
         let ws_ptr = match &workspace {
             Some(ws) if need > 0 => {
@@ -303,7 +345,7 @@ impl Plan {
         pack.finalize("variant pack")?;
         // Zeroed before each execution where the cuDNN version needs it (see `Cudnn::zeroes_workspace`).
         let zero = (need > 0 && ctx.zeroes_workspace()).then_some((ws_ptr as u64, need));
-        Ok(Prepared { plan: &self.candidates[index].plan, ctx, pack, zero, _workspace: workspace })
+        Ok(Prepared { candidate, ctx, pack, zero, _workspace: workspace })
     }
 
     /// Checks the bindings and enqueues the plan on the context's stream. The first execution of a
@@ -344,9 +386,11 @@ impl Plan {
         Ok(samples[TUNE_SAMPLES / 2])
     }
 
-    /// Times every candidate on these bindings (see `time_candidate`) and keeps the fastest. Outputs
-    /// are overwritten; inputs are only read.
+    /// Times every candidate on these bindings (see `time_candidate`), runs the knob search if the
+    /// plan has a budget for one (`knob_search`), and keeps the fastest. Outputs are overwritten;
+    /// inputs are only read.
     pub fn autotune(&self, ctx: &Cudnn, b: &Bindings<'_>) -> Result<()> {
+        let started = Instant::now();
         let cuda = ctx.stream().context();
         let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         let (start, end) = (cuda.new_event(flags)?, cuda.new_event(flags)?);
@@ -359,24 +403,65 @@ impl Plan {
         } else {
             None
         };
-        let mut timings = Vec::with_capacity(self.candidates.len());
+        let mut timings = Vec::new();
         let mut last_error = None;
-        for (i, c) in self.candidates.iter().enumerate() {
+        let mut time = |i: usize, timings: &mut Vec<(String, f64)>| {
+            let engine = self.candidates.borrow()[i].engine.clone();
             // A configuration can finalize and still fail to run: it is timed as never finishing.
             match self.time_candidate(ctx, b, i, (&start, &end), &mut flush) {
-                Ok(ms) => timings.push((c.engine.clone(), ms)),
+                Ok(ms) => timings.push((engine, ms)),
                 Err(e) => {
-                    timings.push((c.engine.clone(), f64::INFINITY));
+                    timings.push((engine, f64::INFINITY));
                     last_error = Some(e);
                 }
+            }
+        };
+        for i in 0..self.candidates.borrow().len() {
+            time(i, &mut timings);
+        }
+        let fastest =
+            |t: &[(String, f64)]| (0..t.len()).min_by(|&x, &y| t[x].1.total_cmp(&t[y].1)).unwrap_or(0);
+        // Knob search: every configuration one knob away from the fastest so far, again around a new
+        // fastest, until none is faster or the budget is spent. Finalize failures (combinations an
+        // engine rejects) cost an attempt, not the budget; attempts are capped at four times it.
+        let (mut built, mut attempts) = (0, 0);
+        let mut tried: Vec<EngineChoice> =
+            self.candidates.borrow().iter().map(|c| c.choice.clone()).collect();
+        let mut ranges: Vec<(i64, Vec<KnobRange>)> = Vec::new();
+        let mut searched: Vec<usize> = Vec::new();
+        while built < self.knob_search && attempts < 4 * self.knob_search {
+            let best = fastest(&timings);
+            let base = self.candidates.borrow()[best].choice.clone();
+            if searched.contains(&best) || base.index < 0 || timings[best].1.is_infinite() {
+                break;
+            }
+            searched.push(best);
+            if !ranges.iter().any(|(i, _)| *i == base.index) {
+                ranges.push((base.index, knob_ranges(&self._graph, base.index).unwrap_or_default()));
+            }
+            let knobs = &ranges.iter().find(|(i, _)| *i == base.index).expect("just added").1;
+            for next in base.neighbours(knobs) {
+                if built >= self.knob_search || attempts >= 4 * self.knob_search {
+                    break;
+                }
+                if tried.iter().any(|t| t.same(&next)) {
+                    continue;
+                }
+                tried.push(next.clone());
+                attempts += 1;
+                let Ok((config, parts)) = next.build(&self._graph) else { continue };
+                let Ok(candidate) = Candidate::new(ctx, config, next, parts) else { continue };
+                built += 1;
+                self.candidates.borrow_mut().push(Rc::new(candidate));
+                time(self.candidates.borrow().len() - 1, &mut timings);
             }
         }
         if timings.iter().all(|(_, ms)| ms.is_infinite()) {
             return Err(last_error.unwrap_or_else(|| Error::invalid("autotune: no candidate ran")));
         }
-        let best = (0..timings.len()).min_by(|&a, &b| timings[a].1.total_cmp(&timings[b].1)).unwrap_or(0);
-        self.chosen.set(best);
+        self.chosen.set(fastest(&timings));
         self.tuned.set(true);
+        self.tune_time.set(started.elapsed());
         *self.timings.borrow_mut() = timings;
         Ok(())
     }
@@ -384,7 +469,7 @@ impl Plan {
 
 /// A plan with its variant pack built: executing it is a single `cudnnBackendExecute`.
 pub struct Prepared<'p> {
-    plan: &'p Descriptor,
+    candidate: Rc<Candidate>,
     ctx: &'p Cudnn,
     pack: Descriptor,
     /// Workspace address and bytes to zero before each execution, if the cuDNN version needs it.
@@ -401,7 +486,7 @@ impl Prepared<'_> {
         }
         // SAFETY: the plan was finalized for this context's handle; the variant pack's pointers were
         // checked against the plan's tensors and are borrowed (bindings, workspace) for `'p`.
-        unsafe { crate::raw::execute(self.ctx.raw_handle(), self.plan.raw(), self.pack.raw()) }
+        unsafe { crate::raw::execute(self.ctx.raw_handle(), self.candidate.plan.raw(), self.pack.raw()) }
     }
 }
 
@@ -430,30 +515,6 @@ fn finalize_plan(ctx: &Cudnn, config: &Descriptor) -> Result<Descriptor> {
     plan.set(A::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, Attr::Descriptors(&[config]))?;
     plan.finalize("execution plan")?;
     Ok(plan)
-}
-
-/// The frontend's engine tag: `eng<global index>` then `_k<knob type>=<value>` per knob choice.
-fn engine_name(config: &Descriptor) -> Result<String> {
-    let engine = config.get_descriptors(
-        A::CUDNN_ATTR_ENGINECFG_ENGINE,
-        D::CUDNN_BACKEND_ENGINE_DESCRIPTOR,
-        Some(1),
-    )?;
-    let engine = engine.first().ok_or_else(|| Error::invalid("engine config without engine"))?;
-    let mut tag = format!("eng{}", engine.get_i64(A::CUDNN_ATTR_ENGINE_GLOBAL_INDEX)?);
-    let knobs = config.get_descriptors(
-        A::CUDNN_ATTR_ENGINECFG_KNOB_CHOICES,
-        D::CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR,
-        Some(sys::cudnnBackendKnobType_t::CUDNN_KNOB_TYPE_COUNTS.0 as usize),
-    )?;
-    for k in knobs {
-        let ty = k.get_enum(
-            A::CUDNN_ATTR_KNOB_CHOICE_KNOB_TYPE,
-            sys::cudnnBackendAttributeType_t::CUDNN_TYPE_KNOB_TYPE,
-        )?;
-        tag += &format!("_k{ty}={}", k.get_i64(A::CUDNN_ATTR_KNOB_CHOICE_KNOB_VALUE)?);
-    }
-    Ok(tag)
 }
 
 enum Place {

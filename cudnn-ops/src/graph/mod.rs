@@ -224,12 +224,13 @@ impl Graph {
     /// Validates, lowers to backend descriptors, runs heuristics (mode A, then FALLBACK) and finalizes
     /// the first engine configuration that cuDNN accepts. [`Error::NotSupported`] if none does.
     pub fn build(&self, ctx: &Cudnn) -> Result<Plan> {
-        self.build_tuned(ctx, 1)
+        self.build_tuned(ctx, crate::Tuning::FIRST)
     }
 
-    /// Like [`Graph::build`], but finalizes up to `max_candidates` engine configurations; the plan's
-    /// first execution times them and keeps the fastest ([`Plan::autotune`]).
-    pub fn build_tuned(&self, ctx: &Cudnn, max_candidates: usize) -> Result<Plan> {
+    /// Like [`Graph::build`], but finalizes up to `tuning.candidates` engine configurations; the plan's
+    /// first execution times them, searches knobs around the fastest if `tuning.knob_search` allows,
+    /// and keeps the fastest ([`Plan::autotune`]).
+    pub fn build_tuned(&self, ctx: &Cudnn, tuning: crate::Tuning) -> Result<Plan> {
         self.validate()?;
         let started = std::time::Instant::now();
         ctx.bind()?;
@@ -264,7 +265,7 @@ impl Graph {
             tensors: bound,
             constants,
         };
-        Plan::from_graph(ctx, parts, started, max_candidates).map_err(|e| self.unsupported(e))
+        Plan::from_graph(ctx, parts, started, tuning).map_err(|e| self.unsupported(e))
     }
 
     fn unsupported(&self, e: Error) -> Error {

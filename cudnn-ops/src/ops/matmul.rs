@@ -345,7 +345,7 @@ impl MatmulArgs {
         })
     }
 
-    /// The cached plan, built on first use with up to [`Cudnn::autotune`] engine configurations (timed
+    /// The cached plan, built on first use with [`Cudnn::tuning`]'s engine configurations (timed
     /// on the first execution). [`Error::NotSupported`] names the shape, dtypes and epilogue when cuDNN
     /// has no engine for them.
     pub fn plan(&self, ctx: &Cudnn, dtype: DataType, out: DataType, epilogue: Epilogue) -> Result<Rc<Plan>> {
@@ -361,7 +361,7 @@ impl MatmulArgs {
             });
         }
         ctx.cache().get_or_build(&self.key(dtype, out, epilogue), || {
-            self.graph(dtype, out, epilogue).build_tuned(ctx, ctx.autotune())
+            self.graph(dtype, out, epilogue).build_tuned(ctx, ctx.tuning())
         })
     }
 }
