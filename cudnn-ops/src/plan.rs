@@ -345,7 +345,7 @@ impl Plan {
         pack.finalize("variant pack")?;
         // Zeroed before each execution where the cuDNN version needs it (see `Cudnn::zeroes_workspace`).
         let zero = (need > 0 && ctx.zeroes_workspace()).then_some((ws_ptr as u64, need));
-        Ok(Prepared { candidate, ctx, pack, zero, _workspace: workspace })
+        Ok(Prepared { candidate, _plan: self, ctx, pack, zero, _workspace: workspace })
     }
 
     /// Checks the bindings and enqueues the plan on the context's stream. The first execution of a
@@ -470,6 +470,8 @@ impl Plan {
 /// A plan with its variant pack built: executing it is a single `cudnnBackendExecute`.
 pub struct Prepared<'p> {
     candidate: Rc<Candidate>,
+    /// Keeps the plan (and the graph descriptors its candidates were finalized from) borrowed.
+    _plan: &'p Plan,
     ctx: &'p Cudnn,
     pack: Descriptor,
     /// Workspace address and bytes to zero before each execution, if the cuDNN version needs it.
