@@ -16,9 +16,10 @@
 //! - `MATMUL_BENCH_EPILOGUES=none,residual,silu+gate`: one epilogue list for every shape;
 //! - `MATMUL_BENCH_CRITERION=0`: skip the criterion pass (the summary is what gets written);
 //! - `MATMUL_BENCH_LIST=1`: print the selected case names and exit (no GPU needed);
-//! - `CUDNN_LLM_AUTOTUNE=N`, `CUDNN_LLM_KNOB_SEARCH=N` (read by the context): heuristics' configurations
-//!   timed per plan (default 8), and configurations the knob search may add around the fastest
-//!   (default 0; `tune_ms` in the results says what the search cost).
+//! - `CUDNN_LLM_AUTOTUNE=N`, `CUDNN_LLM_KNOB_SEARCH=N`, `CUDNN_LLM_TUNE_FLUSH=read|write|off` (read by
+//!   the context): heuristics' configurations timed per plan (default 8), configurations the knob
+//!   search may add around the fastest (default 0; `tune_ms` says what the search cost), and how L2
+//!   is emptied before each timed candidate (default `read`).
 //!
 //! Without a GPU it says so and exits 0.
 
@@ -464,9 +465,11 @@ fn render(
          comparison is fused vs cuBLAS alone. Times are medians of {REPS} alternating CUDA-event samples \
          (≥ {SAMPLE_MS} ms each) on hot buffers (at 30 tokens the weights of the smaller projections fit in L2). \
          TFLOP/s counts 2·m·n·k. Speedup = naive / fused. Plan build = cold `Graph::build_tuned` (validate → \
-         finalize up to {} engine configurations); the first execution times them{}, keeps the fastest \
-         (`autotuned_ms`, in the order timed) and takes `tune_ms`. Check: {CHECK_ROWS} rows of each output vs the f64 reference, relative L2 (bf16 bound 1e-2).\n",
+         finalize up to {} engine configurations); the first execution times them (single executions, L2 \
+         flush `{}` before each){}, keeps the fastest (`autotuned_ms`, in the order timed) and takes `tune_ms`. \
+         Check: {CHECK_ROWS} rows of each output vs the f64 reference, relative L2 (bf16 bound 1e-2).\n",
         tuning.candidates,
+        tuning.flush.name(),
         if tuning.knob_search > 0 {
             format!(
                 ", then builds and times up to {} more, one knob changed at a time around the fastest so far \

@@ -7,7 +7,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use cudnn_llm::bench_util::{download, expect_untouched, poisoned, upload};
 use cudnn_llm::cudnn_ops::{
     knob_name, linear, matmul, matmul_with, reference, Activation, Backend, Cudnn, DataType, Element,
-    Epilogue, Error, Linear, MatmulArgs, MatrixLayout, Operands,
+    Epilogue, Error, L2Flush, Linear, MatmulArgs, MatrixLayout, Operands,
 };
 use half::{bf16, f16};
 
@@ -546,4 +546,35 @@ fn knob_search_builds_configurations_around_the_fastest_and_stays_correct() {
         timings[heuristics..].iter().all(|(e, _)| e.starts_with("eng") && e.contains("_k")),
         "{timings:?}"
     );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn tuning_flush_by_reading_is_not_charged_for_write_back() {
+    // o_proj at 30 tokens reads 32 MiB of weights. A memset flush leaves L2 full of dirty lines, and
+    // the timed execution pays for writing them back; a reading flush leaves clean lines, as the
+    // kernels before a layer do. Without a flush the GPU idles while the timed launch is enqueued.
+    let ctx = tuned_gpu();
+    ctx.set_autotune(4);
+    let args = MatmulArgs::linear(30, 4096, 4096);
+    let dev = Device::<bf16, bf16>::new(&ctx, &Host::new(620, &args));
+    let rows = sample_rows(&args);
+    let product = reference::matmul_rows(&args, &dev.rounded.a, &dev.rounded.b, &rows);
+    let mut d = poisoned::<bf16>(&ctx, args.d_len()).unwrap();
+    let mut medians = Vec::new();
+    for flush in [L2Flush::Off, L2Flush::Write, L2Flush::Read] {
+        ctx.set_tune_flush(flush);
+        ctx.cache().clear();
+        let plan = args.plan(&ctx, DataType::BF16, DataType::BF16, Epilogue::NONE).unwrap();
+        let (line, ok) = check(&ctx, &args, Epilogue::NONE, Backend::Fused, &dev, &rows, &product, &mut d);
+        assert!(ok, "{line}");
+        let mut ms: Vec<f64> = plan.timings().iter().map(|t| t.1).filter(|v| v.is_finite()).collect();
+        assert_eq!(ms.len(), plan.candidates().len(), "{:?}", plan.timings());
+        ms.sort_by(f64::total_cmp);
+        let median = ms[ms.len() / 2];
+        println!("flush {}: median {median:.4} ms of {:?}", flush.name(), plan.timings());
+        medians.push(median);
+    }
+    let [off, write, read] = medians[..] else { unreachable!() };
+    assert!(read < 0.85 * write, "off {off:.4}, write {write:.4}, read {read:.4} ms");
 }

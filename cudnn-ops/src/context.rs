@@ -3,6 +3,7 @@
 
 use crate::cache::PlanCache;
 use crate::raw::{self, Handle, RawHandle};
+use crate::tune::L2Flush;
 use crate::{Error, Result};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use once_cell::unsync::OnceCell;
@@ -29,6 +30,10 @@ fn autotune_from(value: Option<&str>) -> usize {
     value.and_then(|v| v.trim().parse::<usize>().ok()).filter(|&n| n > 0).unwrap_or(DEFAULT_AUTOTUNE)
 }
 
+/// Environment variable that sets a new context's autotuning L2 flush: `read` (default), `write`
+/// or `off` ([`L2Flush`]).
+pub const TUNE_FLUSH_ENV: &str = "CUDNN_LLM_TUNE_FLUSH";
+
 /// The knob-search budget `value` of [`KNOB_SEARCH_ENV`] asks for, else 0.
 fn knob_search_from(value: Option<&str>) -> usize {
     value.and_then(|v| v.trim().parse::<usize>().ok()).unwrap_or(0)
@@ -42,11 +47,13 @@ pub struct Tuning {
     /// Further configurations the first execution may build and time: knob by knob around the
     /// fastest one so far, while that improves (0: none).
     pub knob_search: usize,
+    /// How L2 is emptied before each timed execution.
+    pub flush: L2Flush,
 }
 
 impl Tuning {
     /// The heuristics' first choice, untimed.
-    pub const FIRST: Tuning = Tuning { candidates: 1, knob_search: 0 };
+    pub const FIRST: Tuning = Tuning { candidates: 1, knob_search: 0, flush: L2Flush::Read };
 }
 
 /// What the context runs on, for reports.
@@ -85,6 +92,7 @@ pub struct Cudnn {
     blas: OnceCell<cudarc::cublas::CudaBlas>,
     autotune: std::cell::Cell<usize>,
     knob_search: std::cell::Cell<usize>,
+    tune_flush: std::cell::Cell<L2Flush>,
     handle: Handle,
     stream: Arc<CudaStream>,
     info: DeviceInfo,
@@ -131,6 +139,9 @@ impl Cudnn {
             knob_search: std::cell::Cell::new(knob_search_from(
                 std::env::var(KNOB_SEARCH_ENV).ok().as_deref(),
             )),
+            tune_flush: std::cell::Cell::new(
+                std::env::var(TUNE_FLUSH_ENV).ok().and_then(|v| L2Flush::parse(&v)).unwrap_or(L2Flush::Read),
+            ),
             handle,
             stream,
             info,
@@ -206,10 +217,20 @@ impl Cudnn {
         self.knob_search.set(budget);
     }
 
-    /// What plans that autotune (matmul) are built with: [`Cudnn::set_autotune`] and
-    /// [`Cudnn::set_knob_search`].
+    /// How autotuning empties L2 before each timed execution ([`L2Flush::Read`] unless
+    /// [`TUNE_FLUSH_ENV`] says otherwise). Affects plans built afterwards.
+    pub fn set_tune_flush(&self, flush: L2Flush) {
+        self.tune_flush.set(flush);
+    }
+
+    /// What plans that autotune (matmul) are built with: [`Cudnn::set_autotune`],
+    /// [`Cudnn::set_knob_search`] and [`Cudnn::set_tune_flush`].
     pub fn tuning(&self) -> Tuning {
-        Tuning { candidates: self.autotune.get(), knob_search: self.knob_search.get() }
+        Tuning {
+            candidates: self.autotune.get(),
+            knob_search: self.knob_search.get(),
+            flush: self.tune_flush.get(),
+        }
     }
 
     /// The cuBLAS handle on this context's stream, created on first use (the naive backend's GEMMs).

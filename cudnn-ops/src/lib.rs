@@ -30,9 +30,12 @@ mod plan;
 mod raw;
 pub mod reference;
 mod tensor;
+mod tune;
 
 pub use cache::{CacheStats, PlanCache, PlanKey};
-pub use context::{open_device, Cudnn, DeviceInfo, Tuning, AUTOTUNE_ENV, DEFAULT_AUTOTUNE, KNOB_SEARCH_ENV};
+pub use context::{
+    open_device, Cudnn, DeviceInfo, Tuning, AUTOTUNE_ENV, DEFAULT_AUTOTUNE, KNOB_SEARCH_ENV, TUNE_FLUSH_ENV,
+};
 pub use dtype::{DataType, Element};
 pub use engine::{knob_name, KnobRange};
 pub use error::{Error, Result};
@@ -49,6 +52,7 @@ pub use ops::rows::{check_ids, embedding, write_cache, CacheWrite};
 pub use ops::sdpa::{sdpa, sdpa_padded, sdpa_train, sdpa_with, Layout, SdpaArgs, SdpaLens};
 pub use plan::{Bindings, Plan, Prepared, Scalar};
 pub use tensor::{packed_strides, TensorSpec, DEFAULT_ALIGNMENT, MAX_RANK};
+pub use tune::L2Flush;
 
 /// Which implementation a module runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

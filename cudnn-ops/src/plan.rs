@@ -4,6 +4,7 @@ use crate::descriptor::{Attr, Descriptor};
 use crate::dtype::{DataType, Element};
 use crate::engine::{knob_ranges, EngineChoice, KnobRange};
 use crate::tensor::TensorSpec;
+use crate::tune::Flusher;
 use crate::{Cudnn, Error, Result, Tuning};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 use cudnn_sys as sys;
@@ -85,6 +86,7 @@ pub struct Plan {
     chosen: Cell<usize>,
     tuned: Cell<bool>,
     knob_search: usize,
+    flush: crate::L2Flush,
     timings: RefCell<Vec<(String, f64)>>,
     _graph: Descriptor,
     _parts: Vec<Descriptor>,
@@ -172,6 +174,7 @@ impl Plan {
         Ok(Plan {
             tuned: Cell::new(candidates.len() == 1 && tuning.knob_search == 0),
             knob_search: tuning.knob_search,
+            flush: tuning.flush,
             candidates: RefCell::new(candidates),
             chosen: Cell::new(0),
             timings: RefCell::new(Vec::new()),
@@ -358,25 +361,24 @@ impl Plan {
         self.prepare(ctx, b)?.execute()
     }
 
-    /// Median ms of candidate `i`: one warm-up, then [`TUNE_SAMPLES`] single executions, each after a
-    /// memset of `flush` (when there is one). The memset evicts L2, as a forward evicts a layer's weights
-    /// before the next layer reads its own, and keeps the GPU busy while the timed launch is enqueued, so
-    /// that a kernel shorter than its launch is timed as the kernel, not as the host.
+    /// Median ms of candidate `i`: one warm-up, then [`TUNE_SAMPLES`] single executions, each after an
+    /// L2 flush (the plan's [`crate::L2Flush`]). The flush evicts the plan's inputs, as a forward evicts
+    /// a layer's weights before the next layer reads its own, and keeps the GPU busy while the timed
+    /// launch is enqueued, so that a kernel shorter than its launch is timed as the kernel, not as the
+    /// host.
     fn time_candidate(
         &self,
         ctx: &Cudnn,
         b: &Bindings<'_>,
         i: usize,
         (start, end): (&cudarc::driver::CudaEvent, &cudarc::driver::CudaEvent),
-        flush: &mut Option<CudaSlice<u8>>,
+        flush: &mut Flusher,
     ) -> Result<f64> {
         let prepared = self.prepare_candidate(ctx, b, i)?;
         prepared.execute()?;
         let mut samples = Vec::with_capacity(TUNE_SAMPLES);
         for _ in 0..TUNE_SAMPLES {
-            if let Some(f) = flush.as_mut() {
-                ctx.stream().memset_zeros(f)?;
-            }
+            flush.run(ctx)?;
             start.record(ctx.stream())?;
             prepared.execute()?;
             end.record(ctx.stream())?;
@@ -394,15 +396,7 @@ impl Plan {
         let cuda = ctx.stream().context();
         let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         let (start, end) = (cuda.new_event(flags)?, cuda.new_event(flags)?);
-        // Twice the L2 cache; timing goes on without flushes if it cannot be had.
-        let l2 = cuda
-            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
-            .map_or(0, |b| b.max(0) as usize);
-        let mut flush = if l2 > 0 && ctx.memory_info().is_ok_and(|(free, _)| free > 4 * l2) {
-            ctx.stream().alloc_zeros::<u8>(2 * l2).ok()
-        } else {
-            None
-        };
+        let mut flush = Flusher::new(ctx, self.flush);
         let mut timings = Vec::new();
         let mut last_error = None;
         let mut time = |i: usize, timings: &mut Vec<(String, f64)>| {
