@@ -508,17 +508,35 @@ fn autotuning_times_every_candidate_and_keeps_the_fastest() {
     assert_eq!(first.engine(), plan.candidates()[0]);
 }
 
+/// Llama-3.1-8B's o_proj at 30 tokens (32 MiB of weights), with sampled rows of its f64 product and a
+/// poisoned output: the shape the tuning tests time.
+struct OProj30 {
+    args: MatmulArgs,
+    dev: Device<bf16, bf16>,
+    rows: Vec<usize>,
+    product: Vec<f64>,
+    d: CudaSlice<bf16>,
+}
+
+impl OProj30 {
+    fn new(ctx: &Cudnn, seed: u64) -> Self {
+        let args = MatmulArgs::linear(30, 4096, 4096);
+        let dev = Device::<bf16, bf16>::new(ctx, &Host::new(seed, &args));
+        let rows = sample_rows(&args);
+        let product = reference::matmul_rows(&args, &dev.rounded.a, &dev.rounded.b, &rows);
+        let d = poisoned::<bf16>(ctx, args.d_len()).unwrap();
+        OProj30 { args, dev, rows, product, d }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn knob_search_builds_configurations_around_the_fastest_and_stays_correct() {
     let ctx = tuned_gpu();
     ctx.set_autotune(3);
     ctx.set_knob_search(12);
-    let args = MatmulArgs::linear(30, 4096, 4096);
-    let dev = Device::<bf16, bf16>::new(&ctx, &Host::new(610, &args));
-    let rows = sample_rows(&args);
-    let product = reference::matmul_rows(&args, &dev.rounded.a, &dev.rounded.b, &rows);
-    let mut d = poisoned::<bf16>(&ctx, args.d_len()).unwrap();
+    let o = OProj30::new(&ctx, 610);
+    let (args, dev, rows, product, mut d) = (o.args, o.dev, o.rows, o.product, o.d);
     let plan = args.plan(&ctx, DataType::BF16, DataType::BF16, Epilogue::RESIDUAL).unwrap();
     let heuristics = plan.candidates().len();
     assert!(plan.tune_time().is_zero());
@@ -556,11 +574,8 @@ fn tuning_flush_by_reading_is_not_charged_for_write_back() {
     // kernels before a layer do. Without a flush the GPU idles while the timed launch is enqueued.
     let ctx = tuned_gpu();
     ctx.set_autotune(4);
-    let args = MatmulArgs::linear(30, 4096, 4096);
-    let dev = Device::<bf16, bf16>::new(&ctx, &Host::new(620, &args));
-    let rows = sample_rows(&args);
-    let product = reference::matmul_rows(&args, &dev.rounded.a, &dev.rounded.b, &rows);
-    let mut d = poisoned::<bf16>(&ctx, args.d_len()).unwrap();
+    let o = OProj30::new(&ctx, 620);
+    let (args, dev, rows, product, mut d) = (o.args, o.dev, o.rows, o.product, o.d);
     let mut medians = Vec::new();
     for flush in [L2Flush::Off, L2Flush::Write, L2Flush::Read] {
         ctx.set_tune_flush(flush);

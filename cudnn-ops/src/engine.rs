@@ -102,17 +102,11 @@ impl EngineChoice {
         )?;
         let engine = engine.first().ok_or_else(|| Error::invalid("engine config without engine"))?;
         let index = engine.get_i64(A::CUDNN_ATTR_ENGINE_GLOBAL_INDEX)?;
-        let choices = config.get_descriptors(
-            A::CUDNN_ATTR_ENGINECFG_KNOB_CHOICES,
-            D::CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR,
-            Some(sys::cudnnBackendKnobType_t::CUDNN_KNOB_TYPE_COUNTS.0 as usize),
-        )?;
+        let choices =
+            knob_list(config, A::CUDNN_ATTR_ENGINECFG_KNOB_CHOICES, D::CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR)?;
         let mut knobs = Vec::with_capacity(choices.len());
         for k in choices {
-            let kind = k.get_enum(
-                A::CUDNN_ATTR_KNOB_CHOICE_KNOB_TYPE,
-                sys::cudnnBackendAttributeType_t::CUDNN_TYPE_KNOB_TYPE,
-            )?;
+            let kind = knob_type(&k, A::CUDNN_ATTR_KNOB_CHOICE_KNOB_TYPE)?;
             knobs.push((kind, k.get_i64(A::CUDNN_ATTR_KNOB_CHOICE_KNOB_VALUE)?));
         }
         Ok(EngineChoice { index, knobs })
@@ -196,21 +190,28 @@ fn engine(graph: &Descriptor, index: i64) -> Result<Descriptor> {
     Ok(engine)
 }
 
+/// The knob descriptors of `kind` that `d` (an engine or a configuration) lists under `name`.
+fn knob_list(
+    d: &Descriptor,
+    name: sys::cudnnBackendAttributeName_t,
+    kind: sys::cudnnBackendDescriptorType_t,
+) -> Result<Vec<Descriptor>> {
+    d.get_descriptors(name, kind, Some(sys::cudnnBackendKnobType_t::CUDNN_KNOB_TYPE_COUNTS.0 as usize))
+}
+
+/// The raw knob type `d` holds under `name`.
+fn knob_type(d: &Descriptor, name: sys::cudnnBackendAttributeName_t) -> Result<u32> {
+    d.get_enum(name, sys::cudnnBackendAttributeType_t::CUDNN_TYPE_KNOB_TYPE)
+}
+
 /// The knobs engine `index` of `graph` exposes.
 pub(crate) fn knob_ranges(graph: &Descriptor, index: i64) -> Result<Vec<KnobRange>> {
     let engine = engine(graph, index)?;
-    let infos = engine.get_descriptors(
-        A::CUDNN_ATTR_ENGINE_KNOB_INFO,
-        D::CUDNN_BACKEND_KNOB_INFO_DESCRIPTOR,
-        Some(sys::cudnnBackendKnobType_t::CUDNN_KNOB_TYPE_COUNTS.0 as usize),
-    )?;
+    let infos = knob_list(&engine, A::CUDNN_ATTR_ENGINE_KNOB_INFO, D::CUDNN_BACKEND_KNOB_INFO_DESCRIPTOR)?;
     let mut out = Vec::with_capacity(infos.len());
     for info in infos {
         out.push(KnobRange {
-            kind: info.get_enum(
-                A::CUDNN_ATTR_KNOB_INFO_TYPE,
-                sys::cudnnBackendAttributeType_t::CUDNN_TYPE_KNOB_TYPE,
-            )?,
+            kind: knob_type(&info, A::CUDNN_ATTR_KNOB_INFO_TYPE)?,
             min: info.get_i64(A::CUDNN_ATTR_KNOB_INFO_MINIMUM_VALUE)?,
             max: info.get_i64(A::CUDNN_ATTR_KNOB_INFO_MAXIMUM_VALUE)?,
             stride: info.get_i64(A::CUDNN_ATTR_KNOB_INFO_STRIDE)?,
