@@ -559,11 +559,24 @@ fn knob_search_builds_configurations_around_the_fastest_and_stays_correct() {
     let fastest = timings.iter().min_by(|a, b| a.1.total_cmp(&b.1)).unwrap();
     assert_eq!(plan.engine(), fastest.0);
     assert!(!plan.tune_time().is_zero());
-    // Searched configurations carry their knobs in the tag.
-    assert!(
-        timings[heuristics..].iter().all(|(e, _)| e.starts_with("eng") && e.contains("_k")),
-        "{timings:?}"
-    );
+    // Each searched configuration is one knob away from a configuration timed before it.
+    let parsed: Vec<(String, std::collections::BTreeMap<String, String>)> = timings
+        .iter()
+        .map(|(tag, _)| {
+            let mut parts = tag.split("_k");
+            let engine = parts.next().unwrap().to_string();
+            let knobs =
+                parts.map(|k| k.split_once('=').expect(tag)).map(|(k, v)| (k.into(), v.into())).collect();
+            (engine, knobs)
+        })
+        .collect();
+    for (i, (engine, knobs)) in parsed.iter().enumerate().skip(heuristics) {
+        let one_away = parsed[..i].iter().any(|(e, earlier)| {
+            let keys: std::collections::BTreeSet<&String> = knobs.keys().chain(earlier.keys()).collect();
+            e == engine && keys.iter().filter(|k| knobs.get(**k) != earlier.get(**k)).count() == 1
+        });
+        assert!(one_away, "{} is not one knob away from an earlier candidate: {timings:?}", timings[i].0);
+    }
 }
 
 #[test]

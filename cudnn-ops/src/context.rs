@@ -42,7 +42,8 @@ fn knob_search_from(value: Option<&str>) -> usize {
 /// How a plan that autotunes picks its engine configuration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Tuning {
-    /// Heuristics' configurations to finalize and time on the first execution (1: take the first).
+    /// Heuristics' configurations to finalize and time on the first execution (1 without a knob
+    /// search: take the first, untimed).
     pub candidates: usize,
     /// Further configurations the first execution may build and time: knob by knob around the
     /// fastest one so far, while that improves (0: none).

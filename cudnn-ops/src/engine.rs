@@ -27,7 +27,10 @@ impl KnobRange {
     /// The values, at most `cap` of them, from the smallest.
     pub fn values(&self, cap: usize) -> impl Iterator<Item = i64> {
         let stride = self.stride.max(1);
-        let count = if self.max < self.min { 0 } else { ((self.max - self.min) / stride + 1) as usize };
+        // i128: cuDNN may report extreme ranges (e.g. i64::MIN..=i64::MAX).
+        let span = self.max as i128 - self.min as i128;
+        let count =
+            if span < 0 { 0 } else { usize::try_from(span / stride as i128 + 1).unwrap_or(usize::MAX) };
         let min = self.min;
         (0..count.min(cap)).map(move |i| min + i as i64 * stride)
     }
@@ -231,6 +234,8 @@ mod tests {
         assert_eq!(r.values(2).collect::<Vec<_>>(), [2, 5]);
         let empty = KnobRange { kind: 24, min: 5, max: 4, stride: 1 };
         assert_eq!(empty.values(10).count(), 0);
+        let huge = KnobRange { kind: 25, min: i64::MIN, max: i64::MAX, stride: 1 };
+        assert_eq!(huge.values(3).collect::<Vec<_>>(), [i64::MIN, i64::MIN + 1, i64::MIN + 2]);
         let zero_stride = KnobRange { kind: 17, min: 1, max: 3, stride: 0 };
         assert_eq!(zero_stride.values(10).collect::<Vec<_>>(), [1, 2, 3]);
     }

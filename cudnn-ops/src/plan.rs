@@ -79,7 +79,8 @@ impl Candidate {
 /// A plan may hold several finalized engine configurations (see [`crate::Graph::build_tuned`]): the
 /// first execution then times each on the caller's buffers, may build more by changing one knob at a
 /// time around the fastest ([`Tuning::knob_search`]), and keeps the fastest (the frontend's
-/// autotuning); until then, and with one candidate, the heuristics' first choice runs.
+/// autotuning); until then, and with one candidate and no knob search, the heuristics' first choice
+/// runs.
 pub struct Plan {
     // Field order is drop order: the plans go before the graph descriptors they were built from.
     candidates: RefCell<Vec<Rc<Candidate>>>,
@@ -211,8 +212,8 @@ impl Plan {
         knob_ranges(&self._graph, index)
     }
 
-    /// Median milliseconds per candidate from autotuning (empty until the first execution of a plan
-    /// with several candidates).
+    /// Median milliseconds per candidate from autotuning, in the order timed (empty until the first
+    /// execution of a plan that autotunes: several candidates or a knob search).
     pub fn timings(&self) -> Vec<(String, f64)> {
         self.timings.borrow().clone()
     }
@@ -378,7 +379,10 @@ impl Plan {
         prepared.execute()?;
         let mut samples = Vec::with_capacity(TUNE_SAMPLES);
         for _ in 0..TUNE_SAMPLES {
-            flush.run(ctx)?;
+            if flush.run(ctx).is_err() {
+                // The flush only serves the timing: without it the timing goes on, hot.
+                *flush = Flusher::Off;
+            }
             start.record(ctx.stream())?;
             prepared.execute()?;
             end.record(ctx.stream())?;
@@ -410,20 +414,25 @@ impl Plan {
                 }
             }
         };
-        for i in 0..self.candidates.borrow().len() {
+        let heuristics = self.candidates.borrow().len();
+        for i in 0..heuristics {
             time(i, &mut timings);
         }
         let fastest =
             |t: &[(String, f64)]| (0..t.len()).min_by(|&x, &y| t[x].1.total_cmp(&t[y].1)).unwrap_or(0);
         // Knob search: every configuration one knob away from the fastest so far, again around a new
         // fastest, until none is faster or the budget is spent. Finalize failures (combinations an
-        // engine rejects) cost an attempt, not the budget; attempts are capped at four times it.
+        // engine rejects) cost an attempt, not the budget; attempts are capped at four times it. A
+        // configuration needing more workspace than every heuristics' one is not kept (the context's
+        // workspace only grows).
         let (mut built, mut attempts) = (0, 0);
+        let max_attempts = self.knob_search.saturating_mul(4);
+        let max_workspace = self.candidates.borrow().iter().map(|c| c.workspace).max().unwrap_or(0);
         let mut tried: Vec<EngineChoice> =
             self.candidates.borrow().iter().map(|c| c.choice.clone()).collect();
         let mut ranges: Vec<(i64, Vec<KnobRange>)> = Vec::new();
         let mut searched: Vec<usize> = Vec::new();
-        while built < self.knob_search && attempts < 4 * self.knob_search {
+        while built < self.knob_search && attempts < max_attempts {
             let best = fastest(&timings);
             let base = self.candidates.borrow()[best].choice.clone();
             if searched.contains(&best) || base.index < 0 || timings[best].1.is_infinite() {
@@ -435,7 +444,7 @@ impl Plan {
             }
             let knobs = &ranges.iter().find(|(i, _)| *i == base.index).expect("just added").1;
             for next in base.neighbours(knobs) {
-                if built >= self.knob_search || attempts >= 4 * self.knob_search {
+                if built >= self.knob_search || attempts >= max_attempts {
                     break;
                 }
                 if tried.iter().any(|t| t.same(&next)) {
@@ -445,9 +454,16 @@ impl Plan {
                 attempts += 1;
                 let Ok((config, parts)) = next.build(&self._graph) else { continue };
                 let Ok(candidate) = Candidate::new(ctx, config, next, parts) else { continue };
+                if candidate.workspace > max_workspace {
+                    continue;
+                }
                 built += 1;
-                self.candidates.borrow_mut().push(Rc::new(candidate));
-                time(self.candidates.borrow().len() - 1, &mut timings);
+                let index = {
+                    let mut candidates = self.candidates.borrow_mut();
+                    candidates.push(Rc::new(candidate));
+                    candidates.len() - 1
+                };
+                time(index, &mut timings);
             }
         }
         if timings.iter().all(|(_, ms)| ms.is_infinite()) {

@@ -68,7 +68,7 @@ impl Flusher {
         stream.alloc_zeros::<u8>(2 * l2).map_or(Flusher::Off, Flusher::Write)
     }
 
-    /// Enqueues the flush on the context's stream.
+    /// Enqueues the flush on the context's stream (autotuning carries on without one if this fails).
     pub(crate) fn run(&mut self, ctx: &Cudnn) -> Result<()> {
         match self {
             Flusher::Read { a, x, y, rows } => {
