@@ -115,8 +115,12 @@ impl EngineChoice {
         Ok(EngineChoice { index, knobs })
     }
 
-    /// The frontend's engine tag: `eng<global index>` then `_k<knob type>=<value>` per knob.
+    /// The frontend's engine tag: `eng<global index>` then `_k<knob type>=<value>` per knob
+    /// (`unknown` for a configuration that could not be read back).
     pub(crate) fn tag(&self) -> String {
+        if self.index < 0 {
+            return "unknown".into();
+        }
         let mut tag = format!("eng{}", self.index);
         for (kind, value) in &self.knobs {
             tag += &format!("_k{kind}={value}");

@@ -9,6 +9,7 @@ use crate::{Cudnn, Error, Result, Tuning};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 use cudnn_sys as sys;
 use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
@@ -59,7 +60,6 @@ struct Candidate {
     plan: Descriptor,
     workspace: usize,
     choice: EngineChoice,
-    engine: String,
     /// The engine configuration and, for configurations built here, its engine and knob choices.
     _config: Vec<Descriptor>,
 }
@@ -70,7 +70,7 @@ impl Candidate {
         let workspace = plan.get_i64(A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE)?.max(0) as usize;
         let mut keep = vec![config];
         keep.extend(parts);
-        Ok(Candidate { plan, workspace, engine: choice.tag(), choice, _config: keep })
+        Ok(Candidate { plan, workspace, choice, _config: keep })
     }
 }
 
@@ -197,7 +197,7 @@ impl Plan {
     /// Engines that finalized, in heuristics order (the first is the heuristics' choice), then those
     /// the knob search built.
     pub fn candidates(&self) -> Vec<String> {
-        self.candidates.borrow().iter().map(|c| c.engine.clone()).collect()
+        self.candidates.borrow().iter().map(|c| c.choice.tag()).collect()
     }
 
     /// The knobs the running engine exposes (what a knob search varies).
@@ -231,7 +231,7 @@ impl Plan {
     /// The engine that runs, as the frontend tags it: `eng<global index>` then `_k<knob type>=<value>`
     /// per knob ([`crate::knob_name`] names the types).
     pub fn engine(&self) -> String {
-        self.chosen().engine.clone()
+        self.chosen().choice.tag()
     }
 
     /// Workspace bytes the running engine needs per execution.
@@ -404,7 +404,7 @@ impl Plan {
         let mut timings = Vec::new();
         let mut last_error = None;
         let mut time = |i: usize, timings: &mut Vec<(String, f64)>| {
-            let engine = self.candidates.borrow()[i].engine.clone();
+            let engine = self.candidates.borrow()[i].choice.tag();
             // A configuration can finalize and still fail to run: it is timed as never finishing.
             match self.time_candidate(ctx, b, i, (&start, &end), &mut flush) {
                 Ok(ms) => timings.push((engine, ms)),
@@ -430,7 +430,7 @@ impl Plan {
         let max_workspace = self.candidates.borrow().iter().map(|c| c.workspace).max().unwrap_or(0);
         let mut tried: Vec<EngineChoice> =
             self.candidates.borrow().iter().map(|c| c.choice.clone()).collect();
-        let mut ranges: Vec<(i64, Vec<KnobRange>)> = Vec::new();
+        let mut ranges: HashMap<i64, Vec<KnobRange>> = HashMap::new();
         let mut searched: Vec<usize> = Vec::new();
         while built < self.knob_search && attempts < max_attempts {
             let best = fastest(&timings);
@@ -439,10 +439,9 @@ impl Plan {
                 break;
             }
             searched.push(best);
-            if !ranges.iter().any(|(i, _)| *i == base.index) {
-                ranges.push((base.index, knob_ranges(&self._graph, base.index).unwrap_or_default()));
-            }
-            let knobs = &ranges.iter().find(|(i, _)| *i == base.index).expect("just added").1;
+            let knobs = ranges
+                .entry(base.index)
+                .or_insert_with(|| knob_ranges(&self._graph, base.index).unwrap_or_default());
             for next in base.neighbours(knobs) {
                 if built >= self.knob_search || attempts >= max_attempts {
                     break;
