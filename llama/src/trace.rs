@@ -27,7 +27,7 @@ impl Call {
 pub struct Tracer {
     stream: Arc<CudaStream>,
     clock: Box<dyn FnMut() -> u64>,
-    open: Vec<(&'static str, Option<usize>, u64, CudaEvent, nvtx::LocalRange)>,
+    open: Vec<(&'static str, Option<usize>, u64, CudaEvent)>,
     calls: Vec<Call>,
     error: Option<DriverError>,
 }
@@ -67,10 +67,15 @@ impl Tracer {
 
 impl Observer for Tracer {
     fn begin(&mut self, range: &'static str, layer: Option<usize>) {
-        let nvtx = nvtx::LocalRange::new(nvtx::Str::from_str_lossy(range));
+        // NVTX keeps its own per-thread stack: every push here has its pop in `end`. Without an
+        // attached tool (Nsight sets NVTX_INJECTION64_PATH) a push is a null check in NVTX's C code.
+        nvtx::range_push!("{range}");
         let t = (self.clock)();
-        if let Some(e) = self.event() {
-            self.open.push((range, layer, t, e, nvtx));
+        match self.event() {
+            Some(e) => self.open.push((range, layer, t, e)),
+            None => {
+                nvtx::range_pop!();
+            }
         }
     }
 
@@ -78,8 +83,8 @@ impl Observer for Tracer {
         let end = self.event();
         let t = (self.clock)();
         let Some(pos) = self.open.iter().rposition(|o| o.0 == range && o.1 == layer) else { return };
-        let (name, layer, start_ns, start, nvtx) = self.open.remove(pos);
-        drop(nvtx);
+        let (name, layer, start_ns, start) = self.open.remove(pos);
+        nvtx::range_pop!();
         if let Some(end) = end {
             let range = RangeRecord { name: name.to_string(), layer, start_ns, end_ns: t };
             self.calls.push(Call { range, start, end });
