@@ -192,3 +192,60 @@ fn chunked_prefill_uses_the_bottom_right_mask_and_logits_match() {
         );
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn captured_decode_steps_replay_at_every_position() {
+    let ctx = gpu();
+    let cfg = LlamaConfig::tiny();
+    let w = Weights::<bf16>::random(&cfg, 8);
+    let mut model = Llama::new(&ctx, &cfg, &w, 64).unwrap();
+    let (batch, prompt, steps) = (2, 7, 6);
+    let all = tokens(batch, prompt + steps, cfg.vocab, 17);
+    let expected = reference::forward(&cfg, &w, &all, 0);
+    let fused = Backends::all(Backend::Fused);
+    let h = cfg.hidden;
+    let head: Vec<Vec<u32>> = all.iter().map(|t| t[..prompt].to_vec()).collect();
+    let step = |s: usize| -> Vec<u32> { all.iter().map(|t| t[s]).collect() };
+    // Plain launches on one cache, graph replays on another, from the same prefill.
+    let mut plain = model.cache(&ctx, batch, prompt + steps).unwrap();
+    let mut replay = model.cache(&ctx, batch, prompt + steps).unwrap();
+    model.forward(&ctx, &head, &mut plain, &fused, &mut NoObserver).unwrap();
+    model.forward(&ctx, &head, &mut replay, &fused, &mut NoObserver).unwrap();
+    // Position `prompt` plainly on both (builds the decode plan outside the capture), then capture.
+    for cache in [&mut plain, &mut replay] {
+        let one: Vec<Vec<u32>> = step(prompt).iter().map(|&t| vec![t]).collect();
+        model.forward(&ctx, &one, cache, &fused, &mut NoObserver).unwrap();
+    }
+    let graph = match model.capture_decode(&ctx, &mut replay, &fused) {
+        Ok(g) => g,
+        Err(e) if ctx.info().cudnn_version < 91500 => {
+            println!("cuDNN < 9.15 has no run-time sequence lengths: {e}");
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    assert_eq!(replay.len(), prompt + 1, "a capture runs nothing");
+    assert!(model.decode(&ctx, &graph, &step(prompt + 1), &mut plain).is_err(), "another cache");
+    for s in prompt + 1..prompt + steps {
+        let one: Vec<Vec<u32>> = step(s).iter().map(|&t| vec![t]).collect();
+        let p = ctx
+            .stream()
+            .clone_dtoh(model.forward(&ctx, &one, &mut plain, &fused, &mut NoObserver).unwrap())
+            .unwrap();
+        let r = ctx.stream().clone_dtoh(model.decode(&ctx, &graph, &step(s), &mut replay).unwrap()).unwrap();
+        assert_eq!(&p[..batch * h], &r[..batch * h], "position {s}: replay differs from plain launches");
+        for bi in 0..batch {
+            let c = compare(&r[bi * h..][..h], &expected[(bi * (prompt + steps) + s) * h..][..h]);
+            assert!(c.passes(MODEL_TOL), "sequence {bi} position {s}: {c}");
+        }
+    }
+    assert_eq!(replay.len(), prompt + steps);
+    assert!(model.decode(&ctx, &graph, &step(0), &mut replay).is_err(), "cache full");
+    // A naive step takes its position from the host: no graph.
+    let naive = Backends::all(Backend::Naive);
+    let mut other = model.cache(&ctx, batch, prompt + steps).unwrap();
+    model.forward(&ctx, &head, &mut other, &naive, &mut NoObserver).unwrap();
+    let e = model.capture_decode(&ctx, &mut other, &naive).unwrap_err().to_string();
+    assert!(e.contains("position from the host"), "{e}");
+}

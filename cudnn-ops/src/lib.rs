@@ -47,8 +47,8 @@ pub use ops::matmul::{
     linear, matmul, matmul_with, Activation, BufferLens, Epilogue, Linear, MatmulArgs, MatrixLayout, Operands,
 };
 pub use ops::rmsnorm::{rms_norm, rms_norm_train, rms_norm_with, RmsNormArgs};
-pub use ops::rope::{rope_with, RopeArgs, RopeTables};
-pub use ops::rows::{check_ids, embedding, write_cache, CacheWrite};
+pub use ops::rope::{rope_at, rope_with, RopeArgs, RopeTables};
+pub use ops::rows::{check_ids, embedding, write_cache, write_cache_at, CacheWrite};
 pub use ops::sdpa::{sdpa, sdpa_padded, sdpa_train, sdpa_with, Layout, SdpaArgs, SdpaLens};
 pub use plan::{Bindings, Plan, Prepared, Scalar};
 pub use tensor::{packed_strides, TensorSpec, DEFAULT_ALIGNMENT, MAX_RANK};

@@ -27,7 +27,7 @@ pub mod weights;
 pub use backends::{Backends, ModuleKind};
 pub use config::LlamaConfig;
 pub use cudnn_ops::Backend;
-pub use model::{Fallback, KvCache, Llama, NoObserver, Observer};
+pub use model::{DecodeGraph, Fallback, KvCache, Llama, NoObserver, Observer};
 
 /// Result alias of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -28,10 +28,20 @@ use crate::weights::{Tensor, Weights};
 use crate::{Backend, Error, Result};
 use cudarc::driver::CudaSlice;
 use cudnn_ops::{
-    check_ids, embedding, linear, rms_norm_with, rope_with, sdpa_padded, sdpa_with, write_cache, CacheWrite,
-    Cudnn, Element, Epilogue, Layout, Linear, Mask, Operands, RmsNormArgs, RopeArgs, RopeTables, SdpaArgs,
+    check_ids, embedding, linear, rms_norm_with, rope_at, rope_with, sdpa_padded, sdpa_with, write_cache,
+    write_cache_at, CacheWrite, Cudnn, Element, Epilogue, Layout, Linear, Mask, Operands, RmsNormArgs,
+    RopeArgs, RopeTables, SdpaArgs,
 };
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Identities of caches and activation buffers, so that a captured decode graph (which holds their
+/// device addresses) refuses to run on others.
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+fn next_id() -> u64 {
+    NEXT_ID.fetch_add(1, Ordering::Relaxed)
+}
 
 /// The range of the embedding lookup (one kernel on both backends).
 pub const EMBED_RANGE: &str = "fwd.embed";
@@ -82,6 +92,10 @@ pub struct KvCache<T> {
     /// run-time lengths of the one padded attention plan every decode step shares.
     kv_lens: CudaSlice<i32>,
     q_lens: CudaSlice<i32>,
+    /// Per sequence, the position of the token a decode step writes (`len`): fused RoPE and the
+    /// cache writes read it on the device, so a captured decode step serves every position.
+    positions: CudaSlice<i32>,
+    id: u64,
 }
 
 impl<T> KvCache<T> {
@@ -111,6 +125,7 @@ const PADDED_SDPA: usize = 91500;
 
 /// Activation buffers for `rows` tokens.
 struct Activations<T> {
+    id: u64,
     rows: usize,
     /// Rows of the last forward.
     last: usize,
@@ -122,6 +137,20 @@ struct Activations<T> {
     up: CudaSlice<T>,
     act: CudaSlice<T>,
     out: CudaSlice<T>,
+}
+
+/// One decode step captured as a CUDA graph ([`Llama::capture_decode`], replayed by [`Llama::decode`]).
+pub struct DecodeGraph {
+    graph: cudarc::driver::CudaGraph,
+    batch: usize,
+    cache_id: u64,
+    acts_id: u64,
+}
+
+impl std::fmt::Debug for DecodeGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecodeGraph").field("batch", &self.batch).finish_non_exhaustive()
+    }
 }
 
 /// A Llama-3 decoder on one GPU.
@@ -214,7 +243,8 @@ impl<T: Element> Llama<T> {
         let s = ctx.stream();
         let kv_lens = s.alloc_zeros::<i32>(batch).map_err(cudnn_ops::Error::from)?;
         let q_lens = s.clone_htod(&vec![1i32; batch]).map_err(cudnn_ops::Error::from)?;
-        Ok(KvCache { k, v, batch, max_seq, len: 0, kv_lens, q_lens })
+        let positions = s.alloc_zeros::<i32>(batch).map_err(cudnn_ops::Error::from)?;
+        Ok(KvCache { k, v, batch, max_seq, len: 0, kv_lens, q_lens, positions, id: next_id() })
     }
 
     fn activations(&mut self, ctx: &Cudnn, rows: usize) -> Result<()> {
@@ -224,6 +254,7 @@ impl<T: Element> Llama<T> {
         let c = &self.cfg;
         let alloc = |n: usize| ctx.stream().alloc_zeros::<T>(rows * n).map_err(cudnn_ops::Error::from);
         self.acts = Some(Activations {
+            id: next_id(),
             rows,
             last: 0,
             ids: ctx.stream().alloc_zeros::<u32>(rows).map_err(cudnn_ops::Error::from)?,
@@ -252,6 +283,87 @@ impl<T: Element> Llama<T> {
         let (batch, seq) = self.upload(ctx, tokens, cache)?;
         self.run(ctx, batch, seq, cache, backends, obs)?;
         Ok(&self.acts.as_ref().expect("allocated by upload").out)
+    }
+
+    /// Captures one decode step (one token per sequence) as a CUDA graph that [`Llama::decode`]
+    /// replays at every later position: fused RoPE, the cache writes and attention read the position
+    /// and lengths on the device. Run a fused decode step with the same `backends` first, so that
+    /// plans are built and kernels loaded outside the capture. It is an error when the step cannot be
+    /// replayed at another position: RoPE or attention not fused in some layer (or fallen back to
+    /// naive), or a cuDNN without run-time sequence lengths (< 9.15). The graph holds the addresses of
+    /// `cache` and of the model's activation buffers; `decode` refuses another cache, and a graph made
+    /// stale by a longer forward (which reallocates the activations).
+    pub fn capture_decode(
+        &mut self,
+        ctx: &Cudnn,
+        cache: &mut KvCache<T>,
+        backends: &Backends,
+    ) -> Result<DecodeGraph> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        if cache.is_empty() || cache.len >= cache.max_seq {
+            return Err(Error::Config(format!(
+                "capture_decode: needs a cache holding a prefill with room for a token (holds {} of {})",
+                cache.len, cache.max_seq
+            )));
+        }
+        let acts_id = match &self.acts {
+            Some(a) if a.rows >= cache.batch => a.id,
+            _ => return Err(Error::Config("capture_decode: run a forward first".into())),
+        };
+        let stream = ctx.stream().clone();
+        stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(cudnn_ops::Error::from)?;
+        let ran = self.run(ctx, cache.batch, 1, cache, backends, &mut NoObserver);
+        let graph =
+            stream.end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+        if ran.is_ok() {
+            cache.len -= 1; // nothing ran: the capture only recorded the step
+        }
+        let baked = ran?;
+        let graph = graph.map_err(cudnn_ops::Error::from)?;
+        let graph = graph.ok_or_else(|| Error::Config("capture_decode: the step enqueued no work".into()))?;
+        if baked {
+            return Err(Error::Config(
+                "capture_decode: this step takes its position from the host (RoPE or attention not fused \
+                 in every layer, a fallback, or cuDNN < 9.15): run decode steps with forward instead"
+                    .into(),
+            ));
+        }
+        Ok(DecodeGraph { graph, batch: cache.batch, cache_id: cache.id, acts_id })
+    }
+
+    /// Replays a captured decode step for `tokens` (one per sequence) at the cache's current length,
+    /// appending to `cache`; returns the output-normed hidden states as [`Llama::forward`] does (the
+    /// first `batch` rows).
+    pub fn decode(
+        &mut self,
+        ctx: &Cudnn,
+        graph: &DecodeGraph,
+        tokens: &[u32],
+        cache: &mut KvCache<T>,
+    ) -> Result<&CudaSlice<T>> {
+        if graph.cache_id != cache.id || graph.batch != tokens.len() {
+            return Err(Error::Config(format!(
+                "decode: the graph was captured for another cache or batch ({} sequences, {} tokens given)",
+                graph.batch,
+                tokens.len()
+            )));
+        }
+        if self.acts.as_ref().map(|a| a.id) != Some(graph.acts_id) {
+            return Err(Error::Config(
+                "decode: a longer forward reallocated the activations since the capture; capture again"
+                    .into(),
+            ));
+        }
+        if cache.is_empty() {
+            return Err(Error::Config("decode: the cache holds no prefill".into()));
+        }
+        let step: Vec<Vec<u32>> = tokens.iter().map(|&t| vec![t]).collect();
+        self.upload(ctx, &step, cache)?;
+        graph.graph.launch().map_err(cudnn_ops::Error::from)?;
+        cache.len += 1;
+        Ok(&self.acts.as_ref().expect("checked above").out)
     }
 
     /// Captures the forward of `tokens` as a CUDA graph (run [`Llama::forward`] with the same shapes
@@ -312,14 +424,19 @@ impl<T: Element> Llama<T> {
             .memcpy_htod(&ids, &mut acts.ids.slice_mut(..ids.len()))
             .map_err(cudnn_ops::Error::from)?;
         if seq == 1 && cache.len > 0 && self.padded_decode {
+            let s = ctx.stream();
             let lens = vec![(cache.len + 1) as i32; batch];
-            ctx.stream().memcpy_htod(&lens, &mut cache.kv_lens).map_err(cudnn_ops::Error::from)?;
+            s.memcpy_htod(&lens, &mut cache.kv_lens).map_err(cudnn_ops::Error::from)?;
+            let positions = vec![cache.len as i32; batch];
+            s.memcpy_htod(&positions, &mut cache.positions).map_err(cudnn_ops::Error::from)?;
         }
         Ok((batch, seq))
     }
 
     /// The forward body over ids already uploaded: only kernel launches and cuDNN/cuBLAS calls, so it
-    /// can be captured.
+    /// can be captured. Returns true when some launch took the cache position as a host value (a
+    /// captured graph of it replays that position only); fused decode steps on the padded attention
+    /// plan read every position on the device.
     fn run(
         &mut self,
         ctx: &Cudnn,
@@ -328,7 +445,7 @@ impl<T: Element> Llama<T> {
         cache: &mut KvCache<T>,
         backends: &Backends,
         obs: &mut dyn Observer,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let rows = batch * seq;
         let c = self.cfg.clone();
         let mut me =
@@ -337,6 +454,10 @@ impl<T: Element> Llama<T> {
         let (hid, d, hq, hkv, w) = (c.hidden, c.head_dim, c.heads, c.kv_heads, c.qkv_width());
         let start = cache.len;
         let mut padded_decode = self.padded_decode;
+        // Fused decode steps read their position from the cache's device buffers (uploaded with the
+        // ids), so one captured step serves every position.
+        let device_positions = seq == 1 && start > 0 && padded_decode;
+        let mut baked = !device_positions;
         me.obs.begin(EMBED_RANGE, None);
         let embedded = embedding(ctx, &acts.ids, rows, &self.embed, c.vocab, hid, &mut acts.x[0]);
         me.obs.end(EMBED_RANGE, None);
@@ -355,7 +476,13 @@ impl<T: Element> Llama<T> {
                 linear(b, ctx, qkv_lin, Epilogue::NONE, &Operands::new(&acts.h, &layer.qkv), &mut acts.qkv)
             })?;
             let rope = RopeArgs { batch, seq, heads_q: hq, heads_kv: hkv, head_dim: d, row_stride: w, start };
-            me.run(ModuleKind::Rope, 0, at, &shape, |b| rope_with(b, ctx, rope, &self.rope, &mut acts.qkv))?;
+            me.run(ModuleKind::Rope, 0, at, &shape, |b| {
+                if b == Backend::Fused && device_positions {
+                    return rope_at(ctx, rope, &self.rope, &mut acts.qkv, &cache.positions);
+                }
+                baked = true;
+                rope_with(b, ctx, rope, &self.rope, &mut acts.qkv)
+            })?;
             let mask = if start == 0 { Mask::CausalTopLeft } else { Mask::CausalBottomRight };
             let mut attn = SdpaArgs::new(batch, hq, hkv, seq, start + seq, d, Layout::Bshd).with_mask(mask);
             attn.q_strides = [seq * w, d, w, 1];
@@ -365,18 +492,24 @@ impl<T: Element> Llama<T> {
             // The fallback key leaves s_kv out, so decode steps do not retry a shape that failed.
             let attn_shape = format!("{batch}x{seq} {}", mask.name());
             let (kv_lens, q_lens, max_seq) = (&cache.kv_lens, &cache.q_lens, cache.max_seq);
+            let positions = &cache.positions;
             me.run(ModuleKind::Gqa, 0, at, &attn_shape, |b| {
                 let write = CacheWrite { batch, seq, cols: hkv * d, src_stride: w, max_seq, start };
-                write_cache(ctx, write, &acts.qkv.slice(hq * d..), kc)?;
-                write_cache(ctx, write, &acts.qkv.slice((hq + hkv) * d..), vc)?;
-                if b == Backend::Fused && seq == 1 && start > 0 && padded_decode {
-                    // One plan for every decode step: the whole cache as capacity, lengths on the device.
+                let (k_src, v_src) = (acts.qkv.slice(hq * d..), acts.qkv.slice((hq + hkv) * d..));
+                if b == Backend::Fused && device_positions && padded_decode {
+                    // One plan for every decode step: the whole cache as capacity, lengths and the
+                    // written row on the device.
+                    write_cache_at(ctx, write, &k_src, kc, positions)?;
+                    write_cache_at(ctx, write, &v_src, vc, positions)?;
                     let padded = SdpaArgs { seq_kv: max_seq, ..attn }.with_mask(Mask::None).with_seq_lens();
                     match sdpa_padded(ctx, padded, &acts.qkv, &*kc, &*vc, &mut acts.attn, q_lens, kv_lens) {
                         Err(cudnn_ops::Error::NotSupported { .. }) => padded_decode = false,
                         done => return done,
                     }
                 }
+                baked = true;
+                write_cache(ctx, write, &k_src, kc)?;
+                write_cache(ctx, write, &v_src, vc)?;
                 sdpa_with(b, ctx, attn, &acts.qkv, &*kc, &*vc, &mut acts.attn, None)
             })?;
             let (xa, xb) = acts.x.split_at_mut(1);
@@ -425,7 +558,7 @@ impl<T: Element> Llama<T> {
         })?;
         self.padded_decode = padded_decode;
         cache.len += seq;
-        Ok(())
+        Ok(baked)
     }
 
     /// Logits `[rows, vocab]` of the last forward's first `rows` output rows (`lm_head`, or the

@@ -8,23 +8,30 @@ ELEMENTWISE(embedding_16, (const unsigned* ids, const bits16* table, long cols, 
 
 // Writes `seq` rows of `cols` elements per batch, read with row stride `ss` (a view into the QKV
 // buffer), into a cache [batch, max_seq, cols] at rows start.. (StaticCache.update's index_copy_).
-ELEMENTWISE(cache_rows_16, (const bits16* src, long ss, long seq, long cols, long max_seq, long start, bits16* dst, long n), {
+// With `starts` (device i32 [batch]; may be null) sequence b starts at starts[b] instead, so a captured
+// CUDA graph serves every position; rows that would land outside the cache are skipped.
+ELEMENTWISE(cache_rows_16, (const bits16* src, long ss, long seq, long cols, long max_seq, long start,
+                            const int* starts, bits16* dst, long n), {
     long c = i % cols, r = i / cols;
     long s = r % seq, b = r / seq;
-    dst[(b * max_seq + start + s) * cols + c] = src[r * ss + c];
+    long row = (starts ? (long)starts[b] : start) + s;
+    if (row >= 0 && row < max_seq) dst[(b * max_seq + row) * cols + c] = src[r * ss + c];
 })
 
 // Fused RoPE: rotates Q and K heads in place, f32 math, one rounding. One block per row (token; row r
 // is position start + r % seq, rows `ss` elements apart), its threads over the row's (head, pair)s with
 // 32-bit index math (a 64-bit division per element made this kernel three times slower than its
 // memory traffic). The first `heads` heads of a row (Q, then K) start at element 0; cos/sin are f32
-// [positions, dim / 2].
+// [positions, dim / 2]. With `starts` (device i32 [batch]; may be null) sequence b starts at
+// starts[b] instead of `start`; a row whose position falls outside the tables is left as it is.
 #define ROPE_FUSED(T, sfx, load, store)                                                                   \
 extern "C" __global__ void rope_fused_##sfx(T* x, long ss, long seq, long heads, long dim, long start,     \
+                                            const int* starts, long positions,                            \
                                             const float* cos_t, const float* sin_t) {                     \
     long r = blockIdx.x;                                                                                  \
     int half = (int)dim / 2, pairs = (int)heads * half;                                                   \
-    long pos = start + r % seq;                                                                           \
+    long pos = (starts ? (long)starts[r / seq] : start) + r % seq;                                        \
+    if (pos < 0 || pos >= positions) return;                                                              \
     const float* c = cos_t + pos * half;                                                                  \
     const float* s = sin_t + pos * half;                                                                  \
     T* row = x + r * ss;                                                                                  \

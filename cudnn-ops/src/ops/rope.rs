@@ -113,8 +113,40 @@ pub fn rope_with<T: Element>(
     tables: &RopeTables<T>,
     qkv: &mut (impl DevicePtrMut<T> + ?Sized),
 ) -> Result<()> {
-    let sfx = suffix(T::DTYPE)?;
     args.check(qkv.len(), tables.positions, tables.dim)?;
+    rotate(backend, ctx, args, tables, qkv, None)
+}
+
+/// Rotates Q and K of `qkv` in place with the fused kernel, sequence `b` starting at position
+/// `starts[b]` (device i32, one per sequence; `args.start` is not used). The positions are read on the
+/// device when the kernel runs, so a captured CUDA graph serves every decode position; a row whose
+/// position falls outside the tables is left unrotated (the kernel bounds it; no host check can).
+pub fn rope_at<T: Element>(
+    ctx: &Cudnn,
+    args: RopeArgs,
+    tables: &RopeTables<T>,
+    qkv: &mut (impl DevicePtrMut<T> + ?Sized),
+    starts: &CudaSlice<i32>,
+) -> Result<()> {
+    RopeArgs { start: 0, ..args }.check(qkv.len(), tables.positions, tables.dim)?;
+    ensure!(
+        starts.len() >= args.batch,
+        "rope: {} start positions for {} sequences",
+        starts.len(),
+        args.batch
+    );
+    rotate(Backend::Fused, ctx, args, tables, qkv, Some(starts))
+}
+
+fn rotate<T: Element>(
+    backend: Backend,
+    ctx: &Cudnn,
+    args: RopeArgs,
+    tables: &RopeTables<T>,
+    qkv: &mut (impl DevicePtrMut<T> + ?Sized),
+    starts: Option<&CudaSlice<i32>>,
+) -> Result<()> {
+    let sfx = suffix(T::DTYPE)?;
     let kernels = Kernels::get(ctx)?;
     let RopeArgs { batch, seq, heads_q, heads_kv, head_dim: d, row_stride, start } = args;
     let rows = batch * seq;
@@ -125,7 +157,25 @@ pub fn rope_with<T: Element>(
             let (c, _gc) = tables.cos_half.device_ptr(ctx.stream());
             let (s, _gs) = tables.sin_half.device_ptr(ctx.stream());
             let heads = heads_q + heads_kv;
-            let a = [Arg::Ptr(x), i(row_stride), i(seq), i(heads), i(d), i(start), Arg::Ptr(c), Arg::Ptr(s)];
+            let (p, _gp) = match starts {
+                Some(p) => {
+                    let (p, g) = p.device_ptr(ctx.stream());
+                    (p, Some(g))
+                }
+                None => (0, None),
+            };
+            let a = [
+                Arg::Ptr(x),
+                i(row_stride),
+                i(seq),
+                i(heads),
+                i(d),
+                i(start),
+                Arg::Ptr(p),
+                i(tables.positions),
+                Arg::Ptr(c),
+                Arg::Ptr(s),
+            ];
             // One block per row; enough warps for the row's pairs (40 heads x 64 pairs: 256 threads).
             let threads = (heads * d / 2).next_multiple_of(32).clamp(32, 256) as u32;
             let cfg = LaunchConfig {

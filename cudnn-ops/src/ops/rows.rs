@@ -5,7 +5,7 @@ use crate::dtype::Element;
 use crate::error::ensure;
 use crate::naive::{elementwise, Arg, Kernels};
 use crate::{Cudnn, Error, Result};
-use cudarc::driver::{DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 fn sixteen_bit<T: Element>(op: &str) -> Result<()> {
     if T::DTYPE.size() == 2 {
@@ -85,6 +85,30 @@ pub fn write_cache<T: Element>(
     src: &(impl DevicePtr<T> + ?Sized),
     cache: &mut (impl DevicePtrMut<T> + ?Sized),
 ) -> Result<()> {
+    copy_rows(ctx, w, src, cache, None)
+}
+
+/// [`write_cache`] with sequence `b`'s rows going to `starts[b]..` (device i32, one per sequence;
+/// `w.start` is not used), read when the kernel runs, so a captured CUDA graph serves every decode
+/// position. Rows that would land outside the cache are skipped (the kernel bounds them).
+pub fn write_cache_at<T: Element>(
+    ctx: &Cudnn,
+    w: CacheWrite,
+    src: &(impl DevicePtr<T> + ?Sized),
+    cache: &mut (impl DevicePtrMut<T> + ?Sized),
+    starts: &CudaSlice<i32>,
+) -> Result<()> {
+    ensure!(starts.len() >= w.batch, "write_cache: {} start rows for {} sequences", starts.len(), w.batch);
+    copy_rows(ctx, CacheWrite { start: 0, ..w }, src, cache, Some(starts))
+}
+
+fn copy_rows<T: Element>(
+    ctx: &Cudnn,
+    w: CacheWrite,
+    src: &(impl DevicePtr<T> + ?Sized),
+    cache: &mut (impl DevicePtrMut<T> + ?Sized),
+    starts: Option<&CudaSlice<i32>>,
+) -> Result<()> {
     sixteen_bit::<T>("write_cache")?;
     let CacheWrite { batch, seq, cols, src_stride, max_seq, start } = w;
     ensure!(batch > 0 && seq > 0 && cols > 0, "write_cache: empty shape {w:?}");
@@ -106,8 +130,15 @@ pub fn write_cache<T: Element>(
     let kernels = Kernels::get(ctx)?;
     let (s, _gs) = src.device_ptr(ctx.stream());
     let (c, _gc) = cache.device_ptr_mut(ctx.stream());
+    let (p, _gp) = match starts {
+        Some(p) => {
+            let (p, g) = p.device_ptr(ctx.stream());
+            (p, Some(g))
+        }
+        None => (0, None),
+    };
     let i = |v: usize| Arg::I64(v as i64);
-    let args = [Arg::Ptr(s), i(src_stride), i(seq), i(cols), i(max_seq), i(start), Arg::Ptr(c)];
+    let args = [Arg::Ptr(s), i(src_stride), i(seq), i(cols), i(max_seq), i(start), Arg::Ptr(p), Arg::Ptr(c)];
     elementwise(ctx, kernels, "cache_rows_16", batch * seq * cols, &args)
 }
 
