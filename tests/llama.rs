@@ -217,7 +217,7 @@ fn captured_decode_steps_replay_at_every_position() {
         let one: Vec<Vec<u32>> = step(prompt).iter().map(|&t| vec![t]).collect();
         model.forward(&ctx, &one, cache, &fused, &mut NoObserver).unwrap();
     }
-    let graph = match model.capture_decode(&ctx, &mut replay, &fused) {
+    let mut graph = match model.capture_decode(&ctx, &mut replay, &fused) {
         Ok(g) => g,
         Err(e) if ctx.info().cudnn_version < 91500 => {
             println!("cuDNN < 9.15 has no run-time sequence lengths: {e}");
@@ -226,22 +226,29 @@ fn captured_decode_steps_replay_at_every_position() {
         Err(e) => panic!("{e}"),
     };
     assert_eq!(replay.len(), prompt + 1, "a capture runs nothing");
-    assert!(model.decode(&ctx, &graph, &step(prompt + 1), &mut plain).is_err(), "another cache");
+    assert!(model.decode(&ctx, &mut graph, &step(prompt + 1), &mut plain).is_err(), "another cache");
     for s in prompt + 1..prompt + steps {
         let one: Vec<Vec<u32>> = step(s).iter().map(|&t| vec![t]).collect();
         let p = ctx
             .stream()
             .clone_dtoh(model.forward(&ctx, &one, &mut plain, &fused, &mut NoObserver).unwrap())
             .unwrap();
-        let r = ctx.stream().clone_dtoh(model.decode(&ctx, &graph, &step(s), &mut replay).unwrap()).unwrap();
-        assert_eq!(&p[..batch * h], &r[..batch * h], "position {s}: replay differs from plain launches");
-        for bi in 0..batch {
-            let c = compare(&r[bi * h..][..h], &expected[(bi * (prompt + steps) + s) * h..][..h]);
-            assert!(c.passes(MODEL_TOL), "sequence {bi} position {s}: {c}");
-        }
+        let p_logits =
+            ctx.stream().clone_dtoh(&model.logits(&ctx, batch, &fused, &mut NoObserver).unwrap()).unwrap();
+        let r_logits =
+            ctx.stream().clone_dtoh(model.decode(&ctx, &mut graph, &step(s), &mut replay).unwrap()).unwrap();
+        // The replay leaves the hidden states where a forward does.
+        let r =
+            ctx.stream().clone_dtoh(&model.logits(&ctx, batch, &fused, &mut NoObserver).unwrap()).unwrap();
+        assert_eq!(p_logits, r_logits, "position {s}: replayed logits differ from plain launches");
+        assert_eq!(r, r_logits, "position {s}: logits after the replay differ from the graph's");
+        let want: Vec<f64> =
+            (0..batch).flat_map(|bi| expected[(bi * (prompt + steps) + s) * h..][..h].to_vec()).collect();
+        let c = compare(&p[..batch * h], &want);
+        assert!(c.passes(MODEL_TOL), "position {s} (plain, device positions): {c}");
     }
     assert_eq!(replay.len(), prompt + steps);
-    assert!(model.decode(&ctx, &graph, &step(0), &mut replay).is_err(), "cache full");
+    assert!(model.decode(&ctx, &mut graph, &step(0), &mut replay).is_err(), "cache full");
     // A naive step takes its position from the host: no graph.
     let naive = Backends::all(Backend::Naive);
     let mut other = model.cache(&ctx, batch, prompt + steps).unwrap();

@@ -140,14 +140,15 @@ struct Activations<T> {
 }
 
 /// One decode step captured as a CUDA graph ([`Llama::capture_decode`], replayed by [`Llama::decode`]).
-pub struct DecodeGraph {
+pub struct DecodeGraph<T> {
     graph: cudarc::driver::CudaGraph,
+    logits: CudaSlice<T>,
     batch: usize,
     cache_id: u64,
     acts_id: u64,
 }
 
-impl std::fmt::Debug for DecodeGraph {
+impl<T> std::fmt::Debug for DecodeGraph<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DecodeGraph").field("batch", &self.batch).finish_non_exhaustive()
     }
@@ -285,9 +286,9 @@ impl<T: Element> Llama<T> {
         Ok(&self.acts.as_ref().expect("allocated by upload").out)
     }
 
-    /// Captures one decode step (one token per sequence) as a CUDA graph that [`Llama::decode`]
-    /// replays at every later position: fused RoPE, the cache writes and attention read the position
-    /// and lengths on the device. Run a fused decode step with the same `backends` first, so that
+    /// Captures one decode step (one token per sequence) and its logits as a CUDA graph that
+    /// [`Llama::decode`] replays at every later position: fused RoPE, the cache writes and attention
+    /// read the position and lengths on the device. Run a fused decode step with the same `backends` first, so that
     /// plans are built and kernels loaded outside the capture. It is an error when the step cannot be
     /// replayed at another position: RoPE or attention not fused in some layer (or fallen back to
     /// naive), or a cuDNN without run-time sequence lengths (< 9.15). The graph holds the addresses of
@@ -298,7 +299,7 @@ impl<T: Element> Llama<T> {
         ctx: &Cudnn,
         cache: &mut KvCache<T>,
         backends: &Backends,
-    ) -> Result<DecodeGraph> {
+    ) -> Result<DecodeGraph<T>> {
         use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
         if cache.is_empty() || cache.len >= cache.max_seq {
             return Err(Error::Config(format!(
@@ -310,39 +311,52 @@ impl<T: Element> Llama<T> {
             Some(a) if a.rows >= cache.batch => a.id,
             _ => return Err(Error::Config("capture_decode: run a forward first".into())),
         };
+        let host_positions = || {
+            Error::Config(
+                "capture_decode: this step takes its position from the host (RoPE or attention not fused \
+                 in every layer, a fallback, or cuDNN < 9.15): run decode steps with forward instead"
+                    .into(),
+            )
+        };
+        let fused = |l| {
+            [ModuleKind::Rope, ModuleKind::Gqa].iter().all(|&k| backends.get(Some(l), k) == Backend::Fused)
+        };
+        if !self.padded_decode || !(0..self.cfg.layers).all(fused) {
+            return Err(host_positions());
+        }
+        let mut logits =
+            ctx.stream().alloc_zeros::<T>(cache.batch * self.cfg.vocab).map_err(cudnn_ops::Error::from)?;
         let stream = ctx.stream().clone();
         stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(cudnn_ops::Error::from)?;
         let ran = self.run(ctx, cache.batch, 1, cache, backends, &mut NoObserver);
+        let ran = ran.and_then(|baked| {
+            cache.len -= 1; // nothing ran: the capture only recorded the step
+            self.head(ctx, cache.batch, backends, &mut NoObserver, &mut logits).map(|()| baked)
+        });
         let graph =
             stream.end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
-        if ran.is_ok() {
-            cache.len -= 1; // nothing ran: the capture only recorded the step
-        }
         let baked = ran?;
         let graph = graph.map_err(cudnn_ops::Error::from)?;
         let graph = graph.ok_or_else(|| Error::Config("capture_decode: the step enqueued no work".into()))?;
         if baked {
-            return Err(Error::Config(
-                "capture_decode: this step takes its position from the host (RoPE or attention not fused \
-                 in every layer, a fallback, or cuDNN < 9.15): run decode steps with forward instead"
-                    .into(),
-            ));
+            return Err(host_positions());
         }
-        Ok(DecodeGraph { graph, batch: cache.batch, cache_id: cache.id, acts_id })
+        Ok(DecodeGraph { graph, logits, batch: cache.batch, cache_id: cache.id, acts_id })
     }
 
     /// Replays a captured decode step for `tokens` (one per sequence) at the cache's current length,
-    /// appending to `cache`; returns the output-normed hidden states as [`Llama::forward`] does (the
-    /// first `batch` rows).
-    pub fn decode(
+    /// appending to `cache`; returns the new tokens' logits `[batch, vocab]` (the graph's buffer,
+    /// rewritten by the next replay). The output-normed hidden states are where [`Llama::forward`]
+    /// leaves them, and [`Llama::logits`] works after it as after a forward of one token.
+    pub fn decode<'g>(
         &mut self,
         ctx: &Cudnn,
-        graph: &DecodeGraph,
+        graph: &'g mut DecodeGraph<T>,
         tokens: &[u32],
         cache: &mut KvCache<T>,
-    ) -> Result<&CudaSlice<T>> {
+    ) -> Result<&'g CudaSlice<T>> {
         if graph.cache_id != cache.id || graph.batch != tokens.len() {
             return Err(Error::Config(format!(
                 "decode: the graph was captured for another cache or batch ({} sequences, {} tokens given)",
@@ -363,7 +377,8 @@ impl<T: Element> Llama<T> {
         self.upload(ctx, &step, cache)?;
         graph.graph.launch().map_err(cudnn_ops::Error::from)?;
         cache.len += 1;
-        Ok(&self.acts.as_ref().expect("checked above").out)
+        self.acts.as_mut().expect("checked above").last = tokens.len();
+        Ok(&graph.logits)
     }
 
     /// Captures the forward of `tokens` as a CUDA graph (run [`Llama::forward`] with the same shapes
@@ -577,16 +592,29 @@ impl<T: Element> Llama<T> {
                 acts.last
             )));
         }
+        let mut out = ctx.stream().alloc_zeros::<T>(rows * self.cfg.vocab).map_err(cudnn_ops::Error::from)?;
+        self.head(ctx, rows, backends, obs, &mut out)?;
+        Ok(out)
+    }
+
+    /// `lm_head` over the first `rows` output rows into `out` (launches only, so it can be captured).
+    fn head(
+        &mut self,
+        ctx: &Cudnn,
+        rows: usize,
+        backends: &Backends,
+        obs: &mut dyn Observer,
+        out: &mut CudaSlice<T>,
+    ) -> Result<()> {
+        let acts = self.acts.as_ref().ok_or_else(|| Error::Config("logits: run forward first".into()))?;
         let c = &self.cfg;
-        let mut out = ctx.stream().alloc_zeros::<T>(rows * c.vocab).map_err(cudnn_ops::Error::from)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let lin = Linear { tokens: rows, in_features: c.hidden, out_features: c.vocab };
         let mut me =
             Step { fallbacks: &mut self.fallbacks, unsupported: &mut self.unsupported, backends, obs };
         me.run(ModuleKind::LmHead, 0, None, &format!("{rows} tokens"), |b| {
-            linear(b, ctx, lin, Epilogue::NONE, &Operands::new(&acts.out, head), &mut out)
-        })?;
-        Ok(out)
+            linear(b, ctx, lin, Epilogue::NONE, &Operands::new(&acts.out, head), out)
+        })
     }
 }
 
