@@ -10,6 +10,7 @@
 //! | [`profile`] | attributing kernels to module ranges (what an Nsight Systems NVTX projection shows) |
 //! | [`report`] | the per-module speedup report: markdown, terminal, CSV and JSON |
 //! | [`rope`] | Llama-3 RoPE frequencies and the cos/sin tables |
+//! | [`roofline`] | the bytes a decode step reads, its memory floor |
 //! | [`trace`] | an observer recording NVTX ranges, CUDA events and host timestamps per module call |
 //! | [`reference`](mod@reference) | an f64 CPU forward of the whole model, for tests |
 #![deny(missing_docs, rustdoc::broken_intra_doc_links)]
@@ -21,6 +22,7 @@ pub mod profile;
 pub mod reference;
 pub mod report;
 pub mod rope;
+pub mod roofline;
 pub mod trace;
 pub mod weights;
 

@@ -1,0 +1,72 @@
+//! The memory floor of a decode step: one token per sequence reads every weight once (the embedding
+//! only for its rows) and every cached K/V row once, so no step can beat those bytes over the device's
+//! copy bandwidth.
+
+use crate::config::LlamaConfig;
+
+/// Bytes a decode step must read, and what they say about a measured step time.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DecodeRoofline {
+    /// Weight bytes read per step: every layer, the final norm, `lm_head` (the embedding when tied)
+    /// and one embedding row per sequence.
+    pub weight_bytes: u64,
+    /// K and V bytes read per step: every cached row of every layer, the new one included.
+    pub kv_bytes: u64,
+}
+
+impl DecodeRoofline {
+    /// The bytes of a step of `batch` sequences that hold `cached` tokens each before it, with
+    /// `elem` bytes per weight and cache element.
+    pub fn new(cfg: &LlamaConfig, batch: usize, cached: usize, elem: usize) -> Self {
+        let (e, b) = (elem as u64, batch as u64);
+        let table = (cfg.vocab * cfg.hidden) as u64;
+        // parameters() counts the embedding and lm_head (once when tied): the untied embedding is
+        // read only for the batch's rows.
+        let untied_embed = if cfg.tie_embeddings { 0 } else { table };
+        let weights = cfg.parameters() as u64 - untied_embed + b * cfg.hidden as u64;
+        let kv_row = 2 * (cfg.kv_heads * cfg.head_dim) as u64;
+        let kv = cfg.layers as u64 * b * (cached as u64 + 1) * kv_row;
+        DecodeRoofline { weight_bytes: weights * e, kv_bytes: kv * e }
+    }
+
+    /// All bytes read.
+    pub fn bytes(&self) -> u64 {
+        self.weight_bytes + self.kv_bytes
+    }
+
+    /// The fastest possible step in ms at `copy_gbps`: GB/s of a large device-to-device copy measured
+    /// on the same GPU, counting bytes read and written (a copy moves each byte twice, a decode step's
+    /// reads once, so this is the rate at which the GPU moves bytes through its memory).
+    pub fn floor_ms(&self, copy_gbps: f64) -> f64 {
+        self.bytes() as f64 / (copy_gbps * 1e9) * 1e3
+    }
+
+    /// The floor as a fraction of a measured step (1.0 = at the roofline).
+    pub fn fraction(&self, step_ms: f64, copy_gbps: f64) -> f64 {
+        self.floor_ms(copy_gbps) / step_ms
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn eight_b_decode_reads_its_weights_once() {
+        let cfg = LlamaConfig::llama_3_1_8b();
+        let r = DecodeRoofline::new(&cfg, 1, 512, 2);
+        // 8.03 B parameters less the 525 M-entry embedding table, plus one row; bf16.
+        let weights = 8_030_261_248 - 128_256 * 4096 + 4096;
+        assert_eq!(r.weight_bytes, 2 * weights);
+        // 32 layers x 513 rows x (K + V) x 8 heads x 128 x 2 bytes.
+        assert_eq!(r.kv_bytes, 32 * 513 * 2 * 1024 * 2);
+        // At 4.2 TB/s: 15.08 GB -> 3.59 ms.
+        let floor = r.floor_ms(4200.0);
+        assert!((floor - 3.590).abs() < 0.001, "{floor}");
+        assert!((r.fraction(2.0 * floor, 4200.0) - 0.5).abs() < 1e-12);
+        // Tied embeddings (1B): the table is read once, as lm_head.
+        let b1 = LlamaConfig::llama_3_2_1b();
+        let r1 = DecodeRoofline::new(&b1, 2, 0, 2);
+        assert_eq!(r1.weight_bytes, 2 * (1_235_814_400 + 2 * 2048));
+    }
+}
