@@ -21,8 +21,8 @@ pub mod model;
 pub mod profile;
 pub mod reference;
 pub mod report;
-pub mod rope;
 pub mod roofline;
+pub mod rope;
 pub mod trace;
 pub mod weights;
 
