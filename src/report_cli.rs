@@ -9,16 +9,22 @@ use std::path::PathBuf;
 #[derive(Debug, Clone, PartialEq, Parser)]
 #[command(name = "speedup-report", about = "Per-module speedup of fused cuDNN graphs over naive kernels")]
 pub struct Options {
-    /// Model preset: llama-3.2-1b, llama-3.1-8b or tiny.
+    /// Model preset, with random weights: llama-3.2-1b, llama-3.1-8b or tiny.
     #[arg(long, default_value = "llama-3.1-8b")]
     pub config: String,
-    /// Decoder layers (default: the preset's).
+    /// A Hugging Face checkpoint directory to run instead of a preset: its config.json, and
+    /// model.safetensors or model.safetensors.index.json with the shards it names.
+    #[arg(long, value_name = "DIR", conflicts_with = "config")]
+    pub model: Option<PathBuf>,
+    /// Decoder layers (default: the model's). With --model, the first LAYERS layers of the checkpoint
+    /// (at most as many as it has).
     #[arg(long)]
     pub layers: Option<usize>,
     /// Sequences per batch.
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
-    /// Prompt tokens per sequence (the prefill scenario).
+    /// Prompt tokens per sequence (the prefill scenario); --seq + --decode-steps is at most the
+    /// model's max_position_embeddings.
     #[arg(long, default_value_t = 2048)]
     pub seq: usize,
     /// Decode steps after the prefill (0: no decode scenario).
@@ -46,6 +52,13 @@ pub struct Options {
 pub struct Plan {
     /// The model shape.
     pub config: LlamaConfig,
+    /// The checkpoint directory to load weights from (`--model`); `None`: random weights.
+    pub model_dir: Option<PathBuf>,
+    /// `--seq + --decode-steps`: the positions the KV cache and RoPE tables hold.
+    pub max_seq: usize,
+    /// Forwards the progress bar counts: per scenario and selection, two checks plus warm-up and
+    /// measured forwards.
+    pub forwards: usize,
     /// The fused selection.
     pub fused: Backends,
     /// The I/O dtype.
@@ -53,14 +66,26 @@ pub struct Plan {
 }
 
 impl Options {
-    /// Resolves the preset, layer count, backend selection and dtype; errors say what is wrong.
+    /// Resolves the model (a preset, or `--model`'s config.json), layer count, sizes, backend
+    /// selection and dtype; errors say what is wrong and name the option. Reads no weights.
     pub fn resolve(&self) -> Result<Plan, String> {
-        let mut config = LlamaConfig::preset(&self.config).map_err(|e| e.to_string())?;
+        let mut config = match &self.model {
+            Some(dir) => LlamaConfig::from_dir(dir).map_err(|e| format!("--model {}: {e}", dir.display()))?,
+            None => LlamaConfig::preset(&self.config).map_err(|e| e.to_string())?,
+        };
         if let Some(l) = self.layers {
             if l == 0 {
                 return Err("--layers must be at least 1".into());
             }
+            if let Some(dir) = self.model.as_ref().filter(|_| l > config.layers) {
+                return Err(format!(
+                    "--layers {l} is more than the {} layers of --model {}",
+                    config.layers,
+                    dir.display()
+                ));
+            }
             config = config.with_layers(l);
+            config.check().map_err(|e| format!("--layers {l}: {e}"))?;
         }
         if self.batch == 0 || self.seq == 0 {
             return Err("--batch and --seq must be at least 1".into());
@@ -68,12 +93,49 @@ impl Options {
         if self.repeat == 0 {
             return Err("--repeat must be at least 1".into());
         }
-        let fused = Backends::parse(&self.fuse).map_err(|e| e.to_string())?;
+        let max_seq =
+            self.seq.checked_add(self.decode_steps).filter(|&n| n <= config.max_positions).ok_or_else(
+                || {
+                    format!(
+                        "--seq {} + --decode-steps {} is more than the model's {} positions",
+                        self.seq, self.decode_steps, config.max_positions
+                    )
+                },
+            )?;
+        // The widest activation (and the logits) must be addressable: batch · positions · width
+        // elements within i64 (what cuDNN's tensor sizes take) and usize.
+        let widest =
+            [config.hidden, config.ffn, config.qkv_width(), config.vocab].into_iter().max().unwrap_or(0);
+        if self
+            .batch
+            .checked_mul(max_seq)
+            .and_then(|t| t.checked_mul(widest))
+            .is_none_or(|n| i64::try_from(n).is_err())
+        {
+            return Err(format!(
+                "--batch {} x (--seq {} + --decode-steps {}) tokens x width {widest} overflows",
+                self.batch, self.seq, self.decode_steps
+            ));
+        }
+        let scenarios = if self.decode_steps > 0 { 2 } else { 1 };
+        let forwards = self
+            .warmup
+            .checked_add(self.repeat)
+            .and_then(|n| n.checked_add(2))
+            .and_then(|n| n.checked_mul(2 * scenarios))
+            .filter(|_| self.repeat.checked_mul(self.decode_steps.max(1)).is_some())
+            .ok_or_else(|| {
+                format!(
+                    "--warmup {} and --repeat {} (x --decode-steps {}) overflow the forward count",
+                    self.warmup, self.repeat, self.decode_steps
+                )
+            })?;
+        let fused = Backends::parse_for(&self.fuse, config.layers).map_err(|e| format!("--fuse: {e}"))?;
         let dtype = match DataType::parse(&self.dtype) {
             Some(d @ (DataType::BF16 | DataType::F16)) => d,
             _ => return Err(format!("--dtype {} is not supported: use bf16 or f16", self.dtype)),
         };
-        Ok(Plan { config, fused, dtype })
+        Ok(Plan { config, model_dir: self.model.clone(), max_seq, forwards, fused, dtype })
     }
 }
 
@@ -122,6 +184,75 @@ mod tests {
         assert_eq!(p.dtype, DataType::F16);
         assert_eq!(p.fused.to_selection(), "fused=prenorm,gqa");
         assert_eq!(o.out, PathBuf::from("/tmp/r"));
+    }
+
+    #[test]
+    fn sizes_that_overflow_are_errors_naming_the_option() {
+        let max = usize::MAX.to_string();
+        for (args, expected) in [
+            (vec!["--seq", &max, "--decode-steps", "1"], "--seq 18446744073709551615 + --decode-steps 1"),
+            (vec!["--seq", "2048", "--decode-steps", &max], "--decode-steps 18446744073709551615"),
+            (vec!["--seq", "131072", "--decode-steps", "1"], "more than the model's 131072 positions"),
+            (vec!["--batch", &max], "--batch 18446744073709551615 x (--seq 2048 + --decode-steps 16)"),
+            (vec!["--batch", "100000000000"], "--batch 100000000000 x"),
+            (vec!["--warmup", &max], "--warmup 18446744073709551615"),
+            (vec!["--repeat", &max, "--warmup", "0"], "--repeat 18446744073709551615"),
+            (vec!["--repeat", "4611686018427387904", "--decode-steps", "4"], "x --decode-steps 4"),
+            (vec!["--layers", "100000"], "--layers 100000"),
+        ] {
+            let e = parse(&args).unwrap().resolve().unwrap_err();
+            assert!(e.contains(expected), "{args:?}: {e}");
+        }
+        let p = parse(&["--seq", "131056", "--warmup", "1", "--repeat", "2"]).unwrap().resolve().unwrap();
+        assert_eq!((p.max_seq, p.forwards), (131072, 2 * 2 * 5));
+        let p = parse(&["--decode-steps", "0", "--warmup", "1", "--repeat", "2"]).unwrap().resolve().unwrap();
+        assert_eq!(p.forwards, 2 * 5);
+    }
+
+    #[test]
+    fn fuse_ranges_are_checked_against_the_layers() {
+        let e = parse(&["--fuse", "fused=gqa@0-18446744073709551615"]).unwrap().resolve().unwrap_err();
+        assert!(e.starts_with("--fuse: ") && e.contains("reaches past layer 31"), "{e}");
+        let e = parse(&["--layers", "4", "--fuse", "fused=all;naive=rope@4"]).unwrap().resolve().unwrap_err();
+        assert!(e.contains("`naive=rope@4` reaches past layer 3, the last of a 4-layer model"), "{e}");
+        let p = parse(&["--layers", "4", "--fuse", "fused=all;naive=rope@0-3"]).unwrap().resolve().unwrap();
+        assert_eq!(p.fused.to_selection(), "fused=all;naive=rope@0-3");
+    }
+
+    #[test]
+    fn model_reads_a_checkpoint_directory_config() {
+        let dir = std::env::temp_dir().join(format!("report-cli-{}", std::process::id())).join("My-Llama");
+        std::fs::create_dir_all(&dir).unwrap();
+        let cleanup = || {
+            let _ = std::fs::remove_dir_all(dir.parent().unwrap());
+        };
+        let d = dir.to_str().unwrap();
+        let e = parse(&["--model", d]).unwrap().resolve().unwrap_err();
+        assert!(e.starts_with(&format!("--model {d}: ")) && e.contains("config.json"), "{e}");
+        let json = r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 128, "intermediate_size": 256,
+            "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+            "vocab_size": 512, "max_position_embeddings": 4096,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}"#;
+        std::fs::write(dir.join("config.json"), json).unwrap();
+        let p = parse(&["--model", d, "--seq", "64"]).unwrap().resolve().unwrap();
+        assert_eq!((p.config.name.as_str(), p.config.layers, p.config.head_dim), ("My-Llama", 2, 32));
+        assert_eq!(p.model_dir.as_deref(), Some(dir.as_path()));
+        assert_eq!(
+            parse(&["--model", d, "--seq", "64", "--layers", "1"]).unwrap().resolve().unwrap().config.layers,
+            1
+        );
+        let e = parse(&["--model", d, "--seq", "64", "--layers", "3"]).unwrap().resolve().unwrap_err();
+        assert!(e.contains("--layers 3 is more than the 2 layers of --model"), "{e}");
+        // This model has 4096 positions, not the presets' 131072.
+        let e = parse(&["--model", d, "--seq", "8192"]).unwrap().resolve().unwrap_err();
+        assert!(e.contains("more than the model's 4096 positions"), "{e}");
+        std::fs::write(dir.join("config.json"), json.replace("\"default\"", "\"yarn\"")).unwrap();
+        let e = parse(&["--model", d]).unwrap().resolve().unwrap_err();
+        assert!(e.contains("`rope_parameters.rope_type` `yarn`"), "{e}");
+        cleanup();
+        // --model replaces --config.
+        assert!(parse(&["--model", d, "--config", "tiny"]).is_err());
+        assert_eq!(parse(&[]).unwrap().model, None);
     }
 
     #[test]

@@ -41,3 +41,26 @@ fn no_gpu_exits_1_saying_what_is_missing() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("cannot run without a usable GPU") && !err.contains("panicked"), "{err}");
 }
+
+#[test]
+fn bad_model_dirs_sizes_and_layer_ranges_exit_2_naming_the_option() {
+    let Some(bin) = binary() else { return };
+    let missing = std::env::temp_dir().join(format!("no-such-checkpoint-{}", std::process::id()));
+    let missing = missing.to_string_lossy().into_owned();
+    let max = usize::MAX.to_string();
+    for (args, expected) in [
+        (vec!["--model", missing.as_str()], format!("--model {missing}: config: {missing}/config.json")),
+        (vec!["--seq", max.as_str()], "--seq 18446744073709551615 + --decode-steps 16".to_string()),
+        (vec!["--batch", max.as_str()], "--batch 18446744073709551615 x".to_string()),
+        // Once expanded layer by layer (hanging the binary); now refused against the model's 32 layers.
+        (vec!["--fuse", "fused=gqa@0-18446744073709551615"], "reaches past layer 31".to_string()),
+    ] {
+        let out = Command::new(bin).args(&args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(&expected) && !err.contains("panicked"), "{args:?}: {err}");
+    }
+    let out = Command::new(bin).args(["--model", missing.as_str(), "--config", "tiny"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot be used with"));
+}

@@ -1,5 +1,7 @@
 //! Which backend each module runs on: one choice per module kind, overridable per layer, with a string
-//! form for command lines (`fused=all`, `fused=prenorm,gqa`, `fused=all;naive=rope@0-3`).
+//! form for command lines (`fused=all`, `fused=prenorm,gqa`, `fused=all;naive=rope@0-3`). Layer
+//! overrides are kept as ranges, never expanded layer by layer, and [`Backends::check_layers`] (which
+//! the model runs on every forward) refuses ranges past a model's last layer.
 
 use crate::{Backend, Error, Result};
 use std::collections::BTreeMap;
@@ -92,7 +94,9 @@ impl ModuleKind {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Backends {
     kinds: BTreeMap<ModuleKind, Backend>,
-    layers: BTreeMap<(usize, ModuleKind), Backend>,
+    /// Per kind, inclusive layer ranges `(first, last, backend)`: disjoint, in increasing order, and
+    /// touching ranges merged when they agree (so equal selections compare equal).
+    layers: BTreeMap<ModuleKind, Vec<(usize, usize, Backend)>>,
 }
 
 impl Backends {
@@ -104,25 +108,89 @@ impl Backends {
     /// This kind on `backend` in every layer (clearing its per-layer overrides).
     pub fn with(mut self, kind: ModuleKind, backend: Backend) -> Self {
         self.kinds.insert(kind, backend);
-        self.layers.retain(|&(_, k), _| k != kind);
+        self.layers.remove(&kind);
         self
     }
 
     /// This kind on `backend` in one layer.
-    pub fn with_layer(mut self, layer: usize, kind: ModuleKind, backend: Backend) -> Self {
-        self.layers.insert((layer, kind), backend);
+    pub fn with_layer(self, layer: usize, kind: ModuleKind, backend: Backend) -> Self {
+        self.with_layers(layer, layer, kind, backend)
+    }
+
+    /// This kind on `backend` in layers `first..=last` (nothing when `first > last`). Kept as one
+    /// range, whatever its length.
+    pub fn with_layers(mut self, first: usize, last: usize, kind: ModuleKind, backend: Backend) -> Self {
+        if first > last {
+            return self;
+        }
+        let old = self.layers.remove(&kind).unwrap_or_default();
+        let mut ranges = Vec::with_capacity(old.len() + 2);
+        for (a, b, be) in old {
+            if b < first || a > last {
+                ranges.push((a, b, be));
+                continue;
+            }
+            // The parts of an overlapped range outside the new one stay (a < first ≥ 1, b > last).
+            if a < first {
+                ranges.push((a, first - 1, be));
+            }
+            if b > last {
+                ranges.push((last + 1, b, be));
+            }
+        }
+        ranges.push((first, last, backend));
+        ranges.sort_unstable_by_key(|r| r.0);
+        let mut merged: Vec<(usize, usize, Backend)> = Vec::with_capacity(ranges.len());
+        for r in ranges {
+            match merged.last_mut() {
+                Some(m) if m.2 == r.2 && m.1.checked_add(1) == Some(r.0) => m.1 = r.1,
+                _ => merged.push(r),
+            }
+        }
+        self.layers.insert(kind, merged);
         self
     }
 
     /// The backend of `kind` in `layer` (`None` for the once-per-forward kinds).
     pub fn get(&self, layer: Option<usize>, kind: ModuleKind) -> Backend {
-        layer.and_then(|l| self.layers.get(&(l, kind)).copied()).unwrap_or(self.kinds[&kind])
+        layer
+            .and_then(|l| {
+                let ranges = self.layers.get(&kind)?;
+                ranges.iter().find(|&&(a, b, _)| (a..=b).contains(&l)).map(|r| r.2)
+            })
+            .unwrap_or(self.kinds[&kind])
+    }
+
+    /// Checks every per-layer override against a model of `layers` layers: a range reaching past the
+    /// last layer is an error naming it.
+    pub fn check_layers(&self, layers: usize) -> Result<()> {
+        for (kind, ranges) in &self.layers {
+            if let Some(&(a, b, be)) = ranges.iter().find(|r| r.1 >= layers) {
+                let at = if a == b { format!("{a}") } else { format!("{a}-{b}") };
+                return Err(Error::Backends(format!(
+                    "`{}={}@{at}` reaches past layer {}, the last of a {layers}-layer model",
+                    be.name(),
+                    kind.name(),
+                    layers.saturating_sub(1)
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Backends::parse`], then [`Backends::check_layers`] for a model of `layers` layers.
+    pub fn parse_for(s: &str, layers: usize) -> Result<Self> {
+        let b = Self::parse(s)?;
+        b.check_layers(layers)?;
+        Ok(b)
     }
 
     /// Parses a selection: clauses `fused=LIST` or `naive=LIST` separated by `;` and applied left to
     /// right over an all-naive start; LIST is comma-separated module names or `all`, each optionally
     /// limited to layers with `@N` or `@N-M` (inclusive). `fused=prenorm,gqa` fuses those two kinds,
     /// `fused=all;naive=rope@0-3` fuses everything but RoPE in layers 0 to 3. Empty means all naive.
+    /// Ranges are not checked against a model (use [`Backends::parse_for`]), and cost the same whatever
+    /// their length.
     pub fn parse(s: &str) -> Result<Self> {
         let mut out = Backends::all(Backend::Naive);
         for clause in s.split(';').map(str::trim).filter(|c| !c.is_empty()) {
@@ -152,7 +220,7 @@ impl Backends {
                                 kind.name()
                             )))
                         }
-                        Some((a, b)) => (a..=b).fold(out, |o, l| o.with_layer(l, kind, backend)),
+                        Some((a, b)) => out.with_layers(a, b, kind, backend),
                     };
                 }
             }
@@ -171,8 +239,11 @@ impl Backends {
         } else if !fused.is_empty() {
             clauses.push(format!("fused={}", fused.join(",")));
         }
-        for (&(layer, kind), &b) in &self.layers {
-            clauses.push(format!("{}={}@{layer}", b.name(), kind.name()));
+        for (kind, ranges) in &self.layers {
+            for &(a, b, be) in ranges {
+                let at = if a == b { format!("{a}") } else { format!("{a}-{b}") };
+                clauses.push(format!("{}={}@{at}", be.name(), kind.name()));
+            }
         }
         clauses.join(";")
     }
@@ -253,6 +324,49 @@ mod tests {
         }
         assert_eq!(Backends::all(Fused).to_selection(), "fused=all");
         assert_eq!(Backends::parse("fused=gqa,prenorm").unwrap().to_selection(), "fused=prenorm,gqa");
+    }
+
+    #[test]
+    fn layer_ranges_are_kept_as_ranges_and_checked_against_the_model() {
+        // One range to the end of usize: parsed at once, one entry (the old parser made one per layer).
+        let huge = Backends::parse("fused=gqa@0-18446744073709551615").unwrap();
+        assert_eq!(huge.layers[&ModuleKind::Gqa], vec![(0, usize::MAX, Fused)]);
+        assert_eq!(huge.get(Some(usize::MAX), ModuleKind::Gqa), Fused);
+        assert_eq!(huge.to_selection(), "fused=gqa@0-18446744073709551615");
+        let e = huge.check_layers(32).unwrap_err().to_string();
+        assert!(
+            e.contains(
+                "`fused=gqa@0-18446744073709551615` reaches past layer 31, the last of a 32-layer model"
+            ),
+            "{e}"
+        );
+        let e = Backends::parse_for("fused=all;naive=mlp@32", 32).unwrap_err().to_string();
+        assert!(e.contains("`naive=mlp@32` reaches past layer 31"), "{e}");
+        let ok = Backends::parse_for("fused=all;naive=mlp@0-31", 32).unwrap();
+        assert_eq!(ok.get(Some(31), ModuleKind::Mlp), Naive);
+        Backends::all(Fused).check_layers(1).unwrap();
+        // Overlapping ranges split and merge like per-layer writes applied in order.
+        let sel = "fused=rope@2-9;naive=rope@4-5;fused=rope@5-6;naive=rope@0-2;fused=rope@3";
+        let b = Backends::parse(sel).unwrap();
+        let mut expected = [Naive; 12];
+        for (range, be) in [(2..=9, Fused), (4..=5, Naive), (5..=6, Fused), (0..=2, Naive), (3..=3, Fused)] {
+            for l in range {
+                expected[l] = be;
+            }
+        }
+        for (l, e) in expected.iter().enumerate() {
+            assert_eq!(b.get(Some(l), ModuleKind::Rope), *e, "layer {l}");
+        }
+        assert_eq!(
+            b.layers[&ModuleKind::Rope],
+            vec![(0, 2, Naive), (3, 3, Fused), (4, 4, Naive), (5, 9, Fused)]
+        );
+        assert_eq!(Backends::parse(&b.to_selection()).unwrap(), b);
+        // Layer by layer or as one range: the same selection.
+        assert_eq!(
+            Backends::parse("naive=gqa@1;naive=gqa@2;naive=gqa@3").unwrap(),
+            Backends::parse("naive=gqa@1-3").unwrap()
+        );
     }
 
     #[test]

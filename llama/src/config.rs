@@ -1,10 +1,12 @@
 //! Model shapes: the Llama-3.2-1B and Llama-3.1-8B presets, a tiny one for tests, and Hugging Face's
-//! `config.json`.
+//! `config.json` as transformers 4.x and 5.x write it.
 
 use crate::{Error, Result};
 use serde::Deserialize;
+use serde_json::{Map, Value};
+use std::path::Path;
 
-/// Llama-3's RoPE frequency scaling (`rope_scaling` with `rope_type: llama3` in Hugging Face configs).
+/// Llama-3's RoPE frequency scaling (`rope_type: llama3` in Hugging Face configs).
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
 pub struct RopeScaling {
     /// Divides the low frequencies.
@@ -45,13 +47,49 @@ pub struct LlamaConfig {
     pub rope_scaling: Option<RopeScaling>,
     /// `lm_head` shares the embedding matrix.
     pub tie_embeddings: bool,
+    /// The longest context the model was trained for (`max_position_embeddings`). Informational: the
+    /// model's RoPE tables are sized by [`crate::Llama::new`]'s `max_positions`, not by this.
+    pub max_positions: usize,
+    /// The beginning-of-sequence token (`bos_token_id`), if the model names one.
+    pub bos_token_id: Option<u32>,
+    /// Tokens that end generation (`eos_token_id`, one id or a list); empty if the model names none.
+    pub eos_token_ids: Vec<u32>,
 }
 
 /// Names [`LlamaConfig::preset`] accepts.
 pub const PRESETS: [&str; 3] = ["llama-3.2-1b", "llama-3.1-8b", "tiny"];
 
+/// Most decoder layers [`LlamaConfig::check`] accepts (Llama-3.1-405B has 126).
+pub const MAX_LAYERS: usize = 1 << 12;
+/// Largest single dimension [`LlamaConfig::check`] accepts: hidden, MLP size, head dim, the Q, KV and
+/// fused QKV widths (Llama-3.1-405B's largest is its MLP, 53248). Well inside cuBLAS's `int` dims.
+pub const MAX_DIM: usize = 1 << 20;
+/// Largest vocabulary [`LlamaConfig::check`] accepts (token ids are `u32`; Llama-3 has 128256).
+pub const MAX_VOCAB: usize = 1 << 24;
+/// Most elements [`LlamaConfig::check`] accepts in one weight tensor, the fused `[qkv_width, hidden]`
+/// projection included: `i32::MAX`, what 32-bit element indexing reaches (Llama-3.1-405B's embedding,
+/// 128256 × 16384, is the largest Llama-3 tensor at 2.1e9).
+pub const MAX_TENSOR_ELEMENTS: usize = i32::MAX as usize;
+/// Largest `max_positions` [`LlamaConfig::check`] accepts.
+pub const MAX_POSITIONS: usize = 1 << 24;
+/// Largest RMSNorm epsilon [`LlamaConfig::check`] accepts (models use 1e-5 or 1e-6; a larger epsilon
+/// is a typo, not a model).
+pub const MAX_RMS_EPS: f64 = 0.1;
+/// RoPE base transformers' `LlamaConfig` uses when `config.json` names none (its documented default).
+pub const DEFAULT_ROPE_THETA: f64 = 10000.0;
+/// Context length transformers' `LlamaConfig` uses when `config.json` has no
+/// `max_position_embeddings` (its documented default).
+pub const DEFAULT_MAX_POSITIONS: usize = 2048;
+
+/// Llama-3's special tokens: `<|begin_of_text|>`.
+const LLAMA3_BOS: u32 = 128000;
+/// Llama-3.1's end tokens: `<|end_of_text|>`, `<|eom_id|>`, `<|eot_id|>`.
+const LLAMA3_EOS: [u32; 3] = [128001, 128008, 128009];
+
 impl LlamaConfig {
-    /// Llama-3.2-1B: hidden 2048, 16 layers, 32 heads, 8 KV heads, head dim 64, FFN 8192, tied embeddings.
+    /// Llama-3.2-1B: hidden 2048, 16 layers, 32 heads, 8 KV heads, head dim 64, FFN 8192, tied
+    /// embeddings, 131072 positions, bos 128000, eos 128001, 128008 and 128009 (the instruct model's;
+    /// the base model stops at 128001 only, which is among them).
     pub fn llama_3_2_1b() -> Self {
         LlamaConfig {
             name: "llama-3.2-1b".into(),
@@ -71,10 +109,14 @@ impl LlamaConfig {
                 original_max_position: 8192,
             }),
             tie_embeddings: true,
+            max_positions: 131072,
+            bos_token_id: Some(LLAMA3_BOS),
+            eos_token_ids: LLAMA3_EOS.to_vec(),
         }
     }
 
-    /// Llama-3.1-8B: hidden 4096, 32 layers, 32 heads, 8 KV heads, head dim 128, FFN 14336.
+    /// Llama-3.1-8B: hidden 4096, 32 layers, 32 heads, 8 KV heads, head dim 128, FFN 14336, 131072
+    /// positions, the same special tokens as [`LlamaConfig::llama_3_2_1b`].
     pub fn llama_3_1_8b() -> Self {
         LlamaConfig {
             name: "llama-3.1-8b".into(),
@@ -94,11 +136,15 @@ impl LlamaConfig {
                 original_max_position: 8192,
             }),
             tie_embeddings: false,
+            max_positions: 131072,
+            bos_token_id: Some(LLAMA3_BOS),
+            eos_token_ids: LLAMA3_EOS.to_vec(),
         }
     }
 
     /// A model small enough for an f64 CPU reference: hidden 128, 2 layers, 4 heads, 2 KV heads, head
-    /// dim 32, FFN 256, vocabulary 512, Llama-3 RoPE scaling.
+    /// dim 32, FFN 256, vocabulary 512, Llama-3 RoPE scaling. Its vocabulary has no special tokens:
+    /// no bos, no eos (generation runs to its length limit).
     pub fn tiny() -> Self {
         LlamaConfig {
             name: "tiny".into(),
@@ -110,6 +156,8 @@ impl LlamaConfig {
             ffn: 256,
             vocab: 512,
             tie_embeddings: false,
+            bos_token_id: None,
+            eos_token_ids: Vec::new(),
             ..LlamaConfig::llama_3_1_8b()
         }
     }
@@ -132,60 +180,128 @@ impl LlamaConfig {
         LlamaConfig { layers, ..self }
     }
 
-    /// Reads a Hugging Face `config.json` (`LlamaForCausalLM`).
+    /// Reads and checks `dir/config.json`, the config of a Hugging Face checkpoint directory (whose
+    /// weights [`crate::weights::Weights::load`] reads from the same directory). The config is named
+    /// after the directory's last component.
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let file = dir.join("config.json");
+        let json =
+            std::fs::read_to_string(&file).map_err(|e| Error::Config(format!("{}: {e}", file.display())))?;
+        let name = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| dir.display().to_string());
+        Self::from_hf_json(&name, &json)
+    }
+
+    /// Reads a Hugging Face `config.json` of a `LlamaForCausalLM`, as transformers 4.x or 5.x writes it.
+    ///
+    /// RoPE comes from the top-level `rope_theta` and `rope_scaling` (4.x; `rope_scaling` null, or
+    /// with `rope_type` or the legacy `type`), or from `rope_parameters` (5.x), or both if they agree
+    /// (a disagreement is an error). The rope types are `default` and `llama3`. When no form names a
+    /// theta, it is [`DEFAULT_ROPE_THETA`], transformers' `LlamaConfig` default; likewise a missing
+    /// `max_position_embeddings` is [`DEFAULT_MAX_POSITIONS`], a missing `num_key_value_heads` the
+    /// number of heads, a missing `head_dim` `hidden_size / num_attention_heads` (an explicit
+    /// `head_dim` need not divide the hidden size) and a missing `tie_word_embeddings` false.
+    ///
+    /// What the decoder does not implement is an error naming the key: a `model_type` other than
+    /// `llama`, `architectures` without `LlamaForCausalLM`, `attention_bias` or `mlp_bias` true, a
+    /// `hidden_act` other than `silu`, another rope type (yarn, dynamic, linear, longrope, ...), a key
+    /// of the rope parameters this decoder does not read, a `partial_rotary_factor` other than 1, a
+    /// `sliding_window`, a `quantization_config`, `pretraining_tp` above 1. Keys that do not change the
+    /// forward (dtype, `initializer_range`, `use_cache`, `attention_dropout`, `pad_token_id`, ...) are
+    /// ignored. The result passes [`LlamaConfig::check`].
     pub fn from_hf_json(name: &str, json: &str) -> Result<Self> {
-        #[derive(Deserialize)]
-        struct Hf {
-            hidden_size: usize,
-            num_hidden_layers: usize,
-            num_attention_heads: usize,
-            num_key_value_heads: Option<usize>,
-            head_dim: Option<usize>,
-            intermediate_size: usize,
-            vocab_size: usize,
-            rms_norm_eps: f64,
-            rope_theta: Option<f64>,
-            rope_scaling: Option<serde_json::Value>,
-            tie_word_embeddings: Option<bool>,
-        }
-        let hf: Hf =
-            serde_json::from_str(json).map_err(|e| Error::Config(format!("{name}: config.json: {e}")))?;
-        let rope_scaling = match hf.rope_scaling {
-            None | Some(serde_json::Value::Null) => None,
-            Some(v) => {
-                let kind =
-                    v.get("rope_type").or_else(|| v.get("type")).and_then(|t| t.as_str()).unwrap_or("");
-                if kind != "llama3" {
-                    return Err(Error::Config(format!(
-                        "{name}: rope_scaling type `{kind}` is not supported (llama3 only)"
-                    )));
-                }
-                Some(
-                    serde_json::from_value(v)
-                        .map_err(|e| Error::Config(format!("{name}: rope_scaling: {e}")))?,
-                )
-            }
+        let fail = |m: String| Error::Config(format!("{name}: config.json: {m}"));
+        let root: Value = serde_json::from_str(json).map_err(|e| fail(e.to_string()))?;
+        let Value::Object(map) = root else {
+            return Err(fail("expected a JSON object".into()));
         };
+        let hf = Hf { map: &map, prefix: "" };
+        let err = |e: String| fail(e);
+
+        if let Some(t) = hf.str("model_type").map_err(err)? {
+            if t != "llama" {
+                return Err(fail(format!("`model_type` `{t}` is not supported (llama only)")));
+            }
+        }
+        if let Some(a) = hf.get("architectures") {
+            let names: Vec<&str> = a.as_array().into_iter().flatten().filter_map(Value::as_str).collect();
+            if !names.contains(&"LlamaForCausalLM") {
+                return Err(fail(format!("`architectures` {a} does not include LlamaForCausalLM")));
+            }
+        }
+        for key in ["attention_bias", "mlp_bias"] {
+            if hf.bool(key).map_err(err)? == Some(true) {
+                return Err(fail(format!("`{key}` true is not supported (Llama-3 has no biases)")));
+            }
+        }
+        if let Some(act) = hf.str("hidden_act").map_err(err)? {
+            if act != "silu" {
+                return Err(fail(format!("`hidden_act` `{act}` is not supported (silu only)")));
+            }
+        }
+        if let Some(w) = hf.get("sliding_window") {
+            return Err(fail(format!("`sliding_window` {w} is not supported (full attention only)")));
+        }
+        if hf.get("quantization_config").is_some() {
+            return Err(fail("`quantization_config`: quantized checkpoints are not supported".into()));
+        }
+        if let Some(tp) = hf.usize("pretraining_tp").map_err(err)? {
+            if tp > 1 {
+                return Err(fail(format!("`pretraining_tp` {tp} is not supported (1 only)")));
+            }
+        }
+        hf.partial_rotary_factor().map_err(err)?;
+        let (rope_theta, rope_scaling) = rope(&hf).map_err(err)?;
+
+        let heads = hf.req_usize("num_attention_heads").map_err(err)?;
+        let hidden = hf.req_usize("hidden_size").map_err(err)?;
+        let head_dim = match hf.usize("head_dim").map_err(err)? {
+            Some(d) => d,
+            None if heads == 0 => return Err(fail("`num_attention_heads` is 0".into())),
+            None => hidden / heads,
+        };
+        let eos_token_ids = match hf.get("eos_token_id") {
+            None => Vec::new(),
+            Some(Value::Array(ids)) => ids
+                .iter()
+                .map(|v| token_id("eos_token_id", v))
+                .collect::<std::result::Result<_, _>>()
+                .map_err(err)?,
+            Some(v) => vec![token_id("eos_token_id", v).map_err(err)?],
+        };
+        let bos_token_id =
+            hf.get("bos_token_id").map(|v| token_id("bos_token_id", v)).transpose().map_err(err)?;
         let cfg = LlamaConfig {
             name: name.to_string(),
-            hidden: hf.hidden_size,
-            layers: hf.num_hidden_layers,
-            heads: hf.num_attention_heads,
-            kv_heads: hf.num_key_value_heads.unwrap_or(hf.num_attention_heads),
-            head_dim: hf.head_dim.unwrap_or(hf.hidden_size / hf.num_attention_heads.max(1)),
-            ffn: hf.intermediate_size,
-            vocab: hf.vocab_size,
-            rms_eps: hf.rms_norm_eps,
-            rope_theta: hf.rope_theta.unwrap_or(10000.0),
+            hidden,
+            layers: hf.req_usize("num_hidden_layers").map_err(err)?,
+            heads,
+            kv_heads: hf.usize("num_key_value_heads").map_err(err)?.unwrap_or(heads),
+            head_dim,
+            ffn: hf.req_usize("intermediate_size").map_err(err)?,
+            vocab: hf.req_usize("vocab_size").map_err(err)?,
+            rms_eps: hf.req_f64("rms_norm_eps").map_err(err)?,
+            rope_theta,
             rope_scaling,
-            tie_embeddings: hf.tie_word_embeddings.unwrap_or(false),
+            tie_embeddings: hf.bool("tie_word_embeddings").map_err(err)?.unwrap_or(false),
+            max_positions: hf.usize("max_position_embeddings").map_err(err)?.unwrap_or(DEFAULT_MAX_POSITIONS),
+            bos_token_id,
+            eos_token_ids,
         };
         cfg.check()?;
         Ok(cfg)
     }
 
-    /// Checks that the shape is one this crate runs: heads divisible by KV heads, head dim a multiple
-    /// of 8 (fused attention) and even (RoPE), everything non-zero.
+    /// Checks that the shape is one this crate runs: everything non-zero, heads divisible by KV heads,
+    /// head dim a multiple of 8 (fused attention) and even (RoPE); sizes within [`MAX_LAYERS`],
+    /// [`MAX_DIM`], [`MAX_VOCAB`], [`MAX_POSITIONS`] and [`MAX_TENSOR_ELEMENTS`], so that every derived
+    /// size ([`LlamaConfig::qkv_width`], [`LlamaConfig::parameters`], tensor shapes) fits; RoPE theta
+    /// finite and positive; Llama-3 scaling with a finite `factor` ≥ 1, finite
+    /// `0 < low_freq_factor < high_freq_factor` (the interpolation divides by their difference) and a
+    /// non-zero `original_max_position`; `rms_eps` finite in `[f32::MIN_POSITIVE, MAX_RMS_EPS]` (the
+    /// kernels take it as a normal f32); bos and eos ids inside the vocabulary. Errors name the field.
     pub fn check(&self) -> Result<()> {
         let fail = |m: String| Err(Error::Config(format!("{}: {m}", self.name)));
         for (what, v) in [
@@ -196,9 +312,23 @@ impl LlamaConfig {
             ("head_dim", self.head_dim),
             ("ffn", self.ffn),
             ("vocab", self.vocab),
+            ("max_positions", self.max_positions),
         ] {
             if v == 0 {
                 return fail(format!("{what} is 0"));
+            }
+        }
+        for (what, v, cap) in [
+            ("layers", self.layers, MAX_LAYERS),
+            ("hidden", self.hidden, MAX_DIM),
+            ("heads", self.heads, MAX_DIM),
+            ("head_dim", self.head_dim, MAX_DIM),
+            ("ffn", self.ffn, MAX_DIM),
+            ("vocab", self.vocab, MAX_VOCAB),
+            ("max_positions", self.max_positions, MAX_POSITIONS),
+        ] {
+            if v > cap {
+                return fail(format!("{what} {v} is above this crate's limit {cap}"));
             }
         }
         if !self.heads.is_multiple_of(self.kv_heads) {
@@ -207,33 +337,286 @@ impl LlamaConfig {
         if !self.head_dim.is_multiple_of(8) {
             return fail(format!("head_dim {} is not a multiple of 8", self.head_dim));
         }
+        // heads and head_dim are at most 2^20 each, so this product cannot overflow a 64-bit usize, but
+        // checked arithmetic keeps it honest on any target.
+        let qkv = (self.kv_heads.checked_mul(2))
+            .and_then(|kv| kv.checked_add(self.heads))
+            .and_then(|h| h.checked_mul(self.head_dim));
+        match qkv {
+            Some(w) if w <= MAX_DIM => {}
+            _ => {
+                return fail(format!(
+                    "the QKV width (heads {} + 2 × kv_heads {}) × head_dim {} is above this crate's limit \
+                     {MAX_DIM}",
+                    self.heads, self.kv_heads, self.head_dim
+                ))
+            }
+        }
+        for (what, rows, cols) in [
+            ("embedding (vocab × hidden)", self.vocab, self.hidden),
+            ("fused QKV projection (qkv_width × hidden)", self.qkv_width(), self.hidden),
+            ("MLP projection (ffn × hidden)", self.ffn, self.hidden),
+            ("attention output (hidden × heads · head_dim)", self.hidden, self.attn_width()),
+        ] {
+            if rows.checked_mul(cols).is_none_or(|n| n > MAX_TENSOR_ELEMENTS) {
+                return fail(format!(
+                    "the {what} tensor, {rows} × {cols}, has more than {MAX_TENSOR_ELEMENTS} elements"
+                ));
+            }
+        }
+        if self.checked_parameters().is_none() {
+            return fail("the parameter count overflows usize".into());
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return fail(format!("rope_theta {} is not a finite positive number", self.rope_theta));
+        }
+        if let Some(s) = &self.rope_scaling {
+            if !(s.factor.is_finite() && s.factor >= 1.0) {
+                return fail(format!("rope_scaling.factor {} is not a finite number ≥ 1", s.factor));
+            }
+            if !(s.low_freq_factor.is_finite() && s.low_freq_factor > 0.0) {
+                return fail(format!(
+                    "rope_scaling.low_freq_factor {} is not a finite positive number",
+                    s.low_freq_factor
+                ));
+            }
+            if !(s.high_freq_factor.is_finite() && s.high_freq_factor > s.low_freq_factor) {
+                return fail(format!(
+                    "rope_scaling.high_freq_factor {} is not finite and above low_freq_factor {}",
+                    s.high_freq_factor, s.low_freq_factor
+                ));
+            }
+            if s.original_max_position == 0 {
+                return fail("rope_scaling.original_max_position_embeddings is 0".into());
+            }
+        }
+        if !(self.rms_eps.is_finite() && (f32::MIN_POSITIVE as f64..=MAX_RMS_EPS).contains(&self.rms_eps)) {
+            return fail(format!(
+                "rms_eps {:e} is outside [{:e}, {MAX_RMS_EPS}] (a normal f32, at most {MAX_RMS_EPS})",
+                self.rms_eps,
+                f32::MIN_POSITIVE
+            ));
+        }
+        for (what, id) in self
+            .bos_token_id
+            .iter()
+            .map(|&b| ("bos_token_id", b))
+            .chain(self.eos_token_ids.iter().map(|&e| ("eos_token_id", e)))
+        {
+            if id as usize >= self.vocab {
+                return fail(format!("{what} {id} is outside the vocabulary of {}", self.vocab));
+            }
+        }
         Ok(())
     }
 
-    /// Width of the fused QKV projection: `(heads + 2 · kv_heads) · head_dim`.
+    /// Width of the fused QKV projection: `(heads + 2 · kv_heads) · head_dim` (saturating for configs
+    /// [`LlamaConfig::check`] refuses).
     pub fn qkv_width(&self) -> usize {
-        (self.heads + 2 * self.kv_heads) * self.head_dim
+        self.heads.saturating_add(self.kv_heads.saturating_mul(2)).saturating_mul(self.head_dim)
     }
 
-    /// Width of the attention output: `heads · head_dim`.
+    /// Width of the attention output: `heads · head_dim` (saturating for configs
+    /// [`LlamaConfig::check`] refuses).
     pub fn attn_width(&self) -> usize {
-        self.heads * self.head_dim
+        self.heads.saturating_mul(self.head_dim)
     }
 
-    /// Parameters, lm_head included (once when tied).
+    /// Parameters, lm_head included (once when tied); `usize::MAX` for configs whose count overflows
+    /// (which [`LlamaConfig::check`] refuses).
     pub fn parameters(&self) -> usize {
-        let per_layer = 2 * self.hidden
-            + self.hidden * self.qkv_width()
-            + self.attn_width() * self.hidden
-            + 3 * self.hidden * self.ffn;
-        let head = if self.tie_embeddings { 0 } else { self.vocab * self.hidden };
-        self.vocab * self.hidden + self.layers * per_layer + self.hidden + head
+        self.checked_parameters().unwrap_or(usize::MAX)
+    }
+
+    fn checked_parameters(&self) -> Option<usize> {
+        let hid = self.hidden;
+        let per_layer = [
+            hid.checked_mul(2)?,
+            hid.checked_mul(
+                self.heads.checked_add(self.kv_heads.checked_mul(2)?)?.checked_mul(self.head_dim)?,
+            )?,
+            self.heads.checked_mul(self.head_dim)?.checked_mul(hid)?,
+            hid.checked_mul(self.ffn)?.checked_mul(3)?,
+        ]
+        .into_iter()
+        .try_fold(0usize, usize::checked_add)?;
+        let embed = self.vocab.checked_mul(hid)?;
+        let head = if self.tie_embeddings { 0 } else { embed };
+        [embed, self.layers.checked_mul(per_layer)?, hid, head]
+            .into_iter()
+            .try_fold(0usize, usize::checked_add)
+    }
+}
+
+/// What one rope dictionary says: its theta, if it names one, and its scaling.
+type RopeForm = (Option<f64>, Option<RopeScaling>);
+
+/// A token id in `config.json`: a non-negative integer that fits `u32`.
+fn token_id(key: &str, v: &Value) -> std::result::Result<u32, String> {
+    v.as_u64().and_then(|i| u32::try_from(i).ok()).ok_or_else(|| format!("`{key}` {v} is not a token id"))
+}
+
+/// A JSON object of `config.json` (the root, or a rope dictionary whose keys are named with `prefix`),
+/// read key by key so that errors name the key. A key whose value is null counts as absent.
+struct Hf<'a> {
+    map: &'a Map<String, Value>,
+    prefix: &'a str,
+}
+
+impl Hf<'_> {
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.map.get(key).filter(|v| !v.is_null())
+    }
+
+    fn typed<T>(
+        &self,
+        key: &str,
+        what: &str,
+        f: impl Fn(&Value) -> Option<T>,
+    ) -> std::result::Result<Option<T>, String> {
+        self.get(key)
+            .map(|v| f(v).ok_or_else(|| format!("`{}{key}` {v} is not {what}", self.prefix)))
+            .transpose()
+    }
+
+    fn usize(&self, key: &str) -> std::result::Result<Option<usize>, String> {
+        self.typed(key, "a non-negative integer", |v| v.as_u64().and_then(|u| usize::try_from(u).ok()))
+    }
+
+    fn req_usize(&self, key: &str) -> std::result::Result<usize, String> {
+        self.usize(key)?.ok_or_else(|| format!("`{}{key}` is missing", self.prefix))
+    }
+
+    fn f64(&self, key: &str) -> std::result::Result<Option<f64>, String> {
+        self.typed(key, "a number", Value::as_f64)
+    }
+
+    fn req_f64(&self, key: &str) -> std::result::Result<f64, String> {
+        self.f64(key)?.ok_or_else(|| format!("`{}{key}` is missing", self.prefix))
+    }
+
+    fn bool(&self, key: &str) -> std::result::Result<Option<bool>, String> {
+        self.typed(key, "true or false", Value::as_bool)
+    }
+
+    fn str(&self, key: &str) -> std::result::Result<Option<&str>, String> {
+        self.get(key)
+            .map(|v| v.as_str().ok_or_else(|| format!("`{}{key}` {v} is not a string", self.prefix)))
+            .transpose()
+    }
+
+    /// transformers rotates only this fraction of each head when it is below 1; the decoder rotates
+    /// all of it.
+    fn partial_rotary_factor(&self) -> std::result::Result<(), String> {
+        match self.f64("partial_rotary_factor")? {
+            Some(f) if f != 1.0 => Err(format!(
+                "`{}partial_rotary_factor` {f} is not supported (the whole head is rotated)",
+                self.prefix
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// One rope dictionary (`rope_scaling` or `rope_parameters`): its theta, if it names one, and its
+    /// scaling.
+    fn rope_dict(&self, legacy_type: bool) -> std::result::Result<RopeForm, String> {
+        let p = self.prefix;
+        let kind = match (self.str("rope_type")?, if legacy_type { self.str("type")? } else { None }) {
+            (Some(a), Some(b)) if a != b => {
+                return Err(format!("`{p}rope_type` `{a}` disagrees with `{p}type` `{b}`"));
+            }
+            (Some(a), _) | (None, Some(a)) => a,
+            (None, None) => return Err(format!("`{p}rope_type` is missing")),
+        };
+        let mut known = vec!["rope_type", "rope_theta", "partial_rotary_factor"];
+        if legacy_type {
+            known.push("type");
+        }
+        let scaling = match kind {
+            "default" => None,
+            "llama3" => {
+                known.extend([
+                    "factor",
+                    "low_freq_factor",
+                    "high_freq_factor",
+                    "original_max_position_embeddings",
+                ]);
+                Some(RopeScaling {
+                    factor: self.req_f64("factor")?,
+                    low_freq_factor: self.req_f64("low_freq_factor")?,
+                    high_freq_factor: self.req_f64("high_freq_factor")?,
+                    original_max_position: self.req_usize("original_max_position_embeddings")?,
+                })
+            }
+            other => {
+                return Err(format!("`{p}rope_type` `{other}` is not supported (default or llama3 only)"));
+            }
+        };
+        if let Some(key) = self.map.keys().find(|k| !known.contains(&k.as_str())) {
+            return Err(format!("`{p}{key}` is not supported for rope type {kind}"));
+        }
+        self.partial_rotary_factor()?;
+        Ok((self.f64("rope_theta")?, scaling))
+    }
+}
+
+/// RoPE theta and scaling from the transformers 4.x keys (`rope_theta`, `rope_scaling`), the 5.x key
+/// (`rope_parameters`), or both where they agree.
+fn rope(hf: &Hf) -> std::result::Result<(f64, Option<RopeScaling>), String> {
+    let dict = |key: &'static str, legacy: bool| -> std::result::Result<Option<RopeForm>, String> {
+        match hf.get(key) {
+            None => Ok(None),
+            Some(Value::Object(m)) => {
+                let prefix = if legacy { "rope_scaling." } else { "rope_parameters." };
+                Hf { map: m, prefix }.rope_dict(legacy).map(Some)
+            }
+            Some(v) => Err(format!("`{key}` {v} is not an object")),
+        }
+    };
+    // 4.x: the top-level theta, and a scaling dictionary (null or absent: none) that may repeat it.
+    let top_theta = hf.f64("rope_theta")?;
+    let legacy = dict("rope_scaling", true)?;
+    let legacy_theta = match (top_theta, legacy.and_then(|l| l.0)) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(format!("`rope_theta` {a} disagrees with `rope_scaling.rope_theta` {b}"));
+        }
+        (a, b) => a.or(b),
+    };
+    let legacy_scaling_stated = hf.map.contains_key("rope_scaling");
+    let legacy_scaling = legacy.and_then(|l| l.1);
+    // 5.x: one dictionary holding both.
+    let Some((theta, scaling)) = dict("rope_parameters", false)? else {
+        return Ok((legacy_theta.unwrap_or(DEFAULT_ROPE_THETA), legacy_scaling));
+    };
+    if let (Some(a), Some(b)) = (legacy_theta, theta) {
+        if a != b {
+            return Err(format!("`rope_theta` {a} disagrees with `rope_parameters.rope_theta` {b}"));
+        }
+    }
+    if legacy_scaling_stated && legacy_scaling != scaling {
+        return Err(format!(
+            "`rope_scaling` ({}) disagrees with `rope_parameters` ({})",
+            describe(legacy_scaling),
+            describe(scaling)
+        ));
+    }
+    Ok((theta.or(legacy_theta).unwrap_or(DEFAULT_ROPE_THETA), scaling))
+}
+
+fn describe(s: Option<RopeScaling>) -> String {
+    match s {
+        None => "no scaling".into(),
+        Some(s) => format!(
+            "llama3, factor {}, low_freq_factor {}, high_freq_factor {}, original_max_position_embeddings {}",
+            s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position
+        ),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::weights::Weights;
 
     #[test]
     fn presets_have_the_published_shapes() {
@@ -262,25 +645,369 @@ mod tests {
         assert!(e.contains("llama-2-7b") && e.contains("llama-3.2-1b, llama-3.1-8b, tiny"), "{e}");
     }
 
+    /// Llama-3.2-1B's `config.json` as transformers 4.x writes it.
+    const HF4: &str = r#"{
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+        "intermediate_size": 8192, "num_attention_heads": 32, "num_hidden_layers": 16,
+        "num_key_value_heads": 8, "head_dim": 64, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+        "vocab_size": 128256, "tie_word_embeddings": true, "max_position_embeddings": 131072,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu",
+        "attention_bias": false, "attention_dropout": 0.0, "mlp_bias": false, "pretraining_tp": 1,
+        "initializer_range": 0.02, "use_cache": true, "torch_dtype": "bfloat16",
+        "transformers_version": "4.45.0.dev0"
+    }"#;
+
+    /// The same model as transformers 5.x writes it: `rope_parameters`, no `rope_theta`/`rope_scaling`.
+    const HF5: &str = r#"{
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+        "intermediate_size": 8192, "num_attention_heads": 32, "num_hidden_layers": 16,
+        "num_key_value_heads": 8, "head_dim": 64, "rms_norm_eps": 1e-05, "vocab_size": 128256,
+        "tie_word_embeddings": true, "max_position_embeddings": 131072,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192},
+        "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu",
+        "dtype": "bfloat16", "transformers_version": "5.0.0"
+    }"#;
+
+    fn edit(json: &str, f: impl FnOnce(&mut Map<String, Value>)) -> String {
+        let mut v: Value = serde_json::from_str(json).unwrap();
+        f(v.as_object_mut().unwrap());
+        v.to_string()
+    }
+
+    fn hf_err(json: &str) -> String {
+        LlamaConfig::from_hf_json("m", json).unwrap_err().to_string()
+    }
+
     #[test]
-    fn reads_a_hugging_face_config() {
-        let json = r#"{
-            "architectures": ["LlamaForCausalLM"], "hidden_size": 2048, "intermediate_size": 8192,
-            "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8, "head_dim": 64,
-            "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "vocab_size": 128256, "tie_word_embeddings": true,
-            "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                             "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-            "torch_dtype": "bfloat16"
-        }"#;
-        let cfg = LlamaConfig::from_hf_json("llama-3.2-1b", json).unwrap();
+    fn reads_a_transformers_4_config() {
+        let cfg = LlamaConfig::from_hf_json("llama-3.2-1b", HF4).unwrap();
         assert_eq!(cfg, LlamaConfig::llama_3_2_1b());
-        let bad = json.replace("\"llama3\"", "\"yarn\"");
-        assert!(LlamaConfig::from_hf_json("m", &bad).unwrap_err().to_string().contains("yarn"));
-        let bad = json.replace("\"num_key_value_heads\": 8", "\"num_key_value_heads\": 5");
-        assert!(LlamaConfig::from_hf_json("m", &bad)
-            .unwrap_err()
-            .to_string()
-            .contains("multiple of kv_heads"));
+        // rope_scaling with the legacy `type`, or null; a single eos id.
+        let legacy = edit(HF4, |m| {
+            let s = m["rope_scaling"].as_object_mut().unwrap();
+            let t = s.remove("rope_type").unwrap();
+            s.insert("type".into(), t);
+        });
+        assert_eq!(LlamaConfig::from_hf_json("llama-3.2-1b", &legacy).unwrap(), cfg);
+        let plain = edit(HF4, |m| {
+            m.insert("rope_scaling".into(), Value::Null);
+            m.insert("rope_theta".into(), 10000.0.into());
+            m.insert("eos_token_id".into(), 128001.into());
+        });
+        let p = LlamaConfig::from_hf_json("m", &plain).unwrap();
+        assert_eq!((p.rope_theta, p.rope_scaling, p.eos_token_ids), (10000.0, None, vec![128001]));
+        // No theta anywhere, no max_position_embeddings, no head_dim or num_key_value_heads:
+        // transformers' defaults.
+        let bare = edit(HF4, |m| {
+            for k in
+                ["rope_theta", "rope_scaling", "max_position_embeddings", "head_dim", "num_key_value_heads"]
+            {
+                m.remove(k);
+            }
+        });
+        let b = LlamaConfig::from_hf_json("m", &bare).unwrap();
+        assert_eq!((b.rope_theta, b.rope_scaling, b.max_positions), (10000.0, None, 2048));
+        assert_eq!((b.head_dim, b.kv_heads), (64, 32));
+        // An explicit head_dim need not divide the hidden size.
+        let wide = edit(HF4, |m| {
+            m.insert("head_dim".into(), 128.into());
+        });
+        let w = LlamaConfig::from_hf_json("m", &wide).unwrap();
+        assert_eq!((w.head_dim, w.attn_width(), w.hidden), (128, 4096, 2048));
+    }
+
+    #[test]
+    fn reads_a_transformers_5_config() {
+        let cfg = LlamaConfig::from_hf_json("llama-3.2-1b", HF5).unwrap();
+        assert_eq!(cfg, LlamaConfig::llama_3_2_1b());
+        let default = edit(HF5, |m| {
+            m.insert(
+                "rope_parameters".into(),
+                serde_json::json!({"rope_type": "default", "rope_theta": 20000.0}),
+            );
+        });
+        let d = LlamaConfig::from_hf_json("m", &default).unwrap();
+        assert_eq!((d.rope_theta, d.rope_scaling), (20000.0, None));
+        // Both forms, agreeing.
+        let both = edit(HF5, |m| {
+            m.insert("rope_theta".into(), 500000.0.into());
+            m.insert("rope_scaling".into(), m["rope_parameters"].clone());
+        });
+        assert_eq!(LlamaConfig::from_hf_json("llama-3.2-1b", &both).unwrap(), cfg);
+        let theta_only = edit(HF5, |m| {
+            m.insert("rope_theta".into(), 500000.0.into());
+        });
+        assert_eq!(LlamaConfig::from_hf_json("llama-3.2-1b", &theta_only).unwrap(), cfg);
+    }
+
+    #[test]
+    fn disagreeing_rope_forms_are_errors() {
+        let theta = edit(HF5, |m| {
+            m.insert("rope_theta".into(), 10000.0.into());
+        });
+        let e = hf_err(&theta);
+        assert!(e.contains("`rope_theta` 10000 disagrees with `rope_parameters.rope_theta` 500000"), "{e}");
+        let scaling = edit(HF5, |m| {
+            let mut s = m["rope_parameters"].clone();
+            s["factor"] = 8.0.into();
+            m.insert("rope_scaling".into(), s);
+        });
+        let e = hf_err(&scaling);
+        assert!(
+            e.contains("`rope_scaling` (llama3, factor 8") && e.contains("disagrees with `rope_parameters`"),
+            "{e}"
+        );
+        let null = edit(HF5, |m| {
+            m.insert("rope_scaling".into(), Value::Null);
+        });
+        assert!(hf_err(&null).contains("`rope_scaling` (no scaling) disagrees"), "{}", hf_err(&null));
+        let inner = edit(HF4, |m| {
+            m["rope_scaling"]["rope_theta"] = 10000.0.into();
+        });
+        assert!(hf_err(&inner).contains("`rope_theta` 500000 disagrees with `rope_scaling.rope_theta` 10000"));
+        let types = edit(HF4, |m| {
+            m["rope_scaling"]["type"] = "yarn".into();
+        });
+        assert!(hf_err(&types)
+            .contains("`rope_scaling.rope_type` `llama3` disagrees with `rope_scaling.type` `yarn`"));
+    }
+
+    #[test]
+    fn unsupported_keys_are_errors_naming_the_key() {
+        let set = |json: &str, key: &str, v: Value| {
+            edit(json, |m| {
+                m.insert(key.into(), v);
+            })
+        };
+        for (json, expected) in [
+            (set(HF4, "model_type", "mistral".into()), "`model_type` `mistral`"),
+            (
+                set(HF4, "architectures", serde_json::json!(["LlamaForSequenceClassification"])),
+                "`architectures`",
+            ),
+            (set(HF4, "attention_bias", true.into()), "`attention_bias` true"),
+            (set(HF4, "mlp_bias", true.into()), "`mlp_bias` true"),
+            (set(HF4, "hidden_act", "gelu".into()), "`hidden_act` `gelu`"),
+            (set(HF4, "sliding_window", 4096.into()), "`sliding_window` 4096"),
+            (
+                set(HF4, "quantization_config", serde_json::json!({"quant_method": "awq"})),
+                "`quantization_config`",
+            ),
+            (set(HF4, "pretraining_tp", 2.into()), "`pretraining_tp` 2"),
+            (set(HF4, "partial_rotary_factor", 0.5.into()), "`partial_rotary_factor` 0.5"),
+            (
+                set(HF4, "num_hidden_layers", "16".into()),
+                "`num_hidden_layers` \"16\" is not a non-negative integer",
+            ),
+            (set(HF4, "eos_token_id", (-1).into()), "`eos_token_id` -1 is not a token id"),
+            (set(HF4, "rope_scaling", 1.0.into()), "`rope_scaling` 1.0 is not an object"),
+            (
+                edit(HF4, |m| {
+                    m.remove("vocab_size");
+                }),
+                "`vocab_size` is missing",
+            ),
+            (
+                edit(HF4, |m| {
+                    m["rope_scaling"]["rope_type"] = "yarn".into();
+                }),
+                "`rope_scaling.rope_type` `yarn` is not supported",
+            ),
+            (
+                edit(HF4, |m| {
+                    m["rope_scaling"]["rope_type"] = "dynamic".into();
+                }),
+                "`dynamic`",
+            ),
+            (
+                edit(HF4, |m| {
+                    m["rope_scaling"].as_object_mut().unwrap().remove("rope_type");
+                }),
+                "`rope_scaling.rope_type` is missing",
+            ),
+            (
+                edit(HF4, |m| {
+                    m["rope_scaling"].as_object_mut().unwrap().remove("factor");
+                }),
+                "`rope_scaling.factor` is missing",
+            ),
+            (
+                edit(HF4, |m| {
+                    m["rope_scaling"]["mscale"] = 1.0.into();
+                }),
+                "`rope_scaling.mscale` is not supported",
+            ),
+            (
+                edit(HF5, |m| {
+                    m["rope_parameters"]["rope_type"] = "linear".into();
+                }),
+                "`rope_parameters.rope_type` `linear`",
+            ),
+            (
+                edit(HF5, |m| {
+                    m["rope_parameters"]["rope_type"] = "longrope".into();
+                }),
+                "`longrope`",
+            ),
+            (
+                edit(HF5, |m| {
+                    m["rope_parameters"]["partial_rotary_factor"] = 0.5.into();
+                }),
+                "`rope_parameters.partial_rotary_factor` 0.5",
+            ),
+            (
+                edit(HF5, |m| {
+                    m["rope_parameters"].as_object_mut().unwrap().remove("rope_type");
+                }),
+                "`rope_parameters.rope_type` is missing",
+            ),
+            // transformers 5 has no legacy `type`.
+            (
+                edit(HF5, |m| {
+                    m["rope_parameters"]["type"] = "llama3".into();
+                }),
+                "`rope_parameters.type` is not supported",
+            ),
+            (
+                edit(HF5, |m| {
+                    m["rope_parameters"]["rope_theta"] = 0.0.into();
+                }),
+                "rope_theta 0 is not a finite positive number",
+            ),
+        ] {
+            let e = hf_err(&json);
+            assert!(e.starts_with("config: m: ") && e.contains(expected), "{expected}: {e}");
+        }
+        // Harmless keys and nulls are fine.
+        let ok = edit(HF4, |m| {
+            m.insert("sliding_window".into(), Value::Null);
+            m.insert("attention_dropout".into(), 0.1.into());
+            m.insert("pad_token_id".into(), Value::Null);
+            m.insert("partial_rotary_factor".into(), 1.0.into());
+            m.remove("model_type");
+            m.remove("architectures");
+        });
+        LlamaConfig::from_hf_json("m", &ok).unwrap();
         assert!(LlamaConfig::from_hf_json("m", "{").is_err());
+        assert!(hf_err("[1]").contains("expected a JSON object"));
+        let bad = HF4.replace("\"num_key_value_heads\": 8", "\"num_key_value_heads\": 5");
+        assert!(hf_err(&bad).contains("multiple of kv_heads"));
+    }
+
+    #[test]
+    fn from_dir_reads_config_json() {
+        let dir =
+            std::env::temp_dir().join(format!("llama-config-{}", std::process::id())).join("Llama-3.2-1B");
+        std::fs::create_dir_all(&dir).unwrap();
+        let e = LlamaConfig::from_dir(&dir).unwrap_err().to_string();
+        assert!(e.contains("config.json"), "{e}");
+        std::fs::write(dir.join("config.json"), HF5).unwrap();
+        let cfg = LlamaConfig::from_dir(&dir).unwrap();
+        let _ = std::fs::remove_dir_all(dir.parent().unwrap());
+        assert_eq!(cfg, LlamaConfig { name: "Llama-3.2-1B".into(), ..LlamaConfig::llama_3_2_1b() });
+    }
+
+    #[test]
+    fn check_bounds_sizes_so_derived_sizes_cannot_overflow() {
+        let base = LlamaConfig::tiny();
+        let with = |f: &dyn Fn(&mut LlamaConfig)| {
+            let mut c = base.clone();
+            f(&mut c);
+            c.check().map(|_| c).map_err(|e| e.to_string())
+        };
+        for (f, expected) in [
+            (
+                &(|c: &mut LlamaConfig| c.heads = 1 << 61) as &dyn Fn(&mut LlamaConfig),
+                "heads 2305843009213693952 is above",
+            ),
+            (
+                &|c| {
+                    c.heads = 1 << 20;
+                    c.kv_heads = 1 << 20
+                },
+                "QKV width",
+            ),
+            (&|c| c.layers = usize::MAX, "layers 18446744073709551615 is above"),
+            (&|c| c.vocab = usize::MAX, "vocab"),
+            (
+                &|c| {
+                    c.vocab = 1 << 24;
+                    c.hidden = 1 << 10
+                },
+                "embedding (vocab × hidden) tensor",
+            ),
+            (
+                &|c| {
+                    c.ffn = 1 << 20;
+                    c.hidden = 1 << 12
+                },
+                "MLP projection",
+            ),
+            (&|c| c.head_dim = usize::MAX - 7, "head_dim"),
+            (&|c| c.max_positions = 0, "max_positions is 0"),
+            (&|c| c.max_positions = usize::MAX, "max_positions"),
+        ] {
+            let e = with(f).unwrap_err();
+            assert!(e.contains(expected), "{expected}: {e}");
+        }
+        // The largest accepted shape's derived sizes are computable.
+        let big = with(&|c| {
+            c.vocab = MAX_TENSOR_ELEMENTS / (1 << 14);
+            c.hidden = 1 << 14;
+            c.layers = MAX_LAYERS;
+            c.ffn = MAX_TENSOR_ELEMENTS / (1 << 14);
+        })
+        .unwrap();
+        assert!(big.parameters() > big.layers * big.hidden * big.ffn * 3);
+        assert_eq!(Weights::<f32>::names(&big).len(), 1 + 9 * MAX_LAYERS + 2);
+        // Unchecked configs saturate instead of overflowing.
+        let huge = LlamaConfig { heads: 1 << 61, ..base };
+        assert_eq!((huge.qkv_width(), huge.parameters()), (usize::MAX, usize::MAX));
+    }
+
+    #[test]
+    fn check_refuses_rope_and_eps_values_that_make_nan_tables() {
+        let base = LlamaConfig::tiny();
+        let s = base.rope_scaling.unwrap();
+        let scaled = |f: &dyn Fn(&mut RopeScaling)| {
+            let mut r = s;
+            f(&mut r);
+            LlamaConfig { rope_scaling: Some(r), ..base.clone() }
+        };
+        for (cfg, expected) in [
+            (LlamaConfig { rope_theta: 0.0, ..base.clone() }, "rope_theta 0"),
+            (LlamaConfig { rope_theta: -1.0, ..base.clone() }, "rope_theta -1"),
+            (LlamaConfig { rope_theta: f64::NAN, ..base.clone() }, "rope_theta NaN"),
+            (LlamaConfig { rope_theta: f64::INFINITY, ..base.clone() }, "rope_theta inf"),
+            (scaled(&|r| r.factor = 0.0), "rope_scaling.factor 0"),
+            (scaled(&|r| r.factor = 0.5), "rope_scaling.factor 0.5"),
+            (scaled(&|r| r.factor = f64::NAN), "rope_scaling.factor NaN"),
+            (scaled(&|r| r.low_freq_factor = 0.0), "rope_scaling.low_freq_factor 0"),
+            (scaled(&|r| r.low_freq_factor = -1.0), "rope_scaling.low_freq_factor -1"),
+            (scaled(&|r| r.high_freq_factor = 1.0), "rope_scaling.high_freq_factor 1"),
+            (scaled(&|r| r.high_freq_factor = 0.5), "rope_scaling.high_freq_factor 0.5"),
+            (scaled(&|r| r.high_freq_factor = f64::INFINITY), "rope_scaling.high_freq_factor inf"),
+            (scaled(&|r| r.original_max_position = 0), "original_max_position_embeddings is 0"),
+            (LlamaConfig { rms_eps: 0.0, ..base.clone() }, "rms_eps 0e0"),
+            (LlamaConfig { rms_eps: -1e-5, ..base.clone() }, "rms_eps -1e-5"),
+            (LlamaConfig { rms_eps: 1e-40, ..base.clone() }, "rms_eps 1e-40"),
+            (LlamaConfig { rms_eps: 0.5, ..base.clone() }, "rms_eps 5e-1"),
+            (LlamaConfig { rms_eps: f64::NAN, ..base.clone() }, "rms_eps NaN"),
+            (LlamaConfig { eos_token_ids: vec![1, 512], ..base.clone() }, "eos_token_id 512 is outside"),
+            (LlamaConfig { bos_token_id: Some(600), ..base.clone() }, "bos_token_id 600 is outside"),
+        ] {
+            let e = cfg.check().unwrap_err().to_string();
+            assert!(e.contains(expected), "{expected}: {e}");
+        }
+        // Every accepted value gives finite tables.
+        for cfg in [base.clone(), scaled(&|r| r.factor = 1.0), LlamaConfig { rms_eps: 0.1, ..base.clone() }] {
+            cfg.check().unwrap();
+            let (c, s) = crate::rope::tables(&cfg, 0, 4);
+            assert!(c.iter().chain(&s).all(|v| v.is_finite()));
+        }
     }
 }

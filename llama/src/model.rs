@@ -273,6 +273,7 @@ impl<T: Element> Llama<T> {
     /// Runs the next `tokens` of every sequence (equal counts) through the model, appending their K/V
     /// to `cache`, and returns the buffer whose first `batch · seq` rows are the output-normed hidden
     /// states (`[rows, hidden]`; valid until the next call, longer than that after a longer call).
+    /// `backends` naming a layer past the model's last is an [`Error::Backends`].
     pub fn forward(
         &mut self,
         ctx: &Cudnn,
@@ -281,6 +282,7 @@ impl<T: Element> Llama<T> {
         backends: &Backends,
         obs: &mut dyn Observer,
     ) -> Result<&CudaSlice<T>> {
+        backends.check_layers(self.cfg.layers)?;
         let (batch, seq) = self.upload(ctx, tokens, cache)?;
         self.run(ctx, batch, seq, cache, backends, obs)?;
         Ok(&self.acts.as_ref().expect("allocated by upload").out)
@@ -394,6 +396,7 @@ impl<T: Element> Llama<T> {
         backends: &Backends,
     ) -> Result<cudarc::driver::CudaGraph> {
         use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        backends.check_layers(self.cfg.layers)?;
         let (batch, seq) = self.upload(ctx, tokens, cache)?;
         let stream = ctx.stream().clone();
         stream

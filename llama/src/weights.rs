@@ -116,8 +116,10 @@ const INDEX_FILE: &str = "model.safetensors.index.json";
 impl<T: Element> Weights<T> {
     /// Hugging Face names and shapes of every tensor `cfg` needs, in a stable order: the embedding, each
     /// layer's nine tensors, the final norm, then `lm_head.weight` unless the embeddings are tied.
+    /// Meant for configs [`LlamaConfig::check`] accepts (shapes saturate otherwise).
     pub fn names(cfg: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
-        let (h, q, kv, f) = (cfg.hidden, cfg.attn_width(), cfg.kv_heads * cfg.head_dim, cfg.ffn);
+        let (h, q, kv, f) =
+            (cfg.hidden, cfg.attn_width(), cfg.kv_heads.saturating_mul(cfg.head_dim), cfg.ffn);
         let layer = [
             vec![h],
             vec![q, h],
@@ -145,7 +147,7 @@ impl<T: Element> Weights<T> {
     /// Seeded random weights, deterministic for a seed. Each tensor draws from
     /// [`cudnn_ops::reference::random_values`] with its own seed, mixed from `seed` and its name: the embedding is uniform in
     /// ±1, Linear weights in ±1/√in_features, and norm scales are `1 + 0.1·u`, never zero. Values are
-    /// rounded to `T`.
+    /// rounded to `T`. `cfg` must pass [`LlamaConfig::check`] (its sizes are what gets allocated).
     pub fn random(cfg: &LlamaConfig, seed: u64) -> Self {
         let names = Self::names(cfg);
         let make = |name: &str, shape: &[usize]| -> Tensor<T> {
@@ -189,9 +191,12 @@ impl<T: Element> Weights<T> {
     ///
     /// Files are memory-mapped; bf16, f16 and f32 tensors are converted to `T`. Tensors the config
     /// does not need (such as `rotary_emb.inv_freq`) are ignored, and so is `lm_head.weight` when
-    /// `cfg.tie_embeddings`. A missing or mis-shaped tensor, another dtype, an unreadable file or a
-    /// bad index is an [`Error::Weights`] naming the tensor and the file.
+    /// `cfg.tie_embeddings`. A missing or mis-shaped tensor, another dtype, a tensor name a file's
+    /// header lists twice, an unreadable file or a bad index (one naming a tensor twice, or a shard that
+    /// is not a plain file name in the index's directory) is an [`Error::Weights`] naming the tensor
+    /// and the file. A config [`LlamaConfig::check`] refuses is an [`Error::Config`].
     pub fn load(cfg: &LlamaConfig, path: &Path) -> Result<Self> {
+        cfg.check()?;
         let wanted = Self::names(cfg);
         let files = locate(path, &wanted)?;
         let mut shards: Vec<&PathBuf> = files.iter().collect();
@@ -201,7 +206,10 @@ impl<T: Element> Weights<T> {
         let tables = shards
             .iter()
             .zip(&maps)
-            .map(|(p, map)| SafeTensors::deserialize(map).map_err(st_fail(p)))
+            .map(|(p, map)| {
+                unique_header_names(p, map)?;
+                SafeTensors::deserialize(map).map_err(st_fail(p))
+            })
             .collect::<Result<Vec<_>>>()?;
         let tensors = wanted
             .into_iter()
@@ -314,19 +322,76 @@ fn locate(path: &Path, wanted: &[(String, Vec<usize>)]) -> Result<Vec<PathBuf>> 
 
     #[derive(serde::Deserialize)]
     struct Index {
-        weight_map: HashMap<String, String>,
+        weight_map: UniqueMap<String>,
     }
     let bad = |e: &dyn std::fmt::Display| fail(format!("{}: bad index: {e}", index.display()));
     let json = std::fs::read_to_string(&index).map_err(|e| bad(&e))?;
     let index_map: Index = serde_json::from_str(&json).map_err(|e| bad(&e))?;
     let dir = index.parent().unwrap_or(Path::new("."));
+    // Shards are files next to the index: a path (`../x`, `/x`, `a/b`) could name any file.
+    let mut shards: Vec<(&String, &String)> = index_map.weight_map.0.iter().collect();
+    shards.sort();
+    for (name, shard) in shards {
+        let mut parts = Path::new(shard).components();
+        let plain = matches!((parts.next(), parts.next()), (Some(std::path::Component::Normal(_)), None))
+            && !shard.contains(['/', '\\']);
+        if !plain {
+            return Err(bad(&format!(
+                "shard `{shard}` of tensor `{name}` is not a plain file name in {}",
+                dir.display()
+            )));
+        }
+    }
     wanted
         .iter()
-        .map(|(name, _)| match index_map.weight_map.get(name) {
+        .map(|(name, _)| match index_map.weight_map.0.get(name) {
             Some(shard) => Ok(dir.join(shard)),
             None => Err(fail(format!("tensor `{name}` is missing from {}", index.display()))),
         })
         .collect()
+}
+
+/// A JSON object read into a map, refusing a key given twice (serde's maps keep the last silently).
+struct UniqueMap<V>(HashMap<String, V>);
+
+impl<'de, V: serde::Deserialize<'de>> serde::Deserialize<'de> for UniqueMap<V> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct Visit<V>(std::marker::PhantomData<V>);
+        impl<'de, V: serde::Deserialize<'de>> serde::de::Visitor<'de> for Visit<V> {
+            type Value = UniqueMap<V>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut a: A,
+            ) -> std::result::Result<Self::Value, A::Error> {
+                let mut map = HashMap::new();
+                while let Some((k, v)) = a.next_entry::<String, V>()? {
+                    if map.contains_key(&k) {
+                        return Err(serde::de::Error::custom(format!("`{k}` is given twice")));
+                    }
+                    map.insert(k, v);
+                }
+                Ok(UniqueMap(map))
+            }
+        }
+        d.deserialize_map(Visit(std::marker::PhantomData))
+    }
+}
+
+/// Refuses a `safetensors` header listing a tensor name twice (the `safetensors` crate keeps the
+/// last entry). A header too short or malformed to read is left to `SafeTensors::deserialize` to
+/// report.
+fn unique_header_names(path: &Path, bytes: &[u8]) -> Result<()> {
+    let Some((len, rest)) = bytes.split_first_chunk::<8>() else { return Ok(()) };
+    let Some(header) = usize::try_from(u64::from_le_bytes(*len)).ok().and_then(|n| rest.get(..n)) else {
+        return Ok(());
+    };
+    match serde_json::from_slice::<UniqueMap<serde::de::IgnoredAny>>(header) {
+        Err(e) if e.is_data() => Err(fail(format!("{}: bad safetensors header: tensor {e}", path.display()))),
+        _ => Ok(()),
+    }
 }
 
 /// Memory-maps a whole file read-only.
@@ -653,6 +718,71 @@ mod tests {
         std::fs::write(&junk, b"not a safetensors file").unwrap();
         let e = load_err(&cfg, &junk);
         assert!(e.starts_with("weights: ") && e.contains("junk.safetensors"), "{e}");
+    }
+
+    #[test]
+    fn weights_load_refuses_a_tensor_named_twice_in_a_header() {
+        let cfg = tiny();
+        let dir = TempDir::new("duplicate");
+        let file = dir.0.join("model.safetensors");
+        Weights::<f32>::random(&cfg, 5).save(&cfg, &file, DataType::F32).unwrap();
+        Weights::<f32>::load(&cfg, &file).unwrap();
+        // Repeat the final norm's entry (same offsets, so that the `safetensors` crate, which keeps
+        // the last entry, loads it without complaint) at the front of the header.
+        let bytes = std::fs::read(&file).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        let entry = header["model.norm.weight"].to_string();
+        let text = std::str::from_utf8(&bytes[8..8 + n]).unwrap();
+        let doubled = format!("{{\"model.norm.weight\":{entry},{}", &text[1..]);
+        let mut out = (doubled.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(doubled.as_bytes());
+        out.extend_from_slice(&bytes[8 + n..]);
+        std::fs::write(&file, &out).unwrap();
+        assert!(SafeTensors::deserialize(&out).is_ok(), "the safetensors crate alone accepts it");
+        let e = load_err(&cfg, &file);
+        assert!(e.contains("`model.norm.weight` is given twice") && e.contains("model.safetensors"), "{e}");
+    }
+
+    #[test]
+    fn weights_index_shards_must_be_plain_file_names() {
+        let cfg = tiny();
+        let dir = TempDir::new("escape");
+        let ckpt = dir.0.join("ckpt");
+        std::fs::create_dir_all(&ckpt).unwrap();
+        // A complete checkpoint one level up, which `../` would reach.
+        Weights::<f32>::random(&cfg, 6)
+            .save(&cfg, &dir.0.join("outside.safetensors"), DataType::F32)
+            .unwrap();
+        let index = |shard: &str| {
+            let map: serde_json::Map<String, serde_json::Value> =
+                Weights::<f32>::names(&cfg).into_iter().map(|(n, _)| (n, shard.into())).collect();
+            std::fs::write(ckpt.join(INDEX_FILE), serde_json::json!({ "weight_map": map }).to_string())
+                .unwrap();
+        };
+        let outside = dir.0.join("outside.safetensors");
+        for shard in ["../outside.safetensors", outside.to_str().unwrap(), "sub/x.safetensors", "..", ".", ""]
+        {
+            index(shard);
+            let e = load_err(&cfg, &ckpt);
+            assert!(
+                e.contains(&format!("shard `{shard}` of tensor `")) && e.contains("not a plain file name"),
+                "{e}"
+            );
+        }
+        // The same shard as a plain name inside the directory loads.
+        std::fs::copy(&outside, ckpt.join("inside.safetensors")).unwrap();
+        index("inside.safetensors");
+        Weights::<f32>::load(&cfg, &ckpt).unwrap();
+        // An index naming a tensor twice.
+        let json = r#"{"weight_map": {"model.norm.weight": "inside.safetensors", "model.norm.weight": "x.safetensors"}}"#;
+        std::fs::write(ckpt.join(INDEX_FILE), json).unwrap();
+        let e = load_err(&cfg, &ckpt);
+        assert!(e.contains("bad index: `model.norm.weight` is given twice"), "{e}");
+        // A config check refuses is refused before any file is read.
+        let e =
+            Weights::<f32>::load(&LlamaConfig { rope_theta: -1.0, ..cfg }, &ckpt).unwrap_err().to_string();
+        assert!(e.starts_with("config: ") && e.contains("rope_theta -1"), "{e}");
     }
 
     #[test]

@@ -7,6 +7,9 @@
 //! the range that launched it. It also times the whole forward with plain launches and replayed as a
 //! CUDA graph, the first (cold) call of each module against a warm one, peak device memory and GPU
 //! clocks, checks that fused and naive hidden states agree, and writes report.{md,csv,json,svg}.
+//!
+//! The model is a preset with random weights (`--config`), or a Hugging Face checkpoint directory
+//! (`--model DIR`: its config.json and safetensors), which the report's metadata names.
 
 use clap::Parser;
 use cudnn_llm::report_chart;
@@ -63,14 +66,21 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
     let info = ctx.info().clone();
     let clocks_start = gpu_clocks();
     eprintln!("speedup-report: {} x {} layers, {}, on {}", cfg.name, cfg.layers, plan.dtype, info.name);
-    let weights = Weights::<T>::random(cfg, 0);
-    let max_seq = opts.seq + opts.decode_steps;
+    let weights = match &plan.model_dir {
+        Some(dir) => Weights::<T>::load(cfg, dir)?,
+        None => Weights::<T>::random(cfg, 0),
+    };
+    // Checked by resolve: within the model's positions, and every activation size fits.
+    let max_seq = plan.max_seq;
     let mut model = Llama::new(ctx, cfg, &weights, max_seq)?;
     drop(weights);
     let kernels = Kernels::probe();
 
     let prompt: Vec<Vec<u32>> = (0..opts.batch)
-        .map(|b| (0..opts.seq).map(|t| ((b * 7919 + t * 104729) % cfg.vocab) as u32).collect())
+        .map(|b: usize| {
+            let id = |t: usize| b.wrapping_mul(7919).wrapping_add(t.wrapping_mul(104729)) % cfg.vocab;
+            (0..opts.seq).map(|t| id(t) as u32).collect()
+        })
         .collect();
     let mut works = vec![Work {
         name: format!("prefill {}x{}", opts.batch, opts.seq),
@@ -78,8 +88,9 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
         start: 0,
     }];
     if opts.decode_steps > 0 {
-        let steps =
-            (0..opts.decode_steps).map(|s| vec![vec![(s * 31 % cfg.vocab) as u32]; opts.batch]).collect();
+        let steps = (0..opts.decode_steps)
+            .map(|s| vec![vec![(s.wrapping_mul(31) % cfg.vocab) as u32]; opts.batch])
+            .collect();
         works.push(Work {
             name: format!("decode {} steps after {}", opts.decode_steps, opts.seq),
             tokens: steps,
@@ -87,7 +98,8 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
         });
     }
     let selections = [("naive", Backends::all(Backend::Naive)), ("fused", plan.fused.clone())];
-    let total = works.len() * selections.len() * (2 + opts.warmup + opts.repeat);
+    let total = plan.forwards;
+    debug_assert_eq!(total, works.len() * selections.len() * (2 + opts.warmup + opts.repeat));
     let bar = ProgressBar::new(total as u64).with_style(
         ProgressStyle::with_template("{msg:>28} [{bar:30}] {pos}/{len} forwards").expect("a valid template"),
     );
@@ -148,6 +160,13 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
             format!("{} (+{} over the model)", gib(*bytes), gib(bytes.saturating_sub(base))),
         ));
     }
+    extra.push((
+        "weights".into(),
+        match &plan.model_dir {
+            Some(dir) => format!("checkpoint {}", dir.display()),
+            None => "random (seed 0)".into(),
+        },
+    ));
     extra.push(("GPU clocks at start".into(), clocks_start));
     extra.push(("GPU clocks at end".into(), gpu_clocks()));
     extra.push((
@@ -195,7 +214,19 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
             cuda: info.driver_version.to_string(),
             cudnn: info.cudnn_version_string(),
             git_revision: BUILD.git_revision.into(),
-            model: format!("{} x {} layers, batch {}, seq {}", cfg.name, cfg.layers, opts.batch, opts.seq),
+            model: match &plan.model_dir {
+                Some(dir) => format!(
+                    "{} ({}) x {} layers, batch {}, seq {}",
+                    cfg.name,
+                    dir.display(),
+                    cfg.layers,
+                    opts.batch,
+                    opts.seq
+                ),
+                None => {
+                    format!("{} x {} layers, batch {}, seq {}", cfg.name, cfg.layers, opts.batch, opts.seq)
+                }
+            },
             dtype: plan.dtype.to_string(),
             fused: plan.fused.to_selection(),
             extra,
