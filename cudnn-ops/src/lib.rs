@@ -18,6 +18,7 @@
 #![deny(missing_docs, rustdoc::broken_intra_doc_links)]
 
 mod cache;
+mod checked;
 mod context;
 mod descriptor;
 mod dtype;

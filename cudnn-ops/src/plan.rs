@@ -289,7 +289,12 @@ impl Plan {
             match (&e.place, t.by_value) {
                 (Place::Host(_), true) => {}
                 (Place::Device { addr, len }, false) => {
-                    let need = t.min_elements();
+                    let Some(need) = t.min_elements() else {
+                        return Err(Error::invalid(format!(
+                            "tensor `{}` {:?} over strides {:?} overflows",
+                            t.name, t.dims, t.strides
+                        )));
+                    };
                     if *len < need {
                         return Err(Error::invalid(format!(
                             "tensor `{}` {:?} needs {need} elements, bound buffer has {len}",

@@ -116,16 +116,18 @@ pub(crate) fn launch(
     Ok(())
 }
 
-/// Launches an elementwise kernel over `n` elements: `args`, then `n`.
+/// Launches an elementwise kernel over `n` elements: `args`, then `n`. A grid too large for one launch
+/// (the kernels have no grid-stride loop) is an error, not a launch that silently covers fewer elements.
 pub(crate) fn elementwise(ctx: &Cudnn, kernels: &Kernels, name: &str, n: usize, args: &[Arg]) -> Result<()> {
     let per_block = (BLOCK * ITEMS) as usize;
+    let what = format!("{name}: blocks for {n} elements");
     let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(per_block) as u32, 1, 1),
+        grid_dim: (crate::checked::launch_dim(&what, n.div_ceil(per_block))?, 1, 1),
         block_dim: (BLOCK, 1, 1),
         shared_mem_bytes: 0,
     };
     let mut all = args.to_vec();
-    all.push(Arg::I64(n as i64));
+    all.push(Arg::I64(crate::checked::to_i64(&what, n)?));
     launch(ctx, kernels, name, cfg, &all)
 }
 

@@ -1,10 +1,13 @@
 
 // ---- Decoder-model kernels: embedding lookup, KV-cache writes, rotary embedding. ----
 
-// embed_tokens(ids): row ids[r] of the [vocab, cols] table to row r of y (16-bit elements; ids were
-// checked on the host).
-ELEMENTWISE(embedding_16, (const unsigned* ids, const bits16* table, long cols, bits16* y, long n),
-            y[i] = table[(long)ids[i / cols] * cols + i % cols])
+// embed_tokens(ids): row ids[r] of the [vocab, cols] table to row r of y (16-bit elements). Ids come
+// from the device, unchecked by the host: an id outside the vocabulary reads nothing and gives a row
+// of zeros (see `embedding` in ops/rows.rs).
+ELEMENTWISE(embedding_16, (const unsigned* ids, const bits16* table, long vocab, long cols, bits16* y, long n), {
+    long id = (long)ids[i / cols];
+    y[i] = id < vocab ? table[id * cols + i % cols] : (bits16)0;
+})
 
 // Writes `seq` rows of `cols` elements per batch, read with row stride `ss` (a view into the QKV
 // buffer), into a cache [batch, max_seq, cols] at rows start.. (StaticCache.update's index_copy_).

@@ -6,6 +6,7 @@
 //! head-major layout; Q, K and V views into one fused QKV buffer are just other strides.
 
 use crate::cache::PlanKey;
+use crate::checked;
 use crate::dtype::{DataType, Element};
 use crate::error::ensure;
 use crate::graph::{Graph, Mask, SdpaForm, SdpaOptions};
@@ -25,11 +26,13 @@ pub enum Layout {
 }
 
 impl Layout {
-    /// Strides of the logical `[b, h, s, d]` dims of a packed tensor stored in this order.
+    /// Strides of the logical `[b, h, s, d]` dims of a packed tensor stored in this order. A stride past
+    /// `usize::MAX` saturates there; [`SdpaArgs::check`] rejects it (it does not fit cuDNN's `i64`).
     pub fn strides(self, heads: usize, seq: usize, dim: usize) -> [usize; 4] {
+        let m = |a: usize, b: usize| a.saturating_mul(b);
         match self {
-            Layout::Bshd => [seq * heads * dim, dim, heads * dim, 1],
-            Layout::Bhsd => [heads * seq * dim, seq * dim, dim, 1],
+            Layout::Bshd => [m(m(seq, heads), dim), dim, m(heads, dim), 1],
+            Layout::Bhsd => [m(m(heads, seq), dim), m(seq, dim), dim, 1],
         }
     }
 
@@ -191,10 +194,6 @@ impl SdpaArgs {
         }
     }
 
-    /// Elements a buffer with these dims and strides must hold.
-    fn extent(dims: [usize; 4], strides: [usize; 4]) -> usize {
-        1 + dims.iter().zip(strides).map(|(&d, s)| (d - 1) * s).sum::<usize>()
-    }
 
     /// Checks shapes, strides, mask and buffer lengths (shared by both backends); nothing is touched on
     /// error.
@@ -232,7 +231,10 @@ impl SdpaArgs {
         for (t, name, strides, len) in tensors.into_iter().chain(more) {
             ensure!(strides[3] == 1, "sdpa: {name} strides {strides:?}: the head dim must have stride 1");
             ensure!(strides.iter().all(|&s| s > 0), "sdpa: {name} strides {strides:?} must be positive");
-            let need = Self::extent(a.dims(t), strides);
+            for s in strides {
+                checked::fits_i64(&format!("sdpa: {name} stride"), s)?;
+            }
+            let need = checked::extent(&format!("sdpa: {name} extent"), &a.dims(t), &strides)?;
             ensure!(
                 len >= need,
                 "sdpa: {name} has {len} elements, its dims {:?} and strides need {need}",
@@ -240,7 +242,7 @@ impl SdpaArgs {
             );
         }
         if let Some(len) = lens.stats {
-            let need = a.batch * a.heads_q * a.seq_q;
+            let need = checked::product("sdpa: batch*heads_q*seq_q", &[a.batch, a.heads_q, a.seq_q])?;
             ensure!(len >= need, "sdpa: stats has {len} elements, needs batch*heads_q*seq_q = {need}");
         }
         Ok(())
