@@ -35,7 +35,9 @@ pub(crate) fn extent(what: &str, dims: &[usize], strides: &[usize]) -> Result<us
     }
     let mut last = 0usize;
     for (&d, &s) in dims.iter().zip(strides) {
-        last = last.checked_add((d - 1).checked_mul(s).ok_or_else(|| overflow(what))?).ok_or_else(|| overflow(what))?;
+        last = last
+            .checked_add((d - 1).checked_mul(s).ok_or_else(|| overflow(what))?)
+            .ok_or_else(|| overflow(what))?;
     }
     fits_i64(what, add(what, last, 1)?)
 }

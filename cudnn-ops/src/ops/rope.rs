@@ -94,7 +94,8 @@ impl RopeArgs {
         let rows = checked::mul("rope: batch * seq", batch, seq)?;
         checked::launch_dim("rope: batch * seq (one block per row)", rows)?;
         let last = checked::mul("rope: (batch * seq - 1) * row_stride", rows - 1, row_stride)?;
-        let need = checked::fits_i64("rope: buffer extent", checked::add("rope: buffer extent", last, width)?)?;
+        let need =
+            checked::fits_i64("rope: buffer extent", checked::add("rope: buffer extent", last, width)?)?;
         ensure!(len >= need, "rope: buffer has {len} elements, needs {need}");
         let end = checked::add("rope: start + seq", start, seq)?;
         ensure!(end <= positions, "rope: positions up to {end} exceed the tables' {positions}");

@@ -110,7 +110,10 @@ impl CacheWrite {
         ensure!(end <= max_seq, "write_cache: rows {start}..{end} overflow a cache of {max_seq}");
         let rows = checked::mul("write_cache: batch * seq", batch, seq)?;
         let last = checked::mul("write_cache: (batch * seq - 1) * src_stride", rows - 1, src_stride)?;
-        let need = checked::fits_i64("write_cache: source extent", checked::add("write_cache: source extent", last, cols)?)?;
+        let need = checked::fits_i64(
+            "write_cache: source extent",
+            checked::add("write_cache: source extent", last, cols)?,
+        )?;
         ensure!(src_len >= need, "write_cache: source has {src_len} elements, needs {need}");
         let cache = checked::product("write_cache: batch * max_seq * cols", &[batch, max_seq, cols])?;
         ensure!(cache_len >= cache, "write_cache: cache has {cache_len} elements, needs {cache}");
@@ -182,16 +185,15 @@ mod tests {
             (CacheWrite { batch: usize::MAX, ..w }, (usize::MAX, usize::MAX), "batch * seq overflows"),
             (CacheWrite { src_stride: usize::MAX / 2, ..w }, (usize::MAX, 256), "src_stride overflows"),
             (CacheWrite { src_stride: 1 << 61, ..w }, (usize::MAX, 256), "64-bit signed"),
-            (
-                CacheWrite { max_seq: 1 << 62, ..w },
-                (src, usize::MAX),
-                "batch * max_seq * cols",
-            ),
+            (CacheWrite { max_seq: 1 << 62, ..w }, (src, usize::MAX), "batch * max_seq * cols"),
             (CacheWrite { seq: 0, ..w }, (src, 256), "empty shape"),
             (CacheWrite { src_stride: 7, ..w }, (src, 256), "source stride 7"),
         ] {
             let e = bad.check(s, c).unwrap_err();
-            assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains(expected), "{expected}: {e}");
+            assert!(
+                matches!(e, Error::InvalidArgument(_)) && e.to_string().contains(expected),
+                "{expected}: {e}"
+            );
         }
     }
 }

@@ -194,7 +194,6 @@ impl SdpaArgs {
         }
     }
 
-
     /// Checks shapes, strides, mask and buffer lengths (shared by both backends); nothing is touched on
     /// error.
     pub fn check(&self, lens: SdpaLens) -> Result<()> {
@@ -517,6 +516,29 @@ mod tests {
         let fused_qkv = SdpaArgs { q_strides: [16 * 12 * 64, 64, 12 * 64, 1], ..a };
         assert!(fused_qkv.check(lens(&fused_qkv)).is_err());
         fused_qkv.check(SdpaLens { q: 2 * 16 * 12 * 64, ..lens(&fused_qkv) }).unwrap();
+    }
+
+    #[test]
+    fn overflowing_strides_and_extents_are_rejected() {
+        // The review's reproduction: batch 5 with a 2^62 batch stride wraps the extent to a small
+        // number, the length check passed and the strides reached cuDNN.
+        let a = SdpaArgs::new(5, 1, 1, 1, 1, 8, Layout::Bhsd);
+        a.check(lens(&a)).unwrap();
+        let wrapped = SdpaArgs { q_strides: [1 << 62, 8, 8, 1], ..a };
+        let e = err(wrapped, lens(&a));
+        assert!(e.contains("Q extent overflows"), "{e}");
+        // A stride that does not fit i64 would reach cuDNN negative, even where its dim is 1.
+        let e = err(SdpaArgs { k_strides: [8, 1 << 63, 8, 1], ..a }, lens(&a));
+        assert!(e.contains("K stride") && e.contains("64-bit signed"), "{e}");
+        // Packed strides of huge dims saturate instead of wrapping, and are rejected.
+        let huge = SdpaArgs::new(2, 1 << 30, 1 << 30, 1 << 30, 1 << 30, 1 << 30, Layout::Bshd);
+        assert_eq!(huge.q_strides[0], usize::MAX);
+        let big =
+            SdpaLens { q: usize::MAX, k: usize::MAX, v: usize::MAX, o: usize::MAX, stats: Some(usize::MAX) };
+        let e = err(huge, big);
+        assert!(e.contains("64-bit signed") || e.contains("overflows"), "{e}");
+        let e = err(SdpaArgs::new(1 << 30, 1 << 30, 1, 1 << 30, 1, 8, Layout::Bhsd), big);
+        assert!(e.contains("overflows") || e.contains("64-bit signed"), "{e}");
     }
 
     #[test]
