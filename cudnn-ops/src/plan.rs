@@ -553,7 +553,8 @@ fn check_device(plan: &str, addr: u64, ordinal: usize) -> Result<()> {
     // SAFETY: two attributes with one out-pointer each, of the types the driver writes (an int ordinal,
     // an unsigned int flag); the call only reads the address, never the memory.
     unsafe {
-        cudarc::driver::sys::cuPointerGetAttributes(2, attrs.as_mut_ptr(), data.as_mut_ptr(), addr).result()?
+        cudarc::driver::sys::cuPointerGetAttributes(2, attrs.as_mut_ptr(), data.as_mut_ptr(), addr)
+            .result()?
     };
     if managed != 0 || usize::try_from(device).is_ok_and(|d| d == ordinal) {
         return Ok(());
@@ -678,5 +679,4 @@ mod tests {
         let e = same_context("rmsnorm", 3, 4).unwrap_err();
         assert!(matches!(e, Error::WrongContext(_)) && e.to_string().contains("context #3"), "{e}");
     }
-
 }

@@ -30,17 +30,37 @@ pub struct Kernels {
     module: Arc<CudaModule>,
     functions: RefCell<HashMap<String, CudaFunction>>,
     scratch: RefCell<Option<CudaSlice<f32>>>,
+    /// Clamped sequence lengths of padded attention (see [`crate::sdpa_padded`]).
+    seq_lens: RefCell<Option<CudaSlice<i32>>>,
 }
 
 impl Kernels {
     fn compile(ctx: &Cudnn) -> Result<Self> {
         let ptx = ptx(ctx.info().compute_capability)?;
         let module = ctx.stream().context().load_module(ptx)?;
-        Ok(Kernels { module, functions: RefCell::new(HashMap::new()), scratch: RefCell::new(None) })
+        Ok(Kernels {
+            module,
+            functions: RefCell::new(HashMap::new()),
+            scratch: RefCell::new(None),
+            seq_lens: RefCell::new(None),
+        })
     }
 
     pub(crate) fn get(ctx: &Cudnn) -> Result<&Kernels> {
         ctx.naive.get_or_try_init(|| Kernels::compile(ctx))
+    }
+
+    /// An op-owned i32 buffer of at least `len` elements (grown, never shrunk) for clamped sequence
+    /// lengths; only this context's stream uses it, so stream order alone keeps it safe.
+    pub(crate) fn seq_lens(&self, ctx: &Cudnn, len: usize) -> Result<std::cell::Ref<'_, CudaSlice<i32>>> {
+        {
+            let mut s = self.seq_lens.borrow_mut();
+            if s.as_ref().is_none_or(|s| s.len() < len) {
+                *s = None;
+                *s = Some(ctx.stream().alloc_zeros::<i32>(len.max(1))?);
+            }
+        }
+        Ok(std::cell::Ref::map(self.seq_lens.borrow(), |s| s.as_ref().expect("just allocated")))
     }
 
     /// Scratch f32 elements currently held.

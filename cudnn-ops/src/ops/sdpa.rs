@@ -10,6 +10,7 @@ use crate::checked;
 use crate::dtype::{DataType, Element};
 use crate::error::ensure;
 use crate::graph::{Graph, Mask, SdpaForm, SdpaOptions};
+use crate::naive::Arg;
 use crate::plan::{Bindings, Plan};
 use crate::tensor::TensorSpec;
 use crate::{Backend, Cudnn, Error, Result};
@@ -385,6 +386,10 @@ pub fn sdpa_with<T: Element>(
 /// keys past `seq_len_kv[b]` and queries past `seq_len_q[b]` are masked out (their output rows are
 /// unspecified). One plan serves every length, e.g. every step of a decode over a growing cache.
 /// Needs cuDNN 9.15+ and no causal mask (a single decode query needs none).
+///
+/// The lengths are device values the host cannot check, and cuDNN bounds them by nothing: a length past
+/// the capacity would read K/V (and write O) past the buffers. So a launch-only kernel first copies
+/// them, clamped into `0..=capacity`, into an op-owned buffer, and cuDNN reads that copy.
 #[allow(clippy::too_many_arguments)]
 pub fn sdpa_padded<T: Element>(
     ctx: &Cudnn,
@@ -403,10 +408,24 @@ pub fn sdpa_padded<T: Element>(
     let lens = SdpaLens { q: q.len(), k: k.len(), v: v.len(), o: o.len(), stats: None };
     let args = args.validated(T::DTYPE, lens)?;
     let plan = args.plan(ctx, T::DTYPE, false)?;
+    let (uid_q, uid_kv, uid_o) = (plan.uid("seq_len_q")?, plan.uid("seq_len_kv")?, plan.uid("O")?);
+    let kernels = crate::naive::Kernels::get(ctx)?;
+    // The K/V half starts 16-byte aligned (the alignment the graph declares).
+    let kv_at = args.batch.next_multiple_of(4);
+    let clamped = kernels.seq_lens(ctx, 2 * kv_at)?;
+    {
+        let (sq, _gq) = seq_len_q.device_ptr(ctx.stream());
+        let (skv, _gkv) = seq_len_kv.device_ptr(ctx.stream());
+        let (out, _go) = clamped.device_ptr(ctx.stream());
+        let i = |v: usize| Arg::I64(v as i64); // each at most 2 * batch or a capacity, all < 2^31
+        let a = [Arg::Ptr(sq), Arg::Ptr(skv), i(args.seq_q), i(args.seq_kv), i(kv_at), Arg::Ptr(out)];
+        crate::naive::elementwise(ctx, kernels, "clamp_seq_lens", args.batch, &a)?;
+    }
+    let (lens_q, lens_kv) = (clamped.slice(0..args.batch), clamped.slice(kv_at..kv_at + args.batch));
     let mut b = Bindings::new(ctx.stream());
     b.input(1, q).input(2, k).input(3, v).scalar_f32(4, args.scale());
-    b.input_i32(plan.uid("seq_len_q")?, seq_len_q).input_i32(plan.uid("seq_len_kv")?, seq_len_kv);
-    b.output(plan.uid("O")?, o);
+    b.input_i32(uid_q, &lens_q).input_i32(uid_kv, &lens_kv);
+    b.output(uid_o, o);
     plan.execute(ctx, &b)
 }
 
