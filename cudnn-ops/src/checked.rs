@@ -21,14 +21,26 @@ pub(crate) fn add(what: &str, a: usize, b: usize) -> Result<usize> {
     a.checked_add(b).ok_or_else(|| overflow(what))
 }
 
-/// The product of `factors`, checked to fit `i64`, or an error naming `what`.
+/// The most elements a tensor may span: its bytes, for elements of up to 8 bytes, fit `i64`.
+pub(crate) const MAX_ELEMENTS: usize = (i64::MAX / 8) as usize;
+
+/// `v` if at most [`MAX_ELEMENTS`], else an error naming `what`.
+pub(crate) fn elements(what: &str, v: usize) -> Result<usize> {
+    if v <= MAX_ELEMENTS {
+        Ok(v)
+    } else {
+        Err(Error::invalid(format!("{what} = {v} elements: their bytes do not fit a 64-bit signed size")))
+    }
+}
+
+/// The product of `factors`, checked to be at most [`MAX_ELEMENTS`], or an error naming `what`.
 pub(crate) fn product(what: &str, factors: &[usize]) -> Result<usize> {
     let p = factors.iter().try_fold(1usize, |p, &f| p.checked_mul(f)).ok_or_else(|| overflow(what))?;
-    fits_i64(what, p)
+    elements(what, p)
 }
 
 /// Elements a buffer must hold for `dims` over element `strides`: one past the furthest element
-/// reached (0 when a dim is 0), checked to fit `i64`.
+/// reached (0 when a dim is 0), checked to be at most [`MAX_ELEMENTS`].
 pub(crate) fn extent(what: &str, dims: &[usize], strides: &[usize]) -> Result<usize> {
     if dims.contains(&0) {
         return Ok(0);
@@ -39,7 +51,7 @@ pub(crate) fn extent(what: &str, dims: &[usize], strides: &[usize]) -> Result<us
             .checked_add((d - 1).checked_mul(s).ok_or_else(|| overflow(what))?)
             .ok_or_else(|| overflow(what))?;
     }
-    fits_i64(what, add(what, last, 1)?)
+    elements(what, add(what, last, 1)?)
 }
 
 /// `v` if it fits `i64` (what cuDNN and the kernels index with), else an error naming `what`.
@@ -75,6 +87,10 @@ mod tests {
         assert!(add("start + seq", usize::MAX, 1).unwrap_err().to_string().contains("start + seq"));
         assert_eq!(product("n", &[2, 3, 4]).unwrap(), 24);
         assert!(product("n", &[1 << 62, 2]).is_err(), "2^63 does not fit i64");
+        assert!(product("n", &[1 << 60, 2]).is_err(), "2^61 elements of 8 bytes do not fit i64");
+        assert_eq!(product("n", &[MAX_ELEMENTS]).unwrap(), MAX_ELEMENTS);
+        assert!(extent("n", &[2, 2], &[MAX_ELEMENTS / 2, 1]).is_ok());
+        assert!(extent("n", &[2, 2], &[MAX_ELEMENTS, 1]).is_err());
         assert!(product("n", &[usize::MAX, 2]).is_err());
         assert_eq!(extent("Q", &[2, 3], &[3, 1]).unwrap(), 6);
         assert_eq!(extent("Q", &[0, 3], &[usize::MAX, 1]).unwrap(), 0);

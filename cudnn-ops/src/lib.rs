@@ -28,6 +28,8 @@ mod graph;
 pub mod naive;
 pub mod ops;
 mod plan;
+#[cfg(test)]
+mod proptests;
 mod raw;
 pub mod reference;
 mod tensor;
