@@ -216,6 +216,7 @@ fn captured_decode_steps_replay_at_every_position() {
     for cache in [&mut plain, &mut replay] {
         let one: Vec<Vec<u32>> = step(prompt).iter().map(|&t| vec![t]).collect();
         model.forward(&ctx, &one, cache, &fused, &mut NoObserver).unwrap();
+        model.logits(&ctx, batch, &fused, &mut NoObserver).unwrap();
     }
     let mut graph = match model.capture_decode(&ctx, &mut replay, &fused) {
         Ok(g) => g,

@@ -89,6 +89,8 @@ pub struct Cudnn {
     // Field order is drop order: plans and workspace go before the handle and the stream.
     cache: PlanCache,
     workspace: RefCell<Option<Rc<CudaSlice<u8>>>>,
+    /// Counts reallocations of the buffers ops share through the context (see [`Cudnn::buffer_epoch`]).
+    epoch: std::cell::Cell<u64>,
     pub(crate) naive: OnceCell<crate::naive::Kernels>,
     blas: OnceCell<cudarc::cublas::CudaBlas>,
     autotune: std::cell::Cell<usize>,
@@ -97,21 +99,34 @@ pub struct Cudnn {
     handle: Handle,
     stream: Arc<CudaStream>,
     info: DeviceInfo,
+    /// Unique per context object (never reused, unlike a handle's address): plans record the one
+    /// they were finalized for ([`Error::WrongContext`]).
+    id: u64,
 }
+
+/// The next context id.
+static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl Cudnn {
     /// Opens GPU `ordinal` on a new stream. Fails with [`Error::NoGpu`] when there is no driver or no
     /// device, and [`Error::Load`] when cuDNN is missing or too old; never panics.
     ///
-    /// cudarc's cross-stream event tracking is turned off for this CUDA context object: all its work is
-    /// ordered on the one stream, and tracking would add an event wait and record per bound buffer to
-    /// every call (about 1.5 µs of host time for an RMSNorm). Code that forks more streams from
-    /// `ctx.stream().context()` must order them itself; use [`Cudnn::with_stream`] to keep tracking.
+    /// cudarc's cross-stream event tracking stays on (cudarc's default). [`Cudnn::stream`] hands out
+    /// the `Arc<CudaStream>`, from which safe code can `fork()` or `context().new_stream()`; with
+    /// tracking on, every buffer records an event when a stream writes it (`device_ptr_mut`) and
+    /// another when a stream reads it (`device_ptr`), each use first waits on the events it conflicts
+    /// with, and a buffer is freed on its stream only after waiting on both. So a buffer written on a
+    /// forked stream and read by a fused op here is ordered after the write, and cannot be freed
+    /// while the op reads it. Every op takes its pointers through `device_ptr(ctx.stream())` and holds
+    /// the guards until its work is enqueued ([`Bindings`](crate::Bindings) keeps them).
+    ///
+    /// The cost is an event wait and record per bound buffer on every call (about 1.5 µs of host time
+    /// for an RMSNorm, measured before tracking was kept on). A caller who keeps all work on this one
+    /// stream may take it back with `unsafe { ctx.stream().context().disable_event_tracking() }` before
+    /// allocating: that is an `unsafe` promise to order every other stream by hand, and buffers
+    /// allocated afterwards are no longer tracked.
     pub fn new(ordinal: usize) -> Result<Self> {
         let ctx = open_device(ordinal)?;
-        // SAFETY: every buffer allocated through this context object is allocated, used and freed on
-        // the single stream created below, so stream order alone keeps them safe.
-        unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
         Self::with_stream(stream)
     }
@@ -134,6 +149,7 @@ impl Cudnn {
         Ok(Cudnn {
             cache: PlanCache::default(),
             workspace: RefCell::new(None),
+            epoch: std::cell::Cell::new(0),
             naive: OnceCell::new(),
             blas: OnceCell::new(),
             autotune: std::cell::Cell::new(autotune_from(std::env::var(AUTOTUNE_ENV).ok().as_deref())),
@@ -146,7 +162,13 @@ impl Cudnn {
             handle,
             stream,
             info,
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
+    }
+
+    /// This context object's unique id (what a [`crate::Plan`] records).
+    pub(crate) fn id(&self) -> u64 {
+        self.id
     }
 
     /// The stream all work of this context is enqueued on.
@@ -183,8 +205,20 @@ impl Cudnn {
         if ws.as_ref().is_none_or(|w| w.len() < bytes) {
             let size = bytes.next_power_of_two().max(1 << 20);
             *ws = Some(Rc::new(self.stream.alloc_zeros::<u8>(size)?));
+            self.bump_epoch();
         }
         Ok(ws.clone())
+    }
+
+    /// How many times the buffers that ops share through this context (the workspace, the naive
+    /// kernels' scratch, padded attention's clamped lengths) were reallocated to grow. A captured CUDA
+    /// graph holds their addresses: it is stale once this number changes.
+    pub fn buffer_epoch(&self) -> u64 {
+        self.epoch.get()
+    }
+
+    pub(crate) fn bump_epoch(&self) {
+        self.epoch.set(self.epoch.get() + 1);
     }
 
     /// Whether plans zero their workspace before every execution: cuDNN before 9.19 has matmul engines

@@ -31,8 +31,9 @@ impl KnobRange {
         let span = self.max as i128 - self.min as i128;
         let count =
             if span < 0 { 0 } else { usize::try_from(span / stride as i128 + 1).unwrap_or(usize::MAX) };
-        let min = self.min;
-        (0..count.min(cap)).map(move |i| min + i as i64 * stride)
+        let min = self.min as i128;
+        // In i128: `i · stride` alone may pass i64::MAX while `min + i · stride` stays <= max.
+        (0..count.min(cap)).filter_map(move |i| i64::try_from(min + i as i128 * stride as i128).ok())
     }
 }
 
@@ -240,6 +241,13 @@ mod tests {
         assert_eq!(empty.values(10).count(), 0);
         let huge = KnobRange { kind: 25, min: i64::MIN, max: i64::MAX, stride: 1 };
         assert_eq!(huge.values(3).collect::<Vec<_>>(), [i64::MIN, i64::MIN + 1, i64::MIN + 2]);
+        // 2 · i64::MAX overflows i64 although i64::MIN + 2 · i64::MAX = i64::MAX - 1 is in range.
+        let wide = KnobRange { kind: 25, min: i64::MIN, max: i64::MAX, stride: i64::MAX };
+        assert_eq!(wide.values(10).collect::<Vec<_>>(), [i64::MIN, -1, i64::MAX - 1]);
+        let top = KnobRange { kind: 25, min: i64::MAX - 1, max: i64::MAX, stride: i64::MAX };
+        assert_eq!(top.values(10).collect::<Vec<_>>(), [i64::MAX - 1]);
+        let negative = KnobRange { kind: 25, min: 0, max: 10, stride: i64::MIN };
+        assert_eq!(negative.values(3).collect::<Vec<_>>(), [0, 1, 2]);
         let zero_stride = KnobRange { kind: 17, min: 1, max: 3, stride: 0 };
         assert_eq!(zero_stride.values(10).collect::<Vec<_>>(), [1, 2, 3]);
     }

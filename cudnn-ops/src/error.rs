@@ -41,6 +41,11 @@ pub enum Error {
     /// An argument (shape, buffer length, alignment, binding) is wrong. Nothing was written.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// A plan, bindings or buffer was used with a context other than its own: a plan finalized for
+    /// another context's handle, bindings made for another stream, or a buffer on another device.
+    /// Nothing was enqueued.
+    #[error("wrong context: {0}")]
+    WrongContext(String),
     /// cuDNN could not be loaded or is too old.
     #[error(transparent)]
     Load(#[from] cudnn_sys::LoadError),

@@ -18,6 +18,7 @@
 #![deny(missing_docs, rustdoc::broken_intra_doc_links)]
 
 mod cache;
+mod checked;
 mod context;
 mod descriptor;
 mod dtype;
@@ -27,6 +28,8 @@ mod graph;
 pub mod naive;
 pub mod ops;
 mod plan;
+#[cfg(test)]
+mod proptests;
 mod raw;
 pub mod reference;
 mod tensor;

@@ -97,6 +97,8 @@ pub struct Plan {
     form: String,
     build_time: Duration,
     tune_time: Cell<Duration>,
+    /// The id of the context whose handle the plan was finalized for ([`Plan::check_context`]).
+    context: u64,
 }
 
 impl std::fmt::Debug for Plan {
@@ -187,7 +189,23 @@ impl Plan {
             form,
             build_time: started.elapsed(),
             tune_time: Cell::new(Duration::ZERO),
+            context: ctx.id(),
         })
+    }
+
+    /// Refuses a context other than the one the plan was finalized for (its handle, stream and device
+    /// are the ones the plan's engines were built for, and the plan cache is per context), and
+    /// bindings made for a stream other than the context's (cudarc's event tracking would then order
+    /// the buffers against the wrong stream). [`Error::WrongContext`]; nothing is enqueued.
+    pub fn check_context(&self, ctx: &Cudnn, b: &Bindings<'_>) -> Result<()> {
+        same_context(&self.name, self.context, ctx.id())?;
+        if b.stream.cu_stream() != ctx.stream().cu_stream() {
+            return Err(Error::WrongContext(format!(
+                "plan `{}`: the bindings were made for another stream than the context's",
+                self.name
+            )));
+        }
+        Ok(())
     }
 
     fn chosen(&self) -> Rc<Candidate> {
@@ -289,7 +307,12 @@ impl Plan {
             match (&e.place, t.by_value) {
                 (Place::Host(_), true) => {}
                 (Place::Device { addr, len }, false) => {
-                    let need = t.min_elements();
+                    let Some(need) = t.min_elements() else {
+                        return Err(Error::invalid(format!(
+                            "tensor `{}` {:?} over strides {:?} overflows",
+                            t.name, t.dims, t.strides
+                        )));
+                    };
                     if *len < need {
                         return Err(Error::invalid(format!(
                             "tensor `{}` {:?} needs {need} elements, bound buffer has {len}",
@@ -323,8 +346,14 @@ impl Plan {
         b: &'p Bindings<'_>,
         index: usize,
     ) -> Result<Prepared<'p>> {
+        self.check_context(ctx, b)?;
         self.check(b)?;
         ctx.bind()?;
+        for e in &b.entries {
+            if let Place::Device { addr, .. } = e.place {
+                check_device(&self.name, addr, ctx.info().ordinal)?;
+            }
+        }
         let candidate = self.candidates.borrow()[index].clone();
         let need = candidate.workspace;
         let workspace = ctx.workspace(need)?;
@@ -356,6 +385,7 @@ impl Plan {
     /// plan with several candidates times them first (synchronizing the stream), so run it once before
     /// capturing a CUDA graph.
     pub fn execute(&self, ctx: &Cudnn, b: &Bindings<'_>) -> Result<()> {
+        self.check_context(ctx, b)?;
         if !self.tuned.get() {
             self.autotune(ctx, b)?;
         }
@@ -396,6 +426,7 @@ impl Plan {
     /// plan has a budget for one (`knob_search`), and keeps the fastest. Outputs are overwritten;
     /// inputs are only read.
     pub fn autotune(&self, ctx: &Cudnn, b: &Bindings<'_>) -> Result<()> {
+        self.check_context(ctx, b)?;
         let started = Instant::now();
         let cuda = ctx.stream().context();
         let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
@@ -501,6 +532,38 @@ impl Prepared<'_> {
     }
 }
 
+/// [`Error::WrongContext`] unless a plan finalized for context `plan_ctx` runs on context `ctx`.
+fn same_context(plan: &str, plan_ctx: u64, ctx: u64) -> Result<()> {
+    if plan_ctx == ctx {
+        return Ok(());
+    }
+    Err(Error::WrongContext(format!(
+        "plan `{plan}` was finalized for context #{plan_ctx} and cannot run on context #{ctx}"
+    )))
+}
+
+/// [`Error::WrongContext`] when device memory at `addr` belongs to another device than `ordinal`
+/// (managed memory, reachable from every device, passes); a driver error when the driver does not
+/// know the address as device memory.
+fn check_device(plan: &str, addr: u64, ordinal: usize) -> Result<()> {
+    use cudarc::driver::sys::CUpointer_attribute as P;
+    let (mut device, mut managed) = (-1i32, 0u32);
+    let mut attrs = [P::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, P::CU_POINTER_ATTRIBUTE_IS_MANAGED];
+    let mut data = [(&mut device as *mut i32).cast::<c_void>(), (&mut managed as *mut u32).cast::<c_void>()];
+    // SAFETY: two attributes with one out-pointer each, of the types the driver writes (an int ordinal,
+    // an unsigned int flag); the call only reads the address, never the memory.
+    unsafe {
+        cudarc::driver::sys::cuPointerGetAttributes(2, attrs.as_mut_ptr(), data.as_mut_ptr(), addr)
+            .result()?
+    };
+    if managed != 0 || usize::try_from(device).is_ok_and(|d| d == ordinal) {
+        return Ok(());
+    }
+    Err(Error::WrongContext(format!(
+        "plan `{plan}`: a bound buffer ({addr:#x}) is on device {device}, the context on device {ordinal}"
+    )))
+}
+
 /// Timed executions per autotuning candidate (the median is kept).
 const TUNE_SAMPLES: usize = 9;
 
@@ -603,5 +666,17 @@ impl<'a> Bindings<'a> {
         self.entries.push(Entry { uid, dtype, place });
         self._guards.push(guard);
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plan_refuses_another_context() {
+        same_context("rmsnorm", 3, 3).unwrap();
+        let e = same_context("rmsnorm", 3, 4).unwrap_err();
+        assert!(matches!(e, Error::WrongContext(_)) && e.to_string().contains("context #3"), "{e}");
     }
 }

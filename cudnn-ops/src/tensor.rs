@@ -74,12 +74,21 @@ impl TensorSpec {
         self
     }
 
-    /// Number of elements a buffer must hold: one past the furthest element the strides reach.
-    pub fn min_elements(&self) -> usize {
+    /// Number of elements a buffer must hold: one past the furthest element the strides reach (0 for
+    /// an empty tensor). `None` when that does not fit `i64` (cuDNN's size type) or a stride is
+    /// negative: no buffer is long enough for such a spec.
+    pub fn min_elements(&self) -> Option<usize> {
         if self.dims.iter().any(|&d| d <= 0) {
-            return 0;
+            return Some(0);
         }
-        1 + self.dims.iter().zip(&self.strides).map(|(&d, &s)| ((d - 1) * s) as usize).sum::<usize>()
+        let mut last = 0i64;
+        for (&d, &s) in self.dims.iter().zip(&self.strides) {
+            if s < 0 {
+                return None;
+            }
+            last = last.checked_add((d - 1).checked_mul(s)?)?;
+        }
+        usize::try_from(last.checked_add(1)?).ok()
     }
 
     /// Checks the spec on its own; the message does not repeat the name (callers add it).
@@ -96,6 +105,15 @@ impl TensorSpec {
         }
         if let Some(s) = self.strides.iter().find(|&&s| s <= 0) {
             return Err(format!("stride {s} in {:?} is not positive", self.strides));
+        }
+        if self.dims.len() == self.strides.len() {
+            let bytes = self.min_elements().and_then(|n| n.checked_mul(self.dtype.size()));
+            if bytes.is_none_or(|b| i64::try_from(b).is_err()) {
+                return Err(format!(
+                    "dims {:?} over strides {:?} reach past 2^63 bytes",
+                    self.dims, self.strides
+                ));
+            }
         }
         if self.is_virtual && self.by_value {
             return Err("a tensor cannot be both virtual and by-value".into());
@@ -129,11 +147,12 @@ impl TensorSpec {
     }
 }
 
-/// Row-major (last dimension fastest) strides for `dims`.
+/// Row-major (last dimension fastest) strides for `dims`. A stride past `i64::MAX` saturates there, and
+/// [`TensorSpec::check`] rejects the spec (its extent overflows).
 pub fn packed_strides(dims: &[i64]) -> Vec<i64> {
-    let mut strides = vec![1; dims.len()];
+    let mut strides = vec![1i64; dims.len()];
     for i in (0..dims.len().saturating_sub(1)).rev() {
-        strides[i] = strides[i + 1] * dims[i + 1].max(1);
+        strides[i] = strides[i + 1].saturating_mul(dims[i + 1].max(1));
     }
     strides
 }
@@ -147,10 +166,27 @@ mod tests {
         assert_eq!(packed_strides(&[2, 3, 4]), vec![12, 4, 1]);
         assert_eq!(packed_strides(&[5]), vec![1]);
         let t = TensorSpec::new("x", &[2, 3, 4], DataType::BF16);
-        assert_eq!(t.min_elements(), 24);
+        assert_eq!(t.min_elements(), Some(24));
         // A transposed view of a [3, 4] matrix stored row-major: dims [4, 3], strides [1, 4].
         let v = TensorSpec::new("wT", &[4, 3], DataType::BF16).with_strides(&[1, 4]);
-        assert_eq!(v.min_elements(), 12);
+        assert_eq!(v.min_elements(), Some(12));
+    }
+
+    #[test]
+    fn extreme_dims_saturate_and_are_rejected() {
+        // Packed strides of dims whose product passes i64::MAX saturate instead of wrapping or panicking.
+        let dims = [1 << 32, 1 << 32, 1 << 32];
+        assert_eq!(packed_strides(&dims), vec![i64::MAX, 1 << 32, 1]);
+        assert_eq!(packed_strides(&[i64::MAX, i64::MAX, i64::MAX]), vec![i64::MAX, i64::MAX, 1]);
+        let t = TensorSpec::new("x", &dims, DataType::BF16);
+        assert_eq!(t.min_elements(), None);
+        assert!(t.check().unwrap_err().contains("past 2^63 bytes"));
+        // 5 rows 2^62 apart: the extent wraps to a small number without checks.
+        let wrapped = TensorSpec::new("q", &[5, 8], DataType::BF16).with_strides(&[1 << 62, 1]);
+        assert_eq!(wrapped.min_elements(), None);
+        let negative = TensorSpec::new("q", &[2, 8], DataType::BF16).with_strides(&[-8, 1]);
+        assert_eq!(negative.min_elements(), None);
+        assert_eq!(TensorSpec::new("e", &[0, 8], DataType::BF16).min_elements(), Some(0));
     }
 
     #[test]
@@ -166,6 +202,9 @@ mod tests {
             (ok.clone().with_alignment(3), "alignment 3"),
             (ok.clone().with_alignment(2), "alignment 2"),
             (TensorSpec { is_virtual: true, ..TensorSpec::scalar("e", DataType::F32, 4) }, "both virtual"),
+            (TensorSpec::new("x", &[5, 8], DataType::F32).with_strides(&[1 << 62, 1]), "past 2^63 bytes"),
+            (TensorSpec::new("x", &[3, 8], DataType::BF16).with_strides(&[1 << 61, 1]), "past 2^63 bytes"),
+            (TensorSpec::new("x", &[1 << 40, 1 << 40], DataType::F32), "past 2^63 bytes"),
         ];
         for (spec, expected) in cases {
             let err = spec.check().unwrap_err();

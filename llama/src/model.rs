@@ -146,6 +146,8 @@ pub struct DecodeGraph<T> {
     batch: usize,
     cache_id: u64,
     acts_id: u64,
+    /// The context's buffer epoch at capture ([`Cudnn::buffer_epoch`]).
+    epoch: u64,
 }
 
 impl<T> std::fmt::Debug for DecodeGraph<T> {
@@ -290,12 +292,13 @@ impl<T: Element> Llama<T> {
 
     /// Captures one decode step (one token per sequence) and its logits as a CUDA graph that
     /// [`Llama::decode`] replays at every later position: fused RoPE, the cache writes and attention
-    /// read the position and lengths on the device. Run a fused decode step with the same `backends` first, so that
-    /// plans are built and kernels loaded outside the capture. It is an error when the step cannot be
-    /// replayed at another position: RoPE or attention not fused in some layer (or fallen back to
-    /// naive), or a cuDNN without run-time sequence lengths (< 9.15). The graph holds the addresses of
-    /// `cache` and of the model's activation buffers; `decode` refuses another cache, and a graph made
-    /// stale by a longer forward (which reallocates the activations).
+    /// read the position and lengths on the device. Run a fused decode step and its logits with the
+    /// same `backends` first, so that plans are built and kernels loaded outside the capture. It is an
+    /// error when the step cannot be replayed at another position: RoPE or attention not fused in some
+    /// layer (or fallen back to naive), or a cuDNN without run-time sequence lengths (< 9.15). The
+    /// graph holds the addresses of `cache`, of the model's activation buffers and of the context's
+    /// shared buffers; `decode` refuses another cache, and a graph made stale by a longer forward or by
+    /// anything that grew the context's workspace ([`Cudnn::buffer_epoch`]).
     pub fn capture_decode(
         &mut self,
         ctx: &Cudnn,
@@ -345,7 +348,8 @@ impl<T: Element> Llama<T> {
         if baked {
             return Err(host_positions());
         }
-        Ok(DecodeGraph { graph, logits, batch: cache.batch, cache_id: cache.id, acts_id })
+        let epoch = ctx.buffer_epoch();
+        Ok(DecodeGraph { graph, logits, batch: cache.batch, cache_id: cache.id, acts_id, epoch })
     }
 
     /// Replays a captured decode step for `tokens` (one per sequence) at the cache's current length,
@@ -366,9 +370,10 @@ impl<T: Element> Llama<T> {
                 tokens.len()
             )));
         }
-        if self.acts.as_ref().map(|a| a.id) != Some(graph.acts_id) {
+        if self.acts.as_ref().map(|a| a.id) != Some(graph.acts_id) || ctx.buffer_epoch() != graph.epoch {
             return Err(Error::Config(
-                "decode: a longer forward reallocated the activations since the capture; capture again"
+                "decode: a longer forward (or a larger op on this context) reallocated buffers the graph \
+                 holds since the capture; capture again"
                     .into(),
             ));
         }

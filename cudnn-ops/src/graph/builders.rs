@@ -19,8 +19,11 @@ impl Graph {
         let xs = self.spec(x).clone();
         let y = self.intermediate(format!("{}::Y", self.name), &xs.dims, &xs.strides, xs.dtype);
         let inv_rms = (phase == NormPhase::Training).then(|| {
+            // A rank-0 X has no rows: the statistic gets rank 0 too, and validation rejects both.
             let mut dims = vec![1; xs.dims.len()];
-            dims[0] = xs.dims[0];
+            if let (Some(d), Some(&rows)) = (dims.first_mut(), xs.dims.first()) {
+                *d = rows;
+            }
             let strides = packed_strides(&dims);
             self.intermediate(format!("{}::inv_rms", self.name), &dims, &strides, DataType::F32)
         });

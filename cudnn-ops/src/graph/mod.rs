@@ -364,6 +364,23 @@ mod tests {
     }
 
     #[test]
+    fn rank_zero_rmsnorm_is_an_error_not_a_panic() {
+        for phase in [NormPhase::Inference, NormPhase::Training] {
+            let mut g = Graph::new("g");
+            let x = g.tensor(TensorSpec::new("X", &[], DataType::F16));
+            let w = g.tensor(TensorSpec::new("gamma", &[], DataType::F16));
+            let e = g.tensor(TensorSpec::scalar("eps", DataType::F32, 0));
+            let out = g.rmsnorm(x, w, e, phase);
+            g.output(out.y);
+            if let Some(inv) = out.inv_rms {
+                assert!(g.spec(inv).dims.is_empty());
+                g.output(inv);
+            }
+            assert_eq!(invalid_tensor(&g), "X");
+        }
+    }
+
+    #[test]
     fn empty_graph_is_invalid() {
         assert!(Graph::new("empty").validate().unwrap_err().to_string().contains("no operations"));
     }

@@ -33,27 +33,31 @@ pub fn kernel_count(args: &SdpaArgs) -> usize {
 }
 
 /// Device bytes the intermediates take: scores and probabilities in f32, probabilities in the I/O
-/// type, and the repeated K/V heads.
+/// type, and the repeated K/V heads (`usize::MAX` when that overflows: no device has it).
 pub fn scratch_bytes(args: &SdpaArgs, dtype: DataType) -> usize {
-    let (f32s, _) = layout(args, dtype);
-    4 * f32s
+    layout(args, dtype).map_or(usize::MAX, |(f32s, _)| 4 * f32s)
 }
 
 /// Scratch layout in f32 units: total, and the offsets of (probabilities, cast probabilities,
 /// repeated K, repeated V).
-fn layout(args: &SdpaArgs, dtype: DataType) -> (usize, [usize; 4]) {
-    let scores = args.batch * args.heads_q * args.seq_q * args.seq_kv;
-    let halves = |n: usize| (n * dtype.size()).div_ceil(4);
+fn layout(args: &SdpaArgs, dtype: DataType) -> Result<(usize, [usize; 4])> {
+    use crate::checked::{add, product};
+    let what = "naive sdpa: scratch for batch*heads_q*seq_q*seq_kv scores";
+    let scores = product(what, &[args.batch, args.heads_q, args.seq_q, args.seq_kv])?;
+    let halves = |n: usize| Ok::<usize, Error>(product(what, &[n, dtype.size()])?.div_ceil(4));
     let repeated = if args.heads_q == args.heads_kv {
         0
     } else {
-        halves(args.batch * args.heads_q * args.seq_kv * args.head_dim)
+        halves(product(what, &[args.batch, args.heads_q, args.seq_kv, args.head_dim])?)?
     };
     let p = scores;
-    let p_io = p + scores;
-    let k = p_io + halves(scores);
-    let v = k + repeated;
-    (v + repeated, [p, p_io, k, v])
+    let p_io = add(what, p, scores)?;
+    let k = add(what, p_io, halves(scores)?)?;
+    let v = add(what, k, repeated)?;
+    // Bytes of f32 scratch, so that `4 * total` below cannot wrap either.
+    let total = add(what, v, repeated)?;
+    product(what, &[total, 4])?;
+    Ok((total, [p, p_io, k, v]))
 }
 
 /// Runs the eager decomposition; reached through [`crate::ops::sdpa::sdpa_with`] with
@@ -71,7 +75,7 @@ pub(crate) fn run<T: Element>(
         SdpaLens { q: q.len(), k: k.len(), v: v.len(), o: o.len(), stats: stats.as_ref().map(|s| s.len()) };
     let args = args.validated(T::DTYPE, lens)?;
     let kernels = Kernels::get(ctx)?;
-    let (total, [p_at, p_io_at, k_at, v_at]) = layout(&args, T::DTYPE);
+    let (total, [p_at, p_io_at, k_at, v_at]) = layout(&args, T::DTYPE)?;
     let held = kernels.scratch_len();
     if total > held {
         let (free, _) = ctx.memory_info()?;
@@ -183,7 +187,8 @@ pub(crate) fn run<T: Element>(
         elementwise(ctx, kernels, "causal_mask_f32", n, &a)?;
     }
     let rows = batch * heads_q * seq_q;
-    let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let grid = crate::checked::launch_dim("naive sdpa: softmax rows", rows)?;
+    let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
     launch(
         ctx,
         kernels,

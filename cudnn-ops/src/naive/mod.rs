@@ -30,17 +30,38 @@ pub struct Kernels {
     module: Arc<CudaModule>,
     functions: RefCell<HashMap<String, CudaFunction>>,
     scratch: RefCell<Option<CudaSlice<f32>>>,
+    /// Clamped sequence lengths of padded attention (see [`crate::sdpa_padded`]).
+    seq_lens: RefCell<Option<CudaSlice<i32>>>,
 }
 
 impl Kernels {
     fn compile(ctx: &Cudnn) -> Result<Self> {
         let ptx = ptx(ctx.info().compute_capability)?;
         let module = ctx.stream().context().load_module(ptx)?;
-        Ok(Kernels { module, functions: RefCell::new(HashMap::new()), scratch: RefCell::new(None) })
+        Ok(Kernels {
+            module,
+            functions: RefCell::new(HashMap::new()),
+            scratch: RefCell::new(None),
+            seq_lens: RefCell::new(None),
+        })
     }
 
     pub(crate) fn get(ctx: &Cudnn) -> Result<&Kernels> {
         ctx.naive.get_or_try_init(|| Kernels::compile(ctx))
+    }
+
+    /// An op-owned i32 buffer of at least `len` elements (grown, never shrunk) for clamped sequence
+    /// lengths; only this context's stream uses it, so stream order alone keeps it safe.
+    pub(crate) fn seq_lens(&self, ctx: &Cudnn, len: usize) -> Result<std::cell::Ref<'_, CudaSlice<i32>>> {
+        {
+            let mut s = self.seq_lens.borrow_mut();
+            if s.as_ref().is_none_or(|s| s.len() < len) {
+                *s = None;
+                *s = Some(ctx.stream().alloc_zeros::<i32>(len.max(1))?);
+                ctx.bump_epoch();
+            }
+        }
+        Ok(std::cell::Ref::map(self.seq_lens.borrow(), |s| s.as_ref().expect("just allocated")))
     }
 
     /// Scratch f32 elements currently held.
@@ -80,6 +101,7 @@ pub(crate) fn scratch(ctx: &Cudnn, kernels: &Kernels, len: usize) -> Result<u64>
     if s.as_ref().is_none_or(|s| s.len() < len) {
         *s = None;
         *s = Some(ctx.stream().alloc_zeros::<f32>(len)?);
+        ctx.bump_epoch();
     }
     let slice = s.as_ref().expect("just allocated");
     let (addr, _guard) = slice.device_ptr(ctx.stream());
@@ -116,16 +138,18 @@ pub(crate) fn launch(
     Ok(())
 }
 
-/// Launches an elementwise kernel over `n` elements: `args`, then `n`.
+/// Launches an elementwise kernel over `n` elements: `args`, then `n`. A grid too large for one launch
+/// (the kernels have no grid-stride loop) is an error, not a launch that silently covers fewer elements.
 pub(crate) fn elementwise(ctx: &Cudnn, kernels: &Kernels, name: &str, n: usize, args: &[Arg]) -> Result<()> {
     let per_block = (BLOCK * ITEMS) as usize;
+    let what = format!("{name}: blocks for {n} elements");
     let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(per_block) as u32, 1, 1),
+        grid_dim: (crate::checked::launch_dim(&what, n.div_ceil(per_block))?, 1, 1),
         block_dim: (BLOCK, 1, 1),
         shared_mem_bytes: 0,
     };
     let mut all = args.to_vec();
-    all.push(Arg::I64(n as i64));
+    all.push(Arg::I64(crate::checked::to_i64(&what, n)?));
     launch(ctx, kernels, name, cfg, &all)
 }
 

@@ -1,10 +1,13 @@
 
 // ---- Decoder-model kernels: embedding lookup, KV-cache writes, rotary embedding. ----
 
-// embed_tokens(ids): row ids[r] of the [vocab, cols] table to row r of y (16-bit elements; ids were
-// checked on the host).
-ELEMENTWISE(embedding_16, (const unsigned* ids, const bits16* table, long cols, bits16* y, long n),
-            y[i] = table[(long)ids[i / cols] * cols + i % cols])
+// embed_tokens(ids): row ids[r] of the [vocab, cols] table to row r of y (16-bit elements). Ids come
+// from the device, unchecked by the host: an id outside the vocabulary reads nothing and gives a row
+// of zeros (see `embedding` in ops/rows.rs).
+ELEMENTWISE(embedding_16, (const unsigned* ids, const bits16* table, long vocab, long cols, bits16* y, long n), {
+    long id = (long)ids[i / cols];
+    y[i] = id < vocab ? table[id * cols + i % cols] : (bits16)0;
+})
 
 // Writes `seq` rows of `cols` elements per batch, read with row stride `ss` (a view into the QKV
 // buffer), into a cache [batch, max_seq, cols] at rows start.. (StaticCache.update's index_copy_).
@@ -75,3 +78,12 @@ ELEMENTWISE(rope_add_##sfx, (const T* t1, const T* t4, long ss, long heads, long
 })
 ROPE_EAGER(bits16, bf16, bf16_to_f32, f32_to_bf16)
 ROPE_EAGER(bits16, f16, f16_to_f32, f32_to_f16)
+
+// Padded attention's sequence lengths, clamped into [0, capacity] in an op-owned buffer: the Q lengths
+// at out[0..n], the K/V lengths at out[kv_at..kv_at + n]. cuDNN reads the lengths on the device; a
+// length past the capacity would make it read K/V rows (and write O rows) past the buffers.
+ELEMENTWISE(clamp_seq_lens, (const int* q, const int* kv, long cap_q, long cap_kv, long kv_at, int* out, long n), {
+    long a = q[i], b = kv[i];
+    out[i] = (int)(a < 0 ? 0 : a > cap_q ? cap_q : a);
+    out[kv_at + i] = (int)(b < 0 ? 0 : b > cap_kv ? cap_kv : b);
+})

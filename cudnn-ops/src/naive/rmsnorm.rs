@@ -77,8 +77,8 @@ pub(crate) fn run<T: Element>(
         f32_at(0)
     };
     elementwise(ctx, kernels, "pow2_f32", n, &[Arg::Ptr(h), Arg::Ptr(sq)])?;
-    let mean_cfg =
-        LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let grid = crate::checked::launch_dim("naive rms_norm: rows", rows)?;
+    let mean_cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
     launch(ctx, kernels, "mean_rows_f32", mean_cfg, &[Arg::Ptr(sq), Arg::I64(cols as i64), Arg::Ptr(mean)])?;
     elementwise(
         ctx,

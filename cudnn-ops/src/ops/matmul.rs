@@ -113,6 +113,12 @@ impl MatrixLayout {
         let MatrixLayout { dims, strides } = *self;
         ensure!(dims.iter().all(|&d| d > 0), "matmul: {name} dims {dims:?} must all be > 0");
         ensure!(strides.iter().all(|&s| s > 0), "matmul: {name} strides {strides:?} must all be > 0");
+        // cuDNN takes dims and strides as i64, and the furthest element must be addressable.
+        for (&d, &s) in dims.iter().zip(&strides) {
+            crate::checked::fits_i64(&format!("matmul: {name} dim"), d)?;
+            crate::checked::fits_i64(&format!("matmul: {name} stride"), s)?;
+        }
+        crate::checked::extent(&format!("matmul: {name} extent"), &dims, &strides)?;
         let Some((lead, lead_stride, unit_extent)) = self.leading() else {
             return Err(Error::invalid(format!(
                 "matmul: {name} strides {strides:?} have no unit stride in the last two dims; \
@@ -338,9 +344,15 @@ impl MatmulArgs {
     pub fn folded(&self) -> Option<MatmulArgs> {
         let [batch, m, k] = self.a.dims;
         let [_, sr, sc] = self.a.strides;
-        let foldable = self.b.dims[0] == 1 && batch > 1 && sc == 1 && self.a.strides[0] == m * sr;
-        foldable.then(|| MatmulArgs {
-            a: MatrixLayout { dims: [1, batch * m, k], strides: [batch * m * sr, sr, 1] },
+        let foldable =
+            self.b.dims[0] == 1 && batch > 1 && sc == 1 && Some(self.a.strides[0]) == m.checked_mul(sr);
+        if !foldable {
+            return None;
+        }
+        // Sizes that overflow cannot fold (and `check` rejects them).
+        let rows = batch.checked_mul(m)?;
+        Some(MatmulArgs {
+            a: MatrixLayout { dims: [1, rows, k], strides: [rows.checked_mul(sr)?, sr, 1] },
             b: self.b,
         })
     }
@@ -701,6 +713,33 @@ mod tests {
         let col = MatmulArgs { a: MatrixLayout::column_major(3, 32, 64), ..shared };
         assert!(col.folded().is_none());
         assert!(MatmulArgs::linear(30, 64, 128).folded().is_none());
+    }
+
+    #[test]
+    fn extreme_shapes_do_not_fold_or_pass_the_check() {
+        let b = MatrixLayout::row_major(1, 64, 128);
+        // batch · m and batch · m · row stride overflow: no fold (it used to panic in debug and wrap in
+        // release), and the check names the overflow.
+        for a in [
+            MatrixLayout { dims: [1 << 33, 1 << 32, 64], strides: [1 << 38, 64, 1] },
+            MatrixLayout { dims: [1 << 20, 1 << 40, 64], strides: [1 << 46, 64, 1] },
+            MatrixLayout { dims: [usize::MAX, usize::MAX, 64], strides: [usize::MAX, 64, 1] },
+        ] {
+            let args = MatmulArgs { a, b };
+            assert!(args.folded().is_none(), "{a:?}");
+            let lens = BufferLens { a: usize::MAX, b: usize::MAX, d: usize::MAX, ..Default::default() };
+            let e = args.check(DataType::BF16, DataType::BF16, Epilogue::NONE, &lens).unwrap_err();
+            let m = e.to_string();
+            assert!(
+                matches!(e, Error::InvalidArgument(_)) && (m.contains("overflows") || m.contains("64-bit")),
+                "{m}"
+            );
+        }
+        // A batch stride past i64::MAX would reach cuDNN as a negative stride.
+        let a = MatrixLayout { dims: [1, 16, 64], strides: [1 << 63, 64, 1] };
+        let lens = BufferLens { a: usize::MAX, b: usize::MAX, d: usize::MAX, ..Default::default() };
+        let e = MatmulArgs { a, b }.check(DataType::BF16, DataType::BF16, Epilogue::NONE, &lens).unwrap_err();
+        assert!(e.to_string().contains("64-bit signed"), "{e}");
     }
 
     #[test]

@@ -34,8 +34,7 @@ impl RmsNormArgs {
         ensure!(tokens > 0, "rms_norm: tokens must be > 0");
         ensure!(hidden > 0, "rms_norm: hidden must be > 0");
         ensure!(epsilon.is_finite() && epsilon >= 0.0, "rms_norm: epsilon {epsilon} must be finite and >= 0");
-        let n = tokens.checked_mul(hidden).filter(|&n| n <= i64::MAX as usize);
-        let Some(n) = n else { return Err(crate::Error::invalid("rms_norm: tokens * hidden overflows")) };
+        let n = crate::checked::product("rms_norm: tokens * hidden", &[tokens, hidden])?;
         ensure!(weight_len == hidden, "rms_norm: weight has {weight_len} elements, hidden is {hidden}");
         ensure!(x_len >= n, "rms_norm: x has {x_len} elements, needs tokens*hidden = {n}");
         ensure!(y_len >= n, "rms_norm: output has {y_len} elements, needs tokens*hidden = {n}");

@@ -6,6 +6,7 @@
 //! rows are `row_stride` elements apart. Row `r` of a call is the token at position
 //! `start + r % seq` (batch-major rows).
 
+use crate::checked;
 use crate::dtype::{DataType, Element};
 use crate::error::ensure;
 use crate::naive::{elementwise, launch, scratch, Arg, Kernels};
@@ -74,20 +75,34 @@ impl<T: Element> RopeTables<T> {
 }
 
 impl RopeArgs {
-    /// Checks the shape against the buffer length and the tables.
+    /// Checks the shape against the buffer length and the tables; every size is computed with checked
+    /// arithmetic and checked to fit the kernels' index types (an overflow is an error, never a wrapped
+    /// size that passes the length check).
     pub fn check(&self, len: usize, positions: usize, dim: usize) -> Result<()> {
         let RopeArgs { batch, seq, heads_q, heads_kv, head_dim, row_stride, start } = *self;
         ensure!(batch > 0 && seq > 0 && heads_q > 0 && heads_kv > 0, "rope: empty shape {self:?}");
         ensure!(head_dim == dim, "rope: head_dim {head_dim} differs from the tables' {dim}");
-        let width = (heads_q + heads_kv) * head_dim;
-        ensure!(row_stride >= width, "rope: row stride {row_stride} is narrower than Q and K ({width})");
-        let need = (batch * seq - 1) * row_stride + width;
-        ensure!(len >= need, "rope: buffer has {len} elements, needs {need}");
+        ensure!(head_dim > 0 && head_dim.is_multiple_of(2), "rope: head dim {head_dim} must be even and > 0");
+        let heads = checked::add("rope: heads_q + heads_kv", heads_q, heads_kv)?;
+        let width = checked::mul("rope: (heads_q + heads_kv) * head_dim", heads, head_dim)?;
+        // The fused kernel indexes a row's (head, pair)s with 32-bit integers.
         ensure!(
-            start + seq <= positions,
-            "rope: positions up to {} exceed the tables' {positions}",
-            start + seq
+            width <= i32::MAX as usize,
+            "rope: (heads_q + heads_kv) * head_dim = {width} exceeds the kernel's 32-bit row index"
         );
+        ensure!(row_stride >= width, "rope: row stride {row_stride} is narrower than Q and K ({width})");
+        let rows = checked::mul("rope: batch * seq", batch, seq)?;
+        checked::launch_dim("rope: batch * seq (one block per row)", rows)?;
+        let last = checked::mul("rope: (batch * seq - 1) * row_stride", rows - 1, row_stride)?;
+        let need =
+            checked::fits_i64("rope: buffer extent", checked::add("rope: buffer extent", last, width)?)?;
+        ensure!(len >= need, "rope: buffer has {len} elements, needs {need}");
+        let end = checked::add("rope: start + seq", start, seq)?;
+        ensure!(end <= positions, "rope: positions up to {end} exceed the tables' {positions}");
+        // The tables are f32 [positions, dim / 2] and [positions, dim] in the I/O dtype.
+        checked::product("rope: tables' positions * head_dim", &[positions, head_dim, 4])?;
+        // The eager path's scratch: 7/2 rows * heads * dim elements of the I/O dtype (at most 4 bytes).
+        checked::product("rope: eager scratch", &[rows, heads_q.max(heads_kv), head_dim, 4 * 7])?;
         Ok(())
     }
 }
@@ -179,7 +194,7 @@ fn rotate<T: Element>(
             // One block per row; enough warps for the row's pairs (40 heads x 64 pairs: 256 threads).
             let threads = (heads * d / 2).next_multiple_of(32).clamp(32, 256) as u32;
             let cfg = LaunchConfig {
-                grid_dim: (rows as u32, 1, 1),
+                grid_dim: (checked::launch_dim("rope: rows", rows)?, 1, 1),
                 block_dim: (threads, 1, 1),
                 shared_mem_bytes: 0,
             };
@@ -265,6 +280,16 @@ mod tests {
         a.check(len, 8, 32).unwrap();
         for (bad, l, expected) in [
             (a, len - 1, "needs"),
+            // Wrapped `start + seq` would pass the table check and read position -1.
+            (RopeArgs { start: usize::MAX, ..a }, len, "start + seq overflows"),
+            (RopeArgs { start: usize::MAX - 4, ..a }, len, "start + seq overflows"),
+            (RopeArgs { heads_kv: usize::MAX, ..a }, len, "heads_q + heads_kv overflows"),
+            (RopeArgs { heads_kv: usize::MAX / 16, ..a }, len, "(heads_q + heads_kv) * head_dim overflows"),
+            (RopeArgs { heads_q: 1 << 26, row_stride: 1 << 32, ..a }, usize::MAX, "32-bit row index"),
+            (RopeArgs { batch: usize::MAX, ..a }, usize::MAX, "batch * seq overflows"),
+            (RopeArgs { batch: 1 << 40, seq: 1, ..a }, usize::MAX, "launch dimension"),
+            (RopeArgs { row_stride: usize::MAX / 4, ..a }, usize::MAX, "row_stride overflows"),
+            (RopeArgs { row_stride: 1 << 62, seq: 1, batch: 3, ..a }, usize::MAX, "64-bit signed"),
             (RopeArgs { start: 4, ..a }, len, "exceed the tables' 8"),
             (RopeArgs { row_stride: 100, ..a }, len, "narrower"),
             (RopeArgs { seq: 0, ..a }, len, "empty shape"),

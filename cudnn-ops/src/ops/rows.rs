@@ -1,6 +1,7 @@
 //! Row moves a decoder needs on both backends (one kernel each, as in eager): the embedding lookup and
 //! writing K/V rows into a preallocated cache.
 
+use crate::checked;
 use crate::dtype::Element;
 use crate::error::ensure;
 use crate::naive::{elementwise, Arg, Kernels};
@@ -25,9 +26,15 @@ pub fn check_ids(ids: &[u32], vocab: usize) -> Result<()> {
     Ok(())
 }
 
-/// `y[r] = table[ids[r]]` for the first `rows` device ids and a `[vocab, hidden]` table. The ids must
-/// have passed [`check_ids`] (the kernel does not bound them). Launch-only, so it can be captured in a
-/// CUDA graph.
+/// `y[r] = table[ids[r]]` for the first `rows` device ids and a `[vocab, hidden]` table. Launch-only, so
+/// it can be captured in a CUDA graph.
+///
+/// The ids live on the device, where the host cannot check them before the launch ([`check_ids`] checks
+/// host ids before upload). The kernel therefore bounds every id itself: an id `>= vocab` reads nothing
+/// and yields a row of zeros. Zeros rather than a clamped id, so that a bad id is visible (an all-zero
+/// embedding row, which a real vocabulary row practically never is) instead of silently aliasing the
+/// last token; rather than an error flag, because reading a flag back needs a synchronization that
+/// a launch-only op (captured in a CUDA graph) cannot do.
 pub fn embedding<T: Element>(
     ctx: &Cudnn,
     ids: &(impl DevicePtr<u32> + ?Sized),
@@ -38,27 +45,40 @@ pub fn embedding<T: Element>(
     y: &mut (impl DevicePtrMut<T> + ?Sized),
 ) -> Result<()> {
     sixteen_bit::<T>("embedding")?;
-    ensure!(rows > 0 && hidden > 0, "embedding: no tokens or zero hidden size");
-    ensure!(ids.len() >= rows, "embedding: {} ids for {rows} rows", ids.len());
-    ensure!(
-        table.len() >= vocab * hidden,
-        "embedding: table has {} elements, needs {}",
-        table.len(),
-        vocab * hidden
-    );
-    let n = rows * hidden;
-    ensure!(y.len() >= n, "embedding: output has {} elements, needs {n}", y.len());
+    check_embedding(ids.len(), rows, table.len(), vocab, hidden, y.len())?;
+    let n = rows * hidden; // checked by check_embedding
     let kernels = Kernels::get(ctx)?;
     let (i, _gi) = ids.device_ptr(ctx.stream());
     let (t, _gt) = table.device_ptr(ctx.stream());
     let (o, _go) = y.device_ptr_mut(ctx.stream());
+    // Ids are u32: a vocabulary above u32::MAX bounds nothing more than u32::MAX does.
+    let bound = vocab.min(u32::MAX as usize) as i64;
     elementwise(
         ctx,
         kernels,
         "embedding_16",
         n,
-        &[Arg::Ptr(i), Arg::Ptr(t), Arg::I64(hidden as i64), Arg::Ptr(o)],
+        &[Arg::Ptr(i), Arg::Ptr(t), Arg::I64(bound), Arg::I64(hidden as i64), Arg::Ptr(o)],
     )
+}
+
+/// Checks an embedding lookup's shape against its buffers with checked arithmetic (no GPU needed).
+pub(crate) fn check_embedding(
+    ids: usize,
+    rows: usize,
+    table: usize,
+    vocab: usize,
+    hidden: usize,
+    y: usize,
+) -> Result<()> {
+    ensure!(rows > 0 && hidden > 0, "embedding: no tokens or zero hidden size");
+    ensure!(vocab > 0, "embedding: empty vocabulary");
+    ensure!(ids >= rows, "embedding: {ids} ids for {rows} rows");
+    let need = checked::product("embedding: vocab * hidden", &[vocab, hidden])?;
+    ensure!(table >= need, "embedding: table has {table} elements, needs {need}");
+    let n = checked::product("embedding: rows * hidden", &[rows, hidden])?;
+    ensure!(y >= n, "embedding: output has {y} elements, needs {n}");
+    Ok(())
 }
 
 /// Where rows go in a `[batch, max_seq, cols]` cache.
@@ -76,6 +96,30 @@ pub struct CacheWrite {
     pub max_seq: usize,
     /// First cache row written in each sequence.
     pub start: usize,
+}
+
+impl CacheWrite {
+    /// Checks the rows against the source and cache lengths with checked arithmetic (no GPU needed):
+    /// every offset the kernel computes stays below the lengths and fits its 64-bit indices.
+    pub fn check(&self, src_len: usize, cache_len: usize) -> Result<()> {
+        let w = *self;
+        let CacheWrite { batch, seq, cols, src_stride, max_seq, start } = w;
+        ensure!(batch > 0 && seq > 0 && cols > 0, "write_cache: empty shape {w:?}");
+        ensure!(src_stride >= cols, "write_cache: source stride {src_stride} < row width {cols}");
+        let end = checked::add("write_cache: start + seq", start, seq)?;
+        ensure!(end <= max_seq, "write_cache: rows {start}..{end} overflow a cache of {max_seq}");
+        let rows = checked::mul("write_cache: batch * seq", batch, seq)?;
+        let last = checked::mul("write_cache: (batch * seq - 1) * src_stride", rows - 1, src_stride)?;
+        let need = checked::fits_i64(
+            "write_cache: source extent",
+            checked::add("write_cache: source extent", last, cols)?,
+        )?;
+        ensure!(src_len >= need, "write_cache: source has {src_len} elements, needs {need}");
+        let cache = checked::product("write_cache: batch * max_seq * cols", &[batch, max_seq, cols])?;
+        ensure!(cache_len >= cache, "write_cache: cache has {cache_len} elements, needs {cache}");
+        checked::product("write_cache: batch * seq * cols", &[rows, cols])?;
+        Ok(())
+    }
 }
 
 /// Copies `batch · seq` rows of `src` into the cache at rows `start..start + seq` of each sequence.
@@ -110,23 +154,8 @@ fn copy_rows<T: Element>(
     starts: Option<&CudaSlice<i32>>,
 ) -> Result<()> {
     sixteen_bit::<T>("write_cache")?;
+    w.check(src.len(), cache.len())?;
     let CacheWrite { batch, seq, cols, src_stride, max_seq, start } = w;
-    ensure!(batch > 0 && seq > 0 && cols > 0, "write_cache: empty shape {w:?}");
-    ensure!(src_stride >= cols, "write_cache: source stride {src_stride} < row width {cols}");
-    ensure!(
-        start + seq <= max_seq,
-        "write_cache: rows {}..{} overflow a cache of {max_seq}",
-        start,
-        start + seq
-    );
-    let need = (batch * seq - 1) * src_stride + cols;
-    ensure!(src.len() >= need, "write_cache: source has {} elements, needs {need}", src.len());
-    ensure!(
-        cache.len() >= batch * max_seq * cols,
-        "write_cache: cache has {} elements, needs {}",
-        cache.len(),
-        batch * max_seq * cols
-    );
     let kernels = Kernels::get(ctx)?;
     let (s, _gs) = src.device_ptr(ctx.stream());
     let (c, _gc) = cache.device_ptr_mut(ctx.stream());
@@ -137,6 +166,7 @@ fn copy_rows<T: Element>(
         }
         None => (0, None),
     };
+    // Every value below was checked to fit i64 by `CacheWrite::check` (each is at most an extent).
     let i = |v: usize| Arg::I64(v as i64);
     let args = [Arg::Ptr(s), i(src_stride), i(seq), i(cols), i(max_seq), i(start), Arg::Ptr(p), Arg::Ptr(c)];
     elementwise(ctx, kernels, "cache_rows_16", batch * seq * cols, &args)
@@ -152,5 +182,49 @@ mod tests {
         let e = check_ids(&[0, 10], 10).unwrap_err().to_string();
         assert!(e.contains("token id 10 is outside the vocabulary of 10"), "{e}");
         assert!(check_ids(&[], 10).is_err());
+    }
+
+    #[test]
+    fn embedding_sizes_are_checked() {
+        check_embedding(4, 4, 10 * 8, 10, 8, 32).unwrap();
+        for ((ids, rows, table, vocab, hidden, y), expected) in [
+            ((4, 4, 80, 10, 8, 31), "output has 31"),
+            ((3, 4, 80, 10, 8, 32), "3 ids for 4 rows"),
+            ((4, 4, 79, 10, 8, 32), "table has 79"),
+            ((4, 4, 80, 0, 8, 32), "empty vocabulary"),
+            // vocab * hidden wraps to 0 without checks: any table would pass.
+            ((4, 4, 0, 1 << 32, 1 << 32, usize::MAX), "vocab * hidden overflows"),
+            ((4, 4, 0, 1 << 62, 2, usize::MAX), "vocab * hidden"),
+            ((usize::MAX, usize::MAX, usize::MAX, 1, 2, usize::MAX), "rows * hidden overflows"),
+        ] {
+            let e = check_embedding(ids, rows, table, vocab, hidden, y).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains(expected), "{e}");
+        }
+    }
+
+    #[test]
+    fn cache_writes_are_checked() {
+        let w = CacheWrite { batch: 2, seq: 3, cols: 8, src_stride: 24, max_seq: 16, start: 5 };
+        let src = 5 * 24 + 8;
+        w.check(src, 2 * 16 * 8).unwrap();
+        for (bad, (s, c), expected) in [
+            (w, (src - 1, 256), "source has"),
+            (w, (src, 255), "cache has 255"),
+            (CacheWrite { start: 14, ..w }, (src, 256), "overflow a cache of 16"),
+            // start + seq wraps to 2 without checks and the kernel writes far outside the cache.
+            (CacheWrite { start: usize::MAX - 1, ..w }, (src, 256), "start + seq overflows"),
+            (CacheWrite { batch: usize::MAX, ..w }, (usize::MAX, usize::MAX), "batch * seq overflows"),
+            (CacheWrite { src_stride: usize::MAX / 2, ..w }, (usize::MAX, 256), "src_stride overflows"),
+            (CacheWrite { src_stride: 1 << 61, ..w }, (usize::MAX, 256), "64-bit signed"),
+            (CacheWrite { max_seq: 1 << 62, ..w }, (src, usize::MAX), "batch * max_seq * cols"),
+            (CacheWrite { seq: 0, ..w }, (src, 256), "empty shape"),
+            (CacheWrite { src_stride: 7, ..w }, (src, 256), "source stride 7"),
+        ] {
+            let e = bad.check(s, c).unwrap_err();
+            assert!(
+                matches!(e, Error::InvalidArgument(_)) && e.to_string().contains(expected),
+                "{expected}: {e}"
+            );
+        }
     }
 }

@@ -6,9 +6,11 @@
 //! head-major layout; Q, K and V views into one fused QKV buffer are just other strides.
 
 use crate::cache::PlanKey;
+use crate::checked;
 use crate::dtype::{DataType, Element};
 use crate::error::ensure;
 use crate::graph::{Graph, Mask, SdpaForm, SdpaOptions};
+use crate::naive::Arg;
 use crate::plan::{Bindings, Plan};
 use crate::tensor::TensorSpec;
 use crate::{Backend, Cudnn, Error, Result};
@@ -25,11 +27,13 @@ pub enum Layout {
 }
 
 impl Layout {
-    /// Strides of the logical `[b, h, s, d]` dims of a packed tensor stored in this order.
+    /// Strides of the logical `[b, h, s, d]` dims of a packed tensor stored in this order. A stride past
+    /// `usize::MAX` saturates there; [`SdpaArgs::check`] rejects it (it does not fit cuDNN's `i64`).
     pub fn strides(self, heads: usize, seq: usize, dim: usize) -> [usize; 4] {
+        let m = |a: usize, b: usize| a.saturating_mul(b);
         match self {
-            Layout::Bshd => [seq * heads * dim, dim, heads * dim, 1],
-            Layout::Bhsd => [heads * seq * dim, seq * dim, dim, 1],
+            Layout::Bshd => [m(m(seq, heads), dim), dim, m(heads, dim), 1],
+            Layout::Bhsd => [m(m(heads, seq), dim), m(seq, dim), dim, 1],
         }
     }
 
@@ -191,11 +195,6 @@ impl SdpaArgs {
         }
     }
 
-    /// Elements a buffer with these dims and strides must hold.
-    fn extent(dims: [usize; 4], strides: [usize; 4]) -> usize {
-        1 + dims.iter().zip(strides).map(|(&d, s)| (d - 1) * s).sum::<usize>()
-    }
-
     /// Checks shapes, strides, mask and buffer lengths (shared by both backends); nothing is touched on
     /// error.
     pub fn check(&self, lens: SdpaLens) -> Result<()> {
@@ -232,7 +231,10 @@ impl SdpaArgs {
         for (t, name, strides, len) in tensors.into_iter().chain(more) {
             ensure!(strides[3] == 1, "sdpa: {name} strides {strides:?}: the head dim must have stride 1");
             ensure!(strides.iter().all(|&s| s > 0), "sdpa: {name} strides {strides:?} must be positive");
-            let need = Self::extent(a.dims(t), strides);
+            for s in strides {
+                checked::fits_i64(&format!("sdpa: {name} stride"), s)?;
+            }
+            let need = checked::extent(&format!("sdpa: {name} extent"), &a.dims(t), &strides)?;
             ensure!(
                 len >= need,
                 "sdpa: {name} has {len} elements, its dims {:?} and strides need {need}",
@@ -240,7 +242,7 @@ impl SdpaArgs {
             );
         }
         if let Some(len) = lens.stats {
-            let need = a.batch * a.heads_q * a.seq_q;
+            let need = checked::product("sdpa: batch*heads_q*seq_q", &[a.batch, a.heads_q, a.seq_q])?;
             ensure!(len >= need, "sdpa: stats has {len} elements, needs batch*heads_q*seq_q = {need}");
         }
         Ok(())
@@ -384,6 +386,10 @@ pub fn sdpa_with<T: Element>(
 /// keys past `seq_len_kv[b]` and queries past `seq_len_q[b]` are masked out (their output rows are
 /// unspecified). One plan serves every length, e.g. every step of a decode over a growing cache.
 /// Needs cuDNN 9.15+ and no causal mask (a single decode query needs none).
+///
+/// The lengths are device values the host cannot check, and cuDNN bounds them by nothing: a length past
+/// the capacity would read K/V (and write O) past the buffers. So a launch-only kernel first copies
+/// them, clamped into `0..=capacity`, into an op-owned buffer, and cuDNN reads that copy.
 #[allow(clippy::too_many_arguments)]
 pub fn sdpa_padded<T: Element>(
     ctx: &Cudnn,
@@ -402,10 +408,24 @@ pub fn sdpa_padded<T: Element>(
     let lens = SdpaLens { q: q.len(), k: k.len(), v: v.len(), o: o.len(), stats: None };
     let args = args.validated(T::DTYPE, lens)?;
     let plan = args.plan(ctx, T::DTYPE, false)?;
+    let (uid_q, uid_kv, uid_o) = (plan.uid("seq_len_q")?, plan.uid("seq_len_kv")?, plan.uid("O")?);
+    let kernels = crate::naive::Kernels::get(ctx)?;
+    // The K/V half starts 16-byte aligned (the alignment the graph declares).
+    let kv_at = args.batch.next_multiple_of(4);
+    let clamped = kernels.seq_lens(ctx, 2 * kv_at)?;
+    {
+        let (sq, _gq) = seq_len_q.device_ptr(ctx.stream());
+        let (skv, _gkv) = seq_len_kv.device_ptr(ctx.stream());
+        let (out, _go) = clamped.device_ptr(ctx.stream());
+        let i = |v: usize| Arg::I64(v as i64); // each at most 2 * batch or a capacity, all < 2^31
+        let a = [Arg::Ptr(sq), Arg::Ptr(skv), i(args.seq_q), i(args.seq_kv), i(kv_at), Arg::Ptr(out)];
+        crate::naive::elementwise(ctx, kernels, "clamp_seq_lens", args.batch, &a)?;
+    }
+    let (lens_q, lens_kv) = (clamped.slice(0..args.batch), clamped.slice(kv_at..kv_at + args.batch));
     let mut b = Bindings::new(ctx.stream());
     b.input(1, q).input(2, k).input(3, v).scalar_f32(4, args.scale());
-    b.input_i32(plan.uid("seq_len_q")?, seq_len_q).input_i32(plan.uid("seq_len_kv")?, seq_len_kv);
-    b.output(plan.uid("O")?, o);
+    b.input_i32(uid_q, &lens_q).input_i32(uid_kv, &lens_kv);
+    b.output(uid_o, o);
     plan.execute(ctx, &b)
 }
 
@@ -515,6 +535,29 @@ mod tests {
         let fused_qkv = SdpaArgs { q_strides: [16 * 12 * 64, 64, 12 * 64, 1], ..a };
         assert!(fused_qkv.check(lens(&fused_qkv)).is_err());
         fused_qkv.check(SdpaLens { q: 2 * 16 * 12 * 64, ..lens(&fused_qkv) }).unwrap();
+    }
+
+    #[test]
+    fn overflowing_strides_and_extents_are_rejected() {
+        // The review's reproduction: batch 5 with a 2^62 batch stride wraps the extent to a small
+        // number, the length check passed and the strides reached cuDNN.
+        let a = SdpaArgs::new(5, 1, 1, 1, 1, 8, Layout::Bhsd);
+        a.check(lens(&a)).unwrap();
+        let wrapped = SdpaArgs { q_strides: [1 << 62, 8, 8, 1], ..a };
+        let e = err(wrapped, lens(&a));
+        assert!(e.contains("Q extent overflows"), "{e}");
+        // A stride that does not fit i64 would reach cuDNN negative, even where its dim is 1.
+        let e = err(SdpaArgs { k_strides: [8, 1 << 63, 8, 1], ..a }, lens(&a));
+        assert!(e.contains("K stride") && e.contains("64-bit signed"), "{e}");
+        // Packed strides of huge dims saturate instead of wrapping, and are rejected.
+        let huge = SdpaArgs::new(2, 1 << 30, 1 << 30, 1 << 30, 1 << 30, 1 << 30, Layout::Bshd);
+        assert_eq!(huge.q_strides[0], usize::MAX);
+        let big =
+            SdpaLens { q: usize::MAX, k: usize::MAX, v: usize::MAX, o: usize::MAX, stats: Some(usize::MAX) };
+        let e = err(huge, big);
+        assert!(e.contains("64-bit signed") || e.contains("overflows"), "{e}");
+        let e = err(SdpaArgs::new(1 << 30, 1 << 30, 1, 1 << 30, 1, 8, Layout::Bhsd), big);
+        assert!(e.contains("overflows") || e.contains("64-bit signed"), "{e}");
     }
 
     #[test]
