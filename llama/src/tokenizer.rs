@@ -64,27 +64,53 @@ impl Tokenizer {
     /// A decoder that turns ids, one at a time, into the text they add (special tokens skipped when
     /// `skip_special`).
     pub fn stream(&self, skip_special: bool) -> TextStream<'_> {
-        TextStream { inner: self.inner.decode_stream(skip_special) }
+        TextStream { tokenizer: self, skip_special, ids: Vec::new(), printed: String::new() }
     }
 }
 
-/// Incremental decoding: [`TextStream::step`] gives the text a new id adds, holding back bytes of a
-/// character that later ids complete (the `tokenizers` crate's `DecodeStream`). The chunks joined are
-/// the decode of all the ids.
+/// Incremental decoding: [`TextStream::step`] gives the text a new id adds, holding it back while the
+/// text ends in U+FFFD (bytes of a character that later ids may complete); [`TextStream::finish`]
+/// gives what is still held. Every step decodes all the ids so far (`O(n)` per id; an exact prefix
+/// of the final text for byte-level and SentencePiece decoders alike), so the pieces joined are the
+/// decode of all the ids. If a decoder ever rewrites text already given, the next piece is the text
+/// after the part that still agrees (what was given cannot be taken back).
 pub struct TextStream<'t> {
-    inner: tokenizers::DecodeStream<
-        't,
-        tokenizers::ModelWrapper,
-        tokenizers::NormalizerWrapper,
-        tokenizers::PreTokenizerWrapper,
-        tokenizers::PostProcessorWrapper,
-        tokenizers::DecoderWrapper,
-    >,
+    tokenizer: &'t Tokenizer,
+    skip_special: bool,
+    ids: Vec<u32>,
+    printed: String,
 }
 
 impl TextStream<'_> {
-    /// The text `id` adds, or `None` while it only holds part of a character (or nothing visible).
+    /// The text `id` adds, or `None` while it holds only part of a character (or nothing visible).
     pub fn step(&mut self, id: u32) -> Result<Option<String>> {
-        self.inner.step(id).map_err(|e| Error::Tokenizer(format!("decode id {id}: {e}")))
+        self.ids.push(id);
+        let text = self.tokenizer.decode(&self.ids, self.skip_special)?;
+        if text.ends_with(char::REPLACEMENT_CHARACTER) {
+            return Ok(None);
+        }
+        Ok(self.advance(text))
+    }
+
+    /// What is still held back (trailing bytes that never formed a character, as U+FFFD).
+    pub fn finish(mut self) -> Result<Option<String>> {
+        let text = self.tokenizer.decode(&self.ids, self.skip_special)?;
+        Ok(self.advance(text))
+    }
+
+    /// The ids given so far.
+    pub fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+
+    fn advance(&mut self, text: String) -> Option<String> {
+        let same = text
+            .char_indices()
+            .zip(self.printed.chars())
+            .find(|((_, a), b)| a != b)
+            .map_or(self.printed.len().min(text.len()), |((i, _), _)| i);
+        let piece = text[same..].to_string();
+        self.printed = text;
+        (!piece.is_empty()).then_some(piece)
     }
 }

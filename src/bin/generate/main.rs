@@ -131,10 +131,13 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> R
                 }
             }
         })?;
-    writeln!(stdout)?;
     if let Some(e) = failed {
         return Err(format!("writing the text: {e}").into());
     }
+    if let Some(rest) = text.finish()? {
+        stdout.write_all(rest.as_bytes())?;
+    }
+    writeln!(stdout)?;
     for f in generator.model().fallbacks() {
         eprintln!("generate: {} (layer {:?}, {}) ran naive: {}", f.range, f.layer, f.shape, f.reason);
     }
