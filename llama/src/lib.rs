@@ -7,6 +7,9 @@
 //! | [`weights`] | host weights: seeded random init, Hugging Face safetensors checkpoints (single or sharded) |
 //! | [`backends`] | which backend each module kind (and layer) runs on, and its string form |
 //! | [`model`] | the decoder on the GPU: per-module backends, KV cache, fallbacks, an observer hook |
+//! | [`generate`] | token generation: prefill, decode steps, last-position logits, stopping at EOS |
+//! | [`sampling`] | choosing the next token from host logits: greedy, temperature, top-k, top-p, seeded |
+//! | [`tokenizer`] | Hugging Face `tokenizer.json`: encoding, decoding, streaming text as tokens arrive |
 //! | [`profile`] | attributing kernels to module ranges (what an Nsight Systems NVTX projection shows) |
 //! | [`report`] | the per-module speedup report: markdown, terminal, CSV and JSON |
 //! | [`rope`] | Llama-3 RoPE frequencies and the cos/sin tables |
@@ -17,19 +20,25 @@
 
 pub mod backends;
 pub mod config;
+pub mod generate;
 pub mod model;
 pub mod profile;
 pub mod reference;
 pub mod report;
 pub mod roofline;
 pub mod rope;
+pub mod sampling;
+pub mod tokenizer;
 pub mod trace;
 pub mod weights;
 
 pub use backends::{Backends, ModuleKind};
 pub use config::LlamaConfig;
 pub use cudnn_ops::Backend;
+pub use generate::{DecodeMode, Generation, Generator, StopReason};
 pub use model::{DecodeGraph, Fallback, KvCache, Llama, NoObserver, Observer};
+pub use sampling::{Sampler, SamplingParams};
+pub use tokenizer::Tokenizer;
 
 /// Result alias of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -46,6 +55,15 @@ pub enum Error {
     /// A bad backend selection string.
     #[error("backends: {0}")]
     Backends(String),
+    /// A sampling parameter out of its range (the message names it), or logits that cannot be sampled.
+    #[error("sampling: {0}")]
+    Sampling(String),
+    /// A `tokenizer.json` that cannot be read, or text or ids it cannot encode or decode.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// A generation request that does not fit the generator (an empty prompt, a cache too small).
+    #[error("generate: {0}")]
+    Generate(String),
     /// A cuDNN, CUDA or argument error from the ops layer.
     #[error(transparent)]
     Ops(#[from] cudnn_ops::Error),

@@ -624,6 +624,37 @@ impl<T: Element> Llama<T> {
             linear(b, ctx, lin, Epilogue::NONE, &Operands::new(&acts.out, head), out)
         })
     }
+
+    /// Logits `[rows.len(), vocab]` of the last forward's output rows `rows` only, e.g. the last
+    /// position of a prefill (`n - 1..n`) without the other `n - 1` rows' `lm_head` work. Same backend
+    /// and observer range as [`Llama::logits`]; the rows are read through a view of the output buffer.
+    pub fn logits_rows(
+        &mut self,
+        ctx: &Cudnn,
+        rows: std::ops::Range<usize>,
+        backends: &Backends,
+        obs: &mut dyn Observer,
+    ) -> Result<CudaSlice<T>> {
+        let acts = self.acts.as_ref().ok_or_else(|| Error::Config("logits: run forward first".into()))?;
+        if rows.is_empty() || rows.end > acts.last {
+            return Err(Error::Config(format!(
+                "logits: rows {rows:?} asked, the last forward had {}",
+                acts.last
+            )));
+        }
+        let c = &self.cfg;
+        let n = rows.len();
+        let mut out = ctx.stream().alloc_zeros::<T>(n * c.vocab).map_err(cudnn_ops::Error::from)?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let x = acts.out.slice(rows.start * c.hidden..rows.end * c.hidden);
+        let lin = Linear { tokens: n, in_features: c.hidden, out_features: c.vocab };
+        let mut me =
+            Step { fallbacks: &mut self.fallbacks, unsupported: &mut self.unsupported, backends, obs };
+        me.run(ModuleKind::LmHead, 0, None, &format!("{n} tokens"), |b| {
+            linear(b, ctx, lin, Epilogue::NONE, &Operands::new(&x, head), &mut out)
+        })?;
+        Ok(out)
+    }
 }
 
 /// One forward's view of the model's bookkeeping: backends, observer, fallbacks.

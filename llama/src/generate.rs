@@ -1,0 +1,365 @@
+//! Token generation on one sequence: a [`Generator`] owns a [`Llama`], its [`KvCache`] and a backend
+//! selection, and gives a serving engine the two calls it drives a sequence with:
+//!
+//! * [`Generator::prefill`] runs prompt ids (appending to what is cached) and returns the logits of
+//!   the last position only (one row of `lm_head`, not one per prompt token), as host `f32`;
+//! * [`Generator::step`] runs one token and returns its logits.
+//!
+//! The caller chooses each next token itself, or with a [`Sampler`]; [`Generator::generate`] is the
+//! loop for the simple case (prefill, sample, step until an end-of-sequence id or a token budget),
+//! with a callback per token for streaming and wall-clock timings of both phases.
+//!
+//! Decode steps launch their kernels one by one ([`DecodeMode::Launch`]). Replaying a captured CUDA
+//! graph per step needs the step's position on the device (RoPE and the cache writes take it as a
+//! host kernel argument today, so a graph is tied to one position); that mode will be another
+//! [`DecodeMode`] variant, dispatched in the one place decode steps run.
+//!
+//! End-of-sequence ids come from the checkpoint directory ([`eos_token_ids`]: `eos_token_id` of
+//! `config.json` and of `generation_config.json`, each an id or a list).
+
+use crate::backends::Backends;
+use crate::model::{KvCache, Llama, NoObserver, Observer};
+use crate::sampling::Sampler;
+use crate::{Error, Result};
+use cudnn_ops::{Cudnn, Element};
+use std::ops::ControlFlow;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// How decode steps run.
+#[non_exhaustive]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DecodeMode {
+    /// Every kernel launched from the host, each step.
+    #[default]
+    Launch,
+}
+
+/// Why [`Generator::generate`] stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// It produced this end-of-sequence id (the last of [`Generation::tokens`]).
+    Eos(u32),
+    /// It produced the `max_new` tokens asked for.
+    MaxTokens,
+    /// The callback returned [`ControlFlow::Break`].
+    Callback,
+}
+
+/// What [`Generator::generate`] produced, and how long it took.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Generation {
+    /// The new ids, in order (an end-of-sequence id that stopped it included).
+    pub tokens: Vec<u32>,
+    /// Why it stopped.
+    pub stop: StopReason,
+    /// Prompt ids prefilled.
+    pub prompt_tokens: usize,
+    /// Wall time from the start of the prefill to the first new id (the prefill forward, its logits
+    /// copied to the host, and the first sampling): time to first token.
+    pub prefill: Duration,
+    /// Wall time of the decode steps: each step's forward, its logits copied to the host, and the
+    /// sampling of the next id (the callback is not timed).
+    pub decode: Duration,
+    /// Decode steps run (`tokens.len() - 1`: the last id needs no forward).
+    pub decode_steps: usize,
+}
+
+impl Generation {
+    /// Prompt ids per second of [`Generation::prefill`].
+    pub fn prefill_tokens_per_s(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prefill.as_secs_f64()
+    }
+
+    /// Decode steps per second (`None` without steps).
+    pub fn decode_tokens_per_s(&self) -> Option<f64> {
+        (self.decode_steps > 0).then(|| self.decode_steps as f64 / self.decode.as_secs_f64())
+    }
+}
+
+/// One sequence's generation state: the model, its KV cache, the backends, and the ids cached.
+pub struct Generator<T: Element> {
+    model: Llama<T>,
+    cache: KvCache<T>,
+    backends: Backends,
+    mode: DecodeMode,
+    tokens: Vec<u32>,
+    max_seq: usize,
+}
+
+impl<T: Element> Generator<T> {
+    /// A generator for one sequence of up to `max_seq` ids (prompt and generated), running each module
+    /// on the backend `backends` gives it. `model` must have RoPE tables for `max_seq` positions.
+    pub fn new(ctx: &Cudnn, model: Llama<T>, backends: Backends, max_seq: usize) -> Result<Self> {
+        if max_seq == 0 {
+            return Err(Error::Generate("a cache of 0 tokens holds no sequence".into()));
+        }
+        let cache = model.cache(ctx, 1, max_seq)?;
+        Ok(Generator { model, cache, backends, mode: DecodeMode::Launch, tokens: Vec::new(), max_seq })
+    }
+
+    /// The same generator running decode steps in `mode`.
+    pub fn with_mode(mut self, mode: DecodeMode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    /// How decode steps run.
+    pub fn mode(&self) -> DecodeMode {
+        self.mode
+    }
+
+    /// The model (its config and fallbacks).
+    pub fn model(&self) -> &Llama<T> {
+        &self.model
+    }
+
+    /// The model, e.g. to run another cache through it between generations (the generator's cache is
+    /// untouched; the logits of its last position are not kept, so call [`Generator::step`] or
+    /// [`Generator::prefill`] again before reading any).
+    pub fn model_mut(&mut self) -> &mut Llama<T> {
+        &mut self.model
+    }
+
+    /// Gives the model back.
+    pub fn into_model(self) -> Llama<T> {
+        self.model
+    }
+
+    /// The backend selection.
+    pub fn backends(&self) -> &Backends {
+        &self.backends
+    }
+
+    /// Runs later calls on `backends` (the cached K/V stay valid: every backend computes the same
+    /// model).
+    pub fn set_backends(&mut self, backends: Backends) {
+        self.backends = backends;
+    }
+
+    /// The ids in the cache, in order.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Ids in the cache.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// True when nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// The most ids the cache holds.
+    pub fn capacity(&self) -> usize {
+        self.max_seq
+    }
+
+    /// Forgets the sequence (the cache memory is kept).
+    pub fn reset(&mut self) {
+        self.cache.clear();
+        self.tokens.clear();
+    }
+
+    /// Runs `ids` after the cached ones (the prompt, or more of it) and returns the logits of the last
+    /// of them, `vocab` values.
+    pub fn prefill(&mut self, ctx: &Cudnn, ids: &[u32]) -> Result<Vec<f32>> {
+        self.prefill_observed(ctx, ids, &mut NoObserver)
+    }
+
+    /// [`Generator::prefill`] with an observer around every module call.
+    pub fn prefill_observed(&mut self, ctx: &Cudnn, ids: &[u32], obs: &mut dyn Observer) -> Result<Vec<f32>> {
+        if ids.is_empty() {
+            return Err(Error::Generate("prefill: no ids".into()));
+        }
+        self.fits(ids.len())?;
+        self.model.forward(ctx, &[ids.to_vec()], &mut self.cache, &self.backends, obs)?;
+        self.tokens.extend_from_slice(ids);
+        self.last_logits(ctx, ids.len() - 1, obs)
+    }
+
+    /// Runs one id after the cached ones (a decode step) and returns its logits, `vocab` values.
+    pub fn step(&mut self, ctx: &Cudnn, id: u32) -> Result<Vec<f32>> {
+        self.step_observed(ctx, id, &mut NoObserver)
+    }
+
+    /// [`Generator::step`] with an observer around every module call.
+    pub fn step_observed(&mut self, ctx: &Cudnn, id: u32, obs: &mut dyn Observer) -> Result<Vec<f32>> {
+        if self.tokens.is_empty() {
+            return Err(Error::Generate("step: prefill a prompt first".into()));
+        }
+        self.fits(1)?;
+        match self.mode {
+            DecodeMode::Launch => {
+                self.model.forward(ctx, &[vec![id]], &mut self.cache, &self.backends, obs)?;
+            }
+        }
+        self.tokens.push(id);
+        self.last_logits(ctx, 0, obs)
+    }
+
+    /// Errors unless `n` more ids fit the cache.
+    fn fits(&self, n: usize) -> Result<()> {
+        let (len, cap) = (self.tokens.len(), self.max_seq);
+        if len + n > cap {
+            return Err(Error::Generate(format!(
+                "{n} more ids do not fit: the cache holds {len} of at most {cap}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Logits of output row `row` of the last forward, on the host.
+    fn last_logits(&mut self, ctx: &Cudnn, row: usize, obs: &mut dyn Observer) -> Result<Vec<f32>> {
+        let dev = self.model.logits_rows(ctx, row..row + 1, &self.backends, obs)?;
+        let host = ctx.stream().clone_dtoh(&dev).map_err(cudnn_ops::Error::from)?;
+        Ok(host.iter().map(|v| v.to_f64() as f32).collect())
+    }
+
+    /// Generates up to `max_new` ids after `prompt`, starting a new sequence (the cache is reset):
+    /// prefill, then choose an id with `sampler`, hand it to `on_token`, and run it, until an id in
+    /// `stop` comes out, `max_new` ids are out, or `on_token` breaks. The cache must hold
+    /// `prompt.len() + max_new - 1` ids (the last id is not run).
+    pub fn generate(
+        &mut self,
+        ctx: &Cudnn,
+        prompt: &[u32],
+        max_new: usize,
+        sampler: &mut Sampler,
+        stop: &[u32],
+        mut on_token: impl FnMut(u32) -> ControlFlow<()>,
+    ) -> Result<Generation> {
+        if prompt.is_empty() {
+            return Err(Error::Generate("an empty prompt: give at least one id (e.g. BOS)".into()));
+        }
+        if max_new == 0 {
+            return Err(Error::Generate("max_new 0: ask for at least one id".into()));
+        }
+        let need = prompt.len() + max_new - 1;
+        if need > self.max_seq {
+            return Err(Error::Generate(format!(
+                "{} prompt ids and {max_new} new ones need a cache of {need}; this generator's holds {}",
+                prompt.len(),
+                self.max_seq
+            )));
+        }
+        self.reset();
+        let t = Instant::now();
+        let mut logits = self.prefill(ctx, prompt)?;
+        let mut id = sampler.sample(&logits)?;
+        let prefill = t.elapsed();
+        let (mut decode, mut tokens) = (Duration::ZERO, Vec::with_capacity(max_new));
+        let stop = loop {
+            tokens.push(id);
+            let flow = on_token(id);
+            if stop.contains(&id) {
+                break StopReason::Eos(id);
+            }
+            if tokens.len() == max_new {
+                break StopReason::MaxTokens;
+            }
+            if flow.is_break() {
+                break StopReason::Callback;
+            }
+            let t = Instant::now();
+            logits = self.step(ctx, id)?;
+            id = sampler.sample(&logits)?;
+            decode += t.elapsed();
+        };
+        let decode_steps = tokens.len() - 1;
+        Ok(Generation { tokens, stop, prompt_tokens: prompt.len(), prefill, decode, decode_steps })
+    }
+}
+
+/// End-of-sequence ids of a Hugging Face checkpoint directory: `eos_token_id` of `config.json` and,
+/// when that file exists, of `generation_config.json` (each an id, a list of ids, or absent/null),
+/// without repeats, `config.json`'s first. Empty when neither names one.
+pub fn eos_token_ids(dir: &Path) -> Result<Vec<u32>> {
+    let mut ids = Vec::new();
+    for (file, required) in [("config.json", true), ("generation_config.json", false)] {
+        let path = dir.join(file);
+        if !required && !path.exists() {
+            continue;
+        }
+        let json =
+            std::fs::read_to_string(&path).map_err(|e| Error::Config(format!("{}: {e}", path.display())))?;
+        for id in parse_eos(&json).map_err(|e| Error::Config(format!("{}: {e}", path.display())))? {
+            if !ids.contains(&id) {
+                ids.push(id);
+            }
+        }
+    }
+    Ok(ids)
+}
+
+/// The `eos_token_id` of one JSON object: an id, a list of ids, or absent/null (no ids).
+pub fn parse_eos(json: &str) -> std::result::Result<Vec<u32>, String> {
+    let v: serde_json::Value = serde_json::from_str(json).map_err(|e| e.to_string())?;
+    let id = |v: &serde_json::Value| {
+        v.as_u64()
+            .and_then(|i| u32::try_from(i).ok())
+            .ok_or_else(|| format!("eos_token_id: {v} is not a token id"))
+    };
+    match v.get("eos_token_id") {
+        None | Some(serde_json::Value::Null) => Ok(Vec::new()),
+        Some(serde_json::Value::Array(a)) => a.iter().map(id).collect(),
+        Some(v) => Ok(vec![id(v)?]),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn eos_ids_are_an_id_a_list_or_nothing() {
+        assert_eq!(parse_eos(r#"{"eos_token_id": 128001}"#).unwrap(), vec![128001]);
+        assert_eq!(
+            parse_eos(r#"{"eos_token_id": [128001, 128008, 128009]}"#).unwrap(),
+            vec![128001, 128008, 128009]
+        );
+        assert_eq!(parse_eos(r#"{"bos_token_id": 1}"#).unwrap(), Vec::<u32>::new());
+        assert_eq!(parse_eos(r#"{"eos_token_id": null}"#).unwrap(), Vec::<u32>::new());
+        for bad in
+            [r#"{"eos_token_id": "</s>"}"#, r#"{"eos_token_id": [1, -2]}"#, r#"{"eos_token_id": 1e20}"#]
+        {
+            let e = parse_eos(bad).unwrap_err();
+            assert!(e.contains("eos_token_id"), "{bad}: {e}");
+        }
+        assert!(parse_eos("{").is_err());
+    }
+
+    #[test]
+    fn eos_ids_of_a_directory_merge_both_files() {
+        let dir = std::env::temp_dir().join(format!("llama-eos-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let e = eos_token_ids(&dir).unwrap_err().to_string();
+        assert!(e.contains("config.json"), "{e}");
+        std::fs::write(dir.join("config.json"), r#"{"eos_token_id": 128001}"#).unwrap();
+        assert_eq!(eos_token_ids(&dir).unwrap(), vec![128001]);
+        std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": [128001, 128009]}"#).unwrap();
+        assert_eq!(eos_token_ids(&dir).unwrap(), vec![128001, 128009]);
+        std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": "x"}"#).unwrap();
+        let e = eos_token_ids(&dir).unwrap_err().to_string();
+        assert!(e.contains("generation_config.json") && e.contains("eos_token_id"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn rates_come_from_counts_and_times() {
+        let g = Generation {
+            tokens: vec![1, 2, 3],
+            stop: StopReason::MaxTokens,
+            prompt_tokens: 10,
+            prefill: Duration::from_millis(20),
+            decode: Duration::from_millis(4),
+            decode_steps: 2,
+        };
+        assert!((g.prefill_tokens_per_s() - 500.0).abs() < 1e-9);
+        assert!((g.decode_tokens_per_s().unwrap() - 500.0).abs() < 1e-9);
+        let one = Generation { decode_steps: 0, decode: Duration::ZERO, ..g };
+        assert_eq!(one.decode_tokens_per_s(), None);
+    }
+}

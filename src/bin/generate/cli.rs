@@ -1,0 +1,157 @@
+//! Command-line options of `generate` (parsed with clap; checked without a GPU).
+
+use clap::Parser;
+use cudnn_ops::DataType;
+use llama::{Backends, SamplingParams};
+use std::path::PathBuf;
+
+/// What to generate, from which checkpoint, on which backends.
+#[derive(Debug, Clone, PartialEq, Parser)]
+#[command(
+    name = "generate",
+    about = "Generate text with a Llama-3 checkpoint on fused cuDNN graphs or naive kernels"
+)]
+pub struct Options {
+    /// Checkpoint directory: config.json, model.safetensors (or an index and shards), tokenizer.json;
+    /// generation_config.json is read too when present (end-of-sequence ids).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// The prompt (encoded with the tokenizer's special tokens, e.g. <|begin_of_text|>).
+    #[arg(long)]
+    pub prompt: String,
+    /// Most new tokens; generation stops earlier at an end-of-sequence id.
+    #[arg(long, default_value_t = 128)]
+    pub max_new_tokens: usize,
+    /// Sampling temperature; 0 (the default) is greedy decoding.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub temperature: f32,
+    /// Sample from the K most probable tokens only (needs --temperature > 0).
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Sample from the smallest set of most probable tokens reaching probability P, in (0, 1] (needs
+    /// --temperature > 0).
+    #[arg(long, allow_negative_numbers = true)]
+    pub top_p: Option<f32>,
+    /// Seed of the sampling stream (needs --temperature > 0).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Modules to fuse, e.g. `fused=all`, `fused=prenorm,gqa`, or `` for all naive.
+    #[arg(long, default_value = "fused=all")]
+    pub fuse: String,
+    /// I/O dtype: bf16 or f16.
+    #[arg(long, default_value = "bf16")]
+    pub dtype: String,
+    /// Skip the untimed warm-up (a prefill and two decode steps that build and tune the fused plans).
+    #[arg(long)]
+    pub no_warmup: bool,
+}
+
+/// The options, checked and resolved.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    /// The backend selection.
+    pub backends: Backends,
+    /// The I/O dtype.
+    pub dtype: DataType,
+    /// How tokens are chosen.
+    pub sampling: SamplingParams,
+}
+
+impl Options {
+    /// Checks the selection, dtype and sampling options; errors name the option.
+    pub fn resolve(&self) -> Result<Plan, String> {
+        if self.max_new_tokens == 0 {
+            return Err("--max-new-tokens must be at least 1".into());
+        }
+        let backends = Backends::parse(&self.fuse).map_err(|e| format!("--fuse: {e}"))?;
+        let dtype = match DataType::parse(&self.dtype) {
+            Some(d @ (DataType::BF16 | DataType::F16)) => d,
+            _ => return Err(format!("--dtype {} is not supported: use bf16 or f16", self.dtype)),
+        };
+        if self.temperature == 0.0 {
+            for (set, name) in [
+                (self.top_k.is_some(), "--top-k"),
+                (self.top_p.is_some(), "--top-p"),
+                (self.seed.is_some(), "--seed"),
+            ] {
+                if set {
+                    return Err(format!("{name} samples: give --temperature > 0 with it (0 is greedy)"));
+                }
+            }
+        }
+        let sampling = SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            seed: self.seed.unwrap_or(0),
+        };
+        sampling.check().map_err(|e| e.to_string())?;
+        Ok(Plan { backends, dtype, sampling })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Options, clap::Error> {
+        Options::try_parse_from([&["generate", "--model", "m", "--prompt", "hi"], args].concat())
+    }
+
+    #[test]
+    fn defaults_are_greedy_all_fused_bf16() {
+        let o = parse(&[]).unwrap();
+        assert_eq!((o.max_new_tokens, o.fuse.as_str(), o.no_warmup), (128, "fused=all", false));
+        let p = o.resolve().unwrap();
+        assert_eq!(p.backends, Backends::all(llama::Backend::Fused));
+        assert_eq!(p.dtype, DataType::BF16);
+        assert!(p.sampling.is_greedy());
+        assert_eq!(p.sampling, SamplingParams::greedy());
+    }
+
+    #[test]
+    fn sampling_options_resolve() {
+        let o = parse(&[
+            "--temperature",
+            "0.7",
+            "--top-k",
+            "40",
+            "--top-p",
+            "0.9",
+            "--seed",
+            "3",
+            "--fuse",
+            "fused=gqa",
+            "--dtype",
+            "f16",
+        ])
+        .unwrap();
+        let p = o.resolve().unwrap();
+        assert_eq!(
+            p.sampling,
+            SamplingParams { temperature: 0.7, top_k: Some(40), top_p: Some(0.9), seed: 3 }
+        );
+        assert_eq!(p.dtype, DataType::F16);
+        assert_eq!(p.backends.to_selection(), "fused=gqa");
+    }
+
+    #[test]
+    fn bad_options_name_the_option() {
+        for (args, want) in [
+            (vec!["--max-new-tokens", "0"], "--max-new-tokens"),
+            (vec!["--fuse", "fused=attention"], "valid modules are"),
+            (vec!["--dtype", "f32"], "use bf16 or f16"),
+            (vec!["--top-p", "0.9"], "--top-p samples"),
+            (vec!["--top-k", "5"], "--top-k samples"),
+            (vec!["--seed", "5"], "--seed samples"),
+            (vec!["--temperature", "-1"], "temperature"),
+            (vec!["--temperature", "1", "--top-p", "1.5"], "top_p"),
+            (vec!["--temperature", "1", "--top-k", "0"], "top_k"),
+        ] {
+            let e = parse(&args).unwrap().resolve().unwrap_err();
+            assert!(e.contains(want), "{args:?}: {e}");
+        }
+        assert!(parse(&["--max-new-tokens", "-3"]).is_err());
+        assert!(Options::try_parse_from(["generate", "--prompt", "hi"]).is_err(), "--model is required");
+    }
+}

@@ -1,0 +1,192 @@
+//! `cargo run --release --bin generate -- --model DIR --prompt TEXT [options]`: generates text with a
+//! Hugging Face Llama-3 checkpoint, streaming it to stdout as it decodes, then reports on stderr the
+//! prefill and decode rates and how close a decode step comes to the memory roofline (the bytes a step
+//! must read, at the device-to-device copy bandwidth measured in the same run).
+//!
+//! Exit codes: 0 done; 2 bad options or an unreadable checkpoint directory (config.json,
+//! tokenizer.json, generation_config.json, the prompt); 1 no usable GPU, or a failure while loading or
+//! generating.
+
+use clap::Parser;
+use cudnn_llm::bench_util::copy_bandwidth_gbps;
+use cudnn_ops::{Cudnn, DataType, Element};
+use half::{bf16, f16};
+use llama::generate::{eos_token_ids, Generation};
+use llama::weights::Weights;
+use llama::{Generator, Llama, LlamaConfig, Sampler, Tokenizer};
+use std::io::Write;
+use std::ops::ControlFlow;
+use std::process::ExitCode;
+
+mod cli;
+mod roofline;
+
+use cli::{Options, Plan};
+
+type Error = Box<dyn std::error::Error>;
+
+/// Bytes of each device-to-device copy measuring the bandwidth.
+const COPY_BYTES: usize = 1 << 30;
+
+/// What the checkpoint directory gives before any GPU work.
+struct Input {
+    config: LlamaConfig,
+    tokenizer: Tokenizer,
+    eos: Vec<u32>,
+    prompt: Vec<u32>,
+}
+
+fn main() -> ExitCode {
+    let opts = Options::parse();
+    let (plan, input) = match opts.resolve().and_then(|plan| Ok((plan, read_input(&opts)?))) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("generate: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let ctx = match Cudnn::new(0) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("generate: cannot run without a usable GPU: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let result = match plan.dtype {
+        DataType::F16 => run::<f16>(&ctx, &opts, &plan, &input),
+        _ => run::<bf16>(&ctx, &opts, &plan, &input),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("generate: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Reads config.json, tokenizer.json and the end-of-sequence ids, and encodes the prompt.
+fn read_input(opts: &Options) -> Result<Input, String> {
+    let dir = &opts.model;
+    if !dir.is_dir() {
+        return Err(format!("--model {}: not a directory", dir.display()));
+    }
+    let path = dir.join("config.json");
+    let json = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let name =
+        dir.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
+    let config = LlamaConfig::from_hf_json(&name, &json).map_err(|e| e.to_string())?;
+    let tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json")).map_err(|e| e.to_string())?;
+    let eos = eos_token_ids(dir).map_err(|e| e.to_string())?;
+    let prompt = tokenizer.encode(&opts.prompt, true).map_err(|e| e.to_string())?;
+    if prompt.is_empty() {
+        return Err("--prompt encodes to no tokens".into());
+    }
+    if let Some(id) = prompt.iter().find(|&&id| id as usize >= config.vocab) {
+        return Err(format!("the tokenizer gives id {id}, past the model's vocabulary of {}", config.vocab));
+    }
+    Ok(Input { config, tokenizer, eos, prompt })
+}
+
+fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> Result<(), Error> {
+    let cfg = &input.config;
+    let info = ctx.info();
+    eprintln!(
+        "generate: {} ({} layers, {}) on {}, backends `{}`, {} prompt tokens",
+        cfg.name,
+        cfg.layers,
+        plan.dtype,
+        info.name,
+        plan.backends.to_selection(),
+        input.prompt.len()
+    );
+    if input.eos.is_empty() {
+        eprintln!("generate: no eos_token_id in config.json or generation_config.json: stopping at --max-new-tokens only");
+    }
+    // Measured before the model is resident, so that the 2 GiB of copy buffers fit next to it later.
+    let bandwidth = copy_bandwidth_gbps(ctx, COPY_BYTES, 10)?;
+    let max_seq = input.prompt.len() + opts.max_new_tokens;
+    let model = {
+        let weights = Weights::<T>::load(cfg, &opts.model)?;
+        Llama::new(ctx, cfg, &weights, max_seq)?
+    };
+    let mut generator = Generator::new(ctx, model, plan.backends.clone(), max_seq)?;
+    if !opts.no_warmup {
+        warm_up(ctx, &mut generator, &input.prompt)?;
+    }
+    let mut sampler = Sampler::new(plan.sampling)?;
+    let mut text = input.tokenizer.stream(true);
+    let mut stdout = std::io::stdout().lock();
+    let mut failed: Option<Error> = None;
+    let generation =
+        generator.generate(ctx, &input.prompt, opts.max_new_tokens, &mut sampler, &input.eos, |id| {
+            let printed = text.step(id).map_err(Error::from).and_then(|chunk| {
+                Ok(chunk.map(|c| stdout.write_all(c.as_bytes()).and_then(|()| stdout.flush())).transpose()?)
+            });
+            match printed {
+                Ok(_) => ControlFlow::Continue(()),
+                Err(e) => {
+                    failed = Some(e);
+                    ControlFlow::Break(())
+                }
+            }
+        })?;
+    if let Some(e) = failed {
+        return Err(format!("writing the text: {e}").into());
+    }
+    if let Some(rest) = text.finish()? {
+        stdout.write_all(rest.as_bytes())?;
+    }
+    writeln!(stdout)?;
+    for f in generator.model().fallbacks() {
+        eprintln!("generate: {} (layer {:?}, {}) ran naive: {}", f.range, f.layer, f.shape, f.reason);
+    }
+    report(cfg, std::mem::size_of::<T>(), &generation, bandwidth);
+    Ok(())
+}
+
+/// An untimed prefill and two decode steps (fused plans are built, autotuned and cached by the first
+/// call of each shape), then a fresh sequence.
+fn warm_up<T: Element>(ctx: &Cudnn, g: &mut Generator<T>, prompt: &[u32]) -> Result<(), Error> {
+    let mut logits = g.prefill(ctx, prompt)?;
+    for _ in 0..2 {
+        if g.len() == g.capacity() {
+            break;
+        }
+        let id = llama::sampling::argmax(&logits)?;
+        logits = g.step(ctx, id)?;
+    }
+    g.reset();
+    Ok(())
+}
+
+/// The rates and the roofline line, on stderr.
+fn report(cfg: &LlamaConfig, elem: usize, g: &Generation, bandwidth_gbps: f64) {
+    eprintln!("generate: {} new tokens, stopped by {:?}", g.tokens.len(), g.stop);
+    eprintln!(
+        "prefill: {} tokens in {:.2} ms (to the first token): {:.1} tokens/s",
+        g.prompt_tokens,
+        g.prefill.as_secs_f64() * 1e3,
+        g.prefill_tokens_per_s()
+    );
+    let Some(rate) = g.decode_tokens_per_s() else {
+        eprintln!("decode: no decode step ran (one new token)");
+        return;
+    };
+    let step_ms = g.decode.as_secs_f64() * 1e3 / g.decode_steps as f64;
+    eprintln!(
+        "decode: {} steps in {:.2} ms: {rate:.1} tokens/s ({step_ms:.3} ms/step)",
+        g.decode_steps,
+        g.decode.as_secs_f64() * 1e3
+    );
+    let floor = roofline::DecodeFloor::new(cfg, elem, g.prompt_tokens, g.decode_steps, bandwidth_gbps);
+    eprintln!(
+        "roofline: a decode step reads {:.1} MB of weights + {:.2} MB of KV cache on average; at the {:.0} GB/s \
+         measured device copy bandwidth that is {:.3} ms/step: this run's steps reach {:.1}% of the memory roofline",
+        floor.weight_bytes as f64 / 1e6,
+        floor.mean_kv_bytes() / 1e6,
+        bandwidth_gbps,
+        floor.mean_step_ms(),
+        100.0 * floor.fraction(g.decode.as_secs_f64() * 1e3)
+    );
+}
