@@ -30,37 +30,16 @@ import tempfile
 import numpy as np
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from random_checkpoint import build  # noqa: E402
 
 BOUND = 1.5
 BATCH, PROMPT, DECODE = 2, 24, 4
 
-SHAPES = {
-    "llama-3.2-1b-2layers": dict(
-        hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=64, tie_word_embeddings=True, factor=32.0),
-    "llama-3.1-8b-2layers": dict(
-        hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=128, tie_word_embeddings=False, factor=8.0),
-}
-
-
-def build(name, path, seed):
-    s = dict(SHAPES[name])
-    factor = s.pop("factor")
-    cfg = LlamaConfig(
-        vocab_size=128256, num_hidden_layers=2, rms_norm_eps=1e-5, max_position_embeddings=131072,
-        bos_token_id=128000, eos_token_id=[128001, 128008, 128009],
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": factor,
-                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192},
-        **s)
-    torch.manual_seed(seed)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg)
-    model.to(torch.bfloat16).save_pretrained(path)
-    del model
-    torch.cuda.empty_cache()
+# Checkpoint name -> (shape in random_checkpoint.SHAPES, layers).
+CHECKPOINTS = {"llama-3.2-1b-2layers": ("llama-3.2-1b", 2), "llama-3.1-8b-2layers": ("llama-3.1-8b", 2)}
 
 
 def hf_logits(path, dtype, ids):
@@ -100,7 +79,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runner", default="cargo run --release --example hf-logits --")
     ap.add_argument("--out", default="benches/results")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(CHECKPOINTS))
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -109,7 +88,8 @@ def main():
     for name in a.shapes.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, name)
-            build(name, path, a.seed)
+            shape, layers = CHECKPOINTS[name]
+            build(shape, path, a.seed, layers)
             with open(os.path.join(path, "config.json")) as f:
                 keys = sorted(json.load(f))
             print(f"{name}: config.json keys {keys}", flush=True)

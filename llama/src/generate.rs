@@ -9,16 +9,18 @@
 //! loop for the simple case (prefill, sample, step until an end-of-sequence id or a token budget),
 //! with a callback per token for streaming and wall-clock timings of both phases.
 //!
-//! Decode steps launch their kernels one by one ([`DecodeMode::Launch`]). Replaying a captured CUDA
-//! graph per step needs the step's position on the device (RoPE and the cache writes take it as a
-//! host kernel argument today, so a graph is tied to one position); that mode will be another
-//! [`DecodeMode`] variant, dispatched in the one place decode steps run.
+//! Decode steps replay one captured CUDA graph ([`DecodeMode::Graph`], the default) where the step
+//! allows it: RoPE and attention fused in every layer, on a cuDNN with run-time sequence lengths
+//! (9.15+), so that the position and lengths are device values. The first step launches plainly
+//! (plans are built then), the second captures the step, later ones replay it; a step that cannot be
+//! replayed launches plainly, and [`Generator::graph_refusal`] says why. [`DecodeMode::Launch`]
+//! launches every kernel from the host each step.
 //!
 //! End-of-sequence ids come from the checkpoint directory ([`eos_token_ids`]: `eos_token_id` of
 //! `config.json` and of `generation_config.json`, each an id or a list).
 
 use crate::backends::Backends;
-use crate::model::{KvCache, Llama, NoObserver, Observer};
+use crate::model::{DecodeGraph, KvCache, Llama, NoObserver, Observer};
 use crate::sampling::Sampler;
 use crate::{Error, Result};
 use cudnn_ops::{Cudnn, Element};
@@ -31,8 +33,12 @@ use std::time::{Duration, Instant};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DecodeMode {
     /// Every kernel launched from the host, each step.
-    #[default]
     Launch,
+    /// One captured CUDA graph replayed per step where the step allows it (see the module docs),
+    /// plain launches otherwise. An observer given to [`Generator::step_observed`] sees no module
+    /// ranges of a replayed step.
+    #[default]
+    Graph,
 }
 
 /// Why [`Generator::generate`] stopped.
@@ -85,6 +91,11 @@ pub struct Generator<T: Element> {
     mode: DecodeMode,
     tokens: Vec<u32>,
     max_seq: usize,
+    /// Decode steps launched plainly with the current backends (the first builds the plans).
+    launched: usize,
+    graph: Option<DecodeGraph<T>>,
+    /// Why the step cannot be replayed with the current backends, once a capture said so.
+    refusal: Option<String>,
 }
 
 impl<T: Element> Generator<T> {
@@ -95,7 +106,17 @@ impl<T: Element> Generator<T> {
             return Err(Error::Generate("a cache of 0 tokens holds no sequence".into()));
         }
         let cache = model.cache(ctx, 1, max_seq)?;
-        Ok(Generator { model, cache, backends, mode: DecodeMode::Launch, tokens: Vec::new(), max_seq })
+        Ok(Generator {
+            model,
+            cache,
+            backends,
+            mode: DecodeMode::default(),
+            tokens: Vec::new(),
+            max_seq,
+            launched: 0,
+            graph: None,
+            refusal: None,
+        })
     }
 
     /// The same generator running decode steps in `mode`.
@@ -135,6 +156,17 @@ impl<T: Element> Generator<T> {
     /// model).
     pub fn set_backends(&mut self, backends: Backends) {
         self.backends = backends;
+        (self.launched, self.graph, self.refusal) = (0, None, None);
+    }
+
+    /// Whether the last decode step replayed the captured graph.
+    pub fn replaying(&self) -> bool {
+        self.mode == DecodeMode::Graph && self.graph.is_some()
+    }
+
+    /// Why decode steps launch plainly in [`DecodeMode::Graph`] (the capture's refusal), if they do.
+    pub fn graph_refusal(&self) -> Option<&str> {
+        self.refusal.as_deref()
     }
 
     /// The ids in the cache, in order.
@@ -191,13 +223,30 @@ impl<T: Element> Generator<T> {
             return Err(Error::Generate("step: prefill a prompt first".into()));
         }
         self.fits(1)?;
-        match self.mode {
-            DecodeMode::Launch => {
-                self.model.forward(ctx, &[vec![id]], &mut self.cache, &self.backends, obs)?;
+        if self.mode == DecodeMode::Graph && self.refusal.is_none() && self.launched > 0 {
+            if self.graph.as_ref().is_some_and(|g| !self.model.is_current(ctx, g)) {
+                self.graph = None; // a longer prefill reallocated what it holds
+            }
+            if self.graph.is_none() {
+                // A step that cannot be captured (or replayed at another position) launches plainly:
+                // the refusal is kept, and said by `graph_refusal`.
+                match self.model.capture_decode(ctx, &mut self.cache, &self.backends) {
+                    Ok(g) => self.graph = Some(g),
+                    Err(e) => self.refusal = Some(e.to_string()),
+                }
+            }
+            if let Some(graph) = self.graph.as_mut() {
+                let dev = self.model.decode(ctx, graph, &[id], &mut self.cache)?;
+                let host = ctx.stream().clone_dtoh(dev).map_err(cudnn_ops::Error::from)?;
+                self.tokens.push(id);
+                return Ok(host.iter().map(|v| v.to_f64() as f32).collect());
             }
         }
+        self.model.forward(ctx, &[vec![id]], &mut self.cache, &self.backends, obs)?;
         self.tokens.push(id);
-        self.last_logits(ctx, 0, obs)
+        let logits = self.last_logits(ctx, 0, obs)?;
+        self.launched += 1;
+        Ok(logits)
     }
 
     /// Errors unless `n` more ids fit the cache.

@@ -338,7 +338,7 @@ impl<T: Element> Llama<T> {
         let ran = self.run(ctx, cache.batch, 1, cache, backends, &mut NoObserver);
         let ran = ran.and_then(|baked| {
             cache.len -= 1; // nothing ran: the capture only recorded the step
-            self.head(ctx, cache.batch, backends, &mut NoObserver, &mut logits).map(|()| baked)
+            self.head(ctx, 0..cache.batch, backends, &mut NoObserver, &mut logits).map(|()| baked)
         });
         let graph =
             stream.end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
@@ -370,7 +370,7 @@ impl<T: Element> Llama<T> {
                 tokens.len()
             )));
         }
-        if self.acts.as_ref().map(|a| a.id) != Some(graph.acts_id) || ctx.buffer_epoch() != graph.epoch {
+        if !self.is_current(ctx, graph) {
             return Err(Error::Config(
                 "decode: a longer forward (or a larger op on this context) reallocated buffers the graph \
                  holds since the capture; capture again"
@@ -386,6 +386,12 @@ impl<T: Element> Llama<T> {
         cache.len += 1;
         self.acts.as_mut().expect("checked above").last = tokens.len();
         Ok(&graph.logits)
+    }
+
+    /// False once `graph` is stale: a longer forward reallocated the activations it holds, or the
+    /// context's shared buffers grew ([`Cudnn::buffer_epoch`]). Capture again then.
+    pub fn is_current(&self, ctx: &Cudnn, graph: &DecodeGraph<T>) -> bool {
+        self.acts.as_ref().map(|a| a.id) == Some(graph.acts_id) && ctx.buffer_epoch() == graph.epoch
     }
 
     /// Captures the forward of `tokens` as a CUDA graph (run [`Llama::forward`] with the same shapes
@@ -593,35 +599,35 @@ impl<T: Element> Llama<T> {
         backends: &Backends,
         obs: &mut dyn Observer,
     ) -> Result<CudaSlice<T>> {
-        let acts = self.acts.as_ref().ok_or_else(|| Error::Config("logits: run forward first".into()))?;
-        if rows > acts.last {
-            return Err(Error::Config(format!(
-                "logits: {rows} rows asked, the last forward had {}",
-                acts.last
-            )));
-        }
-        let mut out = ctx.stream().alloc_zeros::<T>(rows * self.cfg.vocab).map_err(cudnn_ops::Error::from)?;
-        self.head(ctx, rows, backends, obs, &mut out)?;
-        Ok(out)
+        self.logits_rows(ctx, 0..rows, backends, obs)
     }
 
-    /// `lm_head` over the first `rows` output rows into `out` (launches only, so it can be captured).
+    /// `lm_head` over output rows `rows` of the last forward into `out` (launches only, so it can be
+    /// captured).
     fn head(
         &mut self,
         ctx: &Cudnn,
-        rows: usize,
+        rows: std::ops::Range<usize>,
         backends: &Backends,
         obs: &mut dyn Observer,
         out: &mut CudaSlice<T>,
     ) -> Result<()> {
         let acts = self.acts.as_ref().ok_or_else(|| Error::Config("logits: run forward first".into()))?;
+        if rows.is_empty() || rows.end > acts.last {
+            return Err(Error::Config(format!(
+                "logits: rows {rows:?} asked, the last forward had {}",
+                acts.last
+            )));
+        }
         let c = &self.cfg;
+        let n = rows.len();
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let lin = Linear { tokens: rows, in_features: c.hidden, out_features: c.vocab };
+        let x = acts.out.slice(rows.start * c.hidden..rows.end * c.hidden);
+        let lin = Linear { tokens: n, in_features: c.hidden, out_features: c.vocab };
         let mut me =
             Step { fallbacks: &mut self.fallbacks, unsupported: &mut self.unsupported, backends, obs };
-        me.run(ModuleKind::LmHead, 0, None, &format!("{rows} tokens"), |b| {
-            linear(b, ctx, lin, Epilogue::NONE, &Operands::new(&acts.out, head), out)
+        me.run(ModuleKind::LmHead, 0, None, &format!("{n} tokens"), |b| {
+            linear(b, ctx, lin, Epilogue::NONE, &Operands::new(&x, head), out)
         })
     }
 
@@ -635,24 +641,9 @@ impl<T: Element> Llama<T> {
         backends: &Backends,
         obs: &mut dyn Observer,
     ) -> Result<CudaSlice<T>> {
-        let acts = self.acts.as_ref().ok_or_else(|| Error::Config("logits: run forward first".into()))?;
-        if rows.is_empty() || rows.end > acts.last {
-            return Err(Error::Config(format!(
-                "logits: rows {rows:?} asked, the last forward had {}",
-                acts.last
-            )));
-        }
-        let c = &self.cfg;
-        let n = rows.len();
-        let mut out = ctx.stream().alloc_zeros::<T>(n * c.vocab).map_err(cudnn_ops::Error::from)?;
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let x = acts.out.slice(rows.start * c.hidden..rows.end * c.hidden);
-        let lin = Linear { tokens: n, in_features: c.hidden, out_features: c.vocab };
-        let mut me =
-            Step { fallbacks: &mut self.fallbacks, unsupported: &mut self.unsupported, backends, obs };
-        me.run(ModuleKind::LmHead, 0, None, &format!("{n} tokens"), |b| {
-            linear(b, ctx, lin, Epilogue::NONE, &Operands::new(&x, head), &mut out)
-        })?;
+        let n = rows.len() * self.cfg.vocab;
+        let mut out = ctx.stream().alloc_zeros::<T>(n).map_err(cudnn_ops::Error::from)?;
+        self.head(ctx, rows, backends, obs, &mut out)?;
         Ok(out)
     }
 }

@@ -234,6 +234,16 @@ impl Graph {
         self.validate()?;
         let started = std::time::Instant::now();
         ctx.bind()?;
+        // Heuristics, finalization and autotuning synchronize and execute: inside a stream capture
+        // they would invalidate it (and a NotSupported from there would look like a real refusal).
+        let capturing = ctx.stream().capture_status()?;
+        if capturing != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+            return Err(Error::invalid(format!(
+                "graph `{}`: no plan is built while the stream captures a CUDA graph; run the op once \
+                 before capturing",
+                self.name
+            )));
+        }
         let mut descs: Vec<Option<Descriptor>> = Vec::with_capacity(self.tensors.len());
         for t in &self.tensors {
             descs.push(Some(t.descriptor()?));

@@ -2,7 +2,7 @@
 
 use clap::Parser;
 use cudnn_ops::DataType;
-use llama::{Backends, SamplingParams};
+use llama::{Backends, DecodeMode, SamplingParams};
 use std::path::PathBuf;
 
 /// What to generate, from which checkpoint, on which backends.
@@ -44,6 +44,19 @@ pub struct Options {
     /// Skip the untimed warm-up (a prefill and two decode steps that build and tune the fused plans).
     #[arg(long)]
     pub no_warmup: bool,
+    /// Decode steps: `graph` replays one captured CUDA graph per step where the step allows it (RoPE
+    /// and attention fused, cuDNN 9.15+), `launch` launches every kernel from the host.
+    #[arg(long, value_enum, default_value_t = Decode::Graph)]
+    pub decode: Decode,
+}
+
+/// How decode steps run (`--decode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Decode {
+    /// Replay a captured CUDA graph per step where possible.
+    Graph,
+    /// Launch every kernel from the host.
+    Launch,
 }
 
 /// The options, checked and resolved.
@@ -55,6 +68,8 @@ pub struct Plan {
     pub dtype: DataType,
     /// How tokens are chosen.
     pub sampling: SamplingParams,
+    /// How decode steps run.
+    pub decode: DecodeMode,
 }
 
 impl Options {
@@ -86,7 +101,11 @@ impl Options {
             seed: self.seed.unwrap_or(0),
         };
         sampling.check().map_err(|e| e.to_string())?;
-        Ok(Plan { backends, dtype, sampling })
+        let decode = match self.decode {
+            Decode::Graph => DecodeMode::Graph,
+            Decode::Launch => DecodeMode::Launch,
+        };
+        Ok(Plan { backends, dtype, sampling, decode })
     }
 }
 
@@ -107,6 +126,9 @@ mod tests {
         assert_eq!(p.dtype, DataType::BF16);
         assert!(p.sampling.is_greedy());
         assert_eq!(p.sampling, SamplingParams::greedy());
+        assert_eq!(p.decode, DecodeMode::Graph);
+        assert_eq!(parse(&["--decode", "launch"]).unwrap().resolve().unwrap().decode, DecodeMode::Launch);
+        assert!(parse(&["--decode", "replay"]).is_err());
     }
 
     #[test]

@@ -12,6 +12,7 @@ use cudnn_llm::bench_util::copy_bandwidth_gbps;
 use cudnn_ops::{Cudnn, DataType, Element};
 use half::{bf16, f16};
 use llama::generate::{eos_token_ids, Generation};
+use llama::roofline::DecodeRoofline;
 use llama::weights::Weights;
 use llama::{Generator, Llama, LlamaConfig, Sampler, Tokenizer};
 use std::io::Write;
@@ -19,7 +20,6 @@ use std::ops::ControlFlow;
 use std::process::ExitCode;
 
 mod cli;
-mod roofline;
 
 use cli::{Options, Plan};
 
@@ -110,7 +110,7 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> R
         let weights = Weights::<T>::load(cfg, &opts.model)?;
         Llama::new(ctx, cfg, &weights, max_seq)?
     };
-    let mut generator = Generator::new(ctx, model, plan.backends.clone(), max_seq)?;
+    let mut generator = Generator::new(ctx, model, plan.backends.clone(), max_seq)?.with_mode(plan.decode);
     if !opts.no_warmup {
         warm_up(ctx, &mut generator, &input.prompt)?;
     }
@@ -138,6 +138,11 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> R
         stdout.write_all(rest.as_bytes())?;
     }
     writeln!(stdout)?;
+    match (generator.replaying(), generator.graph_refusal()) {
+        (true, _) => eprintln!("generate: decode steps replayed one captured CUDA graph"),
+        (false, Some(why)) => eprintln!("generate: decode steps launched plainly: {why}"),
+        (false, None) => eprintln!("generate: decode steps launched plainly (--decode launch)"),
+    }
     for f in generator.model().fallbacks() {
         eprintln!("generate: {} (layer {:?}, {}) ran naive: {}", f.range, f.layer, f.shape, f.reason);
     }
@@ -179,14 +184,17 @@ fn report(cfg: &LlamaConfig, elem: usize, g: &Generation, bandwidth_gbps: f64) {
         g.decode_steps,
         g.decode.as_secs_f64() * 1e3
     );
-    let floor = roofline::DecodeFloor::new(cfg, elem, g.prompt_tokens, g.decode_steps, bandwidth_gbps);
+    // Step i after a prompt of p tokens reads every weight and the p + i + 1 cached K/V rows.
+    let steps: Vec<DecodeRoofline> =
+        (0..g.decode_steps).map(|i| DecodeRoofline::new(cfg, 1, g.prompt_tokens + i, elem)).collect();
+    let n = steps.len() as f64;
+    let floor_ms: f64 = steps.iter().map(|r| r.floor_ms(bandwidth_gbps)).sum::<f64>() / n;
+    let kv_mb = steps.iter().map(|r| r.kv_bytes as f64).sum::<f64>() / n / 1e6;
     eprintln!(
-        "roofline: a decode step reads {:.1} MB of weights + {:.2} MB of KV cache on average; at the {:.0} GB/s \
-         measured device copy bandwidth that is {:.3} ms/step: this run's steps reach {:.1}% of the memory roofline",
-        floor.weight_bytes as f64 / 1e6,
-        floor.mean_kv_bytes() / 1e6,
+        "roofline: a decode step reads {:.1} MB of weights + {kv_mb:.2} MB of KV cache on average; at the {:.0} GB/s \
+         measured device copy bandwidth that is {floor_ms:.3} ms/step: this run's steps reach {:.1}% of the memory roofline",
+        steps[0].weight_bytes as f64 / 1e6,
         bandwidth_gbps,
-        floor.mean_step_ms(),
-        100.0 * floor.fraction(g.decode.as_secs_f64() * 1e3)
+        100.0 * floor_ms / step_ms
     );
 }

@@ -12,6 +12,7 @@
 //! (`--model DIR`: its config.json and safetensors), which the report's metadata names.
 
 use clap::Parser;
+use cudnn_llm::bench_util::copy_bandwidth_gbps;
 use cudnn_llm::report_chart;
 use cudnn_llm::report_cli::{Options, Plan};
 use cudnn_llm::{reference, BUILD};
@@ -19,6 +20,7 @@ use cudnn_ops::{Cudnn, DataType, Element};
 use half::{bf16, f16};
 use indicatif::{ProgressBar, ProgressStyle};
 use llama::report::{FirstCall, Meta, ModuleRow, Report, Scenario, Side};
+use llama::roofline::DecodeRoofline;
 use llama::weights::Weights;
 use llama::{Backend, Backends, Llama, ModuleKind, NoObserver};
 use std::collections::BTreeMap;
@@ -28,7 +30,7 @@ mod kernels;
 mod measure;
 
 use kernels::Kernels;
-use measure::{graph_replay, measure, Measured, Sums, Work};
+use measure::{decode_graph, graph_replay, measure, Measured, Sums, Work};
 
 type Error = Box<dyn std::error::Error>;
 
@@ -151,6 +153,32 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
             f.push(("fused, CUDA graph replay (wall)".into(), *replay));
         }
         Err(e) => extra.push(("CUDA graph replay".into(), format!("failed: {e}"))),
+    }
+    // A fused decode step with its logits, launched plainly and replayed, against the memory floor.
+    if opts.decode_steps >= 2 {
+        let steps = opts.decode_steps - 1; // after the warm step that builds the plans
+        match decode_graph(ctx, &mut model, &mut cache, &prompt, &plan.fused, steps, opts.repeat) {
+            Ok((plain, replay)) => {
+                let copy = copy_bandwidth_gbps(ctx, 1 << 30, 10)?;
+                let roof =
+                    DecodeRoofline::new(cfg, opts.batch, opts.seq + 1 + steps / 2, std::mem::size_of::<T>());
+                let f = &mut scenarios[1].forward_ms;
+                f.push(("fused step + logits, plain launches (wall)".into(), plain));
+                f.push(("fused step + logits, CUDA graph replay (wall)".into(), replay));
+                extra.push((
+                    "decode roofline (step + logits)".into(),
+                    format!(
+                        "{:.2} GB read per step, floor {:.3} ms at the {copy:.0} GB/s copy bandwidth: graph replay \
+                         {:.1}%, plain launches {:.1}% of it",
+                        roof.bytes() as f64 / 1e9,
+                        roof.floor_ms(copy),
+                        100.0 * roof.fraction(replay, copy),
+                        100.0 * roof.fraction(plain, copy)
+                    ),
+                ));
+            }
+            Err(e) => extra.push(("decode CUDA graph".into(), format!("not measured: {e}"))),
+        }
     }
     let gib = |b: u64| format!("{:.3} GiB", b as f64 / (1u64 << 30) as f64);
     extra.push(("device memory of the model (weights, KV cache) before any forward".into(), gib(base)));

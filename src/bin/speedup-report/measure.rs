@@ -192,3 +192,49 @@ pub(crate) fn graph_replay<T: Element>(
     }
     Ok((median(plain), median(replay)))
 }
+
+/// Median wall ms of one fused decode step with its logits, launched plainly and replayed as a
+/// captured graph ([`Llama::capture_decode`]), alternating, at the cache lengths of the decode
+/// scenario (after `prompt` and one warm step; `steps` steps, each timed alone with a synchronize).
+pub(crate) fn decode_graph<T: Element>(
+    ctx: &Cudnn,
+    model: &mut Llama<T>,
+    cache: &mut KvCache<T>,
+    prompt: &[Vec<u32>],
+    backends: &Backends,
+    steps: usize,
+    repeat: usize,
+) -> Result<(f64, f64), Error> {
+    let batch = prompt.len();
+    let step_tokens = |s: usize| vec![(s % 1000) as u32 + 7; batch];
+    cache.clear();
+    model.forward(ctx, prompt, cache, backends, &mut NoObserver)?;
+    // A plain step and its logits first: the capture builds no plan.
+    let first: Vec<Vec<u32>> = step_tokens(0).iter().map(|&t| vec![t]).collect();
+    model.forward(ctx, &first, cache, backends, &mut NoObserver)?;
+    model.logits(ctx, batch, backends, &mut NoObserver)?;
+    let mut graph = model.capture_decode(ctx, cache, backends)?;
+    let at = cache.len();
+    let (mut plain, mut replay) = (Vec::new(), Vec::new());
+    for _ in 0..repeat.max(3) {
+        let (mut p, mut r) = (0.0, 0.0);
+        for s in 0..steps {
+            let tokens = step_tokens(s + 1);
+            let rows: Vec<Vec<u32>> = tokens.iter().map(|&t| vec![t]).collect();
+            cache.truncate(at + s);
+            p += wall_ms(ctx, || -> Result<(), Error> {
+                model.forward(ctx, &rows, cache, backends, &mut NoObserver)?;
+                model.logits(ctx, batch, backends, &mut NoObserver)?;
+                Ok(())
+            })?;
+            cache.truncate(at + s);
+            r += wall_ms(ctx, || -> Result<(), Error> {
+                model.decode(ctx, &mut graph, &tokens, cache)?;
+                Ok(())
+            })?;
+        }
+        plain.push(p / steps as f64);
+        replay.push(r / steps as f64);
+    }
+    Ok((median(plain), median(replay)))
+}
