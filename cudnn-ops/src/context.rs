@@ -176,6 +176,47 @@ impl Cudnn {
         &self.stream
     }
 
+    /// Captures what `f` enqueues on this context's stream as a CUDA graph (thread-local capture
+    /// mode), and returns `f`'s value with the instantiated graph. The capture is ended whatever `f`
+    /// returns; `f`'s error comes first, then the capture's, and a capture that recorded no work is
+    /// [`Error::InvalidArgument`]. Build plans before capturing: no plan is built inside a capture.
+    ///
+    /// cudarc's cross-stream event tracking is paused while `f` runs: each buffer use would otherwise
+    /// wait on events recorded before the capture began, which a capture may not depend on
+    /// (`CUDA_ERROR_STREAM_CAPTURE_ISOLATION`). Nothing executes during a capture, and everything
+    /// `f` enqueues goes to this one stream, so the waits it skips order nothing that runs; a replay
+    /// of the graph is ordered by this stream like any other work on it. Buffers allocated inside `f`
+    /// carry no events afterwards, and other threads using the same CUDA context should not rely on
+    /// tracking during the capture.
+    pub fn capture<R, E: From<Error>>(
+        &self,
+        f: impl FnOnce() -> std::result::Result<R, E>,
+    ) -> std::result::Result<(R, cudarc::driver::CudaGraph), E> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        let cuda = self.stream.context();
+        let tracking = cuda.is_event_tracking();
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(Error::from)?;
+        if tracking {
+            // SAFETY: see above: only this stream's captured (not executed) work runs without the
+            // waits, and tracking is turned back on before anything else runs on this thread.
+            unsafe { cuda.disable_event_tracking() };
+        }
+        let ran = f();
+        if tracking {
+            // SAFETY: turns back on what was on; slices allocated in `f` stay untracked (documented).
+            unsafe { cuda.enable_event_tracking() };
+        }
+        let graph = self
+            .stream
+            .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+        let value = ran?;
+        let graph = graph.map_err(Error::from)?;
+        let graph = graph.ok_or_else(|| Error::invalid("capture: nothing was enqueued".to_string()))?;
+        Ok((value, graph))
+    }
+
     /// The plan cache.
     pub fn cache(&self) -> &PlanCache {
         &self.cache

@@ -305,7 +305,6 @@ impl<T: Element> Llama<T> {
         cache: &mut KvCache<T>,
         backends: &Backends,
     ) -> Result<DecodeGraph<T>> {
-        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
         if cache.is_empty() || cache.len >= cache.max_seq {
             return Err(Error::Config(format!(
                 "capture_decode: needs a cache holding a prefill with room for a token (holds {} of {})",
@@ -331,20 +330,12 @@ impl<T: Element> Llama<T> {
         }
         let mut logits =
             ctx.stream().alloc_zeros::<T>(cache.batch * self.cfg.vocab).map_err(cudnn_ops::Error::from)?;
-        let stream = ctx.stream().clone();
-        stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(cudnn_ops::Error::from)?;
-        let ran = self.run(ctx, cache.batch, 1, cache, backends, &mut NoObserver);
-        let ran = ran.and_then(|baked| {
+        let (baked, graph) = ctx.capture(|| {
+            let baked = self.run(ctx, cache.batch, 1, cache, backends, &mut NoObserver)?;
             cache.len -= 1; // nothing ran: the capture only recorded the step
-            self.head(ctx, 0..cache.batch, backends, &mut NoObserver, &mut logits).map(|()| baked)
-        });
-        let graph =
-            stream.end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
-        let baked = ran?;
-        let graph = graph.map_err(cudnn_ops::Error::from)?;
-        let graph = graph.ok_or_else(|| Error::Config("capture_decode: the step enqueued no work".into()))?;
+            self.head(ctx, 0..cache.batch, backends, &mut NoObserver, &mut logits)?;
+            Ok::<_, Error>(baked)
+        })?;
         if baked {
             return Err(host_positions());
         }
@@ -406,20 +397,11 @@ impl<T: Element> Llama<T> {
         cache: &mut KvCache<T>,
         backends: &Backends,
     ) -> Result<cudarc::driver::CudaGraph> {
-        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
         backends.check_layers(self.cfg.layers)?;
         let (batch, seq) = self.upload(ctx, tokens, cache)?;
-        let stream = ctx.stream().clone();
-        stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(cudnn_ops::Error::from)?;
-        let ran = self.run(ctx, batch, seq, cache, backends, &mut NoObserver);
-        // End the capture in any case; a failed forward is the error worth reporting.
-        let graph =
-            stream.end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
-        ran?;
-        let graph = graph.map_err(cudnn_ops::Error::from)?;
-        graph.ok_or_else(|| Error::Config("capture: the forward enqueued no work".into()))
+        let ((), graph) =
+            ctx.capture(|| self.run(ctx, batch, seq, cache, backends, &mut NoObserver).map(drop))?;
+        Ok(graph)
     }
 
     /// Checks the tokens against the cache and vocabulary, sizes the activations and uploads the ids.
