@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Parity of this crate's Llama with transformers on checkpoints transformers itself writes.
 
-For each shape (Llama-3.2-1B with 2 layers, Llama-3.1-8B with 2 layers) it:
+For each shape (Llama-3.2-1B with 2 layers, Llama-3.1-8B with 2 layers; `--shapes` adds
+llama-3.1-8b-32layers) it:
 1. builds a random-init `LlamaForCausalLM` (seeded) and writes it with `save_pretrained` (safetensors,
    bf16; transformers 5 writes the RoPE settings under `rope_parameters`),
 2. runs transformers' forward on that directory in fp32 (the reference) and in bf16 (the yardstick:
@@ -39,7 +40,10 @@ BOUND = 1.5
 BATCH, PROMPT, DECODE = 2, 24, 4
 
 # Checkpoint name -> (shape in random_checkpoint.SHAPES, layers).
-CHECKPOINTS = {"llama-3.2-1b-2layers": ("llama-3.2-1b", 2), "llama-3.1-8b-2layers": ("llama-3.1-8b", 2)}
+CHECKPOINTS = {"llama-3.2-1b-2layers": ("llama-3.2-1b", 2), "llama-3.1-8b-2layers": ("llama-3.1-8b", 2),
+               # Not in the default run (16 GB written, 32 GB of fp32 weights on the GPU): all 32 layers.
+               "llama-3.1-8b-32layers": ("llama-3.1-8b", 32)}
+DEFAULT = ["llama-3.2-1b-2layers", "llama-3.1-8b-2layers"]
 
 
 def hf_logits(path, dtype, ids):
@@ -79,7 +83,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runner", default="cargo run --release --example hf-logits --")
     ap.add_argument("--out", default="benches/results")
-    ap.add_argument("--shapes", default=",".join(CHECKPOINTS))
+    ap.add_argument("--shapes", default=",".join(DEFAULT), help="comma-separated: " + ", ".join(CHECKPOINTS))
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -119,6 +123,12 @@ def main():
         w.writeheader()
         w.writerows(rows)
     gpu = torch.cuda.get_device_name()
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True).stdout.strip()
+    except OSError:
+        driver = "unknown"
+    gpu += f", driver {driver}, torch's cuDNN {torch.backends.cudnn.version()}"
     with open(os.path.join(a.out, "hf_parity.md"), "w") as f:
         f.write(f"# Logits parity with transformers {transformers.__version__} (torch {torch.__version__})\n\n")
         f.write(f"GPU: {gpu}. Random-init checkpoints written by `save_pretrained` (bf16 safetensors, "
