@@ -140,7 +140,7 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
         let c = reference::compare(fused, &naive);
         eprintln!("speedup-report: fused vs naive hidden states: {c}");
         extra.push(("fused vs naive hidden states (prefill)".into(), c.to_string()));
-        if !c.passes(reference::Tolerance { rel_l2: 3e-2 }) {
+        if !c.passes(agreement(plan)) {
             disagree = Some(format!("fused and naive outputs disagree: {c} (the report is written anyway)"));
         }
     }
@@ -361,4 +361,14 @@ fn gpu_query(field: &str) -> String {
 
 fn gpu_clocks() -> String {
     gpu_query("clocks.sm,clocks.mem,temperature.gpu,power.draw")
+}
+
+/// How far apart the fused and naive prefill hidden states may be. Seeded random weights (this crate's
+/// init): 3e-2, the bound of the GPU tests. A checkpoint: 1e-1, because bf16 error grows with depth
+/// and with transformers' initialization: on an 8B-shaped, 32-layer random checkpoint written by
+/// transformers, transformers' own bf16 forward is 5.3e-2 from its fp32 forward, naive and fused are
+/// 1.01x and 0.87x that, and 6.7e-2 from each other (benches/results/h100/hf_parity-8b-32layers.md).
+fn agreement(plan: &Plan) -> reference::Tolerance {
+    let rel_l2 = if plan.model_dir.is_some() { 1e-1 } else { 3e-2 };
+    reference::Tolerance { rel_l2 }
 }
