@@ -3,6 +3,7 @@
 
 use cudarc::driver::{sys::CUevent_flags, CudaSlice};
 use cudnn_ops::{reference, Cudnn, Element, Result};
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// Opens GPU 0, or prints why not (`SKIPPED: ...`) and returns `None`.
@@ -14,6 +15,18 @@ pub fn gpu_or_skip(what: &str) -> Option<Cudnn> {
             None
         }
     }
+}
+
+/// A binary of this package for an integration test: where cargo built it (`cargo_path`, i.e.
+/// `env!("CARGO_BIN_EXE_<name>")`), else `bin-<name>` beside the test executable, where
+/// `../shared/gpu/stage` puts it (staged tests run at another path than the one cargo compiled in).
+pub fn package_binary(cargo_path: &str, name: &str) -> Option<PathBuf> {
+    let built = Path::new(cargo_path);
+    if built.exists() {
+        return Some(built.to_path_buf());
+    }
+    let staged = std::env::current_exe().ok()?.parent()?.join(format!("bin-{name}"));
+    staged.exists().then_some(staged)
 }
 
 /// The body of a bench's `main`: opens GPU 0 and runs `run`; without a GPU it says so and returns

@@ -248,20 +248,20 @@ fn tokenizer_round_trips_text_and_streams_it() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// The binary cargo built for this test, if it is where cargo put it.
-fn binary() -> Option<&'static str> {
-    let path = env!("CARGO_BIN_EXE_generate");
-    Path::new(path).exists().then_some(path).or_else(|| {
-        eprintln!("SKIPPED: {path} is not here");
-        None
-    })
+/// The binary, where cargo built it or staged beside this test; `None` (said as SKIPPED) when neither.
+fn binary() -> Option<PathBuf> {
+    let found = cudnn_llm::bench_util::package_binary(env!("CARGO_BIN_EXE_generate"), "generate");
+    if found.is_none() {
+        eprintln!("SKIPPED: no generate binary where cargo built it or staged beside this test");
+    }
+    found
 }
 
 #[test]
 fn binary_bad_options_and_bad_model_directories_exit_2() {
     let Some(bin) = binary() else { return };
     let run = |args: &[&str]| {
-        let out = Command::new(bin).args(args).output().unwrap();
+        let out = Command::new(&bin).args(args).output().unwrap();
         (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
     };
     let empty = temp_dir("empty-model");
@@ -298,7 +298,7 @@ fn binary_without_a_gpu_exits_1_saying_so() {
     }
     let (dir, _) = model_dir("no-gpu", &LlamaConfig::tiny(), 1);
     let out =
-        Command::new(bin).args(["--model", dir.to_str().unwrap(), "--prompt", "hello"]).output().unwrap();
+        Command::new(&bin).args(["--model", dir.to_str().unwrap(), "--prompt", "hello"]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("cannot run without a usable GPU") && !err.contains("panicked"), "{err}");
@@ -503,11 +503,12 @@ fn seeded_sampling_reproduces_and_draws_only_kept_ids() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn generate_binary_streams_text_and_reports_rates() {
-    let Some(bin) = binary() else { return };
+    let bin =
+        binary().expect("a GPU run needs the generate binary (built by cargo, or staged beside the test)");
     let (dir, _) = model_dir("binary", &LlamaConfig::tiny(), 25);
     let dir_s = dir.to_str().unwrap();
     let run = |extra: &[&str]| {
-        let out = Command::new(bin)
+        let out = Command::new(&bin)
             .args(["--model", dir_s, "--prompt", "hello world", "--max-new-tokens", "12"])
             .args(extra)
             .output()

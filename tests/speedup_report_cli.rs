@@ -1,27 +1,26 @@
 //! The report binary's exit codes without a GPU: bad options exit 2 with the reason, a missing GPU exits
 //! 1 with what is missing, and nothing panics.
 
-use std::path::Path;
+use std::path::PathBuf;
 use std::process::Command;
 
-/// The binary cargo built for this test, if it is where cargo put it (staged test binaries run
-/// elsewhere, where it may not be).
-fn binary() -> Option<&'static str> {
-    let path = env!("CARGO_BIN_EXE_speedup-report");
-    Path::new(path).exists().then_some(path).or_else(|| {
-        eprintln!("SKIPPED: {path} is not here");
-        None
-    })
+/// The binary, where cargo built it or staged beside this test; `None` (said as SKIPPED) when neither.
+fn binary() -> Option<PathBuf> {
+    let found = cudnn_llm::bench_util::package_binary(env!("CARGO_BIN_EXE_speedup-report"), "speedup-report");
+    if found.is_none() {
+        eprintln!("SKIPPED: no speedup-report binary where cargo built it or staged beside this test");
+    }
+    found
 }
 
 #[test]
 fn bad_options_exit_2_with_the_reason() {
     let Some(bin) = binary() else { return };
-    let out = Command::new(bin).args(["--config", "gpt2"]).output().unwrap();
+    let out = Command::new(&bin).args(["--config", "gpt2"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("unknown preset `gpt2`") && !err.contains("panicked"), "{err}");
-    let out = Command::new(bin).args(["--fuse", "fused=attention"]).output().unwrap();
+    let out = Command::new(&bin).args(["--fuse", "fused=attention"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("valid modules are"));
 }
@@ -33,7 +32,7 @@ fn no_gpu_exits_1_saying_what_is_missing() {
         eprintln!("SKIPPED: this machine has a GPU");
         return;
     }
-    let out = Command::new(bin)
+    let out = Command::new(&bin)
         .args(["--config", "tiny", "--out", &std::env::temp_dir().join("no-gpu-report").to_string_lossy()])
         .output()
         .unwrap();
@@ -55,12 +54,12 @@ fn bad_model_dirs_sizes_and_layer_ranges_exit_2_naming_the_option() {
         // Once expanded layer by layer (hanging the binary); now refused against the model's 32 layers.
         (vec!["--fuse", "fused=gqa@0-18446744073709551615"], "reaches past layer 31".to_string()),
     ] {
-        let out = Command::new(bin).args(&args).output().unwrap();
+        let out = Command::new(&bin).args(&args).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
         assert!(err.contains(&expected) && !err.contains("panicked"), "{args:?}: {err}");
     }
-    let out = Command::new(bin).args(["--model", missing.as_str(), "--config", "tiny"]).output().unwrap();
+    let out = Command::new(&bin).args(["--model", missing.as_str(), "--config", "tiny"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot be used with"));
 }
