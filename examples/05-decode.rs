@@ -22,7 +22,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // A plain step first: plans are built and kernels loaded outside the capture.
     model.forward(&ctx, &[vec![1]], &mut cache, &fused, &mut NoObserver)?;
     model.logits(&ctx, 1, &fused, &mut NoObserver)?;
-    let mut graph = model.capture_decode(&ctx, &mut cache, &fused)?;
+    // SAFETY: one thread, no other stream of this context.
+    let mut graph = unsafe { model.capture_decode(&ctx, &mut cache, &fused) }?;
     let at = cache.len();
     let (mut plain, mut replay) = (Vec::new(), Vec::new());
     for step in 0..steps {

@@ -10,7 +10,7 @@
 //! of logits or a wrong position) is typically several RMS below the maximum.
 
 use cudnn_llm::cudnn_ops::{Cudnn, DataType};
-use cudnn_llm::llama::generate::{Generator, StopReason};
+use cudnn_llm::llama::generate::{DecodeMode, Generator, StopReason};
 use cudnn_llm::llama::sampling::{argmax, SamplingParams};
 use cudnn_llm::llama::tokenizer::tokenizers;
 use cudnn_llm::llama::weights::Weights;
@@ -316,10 +316,12 @@ fn greedy_decode_is_the_argmax_of_a_full_forward_and_of_the_f64_reference() {
     let (cfg, model) = load(&ctx, &dir, prompt.len() + n);
     let naive = Backends::all(cudnn_llm::Backend::Naive);
     let mut g = Generator::new(&ctx, model, naive.clone(), prompt.len() + n).unwrap();
+    let mut fused_ids = Vec::new();
     for sel in ["", "fused=all"] {
         let b = Backends::parse(sel).unwrap();
         g.set_backends(b.clone());
         let ids = greedy(&ctx, &mut g, &prompt, n);
+        fused_ids.clone_from(&ids);
         assert_eq!(
             g.tokens(),
             [&prompt[..], &ids[..n - 1]].concat(),
@@ -338,6 +340,11 @@ fn greedy_decode_is_the_argmax_of_a_full_forward_and_of_the_f64_reference() {
             exact.chunks(cfg.vocab).map(|r| r.iter().map(|v| *v as f32).collect()).collect();
         check_greedy(&format!("`{sel}` vs the f64 reference"), prompt.len(), &ids, &rows);
     }
+    // Decode steps replayed as a captured graph give the ids of plain launches (the same kernels).
+    // SAFETY: this test uses one thread and no other stream.
+    let mut g = unsafe { g.with_mode(DecodeMode::Graph) };
+    assert_eq!(greedy(&ctx, &mut g, &prompt, n), fused_ids, "graph replay vs plain launches");
+    assert!(g.replaying() && g.graph_refusal().is_none(), "{:?}", g.graph_refusal());
     assert!(g.model().fallbacks().is_empty(), "{:?}", g.model().fallbacks());
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -218,7 +218,8 @@ fn captured_decode_steps_replay_at_every_position() {
         model.forward(&ctx, &one, cache, &fused, &mut NoObserver).unwrap();
         model.logits(&ctx, batch, &fused, &mut NoObserver).unwrap();
     }
-    let mut graph = match model.capture_decode(&ctx, &mut replay, &fused) {
+    // SAFETY (here and below): this test uses one thread and no other stream.
+    let mut graph = match unsafe { model.capture_decode(&ctx, &mut replay, &fused) } {
         Ok(g) => g,
         Err(e) if ctx.info().cudnn_version < 91500 => {
             println!("cuDNN < 9.15 has no run-time sequence lengths: {e}");
@@ -254,6 +255,6 @@ fn captured_decode_steps_replay_at_every_position() {
     let naive = Backends::all(Backend::Naive);
     let mut other = model.cache(&ctx, batch, prompt + steps).unwrap();
     model.forward(&ctx, &head, &mut other, &naive, &mut NoObserver).unwrap();
-    let e = model.capture_decode(&ctx, &mut other, &naive).unwrap_err().to_string();
+    let e = unsafe { model.capture_decode(&ctx, &mut other, &naive) }.unwrap_err().to_string();
     assert!(e.contains("position from the host"), "{e}");
 }

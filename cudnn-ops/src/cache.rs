@@ -77,6 +77,8 @@ pub struct PlanCache {
     plans: RefCell<HashMap<PlanKey, Rc<Plan>>>,
     hits: Cell<u64>,
     misses: Cell<u64>,
+    /// Drawn from the process-wide epoch counter at each clear (0 before any).
+    epoch: Cell<u64>,
 }
 
 impl PlanCache {
@@ -112,6 +114,12 @@ impl PlanCache {
         self.plans.borrow_mut().clear();
         self.hits.set(0);
         self.misses.set(0);
+        self.epoch.set(crate::context::next_epoch());
+    }
+
+    /// Changes at every [`PlanCache::clear`] (part of [`Cudnn::buffer_epoch`](crate::Cudnn::buffer_epoch)).
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch.get()
     }
 }
 

@@ -107,6 +107,13 @@ pub struct Cudnn {
 /// The next context id.
 static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
+/// The next buffer epoch ([`Cudnn::buffer_epoch`]): increasing over the whole process.
+static NEXT_EPOCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+pub(crate) fn next_epoch() -> u64 {
+    NEXT_EPOCH.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
 impl Cudnn {
     /// Opens GPU `ordinal` on a new stream. Fails with [`Error::NoGpu`] when there is no driver or no
     /// device, and [`Error::Load`] when cuDNN is missing or too old; never panics.
@@ -117,8 +124,10 @@ impl Cudnn {
     /// another when a stream reads it (`device_ptr`), each use first waits on the events it conflicts
     /// with, and a buffer is freed on its stream only after waiting on both. So a buffer written on a
     /// forked stream and read by a fused op here is ordered after the write, and cannot be freed
-    /// while the op reads it. Every op takes its pointers through `device_ptr(ctx.stream())` and holds
-    /// the guards until its work is enqueued ([`Bindings`](crate::Bindings) keeps them).
+    /// while the op reads it. Every op takes its callers' pointers through `device_ptr(ctx.stream())`
+    /// and holds the guards until its work is enqueued ([`Bindings`](crate::Bindings) keeps them); the
+    /// context's own scratch buffers (the naive kernels', padded attention's clamped lengths) are used
+    /// on its stream only.
     ///
     /// The cost is an event wait and record per bound buffer on every call (about 1.5 µs of host time
     /// for an RMSNorm, measured before tracking was kept on). A caller who keeps all work on this one
@@ -149,7 +158,7 @@ impl Cudnn {
         Ok(Cudnn {
             cache: PlanCache::default(),
             workspace: RefCell::new(None),
-            epoch: std::cell::Cell::new(0),
+            epoch: std::cell::Cell::new(next_epoch()),
             naive: OnceCell::new(),
             blas: OnceCell::new(),
             autotune: std::cell::Cell::new(autotune_from(std::env::var(AUTOTUNE_ENV).ok().as_deref())),
@@ -178,39 +187,61 @@ impl Cudnn {
 
     /// Captures what `f` enqueues on this context's stream as a CUDA graph (thread-local capture
     /// mode), and returns `f`'s value with the instantiated graph. The capture is ended whatever `f`
-    /// returns; `f`'s error comes first, then the capture's, and a capture that recorded no work is
-    /// [`Error::InvalidArgument`]. Build plans before capturing: no plan is built inside a capture.
+    /// returns (or if it panics); `f`'s error comes first, then the capture's, and a capture that
+    /// recorded no work is [`Error::InvalidArgument`]. Build plans before capturing: no plan is built
+    /// inside a capture.
     ///
     /// cudarc's cross-stream event tracking is paused while `f` runs: each buffer use would otherwise
     /// wait on events recorded before the capture began, which a capture may not depend on
-    /// (`CUDA_ERROR_STREAM_CAPTURE_ISOLATION`). Nothing executes during a capture, and everything
-    /// `f` enqueues goes to this one stream, so the waits it skips order nothing that runs; a replay
-    /// of the graph is ordered by this stream like any other work on it. Buffers allocated inside `f`
-    /// carry no events afterwards, and other threads using the same CUDA context should not rely on
-    /// tracking during the capture.
-    pub fn capture<R, E: From<Error>>(
+    /// (`CUDA_ERROR_STREAM_CAPTURE_ISOLATION`). Nothing executes during a capture and everything `f`
+    /// enqueues goes to this one stream, so the waits it skips order nothing that runs; a replay of
+    /// the graph is ordered by this stream like any other work on it. Buffers allocated inside `f`
+    /// carry no events afterwards.
+    ///
+    /// # Safety
+    ///
+    /// The pause is a flag of the CUDA context object this context's stream belongs to, which its
+    /// forks share: while `capture` runs, no other thread may use buffers or streams of that CUDA
+    /// context (their cross-stream waits, and the waits before a free, would be skipped).
+    pub unsafe fn capture<R, E: From<Error>>(
         &self,
         f: impl FnOnce() -> std::result::Result<R, E>,
     ) -> std::result::Result<(R, cudarc::driver::CudaGraph), E> {
         use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-        let cuda = self.stream.context();
-        let tracking = cuda.is_event_tracking();
+        /// Turns tracking back on and ends an unfinished capture, also when `f` panics.
+        struct Paused<'a> {
+            stream: &'a Arc<CudaStream>,
+            tracking: bool,
+            capturing: bool,
+        }
+        impl Drop for Paused<'_> {
+            fn drop(&mut self) {
+                if self.tracking {
+                    // SAFETY: turns back on what was on; slices allocated meanwhile stay untracked.
+                    unsafe { self.stream.context().enable_event_tracking() };
+                }
+                if self.capturing {
+                    let flags = CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH;
+                    let _ = self.stream.end_capture(flags);
+                }
+            }
+        }
+        let tracking = self.stream.context().is_event_tracking();
         self.stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(Error::from)?;
+        let mut paused = Paused { stream: &self.stream, tracking, capturing: true };
         if tracking {
-            // SAFETY: see above: only this stream's captured (not executed) work runs without the
-            // waits, and tracking is turned back on before anything else runs on this thread.
-            unsafe { cuda.disable_event_tracking() };
+            // SAFETY: the caller promises no other thread uses this CUDA context meanwhile; on this
+            // thread only `f`'s captured (not executed) work runs before `paused` turns it back on.
+            unsafe { self.stream.context().disable_event_tracking() };
         }
         let ran = f();
-        if tracking {
-            // SAFETY: turns back on what was on; slices allocated in `f` stay untracked (documented).
-            unsafe { cuda.enable_event_tracking() };
-        }
+        paused.capturing = false;
         let graph = self
             .stream
             .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+        drop(paused);
         let value = ran?;
         let graph = graph.map_err(Error::from)?;
         let graph = graph.ok_or_else(|| Error::invalid("capture: nothing was enqueued".to_string()))?;
@@ -251,15 +282,17 @@ impl Cudnn {
         Ok(ws.clone())
     }
 
-    /// How many times the buffers that ops share through this context (the workspace, the naive
-    /// kernels' scratch, padded attention's clamped lengths) were reallocated to grow. A captured CUDA
-    /// graph holds their addresses: it is stale once this number changes.
+    /// Changes whenever a buffer ops share through this context is reallocated to grow (the
+    /// workspace, the naive kernels' scratch, padded attention's clamped lengths) or the plan cache is
+    /// cleared (plans own the kernels a graph launches). Values come from one process-wide counter,
+    /// so two contexts never show the same one. A captured CUDA graph holds those addresses: it is
+    /// stale once this value differs from the one at its capture, or on another context.
     pub fn buffer_epoch(&self) -> u64 {
-        self.epoch.get()
+        self.epoch.get().max(self.cache.epoch())
     }
 
     pub(crate) fn bump_epoch(&self) {
-        self.epoch.set(self.epoch.get() + 1);
+        self.epoch.set(next_epoch());
     }
 
     /// Whether plans zero their workspace before every execution: cuDNN before 9.19 has matmul engines

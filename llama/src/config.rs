@@ -582,6 +582,8 @@ fn rope(hf: &Hf) -> std::result::Result<(f64, Option<RopeScaling>), String> {
         }
         (a, b) => a.or(b),
     };
+    // `"rope_scaling": null` states "no scaling" (transformers 4's way of saying so): beside a
+    // `rope_parameters` with scaling, the two forms disagree and neither is chosen silently.
     let legacy_scaling_stated = hf.map.contains_key("rope_scaling");
     let legacy_scaling = legacy.and_then(|l| l.1);
     // 5.x: one dictionary holding both.

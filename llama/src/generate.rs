@@ -9,17 +9,19 @@
 //! loop for the simple case (prefill, sample, step until an end-of-sequence id or a token budget),
 //! with a callback per token for streaming and wall-clock timings of both phases.
 //!
-//! Decode steps replay one captured CUDA graph ([`DecodeMode::Graph`], the default) where the step
-//! allows it: RoPE and attention fused in every layer, on a cuDNN with run-time sequence lengths
-//! (9.15+), so that the position and lengths are device values. The first step launches plainly
-//! (plans are built then), the second captures the step, later ones replay it; a step that cannot be
-//! replayed launches plainly, and [`Generator::graph_refusal`] says why. [`DecodeMode::Launch`]
-//! launches every kernel from the host each step.
+//! Decode steps launch every kernel from the host ([`DecodeMode::Launch`], the default), or replay
+//! one captured CUDA graph ([`DecodeMode::Graph`], opted into with the `unsafe`
+//! [`Generator::with_mode`]) where the step allows it: RoPE and attention fused in every layer, on a
+//! cuDNN with run-time sequence lengths (9.15+), so that the position and lengths are device values.
+//! In graph mode the first step launches plainly (plans are built then), the second captures the
+//! step and replays it, later ones replay it; a step that cannot be captured launches plainly, and
+//! [`Generator::graph_refusal`] says why.
 //!
-//! End-of-sequence ids come from the checkpoint directory ([`eos_token_ids`]: `eos_token_id` of
-//! `config.json` and of `generation_config.json`, each an id or a list).
+//! End-of-sequence ids come from the checkpoint directory ([`eos_token_ids`]: the config's
+//! `eos_token_id` and `generation_config.json`'s, each an id or a list).
 
 use crate::backends::Backends;
+use crate::config::LlamaConfig;
 use crate::model::{DecodeGraph, KvCache, Llama, NoObserver, Observer};
 use crate::sampling::Sampler;
 use crate::{Error, Result};
@@ -33,11 +35,11 @@ use std::time::{Duration, Instant};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DecodeMode {
     /// Every kernel launched from the host, each step.
+    #[default]
     Launch,
     /// One captured CUDA graph replayed per step where the step allows it (see the module docs),
     /// plain launches otherwise. An observer given to [`Generator::step_observed`] sees no module
     /// ranges of a replayed step.
-    #[default]
     Graph,
 }
 
@@ -120,7 +122,14 @@ impl<T: Element> Generator<T> {
     }
 
     /// The same generator running decode steps in `mode`.
-    pub fn with_mode(mut self, mode: DecodeMode) -> Self {
+    ///
+    /// # Safety
+    ///
+    /// With [`DecodeMode::Graph`], a decode step may capture a CUDA graph ([`Llama::capture_decode`]):
+    /// no other thread may use buffers or streams of the context's CUDA context during a call of
+    /// [`Generator::step`], [`Generator::step_observed`] or [`Generator::generate`] (the contract of
+    /// [`Cudnn::capture`]). [`DecodeMode::Launch`] asks nothing.
+    pub unsafe fn with_mode(mut self, mode: DecodeMode) -> Self {
         self.mode = mode;
         self
     }
@@ -159,7 +168,7 @@ impl<T: Element> Generator<T> {
         (self.launched, self.graph, self.refusal) = (0, None, None);
     }
 
-    /// Whether the last decode step replayed the captured graph.
+    /// Whether decode steps replay a captured graph now (graph mode, captured, not refused).
     pub fn replaying(&self) -> bool {
         self.mode == DecodeMode::Graph && self.graph.is_some()
     }
@@ -230,15 +239,16 @@ impl<T: Element> Generator<T> {
             if self.graph.is_none() {
                 // A step that cannot be captured (or replayed at another position) launches plainly:
                 // the refusal is kept, and said by `graph_refusal`.
-                match self.model.capture_decode(ctx, &mut self.cache, &self.backends) {
+                // SAFETY: graph mode was chosen through `with_mode`, whose caller took on this contract.
+                match unsafe { self.model.capture_decode(ctx, &mut self.cache, &self.backends) } {
                     Ok(g) => self.graph = Some(g),
                     Err(e) => self.refusal = Some(e.to_string()),
                 }
             }
             if let Some(graph) = self.graph.as_mut() {
                 let dev = self.model.decode(ctx, graph, &[id], &mut self.cache)?;
+                self.tokens.push(id); // in the cache now, whether or not the copy below succeeds
                 let host = ctx.stream().clone_dtoh(dev).map_err(cudnn_ops::Error::from)?;
-                self.tokens.push(id);
                 return Ok(host.iter().map(|v| v.to_f64() as f32).collect());
             }
         }
@@ -322,16 +332,13 @@ impl<T: Element> Generator<T> {
     }
 }
 
-/// End-of-sequence ids of a Hugging Face checkpoint directory: `eos_token_id` of `config.json` and,
-/// when that file exists, of `generation_config.json` (each an id, a list of ids, or absent/null),
-/// without repeats, `config.json`'s first. Empty when neither names one.
-pub fn eos_token_ids(dir: &Path) -> Result<Vec<u32>> {
-    let mut ids = Vec::new();
-    for (file, required) in [("config.json", true), ("generation_config.json", false)] {
-        let path = dir.join(file);
-        if !required && !path.exists() {
-            continue;
-        }
+/// End-of-sequence ids of a Hugging Face checkpoint directory whose `config.json` gave `cfg`:
+/// `cfg.eos_token_ids`, then those of `generation_config.json` when that file exists (an id, a list of
+/// ids, or absent/null), without repeats. Empty when neither names one.
+pub fn eos_token_ids(dir: &Path, cfg: &LlamaConfig) -> Result<Vec<u32>> {
+    let mut ids = cfg.eos_token_ids.clone();
+    let path = dir.join("generation_config.json");
+    if path.exists() {
         let json =
             std::fs::read_to_string(&path).map_err(|e| Error::Config(format!("{}: {e}", path.display())))?;
         for id in parse_eos(&json).map_err(|e| Error::Config(format!("{}: {e}", path.display())))? {
@@ -384,14 +391,12 @@ mod tests {
     fn eos_ids_of_a_directory_merge_both_files() {
         let dir = std::env::temp_dir().join(format!("llama-eos-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let e = eos_token_ids(&dir).unwrap_err().to_string();
-        assert!(e.contains("config.json"), "{e}");
-        std::fs::write(dir.join("config.json"), r#"{"eos_token_id": 128001}"#).unwrap();
-        assert_eq!(eos_token_ids(&dir).unwrap(), vec![128001]);
+        let cfg = LlamaConfig { eos_token_ids: vec![128001], ..LlamaConfig::llama_3_1_8b() };
+        assert_eq!(eos_token_ids(&dir, &cfg).unwrap(), vec![128001], "no generation_config.json");
         std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": [128001, 128009]}"#).unwrap();
-        assert_eq!(eos_token_ids(&dir).unwrap(), vec![128001, 128009]);
+        assert_eq!(eos_token_ids(&dir, &cfg).unwrap(), vec![128001, 128009]);
         std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": "x"}"#).unwrap();
-        let e = eos_token_ids(&dir).unwrap_err().to_string();
+        let e = eos_token_ids(&dir, &cfg).unwrap_err().to_string();
         assert!(e.contains("generation_config.json") && e.contains("eos_token_id"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }

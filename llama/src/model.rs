@@ -26,7 +26,7 @@ use crate::backends::{Backends, ModuleKind};
 use crate::config::LlamaConfig;
 use crate::weights::{Tensor, Weights};
 use crate::{Backend, Error, Result};
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, DevicePtrMut};
 use cudnn_ops::{
     check_ids, embedding, linear, rms_norm_with, rope_at, rope_with, sdpa_padded, sdpa_with, write_cache,
     write_cache_at, CacheWrite, Cudnn, Element, Epilogue, Layout, Linear, Mask, Operands, RmsNormArgs,
@@ -177,6 +177,12 @@ impl<T: Element> Llama<T> {
     /// positions `0..max_positions`.
     pub fn new(ctx: &Cudnn, cfg: &LlamaConfig, weights: &Weights<T>, max_positions: usize) -> Result<Self> {
         cfg.check()?;
+        if max_positions > crate::config::MAX_POSITIONS {
+            return Err(Error::Config(format!(
+                "{max_positions} RoPE positions asked, more than the {} this crate builds tables for",
+                crate::config::MAX_POSITIONS
+            )));
+        }
         if weights.layers.len() != cfg.layers {
             return Err(Error::Weights(format!(
                 "{} layers of weights for a {}-layer config",
@@ -297,14 +303,21 @@ impl<T: Element> Llama<T> {
     /// error when the step cannot be replayed at another position: RoPE or attention not fused in some
     /// layer (or fallen back to naive), or a cuDNN without run-time sequence lengths (< 9.15). The
     /// graph holds the addresses of `cache`, of the model's activation buffers and of the context's
-    /// shared buffers; `decode` refuses another cache, and a graph made stale by a longer forward or by
-    /// anything that grew the context's workspace ([`Cudnn::buffer_epoch`]).
-    pub fn capture_decode(
+    /// shared buffers; `decode` refuses another cache, another context, and a graph made stale by a
+    /// longer forward or by anything that grew the context's workspace or cleared its plans
+    /// ([`Cudnn::buffer_epoch`]).
+    ///
+    /// # Safety
+    ///
+    /// As [`Cudnn::capture`]: no other thread uses buffers or streams of `ctx`'s CUDA context while
+    /// this runs.
+    pub unsafe fn capture_decode(
         &mut self,
         ctx: &Cudnn,
         cache: &mut KvCache<T>,
         backends: &Backends,
     ) -> Result<DecodeGraph<T>> {
+        backends.check_layers(self.cfg.layers)?;
         if cache.is_empty() || cache.len >= cache.max_seq {
             return Err(Error::Config(format!(
                 "capture_decode: needs a cache holding a prefill with room for a token (holds {} of {})",
@@ -330,16 +343,27 @@ impl<T: Element> Llama<T> {
         }
         let mut logits =
             ctx.stream().alloc_zeros::<T>(cache.batch * self.cfg.vocab).map_err(cudnn_ops::Error::from)?;
-        let (baked, graph) = ctx.capture(|| {
-            let baked = self.run(ctx, cache.batch, 1, cache, backends, &mut NoObserver)?;
-            cache.len -= 1; // nothing ran: the capture only recorded the step
-            self.head(ctx, 0..cache.batch, backends, &mut NoObserver, &mut logits)?;
-            Ok::<_, Error>(baked)
-        })?;
+        let epoch = ctx.buffer_epoch();
+        // SAFETY: the caller's promise (this function's contract is `Cudnn::capture`'s).
+        let (baked, graph) = unsafe {
+            ctx.capture(|| {
+                let baked = self.run(ctx, cache.batch, 1, cache, backends, &mut NoObserver)?;
+                cache.len -= 1; // nothing ran: the capture only recorded the step
+                self.head(ctx, 0..cache.batch, backends, &mut NoObserver, &mut logits)?;
+                Ok::<_, Error>(baked)
+            })
+        }?;
         if baked {
             return Err(host_positions());
         }
-        let epoch = ctx.buffer_epoch();
+        if ctx.buffer_epoch() != epoch {
+            // A buffer grew inside the capture: the graph would own a capture-time allocation.
+            return Err(Error::Config(
+                "capture_decode: a shared buffer grew during the capture; run the step (and its logits) \
+                 plainly first"
+                    .into(),
+            ));
+        }
         Ok(DecodeGraph { graph, logits, batch: cache.batch, cache_id: cache.id, acts_id, epoch })
     }
 
@@ -373,9 +397,13 @@ impl<T: Element> Llama<T> {
         }
         let step: Vec<Vec<u32>> = tokens.iter().map(|&t| vec![t]).collect();
         self.upload(ctx, &step, cache)?;
+        // The graph reads these whatever the model's padded-decode state is now.
+        Self::upload_positions(ctx, cache)?;
         graph.graph.launch().map_err(cudnn_ops::Error::from)?;
+        // The replay records no events: mark the logits written on this stream, so another stream
+        // that reads them is ordered after the replay.
+        drop(graph.logits.device_ptr_mut(ctx.stream()));
         cache.len += 1;
-        self.acts.as_mut().expect("checked above").last = tokens.len();
         Ok(&graph.logits)
     }
 
@@ -390,7 +418,12 @@ impl<T: Element> Llama<T> {
     /// Replaying the graph recomputes the same positions (the cache rows are rewritten); `cache`
     /// counts the tokens once. The graph holds the activation buffers' addresses: a later forward with
     /// more tokens than any before reallocates them and invalidates the graph.
-    pub fn capture(
+    ///
+    /// # Safety
+    ///
+    /// As [`Cudnn::capture`]: no other thread uses buffers or streams of `ctx`'s CUDA context while
+    /// this runs.
+    pub unsafe fn capture(
         &mut self,
         ctx: &Cudnn,
         tokens: &[Vec<u32>],
@@ -399,8 +432,9 @@ impl<T: Element> Llama<T> {
     ) -> Result<cudarc::driver::CudaGraph> {
         backends.check_layers(self.cfg.layers)?;
         let (batch, seq) = self.upload(ctx, tokens, cache)?;
+        // SAFETY: the caller's promise (this function's contract is `Cudnn::capture`'s).
         let ((), graph) =
-            ctx.capture(|| self.run(ctx, batch, seq, cache, backends, &mut NoObserver).map(drop))?;
+            unsafe { ctx.capture(|| self.run(ctx, batch, seq, cache, backends, &mut NoObserver).map(drop)) }?;
         Ok(graph)
     }
 
@@ -435,13 +469,20 @@ impl<T: Element> Llama<T> {
             .memcpy_htod(&ids, &mut acts.ids.slice_mut(..ids.len()))
             .map_err(cudnn_ops::Error::from)?;
         if seq == 1 && cache.len > 0 && self.padded_decode {
-            let s = ctx.stream();
-            let lens = vec![(cache.len + 1) as i32; batch];
-            s.memcpy_htod(&lens, &mut cache.kv_lens).map_err(cudnn_ops::Error::from)?;
-            let positions = vec![cache.len as i32; batch];
-            s.memcpy_htod(&positions, &mut cache.positions).map_err(cudnn_ops::Error::from)?;
+            Self::upload_positions(ctx, cache)?;
         }
         Ok((batch, seq))
+    }
+
+    /// The device values of a decode step at the cache's length: each sequence attends to `len + 1`
+    /// keys and writes position `len`.
+    fn upload_positions(ctx: &Cudnn, cache: &mut KvCache<T>) -> Result<()> {
+        let s = ctx.stream();
+        let lens = vec![(cache.len + 1) as i32; cache.batch];
+        s.memcpy_htod(&lens, &mut cache.kv_lens).map_err(cudnn_ops::Error::from)?;
+        let positions = vec![cache.len as i32; cache.batch];
+        s.memcpy_htod(&positions, &mut cache.positions).map_err(cudnn_ops::Error::from)?;
+        Ok(())
     }
 
     /// The forward body over ids already uploaded: only kernel launches and cuDNN/cuBLAS calls, so it

@@ -108,6 +108,22 @@ pub(crate) fn scratch(ctx: &Cudnn, kernels: &Kernels, len: usize) -> Result<u64>
     Ok(addr)
 }
 
+/// The device address of an optional buffer read by a kernel (0, a null pointer, for `None`), with
+/// the guard that records the read when it drops.
+pub(crate) fn optional_ptr<'a, T>(
+    buf: Option<&'a CudaSlice<T>>,
+    stream: &'a cudarc::driver::CudaStream,
+) -> (u64, Option<cudarc::driver::SyncOnDrop<'a>>) {
+    use cudarc::driver::DevicePtr;
+    match buf {
+        Some(b) => {
+            let (p, g) = b.device_ptr(stream);
+            (p, Some(g))
+        }
+        None => (0, None),
+    }
+}
+
 /// A kernel argument: device addresses are passed as 64-bit values.
 #[derive(Clone, Copy)]
 pub(crate) enum Arg {

@@ -172,13 +172,7 @@ fn rotate<T: Element>(
             let (c, _gc) = tables.cos_half.device_ptr(ctx.stream());
             let (s, _gs) = tables.sin_half.device_ptr(ctx.stream());
             let heads = heads_q + heads_kv;
-            let (p, _gp) = match starts {
-                Some(p) => {
-                    let (p, g) = p.device_ptr(ctx.stream());
-                    (p, Some(g))
-                }
-                None => (0, None),
-            };
+            let (p, _gp) = crate::naive::optional_ptr(starts, ctx.stream());
             let a = [
                 Arg::Ptr(x),
                 i(row_stride),

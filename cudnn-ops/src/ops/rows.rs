@@ -159,13 +159,7 @@ fn copy_rows<T: Element>(
     let kernels = Kernels::get(ctx)?;
     let (s, _gs) = src.device_ptr(ctx.stream());
     let (c, _gc) = cache.device_ptr_mut(ctx.stream());
-    let (p, _gp) = match starts {
-        Some(p) => {
-            let (p, g) = p.device_ptr(ctx.stream());
-            (p, Some(g))
-        }
-        None => (0, None),
-    };
+    let (p, _gp) = crate::naive::optional_ptr(starts, ctx.stream());
     // Every value below was checked to fit i64 by `CacheWrite::check` (each is at most an extent).
     let i = |v: usize| Arg::I64(v as i64);
     let args = [Arg::Ptr(s), i(src_stride), i(seq), i(cols), i(max_seq), i(start), Arg::Ptr(p), Arg::Ptr(c)];

@@ -34,6 +34,8 @@ struct Input {
     tokenizer: Tokenizer,
     eos: Vec<u32>,
     prompt: Vec<u32>,
+    /// Prompt and new tokens: the cache and RoPE tables (checked against the model's positions).
+    max_seq: usize,
 }
 
 fn main() -> ExitCode {
@@ -71,13 +73,9 @@ fn read_input(opts: &Options) -> Result<Input, String> {
     if !dir.is_dir() {
         return Err(format!("--model {}: not a directory", dir.display()));
     }
-    let path = dir.join("config.json");
-    let json = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let name =
-        dir.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
-    let config = LlamaConfig::from_hf_json(&name, &json).map_err(|e| e.to_string())?;
+    let config = LlamaConfig::from_dir(dir).map_err(|e| e.to_string())?;
     let tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json")).map_err(|e| e.to_string())?;
-    let eos = eos_token_ids(dir).map_err(|e| e.to_string())?;
+    let eos = eos_token_ids(dir, &config).map_err(|e| e.to_string())?;
     let prompt = tokenizer.encode(&opts.prompt, true).map_err(|e| e.to_string())?;
     if prompt.is_empty() {
         return Err("--prompt encodes to no tokens".into());
@@ -85,7 +83,18 @@ fn read_input(opts: &Options) -> Result<Input, String> {
     if let Some(id) = prompt.iter().find(|&&id| id as usize >= config.vocab) {
         return Err(format!("the tokenizer gives id {id}, past the model's vocabulary of {}", config.vocab));
     }
-    Ok(Input { config, tokenizer, eos, prompt })
+    let max_seq =
+        prompt.len().checked_add(opts.max_new_tokens).filter(|&n| n <= config.max_positions).ok_or_else(
+            || {
+                format!(
+                    "--max-new-tokens {} after {} prompt tokens exceeds the model's {} positions",
+                    opts.max_new_tokens,
+                    prompt.len(),
+                    config.max_positions
+                )
+            },
+        )?;
+    Ok(Input { config, tokenizer, eos, prompt, max_seq })
 }
 
 fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> Result<(), Error> {
@@ -105,12 +114,14 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> R
     }
     // Measured before the model is resident, so that the 2 GiB of copy buffers fit next to it later.
     let bandwidth = copy_bandwidth_gbps(ctx, COPY_BYTES, 10)?;
-    let max_seq = input.prompt.len() + opts.max_new_tokens;
+    let max_seq = input.max_seq;
     let model = {
         let weights = Weights::<T>::load(cfg, &opts.model)?;
         Llama::new(ctx, cfg, &weights, max_seq)?
     };
-    let mut generator = Generator::new(ctx, model, plan.backends.clone(), max_seq)?.with_mode(plan.decode);
+    // SAFETY: this binary runs on one thread and makes no other stream of the context.
+    let mut generator =
+        unsafe { Generator::new(ctx, model, plan.backends.clone(), max_seq)?.with_mode(plan.decode) };
     if !opts.no_warmup {
         warm_up(ctx, &mut generator, &input.prompt)?;
     }

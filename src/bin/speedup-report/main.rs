@@ -159,15 +159,14 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
         let steps = opts.decode_steps - 1; // after the warm step that builds the plans
         match decode_graph(ctx, &mut model, &mut cache, &prompt, &plan.fused, steps, opts.repeat) {
             Ok((plain, replay)) => {
-                let copy = copy_bandwidth_gbps(ctx, 1 << 30, 10)?;
-                let roof =
-                    DecodeRoofline::new(cfg, opts.batch, opts.seq + 1 + steps / 2, std::mem::size_of::<T>());
                 let f = &mut scenarios[1].forward_ms;
                 f.push(("fused step + logits, plain launches (wall)".into(), plain));
                 f.push(("fused step + logits, CUDA graph replay (wall)".into(), replay));
-                extra.push((
-                    "decode roofline (step + logits)".into(),
-                    format!(
+                // Step s (of 0..steps) runs after seq + 1 + s cached tokens: the mean is half-way.
+                let cached = opts.seq + 1 + (steps - 1) / 2;
+                let roof = DecodeRoofline::new(cfg, opts.batch, cached, std::mem::size_of::<T>());
+                let line = match copy_bandwidth_gbps(ctx, 1 << 30, 10) {
+                    Ok(copy) => format!(
                         "{:.2} GB read per step, floor {:.3} ms at the {copy:.0} GB/s copy bandwidth: graph replay \
                          {:.1}%, plain launches {:.1}% of it",
                         roof.bytes() as f64 / 1e9,
@@ -175,7 +174,9 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
                         100.0 * roof.fraction(replay, copy),
                         100.0 * roof.fraction(plain, copy)
                     ),
-                ));
+                    Err(e) => format!("copy bandwidth not measured: {e}"),
+                };
+                extra.push(("decode roofline (step + logits)".into(), line));
             }
             Err(e) => extra.push(("decode CUDA graph".into(), format!("not measured: {e}"))),
         }

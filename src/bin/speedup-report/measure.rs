@@ -177,7 +177,8 @@ pub(crate) fn graph_replay<T: Element>(
     repeat: usize,
 ) -> Result<(f64, f64), Error> {
     cache.clear();
-    let graph = model.capture(ctx, prompt, cache, backends)?;
+    // SAFETY: the report runs on one thread and makes no other stream of this context.
+    let graph = unsafe { model.capture(ctx, prompt, cache, backends) }?;
     graph.upload()?;
     let (mut plain, mut replay) = (Vec::new(), Vec::new());
     // The first round warms the host's caches after the other work and is not kept.
@@ -213,7 +214,8 @@ pub(crate) fn decode_graph<T: Element>(
     let first: Vec<Vec<u32>> = step_tokens(0).iter().map(|&t| vec![t]).collect();
     model.forward(ctx, &first, cache, backends, &mut NoObserver)?;
     model.logits(ctx, batch, backends, &mut NoObserver)?;
-    let mut graph = model.capture_decode(ctx, cache, backends)?;
+    // SAFETY: the report runs on one thread and makes no other stream of this context.
+    let mut graph = unsafe { model.capture_decode(ctx, cache, backends) }?;
     let at = cache.len();
     let (mut plain, mut replay) = (Vec::new(), Vec::new());
     for _ in 0..repeat.max(3) {
