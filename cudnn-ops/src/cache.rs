@@ -175,4 +175,19 @@ mod tests {
         cache.clear();
         assert_eq!(cache.stats(), CacheStats::default());
     }
+
+    /// A captured graph launches kernels its plans own: every clear moves the epoch graphs check, to
+    /// a value no other cache or context has shown.
+    #[test]
+    fn every_clear_moves_the_epoch_past_all_earlier_ones() {
+        let (a, b) = (PlanCache::default(), PlanCache::default());
+        assert_eq!((a.epoch(), b.epoch()), (0, 0));
+        a.clear();
+        let first = a.epoch();
+        assert!(first > 0);
+        b.clear();
+        assert!(b.epoch() > first, "epochs come from one process-wide counter");
+        a.clear();
+        assert!(a.epoch() > b.epoch());
+    }
 }
