@@ -306,7 +306,7 @@ impl Plan {
             }
             match (&e.place, t.by_value) {
                 (Place::Host(_), true) => {}
-                (Place::Device { addr, len }, false) => {
+                (Place::Device { addr, len, .. }, false) => {
                     let Some(need) = t.min_elements() else {
                         return Err(Error::invalid(format!(
                             "tensor `{}` {:?} over strides {:?} overflows",
@@ -350,8 +350,8 @@ impl Plan {
         self.check(b)?;
         ctx.bind()?;
         for e in &b.entries {
-            if let Place::Device { addr, .. } = e.place {
-                check_device(&self.name, addr, ctx.info().ordinal)?;
+            if let Place::Device { addr, device, .. } = e.place {
+                same_device(&self.name, addr, device, ctx.info().ordinal)?;
             }
         }
         let candidate = self.candidates.borrow()[index].clone();
@@ -542,21 +542,10 @@ fn same_context(plan: &str, plan_ctx: u64, ctx: u64) -> Result<()> {
     )))
 }
 
-/// [`Error::WrongContext`] when device memory at `addr` belongs to another device than `ordinal`
-/// (managed memory, reachable from every device, passes); a driver error when the driver does not
-/// know the address as device memory.
-fn check_device(plan: &str, addr: u64, ordinal: usize) -> Result<()> {
-    use cudarc::driver::sys::CUpointer_attribute as P;
-    let (mut device, mut managed) = (-1i32, 0u32);
-    let mut attrs = [P::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, P::CU_POINTER_ATTRIBUTE_IS_MANAGED];
-    let mut data = [(&mut device as *mut i32).cast::<c_void>(), (&mut managed as *mut u32).cast::<c_void>()];
-    // SAFETY: two attributes with one out-pointer each, of the types the driver writes (an int ordinal,
-    // an unsigned int flag); the call only reads the address, never the memory.
-    unsafe {
-        cudarc::driver::sys::cuPointerGetAttributes(2, attrs.as_mut_ptr(), data.as_mut_ptr(), addr)
-            .result()?
-    };
-    if managed != 0 || usize::try_from(device).is_ok_and(|d| d == ordinal) {
+/// [`Error::WrongContext`] when a buffer bound at `addr`, allocated on device `device` (its stream's,
+/// read when it was bound: no driver call per execution), is not on the context's device `ordinal`.
+fn same_device(plan: &str, addr: u64, device: usize, ordinal: usize) -> Result<()> {
+    if device == ordinal {
         return Ok(());
     }
     Err(Error::WrongContext(format!(
@@ -592,7 +581,12 @@ fn finalize_plan(ctx: &Cudnn, config: &Descriptor) -> Result<Descriptor> {
 }
 
 enum Place {
-    Device { addr: u64, len: usize },
+    /// `device`: the ordinal of the buffer's stream's CUDA context, where cudarc allocated it.
+    Device {
+        addr: u64,
+        len: usize,
+        device: usize,
+    },
     Host(Box<[u8; 4]>),
 }
 
@@ -628,16 +622,16 @@ impl<'a> Bindings<'a> {
 
     /// Binds a buffer the plan reads.
     pub fn input<T: Element>(&mut self, uid: i64, buf: &'a (impl DevicePtr<T> + ?Sized)) -> &mut Self {
-        let len = buf.len();
+        let (len, device) = (buf.len(), buf.stream().context().ordinal());
         let (addr, guard) = buf.device_ptr(self.stream);
-        self.push(uid, T::DTYPE, Place::Device { addr, len }, guard)
+        self.push(uid, T::DTYPE, Place::Device { addr, len, device }, guard)
     }
 
     /// Binds an i32 buffer the plan reads (sequence lengths).
     pub fn input_i32(&mut self, uid: i64, buf: &'a (impl DevicePtr<i32> + ?Sized)) -> &mut Self {
-        let len = buf.len();
+        let (len, device) = (buf.len(), buf.stream().context().ordinal());
         let (addr, guard) = buf.device_ptr(self.stream);
-        self.push(uid, DataType::I32, Place::Device { addr, len }, guard)
+        self.push(uid, DataType::I32, Place::Device { addr, len, device }, guard)
     }
 
     /// Binds a buffer the plan writes.
@@ -646,9 +640,9 @@ impl<'a> Bindings<'a> {
         uid: i64,
         buf: &'a mut (impl DevicePtrMut<T> + ?Sized),
     ) -> &mut Self {
-        let len = buf.len();
+        let (len, device) = (buf.len(), buf.stream().context().ordinal());
         let (addr, guard) = buf.device_ptr_mut(self.stream);
-        self.push(uid, T::DTYPE, Place::Device { addr, len }, guard)
+        self.push(uid, T::DTYPE, Place::Device { addr, len, device }, guard)
     }
 
     /// Binds an f32 host scalar to a by-value tensor.
@@ -678,5 +672,12 @@ mod tests {
         same_context("rmsnorm", 3, 3).unwrap();
         let e = same_context("rmsnorm", 3, 4).unwrap_err();
         assert!(matches!(e, Error::WrongContext(_)) && e.to_string().contains("context #3"), "{e}");
+    }
+
+    #[test]
+    fn a_plan_refuses_buffers_of_another_device() {
+        same_device("rmsnorm", 0x1000, 0, 0).unwrap();
+        let e = same_device("rmsnorm", 0x1000, 1, 0).unwrap_err();
+        assert!(matches!(e, Error::WrongContext(_)) && e.to_string().contains("on device 1"), "{e}");
     }
 }
