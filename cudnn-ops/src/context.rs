@@ -3,7 +3,7 @@
 
 use crate::cache::PlanCache;
 use crate::raw::{self, Handle, RawHandle};
-use crate::tune::L2Flush;
+use crate::plan::L2Flush;
 use crate::{Error, Result};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use once_cell::unsync::OnceCell;

@@ -22,7 +22,6 @@ mod checked;
 mod context;
 mod descriptor;
 mod dtype;
-mod engine;
 mod error;
 mod graph;
 pub mod naive;
@@ -33,14 +32,12 @@ mod proptests;
 mod raw;
 pub mod reference;
 mod tensor;
-mod tune;
 
 pub use cache::{CacheStats, PlanCache, PlanKey};
 pub use context::{
     open_device, Cudnn, DeviceInfo, Tuning, AUTOTUNE_ENV, DEFAULT_AUTOTUNE, KNOB_SEARCH_ENV, TUNE_FLUSH_ENV,
 };
 pub use dtype::{DataType, Element};
-pub use engine::{knob_name, KnobRange};
 pub use error::{Error, Result};
 pub use graph::{
     Binary, Graph, Mask, NormPhase, Reduce, RmsNormOutputs, SdpaForm, SdpaOptions, SdpaOutputs, TensorId,
@@ -53,9 +50,8 @@ pub use ops::rmsnorm::{rms_norm, rms_norm_train, rms_norm_with, RmsNormArgs};
 pub use ops::rope::{rope_at, rope_with, RopeArgs, RopeTables};
 pub use ops::rows::{check_ids, embedding, write_cache, write_cache_at, CacheWrite};
 pub use ops::sdpa::{sdpa, sdpa_padded, sdpa_train, sdpa_with, Layout, SdpaArgs, SdpaLens};
-pub use plan::{Bindings, Plan, Prepared, Scalar};
+pub use plan::{knob_name, Bindings, KnobRange, L2Flush, Plan, Prepared, Scalar};
 pub use tensor::{packed_strides, TensorSpec, DEFAULT_ALIGNMENT, MAX_RANK};
-pub use tune::L2Flush;
 
 /// Which implementation a module runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -2,9 +2,9 @@
 
 use crate::descriptor::{Attr, Descriptor};
 use crate::dtype::{DataType, Element};
-use crate::engine::{knob_ranges, EngineChoice, KnobRange};
+use engine::{knob_ranges, EngineChoice};
 use crate::tensor::TensorSpec;
-use crate::tune::Flusher;
+use autotune::Flusher;
 use crate::{Cudnn, Error, Result, Tuning};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 use cudnn_sys as sys;
@@ -14,6 +14,12 @@ use std::ffi::c_void;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 use sys::{cudnnBackendAttributeName_t as A, cudnnBackendDescriptorType_t as D};
+
+mod autotune;
+mod engine;
+
+pub use autotune::L2Flush;
+pub use engine::{knob_name, KnobRange};
 
 /// A by-value scalar: a host value cuDNN reads at execute time.
 #[derive(Debug, Clone, Copy, PartialEq)]
