@@ -2,8 +2,9 @@
 //! the growable workspace and the naive kernels.
 
 use crate::cache::PlanCache;
-use crate::raw::{self, Handle, RawHandle};
+use crate::features::Features;
 use crate::plan::L2Flush;
+use crate::raw::{self, Handle, HandleId, RawHandle};
 use crate::{Error, Result};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use once_cell::unsync::OnceCell;
@@ -14,9 +15,6 @@ use std::sync::Arc;
 /// Engine configurations matmul plans time on first use unless [`Cudnn::set_autotune`] or
 /// [`AUTOTUNE_ENV`] says otherwise.
 pub const DEFAULT_AUTOTUNE: usize = 8;
-
-/// First cuDNN version whose engines we found right on a workspace that is not zeroed per call.
-pub const ZEROED_WORKSPACE_FIXED: usize = 91900;
 
 /// Environment variable that sets a new context's autotuning candidates (a positive integer).
 pub const AUTOTUNE_ENV: &str = "CUDNN_LLM_AUTOTUNE";
@@ -99,13 +97,8 @@ pub struct Cudnn {
     handle: Handle,
     stream: Arc<CudaStream>,
     info: DeviceInfo,
-    /// Unique per context object (never reused, unlike a handle's address): plans record the one
-    /// they were finalized for ([`Error::WrongContext`]).
-    id: u64,
+    features: Features,
 }
-
-/// The next context id.
-static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 /// The next buffer epoch ([`Cudnn::buffer_epoch`]): increasing over the whole process.
 static NEXT_EPOCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -150,11 +143,12 @@ impl Cudnn {
             ordinal: ctx.ordinal(),
             name: ctx.name()?,
             compute_capability: ctx.compute_capability()?,
-            driver_version: driver_version(),
+            driver_version: raw::driver::driver_version(),
             cudnn_version,
             cudnn_cudart_version: raw::cudart_version()?,
             cudnn_library,
         };
+        let features = Features::for_version(info.cudnn_version, info.compute_capability);
         Ok(Cudnn {
             cache: PlanCache::default(),
             workspace: RefCell::new(None),
@@ -171,13 +165,13 @@ impl Cudnn {
             handle,
             stream,
             info,
-            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            features,
         })
     }
 
-    /// This context object's unique id (what a [`crate::Plan`] records).
-    pub(crate) fn id(&self) -> u64 {
-        self.id
+    /// The identity of this context's cuDNN handle (what a [`crate::Plan`] records).
+    pub(crate) fn handle_id(&self) -> HandleId {
+        self.handle.id()
     }
 
     /// The stream all work of this context is enqueued on.
@@ -258,6 +252,12 @@ impl Cudnn {
         &self.info
     }
 
+    /// What the running cuDNN can do on this GPU (graph forms, limits, workarounds), computed once
+    /// from its version when the context opened.
+    pub fn features(&self) -> Features {
+        self.features
+    }
+
     /// Waits for all work on the stream.
     pub fn synchronize(&self) -> Result<()> {
         Ok(self.stream.synchronize()?)
@@ -293,14 +293,6 @@ impl Cudnn {
 
     pub(crate) fn bump_epoch(&self) {
         self.epoch.set(next_epoch());
-    }
-
-    /// Whether plans zero their workspace before every execution: cuDNN before 9.19 has matmul engines
-    /// (seen on 9.14 in the Llama MLP) that return wrong, run-to-run different results unless they
-    /// find the workspace zeroed each time, as an earlier execution (even of the same plan) leaves it
-    /// otherwise. A workspace zeroed before every call made them right; 9.19 needs nothing.
-    pub fn zeroes_workspace(&self) -> bool {
-        self.info.cudnn_version < ZEROED_WORKSPACE_FIXED
     }
 
     /// Makes the context's CUDA context current on this thread (cuDNN uses the current context).
@@ -345,8 +337,7 @@ impl Cudnn {
     /// The cuBLAS handle on this context's stream, created on first use (the naive backend's GEMMs).
     pub(crate) fn blas(&self) -> Result<&cudarc::cublas::CudaBlas> {
         self.blas.get_or_try_init(|| {
-            // SAFETY: only probes whether the shared library can be opened (cudarc panics if it cannot).
-            if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+            if !raw::cublas::library_present() {
                 return Err(Error::Blas(
                     "libcublas.so was not found: install the CUDA 13 cuBLAS library".into(),
                 ));
@@ -366,52 +357,14 @@ impl Cudnn {
     /// cuDNN's or cuBLAS's own allocations) in use now, and the most in use since the last
     /// [`Cudnn::reset_peak_memory`].
     pub fn pool_memory(&self) -> Result<(u64, u64)> {
-        use cudarc::driver::sys::CUmemPool_attribute as P;
-        let pool = self.mem_pool()?;
-        let (mut now, mut high) = (0u64, 0u64);
-        // SAFETY: a live pool of this device; both attributes are written as one u64.
-        unsafe {
-            cudarc::driver::sys::cuMemPoolGetAttribute(
-                pool,
-                P::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
-                (&mut now as *mut u64).cast(),
-            )
-            .result()?;
-            cudarc::driver::sys::cuMemPoolGetAttribute(
-                pool,
-                P::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                (&mut high as *mut u64).cast(),
-            )
-            .result()?;
-        }
-        Ok((now, high))
+        self.bind()?;
+        raw::driver::pool_usage(self.stream.context().cu_device())
     }
 
     /// Starts a new high-water mark for [`Cudnn::pool_memory`] (at the memory in use now).
     pub fn reset_peak_memory(&self) -> Result<()> {
-        let pool = self.mem_pool()?;
-        let mut zero = 0u64;
-        // SAFETY: a live pool of this device; the driver only accepts 0 for this attribute, read as a u64.
-        unsafe {
-            cudarc::driver::sys::cuMemPoolSetAttribute(
-                pool,
-                cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                (&mut zero as *mut u64).cast(),
-            )
-            .result()?;
-        }
-        Ok(())
-    }
-
-    /// The device's current memory pool (where cudarc's stream-ordered allocations come from).
-    fn mem_pool(&self) -> Result<cudarc::driver::sys::CUmemoryPool> {
         self.bind()?;
-        let mut pool = std::ptr::null_mut();
-        // SAFETY: an out-pointer for the pool of this context's device.
-        unsafe {
-            cudarc::driver::sys::cuDeviceGetMemPool(&mut pool, self.stream.context().cu_device()).result()?
-        };
-        Ok(pool)
+        raw::driver::reset_pool_peak(self.stream.context().cu_device())
     }
 
     /// Bytes of workspace currently held.
@@ -422,8 +375,7 @@ impl Cudnn {
 
 /// Checks for the driver library before cudarc could panic on it, then opens the device.
 pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>> {
-    // SAFETY: only probes whether the shared library can be opened.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+    if !raw::driver::library_present() {
         return Err(Error::NoGpu(
             "the CUDA driver library (libcuda.so.1) was not found: install an NVIDIA driver".into(),
         ));
@@ -437,13 +389,6 @@ pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>> {
         return Err(Error::NoGpu(format!("device {ordinal} requested, but only {count} present")));
     }
     Ok(CudaContext::new(ordinal)?)
-}
-
-fn driver_version() -> i32 {
-    let mut v = 0;
-    // SAFETY: a valid out-pointer; the driver library was loaded when the context was created.
-    let _ = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) };
-    v
 }
 
 #[cfg(test)]

@@ -23,6 +23,7 @@ mod context;
 mod descriptor;
 mod dtype;
 mod error;
+mod features;
 mod graph;
 pub mod naive;
 pub mod ops;
@@ -39,6 +40,7 @@ pub use context::{
 };
 pub use dtype::{DataType, Element};
 pub use error::{Error, Result};
+pub use features::Features;
 pub use graph::{
     Binary, Graph, Mask, NormPhase, Reduce, RmsNormOutputs, SdpaForm, SdpaOptions, SdpaOutputs, TensorId,
     Unary,

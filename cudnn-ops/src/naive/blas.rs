@@ -3,7 +3,7 @@
 
 use crate::dtype::DataType;
 use crate::{Cudnn, Error, Result};
-use cudarc::cublas::{result, sys};
+use cudarc::cublas::sys;
 
 /// One operand of a column-major GEMM: device address, dtype, leading dimension and batch stride
 /// (elements).
@@ -58,8 +58,8 @@ pub(crate) fn gemm(ctx: &Cudnn, g: &Gemm) -> Result<()> {
     // operand's buffer covers `ld`, `batch_stride` and the matrix extents; alpha and beta are host f32
     // values matching the f32 compute type and outlive the call.
     unsafe {
-        result::gemm_strided_batched_ex(
-            *blas.handle(),
+        crate::raw::cublas::gemm_strided_batched_ex(
+            blas,
             op(g.transpose_a),
             op(g.transpose_b),
             m,

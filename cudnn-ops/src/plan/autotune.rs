@@ -1,8 +1,134 @@
-//! The L2 flush autotuning runs before each timed execution.
+//! Autotuning: a plan with several candidates, or a knob-search budget, times them on the first
+//! execution's buffers (each timed run after an L2 flush), may build more configurations one knob
+//! away from the fastest, and keeps the fastest.
 
+use super::engine::{knob_ranges, EngineChoice, KnobRange};
+use super::lifecycle::Candidate;
+use super::{Bindings, Plan};
 use crate::{Cudnn, Error, Result};
-use cudarc::cublas::{sys::cublasOperation_t, Gemv, GemvConfig};
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaEvent, CudaSlice};
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::time::Instant;
+
+/// Timed executions per autotuning candidate (the median is kept).
+const TUNE_SAMPLES: usize = 9;
+
+impl Plan {
+    /// Median ms of candidate `i`: one warm-up, then [`TUNE_SAMPLES`] single executions, each after an
+    /// L2 flush (the plan's [`L2Flush`]). The flush evicts the plan's inputs, as a forward evicts
+    /// a layer's weights before the next layer reads its own, and keeps the GPU busy while the timed
+    /// launch is enqueued, so that a kernel shorter than its launch is timed as the kernel, not as the
+    /// host.
+    fn time_candidate(
+        &self,
+        ctx: &Cudnn,
+        b: &Bindings<'_>,
+        i: usize,
+        (start, end): (&CudaEvent, &CudaEvent),
+        flush: &mut Flusher,
+    ) -> Result<f64> {
+        let prepared = self.prepare_candidate(ctx, b, i)?;
+        prepared.execute()?;
+        let mut samples = Vec::with_capacity(TUNE_SAMPLES);
+        for _ in 0..TUNE_SAMPLES {
+            if flush.run(ctx).is_err() {
+                // The flush only serves the timing: without it the timing goes on, hot.
+                *flush = Flusher::Off;
+            }
+            start.record(ctx.stream())?;
+            prepared.execute()?;
+            end.record(ctx.stream())?;
+            samples.push(start.elapsed_ms(end)? as f64);
+        }
+        samples.sort_by(f64::total_cmp);
+        Ok(samples[TUNE_SAMPLES / 2])
+    }
+
+    /// Times every candidate on these bindings (see `time_candidate`), runs the knob search if the
+    /// plan has a budget for one (`knob_search`), and keeps the fastest. Outputs are overwritten;
+    /// inputs are only read.
+    pub fn autotune(&self, ctx: &Cudnn, b: &Bindings<'_>) -> Result<()> {
+        self.check_context(ctx, b)?;
+        let started = Instant::now();
+        let cuda = ctx.stream().context();
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let (start, end) = (cuda.new_event(flags)?, cuda.new_event(flags)?);
+        let mut flush = Flusher::new(ctx, self.flush);
+        let mut timings = Vec::new();
+        let mut last_error = None;
+        let mut time = |i: usize, timings: &mut Vec<(String, f64)>| {
+            let engine = self.candidates.borrow()[i].choice.tag();
+            // A configuration can finalize and still fail to run: it is timed as never finishing.
+            match self.time_candidate(ctx, b, i, (&start, &end), &mut flush) {
+                Ok(ms) => timings.push((engine, ms)),
+                Err(e) => {
+                    timings.push((engine, f64::INFINITY));
+                    last_error = Some(e);
+                }
+            }
+        };
+        let heuristics = self.candidates.borrow().len();
+        for i in 0..heuristics {
+            time(i, &mut timings);
+        }
+        let fastest =
+            |t: &[(String, f64)]| (0..t.len()).min_by(|&x, &y| t[x].1.total_cmp(&t[y].1)).unwrap_or(0);
+        // Knob search: every configuration one knob away from the fastest so far, again around a new
+        // fastest, until none is faster or the budget is spent. Finalize failures (combinations an
+        // engine rejects) cost an attempt, not the budget; attempts are capped at four times it. A
+        // configuration needing more workspace than every heuristics' one is not kept (the context's
+        // workspace only grows).
+        let (mut built, mut attempts) = (0, 0);
+        let max_attempts = self.knob_search.saturating_mul(4);
+        let max_workspace = self.candidates.borrow().iter().map(|c| c.workspace).max().unwrap_or(0);
+        let mut tried: Vec<EngineChoice> =
+            self.candidates.borrow().iter().map(|c| c.choice.clone()).collect();
+        let mut ranges: HashMap<i64, Vec<KnobRange>> = HashMap::new();
+        let mut searched: Vec<usize> = Vec::new();
+        while built < self.knob_search && attempts < max_attempts {
+            let best = fastest(&timings);
+            let base = self.candidates.borrow()[best].choice.clone();
+            if searched.contains(&best) || base.index < 0 || timings[best].1.is_infinite() {
+                break;
+            }
+            searched.push(best);
+            let knobs = ranges
+                .entry(base.index)
+                .or_insert_with(|| knob_ranges(&self._graph, base.index).unwrap_or_default());
+            for next in base.neighbours(knobs) {
+                if built >= self.knob_search || attempts >= max_attempts {
+                    break;
+                }
+                if tried.iter().any(|t| t.same(&next)) {
+                    continue;
+                }
+                tried.push(next.clone());
+                attempts += 1;
+                let Ok((config, parts)) = next.build(&self._graph) else { continue };
+                let Ok(candidate) = Candidate::new(ctx, config, next, parts) else { continue };
+                if candidate.workspace > max_workspace {
+                    continue;
+                }
+                built += 1;
+                let index = {
+                    let mut candidates = self.candidates.borrow_mut();
+                    candidates.push(Rc::new(candidate));
+                    candidates.len() - 1
+                };
+                time(index, &mut timings);
+            }
+        }
+        if timings.iter().all(|(_, ms)| ms.is_infinite()) {
+            return Err(last_error.unwrap_or_else(|| Error::invalid("autotune: no candidate ran")));
+        }
+        self.chosen.set(fastest(&timings));
+        self.tuned.set(true);
+        self.tune_time.set(started.elapsed());
+        *self.timings.borrow_mut() = timings;
+        Ok(())
+    }
+}
 
 /// How autotuning empties L2 before each timed execution.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,19 +198,7 @@ impl Flusher {
     pub(crate) fn run(&mut self, ctx: &Cudnn) -> Result<()> {
         match self {
             Flusher::Read { a, x, y, rows } => {
-                let cfg = GemvConfig {
-                    trans: cublasOperation_t::CUBLAS_OP_N,
-                    m: *rows as i32,
-                    n: FLUSH_COLS as i32,
-                    alpha: 1.0f32,
-                    lda: *rows as i32,
-                    incx: 1,
-                    beta: 0.0,
-                    incy: 1,
-                };
-                // SAFETY: `a` is `rows` x FLUSH_COLS column-major, `x` FLUSH_COLS and `y` `rows` long,
-                // all on the context's stream, which the cuBLAS handle is bound to.
-                unsafe { ctx.blas()?.gemv(cfg, a, x, y) }.map_err(|e| Error::Blas(e.to_string()))
+                crate::raw::cublas::sgemv(ctx.blas()?, (*rows, FLUSH_COLS), a, x, y)
             }
             Flusher::Write(buf) => Ok(ctx.stream().memset_zeros(buf)?),
             Flusher::Off => Ok(()),

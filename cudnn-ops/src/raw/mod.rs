@@ -1,8 +1,12 @@
-//! The only module that calls into cuDNN. Each wrapper turns a `cudnnStatus_t` into a [`Result`]
-//! carrying the step, the status name and `cudnnGetLastErrorString`. Status codes in the 3000s
+//! The only module that calls into C libraries: cuDNN here, the CUDA driver in [`driver`], cuBLAS in
+//! [`cublas`]. Each cuDNN wrapper turns a `cudnnStatus_t` into a [`Result`] carrying the step, the
+//! status name and `cudnnGetLastErrorString`. Status codes in the 3000s
 //! (`CUDNN_STATUS_NOT_SUPPORTED*`) become [`Error::NotSupported`] so callers can fall back.
 //!
 //! Backend docs: <https://docs.nvidia.com/deeplearning/cudnn/latest/api/cudnn-graph-library.html>.
+
+pub(crate) mod cublas;
+pub(crate) mod driver;
 
 use crate::{Error, Result};
 use cudnn_sys as sys;
@@ -130,8 +134,36 @@ pub(crate) unsafe fn execute(handle: RawHandle, plan: RawDesc, pack: RawDesc) ->
     check(lib, status, || "execute".to_string())
 }
 
+/// Which handle a plan was finalized for: unique over the process, unlike a handle's address, which
+/// cuDNN may hand out again after the handle is destroyed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct HandleId(u64);
+
+impl HandleId {
+    /// A fresh id, never handed out before.
+    fn next() -> Self {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        HandleId(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// The id `n`, for tests that compare ids without a GPU.
+    #[cfg(test)]
+    pub(crate) fn for_test(n: u64) -> Self {
+        HandleId(n)
+    }
+}
+
+impl std::fmt::Display for HandleId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "#{}", self.0)
+    }
+}
+
 /// An owned cuDNN handle, destroyed on drop.
-pub(crate) struct Handle(RawHandle);
+pub(crate) struct Handle {
+    raw: RawHandle,
+    id: HandleId,
+}
 
 impl Handle {
     /// Creates a handle and binds it to `stream` (a `CUstream` from cudarc).
@@ -140,7 +172,7 @@ impl Handle {
         let mut h: RawHandle = std::ptr::null_mut();
         // SAFETY: `h` is a valid out-pointer.
         check(lib, unsafe { lib.cudnnCreate(&mut h) }, || "cudnnCreate".into())?;
-        let handle = Handle(h);
+        let handle = Handle { raw: h, id: HandleId::next() };
         // SAFETY: `h` is live; the stream belongs to the current context and outlives the handle (the
         // owning context keeps both, handle dropped first).
         check(lib, unsafe { lib.cudnnSetStream(h, stream as sys::cudaStream_t) }, || {
@@ -150,7 +182,12 @@ impl Handle {
     }
 
     pub(crate) fn raw(&self) -> RawHandle {
-        self.0
+        self.raw
+    }
+
+    /// This handle's process-wide identity.
+    pub(crate) fn id(&self) -> HandleId {
+        self.id
     }
 }
 
@@ -158,7 +195,7 @@ impl Drop for Handle {
     fn drop(&mut self) {
         if let Ok(lib) = lib() {
             // SAFETY: the handle is live and owned; nothing uses it after drop.
-            let _ = unsafe { lib.cudnnDestroy(self.0) };
+            let _ = unsafe { lib.cudnnDestroy(self.raw) };
         }
     }
 }
@@ -194,6 +231,13 @@ mod tests {
                 format!("cuDNN set attribute 7 failed: CUDNN_STATUS_BAD_PARAM ({code})")
             );
         }
+    }
+
+    #[test]
+    fn handle_ids_are_never_reused() {
+        let (a, b) = (HandleId::next(), HandleId::next());
+        assert_ne!(a, b);
+        assert!(b.0 > a.0, "{a} then {b}");
     }
 
     #[test]

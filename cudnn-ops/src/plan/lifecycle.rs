@@ -1,0 +1,176 @@
+//! A plan's life before its first execution: heuristics, engine configurations, finalization for one
+//! context's handle, which the plan records and checks on every execution.
+
+use super::engine::EngineChoice;
+use super::{Plan, PlanParts};
+use crate::descriptor::{Attr, Descriptor};
+use crate::raw::HandleId;
+use crate::{Cudnn, Error, Result, Tuning};
+use cudnn_sys as sys;
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+use sys::{cudnnBackendAttributeName_t as A, cudnnBackendDescriptorType_t as D};
+
+/// One finalized engine configuration of a graph.
+pub(super) struct Candidate {
+    // Field order is drop order: the plan goes before the configuration it was finalized from.
+    pub(super) plan: Descriptor,
+    pub(super) workspace: usize,
+    pub(super) choice: EngineChoice,
+    /// The engine configuration and, for configurations built here, its engine and knob choices.
+    _config: Vec<Descriptor>,
+}
+
+impl Candidate {
+    /// Finalizes `config` for `ctx`'s handle; `parts` are the descriptors it was built from.
+    pub(super) fn new(
+        ctx: &Cudnn,
+        config: Descriptor,
+        choice: EngineChoice,
+        parts: Vec<Descriptor>,
+    ) -> Result<Self> {
+        let plan = finalize_plan(ctx, &config)?;
+        let workspace = plan.get_i64(A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE)?.max(0) as usize;
+        let mut keep = vec![config];
+        keep.extend(parts);
+        Ok(Candidate { plan, workspace, choice, _config: keep })
+    }
+}
+
+impl Plan {
+    /// Finalizes engine configurations in heuristics order (mode A, then B when several candidates
+    /// are wanted, then FALLBACK) until `tuning.candidates` succeed, for `ctx`'s handle, which the
+    /// plan records. [`Error::NotSupported`] if none does.
+    pub(crate) fn from_graph(
+        ctx: &Cudnn,
+        parts: PlanParts,
+        started: Instant,
+        tuning: Tuning,
+    ) -> Result<Plan> {
+        let max_candidates = tuning.candidates;
+        let PlanParts { name, form, graph, descriptors, tensors, constants } = parts;
+        let mut last_error = None;
+        let mut candidates: Vec<Rc<Candidate>> = Vec::new();
+        // Mode B (a costlier heuristic, with more configurations) only when several candidates are
+        // wanted; the frontend serializes its finalize process-wide, and so do we.
+        let modes: &[sys::cudnnBackendHeurMode_t] = if max_candidates > 1 {
+            &[
+                sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,
+                sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_B,
+                sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK,
+            ]
+        } else {
+            &[
+                sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,
+                sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK,
+            ]
+        };
+        'modes: for &mode in modes {
+            let configs = match engine_configs(&graph, mode) {
+                Ok(c) => c,
+                Err(e) => {
+                    last_error = Some(e);
+                    continue;
+                }
+            };
+            for config in configs {
+                // An unreadable configuration still runs; it is only left out of the knob search.
+                let choice =
+                    EngineChoice::read(&config).unwrap_or(EngineChoice { index: -1, knobs: Vec::new() });
+                if choice.index >= 0 && candidates.iter().any(|c| c.choice.same(&choice)) {
+                    continue; // later modes repeat configurations earlier ones listed
+                }
+                match Candidate::new(ctx, config, choice, Vec::new()) {
+                    Ok(c) => {
+                        candidates.push(Rc::new(c));
+                        if candidates.len() >= max_candidates.max(1) {
+                            break 'modes;
+                        }
+                    }
+                    Err(e) => last_error = Some(e),
+                }
+            }
+        }
+        if candidates.is_empty() {
+            let reason = match last_error {
+                Some(e) => format!("no engine configuration finalized (last error: {e})"),
+                None => "heuristics returned no engine configuration".into(),
+            };
+            return Err(Error::NotSupported { op: name, reason });
+        }
+        Ok(Plan {
+            tuned: Cell::new(candidates.len() == 1 && tuning.knob_search == 0),
+            knob_search: tuning.knob_search,
+            flush: tuning.flush,
+            candidates: RefCell::new(candidates),
+            chosen: Cell::new(0),
+            timings: RefCell::new(Vec::new()),
+            _graph: graph,
+            _parts: descriptors,
+            tensors,
+            constants: constants.into_iter().map(|(uid, v)| (uid, v.boxed())).collect(),
+            name,
+            form,
+            build_time: started.elapsed(),
+            tune_time: Cell::new(Duration::ZERO),
+            handle: ctx.handle_id(),
+        })
+    }
+
+    /// [`Error::WrongContext`] unless `ctx`'s handle is the one the plan was finalized for (its
+    /// engines were built for that handle, stream and device, and the plan cache is per context).
+    pub(super) fn check_handle(&self, ctx: &Cudnn) -> Result<()> {
+        same_handle(&self.name, self.handle, ctx.handle_id())
+    }
+}
+
+/// [`Error::WrongContext`] unless a plan finalized for handle `plan` runs on handle `ctx`.
+fn same_handle(name: &str, plan: HandleId, ctx: HandleId) -> Result<()> {
+    if plan == ctx {
+        return Ok(());
+    }
+    Err(Error::WrongContext(format!(
+        "plan `{name}` was finalized for cuDNN handle {plan} and cannot run on handle {ctx} (another context)"
+    )))
+}
+
+/// Heuristics mode B's finalize is not thread-safe (the frontend holds a process-wide mutex around it).
+static HEUR_B: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The engine configurations heuristics `mode` lists for `graph`, best first.
+fn engine_configs(graph: &Descriptor, mode: sys::cudnnBackendHeurMode_t) -> Result<Vec<Descriptor>> {
+    let mut heur = Descriptor::new(D::CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR)?;
+    heur.set(A::CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, Attr::Descriptors(&[graph]))?;
+    heur.set(A::CUDNN_ATTR_ENGINEHEUR_MODE, Attr::HeurMode(mode))?;
+    if mode == sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_B {
+        let _serialized = HEUR_B.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        heur.finalize("engine heuristics (mode B)")?;
+    } else {
+        heur.finalize("engine heuristics")?;
+    }
+    heur.get_descriptors(A::CUDNN_ATTR_ENGINEHEUR_RESULTS, D::CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, None)
+}
+
+/// An execution plan of `config` finalized for `ctx`'s handle.
+fn finalize_plan(ctx: &Cudnn, config: &Descriptor) -> Result<Descriptor> {
+    let mut plan = Descriptor::new(D::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR)?;
+    plan.set(A::CUDNN_ATTR_EXECUTION_PLAN_HANDLE, Attr::Handle(ctx.raw_handle()))?;
+    plan.set(A::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, Attr::Descriptors(&[config]))?;
+    plan.finalize("execution plan")?;
+    Ok(plan)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plan_refuses_another_handle() {
+        let (mine, other) = (HandleId::for_test(3), HandleId::for_test(4));
+        same_handle("rmsnorm", mine, mine).unwrap();
+        let e = same_handle("rmsnorm", mine, other).unwrap_err();
+        assert!(matches!(e, Error::WrongContext(_)), "{e:?}");
+        assert!(e.to_string().contains("finalized for cuDNN handle #3 and cannot run on handle #4"), "{e}");
+    }
+}
