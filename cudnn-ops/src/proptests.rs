@@ -113,7 +113,7 @@ proptest! {
         let lens = SdpaLens { q: l[0], k: l[1], v: l[2], o: l[3], stats: Some(l[4]) };
         if typed(a.validated(DataType::BF16, lens).map(|_| ()))? {
             for form in [SdpaForm::Unified, SdpaForm::Composite] {
-                let g = a.graph(DataType::BF16, true, form, 91900);
+                let g = a.graph(DataType::BF16, true, form, crate::Features::for_version(91900, (9, 0)));
                 // A valid shape gives specs cuDNN can take; the graph may still be unsupported.
                 if let Err(e) = g.validate() {
                     prop_assert!(e.is_not_supported(), "{e:?}");

@@ -120,9 +120,6 @@ impl<T> KvCache<T> {
     }
 }
 
-/// First cuDNN version whose unified SDPA takes run-time sequence lengths.
-const PADDED_SDPA: usize = 91500;
-
 /// Activation buffers for `rows` tokens.
 struct Activations<T> {
     id: u64,
@@ -219,7 +216,7 @@ impl<T: Element> Llama<T> {
             acts: None,
             fallbacks: Vec::new(),
             unsupported: HashSet::new(),
-            padded_decode: ctx.info().cudnn_version >= PADDED_SDPA,
+            padded_decode: ctx.features().sdpa_seq_lens(),
         })
     }
 

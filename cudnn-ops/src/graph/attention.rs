@@ -4,6 +4,7 @@
 use super::node::{Binary, Node, Reduce, Unary};
 use super::{Graph, TensorId};
 use crate::plan::Scalar;
+use crate::Features;
 
 /// Causal masking of the attention scores.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -58,14 +59,12 @@ impl SdpaForm {
     }
 
     /// The form for a request, as the frontend's automatic choice makes it: the unified operation where
-    /// the effective version (the older of the running library and the headers) supports everything
-    /// asked, the composite graph otherwise.
-    pub fn select(runtime_version: usize, header_version: usize, mask: Mask) -> SdpaForm {
-        let effective = runtime_version.min(header_version);
+    /// the features (of the older of the running library and the headers) support everything asked,
+    /// the composite graph otherwise.
+    pub fn select(features: Features, mask: Mask) -> SdpaForm {
         let unified_ok = match mask {
-            Mask::None => effective >= 91301,
-            // Diagonal bounds on the unified node arrive with 9.21.
-            Mask::CausalTopLeft | Mask::CausalBottomRight => effective >= 92100,
+            Mask::None => features.unified_sdpa(),
+            Mask::CausalTopLeft | Mask::CausalBottomRight => features.unified_sdpa_causal(),
         };
         if unified_ok {
             SdpaForm::Unified
@@ -84,8 +83,9 @@ pub struct SdpaOptions {
     pub stats: bool,
     /// Graph form.
     pub form: SdpaForm,
-    /// The cuDNN version the graph is for (the mask fill is `-inf` from 9.10, the lowest float before).
-    pub cudnn_version: usize,
+    /// What the cuDNN the graph is for can do (the mask fill is `-inf` from 9.10, the lowest float
+    /// before).
+    pub features: Features,
     /// Per-sequence lengths `(seq_len_q, seq_len_kv)`, i32 `[b, 1, 1, 1]` device tensors: the seq dims
     /// are then capacities and positions past a sequence's length are masked out (one plan serves every
     /// length up to the capacity). Unified form only (cuDNN 9.15+).
@@ -166,7 +166,7 @@ impl Graph {
                     row = self.index_arith(Binary::Sub, row, sq);
                 }
                 let keep = self.binary(Binary::CmpGe, row, col);
-                let fill = if opts.cudnn_version >= 91000 { f32::NEG_INFINITY } else { f32::MIN };
+                let fill = if opts.features.neg_infinity_mask_fill() { f32::NEG_INFINITY } else { f32::MIN };
                 let fill = self.constant("mask_fill", Scalar::F32(fill), 4);
                 self.select(keep, s, fill)
             }
@@ -202,17 +202,18 @@ mod tests {
 
     #[test]
     fn form_follows_the_effective_version() {
+        let select = |runtime, header, mask| SdpaForm::select(Features::new(runtime, header, (9, 0)), mask);
         let h = 91900;
-        assert_eq!(SdpaForm::select(91300, h, Mask::None), SdpaForm::Composite);
-        assert_eq!(SdpaForm::select(91301, h, Mask::None), SdpaForm::Unified);
-        assert_eq!(SdpaForm::select(91400, h, Mask::None), SdpaForm::Unified);
-        assert_eq!(SdpaForm::select(91900, h, Mask::CausalTopLeft), SdpaForm::Composite);
-        assert_eq!(SdpaForm::select(91900, h, Mask::CausalBottomRight), SdpaForm::Composite);
+        assert_eq!(select(91300, h, Mask::None), SdpaForm::Composite);
+        assert_eq!(select(91301, h, Mask::None), SdpaForm::Unified);
+        assert_eq!(select(91400, h, Mask::None), SdpaForm::Unified);
+        assert_eq!(select(91900, h, Mask::CausalTopLeft), SdpaForm::Composite);
+        assert_eq!(select(91900, h, Mask::CausalBottomRight), SdpaForm::Composite);
         // A 9.21 library with 9.19 headers: the mask attributes are not in the bindings.
-        assert_eq!(SdpaForm::select(92100, h, Mask::CausalTopLeft), SdpaForm::Composite);
-        assert_eq!(SdpaForm::select(92100, 92100, Mask::CausalTopLeft), SdpaForm::Unified);
+        assert_eq!(select(92100, h, Mask::CausalTopLeft), SdpaForm::Composite);
+        assert_eq!(select(92100, 92100, Mask::CausalTopLeft), SdpaForm::Unified);
         // Old headers hold the unified node back even on a new library.
-        assert_eq!(SdpaForm::select(91900, 91200, Mask::None), SdpaForm::Composite);
+        assert_eq!(select(91900, 91200, Mask::None), SdpaForm::Composite);
     }
 
     /// A composite graph over Q, K, V of the given dims (packed), returning the validation error's tensor.
@@ -232,7 +233,7 @@ mod tests {
             mask: Mask::CausalTopLeft,
             stats: false,
             form: SdpaForm::Composite,
-            cudnn_version: 91900,
+            features: Features::for_version(91900, (9, 0)),
             seq_lens: None,
         };
         let out = g.sdpa(q, k, v, scale, opts);

@@ -361,8 +361,8 @@ impl MatmulArgs {
     /// on the first execution). [`Error::NotSupported`] names the shape, dtypes and epilogue when cuDNN
     /// has no engine for them.
     pub fn plan(&self, ctx: &Cudnn, dtype: DataType, out: DataType, epilogue: Epilogue) -> Result<Rc<Plan>> {
-        let version = ctx.info().cudnn_version;
-        if self.b.dims[0] == 1 && self.batch() > 1 && self.folded().is_none() && version < 91900 {
+        let broadcast_ok = ctx.features().batch_broadcast_matmul();
+        if self.b.dims[0] == 1 && self.batch() > 1 && self.folded().is_none() && !broadcast_ok {
             return Err(Error::NotSupported {
                 op: format!("matmul {} {dtype}->{out} epilogue {epilogue}", self.describe()),
                 reason: format!(

@@ -13,7 +13,7 @@ use crate::graph::{Graph, Mask, SdpaForm, SdpaOptions};
 use crate::naive::Arg;
 use crate::plan::{Bindings, Plan};
 use crate::tensor::TensorSpec;
-use crate::{Backend, Cudnn, Error, Result};
+use crate::{Backend, Cudnn, Error, Features, Result};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::rc::Rc;
 
@@ -263,7 +263,7 @@ impl SdpaArgs {
 
     /// The cuDNN graph in `form`: Q, K, V (uids 1-3), the scale by value (4), then O and, in training
     /// mode, stats (f32 `[b, h_q, s_q, 1]` packed), named `O` and `stats`.
-    pub fn graph(&self, dtype: DataType, stats: bool, form: SdpaForm, cudnn_version: usize) -> Graph {
+    pub fn graph(&self, dtype: DataType, stats: bool, form: SdpaForm, features: Features) -> Graph {
         let i = |v: [usize; 4]| v.map(|x| x as i64);
         let mut g = Graph::new(format!(
             "sdpa b{} hq{} hkv{} sq{} skv{} d{} {dtype} {} {}",
@@ -286,8 +286,7 @@ impl SdpaArgs {
                 |name: &str| TensorSpec::new(name, &[b, 1, 1, 1], DataType::I32).with_strides(&[1, 1, 1, 1]);
             (g.tensor(lens("seq_len_q")), g.tensor(lens("seq_len_kv")))
         });
-        let out =
-            g.sdpa(q, k, v, scale, SdpaOptions { mask: self.mask, stats, form, cudnn_version, seq_lens });
+        let out = g.sdpa(q, k, v, scale, SdpaOptions { mask: self.mask, stats, form, features, seq_lens });
         let o = g.output(out.o);
         o.name = "O".into();
         o.strides = i(self.o_strides).to_vec();
@@ -301,8 +300,8 @@ impl SdpaArgs {
     /// rejects is rebuilt as the composite graph; [`Plan::form`] says which one runs.
     pub fn plan(&self, ctx: &Cudnn, dtype: DataType, stats: bool) -> Result<Rc<Plan>> {
         let a = self.normalized();
-        let version = ctx.info().cudnn_version;
-        if a.padded && version.min(crate::HEADER_VERSION) < 91500 {
+        let (version, features) = (ctx.info().cudnn_version, ctx.features());
+        if a.padded && !features.sdpa_seq_lens() {
             return Err(Error::NotSupported {
                 op: "sdpa".into(),
                 reason: format!(
@@ -312,29 +311,16 @@ impl SdpaArgs {
             });
         }
         ctx.cache().get_or_build(&a.key(dtype, stats), || {
-            let form = a.form.unwrap_or_else(|| SdpaForm::select(version, crate::HEADER_VERSION, a.mask));
-            match a.graph(dtype, stats, form, version).build(ctx) {
+            let form = a.form.unwrap_or_else(|| SdpaForm::select(features, a.mask));
+            match a.graph(dtype, stats, form, features).build(ctx) {
                 Err(e)
                     if e.is_not_supported() && a.form.is_none() && form == SdpaForm::Unified && !a.padded =>
                 {
-                    a.graph(dtype, stats, SdpaForm::Composite, version).build(ctx)
+                    a.graph(dtype, stats, SdpaForm::Composite, features).build(ctx)
                 }
                 other => other,
             }
         })
-    }
-}
-
-/// The largest head dim cuDNN's fused attention takes on a GPU of this compute capability with this
-/// cuDNN version: 256 on Hopper, and on Blackwell from 9.11; 128 on Ampere/Ada (decode is capped
-/// there); 0 before Ampere (no fused attention).
-pub fn max_head_dim(compute_capability: (i32, i32), cudnn_version: usize) -> usize {
-    match compute_capability.0 {
-        ..=7 => 0,
-        8 => 128,
-        9 => 256,
-        _ if cudnn_version >= 91100 => 256,
-        _ => 128,
     }
 }
 
@@ -453,7 +439,7 @@ fn fused<T: Element>(
         SdpaLens { q: q.len(), k: k.len(), v: v.len(), o: o.len(), stats: stats.as_ref().map(|s| s.len()) };
     let args = args.validated(T::DTYPE, lens)?;
     let info = ctx.info();
-    let limit = max_head_dim(info.compute_capability, info.cudnn_version);
+    let limit = ctx.features().max_sdpa_head_dim();
     if args.head_dim > limit {
         let (major, minor) = info.compute_capability;
         return Err(Error::NotSupported {
@@ -581,7 +567,7 @@ mod tests {
     fn padded_graphs_bind_sequence_lengths_on_the_unified_form_only() {
         let a = SdpaArgs::new(2, 8, 2, 1, 256, 64, Layout::Bshd).with_seq_lens();
         assert_ne!(a.key(DataType::BF16, false), SdpaArgs { padded: false, ..a }.key(DataType::BF16, false));
-        let g = a.graph(DataType::BF16, false, SdpaForm::Unified, 91900);
+        let g = a.graph(DataType::BF16, false, SdpaForm::Unified, Features::for_version(91900, (9, 0)));
         g.validate().unwrap();
         let bound: Vec<(&str, i64)> = g
             .tensors()
@@ -593,23 +579,17 @@ mod tests {
         let lens = g.tensors().iter().find(|t| t.name == "seq_len_kv").unwrap();
         assert_eq!((lens.dtype, lens.dims.clone()), (DataType::I32, vec![2, 1, 1, 1]));
         // The composite graph has no padding mask here; a causal mask cannot go on the unified node.
-        let e = a.graph(DataType::BF16, false, SdpaForm::Composite, 91900).validate().unwrap_err();
+        let e = a
+            .graph(DataType::BF16, false, SdpaForm::Composite, Features::for_version(91900, (9, 0)))
+            .validate()
+            .unwrap_err();
         assert!(e.is_not_supported() && e.to_string().contains("unified SDPA operation"), "{e}");
         let chunk = SdpaArgs { seq_q: 4, ..a }.with_mask(Mask::CausalBottomRight);
         assert!(chunk
-            .graph(DataType::BF16, false, SdpaForm::Unified, 91900)
+            .graph(DataType::BF16, false, SdpaForm::Unified, Features::for_version(91900, (9, 0)))
             .validate()
             .unwrap_err()
             .is_not_supported());
-    }
-
-    #[test]
-    fn head_dim_limits() {
-        assert_eq!(max_head_dim((9, 0), 91400), 256);
-        assert_eq!(max_head_dim((8, 0), 91900), 128);
-        assert_eq!(max_head_dim((10, 0), 91000), 128);
-        assert_eq!(max_head_dim((10, 0), 91900), 256);
-        assert_eq!(max_head_dim((7, 5), 91900), 0);
     }
 
     #[test]
@@ -654,7 +634,7 @@ mod tests {
             [(Mask::None, false), (Mask::CausalTopLeft, true), (Mask::CausalBottomRight, false)]
         {
             let a = SdpaArgs::new(1, 32, 8, 64, 128, 128, Layout::Bshd).with_mask(mask);
-            let g = a.graph(DataType::BF16, stats, SdpaForm::Composite, 91900);
+            let g = a.graph(DataType::BF16, stats, SdpaForm::Composite, Features::for_version(91900, (9, 0)));
             g.validate().unwrap();
             assert_eq!(g.form(), Some("composite"));
             let mut bound: Vec<&str> = g
@@ -684,13 +664,16 @@ mod tests {
             DataType::F16,
             true,
             SdpaForm::Unified,
-            91900,
+            Features::for_version(91900, (9, 0)),
         );
         u.validate().unwrap();
         assert_eq!(u.form(), Some("unified"));
         // A mask cannot go on the unified node with these bindings.
         let masked = SdpaArgs::new(1, 4, 4, 8, 8, 64, Layout::Bhsd).with_mask(Mask::CausalTopLeft);
-        let e = masked.graph(DataType::F16, false, SdpaForm::Unified, 92100).validate().unwrap_err();
+        let e = masked
+            .graph(DataType::F16, false, SdpaForm::Unified, Features::for_version(92100, (9, 0)))
+            .validate()
+            .unwrap_err();
         assert!(e.is_not_supported() && e.to_string().contains("9.21"), "{e}");
     }
 }
