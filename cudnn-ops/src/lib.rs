@@ -5,7 +5,8 @@
 //! |---|---|
 //! | [`Cudnn`] | the context: cuDNN handle bound to a cudarc stream, plan cache, workspace, naive kernels |
 //! | [`TensorSpec`], [`Graph`] | graph builder in the cuDNN frontend's shape: typed attributes in, named outputs out, `validate()` without a GPU |
-//! | [`Plan`], [`Bindings`] | heuristics (mode A, then FALLBACK) and a finalized plan, optionally autotuned over engine configurations and knobs ([`Tuning`], [`KnobRange`]); execution checks every bound buffer |
+//! | [`Plan`], [`Bindings`] | heuristics (mode A, B when autotuning, then FALLBACK) and a plan finalized for one context's handle, optionally autotuned over engine configurations and knobs ([`Tuning`], [`KnobRange`]); execution checks the handle and every bound buffer |
+//! | [`Features`] | what the running cuDNN can do on this GPU, from its version ([`Cudnn::features`]) |
 //! | [`PlanCache`], [`PlanKey`] | plans by shape/stride/dtype/flags, with hit and miss counters |
 //! | [`ops`] | fused ops: [`ops::rmsnorm::rms_norm`] ... |
 //! | [`naive`] | the eager baselines: one kernel per elementary op, f32 intermediates |

@@ -1,5 +1,5 @@
 //! The only module that calls into C libraries: cuDNN here, the CUDA driver in [`driver`], cuBLAS in
-//! [`cublas`]. Each cuDNN wrapper turns a `cudnnStatus_t` into a [`Result`] carrying the step, the
+//! [`cublas`], NVRTC's probe in [`nvrtc`]. Each cuDNN wrapper turns a `cudnnStatus_t` into a [`Result`] carrying the step, the
 //! status name and `cudnnGetLastErrorString`. Status codes in the 3000s
 //! (`CUDNN_STATUS_NOT_SUPPORTED*`) become [`Error::NotSupported`] so callers can fall back.
 //!
@@ -7,6 +7,7 @@
 
 pub(crate) mod cublas;
 pub(crate) mod driver;
+pub(crate) mod nvrtc;
 
 use crate::{Error, Result};
 use cudnn_sys as sys;
