@@ -11,7 +11,6 @@
 //! | [`sampling`] | choosing the next token from host logits: greedy, temperature, top-k, top-p, seeded |
 //! | [`tokenizer`] | Hugging Face `tokenizer.json`: encoding, decoding, streaming text as tokens arrive |
 //! | [`profile`] | attributing kernels to module ranges (what an Nsight Systems NVTX projection shows) |
-//! | [`report`] | the per-module speedup report: markdown, terminal, CSV and JSON |
 //! | [`rope`] | Llama-3 RoPE frequencies and the cos/sin tables |
 //! | [`roofline`] | the bytes a decode step reads, its memory floor |
 //! | [`trace`] | an observer recording NVTX ranges, CUDA events and host timestamps per module call |
@@ -24,7 +23,6 @@ pub mod generate;
 pub mod model;
 pub mod profile;
 pub mod reference;
-pub mod report;
 pub mod roofline;
 pub mod rope;
 pub mod sampling;
