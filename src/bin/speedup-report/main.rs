@@ -21,7 +21,7 @@ use half::{bf16, f16};
 use indicatif::{ProgressBar, ProgressStyle};
 use llama::roofline::DecodeRoofline;
 use llama::weights::Weights;
-use llama::{Backend, Backends, Llama, ModuleKind, NoObserver};
+use llama::{Backend, Backends, Llama, NoObserver, Site};
 use std::collections::BTreeMap;
 use std::process::ExitCode;
 
@@ -146,7 +146,13 @@ fn measure_all<T: Element>(
     let mut cache = model.cache(ctx, opts.batch, plan.max_seq)?;
     ctx.synchronize()?;
     let base = ctx.pool_memory()?.0;
-    let mut m = Measurements { scenarios: Vec::new(), extra: Vec::new(), base, peak: BTreeMap::new(), hidden: Vec::new() };
+    let mut m = Measurements {
+        scenarios: Vec::new(),
+        extra: Vec::new(),
+        base,
+        peak: BTreeMap::new(),
+        hidden: Vec::new(),
+    };
     for work in &works {
         let measured =
             measure(ctx, model, &mut cache, work, &prompt, &selections, opts, kernels, &bar, &mut m.peak)?;
@@ -329,22 +335,12 @@ fn scenario<T: Element>(work: &Work, m: &[Measured], model: &Llama<T>) -> Scenar
     let (naive, fused) = (&m[0], &m[1]);
     let mut rows = Vec::new();
     // Forward order: embedding, the attention half, the MLP half, then the once-per-forward modules.
-    let names = [
-        llama::model::EMBED_RANGE,
-        "fwd.layer.attn.prenorm",
-        "fwd.layer.attn.qkv_proj",
-        "fwd.layer.attn.rope",
-        "fwd.layer.attn.gqa",
-        "fwd.layer.attn.o_proj",
-        "fwd.layer.mlp.prenorm",
-        "fwd.layer.mlp.mlp",
-        "fwd.output_norm",
-        "fwd.lm_head",
-        llama::profile::UNATTRIBUTED,
-    ];
-    debug_assert!(ModuleKind::ALL.iter().flat_map(|k| k.ranges()).all(|r| names.contains(r)));
+    let names: Vec<&str> = std::iter::once(llama::model::EMBED_RANGE)
+        .chain(Site::ALL.iter().map(|s| s.range))
+        .chain([llama::profile::UNATTRIBUTED])
+        .collect();
     let empty = Sums::default();
-    for name in names {
+    for &name in &names {
         let (n, f) = (naive.sums.get(name), fused.sums.get(name));
         if n.is_none() && f.is_none() {
             continue;
