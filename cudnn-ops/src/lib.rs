@@ -1,11 +1,11 @@
-//! Safe cuDNN graph API for LLM inference: fused RMSNorm (and, as they land, SDPA and matmul graphs)
-//! with plan caching, next to naive PyTorch-eager-style baselines.
+//! Safe cuDNN graph API for LLM inference: fused RMSNorm, SDPA and matmul (with epilogues) graphs with
+//! plan caching, next to naive PyTorch-eager-style baselines.
 //!
 //! | layer | what it is |
 //! |---|---|
 //! | [`Cudnn`] | the context: cuDNN handle bound to a cudarc stream, plan cache, workspace, naive kernels |
 //! | [`TensorSpec`], [`Graph`] | graph builder in the cuDNN frontend's shape: typed attributes in, named outputs out, `validate()` without a GPU |
-//! | [`Plan`], [`Bindings`] | heuristics (mode A, then FALLBACK) and a finalized plan, optionally autotuned over engine configurations and knobs ([`Tuning`], [`KnobRange`]); execution checks every bound buffer |
+//! | [`Plan`], [`Bindings`] | heuristics (mode A, then FALLBACK; mode B between them when autotuning) and a finalized plan, optionally autotuned over engine configurations and knobs ([`Tuning`], [`KnobRange`]); execution checks every bound buffer |
 //! | [`PlanCache`], [`PlanKey`] | plans by shape/stride/dtype/flags, with hit and miss counters |
 //! | [`ops`] | fused ops: [`ops::rmsnorm::rms_norm`] ... |
 //! | [`naive`] | the eager baselines: one kernel per elementary op, f32 intermediates |
