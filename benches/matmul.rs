@@ -16,6 +16,8 @@
 //! - `MATMUL_BENCH_EPILOGUES=none,residual,silu+gate`: one epilogue list for every shape;
 //! - `MATMUL_BENCH_CRITERION=0`: skip the criterion pass (the summary is what gets written);
 //! - `MATMUL_BENCH_LIST=1`: print the selected case names and exit (no GPU needed);
+//! - `MATMUL_BENCH_FLUSH=0`: skip the comparison of autotuning's L2 flush modes (by default the summary
+//!   ends with it: the median candidate time of the 8B `o` projection at 30 tokens under each mode);
 //! - `CUDNN_LLM_AUTOTUNE=N`, `CUDNN_LLM_KNOB_SEARCH=N`, `CUDNN_LLM_TUNE_FLUSH=read|write|off` (read by
 //!   the context): heuristics' configurations timed per plan (default 8), configurations the knob
 //!   search may add around the fastest (default 0; `tune_ms` says what the search cost), and how L2
@@ -28,8 +30,8 @@ use cudarc::driver::CudaSlice;
 use cudnn_llm::bench_util::{bench_main, csv_and_markdown, environment, gpu_time_ms, median, write_results};
 use cudnn_llm::cudnn_ops::naive::matmul::kernel_count;
 use cudnn_llm::cudnn_ops::{
-    matmul_with, reference, Activation, Backend, Cudnn, DataType, Epilogue, MatmulArgs, Operands, Result,
-    Tuning,
+    matmul_with, reference, Activation, Backend, Cudnn, DataType, Epilogue, L2Flush, MatmulArgs, Operands,
+    Result, Tuning,
 };
 use half::bf16;
 use std::collections::hash_map::{Entry, HashMap};
@@ -283,10 +285,71 @@ fn run(ctx: &Cudnn) -> Result<()> {
         row.fused_ms = fused;
         row.naive_ms = naive;
     }
-    let (csv, md) = render(&info, ctx.tuning(), &cases, &rows);
+    let (csv, mut md) = render(&info, ctx.tuning(), &cases, &rows);
+    if std::env::var("MATMUL_BENCH_FLUSH").map_or(true, |v| v != "0") {
+        md += &tune_flush(ctx)?;
+    }
     println!("\n{md}");
     write_results("matmul", &csv, &md);
     Ok(())
+}
+
+/// Autotuning's L2 flush modes compared on the 8B `o` projection at 30 tokens, which reads 32 MiB of
+/// weights: per mode, a fresh plan autotunes 4 candidates and the median of their times is kept. A
+/// memset flush (`write`) leaves L2 full of dirty lines and the timed execution pays for writing them
+/// back; a reading flush (`read`) leaves clean lines, as the kernels before a layer do; without a flush
+/// (`off`) the GPU idles while the timed launch is enqueued. Target: `read` below 0.85 × `write`.
+/// Clears the plan cache; the context's tuning settings are restored after.
+fn tune_flush(ctx: &Cudnn) -> Result<String> {
+    let saved = ctx.tuning();
+    let case = Case::new("8B", "o", 30, 4096, 4096, Epilogue::NONE);
+    let mut pools = Pools::new(ctx, std::slice::from_ref(&case))?;
+    ctx.set_autotune(4);
+    ctx.set_knob_search(0);
+    let mut medians = Vec::new();
+    let mut measure = |flush: L2Flush| -> Result<f64> {
+        ctx.set_tune_flush(flush);
+        ctx.cache().clear();
+        pools.run(ctx, &case, Backend::Fused)?;
+        ctx.synchronize()?;
+        let plan = case.args.plan(ctx, DataType::BF16, DataType::BF16, case.epilogue)?;
+        let ms: Vec<f64> = plan.timings().iter().map(|t| t.1).filter(|v| v.is_finite()).collect();
+        println!("tune flush {}: {:?}", flush.name(), plan.timings());
+        Ok(median(ms))
+    };
+    let mut failure = None;
+    for flush in [L2Flush::Off, L2Flush::Write, L2Flush::Read] {
+        match measure(flush) {
+            Ok(ms) => medians.push((flush, ms)),
+            Err(e) => {
+                failure = Some(format!("{}: {e}", flush.name()));
+                break;
+            }
+        }
+    }
+    ctx.set_autotune(saved.candidates);
+    ctx.set_knob_search(saved.knob_search);
+    ctx.set_tune_flush(saved.flush);
+    ctx.cache().clear();
+    let mut md = String::from("\n### Autotuning's L2 flush\n\n");
+    let _ = writeln!(
+        md,
+        "Median candidate time of `{}` (4 candidates autotuned per mode). A `write` flush leaves dirty lines \
+         that the timed execution writes back; `read` leaves clean ones, as a layer's earlier kernels do.\n",
+        case.name
+    );
+    if let Some(e) = failure {
+        let _ = writeln!(md, "Not measured: {e}");
+        return Ok(md);
+    }
+    for (flush, ms) in &medians {
+        let _ = writeln!(md, "- `{}`: {ms:.4} ms", flush.name());
+    }
+    if let [_, (_, write), (_, read)] = medians[..] {
+        let verdict = if read < 0.85 * write { "**met**" } else { "**not met**" };
+        let _ = writeln!(md, "\nTarget `read` < 0.85 × `write`: {verdict} ({:.2}×).", read / write);
+    }
+    Ok(md)
 }
 
 /// Per-call GPU time of each backend: warm-up, a batch size that makes samples ≥ `SAMPLE_MS`, then

@@ -10,7 +10,8 @@
 use criterion::Criterion;
 use cudarc::driver::CudaSlice;
 use cudnn_llm::bench_util::{
-    bench_main, copy_bandwidth_gbps, gpu_time_ms, median_call_ms, median_host_us, upload,
+    bench_main, copy_bandwidth_gbps, csv_and_markdown, gpu_time_ms, median_call_ms, median_host_us, round,
+    upload, write_results,
 };
 use cudnn_llm::cudnn_ops::{
     reference, rms_norm, rms_norm_with, Backend, Bindings, Cudnn, DataType, NormPhase, Result, RmsNormArgs,
@@ -121,15 +122,7 @@ fn run(ctx: &Cudnn) -> Result<()> {
     let host = host_overhead(ctx, &mut cases[0])?;
     let (csv, md) = render(&info, &rows, copy_gbps, &host);
     println!("\n{md}");
-    let dir = std::env::var("BENCH_RESULTS_DIR").unwrap_or_else(|_| "benches/results".into());
-    std::fs::create_dir_all(&dir).ok();
-    for (name, text) in [("rmsnorm.csv", &csv), ("rmsnorm.md", &md)] {
-        let path = format!("{dir}/{name}");
-        match std::fs::write(&path, text) {
-            Ok(()) => println!("wrote {path}"),
-            Err(e) => eprintln!("cannot write {path}: {e}"),
-        }
-    }
+    write_results("rmsnorm", &csv, &md);
     Ok(())
 }
 
@@ -166,6 +159,26 @@ struct Row {
     engine: String,
 }
 
+/// One line of `rmsnorm.csv`.
+#[derive(serde::Serialize)]
+struct CsvRow<'a> {
+    gpu: &'a str,
+    driver: i32,
+    cudnn: String,
+    dtype: &'static str,
+    tokens: usize,
+    hidden: usize,
+    fused_ms: f64,
+    naive_ms: f64,
+    speedup: f64,
+    fused_gbps: f64,
+    naive_gbps: f64,
+    copy_gbps: f64,
+    fused_pct_of_copy: f64,
+    cold_plan_ms: f64,
+    engine: &'a str,
+}
+
 struct HostCost {
     shape: String,
     ours_us: f64,
@@ -198,7 +211,7 @@ fn render(
     copy_gbps: f64,
     host: &HostCost,
 ) -> (String, String) {
-    let mut csv = String::from("gpu,driver,cudnn,dtype,tokens,hidden,fused_ms,naive_ms,speedup,fused_gbps,naive_gbps,copy_gbps,fused_pct_of_copy,cold_plan_ms,engine\n");
+    let mut csv_rows = Vec::with_capacity(rows.len());
     let mut md = String::new();
     let _ = writeln!(md, "## RMSNorm, bf16: fused (cuDNN) vs naive (8 eager kernels)\n");
     let _ = writeln!(
@@ -218,24 +231,23 @@ fn render(
     for r in rows {
         let pct = 100.0 * r.fused_gbps / r.copy_gbps;
         let speedup = r.naive_ms / r.fused_ms;
-        let _ = writeln!(
-            csv,
-            "{},{},{},bf16,{},{},{:.5},{:.5},{:.2},{:.1},{:.1},{:.1},{:.1},{:.1},{}",
-            info.name,
-            info.driver_version,
-            info.cudnn_version_string(),
-            r.tokens,
-            r.hidden,
-            r.fused_ms,
-            r.naive_ms,
-            speedup,
-            r.fused_gbps,
-            r.naive_gbps,
-            r.copy_gbps,
-            pct,
-            r.cold_ms,
-            r.engine
-        );
+        csv_rows.push(CsvRow {
+            gpu: &info.name,
+            driver: info.driver_version,
+            cudnn: info.cudnn_version_string(),
+            dtype: "bf16",
+            tokens: r.tokens,
+            hidden: r.hidden,
+            fused_ms: round(r.fused_ms, 5),
+            naive_ms: round(r.naive_ms, 5),
+            speedup: round(speedup, 2),
+            fused_gbps: round(r.fused_gbps, 1),
+            naive_gbps: round(r.naive_gbps, 1),
+            copy_gbps: round(r.copy_gbps, 1),
+            fused_pct_of_copy: round(pct, 1),
+            cold_plan_ms: round(r.cold_ms, 1),
+            engine: &r.engine,
+        });
         let _ = writeln!(
             md,
             "| {} × {} | {:.4} | {:.4} | {:.1}× | {:.0} | {:.0}% | {:.0} | {:.1} | {} |",
@@ -253,5 +265,10 @@ fn render(
     }
     let _ = writeln!(md, "\nHost time of a cached fused call ({}): **{:.2} µs** per call; cuDNN's own `cudnnBackendExecute` on the same plan with a prebuilt variant pack: {:.2} µs; so ours is **{:.2} µs** (of which building the variant pack, cuDNN calls too, is {:.2} µs).",
         host.shape, host.ours_us, host.cudnn_execute_us, host.ours_us - host.cudnn_execute_us, host.variant_pack_us);
+    // The CSV through the writer the other benches use (its markdown table is not this one's).
+    let csv = csv_and_markdown(&csv_rows).map(|(csv, _)| csv).unwrap_or_else(|e| {
+        eprintln!("cannot render rmsnorm.csv: {e}");
+        String::new()
+    });
     (csv, md)
 }

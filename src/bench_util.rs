@@ -17,6 +17,12 @@ pub fn gpu_or_skip(what: &str) -> Option<Cudnn> {
     }
 }
 
+/// GPU 0 for a GPU test (one marked `#[ignore = "needs a CUDA GPU"]`): run on a machine without a
+/// usable GPU, the test fails here and says why (tests that must pass without one use [`gpu_or_skip`]).
+pub fn gpu() -> Cudnn {
+    Cudnn::new(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU with cuDNN: {e}"))
+}
+
 /// A binary of this package for an integration test: where cargo built it (`cargo_path`, i.e.
 /// `env!("CARGO_BIN_EXE_<name>")`), else `bin-<name>` beside the test executable, where
 /// `../shared/gpu/stage` puts it (staged tests run at another path than the one cargo compiled in).

@@ -7,8 +7,7 @@ pub use cudnn_ops::*;
 pub use llama;
 
 pub mod bench_util;
-pub mod report_chart;
-pub mod report_cli;
+pub mod report;
 
 /// How this binary was built.
 #[derive(Debug, Clone, Copy)]

@@ -9,6 +9,7 @@
 //! logits closer than [`TIE`] × the row's RMS may swap; a wrong id (from a broken cache, a wrong row
 //! of logits or a wrong position) is typically several RMS below the maximum.
 
+use cudnn_llm::bench_util::gpu;
 use cudnn_llm::cudnn_ops::{Cudnn, DataType};
 use cudnn_llm::llama::generate::{DecodeMode, Generator, StopReason};
 use cudnn_llm::llama::sampling::{argmax, SamplingParams};
@@ -24,10 +25,6 @@ use std::process::Command;
 const TIE: f32 = 0.1;
 const BOS: u32 = 510;
 const EOS: u32 = 511;
-
-fn gpu() -> Cudnn {
-    Cudnn::new(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU with cuDNN: {e}"))
-}
 
 /// GPT-2's byte-to-character map: every byte a printable character, so byte-level BPE tokens are
 /// strings.

@@ -2,6 +2,7 @@
 //! naive on the 1B preset, prefill + decode against a full forward, and recorded fallbacks. GPU tests are
 //! ignored by default; run them with `--include-ignored` on a GPU machine.
 
+use cudnn_llm::bench_util::gpu;
 use cudnn_llm::cudnn_ops::reference::{compare, Tolerance};
 use cudnn_llm::cudnn_ops::{Backend, Cudnn};
 use cudnn_llm::llama::weights::Weights;
@@ -10,10 +11,6 @@ use half::bf16;
 
 /// Hidden states through a whole bf16 model, against f64.
 const MODEL_TOL: Tolerance = Tolerance { rel_l2: 3e-2 };
-
-fn gpu() -> Cudnn {
-    Cudnn::new(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU with cuDNN: {e}"))
-}
 
 fn tokens(batch: usize, seq: usize, vocab: usize, seed: u32) -> Vec<Vec<u32>> {
     (0..batch)

@@ -2,7 +2,7 @@
 //! GPU tests are ignored by default; run them with `--include-ignored` on a GPU machine.
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
-use cudnn_llm::bench_util::{download, poisoned, upload};
+use cudnn_llm::bench_util::{download, gpu, poisoned, upload};
 use cudnn_llm::cudnn_ops::{
     reference, rms_norm, rms_norm_train, Backend, Cudnn, DataType, Element, Error, RmsNormArgs,
 };
@@ -12,10 +12,6 @@ use half::{bf16, f16};
 const EPS: f32 = 1e-5;
 /// The inverse RMS is f32 from f32 arithmetic on both paths.
 const INV_RMS_TOL: reference::Tolerance = reference::Tolerance { rel_l2: 1e-5 };
-
-fn gpu() -> Cudnn {
-    Cudnn::new(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU with cuDNN: {e}"))
-}
 
 #[test]
 fn no_gpu_is_an_error_not_a_panic() {

@@ -1,13 +1,9 @@
 //! RoPE in place on a QKV buffer: the fused kernel and the ten eager kernels against an f64 rotation.
 //! GPU tests are ignored by default; run them with `--include-ignored` on a GPU machine.
 
-use cudnn_llm::bench_util::{download, upload};
+use cudnn_llm::bench_util::{download, gpu, upload};
 use cudnn_llm::cudnn_ops::{reference, rope_with, Backend, Cudnn, Element, RopeArgs, RopeTables};
 use half::{bf16, f16};
-
-fn gpu() -> Cudnn {
-    Cudnn::new(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU with cuDNN: {e}"))
-}
 
 /// Angles `pos · θ_j` for `positions` rows of `dim / 2` frequencies (plain RoPE; the model adds
 /// Llama-3's scaling on top, which does not change the kernels).

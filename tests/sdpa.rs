@@ -3,7 +3,7 @@
 //! default; run them with `--include-ignored` on a GPU machine.
 
 use cudarc::driver::{CudaSlice, DevicePtrMut};
-use cudnn_llm::bench_util::{download, poisoned, upload};
+use cudnn_llm::bench_util::{download, gpu, poisoned, upload};
 use cudnn_llm::cudnn_ops::reference::{self, AttentionShape, Tolerance};
 use cudnn_llm::cudnn_ops::{sdpa_with, Backend, Cudnn, Element, Error, Layout, Mask, SdpaArgs, SdpaForm};
 use half::{bf16, f16};
@@ -20,10 +20,6 @@ fn tol<T: Element>() -> Tolerance {
     } else {
         ATTN_F16
     }
-}
-
-fn gpu() -> Cudnn {
-    Cudnn::new(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU with cuDNN: {e}"))
 }
 
 /// Element offset of logical `[b, h, s, e]` under `strides`.

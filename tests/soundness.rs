@@ -4,16 +4,12 @@
 //! arithmetic, property tests) is in cudnn-ops' unit tests.
 
 use cudarc::driver::CudaSlice;
-use cudnn_llm::bench_util::{download, poisoned, upload};
+use cudnn_llm::bench_util::{download, gpu, poisoned, upload};
 use cudnn_llm::cudnn_ops::{
-    embedding, reference, rms_norm, sdpa_padded, Bindings, Cudnn, DataType, Error, Layout, NormPhase,
-    RmsNormArgs, SdpaArgs,
+    embedding, reference, rms_norm, sdpa_padded, Bindings, DataType, Error, Layout, NormPhase, RmsNormArgs,
+    SdpaArgs,
 };
 use half::bf16;
-
-fn gpu() -> Cudnn {
-    Cudnn::new(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU with cuDNN: {e}"))
-}
 
 fn values(n: usize, seed: u64) -> Vec<f64> {
     (0..n).map(|i| (((i as u64 * 2654435761 + seed * 97) % 1000) as f64 / 500.0) - 1.0).collect()

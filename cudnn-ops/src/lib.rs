@@ -1,5 +1,5 @@
-//! Safe cuDNN graph API for LLM inference: fused RMSNorm (and, as they land, SDPA and matmul graphs)
-//! with plan caching, next to naive PyTorch-eager-style baselines.
+//! Safe cuDNN graph API for LLM inference: fused RMSNorm, SDPA and matmul (with epilogues) graphs with
+//! plan caching, next to naive PyTorch-eager-style baselines.
 //!
 //! | layer | what it is |
 //! |---|---|

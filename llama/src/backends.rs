@@ -78,16 +78,61 @@ impl ModuleKind {
     /// Range names of this kind's calls, as an NVTX profile of the reference model shows them.
     pub fn ranges(self) -> &'static [&'static str] {
         match self {
-            ModuleKind::Prenorm => &["fwd.layer.attn.prenorm", "fwd.layer.mlp.prenorm"],
-            ModuleKind::QkvProj => &["fwd.layer.attn.qkv_proj"],
-            ModuleKind::Rope => &["fwd.layer.attn.rope"],
-            ModuleKind::Gqa => &["fwd.layer.attn.gqa"],
-            ModuleKind::OProj => &["fwd.layer.attn.o_proj"],
-            ModuleKind::Mlp => &["fwd.layer.mlp.mlp"],
-            ModuleKind::OutputNorm => &["fwd.output_norm"],
-            ModuleKind::LmHead => &["fwd.lm_head"],
+            ModuleKind::Prenorm => &[Site::ATTN_PRENORM.range, Site::MLP_PRENORM.range],
+            ModuleKind::QkvProj => &[Site::QKV_PROJ.range],
+            ModuleKind::Rope => &[Site::ROPE.range],
+            ModuleKind::Gqa => &[Site::GQA.range],
+            ModuleKind::OProj => &[Site::O_PROJ.range],
+            ModuleKind::Mlp => &[Site::MLP.range],
+            ModuleKind::OutputNorm => &[Site::OUTPUT_NORM.range],
+            ModuleKind::LmHead => &[Site::LM_HEAD.range],
         }
     }
+}
+
+/// A place in the forward where a module runs: its range name (what NVTX, the observer and the report
+/// show) and the kind whose backend it runs on. The two prenorms are two sites of one kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Site {
+    /// Range name, e.g. `fwd.layer.attn.prenorm`.
+    pub range: &'static str,
+    /// The kind whose backend selection applies.
+    pub kind: ModuleKind,
+}
+
+impl Site {
+    /// The RMSNorm before attention.
+    pub const ATTN_PRENORM: Site = Site { range: "fwd.layer.attn.prenorm", kind: ModuleKind::Prenorm };
+    /// The fused Q/K/V projection.
+    pub const QKV_PROJ: Site = Site { range: "fwd.layer.attn.qkv_proj", kind: ModuleKind::QkvProj };
+    /// RoPE on Q and K.
+    pub const ROPE: Site = Site { range: "fwd.layer.attn.rope", kind: ModuleKind::Rope };
+    /// Grouped-query attention (with the K/V cache writes).
+    pub const GQA: Site = Site { range: "fwd.layer.attn.gqa", kind: ModuleKind::Gqa };
+    /// The attention output projection with the residual add.
+    pub const O_PROJ: Site = Site { range: "fwd.layer.attn.o_proj", kind: ModuleKind::OProj };
+    /// The RMSNorm before the MLP.
+    pub const MLP_PRENORM: Site = Site { range: "fwd.layer.mlp.prenorm", kind: ModuleKind::Prenorm };
+    /// The SwiGLU MLP with the residual add.
+    pub const MLP: Site = Site { range: "fwd.layer.mlp.mlp", kind: ModuleKind::Mlp };
+    /// The final RMSNorm.
+    pub const OUTPUT_NORM: Site = Site { range: "fwd.output_norm", kind: ModuleKind::OutputNorm };
+    /// The vocabulary projection.
+    pub const LM_HEAD: Site = Site { range: "fwd.lm_head", kind: ModuleKind::LmHead };
+
+    /// Every site, in forward order (the embedding, which has one backend, is
+    /// [`EMBED_RANGE`](crate::model::EMBED_RANGE)).
+    pub const ALL: [Site; 9] = [
+        Site::ATTN_PRENORM,
+        Site::QKV_PROJ,
+        Site::ROPE,
+        Site::GQA,
+        Site::O_PROJ,
+        Site::MLP_PRENORM,
+        Site::MLP,
+        Site::OUTPUT_NORM,
+        Site::LM_HEAD,
+    ];
 }
 
 /// A backend per module kind, with per-layer overrides.
@@ -377,5 +422,25 @@ mod tests {
         }
         assert_eq!(ModuleKind::Prenorm.ranges(), &["fwd.layer.attn.prenorm", "fwd.layer.mlp.prenorm"]);
         assert!(!ModuleKind::LmHead.per_layer() && ModuleKind::Gqa.per_layer());
+    }
+
+    #[test]
+    fn every_range_is_one_site_and_every_kind_has_its_sites() {
+        for k in ModuleKind::ALL {
+            let sites: Vec<&str> = Site::ALL.iter().filter(|s| s.kind == k).map(|s| s.range).collect();
+            assert_eq!(k.ranges(), sites.as_slice(), "{k:?}");
+        }
+        let mut ranges: Vec<&str> = Site::ALL.iter().map(|s| s.range).collect();
+        ranges.sort_unstable();
+        ranges.dedup();
+        assert_eq!(ranges.len(), Site::ALL.len());
+        // Forward order: the kinds' first sites come in ModuleKind::ALL's order.
+        let mut order: Vec<ModuleKind> = Vec::new();
+        for s in Site::ALL {
+            if !order.contains(&s.kind) {
+                order.push(s.kind);
+            }
+        }
+        assert_eq!(order, ModuleKind::ALL);
     }
 }

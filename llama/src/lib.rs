@@ -6,12 +6,11 @@
 //! | [`config`] | the Llama-3.2-1B / Llama-3.1-8B presets, a tiny test preset, Hugging Face `config.json` |
 //! | [`weights`] | host weights: seeded random init, Hugging Face safetensors checkpoints (single or sharded) |
 //! | [`backends`] | which backend each module kind (and layer) runs on, and its string form |
-//! | [`model`] | the decoder on the GPU: per-module backends, KV cache, fallbacks, an observer hook |
+//! | [`model`] | the decoder on the GPU: layers of modules (norm, attention, MLP in `src/modules/`), per-module backends, KV cache, fallbacks, an observer hook |
 //! | [`generate`] | token generation: prefill, decode steps, last-position logits, stopping at EOS |
 //! | [`sampling`] | choosing the next token from host logits: greedy, temperature, top-k, top-p, seeded |
 //! | [`tokenizer`] | Hugging Face `tokenizer.json`: encoding, decoding, streaming text as tokens arrive |
 //! | [`profile`] | attributing kernels to module ranges (what an Nsight Systems NVTX projection shows) |
-//! | [`report`] | the per-module speedup report: markdown, terminal, CSV and JSON |
 //! | [`rope`] | Llama-3 RoPE frequencies and the cos/sin tables |
 //! | [`roofline`] | the bytes a decode step reads, its memory floor |
 //! | [`trace`] | an observer recording NVTX ranges, CUDA events and host timestamps per module call |
@@ -22,9 +21,9 @@ pub mod backends;
 pub mod config;
 pub mod generate;
 pub mod model;
+mod modules;
 pub mod profile;
 pub mod reference;
-pub mod report;
 pub mod roofline;
 pub mod rope;
 pub mod sampling;
@@ -32,7 +31,7 @@ pub mod tokenizer;
 pub mod trace;
 pub mod weights;
 
-pub use backends::{Backends, ModuleKind};
+pub use backends::{Backends, ModuleKind, Site};
 pub use config::LlamaConfig;
 pub use cudnn_ops::Backend;
 pub use generate::{DecodeMode, Generation, Generator, StopReason};

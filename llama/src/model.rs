@@ -1,17 +1,24 @@
-//! The decoder on the GPU. Each module runs on the backend [`Backends`] gives its kind and layer:
+//! The decoder on the GPU: embedding, [`LlamaConfig::layers`] decoder layers, output norm and
+//! `lm_head`, each module on the backend [`Backends`] gives its kind and layer (the modules themselves,
+//! one screen each, are in `src/modules/`):
 //!
 //! ```text
-//! x = embed(tokens)
+//! x = embed(tokens)                         # fwd.embed
 //! for each layer:
-//!     h   = prenorm(x)                      # fwd.layer.attn.prenorm  RMSNorm graph | 8 eager kernels
-//!     qkv = qkv_proj(h)                     # fwd.layer.attn.qkv_proj matmul graph  | cuBLAS GEMM
-//!     rope(qkv)                             # fwd.layer.attn.rope     1 kernel      | 10 eager kernels
-//!     o   = gqa(qkv, cache)                 # fwd.layer.attn.gqa      SDPA graph    | math-path attention
-//!     x   = x + o_proj(o)                   # fwd.layer.attn.o_proj   matmul+residual | GEMM, add
-//!     h   = prenorm(x)                      # fwd.layer.mlp.prenorm
-//!     x   = x + down(silu(gate(h)) * up(h)) # fwd.layer.mlp.mlp       3 graphs (SwiGLU, residual) | 3 GEMMs, silu, mul, add
+//!     x += attn(attn_norm(x))               # fwd.layer.attn.{prenorm, qkv_proj, rope, gqa, o_proj}
+//!     x += mlp(mlp_norm(x))                 # fwd.layer.mlp.{prenorm, mlp}
 //! y = output_norm(x)                        # fwd.output_norm
+//! logits = lm_head(y)                       # fwd.lm_head (Llama::logits)
 //! ```
+//!
+//! | range | fused | naive |
+//! |---|---|---|
+//! | `fwd.layer.attn.prenorm`, `fwd.layer.mlp.prenorm`, `fwd.output_norm` | RMSNorm graph | 8 eager kernels |
+//! | `fwd.layer.attn.qkv_proj` | matmul graph | cuBLAS GEMM |
+//! | `fwd.layer.attn.rope` | 1 kernel | 10 eager kernels |
+//! | `fwd.layer.attn.gqa` | SDPA graph | math-path attention |
+//! | `fwd.layer.attn.o_proj` | matmul + residual graph | GEMM, add |
+//! | `fwd.layer.mlp.mlp` | 3 graphs (SwiGLU, residual epilogues) | 3 GEMMs, silu, mul, add |
 //!
 //! Q, K and V live in one `[tokens, (h_q + 2·h_kv)·d]` buffer (one GEMM against the concatenated
 //! weight, as gpt-fast's `wqkv`); RoPE rotates Q and K there, K and V rows are copied into a
@@ -22,18 +29,24 @@
 //! A fused module that cuDNN cannot run for a shape runs naive instead; [`Llama::fallbacks`] says
 //! which and why, and the shape is not retried.
 
-use crate::backends::{Backends, ModuleKind};
+use crate::backends::{Backends, ModuleKind, Site};
 use crate::config::LlamaConfig;
+use crate::modules::attention::{AttnBuffers, LayerCache};
+use crate::modules::block::{Block, Scratch};
+use crate::modules::dispatch::{Dispatch, Fallbacks};
+use crate::modules::embedding::Embedding;
+use crate::modules::linear::{Linear, Then};
+use crate::modules::mlp::MlpBuffers;
+use crate::modules::norm::RmsNorm;
+use crate::modules::residual::Residual;
+use crate::modules::{Pass, Tokens};
 use crate::weights::{Tensor, Weights};
 use crate::{Backend, Error, Result};
 use cudarc::driver::{CudaSlice, DevicePtrMut};
-use cudnn_ops::{
-    check_ids, embedding, linear, rms_norm_with, rope_at, rope_with, sdpa_padded, sdpa_with, write_cache,
-    write_cache_at, CacheWrite, Cudnn, Element, Epilogue, Layout, Linear, Mask, Operands, RmsNormArgs,
-    RopeArgs, RopeTables, SdpaArgs,
-};
-use std::collections::HashSet;
+use cudnn_ops::{check_ids, Cudnn, Element, RopeTables};
 use std::sync::atomic::{AtomicU64, Ordering};
+
+pub use crate::modules::{Fallback, NoObserver, Observer, EMBED_RANGE};
 
 /// Identities of caches and activation buffers, so that a captured decode graph (which holds their
 /// device addresses) refuses to run on others.
@@ -41,44 +54,6 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 fn next_id() -> u64 {
     NEXT_ID.fetch_add(1, Ordering::Relaxed)
-}
-
-/// The range of the embedding lookup (one kernel on both backends).
-pub const EMBED_RANGE: &str = "fwd.embed";
-
-/// Called around every module call, for profilers (CUDA events, NVTX, kernel attribution).
-pub trait Observer {
-    /// A module call begins: its range name (e.g. `fwd.layer.attn.gqa`) and layer.
-    fn begin(&mut self, _range: &'static str, _layer: Option<usize>) {}
-    /// The call ends (its work is enqueued).
-    fn end(&mut self, _range: &'static str, _layer: Option<usize>) {}
-}
-
-/// An observer that does nothing.
-pub struct NoObserver;
-impl Observer for NoObserver {}
-
-/// A fused module that ran naive instead.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Fallback {
-    /// Range name of the module.
-    pub range: &'static str,
-    /// Its layer.
-    pub layer: Option<usize>,
-    /// The shape it failed for.
-    pub shape: String,
-    /// cuDNN's reason.
-    pub reason: String,
-}
-
-struct Layer<T> {
-    attn_norm: CudaSlice<T>,
-    qkv: CudaSlice<T>,
-    o_proj: CudaSlice<T>,
-    mlp_norm: CudaSlice<T>,
-    gate: CudaSlice<T>,
-    up: CudaSlice<T>,
-    down: CudaSlice<T>,
 }
 
 /// Per-layer K and V caches, `[batch, max_seq, h_kv · d]` each.
@@ -118,6 +93,18 @@ impl<T> KvCache<T> {
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
     }
+
+    /// Layer `layer`'s caches and the decode step's device values.
+    fn layer(&mut self, layer: usize) -> LayerCache<'_, T> {
+        LayerCache {
+            k: &mut self.k[layer],
+            v: &mut self.v[layer],
+            max_seq: self.max_seq,
+            kv_lens: &self.kv_lens,
+            q_lens: &self.q_lens,
+            positions: &self.positions,
+        }
+    }
 }
 
 /// Activation buffers for `rows` tokens.
@@ -127,12 +114,8 @@ struct Activations<T> {
     /// Rows of the last forward.
     last: usize,
     ids: CudaSlice<u32>,
-    x: [CudaSlice<T>; 2],
-    h: CudaSlice<T>,
-    qkv: CudaSlice<T>,
-    attn: CudaSlice<T>,
-    up: CudaSlice<T>,
-    act: CudaSlice<T>,
+    x: Residual<T>,
+    scratch: Scratch<T>,
     out: CudaSlice<T>,
 }
 
@@ -156,14 +139,14 @@ impl<T> std::fmt::Debug for DecodeGraph<T> {
 /// A Llama-3 decoder on one GPU.
 pub struct Llama<T: Element> {
     cfg: LlamaConfig,
-    embed: CudaSlice<T>,
-    layers: Vec<Layer<T>>,
-    norm: CudaSlice<T>,
-    lm_head: Option<CudaSlice<T>>,
+    embed: Embedding<T>,
+    blocks: Vec<Block<T>>,
+    norm: RmsNorm<T>,
+    /// `None`: tied to the embedding table.
+    lm_head: Option<Linear<T>>,
     rope: RopeTables<T>,
     acts: Option<Activations<T>>,
-    fallbacks: Vec<Fallback>,
-    unsupported: HashSet<(&'static str, Option<usize>, String)>,
+    fallbacks: Fallbacks,
     /// Fused decode steps share one attention plan with run-time sequence lengths (cuDNN 9.15+);
     /// false once cuDNN refused it, and decode builds a plan per cache length instead.
     padded_decode: bool,
@@ -187,35 +170,30 @@ impl<T: Element> Llama<T> {
                 cfg.layers
             )));
         }
-        let s = ctx.stream();
-        let up = |t: &Tensor<T>| -> Result<CudaSlice<T>> {
-            Ok(s.clone_htod(&t.data).map_err(cudnn_ops::Error::from)?)
+        let up = |t: &Tensor<T>| ctx.stream().clone_htod(&t.data).map_err(cudnn_ops::Error::from);
+        let blocks = weights
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(l, w)| Block::new(ctx, cfg, l, w))
+            .collect::<Result<_>>()?;
+        let embed = Embedding::new(up(&weights.embed)?, cfg.vocab, cfg.hidden);
+        let eps = cfg.rms_eps as f32;
+        let norm = RmsNorm::new(up(&weights.norm)?, cfg.hidden, eps, Site::OUTPUT_NORM, None);
+        let lm_head = match &weights.lm_head {
+            Some(w) => Some(Linear::new(up(w)?, cfg.hidden, cfg.vocab)),
+            None => None,
         };
-        let mut layers = Vec::with_capacity(cfg.layers);
-        for l in &weights.layers {
-            let qkv: Vec<T> =
-                [&l.q_proj, &l.k_proj, &l.v_proj].iter().flat_map(|t| t.data.iter().copied()).collect();
-            layers.push(Layer {
-                attn_norm: up(&l.attn_norm)?,
-                qkv: s.clone_htod(&qkv).map_err(cudnn_ops::Error::from)?,
-                o_proj: up(&l.o_proj)?,
-                mlp_norm: up(&l.mlp_norm)?,
-                gate: up(&l.gate_proj)?,
-                up: up(&l.up_proj)?,
-                down: up(&l.down_proj)?,
-            });
-        }
         let (cos, sin) = crate::rope::tables(cfg, 0, max_positions);
         Ok(Llama {
             cfg: cfg.clone(),
-            embed: up(&weights.embed)?,
-            layers,
-            norm: up(&weights.norm)?,
-            lm_head: weights.lm_head.as_ref().map(up).transpose()?,
+            embed,
+            blocks,
+            norm,
+            lm_head,
             rope: RopeTables::new(ctx, &cos, &sin, cfg.head_dim)?,
             acts: None,
-            fallbacks: Vec::new(),
-            unsupported: HashSet::new(),
+            fallbacks: Fallbacks::default(),
             padded_decode: ctx.features().sdpa_seq_lens(),
         })
     }
@@ -227,7 +205,7 @@ impl<T: Element> Llama<T> {
 
     /// Fused modules that ran naive, with the reason (each module, layer and shape once).
     pub fn fallbacks(&self) -> &[Fallback] {
-        &self.fallbacks
+        &self.fallbacks.list
     }
 
     /// An empty cache for `batch` sequences of up to `max_seq` tokens.
@@ -264,12 +242,12 @@ impl<T: Element> Llama<T> {
             rows,
             last: 0,
             ids: ctx.stream().alloc_zeros::<u32>(rows).map_err(cudnn_ops::Error::from)?,
-            x: [alloc(c.hidden)?, alloc(c.hidden)?],
-            h: alloc(c.hidden)?,
-            qkv: alloc(c.qkv_width())?,
-            attn: alloc(c.attn_width())?,
-            up: alloc(c.ffn)?,
-            act: alloc(c.ffn)?,
+            x: Residual::new(alloc(c.hidden)?, alloc(c.hidden)?),
+            scratch: Scratch {
+                h: alloc(c.hidden)?,
+                attn: AttnBuffers { qkv: alloc(c.qkv_width())?, o: alloc(c.attn_width())? },
+                mlp: MlpBuffers { up: alloc(c.ffn)?, act: alloc(c.ffn)? },
+            },
             out: alloc(c.hidden)?,
         });
         Ok(())
@@ -495,119 +473,18 @@ impl<T: Element> Llama<T> {
         backends: &Backends,
         obs: &mut dyn Observer,
     ) -> Result<bool> {
-        let rows = batch * seq;
-        let c = self.cfg.clone();
-        let mut me =
-            Step { fallbacks: &mut self.fallbacks, unsupported: &mut self.unsupported, backends, obs };
-        let acts = self.acts.as_mut().expect("allocated above");
-        let (hid, d, hq, hkv, w) = (c.hidden, c.head_dim, c.heads, c.kv_heads, c.qkv_width());
-        let start = cache.len;
-        let mut padded_decode = self.padded_decode;
-        // Fused decode steps read their position from the cache's device buffers (uploaded with the
-        // ids), so one captured step serves every position.
-        let device_positions = seq == 1 && start > 0 && padded_decode;
-        let mut baked = !device_positions;
-        me.obs.begin(EMBED_RANGE, None);
-        let embedded = embedding(ctx, &acts.ids, rows, &self.embed, c.vocab, hid, &mut acts.x[0]);
-        me.obs.end(EMBED_RANGE, None);
-        embedded?;
-        let mut cur = 0;
-        let norm = RmsNormArgs { tokens: rows, hidden: hid, epsilon: c.rms_eps as f32 };
-        let wide = Linear { tokens: rows, in_features: hid, out_features: c.ffn };
-        for (l, layer) in self.layers.iter().enumerate() {
-            let at = Some(l);
-            let shape = format!("{rows} tokens");
-            me.run(ModuleKind::Prenorm, 0, at, &shape, |b| {
-                rms_norm_with(b, ctx, norm, &acts.x[cur], &layer.attn_norm, &mut acts.h, None)
-            })?;
-            let qkv_lin = Linear { tokens: rows, in_features: hid, out_features: w };
-            me.run(ModuleKind::QkvProj, 0, at, &shape, |b| {
-                linear(b, ctx, qkv_lin, Epilogue::NONE, &Operands::new(&acts.h, &layer.qkv), &mut acts.qkv)
-            })?;
-            let rope = RopeArgs { batch, seq, heads_q: hq, heads_kv: hkv, head_dim: d, row_stride: w, start };
-            me.run(ModuleKind::Rope, 0, at, &shape, |b| {
-                if b == Backend::Fused && device_positions {
-                    return rope_at(ctx, rope, &self.rope, &mut acts.qkv, &cache.positions);
-                }
-                baked = true;
-                rope_with(b, ctx, rope, &self.rope, &mut acts.qkv)
-            })?;
-            let mask = if start == 0 { Mask::CausalTopLeft } else { Mask::CausalBottomRight };
-            let mut attn = SdpaArgs::new(batch, hq, hkv, seq, start + seq, d, Layout::Bshd).with_mask(mask);
-            attn.q_strides = [seq * w, d, w, 1];
-            let kv = [cache.max_seq * hkv * d, d, hkv * d, 1];
-            (attn.k_strides, attn.v_strides) = (kv, kv);
-            let (kc, vc) = (&mut cache.k[l], &mut cache.v[l]);
-            // The fallback key leaves s_kv out, so decode steps do not retry a shape that failed.
-            let attn_shape = format!("{batch}x{seq} {}", mask.name());
-            let (kv_lens, q_lens, max_seq) = (&cache.kv_lens, &cache.q_lens, cache.max_seq);
-            let positions = &cache.positions;
-            me.run(ModuleKind::Gqa, 0, at, &attn_shape, |b| {
-                let write = CacheWrite { batch, seq, cols: hkv * d, src_stride: w, max_seq, start };
-                let (k_src, v_src) = (acts.qkv.slice(hq * d..), acts.qkv.slice((hq + hkv) * d..));
-                if b == Backend::Fused && device_positions && padded_decode {
-                    // One plan for every decode step: the whole cache as capacity, lengths and the
-                    // written row on the device.
-                    write_cache_at(ctx, write, &k_src, kc, positions)?;
-                    write_cache_at(ctx, write, &v_src, vc, positions)?;
-                    let padded = SdpaArgs { seq_kv: max_seq, ..attn }.with_mask(Mask::None).with_seq_lens();
-                    match sdpa_padded(ctx, padded, &acts.qkv, &*kc, &*vc, &mut acts.attn, q_lens, kv_lens) {
-                        Err(cudnn_ops::Error::NotSupported { .. }) => padded_decode = false,
-                        done => return done,
-                    }
-                }
-                baked = true;
-                write_cache(ctx, write, &k_src, kc)?;
-                write_cache(ctx, write, &v_src, vc)?;
-                sdpa_with(b, ctx, attn, &acts.qkv, &*kc, &*vc, &mut acts.attn, None)
-            })?;
-            let (xa, xb) = acts.x.split_at_mut(1);
-            let (src, dst) = if cur == 0 { (&xa[0], &mut xb[0]) } else { (&xb[0], &mut xa[0]) };
-            let o_lin = Linear { tokens: rows, in_features: hq * d, out_features: hid };
-            me.run(ModuleKind::OProj, 0, at, &shape, |b| {
-                linear(
-                    b,
-                    ctx,
-                    o_lin,
-                    Epilogue::RESIDUAL,
-                    &Operands::new(&acts.attn, &layer.o_proj).residual(src),
-                    dst,
-                )
-            })?;
-            cur = 1 - cur;
-            me.run(ModuleKind::Prenorm, 1, at, &shape, |b| {
-                rms_norm_with(b, ctx, norm, &acts.x[cur], &layer.mlp_norm, &mut acts.h, None)
-            })?;
-            let (xa, xb) = acts.x.split_at_mut(1);
-            let (src, dst) = if cur == 0 { (&xa[0], &mut xb[0]) } else { (&xb[0], &mut xa[0]) };
-            let narrow = Linear { tokens: rows, in_features: c.ffn, out_features: hid };
-            me.run(ModuleKind::Mlp, 0, at, &shape, |b| {
-                linear(b, ctx, wide, Epilogue::NONE, &Operands::new(&acts.h, &layer.up), &mut acts.up)?;
-                linear(
-                    b,
-                    ctx,
-                    wide,
-                    Epilogue::SWIGLU,
-                    &Operands::new(&acts.h, &layer.gate).gate(&acts.up),
-                    &mut acts.act,
-                )?;
-                linear(
-                    b,
-                    ctx,
-                    narrow,
-                    Epilogue::RESIDUAL,
-                    &Operands::new(&acts.act, &layer.down).residual(src),
-                    dst,
-                )
-            })?;
-            cur = 1 - cur;
+        let tokens = Tokens { batch, seq, start: cache.len };
+        let dispatch = Dispatch::new(&mut self.fallbacks, backends, obs);
+        let mut p = Pass::new(ctx, dispatch, tokens, &self.rope, self.padded_decode);
+        let acts = self.acts.as_mut().expect("allocated by upload");
+        self.embed.forward(&mut p, &acts.ids, acts.x.first_mut())?;
+        for (l, block) in self.blocks.iter().enumerate() {
+            block.forward(&mut p, &mut acts.x, &mut acts.scratch, cache.layer(l))?;
         }
-        me.run(ModuleKind::OutputNorm, 0, None, &format!("{rows} tokens"), |b| {
-            rms_norm_with(b, ctx, norm, &acts.x[cur], &self.norm, &mut acts.out, None)
-        })?;
-        self.padded_decode = padded_decode;
+        self.norm.forward(&mut p, acts.x.get(), &mut acts.out)?;
+        self.padded_decode = p.positions.padded;
         cache.len += seq;
-        Ok(baked)
+        Ok(p.positions.baked)
     }
 
     /// Logits `[rows, vocab]` of the last forward's first `rows` output rows (`lm_head`, or the
@@ -639,15 +516,13 @@ impl<T: Element> Llama<T> {
                 acts.last
             )));
         }
-        let c = &self.cfg;
         let n = rows.len();
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let x = acts.out.slice(rows.start * c.hidden..rows.end * c.hidden);
-        let lin = Linear { tokens: n, in_features: c.hidden, out_features: c.vocab };
-        let mut me =
-            Step { fallbacks: &mut self.fallbacks, unsupported: &mut self.unsupported, backends, obs };
-        me.run(ModuleKind::LmHead, 0, None, &format!("{n} tokens"), |b| {
-            linear(b, ctx, lin, Epilogue::NONE, &Operands::new(&x, head), out)
+        let hidden = self.cfg.hidden;
+        let x = acts.out.slice(rows.start * hidden..rows.end * hidden);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed.table);
+        let mut dispatch = Dispatch::new(&mut self.fallbacks, backends, obs);
+        dispatch.run(Site::LM_HEAD, None, &format!("{n} tokens"), |b| {
+            head.forward(b, ctx, n, &x, Then::Nothing, out)
         })
     }
 
@@ -665,136 +540,5 @@ impl<T: Element> Llama<T> {
         let mut out = ctx.stream().alloc_zeros::<T>(n).map_err(cudnn_ops::Error::from)?;
         self.head(ctx, rows, backends, obs, &mut out)?;
         Ok(out)
-    }
-}
-
-/// One forward's view of the model's bookkeeping: backends, observer, fallbacks.
-struct Step<'a> {
-    fallbacks: &'a mut Vec<Fallback>,
-    unsupported: &'a mut HashSet<(&'static str, Option<usize>, String)>,
-    backends: &'a Backends,
-    obs: &'a mut dyn Observer,
-}
-
-impl Step<'_> {
-    /// Runs module `kind` (its `which`-th range name) of `layer` on its backend inside the observer's
-    /// range; a fused `NotSupported` is recorded once per shape and the module runs naive.
-    fn run(
-        &mut self,
-        kind: ModuleKind,
-        which: usize,
-        layer: Option<usize>,
-        shape: &str,
-        mut f: impl FnMut(Backend) -> cudnn_ops::Result<()>,
-    ) -> Result<()> {
-        let range = kind.ranges()[which];
-        self.obs.begin(range, layer);
-        let mut backend = self.backends.get(layer, kind);
-        let key = (range, layer, shape.to_string());
-        if backend == Backend::Fused && self.unsupported.contains(&key) {
-            backend = Backend::Naive;
-        }
-        let result = match f(backend) {
-            Err(e) if backend == Backend::Fused && e.is_not_supported() => {
-                self.fallbacks.push(Fallback {
-                    range,
-                    layer,
-                    shape: shape.to_string(),
-                    reason: e.to_string(),
-                });
-                self.unsupported.insert(key);
-                f(Backend::Naive)
-            }
-            other => other,
-        };
-        self.obs.end(range, layer);
-        Ok(result?)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Records which ranges opened and closed.
-    #[derive(Default)]
-    struct Log(Vec<String>);
-    impl Observer for Log {
-        fn begin(&mut self, range: &'static str, layer: Option<usize>) {
-            self.0.push(format!("+{range}@{layer:?}"));
-        }
-        fn end(&mut self, range: &'static str, layer: Option<usize>) {
-            self.0.push(format!("-{range}@{layer:?}"));
-        }
-    }
-
-    #[test]
-    fn unsupported_fused_modules_fall_back_once_per_shape_and_say_why() {
-        let (mut fallbacks, mut unsupported, mut log) = (Vec::new(), HashSet::new(), Log::default());
-        let backends = Backends::all(Backend::Fused);
-        let mut tried = Vec::new();
-        let not_supported =
-            || cudnn_ops::Error::NotSupported { op: "sdpa".into(), reason: "head_dim 264".into() };
-        for _ in 0..2 {
-            let mut step = Step {
-                fallbacks: &mut fallbacks,
-                unsupported: &mut unsupported,
-                backends: &backends,
-                obs: &mut log,
-            };
-            step.run(ModuleKind::Gqa, 0, Some(3), "1x8 causal", |b| {
-                tried.push(b);
-                if b == Backend::Fused {
-                    Err(not_supported())
-                } else {
-                    Ok(())
-                }
-            })
-            .unwrap();
-        }
-        // Fused once, naive twice; one record; ranges balanced.
-        assert_eq!(tried, vec![Backend::Fused, Backend::Naive, Backend::Naive]);
-        assert_eq!(fallbacks.len(), 1);
-        let f = &fallbacks[0];
-        assert_eq!((f.range, f.layer, f.shape.as_str()), ("fwd.layer.attn.gqa", Some(3), "1x8 causal"));
-        assert!(f.reason.contains("head_dim 264"), "{}", f.reason);
-        assert_eq!(
-            log.0,
-            [
-                "+fwd.layer.attn.gqa@Some(3)",
-                "-fwd.layer.attn.gqa@Some(3)",
-                "+fwd.layer.attn.gqa@Some(3)",
-                "-fwd.layer.attn.gqa@Some(3)"
-            ]
-        );
-        // Another error is not a fallback: it is returned, and the range still closes.
-        let mut step = Step {
-            fallbacks: &mut fallbacks,
-            unsupported: &mut unsupported,
-            backends: &backends,
-            obs: &mut log,
-        };
-        let e = step.run(ModuleKind::Rope, 0, Some(0), "8 tokens", |_| {
-            Err(cudnn_ops::Error::InvalidArgument("bad".into()))
-        });
-        assert!(matches!(e, Err(Error::Ops(cudnn_ops::Error::InvalidArgument(_)))));
-        assert_eq!(log.0.last().unwrap(), "-fwd.layer.attn.rope@Some(0)");
-        assert_eq!(fallbacks.len(), 1);
-        // A naive selection never tries fused.
-        let naive = Backends::all(Backend::Naive);
-        let mut step = Step {
-            fallbacks: &mut fallbacks,
-            unsupported: &mut unsupported,
-            backends: &naive,
-            obs: &mut log,
-        };
-        let mut seen = Vec::new();
-        step.run(ModuleKind::Prenorm, 1, Some(0), "8 tokens", |b| {
-            seen.push(b);
-            Ok(())
-        })
-        .unwrap();
-        assert_eq!(seen, vec![Backend::Naive]);
-        assert_eq!(log.0.last().unwrap(), "-fwd.layer.mlp.prenorm@Some(0)");
     }
 }

@@ -2,7 +2,7 @@
 //! the same names), a pair of CUDA events on the stream (GPU time per call), and host timestamps on a
 //! caller-chosen clock (CUPTI's, so kernels can be attributed with [`crate::profile::attribute`]).
 
-use crate::model::Observer;
+use crate::modules::Observer;
 use crate::profile::RangeRecord;
 use cudarc::driver::{sys::CUevent_flags, CudaEvent, CudaStream, DriverError};
 use std::sync::Arc;

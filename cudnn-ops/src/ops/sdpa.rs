@@ -156,7 +156,7 @@ impl SdpaArgs {
         }
     }
 
-    /// What both backends do first: [`check_dtype`], [`SdpaArgs::check`], then [`SdpaArgs::normalized`].
+    /// What both backends do first: `check_dtype`, [`SdpaArgs::check`], then [`SdpaArgs::normalized`].
     pub fn validated(self, dtype: DataType, lens: SdpaLens) -> Result<Self> {
         check_dtype(dtype)?;
         self.check(lens)?;

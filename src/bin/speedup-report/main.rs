@@ -13,16 +13,15 @@
 
 use clap::Parser;
 use cudnn_llm::bench_util::copy_bandwidth_gbps;
-use cudnn_llm::report_chart;
-use cudnn_llm::report_cli::{Options, Plan};
+use cudnn_llm::report::cli::{Options, Resolved};
+use cudnn_llm::report::{chart, FirstCall, Meta, ModuleRow, Report, Scenario, Side};
 use cudnn_llm::{reference, BUILD};
 use cudnn_ops::{Cudnn, DataType, Element};
 use half::{bf16, f16};
 use indicatif::{ProgressBar, ProgressStyle};
-use llama::report::{FirstCall, Meta, ModuleRow, Report, Scenario, Side};
 use llama::roofline::DecodeRoofline;
 use llama::weights::Weights;
-use llama::{Backend, Backends, Llama, ModuleKind, NoObserver};
+use llama::{Backend, Backends, Llama, NoObserver, Site};
 use std::collections::BTreeMap;
 use std::process::ExitCode;
 
@@ -63,21 +62,60 @@ fn main() -> ExitCode {
     }
 }
 
-fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error> {
-    let cfg = &plan.config;
-    let info = ctx.info().clone();
+/// The report's steps: load the model, measure every scenario, check that fused and naive agree,
+/// gather the run's metadata, write the files. Disagreement fails the run after the report is written.
+fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Resolved) -> Result<(), Error> {
     let clocks_start = gpu_clocks();
-    eprintln!("speedup-report: {} x {} layers, {}, on {}", cfg.name, cfg.layers, plan.dtype, info.name);
+    eprintln!(
+        "speedup-report: {} x {} layers, {}, on {}",
+        plan.config.name,
+        plan.config.layers,
+        plan.dtype,
+        ctx.info().name
+    );
     let weights = match &plan.model_dir {
-        Some(dir) => Weights::<T>::load(cfg, dir)?,
-        None => Weights::<T>::random(cfg, 0),
+        Some(dir) => Weights::<T>::load(&plan.config, dir)?,
+        None => Weights::<T>::random(&plan.config, 0),
     };
     // Checked by resolve: within the model's positions, and every activation size fits.
-    let max_seq = plan.max_seq;
-    let mut model = Llama::new(ctx, cfg, &weights, max_seq)?;
+    let mut model = Llama::new(ctx, &plan.config, &weights, plan.max_seq)?;
     drop(weights);
     let kernels = Kernels::probe();
+    let measured = measure_all(ctx, &mut model, opts, plan, &kernels)?;
+    let (agreement, disagree) = check(&measured.hidden, plan);
+    let meta = metadata(ctx, opts, plan, &model, &kernels, &measured, agreement, clocks_start);
+    let report = Report { meta, scenarios: measured.scenarios };
+    write(&report, opts)?;
+    match disagree {
+        Some(e) => Err(e.into()),
+        None => Ok(()),
+    }
+}
 
+/// What [`measure_all`] measured.
+struct Measurements<T> {
+    scenarios: Vec<Scenario>,
+    /// Lines for the metadata: CUDA-graph replays that failed, the decode roofline.
+    extra: Vec<(String, String)>,
+    /// Device memory of the model (weights, KV cache) before any forward.
+    base: u64,
+    /// Per backend, the high-water mark of device memory.
+    peak: BTreeMap<String, u64>,
+    /// Prefill hidden states, naive then fused.
+    hidden: Vec<Vec<T>>,
+}
+
+/// Measures each scenario (prefill, then decode steps) on all-naive and on the fused selection, keeps
+/// both prefill outputs for [`check`], then times the fused prefill and decode step replayed as CUDA
+/// graphs against plain launches.
+fn measure_all<T: Element>(
+    ctx: &Cudnn,
+    model: &mut Llama<T>,
+    opts: &Options,
+    plan: &Resolved,
+    kernels: &Kernels,
+) -> Result<Measurements<T>, Error> {
+    let cfg = &plan.config;
     let prompt: Vec<Vec<u32>> = (0..opts.batch)
         .map(|b: usize| {
             let id = |t: usize| b.wrapping_mul(7919).wrapping_add(t.wrapping_mul(104729)) % cfg.vocab;
@@ -105,61 +143,43 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
     let bar = ProgressBar::new(total as u64).with_style(
         ProgressStyle::with_template("{msg:>28} [{bar:30}] {pos}/{len} forwards").expect("a valid template"),
     );
-    let mut cache = model.cache(ctx, opts.batch, max_seq)?;
+    let mut cache = model.cache(ctx, opts.batch, plan.max_seq)?;
     ctx.synchronize()?;
     let base = ctx.pool_memory()?.0;
-    let mut scenarios = Vec::new();
-    let mut extra = Vec::new();
-    let mut peak = BTreeMap::new();
-    let mut hidden: Vec<Vec<T>> = Vec::new();
+    let mut m = Measurements {
+        scenarios: Vec::new(),
+        extra: Vec::new(),
+        base,
+        peak: BTreeMap::new(),
+        hidden: Vec::new(),
+    };
     for work in &works {
-        let measured = measure(
-            ctx,
-            &mut model,
-            &mut cache,
-            work,
-            &prompt,
-            &selections,
-            opts,
-            &kernels,
-            &bar,
-            &mut peak,
-        )?;
+        let measured =
+            measure(ctx, model, &mut cache, work, &prompt, &selections, opts, kernels, &bar, &mut m.peak)?;
         for (_, backends) in selections.iter().filter(|_| work.start == 0) {
             cache.clear();
             let out = model.forward(ctx, &work.tokens[0], &mut cache, backends, &mut NoObserver)?;
             let rows = opts.batch * opts.seq * cfg.hidden;
-            hidden.push(ctx.stream().clone_dtoh(&out.slice(..rows))?);
+            m.hidden.push(ctx.stream().clone_dtoh(&out.slice(..rows))?);
         }
-        scenarios.push(scenario(work, &measured, &model));
+        m.scenarios.push(scenario(work, &measured, model));
     }
     bar.finish_and_clear();
-    let mut disagree = None;
-    if let [naive, fused] = &hidden[..] {
-        let naive: Vec<f64> = naive.iter().map(|v| v.to_f64()).collect();
-        let c = reference::compare(fused, &naive);
-        eprintln!("speedup-report: fused vs naive hidden states: {c}");
-        extra.push(("fused vs naive hidden states (prefill)".into(), c.to_string()));
-        if !c.passes(agreement(plan)) {
-            disagree = Some(format!("fused and naive outputs disagree: {c} (the report is written anyway)"));
-        }
-    }
     // The whole prefill forward replayed as a CUDA graph (plans are built and tuned by now).
-    let graph_ms = graph_replay(ctx, &mut model, &mut cache, &prompt, &plan.fused, opts.repeat);
-    match &graph_ms {
+    match graph_replay(ctx, model, &mut cache, &prompt, &plan.fused, opts.repeat) {
         Ok((plain, replay)) => {
-            let f = &mut scenarios[0].forward_ms;
-            f.push(("fused, plain launches (wall, alternating with replays)".into(), *plain));
-            f.push(("fused, CUDA graph replay (wall)".into(), *replay));
+            let f = &mut m.scenarios[0].forward_ms;
+            f.push(("fused, plain launches (wall, alternating with replays)".into(), plain));
+            f.push(("fused, CUDA graph replay (wall)".into(), replay));
         }
-        Err(e) => extra.push(("CUDA graph replay".into(), format!("failed: {e}"))),
+        Err(e) => m.extra.push(("CUDA graph replay".into(), format!("failed: {e}"))),
     }
     // A fused decode step with its logits, launched plainly and replayed, against the memory floor.
     if opts.decode_steps >= 2 {
         let steps = opts.decode_steps - 1; // after the warm step that builds the plans
-        match decode_graph(ctx, &mut model, &mut cache, &prompt, &plan.fused, steps, opts.repeat) {
+        match decode_graph(ctx, model, &mut cache, &prompt, &plan.fused, steps, opts.repeat) {
             Ok((plain, replay)) => {
-                let f = &mut scenarios[1].forward_ms;
+                let f = &mut m.scenarios[1].forward_ms;
                 f.push(("fused step + logits, plain launches (wall)".into(), plain));
                 f.push(("fused step + logits, CUDA graph replay (wall)".into(), replay));
                 // Step s (of 0..steps) runs after seq + 1 + s cached tokens: the mean is half-way.
@@ -176,14 +196,50 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
                     ),
                     Err(e) => format!("copy bandwidth not measured: {e}"),
                 };
-                extra.push(("decode roofline (step + logits)".into(), line));
+                m.extra.push(("decode roofline (step + logits)".into(), line));
             }
-            Err(e) => extra.push(("decode CUDA graph".into(), format!("not measured: {e}"))),
+            Err(e) => m.extra.push(("decode CUDA graph".into(), format!("not measured: {e}"))),
         }
     }
+    Ok(m)
+}
+
+/// Compares the fused prefill hidden states with the naive ones: the metadata line, and the error to
+/// fail the run with (after the report is written) when they disagree beyond [`agreement`].
+fn check<T: Element>(hidden: &[Vec<T>], plan: &Resolved) -> (Option<(String, String)>, Option<String>) {
+    let [naive, fused] = hidden else {
+        return (None, None);
+    };
+    let naive: Vec<f64> = naive.iter().map(|v| v.to_f64()).collect();
+    let c = reference::compare(fused, &naive);
+    eprintln!("speedup-report: fused vs naive hidden states: {c}");
+    let disagree = (!c.passes(agreement(plan)))
+        .then(|| format!("fused and naive outputs disagree: {c} (the report is written anyway)"));
+    (Some(("fused vs naive hidden states (prefill)".into(), c.to_string())), disagree)
+}
+
+/// The run's metadata: GPU, driver, cuDNN, build, model and selection, then the extra lines (the
+/// agreement check, measurements' notes, memory, weights, clocks, kernel attribution, each fused
+/// plan's engine, each fallback).
+#[allow(clippy::too_many_arguments)]
+fn metadata<T: Element>(
+    ctx: &Cudnn,
+    opts: &Options,
+    plan: &Resolved,
+    model: &Llama<T>,
+    kernels: &Kernels,
+    measured: &Measurements<T>,
+    agreement: Option<(String, String)>,
+    clocks_start: String,
+) -> Meta {
+    let cfg = &plan.config;
+    let info = ctx.info();
+    let mut extra: Vec<(String, String)> = agreement.into_iter().collect();
+    extra.extend(measured.extra.iter().cloned());
     let gib = |b: u64| format!("{:.3} GiB", b as f64 / (1u64 << 30) as f64);
+    let base = measured.base;
     extra.push(("device memory of the model (weights, KV cache) before any forward".into(), gib(base)));
-    for (label, bytes) in &peak {
+    for (label, bytes) in &measured.peak {
         extra.push((
             format!("peak device memory, {label} runs (stream-ordered allocations)"),
             format!("{} (+{} over the model)", gib(*bytes), gib(bytes.saturating_sub(base))),
@@ -206,7 +262,31 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
             "unavailable: CUDA-event times only".into()
         },
     ));
-    // Which engine each fused plan runs (and, for autotuned plans, the best and worst candidate).
+    for (i, p) in plan_lines(ctx).into_iter().enumerate() {
+        extra.push((format!("plan {}", i + 1), p));
+    }
+    for f in model.fallbacks() {
+        extra.push((format!("fallback {} layer {:?} ({})", f.range, f.layer, f.shape), f.reason.clone()));
+    }
+    let shape = format!("{} layers, batch {}, seq {}", cfg.layers, opts.batch, opts.seq);
+    Meta {
+        gpu: info.name.clone(),
+        driver: gpu_query("driver_version"),
+        cuda: info.driver_version.to_string(),
+        cudnn: info.cudnn_version_string(),
+        git_revision: BUILD.git_revision.into(),
+        model: match &plan.model_dir {
+            Some(dir) => format!("{} ({}) x {shape}", cfg.name, dir.display()),
+            None => format!("{} x {shape}", cfg.name),
+        },
+        dtype: plan.dtype.to_string(),
+        fused: plan.fused.to_selection(),
+        extra,
+    }
+}
+
+/// Which engine each fused plan runs (and, for autotuned plans, the best and worst candidate), sorted.
+fn plan_lines(ctx: &Cudnn) -> Vec<String> {
     let mut plans: Vec<String> = ctx
         .cache()
         .plans()
@@ -230,38 +310,11 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
         })
         .collect();
     plans.sort();
-    for (i, p) in plans.into_iter().enumerate() {
-        extra.push((format!("plan {}", i + 1), p));
-    }
-    for f in model.fallbacks() {
-        extra.push((format!("fallback {} layer {:?} ({})", f.range, f.layer, f.shape), f.reason.clone()));
-    }
-    let report = Report {
-        meta: Meta {
-            gpu: info.name.clone(),
-            driver: gpu_query("driver_version"),
-            cuda: info.driver_version.to_string(),
-            cudnn: info.cudnn_version_string(),
-            git_revision: BUILD.git_revision.into(),
-            model: match &plan.model_dir {
-                Some(dir) => format!(
-                    "{} ({}) x {} layers, batch {}, seq {}",
-                    cfg.name,
-                    dir.display(),
-                    cfg.layers,
-                    opts.batch,
-                    opts.seq
-                ),
-                None => {
-                    format!("{} x {} layers, batch {}, seq {}", cfg.name, cfg.layers, opts.batch, opts.seq)
-                }
-            },
-            dtype: plan.dtype.to_string(),
-            fused: plan.fused.to_selection(),
-            extra,
-        },
-        scenarios,
-    };
+    plans
+}
+
+/// Prints each scenario's table and forward times, and writes report.{md,csv,json,svg} to `--out`.
+fn write(report: &Report, opts: &Options) -> Result<(), Error> {
     for s in &report.scenarios {
         println!("\n{}\n{}", s.name, report.table(s, false));
         for (what, ms) in &s.forward_ms {
@@ -272,12 +325,9 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
     std::fs::write(opts.out.join("report.md"), report.to_markdown())?;
     std::fs::write(opts.out.join("report.csv"), report.to_csv()?)?;
     std::fs::write(opts.out.join("report.json"), report.to_json())?;
-    std::fs::write(opts.out.join("report.svg"), report_chart::svg(&report)?)?;
+    std::fs::write(opts.out.join("report.svg"), chart::svg(report)?)?;
     println!("\nwrote report.{{md,csv,json,svg}} to {}", opts.out.display());
-    match disagree {
-        Some(e) => Err(e.into()),
-        None => Ok(()),
-    }
+    Ok(())
 }
 
 /// Rows in forward order, per forward (averaged over the measured forwards).
@@ -285,22 +335,12 @@ fn scenario<T: Element>(work: &Work, m: &[Measured], model: &Llama<T>) -> Scenar
     let (naive, fused) = (&m[0], &m[1]);
     let mut rows = Vec::new();
     // Forward order: embedding, the attention half, the MLP half, then the once-per-forward modules.
-    let names = [
-        llama::model::EMBED_RANGE,
-        "fwd.layer.attn.prenorm",
-        "fwd.layer.attn.qkv_proj",
-        "fwd.layer.attn.rope",
-        "fwd.layer.attn.gqa",
-        "fwd.layer.attn.o_proj",
-        "fwd.layer.mlp.prenorm",
-        "fwd.layer.mlp.mlp",
-        "fwd.output_norm",
-        "fwd.lm_head",
-        llama::profile::UNATTRIBUTED,
-    ];
-    debug_assert!(ModuleKind::ALL.iter().flat_map(|k| k.ranges()).all(|r| names.contains(r)));
+    let names: Vec<&str> = std::iter::once(llama::model::EMBED_RANGE)
+        .chain(Site::ALL.iter().map(|s| s.range))
+        .chain([llama::profile::UNATTRIBUTED])
+        .collect();
     let empty = Sums::default();
-    for name in names {
+    for &name in &names {
         let (n, f) = (naive.sums.get(name), fused.sums.get(name));
         if n.is_none() && f.is_none() {
             continue;
@@ -369,7 +409,7 @@ fn gpu_clocks() -> String {
 /// and with transformers' initialization: on an 8B-shaped, 32-layer random checkpoint written by
 /// transformers, transformers' own bf16 forward is 5.3e-2 from its fp32 forward, naive and fused are
 /// 1.01x and 0.87x that, and 6.7e-2 from each other (benches/results/h100/hf_parity-8b-32layers.md).
-fn agreement(plan: &Plan) -> reference::Tolerance {
+fn agreement(plan: &Resolved) -> reference::Tolerance {
     let rel_l2 = if plan.model_dir.is_some() { 1e-1 } else { 3e-2 };
     reference::Tolerance { rel_l2 }
 }

@@ -4,7 +4,7 @@
 use crate::kernels::Kernels;
 use crate::Error;
 use cudnn_llm::bench_util::{gpu_and_wall_ms, median, wall_ms};
-use cudnn_llm::report_cli::Options;
+use cudnn_llm::report::cli::Options;
 use cudnn_ops::{Cudnn, Element};
 use indicatif::ProgressBar;
 use llama::profile::{attribute, KernelRecord, RangeRecord};

@@ -1,8 +1,12 @@
 //! The per-module speedup report: rows per module range and scenario, with the run's metadata, as a
-//! terminal/markdown table, CSV (the same rows, one line each) and JSON (everything).
+//! terminal/markdown table, CSV (the same rows, one line each) and JSON (everything); [`chart`] draws it
+//! as SVG, and [`cli`] holds the `speedup-report` binary's options.
 
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
+
+pub mod chart;
+pub mod cli;
 
 /// What one module range did on each backend in one scenario.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

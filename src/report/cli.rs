@@ -49,7 +49,7 @@ pub struct Options {
 
 /// The options, checked and resolved.
 #[derive(Debug, Clone)]
-pub struct Plan {
+pub struct Resolved {
     /// The model shape.
     pub config: LlamaConfig,
     /// The checkpoint directory to load weights from (`--model`); `None`: random weights.
@@ -68,7 +68,7 @@ pub struct Plan {
 impl Options {
     /// Resolves the model (a preset, or `--model`'s config.json), layer count, sizes, backend
     /// selection and dtype; errors say what is wrong and name the option. Reads no weights.
-    pub fn resolve(&self) -> Result<Plan, String> {
+    pub fn resolve(&self) -> Result<Resolved, String> {
         let mut config = match &self.model {
             Some(dir) => LlamaConfig::from_dir(dir).map_err(|e| format!("--model {}: {e}", dir.display()))?,
             None => LlamaConfig::preset(&self.config).map_err(|e| e.to_string())?,
@@ -135,7 +135,7 @@ impl Options {
             Some(d @ (DataType::BF16 | DataType::F16)) => d,
             _ => return Err(format!("--dtype {} is not supported: use bf16 or f16", self.dtype)),
         };
-        Ok(Plan { config, model_dir: self.model.clone(), max_seq, forwards, fused, dtype })
+        Ok(Resolved { config, model_dir: self.model.clone(), max_seq, forwards, fused, dtype })
     }
 }
 

@@ -1,7 +1,7 @@
 //! The report's SVG: per scenario, the fused speedup of each module range (bars, log scale not needed:
 //! speedups are 0-20×), and the time breakdown of each backend stacked by module.
 
-use llama::report::Report;
+use super::Report;
 use plotters::prelude::*;
 
 const COLORS: [RGBColor; 10] = [
@@ -125,7 +125,7 @@ pub fn svg(report: &Report) -> Result<String, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use llama::report::{Meta, ModuleRow, Scenario, Side};
+    use crate::report::{Meta, ModuleRow, Scenario, Side};
 
     fn side(kernels: usize, kernel_ms: f64) -> Side {
         Side { kernels, kernel_ms, event_ms: kernel_ms }

@@ -1,0 +1,128 @@
+//! Grouped-query attention with RoPE and a KV cache.
+
+use super::linear::{Linear, Then};
+use super::{Pass, Tokens};
+use crate::backends::Site;
+use crate::{Backend, Result};
+use cudarc::driver::CudaSlice;
+use cudnn_ops::{
+    rope_at, rope_with, sdpa_padded, sdpa_with, write_cache, write_cache_at, CacheWrite, Element, Layout,
+    Mask, RopeArgs, SdpaArgs,
+};
+
+/// One layer's K and V caches (`[batch, max_seq, h_kv · d]` each) and the device values a decode step
+/// reads: per sequence, the keys it attends to and its query count (the run-time lengths of the padded
+/// attention plan), and the position it writes.
+pub(crate) struct LayerCache<'a, T> {
+    pub(crate) k: &'a mut CudaSlice<T>,
+    pub(crate) v: &'a mut CudaSlice<T>,
+    pub(crate) max_seq: usize,
+    pub(crate) kv_lens: &'a CudaSlice<i32>,
+    pub(crate) q_lens: &'a CudaSlice<i32>,
+    pub(crate) positions: &'a CudaSlice<i32>,
+}
+
+/// Attention's scratch: the fused Q/K/V rows and the attention output.
+pub(crate) struct AttnBuffers<T> {
+    pub(crate) qkv: CudaSlice<T>,
+    pub(crate) o: CudaSlice<T>,
+}
+
+/// `o_proj(gqa(rope(qkv_proj(h))))`, with `heads` query heads sharing `kv_heads` K/V heads.
+pub(crate) struct Attention<T> {
+    pub(crate) qkv_proj: Linear<T>,
+    pub(crate) o_proj: Linear<T>,
+    pub(crate) heads: usize,
+    pub(crate) kv_heads: usize,
+    pub(crate) head_dim: usize,
+    pub(crate) layer: usize,
+}
+
+impl<T: Element> Attention<T> {
+    /// `sum = x + attn(h)`, appending the pass's K and V to `cache`.
+    pub(crate) fn forward(
+        &self,
+        p: &mut Pass<'_, T>,
+        h: &CudaSlice<T>,
+        bufs: &mut AttnBuffers<T>,
+        cache: LayerCache<'_, T>,
+        x: &CudaSlice<T>,
+        sum: &mut CudaSlice<T>,
+    ) -> Result<()> {
+        let (ctx, rows, at) = (p.ctx, p.tokens.rows(), Some(self.layer));
+        let AttnBuffers { qkv, o } = bufs;
+        p.dispatch.run(Site::QKV_PROJ, at, &p.shape, |b| {
+            self.qkv_proj.forward(b, ctx, rows, h, Then::Nothing, qkv)
+        })?;
+        self.rope(p, qkv, cache.positions)?;
+        self.gqa(p, qkv, cache, o)?;
+        p.dispatch
+            .run(Site::O_PROJ, at, &p.shape, |b| self.o_proj.forward(b, ctx, rows, o, Then::AddTo(x), sum))
+    }
+
+    /// Elements of a Q/K/V row: `(h_q + 2·h_kv)·d`.
+    fn width(&self) -> usize {
+        (self.heads + 2 * self.kv_heads) * self.head_dim
+    }
+
+    /// Rotates Q and K in place; fused decode steps read the position on the device.
+    fn rope(&self, p: &mut Pass<'_, T>, qkv: &mut CudaSlice<T>, positions: &CudaSlice<i32>) -> Result<()> {
+        let Tokens { batch, seq, start } = p.tokens;
+        let (heads_q, heads_kv, head_dim, row_stride) =
+            (self.heads, self.kv_heads, self.head_dim, self.width());
+        let args = RopeArgs { batch, seq, heads_q, heads_kv, head_dim, row_stride, start };
+        let (ctx, tables, on_device) = (p.ctx, p.rope, p.positions.on_device);
+        let baked = &mut p.positions.baked;
+        p.dispatch.run(Site::ROPE, Some(self.layer), &p.shape, |b| {
+            if b == Backend::Fused && on_device {
+                return rope_at(ctx, args, tables, qkv, positions);
+            }
+            *baked = true;
+            rope_with(b, ctx, args, tables, qkv)
+        })
+    }
+
+    /// Writes the pass's K and V rows into the cache, then attends: prefill with a top-left causal
+    /// mask, later passes (decode, chunked prefill) bottom-right aligned over the cache. Fused decode
+    /// steps all run one attention plan: the whole cache is its capacity and the lengths are device
+    /// values (cuDNN 9.15+), so a new cache length builds no plan.
+    fn gqa(
+        &self,
+        p: &mut Pass<'_, T>,
+        qkv: &CudaSlice<T>,
+        cache: LayerCache<'_, T>,
+        o: &mut CudaSlice<T>,
+    ) -> Result<()> {
+        let Tokens { batch, seq, start } = p.tokens;
+        let (hq, hkv, d, w) = (self.heads, self.kv_heads, self.head_dim, self.width());
+        let LayerCache { k, v, max_seq, kv_lens, q_lens, positions } = cache;
+        let mask = if start == 0 { Mask::CausalTopLeft } else { Mask::CausalBottomRight };
+        let mut attn = SdpaArgs::new(batch, hq, hkv, seq, start + seq, d, Layout::Bshd).with_mask(mask);
+        attn.q_strides = [seq * w, d, w, 1];
+        let kv = [max_seq * hkv * d, d, hkv * d, 1];
+        (attn.k_strides, attn.v_strides) = (kv, kv);
+        // The fallback key leaves s_kv out, so decode steps do not retry a shape that failed.
+        let attn_shape = format!("{batch}x{seq} {}", mask.name());
+        let write = CacheWrite { batch, seq, cols: hkv * d, src_stride: w, max_seq, start };
+        let (ctx, on_device) = (p.ctx, p.positions.on_device);
+        let (padded, baked) = (&mut p.positions.padded, &mut p.positions.baked);
+        p.dispatch.run(Site::GQA, Some(self.layer), &attn_shape, |b| {
+            let (k_src, v_src) = (qkv.slice(hq * d..), qkv.slice((hq + hkv) * d..));
+            if b == Backend::Fused && on_device && *padded {
+                // One plan for every decode step: the whole cache as capacity, lengths and the
+                // written row on the device.
+                write_cache_at(ctx, write, &k_src, k, positions)?;
+                write_cache_at(ctx, write, &v_src, v, positions)?;
+                let padded_args = SdpaArgs { seq_kv: max_seq, ..attn }.with_mask(Mask::None).with_seq_lens();
+                match sdpa_padded(ctx, padded_args, qkv, &*k, &*v, o, q_lens, kv_lens) {
+                    Err(cudnn_ops::Error::NotSupported { .. }) => *padded = false,
+                    done => return done,
+                }
+            }
+            *baked = true;
+            write_cache(ctx, write, &k_src, k)?;
+            write_cache(ctx, write, &v_src, v)?;
+            sdpa_with(b, ctx, attn, qkv, &*k, &*v, o, None)
+        })
+    }
+}

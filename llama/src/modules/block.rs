@@ -1,0 +1,73 @@
+//! One decoder layer.
+
+use super::attention::{Attention, AttnBuffers, LayerCache};
+use super::linear::Linear;
+use super::mlp::{Mlp, MlpBuffers};
+use super::norm::RmsNorm;
+use super::residual::Residual;
+use super::Pass;
+use crate::backends::Site;
+use crate::config::LlamaConfig;
+use crate::weights::LayerWeights;
+use crate::Result;
+use cudarc::driver::CudaSlice;
+use cudnn_ops::{Cudnn, Element};
+
+/// The scratch buffers of a layer: the normed hidden state `h`, attention's and the MLP's.
+pub(crate) struct Scratch<T> {
+    pub(crate) h: CudaSlice<T>,
+    pub(crate) attn: AttnBuffers<T>,
+    pub(crate) mlp: MlpBuffers<T>,
+}
+
+/// A pre-norm decoder layer: `x += attn(attn_norm(x)); x += mlp(mlp_norm(x))`.
+pub(crate) struct Block<T> {
+    attn_norm: RmsNorm<T>,
+    attn: Attention<T>,
+    mlp_norm: RmsNorm<T>,
+    mlp: Mlp<T>,
+}
+
+impl<T: Element> Block<T> {
+    /// Uploads layer `layer`'s weights; Q, K and V projections become one `[(h_q + 2·h_kv)·d, hidden]`
+    /// weight.
+    pub(crate) fn new(ctx: &Cudnn, cfg: &LlamaConfig, layer: usize, w: &LayerWeights<T>) -> Result<Self> {
+        let upload = |data: &[T]| ctx.stream().clone_htod(data).map_err(cudnn_ops::Error::from);
+        let qkv: Vec<T> =
+            [&w.q_proj, &w.k_proj, &w.v_proj].iter().flat_map(|t| t.data.iter().copied()).collect();
+        let (hidden, eps) = (cfg.hidden, cfg.rms_eps as f32);
+        Ok(Block {
+            attn_norm: RmsNorm::new(upload(&w.attn_norm.data)?, hidden, eps, Site::ATTN_PRENORM, Some(layer)),
+            attn: Attention {
+                qkv_proj: Linear::new(upload(&qkv)?, hidden, cfg.qkv_width()),
+                o_proj: Linear::new(upload(&w.o_proj.data)?, cfg.attn_width(), hidden),
+                heads: cfg.heads,
+                kv_heads: cfg.kv_heads,
+                head_dim: cfg.head_dim,
+                layer,
+            },
+            mlp_norm: RmsNorm::new(upload(&w.mlp_norm.data)?, hidden, eps, Site::MLP_PRENORM, Some(layer)),
+            mlp: Mlp {
+                gate: Linear::new(upload(&w.gate_proj.data)?, hidden, cfg.ffn),
+                up: Linear::new(upload(&w.up_proj.data)?, hidden, cfg.ffn),
+                down: Linear::new(upload(&w.down_proj.data)?, cfg.ffn, hidden),
+                layer,
+            },
+        })
+    }
+
+    /// The layer over the pass's tokens, appending their K and V to `cache`.
+    pub(crate) fn forward(
+        &self,
+        p: &mut Pass<'_, T>,
+        x: &mut Residual<T>,
+        s: &mut Scratch<T>,
+        cache: LayerCache<'_, T>,
+    ) -> Result<()> {
+        let Scratch { h, attn, mlp } = s;
+        self.attn_norm.forward(p, x.get(), h)?;
+        x.add(|x, sum| self.attn.forward(p, h, attn, cache, x, sum))?;
+        self.mlp_norm.forward(p, x.get(), h)?;
+        x.add(|x, sum| self.mlp.forward(p, h, mlp, x, sum))
+    }
+}

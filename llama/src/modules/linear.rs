@@ -1,0 +1,49 @@
+//! A linear layer and what its epilogue adds.
+
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudnn_ops::{linear, Backend, Cudnn, Element, Epilogue, Operands};
+
+/// What a linear layer's epilogue does with `x · Wᵀ` (fused into the GEMM's graph, or one more naive
+/// kernel).
+pub(crate) enum Then<'a, T: Element> {
+    /// Nothing: `x · Wᵀ`.
+    Nothing,
+    /// `silu(x · Wᵀ) · up` (the gate projection of a SwiGLU MLP).
+    SwiGlu(&'a dyn DevicePtr<T>),
+    /// `residual + x · Wᵀ`.
+    AddTo(&'a dyn DevicePtr<T>),
+}
+
+/// A weight `[out_features, in_features]` (row-major, as checkpoints store it) applied as `x · Wᵀ`.
+pub(crate) struct Linear<T> {
+    pub(crate) weight: CudaSlice<T>,
+    pub(crate) in_features: usize,
+    pub(crate) out_features: usize,
+}
+
+impl<T: Element> Linear<T> {
+    pub(crate) fn new(weight: CudaSlice<T>, in_features: usize, out_features: usize) -> Self {
+        Linear { weight, in_features, out_features }
+    }
+
+    /// `out = then(x · Wᵀ)` over `tokens` rows of `x`, on `backend`.
+    pub(crate) fn forward(
+        &self,
+        backend: Backend,
+        ctx: &Cudnn,
+        tokens: usize,
+        x: &dyn DevicePtr<T>,
+        then: Then<'_, T>,
+        out: &mut (impl DevicePtrMut<T> + ?Sized),
+    ) -> cudnn_ops::Result<()> {
+        let shape =
+            cudnn_ops::Linear { tokens, in_features: self.in_features, out_features: self.out_features };
+        let operands = Operands::new(x, &self.weight);
+        let (epilogue, operands) = match then {
+            Then::Nothing => (Epilogue::NONE, operands),
+            Then::SwiGlu(up) => (Epilogue::SWIGLU, operands.gate(up)),
+            Then::AddTo(residual) => (Epilogue::RESIDUAL, operands.residual(residual)),
+        };
+        linear(backend, ctx, shape, epilogue, &operands, out)
+    }
+}

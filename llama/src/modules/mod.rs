@@ -1,0 +1,105 @@
+//! The decoder's modules, each on one screen, and the state one forward pass hands them.
+//!
+//! ```text
+//! Llama::run                                             # model.rs
+//!     x = embed(ids)                                     # fwd.embed               Embedding
+//!     for block in blocks:                               # Block::forward
+//!         x += attn(attn_norm(x))                        # RmsNorm, Attention:
+//!             qkv = qkv_proj(h)                          #   fwd.layer.attn.qkv_proj
+//!             rope(qkv)                                  #   fwd.layer.attn.rope
+//!             o   = gqa(qkv, cache)                      #   fwd.layer.attn.gqa     (K/V cache writes)
+//!             x   = x + o_proj(o)                        #   fwd.layer.attn.o_proj  (residual epilogue)
+//!         x += mlp(mlp_norm(x))                          # RmsNorm, Mlp:
+//!             x   = x + down(silu(gate(h)) * up(h))      #   fwd.layer.mlp.mlp      (SwiGLU, residual epilogues)
+//!     y = output_norm(x)                                 # fwd.output_norm
+//! Llama::logits: lm_head(y)                              # fwd.lm_head             (the embedding when tied)
+//! ```
+//!
+//! Every module call goes through the pass's [`Dispatch`](dispatch::Dispatch): it picks the call's
+//! backend from the model's [`Backends`](crate::Backends) by [`Site`](crate::backends::Site) and layer,
+//! opens the observer's range, and runs a fused call that cuDNN cannot do on the naive backend
+//! instead (once per shape). `x` is a [`Residual`](residual::Residual): two buffers, an add reads one
+//! and writes the other. Each cudnn-ops op is called in one method: `rms_norm_with` in
+//! [`RmsNorm::forward`](norm::RmsNorm::forward), `linear` in [`Linear::forward`](linear::Linear::forward),
+//! RoPE, cache writes and SDPA in [`Attention`](attention::Attention), `embedding` in
+//! [`Embedding::forward`](embedding::Embedding::forward).
+//!
+//! Q, K and V live in one `[tokens, (h_q + 2·h_kv)·d]` buffer (one GEMM against the concatenated
+//! weight, as gpt-fast's `wqkv`); RoPE rotates Q and K there, K and V rows are copied into a
+//! preallocated cache, and attention reads Q and the cache through strides.
+
+pub(crate) mod attention;
+pub(crate) mod block;
+pub(crate) mod dispatch;
+pub(crate) mod embedding;
+pub(crate) mod linear;
+pub(crate) mod mlp;
+pub(crate) mod norm;
+pub(crate) mod residual;
+
+pub use dispatch::{Fallback, NoObserver, Observer};
+pub use embedding::EMBED_RANGE;
+
+use cudnn_ops::{Cudnn, RopeTables};
+use dispatch::Dispatch;
+
+/// The tokens of one pass: `batch` sequences of `seq` new tokens each, after `start` cached ones.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Tokens {
+    pub(crate) batch: usize,
+    pub(crate) seq: usize,
+    pub(crate) start: usize,
+}
+
+impl Tokens {
+    /// Rows of the activations: `batch · seq`.
+    pub(crate) fn rows(&self) -> usize {
+        self.batch * self.seq
+    }
+}
+
+/// How a pass's launches learn the new tokens' positions.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Positions {
+    /// Fused RoPE and attention read them from the cache's device buffers (a fused decode step on
+    /// the padded attention plan), so one captured step serves every position.
+    pub(crate) on_device: bool,
+    /// Decode steps share the padded attention plan (cuDNN 9.15+); false once cuDNN refused it.
+    pub(crate) padded: bool,
+    /// Some launch took the position as a host value: a captured graph of the pass replays it only.
+    pub(crate) baked: bool,
+}
+
+impl Positions {
+    /// A pass of `tokens`; `padded` says whether the padded attention plan still works.
+    pub(crate) fn new(tokens: Tokens, padded: bool) -> Self {
+        let on_device = tokens.seq == 1 && tokens.start > 0 && padded;
+        Positions { on_device, padded, baked: !on_device }
+    }
+}
+
+/// One forward pass's shared state, handed to every module's `forward`: the context, the dispatch,
+/// the tokens, the RoPE tables, and how positions are read.
+pub(crate) struct Pass<'a, T: cudnn_ops::Element> {
+    pub(crate) ctx: &'a Cudnn,
+    pub(crate) dispatch: Dispatch<'a>,
+    pub(crate) tokens: Tokens,
+    /// `"{rows} tokens"`: the shape fallbacks are recorded for.
+    pub(crate) shape: String,
+    pub(crate) rope: &'a RopeTables<T>,
+    pub(crate) positions: Positions,
+}
+
+impl<'a, T: cudnn_ops::Element> Pass<'a, T> {
+    /// A pass of `tokens`; `padded` as in [`Positions::new`].
+    pub(crate) fn new(
+        ctx: &'a Cudnn,
+        dispatch: Dispatch<'a>,
+        tokens: Tokens,
+        rope: &'a RopeTables<T>,
+        padded: bool,
+    ) -> Self {
+        let shape = format!("{} tokens", tokens.rows());
+        Pass { ctx, dispatch, tokens, shape, rope, positions: Positions::new(tokens, padded) }
+    }
+}

@@ -1,0 +1,42 @@
+//! RMSNorm.
+
+use super::Pass;
+use crate::backends::Site;
+use crate::Result;
+use cudarc::driver::CudaSlice;
+use cudnn_ops::{rms_norm_with, Element, RmsNormArgs};
+
+/// `x / rms(x) · weight` over each row of `hidden` values; a prenorm of one layer or the output norm.
+pub(crate) struct RmsNorm<T> {
+    weight: CudaSlice<T>,
+    hidden: usize,
+    epsilon: f32,
+    site: Site,
+    layer: Option<usize>,
+}
+
+impl<T: Element> RmsNorm<T> {
+    /// The norm at `site` of `layer` (`None`: the output norm).
+    pub(crate) fn new(
+        weight: CudaSlice<T>,
+        hidden: usize,
+        epsilon: f32,
+        site: Site,
+        layer: Option<usize>,
+    ) -> Self {
+        RmsNorm { weight, hidden, epsilon, site, layer }
+    }
+
+    /// `out = rms_norm(x) · weight`.
+    pub(crate) fn forward(
+        &self,
+        p: &mut Pass<'_, T>,
+        x: &CudaSlice<T>,
+        out: &mut CudaSlice<T>,
+    ) -> Result<()> {
+        let args = RmsNormArgs { tokens: p.tokens.rows(), hidden: self.hidden, epsilon: self.epsilon };
+        let ctx = p.ctx;
+        p.dispatch
+            .run(self.site, self.layer, &p.shape, |b| rms_norm_with(b, ctx, args, x, &self.weight, out, None))
+    }
+}
