@@ -1,12 +1,16 @@
 //! RMSNorm over row-major `[tokens, hidden]`: `y = x / sqrt(mean(x²) + ε) * weight`, f32 compute,
-//! I/O in bf16, f16 or f32. One cuDNN `NORM_FORWARD` (RMS_NORM) graph per shape, dtype and phase.
+//! I/O in bf16, f16 or f32. Fused: one cuDNN `NORM_FORWARD` (RMS_NORM) graph per shape, dtype and
+//! phase ([`RmsNormArgs::graph`]). Naive: Hugging Face's `LlamaRMSNorm.forward` as eager runs it
+//! ([`naive`]). The training phase (an inverse-RMS buffer in the operands) also writes the f32
+//! inverse RMS of each row.
 
-use crate::cache::PlanKey;
+mod fused;
+pub mod naive;
+
 use crate::dtype::{DataType, Element};
 use crate::error::ensure;
-use crate::graph::{Graph, NormPhase};
-use crate::plan::{Bindings, Plan};
-use crate::tensor::TensorSpec;
+use crate::graph::NormPhase;
+use crate::ops::Op;
 use crate::{Backend, Cudnn, Result};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
@@ -45,89 +49,82 @@ impl RmsNormArgs {
     }
 
     /// The plan-cache key for this shape.
-    pub fn key(&self, dtype: DataType, phase: NormPhase) -> PlanKey {
-        PlanKey::RmsNorm { tokens: self.tokens, hidden: self.hidden, row_stride: self.hidden, dtype, phase }
-    }
-
-    /// The cuDNN graph: X `[tokens, hidden, 1, 1]`, scale `[1, hidden, 1, 1]`, ε by value, Y like X, and in
-    /// training inv_rms `[tokens, 1, 1, 1]` f32.
-    pub fn graph(&self, dtype: DataType, phase: NormPhase) -> Graph {
-        let (n, d) = (self.tokens as i64, self.hidden as i64);
-        let mut g = Graph::new(format!("rmsnorm {n}x{d} {dtype} {}", phase.name()));
-        let x = g.tensor(TensorSpec::new("X", &[n, d, 1, 1], dtype).with_strides(&[d, 1, d, d]));
-        let w = g.tensor(TensorSpec::new("scale", &[1, d, 1, 1], dtype).with_strides(&[d, 1, d, d]));
-        let eps = g.tensor(TensorSpec::scalar("epsilon", DataType::F32, 4));
-        let out = g.rmsnorm(x, w, eps, phase);
-        g.output(out.y).name = "Y".into();
-        if let Some(inv) = out.inv_rms {
-            g.output(inv).name = "inv_rms".into();
-        }
-        g
-    }
-
-    /// The cached plan for this shape, built on first use.
-    pub fn plan(&self, ctx: &Cudnn, dtype: DataType, phase: NormPhase) -> Result<std::rc::Rc<Plan>> {
-        ctx.cache().get_or_build(&self.key(dtype, phase), || self.graph(dtype, phase).build(ctx))
+    pub fn key(&self, dtype: DataType, phase: NormPhase) -> Key {
+        Key { tokens: self.tokens, hidden: self.hidden, row_stride: self.hidden, dtype, phase }
     }
 }
 
-/// Fused RMSNorm, inference phase.
+/// What identifies an RMSNorm plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Key {
+    /// Rows.
+    pub tokens: usize,
+    /// Row length.
+    pub hidden: usize,
+    /// Element stride between rows (`hidden` when packed).
+    pub row_stride: usize,
+    /// I/O dtype (x, weight, y).
+    pub dtype: DataType,
+    /// Inference or training.
+    pub phase: NormPhase,
+}
+
+/// The buffers of an RMSNorm call: x and weight `[hidden]` in, y out, and in the training phase the
+/// f32 inverse RMS `[tokens]`.
+pub struct RmsNormOperands<'a, T: Element> {
+    /// `[tokens, hidden]` row-major.
+    pub x: &'a dyn DevicePtr<T>,
+    /// `[hidden]`.
+    pub weight: &'a dyn DevicePtr<T>,
+    /// `[tokens, hidden]`, like x.
+    pub y: &'a mut dyn DevicePtrMut<T>,
+    /// The f32 inverse RMS of each row; given, it selects the training phase.
+    pub inv_rms: Option<&'a mut dyn DevicePtrMut<f32>>,
+}
+
+impl<'a, T: Element> RmsNormOperands<'a, T> {
+    /// Inference: x and weight in, y out.
+    pub fn new(
+        x: &'a dyn DevicePtr<T>,
+        weight: &'a dyn DevicePtr<T>,
+        y: &'a mut dyn DevicePtrMut<T>,
+    ) -> Self {
+        RmsNormOperands { x, weight, y, inv_rms: None }
+    }
+
+    /// Training: also writes the f32 inverse RMS of each row.
+    pub fn inv_rms(mut self, inv_rms: &'a mut dyn DevicePtrMut<f32>) -> Self {
+        self.inv_rms = Some(inv_rms);
+        self
+    }
+
+    /// The phase the operands select.
+    pub fn phase(&self) -> NormPhase {
+        if self.inv_rms.is_some() {
+            NormPhase::Training
+        } else {
+            NormPhase::Inference
+        }
+    }
+}
+
+impl<T: Element> Op<T> for RmsNormArgs {
+    type Operands<'a> = RmsNormOperands<'a, T>;
+
+    fn checked(self, x: &RmsNormOperands<'_, T>) -> Result<Self> {
+        self.check(x.x.len(), x.weight.len(), x.y.len(), x.inv_rms.as_ref().map(|i| i.len()))?;
+        Ok(self)
+    }
+}
+
+/// RMSNorm on `backend`; the phase follows the operands ([`RmsNormOperands::inv_rms`] for training).
 pub fn rms_norm<T: Element>(
     ctx: &Cudnn,
     args: RmsNormArgs,
-    x: &(impl DevicePtr<T> + ?Sized),
-    weight: &(impl DevicePtr<T> + ?Sized),
-    y: &mut (impl DevicePtrMut<T> + ?Sized),
-) -> Result<()> {
-    fused::<T>(ctx, args, x, weight, y, None)
-}
-
-/// Fused RMSNorm, training phase: also writes the f32 inverse RMS of each row.
-pub fn rms_norm_train<T: Element>(
-    ctx: &Cudnn,
-    args: RmsNormArgs,
-    x: &(impl DevicePtr<T> + ?Sized),
-    weight: &(impl DevicePtr<T> + ?Sized),
-    y: &mut (impl DevicePtrMut<T> + ?Sized),
-    inv_rms: &mut impl DevicePtrMut<f32>,
-) -> Result<()> {
-    fused::<T>(ctx, args, x, weight, y, Some(inv_rms))
-}
-
-/// RMSNorm on the chosen backend; `inv_rms` selects the training phase.
-pub fn rms_norm_with<T: Element>(
+    x: RmsNormOperands<'_, T>,
     backend: Backend,
-    ctx: &Cudnn,
-    args: RmsNormArgs,
-    x: &(impl DevicePtr<T> + ?Sized),
-    weight: &(impl DevicePtr<T> + ?Sized),
-    y: &mut (impl DevicePtrMut<T> + ?Sized),
-    inv_rms: Option<&mut dyn DevicePtrMut<f32>>,
 ) -> Result<()> {
-    match backend {
-        Backend::Fused => fused::<T>(ctx, args, x, weight, y, inv_rms),
-        Backend::Naive => crate::naive::rmsnorm::run::<T>(ctx, args, x, weight, y, inv_rms),
-    }
-}
-
-fn fused<T: Element>(
-    ctx: &Cudnn,
-    args: RmsNormArgs,
-    x: &(impl DevicePtr<T> + ?Sized),
-    weight: &(impl DevicePtr<T> + ?Sized),
-    y: &mut (impl DevicePtrMut<T> + ?Sized),
-    inv_rms: Option<&mut dyn DevicePtrMut<f32>>,
-) -> Result<()> {
-    args.check(x.len(), weight.len(), y.len(), inv_rms.as_ref().map(|i| i.len()))?;
-    let phase = if inv_rms.is_some() { NormPhase::Training } else { NormPhase::Inference };
-    let plan = args.plan(ctx, T::DTYPE, phase)?;
-    // The graph is built with uids in creation order: X 1, scale 2, epsilon 3, Y 4, inv_rms 5.
-    let mut b = Bindings::new(ctx.stream());
-    b.input(1, x).input(2, weight).scalar_f32(3, args.epsilon).output(4, y);
-    if let Some(inv) = inv_rms {
-        b.output(5, inv);
-    }
-    plan.execute(ctx, &b)
+    crate::ops::run::<T, _>(ctx, args, x, backend)
 }
 
 #[cfg(test)]
@@ -156,19 +153,33 @@ mod tests {
     }
 
     #[test]
-    fn graph_binds_uids_in_creation_order() {
-        let a = RmsNormArgs { tokens: 7, hidden: 768, epsilon: 1e-5 };
-        for phase in [NormPhase::Inference, NormPhase::Training] {
-            let g = a.graph(DataType::BF16, phase);
-            g.validate().unwrap();
-            let bound: Vec<(String, i64)> =
-                g.tensors().iter().filter(|t| !t.is_virtual).map(|t| (t.name.clone(), t.uid)).collect();
-            let mut expected =
-                vec![("X".into(), 1), ("scale".into(), 2), ("epsilon".into(), 3), ("Y".into(), 4)];
-            if phase == NormPhase::Training {
-                expected.push(("inv_rms".into(), 5));
-            }
-            assert_eq!(bound, expected);
+    fn same_shape_same_key_any_change_different_key() {
+        use std::collections::hash_map::DefaultHasher;
+        use std::hash::{Hash, Hasher};
+        let key =
+            |tokens, hidden, dtype, phase| RmsNormArgs { tokens, hidden, epsilon: 1e-5 }.key(dtype, phase);
+        let hash = |k: &Key| {
+            let mut h = DefaultHasher::new();
+            k.hash(&mut h);
+            h.finish()
+        };
+        let base = key(30, 4096, DataType::BF16, NormPhase::Inference);
+        assert_eq!(base, key(30, 4096, DataType::BF16, NormPhase::Inference));
+        assert_eq!(hash(&base), hash(&key(30, 4096, DataType::BF16, NormPhase::Inference)));
+        // Epsilon is bound by value and never part of the key.
+        let eps =
+            RmsNormArgs { tokens: 30, hidden: 4096, epsilon: 1e-6 }.key(DataType::BF16, NormPhase::Inference);
+        assert_eq!(base, eps);
+        let changed = [
+            key(31, 4096, DataType::BF16, NormPhase::Inference),
+            key(30, 2048, DataType::BF16, NormPhase::Inference),
+            key(30, 4096, DataType::F16, NormPhase::Inference),
+            key(30, 4096, DataType::BF16, NormPhase::Training),
+            Key { row_stride: 4104, ..base },
+        ];
+        for k in changed {
+            assert_ne!(base, k);
+            assert_ne!(hash(&base), hash(&k), "{k:?}");
         }
     }
 }
