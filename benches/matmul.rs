@@ -26,9 +26,9 @@
 use criterion::{Criterion, Throughput};
 use cudarc::driver::CudaSlice;
 use cudnn_llm::bench_util::{bench_main, csv_and_markdown, environment, gpu_time_ms, median, write_results};
-use cudnn_llm::cudnn_ops::naive::matmul::kernel_count;
+use cudnn_llm::cudnn_ops::ops::matmul::naive::kernel_count;
 use cudnn_llm::cudnn_ops::{
-    matmul_with, reference, Activation, Backend, Cudnn, DataType, Epilogue, MatmulArgs, Operands, Result,
+    matmul, reference, Activation, Backend, Cudnn, DataType, Epilogue, MatmulArgs, MatmulOperands, Result,
     Tuning,
 };
 use half::bf16;
@@ -167,7 +167,12 @@ impl Pools {
         let bias = self.bias.slice(0..args.n());
         let u = self.u.slice(0..if e.gate { len } else { 0 });
         let r = self.r.slice(0..if e.residual { len } else { 0 });
-        let mut x = Operands::new(&a, &w);
+        let d = match backend {
+            Backend::Fused => &mut self.d_fused,
+            Backend::Naive => &mut self.d_naive,
+        };
+        let mut d = d.slice_mut(0..len);
+        let mut x = MatmulOperands::new(&a, &w, &mut d);
         if e.bias {
             x = x.bias(&bias);
         }
@@ -177,11 +182,7 @@ impl Pools {
         if e.residual {
             x = x.residual(&r);
         }
-        let d = match backend {
-            Backend::Fused => &mut self.d_fused,
-            Backend::Naive => &mut self.d_naive,
-        };
-        matmul_with(backend, ctx, args, e, &x, &mut d.slice_mut(0..len))
+        matmul(ctx, &args.with_epilogue(e), x, backend)
     }
 }
 
@@ -227,7 +228,7 @@ fn run(ctx: &Cudnn) -> Result<()> {
             }
         }
         ctx.synchronize()?;
-        if let Ok(plan) = case.args.plan(ctx, DataType::BF16, DataType::BF16, case.epilogue) {
+        if let Ok(plan) = case.args.with_epilogue(case.epilogue).plan(ctx, DataType::BF16, DataType::BF16) {
             row.engine = plan.engine().to_string();
             row.tuning =
                 plan.timings().iter().map(|(e, ms)| format!("{e} {ms:.4}")).collect::<Vec<_>>().join(" ");

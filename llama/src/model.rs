@@ -28,9 +28,9 @@ use crate::weights::{Tensor, Weights};
 use crate::{Backend, Error, Result};
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 use cudnn_ops::{
-    check_ids, embedding, linear, rms_norm_with, rope_at, rope_with, sdpa_padded, sdpa_with, write_cache,
-    write_cache_at, CacheWrite, Cudnn, Element, Epilogue, Layout, Linear, Mask, Operands, RmsNormArgs,
-    RopeArgs, RopeTables, SdpaArgs,
+    check_ids, embedding, matmul, rms_norm, rope, sdpa, write_cache, CacheWrite, CacheWriteOperands, Cudnn,
+    Element, EmbeddingArgs, EmbeddingOperands, Epilogue, Layout, Mask, MatmulArgs, MatmulOperands,
+    RmsNormArgs, RmsNormOperands, RopeArgs, RopeOperands, RopeTables, SdpaArgs, SdpaOperands,
 };
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -511,29 +511,36 @@ impl<T: Element> Llama<T> {
         let device_positions = seq == 1 && start > 0 && padded_decode;
         let mut baked = !device_positions;
         me.obs.begin(EMBED_RANGE, None);
-        let embedded = embedding(ctx, &acts.ids, rows, &self.embed, c.vocab, hid, &mut acts.x[0]);
+        let embed = EmbeddingArgs { rows, vocab: c.vocab, hidden: hid };
+        let embedded = embedding(
+            ctx,
+            embed,
+            EmbeddingOperands { ids: &acts.ids, table: &self.embed, y: &mut acts.x[0] },
+        );
         me.obs.end(EMBED_RANGE, None);
         embedded?;
         let mut cur = 0;
         let norm = RmsNormArgs { tokens: rows, hidden: hid, epsilon: c.rms_eps as f32 };
-        let wide = Linear { tokens: rows, in_features: hid, out_features: c.ffn };
+        let wide = MatmulArgs::linear(rows, hid, c.ffn);
         for (l, layer) in self.layers.iter().enumerate() {
             let at = Some(l);
             let shape = format!("{rows} tokens");
             me.run(ModuleKind::Prenorm, 0, at, &shape, |b| {
-                rms_norm_with(b, ctx, norm, &acts.x[cur], &layer.attn_norm, &mut acts.h, None)
+                rms_norm(ctx, norm, RmsNormOperands::new(&acts.x[cur], &layer.attn_norm, &mut acts.h), b)
             })?;
-            let qkv_lin = Linear { tokens: rows, in_features: hid, out_features: w };
+            let qkv_lin = MatmulArgs::linear(rows, hid, w);
             me.run(ModuleKind::QkvProj, 0, at, &shape, |b| {
-                linear(b, ctx, qkv_lin, Epilogue::NONE, &Operands::new(&acts.h, &layer.qkv), &mut acts.qkv)
+                matmul(ctx, &qkv_lin, MatmulOperands::new(&acts.h, &layer.qkv, &mut acts.qkv), b)
             })?;
-            let rope = RopeArgs { batch, seq, heads_q: hq, heads_kv: hkv, head_dim: d, row_stride: w, start };
+            let rope_args =
+                RopeArgs { batch, seq, heads_q: hq, heads_kv: hkv, head_dim: d, row_stride: w, start };
             me.run(ModuleKind::Rope, 0, at, &shape, |b| {
+                let x = RopeOperands::new(&self.rope, &mut acts.qkv);
                 if b == Backend::Fused && device_positions {
-                    return rope_at(ctx, rope, &self.rope, &mut acts.qkv, &cache.positions);
+                    return rope(ctx, rope_args, x.starts(&cache.positions), b);
                 }
                 baked = true;
-                rope_with(b, ctx, rope, &self.rope, &mut acts.qkv)
+                rope(ctx, rope_args, x, b)
             })?;
             let mask = if start == 0 { Mask::CausalTopLeft } else { Mask::CausalBottomRight };
             let mut attn = SdpaArgs::new(batch, hq, hkv, seq, start + seq, d, Layout::Bshd).with_mask(mask);
@@ -551,62 +558,44 @@ impl<T: Element> Llama<T> {
                 if b == Backend::Fused && device_positions && padded_decode {
                     // One plan for every decode step: the whole cache as capacity, lengths and the
                     // written row on the device.
-                    write_cache_at(ctx, write, &k_src, kc, positions)?;
-                    write_cache_at(ctx, write, &v_src, vc, positions)?;
+                    write_cache(ctx, write, CacheWriteOperands::new(&k_src, kc).starts(positions))?;
+                    write_cache(ctx, write, CacheWriteOperands::new(&v_src, vc).starts(positions))?;
                     let padded = SdpaArgs { seq_kv: max_seq, ..attn }.with_mask(Mask::None).with_seq_lens();
-                    match sdpa_padded(ctx, padded, &acts.qkv, &*kc, &*vc, &mut acts.attn, q_lens, kv_lens) {
+                    let x =
+                        SdpaOperands::new(&acts.qkv, &*kc, &*vc, &mut acts.attn).seq_lens(q_lens, kv_lens);
+                    match sdpa(ctx, padded, x, Backend::Fused) {
                         Err(cudnn_ops::Error::NotSupported { .. }) => padded_decode = false,
                         done => return done,
                     }
                 }
                 baked = true;
-                write_cache(ctx, write, &k_src, kc)?;
-                write_cache(ctx, write, &v_src, vc)?;
-                sdpa_with(b, ctx, attn, &acts.qkv, &*kc, &*vc, &mut acts.attn, None)
+                write_cache(ctx, write, CacheWriteOperands::new(&k_src, kc))?;
+                write_cache(ctx, write, CacheWriteOperands::new(&v_src, vc))?;
+                sdpa(ctx, attn, SdpaOperands::new(&acts.qkv, &*kc, &*vc, &mut acts.attn), b)
             })?;
             let (xa, xb) = acts.x.split_at_mut(1);
             let (src, dst) = if cur == 0 { (&xa[0], &mut xb[0]) } else { (&xb[0], &mut xa[0]) };
-            let o_lin = Linear { tokens: rows, in_features: hq * d, out_features: hid };
+            let o_lin = MatmulArgs::linear(rows, hq * d, hid).with_epilogue(Epilogue::RESIDUAL);
             me.run(ModuleKind::OProj, 0, at, &shape, |b| {
-                linear(
-                    b,
-                    ctx,
-                    o_lin,
-                    Epilogue::RESIDUAL,
-                    &Operands::new(&acts.attn, &layer.o_proj).residual(src),
-                    dst,
-                )
+                matmul(ctx, &o_lin, MatmulOperands::new(&acts.attn, &layer.o_proj, dst).residual(src), b)
             })?;
             cur = 1 - cur;
             me.run(ModuleKind::Prenorm, 1, at, &shape, |b| {
-                rms_norm_with(b, ctx, norm, &acts.x[cur], &layer.mlp_norm, &mut acts.h, None)
+                rms_norm(ctx, norm, RmsNormOperands::new(&acts.x[cur], &layer.mlp_norm, &mut acts.h), b)
             })?;
             let (xa, xb) = acts.x.split_at_mut(1);
             let (src, dst) = if cur == 0 { (&xa[0], &mut xb[0]) } else { (&xb[0], &mut xa[0]) };
-            let narrow = Linear { tokens: rows, in_features: c.ffn, out_features: hid };
+            let narrow = MatmulArgs::linear(rows, c.ffn, hid).with_epilogue(Epilogue::RESIDUAL);
             me.run(ModuleKind::Mlp, 0, at, &shape, |b| {
-                linear(b, ctx, wide, Epilogue::NONE, &Operands::new(&acts.h, &layer.up), &mut acts.up)?;
-                linear(
-                    b,
-                    ctx,
-                    wide,
-                    Epilogue::SWIGLU,
-                    &Operands::new(&acts.h, &layer.gate).gate(&acts.up),
-                    &mut acts.act,
-                )?;
-                linear(
-                    b,
-                    ctx,
-                    narrow,
-                    Epilogue::RESIDUAL,
-                    &Operands::new(&acts.act, &layer.down).residual(src),
-                    dst,
-                )
+                matmul(ctx, &wide, MatmulOperands::new(&acts.h, &layer.up, &mut acts.up), b)?;
+                let gate = MatmulOperands::new(&acts.h, &layer.gate, &mut acts.act).gate(&acts.up);
+                matmul(ctx, &wide.with_epilogue(Epilogue::SWIGLU), gate, b)?;
+                matmul(ctx, &narrow, MatmulOperands::new(&acts.act, &layer.down, dst).residual(src), b)
             })?;
             cur = 1 - cur;
         }
         me.run(ModuleKind::OutputNorm, 0, None, &format!("{rows} tokens"), |b| {
-            rms_norm_with(b, ctx, norm, &acts.x[cur], &self.norm, &mut acts.out, None)
+            rms_norm(ctx, norm, RmsNormOperands::new(&acts.x[cur], &self.norm, &mut acts.out), b)
         })?;
         self.padded_decode = padded_decode;
         cache.len += seq;
@@ -646,11 +635,11 @@ impl<T: Element> Llama<T> {
         let n = rows.len();
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let x = acts.out.slice(rows.start * c.hidden..rows.end * c.hidden);
-        let lin = Linear { tokens: n, in_features: c.hidden, out_features: c.vocab };
+        let lin = MatmulArgs::linear(n, c.hidden, c.vocab);
         let mut me =
             Step { fallbacks: &mut self.fallbacks, unsupported: &mut self.unsupported, backends, obs };
         me.run(ModuleKind::LmHead, 0, None, &format!("{n} tokens"), |b| {
-            linear(b, ctx, lin, Epilogue::NONE, &Operands::new(&x, head), out)
+            matmul(ctx, &lin, MatmulOperands::new(&x, head, out), b)
         })
     }
 

@@ -11,9 +11,10 @@
 //! | [`rows`] | [`embedding`](rows::embedding), [`write_cache`](rows::write_cache) | one kernel, the same on both backends | |
 //!
 //! Every public call takes the op's arguments, an operands struct (inputs by name, outputs, optional
-//! training outputs) and the [`Backend`]. The arguments type implements [`Op`] (its checks, in the
-//! room's `mod.rs`), [`Fused`] (in `fused.rs`) and [`Naive`] (in `naive.rs`); [`run`] checks once and
-//! dispatches, so the room's `mod.rs` never names its halves and the halves only import `mod.rs`.
+//! training outputs) and the [`Backend`]. Inside the crate, the arguments type implements `Op` (its
+//! checks, in the room's `mod.rs`), `Fused` (in `fused.rs`) and `Naive` (in `naive.rs`); `ops::run`
+//! checks once and dispatches, so the room's `mod.rs` never names its halves and the halves only import
+//! `mod.rs`.
 
 pub mod matmul;
 pub mod rmsnorm;

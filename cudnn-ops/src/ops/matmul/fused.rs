@@ -31,7 +31,7 @@ fn spec(l: &MatrixLayout, name: &str, dtype: DataType) -> TensorSpec {
 impl MatmulArgs {
     /// The cuDNN graph: A, B, then the epilogue's inputs bias `[1, 1, n]`, U and R in the output dtype;
     /// matmul (f32), bias add, activation, gate multiply, residual add, all f32 virtual; the last step's
-    /// output is D, packed `[batch, m, n]`. Each bound tensor carries its [`uid`].
+    /// output is D, packed `[batch, m, n]`. Each bound tensor carries its named uid.
     pub fn graph(&self, dtype: DataType, out: DataType) -> Graph {
         if let Some(folded) = self.folded() {
             return folded.graph(dtype, out);

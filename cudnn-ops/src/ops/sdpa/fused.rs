@@ -30,7 +30,7 @@ mod uid {
 impl SdpaArgs {
     /// The cuDNN graph in `form`: Q, K, V, the scale by value, with padded lengths the i32 `[b, 1, 1, 1]`
     /// seq_len_q and seq_len_kv, then O and, in training mode, stats (f32 `[b, h_q, s_q, 1]` packed); each
-    /// bound tensor carries its [`uid`].
+    /// bound tensor carries its named uid.
     pub fn graph(&self, dtype: DataType, stats: bool, form: SdpaForm, cudnn_version: usize) -> Graph {
         let i = |v: [usize; 4]| v.map(|x| x as i64);
         let mut g = Graph::new(format!(

@@ -156,7 +156,8 @@ impl SdpaArgs {
         }
     }
 
-    /// What both backends do first: [`check_dtype`], [`SdpaArgs::check`], then [`SdpaArgs::normalized`].
+    /// What both backends do first: `check_dtype` (f16 or bf16 I/O), [`SdpaArgs::check`], then
+    /// [`SdpaArgs::normalized`].
     pub fn validated(self, dtype: DataType, lens: SdpaLens) -> Result<Self> {
         check_dtype(dtype)?;
         self.check(lens)?;
