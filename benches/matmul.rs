@@ -28,9 +28,9 @@
 use criterion::{Criterion, Throughput};
 use cudarc::driver::CudaSlice;
 use cudnn_llm::bench_util::{bench_main, csv_and_markdown, environment, gpu_time_ms, median, write_results};
-use cudnn_llm::cudnn_ops::naive::matmul::kernel_count;
+use cudnn_llm::cudnn_ops::ops::matmul::naive::kernel_count;
 use cudnn_llm::cudnn_ops::{
-    matmul_with, reference, Activation, Backend, Cudnn, DataType, Epilogue, L2Flush, MatmulArgs, Operands,
+    matmul, reference, Activation, Backend, Cudnn, DataType, Epilogue, L2Flush, MatmulArgs, MatmulOperands,
     Result, Tuning,
 };
 use half::bf16;
@@ -169,7 +169,12 @@ impl Pools {
         let bias = self.bias.slice(0..args.n());
         let u = self.u.slice(0..if e.gate { len } else { 0 });
         let r = self.r.slice(0..if e.residual { len } else { 0 });
-        let mut x = Operands::new(&a, &w);
+        let d = match backend {
+            Backend::Fused => &mut self.d_fused,
+            Backend::Naive => &mut self.d_naive,
+        };
+        let mut d = d.slice_mut(0..len);
+        let mut x = MatmulOperands::new(&a, &w, &mut d);
         if e.bias {
             x = x.bias(&bias);
         }
@@ -179,11 +184,7 @@ impl Pools {
         if e.residual {
             x = x.residual(&r);
         }
-        let d = match backend {
-            Backend::Fused => &mut self.d_fused,
-            Backend::Naive => &mut self.d_naive,
-        };
-        matmul_with(backend, ctx, args, e, &x, &mut d.slice_mut(0..len))
+        matmul(ctx, &args.with_epilogue(e), x, backend)
     }
 }
 
@@ -229,7 +230,7 @@ fn run(ctx: &Cudnn) -> Result<()> {
             }
         }
         ctx.synchronize()?;
-        if let Ok(plan) = case.args.plan(ctx, DataType::BF16, DataType::BF16, case.epilogue) {
+        if let Ok(plan) = case.args.with_epilogue(case.epilogue).plan(ctx, DataType::BF16, DataType::BF16) {
             row.engine = plan.engine().to_string();
             row.tuning =
                 plan.timings().iter().map(|(e, ms)| format!("{e} {ms:.4}")).collect::<Vec<_>>().join(" ");
@@ -312,7 +313,7 @@ fn tune_flush(ctx: &Cudnn) -> Result<String> {
         ctx.cache().clear();
         pools.run(ctx, &case, Backend::Fused)?;
         ctx.synchronize()?;
-        let plan = case.args.plan(ctx, DataType::BF16, DataType::BF16, case.epilogue)?;
+        let plan = case.args.with_epilogue(case.epilogue).plan(ctx, DataType::BF16, DataType::BF16)?;
         let ms: Vec<f64> = plan.timings().iter().map(|t| t.1).filter(|v| v.is_finite()).collect();
         println!("tune flush {}: {:?}", flush.name(), plan.timings());
         Ok(median(ms))

@@ -14,7 +14,7 @@ use cudnn_llm::bench_util::{
     upload, write_results,
 };
 use cudnn_llm::cudnn_ops::{
-    reference, rms_norm, rms_norm_with, Backend, Bindings, Cudnn, DataType, NormPhase, Result, RmsNormArgs,
+    reference, rms_norm, Backend, Bindings, Cudnn, DataType, NormPhase, Result, RmsNormArgs, RmsNormOperands,
 };
 use half::bf16;
 use std::fmt::Write as _;
@@ -40,7 +40,7 @@ impl Buffers {
     }
 
     fn run(&mut self, ctx: &Cudnn, backend: Backend) -> Result<()> {
-        rms_norm_with(backend, ctx, self.args, &self.x, &self.w, &mut self.y, None)
+        rms_norm(ctx, self.args, RmsNormOperands::new(&self.x, &self.w, &mut self.y), backend)
     }
 
     /// Bytes a perfect kernel moves: x read, weight read, y written.
@@ -139,7 +139,7 @@ fn check(ctx: &Cudnn, b: &Buffers) -> Result<()> {
         return Err(cudnn_llm::cudnn_ops::Error::InvalidArgument(format!("naive result off: {cmp}")));
     }
     let mut y = ctx.stream().alloc_zeros::<bf16>(b.y.len())?;
-    rms_norm(ctx, b.args, &b.x, &b.w, &mut y)?;
+    rms_norm(ctx, b.args, RmsNormOperands::new(&b.x, &b.w, &mut y), Backend::Fused)?;
     let cmp = reference::compare(&ctx.stream().clone_dtoh(&y)?, &y_ref);
     if !cmp.passes(reference::BF16_TOL) {
         return Err(cudnn_llm::cudnn_ops::Error::InvalidArgument(format!("fused result off: {cmp}")));
@@ -192,7 +192,9 @@ fn host_overhead(ctx: &Cudnn, b: &mut Buffers) -> Result<HostCost> {
     let plan = b.args.plan(ctx, DataType::BF16, NormPhase::Inference)?;
     let ours = median_host_us(ctx, 30, 200, || b.run(ctx, Backend::Fused))?;
     let mut bind = Bindings::new(ctx.stream());
-    bind.input(1, &b.x).input(2, &b.w).scalar_f32(3, EPS).output(4, &mut b.y);
+    let uid = |name: &str| plan.uid(name);
+    bind.input(uid("X")?, &b.x).input(uid("scale")?, &b.w).scalar_f32(uid("epsilon")?, EPS);
+    bind.output(uid("Y")?, &mut b.y);
     let prepared = plan.prepare(ctx, &bind)?;
     let raw = median_host_us(ctx, 30, 200, || prepared.execute())?;
     drop(prepared);

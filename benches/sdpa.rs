@@ -16,7 +16,7 @@ use cudnn_llm::bench_util::{
     bench_main, csv_and_markdown, environment, gpu_time_ms, median_call_ms, round, upload, write_results,
 };
 use cudnn_llm::cudnn_ops::{
-    reference, sdpa_with, Backend, Cudnn, DataType, Error, Layout, Mask, Result, SdpaArgs, SdpaForm,
+    reference, sdpa, Backend, Cudnn, DataType, Error, Layout, Mask, Result, SdpaArgs, SdpaForm, SdpaOperands,
 };
 use half::bf16;
 use serde::{Deserialize, Serialize};
@@ -53,7 +53,7 @@ impl Case {
     }
 
     fn run(&mut self, ctx: &Cudnn, backend: Backend) -> Result<()> {
-        sdpa_with(backend, ctx, self.args, &self.q, &self.k, &self.v, &mut self.o, None)
+        sdpa(ctx, self.args, SdpaOperands::new(&self.q, &self.k, &self.v, &mut self.o), backend)
     }
 }
 

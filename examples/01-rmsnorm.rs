@@ -1,5 +1,5 @@
 //! Fused RMSNorm in a few lines: `cargo run --release --example 01-rmsnorm` on a GPU machine.
-use cudnn_llm::{rms_norm, Cudnn, RmsNormArgs};
+use cudnn_llm::{rms_norm, Backend, Cudnn, RmsNormArgs, RmsNormOperands};
 use half::bf16;
 
 fn main() -> cudnn_llm::Result<()> {
@@ -10,7 +10,8 @@ fn main() -> cudnn_llm::Result<()> {
     let mut y = ctx.stream().alloc_zeros::<bf16>(tokens * hidden)?;
     for _ in 0..3 {
         // The plan is built on the first call and taken from the cache afterwards.
-        rms_norm(&ctx, RmsNormArgs { tokens, hidden, epsilon: 1e-5 }, &x, &w, &mut y)?;
+        let args = RmsNormArgs { tokens, hidden, epsilon: 1e-5 };
+        rms_norm(&ctx, args, RmsNormOperands::new(&x, &w, &mut y), Backend::Fused)?;
     }
     let out = ctx.stream().clone_dtoh(&y)?;
     println!("y[0] = {} (expected ~1), cache {:?}", out[0], ctx.cache().stats());

@@ -1,6 +1,6 @@
 //! A Llama MLP's projections as fused matmul graphs: `cargo run --release --example 02-matmul` on a GPU
-//! machine. `h + down(silu(gate(x)) ⊙ up(x))` is two Linear calls with epilogues plus the plain `up`.
-use cudnn_llm::{linear, Backend, Cudnn, Epilogue, Linear, Operands};
+//! machine. `h + down(silu(gate(x)) ⊙ up(x))` is two Linear matmuls with epilogues plus the plain `up`.
+use cudnn_llm::{matmul, Backend, Cudnn, Epilogue, MatmulArgs, MatmulOperands};
 use half::bf16;
 
 fn main() -> cudnn_llm::Result<()> {
@@ -19,19 +19,13 @@ fn main() -> cudnn_llm::Result<()> {
         stream.alloc_zeros(tokens * hidden)?,
     );
 
-    let wide = Linear { tokens, in_features: hidden, out_features: ffn };
-    let narrow = Linear { tokens, in_features: ffn, out_features: hidden };
+    let wide = MatmulArgs::linear(tokens, hidden, ffn);
+    let narrow = MatmulArgs::linear(tokens, ffn, hidden).with_epilogue(Epilogue::RESIDUAL);
     // up = x · W_upᵀ; act = silu(x · W_gateᵀ) ⊙ up; out = h + act · W_downᵀ. Each plan is built once.
-    linear(Backend::Fused, &ctx, wide, Epilogue::NONE, &Operands::new(&x, &w_up), &mut up)?;
-    linear(Backend::Fused, &ctx, wide, Epilogue::SWIGLU, &Operands::new(&x, &w_gate).gate(&up), &mut act)?;
-    linear(
-        Backend::Fused,
-        &ctx,
-        narrow,
-        Epilogue::RESIDUAL,
-        &Operands::new(&act, &w_down).residual(&h),
-        &mut out,
-    )?;
+    matmul(&ctx, &wide, MatmulOperands::new(&x, &w_up, &mut up), Backend::Fused)?;
+    let gate = MatmulOperands::new(&x, &w_gate, &mut act).gate(&up);
+    matmul(&ctx, &wide.with_epilogue(Epilogue::SWIGLU), gate, Backend::Fused)?;
+    matmul(&ctx, &narrow, MatmulOperands::new(&act, &w_down, &mut out).residual(&h), Backend::Fused)?;
 
     // Every element: up = gate = 4096 · 0.5 · 1e-3 ≈ 2.05, act = silu(2.05) · 2.05 ≈ 3.71,
     // out = 1 + 14336 · 3.71e-3 ≈ 54 (1e-3 is 0.99945e-3 in bf16; outputs are rounded to bf16).

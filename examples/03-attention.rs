@@ -1,6 +1,6 @@
 //! Causal grouped-query attention read straight out of a fused QKV projection buffer:
 //! `cargo run --release --example 03-attention` on a GPU machine.
-use cudnn_llm::{sdpa, Cudnn, DataType, Layout, Mask, SdpaArgs};
+use cudnn_llm::{sdpa, Backend, Cudnn, DataType, Layout, Mask, SdpaArgs, SdpaOperands};
 use half::bf16;
 
 fn main() -> cudnn_llm::Result<()> {
@@ -16,7 +16,7 @@ fn main() -> cudnn_llm::Result<()> {
     let rows = [seq * width, d, width, 1];
     (args.q_strides, args.k_strides, args.v_strides) = (rows, rows, rows);
     let (q, k, v) = (qkv.slice(..), qkv.slice(hq * d..), qkv.slice((hq + hkv) * d..));
-    sdpa(&ctx, args, &q, &k, &v, &mut o)?;
+    sdpa(&ctx, args, SdpaOperands::new(&q, &k, &v, &mut o), Backend::Fused)?;
 
     let plan = args.plan(&ctx, DataType::BF16, false)?;
     let out = ctx.stream().clone_dtoh(&o)?;

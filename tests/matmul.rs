@@ -6,8 +6,8 @@
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use cudnn_llm::bench_util::{self, download, expect_untouched, poisoned, upload};
 use cudnn_llm::cudnn_ops::{
-    knob_name, linear, matmul, matmul_with, reference, Activation, Backend, Cudnn, DataType, Element,
-    Epilogue, Error, L2Flush, Linear, MatmulArgs, MatrixLayout, Operands,
+    knob_name, matmul, reference, Activation, Backend, Cudnn, DataType, Element, Epilogue, Error, L2Flush,
+    MatmulArgs, MatmulOperands, MatrixLayout,
 };
 use half::{bf16, f16};
 
@@ -143,9 +143,9 @@ impl<T: Element, O: Element> Device<T, O> {
         Device { a, b, bias, u, r, rounded: Host { a: ar, b: br, bias: biasr, u: ur, r: rr } }
     }
 
-    /// The operands an epilogue needs.
-    fn operands(&self, e: Epilogue) -> Operands<'_, T, O> {
-        let mut x = Operands::new(&self.a, &self.b);
+    /// The operands an epilogue needs, writing `d`.
+    fn operands<'a>(&'a self, e: Epilogue, d: &'a mut dyn DevicePtrMut<O>) -> MatmulOperands<'a, T, O> {
+        let mut x = MatmulOperands::new(&self.a, &self.b, d);
         if e.bias {
             x = x.bias(&self.bias);
         }
@@ -219,7 +219,7 @@ fn check<T: Element, O: Element>(
         e
     );
     ctx.stream().memcpy_htod(&vec![O::nan(); d.len()], d).unwrap();
-    if let Err(err) = matmul_with(backend, ctx, args, e, &dev.operands(e), d) {
+    if let Err(err) = matmul(ctx, &args.with_epilogue(e), dev.operands(e, d), backend) {
         return (format!("{tag}: {err}"), false);
     }
     let out = download_rows(ctx, d, args.n(), rows);
@@ -309,7 +309,11 @@ fn batched_and_strided_layouts_match_the_reference() {
         // One B shared by every batch (broadcast).
         MatmulArgs { b: MatrixLayout::row_major(1, 64, 128), ..batched },
         // Column-major A (x stored transposed) and a transposed weight view.
-        MatmulArgs { a: MatrixLayout::column_major(3, 32, 64), b: MatrixLayout::column_major(3, 64, 128) },
+        MatmulArgs {
+            a: MatrixLayout::column_major(3, 32, 64),
+            b: MatrixLayout::column_major(3, 64, 128),
+            epilogue: Epilogue::NONE,
+        },
         // Padded rows: A rows 72 elements apart, k = 64.
         MatmulArgs {
             a: MatrixLayout { dims: [1, 30, 64], strides: [30 * 72, 72, 1] },
@@ -372,13 +376,12 @@ fn fused_and_naive_agree_on_llama_8b_at_2048_tokens() {
         ("gate", 4096, 14336, Epilogue::SWIGLU),
         ("down", 14336, 4096, Epilogue::RESIDUAL),
     ] {
-        let shape = Linear { tokens: 2048, in_features: k, out_features: n };
-        let args = shape.args();
+        let args = MatmulArgs::linear(2048, k, n);
         let dev = Device::<bf16, bf16>::new(&ctx, &Host::new(400 + k as u64, &args));
         let mut out = Vec::new();
         for backend in [Backend::Fused, Backend::Naive] {
             let mut y = poisoned::<bf16>(&ctx, args.d_len()).unwrap();
-            linear(backend, &ctx, shape, e, &dev.operands(e), &mut y).unwrap();
+            matmul(&ctx, &args.with_epilogue(e), dev.operands(e, &mut y), backend).unwrap();
             out.push(download(&ctx, &y).unwrap());
         }
         let naive: Vec<f64> = out[1].iter().map(|v| v.to_f64()).collect();
@@ -402,18 +405,20 @@ fn plan_cache_builds_once_per_shape_and_epilogue() {
     let mut d = poisoned::<bf16>(&ctx, args.d_len()).unwrap();
     ctx.cache().clear();
     for _ in 0..3 {
-        matmul(&ctx, &args, Epilogue::RESIDUAL, &dev.operands(Epilogue::RESIDUAL), &mut d).unwrap();
+        let residual = args.with_epilogue(Epilogue::RESIDUAL);
+        matmul(&ctx, &residual, dev.operands(Epilogue::RESIDUAL, &mut d), Backend::Fused).unwrap();
     }
     assert_eq!(ctx.cache().stats().misses, 1);
-    matmul(&ctx, &args, Epilogue::NONE, &dev.operands(Epilogue::NONE), &mut d).unwrap();
+    matmul(&ctx, &args, dev.operands(Epilogue::NONE, &mut d), Backend::Fused).unwrap();
     let fewer = MatmulArgs::linear(29, 2048, 2048);
-    matmul(&ctx, &fewer, Epilogue::NONE, &dev.operands(Epilogue::NONE), &mut d).unwrap();
+    matmul(&ctx, &fewer, dev.operands(Epilogue::NONE, &mut d), Backend::Fused).unwrap();
     // The naive backend builds no plan.
-    matmul_with(Backend::Naive, &ctx, &args, Epilogue::SWIGLU, &dev.operands(Epilogue::SWIGLU), &mut d)
-        .unwrap();
+    let swiglu = args.with_epilogue(Epilogue::SWIGLU);
+    matmul(&ctx, &swiglu, dev.operands(Epilogue::SWIGLU, &mut d), Backend::Naive).unwrap();
     let s = ctx.cache().stats();
     assert_eq!((s.misses, s.hits, s.entries), (3, 2, 3));
-    let plan = ctx.cache().get(&args.key(DataType::BF16, DataType::BF16, Epilogue::RESIDUAL)).unwrap();
+    let residual = args.with_epilogue(Epilogue::RESIDUAL);
+    let plan = ctx.cache().get(&residual.key(DataType::BF16, DataType::BF16)).unwrap();
     println!(
         "{}: engine {}, workspace {} B, built in {:?}",
         plan.name(),
@@ -433,54 +438,48 @@ fn bad_inputs_are_errors_and_touch_nothing() {
     let (wide, _) = upload::<bf16>(&ctx, &reference::random_values(601, 30 * 64 + 8)).unwrap();
     let mut d = poisoned::<bf16>(&ctx, args.d_len() + 8).unwrap();
     for backend in [Backend::Fused, Backend::Naive] {
-        let run = |args: &MatmulArgs, e: Epilogue, x: &Operands<'_, bf16>, d: &mut CudaSlice<bf16>| {
-            matmul_with(backend, &ctx, args, e, x, d)
+        let run = |args: MatmulArgs, e: Epilogue, x: MatmulOperands<'_, bf16>| {
+            matmul(&ctx, &args.with_epilogue(e), x, backend)
         };
-        let x = dev.operands(Epilogue::NONE);
+        let none = Epilogue::NONE;
         expect_untouched(&ctx, &mut d, "inner dimensions differ", |d| {
-            run(&MatmulArgs { b: MatrixLayout::column_major(1, 72, 128), ..args }, Epilogue::NONE, &x, d)
+            run(MatmulArgs { b: MatrixLayout::column_major(1, 72, 128), ..args }, none, dev.operands(none, d))
         });
         expect_untouched(&ctx, &mut d, "batch mismatch", |d| {
-            run(&MatmulArgs { b: MatrixLayout::column_major(2, 64, 128), ..args }, Epilogue::NONE, &x, d)
+            run(MatmulArgs { b: MatrixLayout::column_major(2, 64, 128), ..args }, none, dev.operands(none, d))
         });
         expect_untouched(&ctx, &mut d, "misaligned k for bf16", |d| {
-            run(&MatmulArgs::linear(30, 60, 128), Epilogue::NONE, &x, d)
+            run(MatmulArgs::linear(30, 60, 128), none, dev.operands(none, d))
         });
         expect_untouched(&ctx, &mut d, "A has 1919 elements", |d| {
             let short = dev.a.slice(0..30 * 64 - 1);
-            run(&args, Epilogue::NONE, &Operands::new(&short, &dev.b), d)
+            run(args, none, MatmulOperands::new(&short, &dev.b, d))
         });
         expect_untouched(&ctx, &mut d, "output has 3839 elements", |d| {
             let mut short = d.slice_mut(0..30 * 128 - 1);
-            let short: &mut dyn DevicePtrMut<bf16> = &mut short;
-            matmul_with(backend, &ctx, &args, Epilogue::NONE, &x, short)
+            run(args, none, dev.operands(none, &mut short))
         });
-        expect_untouched(&ctx, &mut d, "needs a residual R", |d| run(&args, Epilogue::RESIDUAL, &x, d));
+        expect_untouched(&ctx, &mut d, "needs a residual R", |d| {
+            run(args, Epilogue::RESIDUAL, dev.operands(none, d))
+        });
         let r_short = dev.r.slice(0..100);
         expect_untouched(&ctx, &mut d, "residual R has 100 elements", |d| {
-            run(&args, Epilogue::RESIDUAL, &dev.operands(Epilogue::NONE).residual(&r_short), d)
+            run(args, Epilogue::RESIDUAL, dev.operands(none, d).residual(&r_short))
         });
     }
     // The fused plan declares 16-byte alignment: an A one element in is refused before cuDNN runs.
     let off: &dyn DevicePtr<bf16> = &wide.slice(1..);
     expect_untouched(&ctx, &mut d, "is not 16-byte aligned", |d| {
-        matmul(&ctx, &args, Epilogue::NONE, &Operands::new(off, &dev.b), d)
+        matmul(&ctx, &args, MatmulOperands::new(off, &dev.b, d), Backend::Fused)
     });
     // cuBLAS takes the same view.
-    let ok = matmul_with(Backend::Naive, &ctx, &args, Epilogue::NONE, &Operands::new(off, &dev.b), &mut d);
+    let ok = matmul(&ctx, &args, MatmulOperands::new(off, &dev.b, &mut d), Backend::Naive);
     assert!(ok.is_ok(), "{ok:?}");
     // Unsupported dtype pair: f16 weights into a bf16 output.
     let (w16, _) = upload::<f16>(&ctx, &reference::random_values(602, 64 * 128)).unwrap();
     let (x16, _) = upload::<f16>(&ctx, &reference::random_values(603, 30 * 64)).unwrap();
-    let err = matmul_with(
-        Backend::Naive,
-        &ctx,
-        &args,
-        Epilogue::NONE,
-        &Operands::<f16, bf16>::new(&x16, &w16),
-        &mut d,
-    )
-    .unwrap_err();
+    let err = matmul(&ctx, &args, MatmulOperands::<f16, bf16>::new(&x16, &w16, &mut d), Backend::Naive)
+        .unwrap_err();
     assert!(matches!(err, Error::NotSupported { .. }) && err.to_string().contains("f16 -> bf16"), "{err}");
 }
 
@@ -491,9 +490,15 @@ fn autotuning_times_every_candidate_and_keeps_the_fastest() {
     let args = MatmulArgs::linear(2048, 4096, 4096);
     let dev = Device::<bf16, bf16>::new(&ctx, &Host::new(600, &args));
     let mut d = poisoned::<bf16>(&ctx, args.d_len()).unwrap();
-    let plan = args.plan(&ctx, DataType::BF16, DataType::BF16, Epilogue::RESIDUAL).unwrap();
+    let plan = args.with_epilogue(Epilogue::RESIDUAL).plan(&ctx, DataType::BF16, DataType::BF16).unwrap();
     assert!(plan.timings().is_empty(), "nothing is timed before the first execution");
-    matmul(&ctx, &args, Epilogue::RESIDUAL, &dev.operands(Epilogue::RESIDUAL), &mut d).unwrap();
+    matmul(
+        &ctx,
+        &args.with_epilogue(Epilogue::RESIDUAL),
+        dev.operands(Epilogue::RESIDUAL, &mut d),
+        Backend::Fused,
+    )
+    .unwrap();
     let timings = plan.timings();
     println!("candidates {:?}, timings {timings:?}, chose {}", plan.candidates(), plan.engine());
     assert_eq!(timings.len(), plan.candidates().len());
@@ -503,7 +508,7 @@ fn autotuning_times_every_candidate_and_keeps_the_fastest() {
     // With autotuning off, the heuristics' first choice runs and nothing is timed.
     ctx.set_autotune(1);
     ctx.cache().clear();
-    let first = args.plan(&ctx, DataType::BF16, DataType::BF16, Epilogue::RESIDUAL).unwrap();
+    let first = args.with_epilogue(Epilogue::RESIDUAL).plan(&ctx, DataType::BF16, DataType::BF16).unwrap();
     assert_eq!(first.candidates().len(), 1);
     assert_eq!(first.engine(), plan.candidates()[0]);
 }
@@ -537,7 +542,7 @@ fn knob_search_builds_configurations_around_the_fastest_and_stays_correct() {
     ctx.set_knob_search(12);
     let o = OProj30::new(&ctx, 610);
     let (args, dev, rows, product, mut d) = (o.args, o.dev, o.rows, o.product, o.d);
-    let plan = args.plan(&ctx, DataType::BF16, DataType::BF16, Epilogue::RESIDUAL).unwrap();
+    let plan = args.with_epilogue(Epilogue::RESIDUAL).plan(&ctx, DataType::BF16, DataType::BF16).unwrap();
     let heuristics = plan.candidates().len();
     assert!(plan.tune_time().is_zero());
     let (line, ok) = check(&ctx, &args, Epilogue::RESIDUAL, Backend::Fused, &dev, &rows, &product, &mut d);
@@ -593,7 +598,7 @@ fn tuning_times_every_candidate_and_stays_correct_under_each_l2_flush() {
         ctx.set_tune_flush(flush);
         assert_eq!(ctx.tuning().flush, flush);
         ctx.cache().clear();
-        let plan = args.plan(&ctx, DataType::BF16, DataType::BF16, Epilogue::NONE).unwrap();
+        let plan = args.with_epilogue(Epilogue::NONE).plan(&ctx, DataType::BF16, DataType::BF16).unwrap();
         assert!(plan.timings().is_empty(), "flush {}: timed before its first execution", flush.name());
         let (line, ok) = check(&ctx, &args, Epilogue::NONE, Backend::Fused, &dev, &rows, &product, &mut d);
         assert!(ok, "flush {}: {line}", flush.name());

@@ -4,9 +4,8 @@
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use cudnn_llm::bench_util::{download, gpu, poisoned, upload};
 use cudnn_llm::cudnn_ops::{
-    reference, rms_norm, rms_norm_train, Backend, Cudnn, DataType, Element, Error, RmsNormArgs,
+    reference, rms_norm, Backend, Cudnn, DataType, Element, Error, RmsNormArgs, RmsNormOperands,
 };
-use cudnn_ops::ops::rmsnorm::rms_norm_with;
 use half::{bf16, f16};
 
 const EPS: f32 = 1e-5;
@@ -51,7 +50,12 @@ fn check<T: Element>(ctx: &Cudnn, case: &Case, phases: &[bool], failures: &mut V
                 case.hidden,
                 if train { "training" } else { "inference" }
             );
-            if let Err(e) = rms_norm_with(backend, ctx, args, &x, &w, &mut y, inv_arg) {
+            if let Err(e) = rms_norm(
+                ctx,
+                args,
+                RmsNormOperands { x: &x, weight: &w, y: &mut y, inv_rms: inv_arg },
+                backend,
+            ) {
                 failures.push(format!("{tag}: {e}"));
                 continue;
             }
@@ -122,18 +126,25 @@ fn plan_cache_builds_once_per_shape() {
     let mut y = poisoned::<bf16>(&ctx, 30 * 2048).unwrap();
     ctx.cache().clear();
     for _ in 0..3 {
-        rms_norm(&ctx, args, &x, &w, &mut y).unwrap();
+        rms_norm(&ctx, args, RmsNormOperands::new(&x, &w, &mut y), Backend::Fused).unwrap();
     }
     let s = ctx.cache().stats();
     assert_eq!((s.misses, s.hits, s.entries), (1, 2, 1));
     // Epsilon is a by-value scalar: a different epsilon reuses the plan.
-    rms_norm(&ctx, RmsNormArgs { epsilon: 1e-6, ..args }, &x, &w, &mut y).unwrap();
+    rms_norm(
+        &ctx,
+        RmsNormArgs { epsilon: 1e-6, ..args },
+        RmsNormOperands::new(&x, &w, &mut y),
+        Backend::Fused,
+    )
+    .unwrap();
     assert_eq!(ctx.cache().stats().misses, 1);
     // Fewer tokens on a longer buffer is another shape, another plan; the training phase is another plan.
-    rms_norm(&ctx, RmsNormArgs { tokens: 29, ..args }, &x, &w, &mut y).unwrap();
+    rms_norm(&ctx, RmsNormArgs { tokens: 29, ..args }, RmsNormOperands::new(&x, &w, &mut y), Backend::Fused)
+        .unwrap();
     let mut inv = poisoned::<f32>(&ctx, 30).unwrap();
-    rms_norm_train(&ctx, args, &x, &w, &mut y, &mut inv).unwrap();
-    rms_norm_train(&ctx, args, &x, &w, &mut y, &mut inv).unwrap();
+    rms_norm(&ctx, args, RmsNormOperands::new(&x, &w, &mut y).inv_rms(&mut inv), Backend::Fused).unwrap();
+    rms_norm(&ctx, args, RmsNormOperands::new(&x, &w, &mut y).inv_rms(&mut inv), Backend::Fused).unwrap();
     let s = ctx.cache().stats();
     assert_eq!((s.misses, s.hits, s.entries), (3, 4, 3));
     let plan = ctx.cache().get(&args.key(DataType::BF16, cudnn_ops::NormPhase::Inference)).unwrap();
@@ -169,11 +180,12 @@ fn bad_inputs_are_errors_and_touch_nothing() {
     let (w_short, _) = upload::<bf16>(&ctx, &reference::random_values(2, h - 1)).unwrap();
     let mut y = poisoned::<bf16>(&ctx, t * h + 8).unwrap();
     for backend in [Backend::Fused, Backend::Naive] {
-        let run =
-            |a: RmsNormArgs,
-             x: &dyn DevicePtr<bf16>,
-             w: &dyn DevicePtr<bf16>,
-             y: &mut dyn DevicePtrMut<bf16>| { rms_norm_with(backend, &ctx, a, x, w, y, None) };
+        let run = |a: RmsNormArgs,
+                   x: &dyn DevicePtr<bf16>,
+                   w: &dyn DevicePtr<bf16>,
+                   y: &mut dyn DevicePtrMut<bf16>| {
+            rms_norm(&ctx, a, RmsNormOperands::new(x, w, y), backend)
+        };
         expect_untouched(&ctx, &mut y, "weight has 2047 elements", |y| run(args, &x, &w_short, y));
         expect_untouched(&ctx, &mut y, "tokens must be > 0", |y| {
             run(RmsNormArgs { tokens: 0, ..args }, &x, &w, y)
@@ -185,16 +197,18 @@ fn bad_inputs_are_errors_and_touch_nothing() {
         expect_untouched(&ctx, &mut y, "x has 61439 elements", |y| run(args, &x.slice(0..t * h - 1), &w, y));
         let mut inv_short = poisoned::<f32>(&ctx, t - 1).unwrap();
         expect_untouched(&ctx, &mut y, "inv_rms has 29 elements", |y| {
-            rms_norm_with(backend, &ctx, args, &x, &w, y, Some(&mut inv_short))
+            rms_norm(&ctx, args, RmsNormOperands::new(&x, &w, y).inv_rms(&mut inv_short), backend)
         });
     }
     // The fused plan declares 16-byte alignment; a view one element in is refused before cuDNN runs.
-    expect_untouched(&ctx, &mut y, "is not 16-byte aligned", |y| rms_norm(&ctx, args, &x.slice(1..), &w, y));
+    expect_untouched(&ctx, &mut y, "is not 16-byte aligned", |y| {
+        rms_norm(&ctx, args, RmsNormOperands::new(&x.slice(1..), &w, y), Backend::Fused)
+    });
     expect_untouched(&ctx, &mut y, "is not 16-byte aligned", |y| {
         let mut off = y.slice_mut(1..);
-        rms_norm(&ctx, args, &x, &w, &mut off)
+        rms_norm(&ctx, args, RmsNormOperands::new(&x, &w, &mut off), Backend::Fused)
     });
     // The naive kernels need no alignment: the same view computes the right thing.
-    let ok = rms_norm_with(Backend::Naive, &ctx, args, &x.slice(1..), &w, &mut y, None);
+    let ok = rms_norm(&ctx, args, RmsNormOperands::new(&x.slice(1..), &w, &mut y), Backend::Naive);
     assert!(ok.is_ok(), "{ok:?}");
 }

@@ -2,7 +2,7 @@
 //! GPU tests are ignored by default; run them with `--include-ignored` on a GPU machine.
 
 use cudnn_llm::bench_util::{download, gpu, upload};
-use cudnn_llm::cudnn_ops::{reference, rope_with, Backend, Cudnn, Element, RopeArgs, RopeTables};
+use cudnn_llm::cudnn_ops::{reference, rope, Backend, Cudnn, Element, RopeArgs, RopeOperands, RopeTables};
 use half::{bf16, f16};
 
 /// Angles `pos · θ_j` for `positions` rows of `dim / 2` frequencies (plain RoPE; the model adds
@@ -42,7 +42,7 @@ fn check<T: Element>(ctx: &Cudnn, a: RopeArgs, positions: usize) {
     let want = rotate(&rounded, &a, &cos, &sin);
     for backend in [Backend::Fused, Backend::Naive] {
         let mut buf = x.clone();
-        rope_with(backend, ctx, a, &t, &mut buf).unwrap();
+        rope(ctx, a, RopeOperands::new(&t, &mut buf), backend).unwrap();
         let got = download(ctx, &buf).unwrap();
         let c = reference::compare(&got, &want);
         println!("{} {backend:?} {a:?}: {c}", T::DTYPE);

@@ -5,7 +5,9 @@
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 use cudnn_llm::bench_util::{download, gpu, poisoned, upload};
 use cudnn_llm::cudnn_ops::reference::{self, AttentionShape, Tolerance};
-use cudnn_llm::cudnn_ops::{sdpa_with, Backend, Cudnn, Element, Error, Layout, Mask, SdpaArgs, SdpaForm};
+use cudnn_llm::cudnn_ops::{
+    sdpa, Backend, Cudnn, Element, Error, Layout, Mask, SdpaArgs, SdpaForm, SdpaOperands,
+};
 use half::{bf16, f16};
 
 /// Attention outputs: bf16 as the issue asks; f16 has three more mantissa bits.
@@ -99,7 +101,7 @@ fn run<T: Element>(
     let mut o = poisoned::<T>(ctx, extent(od, a.o_strides))?;
     let mut stats = poisoned::<f32>(ctx, a.batch * a.heads_q * a.seq_q)?;
     let s: Option<&mut dyn DevicePtrMut<f32>> = if train { Some(&mut stats) } else { None };
-    sdpa_with(backend, ctx, *a, &x.q, &x.k, &x.v, &mut o, s)?;
+    sdpa(ctx, *a, SdpaOperands { stats: s, ..SdpaOperands::new(&x.q, &x.k, &x.v, &mut o) }, backend)?;
     let o = gather(&download(ctx, &o)?, od, a.o_strides);
     let stats = if train { Some(ctx.stream().clone_dtoh(&stats)?) } else { None };
     Ok(Run { o, stats })
@@ -309,7 +311,7 @@ fn views_into_one_qkv_buffer() {
     for backend in [Backend::Fused, Backend::Naive] {
         let mut o = poisoned::<bf16>(&ctx, b * s * hq * d).unwrap();
         let (q, k, v) = (qkv.slice(..), qkv.slice(hq * d..), qkv.slice((hq + hkv) * d..));
-        sdpa_with(backend, &ctx, a, &q, &k, &v, &mut o, None).unwrap();
+        sdpa(&ctx, a, SdpaOperands::new(&q, &k, &v, &mut o), backend).unwrap();
         let out = gather(&download(&ctx, &o).unwrap(), [b, hq, s, d], a.o_strides);
         let c = reference::compare(&out, &o_ref);
         println!("{} qkv views: {c}", backend.name());
@@ -327,17 +329,17 @@ fn bad_inputs_touch_nothing_and_naive_reports_out_of_memory() {
     for backend in [Backend::Fused, Backend::Naive] {
         let fill = bf16::from_f32(7.0);
         let mut short: CudaSlice<bf16> = ctx.stream().clone_htod(&vec![fill; n - 1]).unwrap();
-        let e = sdpa_with(backend, &ctx, a, &x.q, &x.k, &x.v, &mut short, None).unwrap_err();
+        let e = sdpa(&ctx, a, SdpaOperands::new(&x.q, &x.k, &x.v, &mut short), backend).unwrap_err();
         assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("O has"), "{e}");
         let mut o: CudaSlice<bf16> = ctx.stream().clone_htod(&vec![fill; n]).unwrap();
         let bad = SdpaArgs { heads_kv: 3, ..a };
-        assert!(sdpa_with(backend, &ctx, bad, &x.q, &x.k, &x.v, &mut o, None).is_err());
+        assert!(sdpa(&ctx, bad, SdpaOperands::new(&x.q, &x.k, &x.v, &mut o), backend).is_err());
         let bad = SdpaArgs { seq_q: 65, ..a.with_mask(Mask::CausalBottomRight) };
-        assert!(sdpa_with(backend, &ctx, bad, &x.q, &x.k, &x.v, &mut o, None).is_err());
+        assert!(sdpa(&ctx, bad, SdpaOperands::new(&x.q, &x.k, &x.v, &mut o), backend).is_err());
         let f32_q = ctx.stream().alloc_zeros::<f32>(n).unwrap();
         let mut f32_o = ctx.stream().alloc_zeros::<f32>(n).unwrap();
         let f32_kv = ctx.stream().alloc_zeros::<f32>(n).unwrap();
-        let e = sdpa_with(backend, &ctx, a, &f32_q, &f32_kv, &f32_kv, &mut f32_o, None).unwrap_err();
+        let e = sdpa(&ctx, a, SdpaOperands::new(&f32_q, &f32_kv, &f32_kv, &mut f32_o), backend).unwrap_err();
         assert!(e.is_not_supported(), "{e}");
         assert!(download(&ctx, &short).unwrap().iter().all(|&v| v == fill));
         assert!(download(&ctx, &o).unwrap().iter().all(|&v| v == fill));
@@ -347,7 +349,7 @@ fn bad_inputs_touch_nothing_and_naive_reports_out_of_memory() {
     let q = ctx.stream().alloc_zeros::<bf16>(131072 * 32 * 128).unwrap();
     let kv = ctx.stream().alloc_zeros::<bf16>(131072 * 8 * 128).unwrap();
     let mut o = ctx.stream().alloc_zeros::<bf16>(131072 * 32 * 128).unwrap();
-    let e = sdpa_with(Backend::Naive, &ctx, big, &q, &kv, &kv, &mut o, None).unwrap_err();
+    let e = sdpa(&ctx, big, SdpaOperands::new(&q, &kv, &kv, &mut o), Backend::Naive).unwrap_err();
     assert!(matches!(e, Error::OutOfMemory { .. }), "{e}");
     println!("{e}");
 }
@@ -372,7 +374,8 @@ fn padded_decode_matches_exact_lengths() {
         let mut o = poisoned::<bf16>(&ctx, b * hq * d).unwrap();
         let lq = ctx.stream().clone_htod(&[1i32; 2]).unwrap();
         let lkv = ctx.stream().clone_htod(&lens.map(|l| l as i32)).unwrap();
-        cudnn_llm::sdpa_padded(&ctx, args, &x.q, &x.k, &x.v, &mut o, &lq, &lkv).unwrap();
+        sdpa(&ctx, args, SdpaOperands::new(&x.q, &x.k, &x.v, &mut o).seq_lens(&lq, &lkv), Backend::Fused)
+            .unwrap();
         let out = gather(&download(&ctx, &o).unwrap(), [b, hq, 1, d], args.o_strides);
         for (bi, &len) in lens.iter().enumerate() {
             // The reference over the first `len` keys of sequence bi alone.

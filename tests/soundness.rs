@@ -6,8 +6,8 @@
 use cudarc::driver::CudaSlice;
 use cudnn_llm::bench_util::{download, gpu, poisoned, upload};
 use cudnn_llm::cudnn_ops::{
-    embedding, reference, rms_norm, sdpa_padded, Bindings, DataType, Error, Layout, NormPhase, RmsNormArgs,
-    SdpaArgs,
+    embedding, reference, rms_norm, sdpa, Backend, Bindings, DataType, EmbeddingArgs, EmbeddingOperands,
+    Error, Layout, NormPhase, RmsNormArgs, RmsNormOperands, SdpaArgs, SdpaOperands,
 };
 use half::bf16;
 
@@ -28,7 +28,13 @@ fn an_input_written_on_a_forked_stream_is_read_in_order() {
     let mut y = poisoned::<bf16>(&ctx, n).unwrap();
     let args = RmsNormArgs { tokens, hidden, epsilon: 1e-5 };
     // Build the plan first, so that the race window below is not hidden by plan building.
-    rms_norm(&ctx, args, &poisoned::<bf16>(&ctx, n).unwrap(), &w, &mut y).unwrap();
+    rms_norm(
+        &ctx,
+        args,
+        RmsNormOperands::new(&poisoned::<bf16>(&ctx, n).unwrap(), &w, &mut y),
+        Backend::Fused,
+    )
+    .unwrap();
     ctx.synchronize().unwrap();
 
     let fork = ctx.stream().fork().unwrap();
@@ -40,7 +46,7 @@ fn an_input_written_on_a_forked_stream_is_read_in_order() {
     }
     let mut x: CudaSlice<bf16> = fork.alloc_zeros(n).unwrap();
     fork.memcpy_htod(&x_host, &mut x).unwrap();
-    rms_norm(&ctx, args, &x, &w, &mut y).unwrap();
+    rms_norm(&ctx, args, RmsNormOperands::new(&x, &w, &mut y), Backend::Fused).unwrap();
     // x was allocated on the forked stream: its free there must wait for the read on ctx's stream.
     drop(x);
     drop(busy);
@@ -61,7 +67,12 @@ fn device_ids_outside_the_vocabulary_give_zero_rows() {
     let ids_host = [1u32, 8, u32::MAX, 7, 1 << 31];
     let ids = ctx.stream().clone_htod(&ids_host).unwrap();
     let mut y = poisoned::<bf16>(&ctx, ids_host.len() * hidden).unwrap();
-    embedding(&ctx, &ids, ids_host.len(), &table, vocab, hidden, &mut y).unwrap();
+    embedding(
+        &ctx,
+        EmbeddingArgs { rows: ids_host.len(), vocab, hidden },
+        EmbeddingOperands { ids: &ids, table: &table, y: &mut y },
+    )
+    .unwrap();
     let out = download(&ctx, &y).unwrap();
     for (r, &id) in ids_host.iter().enumerate() {
         let row: Vec<f64> = out[r * hidden..(r + 1) * hidden].iter().map(|v| v.to_f64()).collect();
@@ -85,7 +96,7 @@ fn padded_attention_clamps_lengths_beyond_the_capacity() {
     let run = |lq: &[i32], lkv: &[i32]| -> Result<Vec<bf16>, Error> {
         let (sq, skv) = (ctx.stream().clone_htod(lq)?, ctx.stream().clone_htod(lkv)?);
         let mut o = poisoned::<bf16>(&ctx, batch * heads * d)?;
-        sdpa_padded(&ctx, args, &q, &k, &v, &mut o, &sq, &skv)?;
+        sdpa(&ctx, args, SdpaOperands::new(&q, &k, &v, &mut o).seq_lens(&sq, &skv), Backend::Fused)?;
         download(&ctx, &o)
     };
     let full = match run(&[1, 1], &[cap_kv as i32, cap_kv as i32]) {
@@ -108,12 +119,13 @@ fn a_plan_refuses_another_context_and_foreign_bindings() {
     let (ctx, other) = (gpu(), gpu());
     let args = RmsNormArgs { tokens: 4, hidden: 256, epsilon: 1e-5 };
     let plan = args.plan(&ctx, DataType::BF16, NormPhase::Inference).unwrap();
+    let [ux, uw, ue, uy] = ["X", "scale", "epsilon", "Y"].map(|name| plan.uid(name).unwrap());
     let (x, _) = upload::<bf16>(&other, &values(4 * 256, 7)).unwrap();
     let (w, _) = upload::<bf16>(&other, &values(256, 8)).unwrap();
     let mut y = poisoned::<bf16>(&other, 4 * 256).unwrap();
     {
         let mut b = Bindings::new(other.stream());
-        b.input(1, &x).input(2, &w).scalar_f32(3, 1e-5).output(4, &mut y);
+        b.input(ux, &x).input(uw, &w).scalar_f32(ue, 1e-5).output(uy, &mut y);
         let e = plan.execute(&other, &b).unwrap_err();
         assert!(matches!(e, Error::WrongContext(_)), "{e:?}");
         assert!(matches!(plan.prepare(&other, &b), Err(Error::WrongContext(_))));
@@ -128,7 +140,7 @@ fn a_plan_refuses_another_context_and_foreign_bindings() {
     let (w, _) = upload::<bf16>(&ctx, &values(256, 8)).unwrap();
     let mut y = poisoned::<bf16>(&ctx, 4 * 256).unwrap();
     let mut b = Bindings::new(ctx.stream());
-    b.input(1, &x).input(2, &w).scalar_f32(3, 1e-5).output(4, &mut y);
+    b.input(ux, &x).input(uw, &w).scalar_f32(ue, 1e-5).output(uy, &mut y);
     plan.execute(&ctx, &b).unwrap();
     drop(b);
     assert!(download(&ctx, &y).unwrap().iter().all(|v| v.to_f64().is_finite()));

@@ -1,63 +1,40 @@
-//! The plan cache: derived-`Hash` keys to shared plans, with hit/miss counters.
+//! The plan cache: op-declared keys to shared plans, with hit/miss counters.
+//!
+//! Each op declares its own key type (`ops::rmsnorm::Key`, `ops::sdpa::Key`, `ops::matmul::Key`): any
+//! `Clone + Eq + Hash + Debug` type is a [`PlanKey`]. The cache knows no op: keys of different types
+//! never match, even with equal fields.
 //!
 //! Plans are `Rc`, not `Arc`: a plan is bound to its context's cuDNN handle, which must not be used
 //! from two threads at once, so neither plans nor the context are `Send`.
 
-use crate::graph::NormPhase;
-
 use crate::plan::Plan;
-use crate::{DataType, Result};
+use crate::Result;
+use std::any::{Any, TypeId};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
+use std::fmt::Debug;
+use std::hash::{DefaultHasher, Hash, Hasher};
 use std::rc::Rc;
 
-/// What identifies a plan: the op kind and everything that changes the graph (dims, strides, dtypes,
-/// flags). Runtime scalars (epsilon, attention scale) are by-value tensors and never part of a key.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub enum PlanKey {
-    /// Fused RMSNorm over row-major `[tokens, hidden]`.
-    RmsNorm {
-        /// Rows.
-        tokens: usize,
-        /// Row length.
-        hidden: usize,
-        /// Element stride between rows (`hidden` when packed).
-        row_stride: usize,
-        /// I/O dtype (x, weight, y).
-        dtype: DataType,
-        /// Inference or training.
-        phase: NormPhase,
-    },
-    /// Fused matmul with an epilogue (`ops::matmul`).
-    Matmul {
-        /// A `[batch, m, k]` dims and strides.
-        a: crate::ops::matmul::MatrixLayout,
-        /// B `[batch or 1, k, n]` dims and strides.
-        b: crate::ops::matmul::MatrixLayout,
-        /// Dtype of A and B.
-        dtype: DataType,
-        /// Dtype of D and of the epilogue's inputs.
-        out_dtype: DataType,
-        /// The steps after the matmul.
-        epilogue: crate::ops::matmul::Epilogue,
-    },
-    /// Fused attention forward.
-    Sdpa {
-        /// `[batch, heads_q, heads_kv, seq_q, seq_kv, head_dim]`.
-        dims: [usize; 6],
-        /// Element strides of Q, K, V and O over their logical `[b, h, s, d]` dims.
-        strides: [[usize; 4]; 4],
-        /// I/O dtype.
-        dtype: DataType,
-        /// Causal masking.
-        mask: crate::Mask,
-        /// Training mode (stats written).
-        stats: bool,
-        /// The form asked for (`None`: chosen by version).
-        form: Option<crate::SdpaForm>,
-        /// Sequence lengths bound at run time (seq dims are capacities).
-        padded: bool,
-    },
+/// What identifies a plan: the op (the key's type) and everything that changes its graph (dims,
+/// strides, dtypes, flags). Runtime scalars (epsilon, attention scale) are by-value tensors and never
+/// part of a key. Implemented for every `Clone + Eq + Hash + Debug + 'static` type.
+pub trait PlanKey: Any + Clone + Eq + Hash + Debug {}
+
+impl<K: Any + Clone + Eq + Hash + Debug> PlanKey for K {}
+
+/// A key of some op's type and its plan.
+struct Entry {
+    key: Box<dyn Any>,
+    plan: Rc<Plan>,
+}
+
+/// The hash of a key together with its type, so that equal fields of two ops' keys land apart.
+fn hash_of<K: PlanKey>(key: &K) -> u64 {
+    let mut h = DefaultHasher::new();
+    TypeId::of::<K>().hash(&mut h);
+    key.hash(&mut h);
+    h.finish()
 }
 
 /// Cache counters.
@@ -74,7 +51,8 @@ pub struct CacheStats {
 /// Plans by key. Failed builds are not cached: each call retries (and fails the same way).
 #[derive(Default)]
 pub struct PlanCache {
-    plans: RefCell<HashMap<PlanKey, Rc<Plan>>>,
+    /// Entries by [`hash_of`] their key; a bucket holds more than one only on a hash collision.
+    plans: RefCell<HashMap<u64, Vec<Entry>>>,
     hits: Cell<u64>,
     misses: Cell<u64>,
     /// Drawn from the process-wide epoch counter at each clear (0 before any).
@@ -83,30 +61,43 @@ pub struct PlanCache {
 
 impl PlanCache {
     /// Returns the plan for `key`, building it with `build` on a miss.
-    pub fn get_or_build(&self, key: &PlanKey, build: impl FnOnce() -> Result<Plan>) -> Result<Rc<Plan>> {
-        if let Some(plan) = self.plans.borrow().get(key) {
+    pub fn get_or_build<K: PlanKey>(
+        &self,
+        key: &K,
+        build: impl FnOnce() -> Result<Plan>,
+    ) -> Result<Rc<Plan>> {
+        let hash = hash_of(key);
+        if let Some(plan) = self.find(hash, key) {
             self.hits.set(self.hits.get() + 1);
-            return Ok(plan.clone());
+            return Ok(plan);
         }
         self.misses.set(self.misses.get() + 1);
         let plan = Rc::new(build()?);
-        self.plans.borrow_mut().insert(key.clone(), plan.clone());
+        let entry = Entry { key: Box::new(key.clone()), plan: plan.clone() };
+        self.plans.borrow_mut().entry(hash).or_default().push(entry);
         Ok(plan)
     }
 
     /// The plan for `key`, if built.
-    pub fn get(&self, key: &PlanKey) -> Option<Rc<Plan>> {
-        self.plans.borrow().get(key).cloned()
+    pub fn get<K: PlanKey>(&self, key: &K) -> Option<Rc<Plan>> {
+        self.find(hash_of(key), key)
+    }
+
+    fn find<K: PlanKey>(&self, hash: u64, key: &K) -> Option<Rc<Plan>> {
+        let plans = self.plans.borrow();
+        let bucket = plans.get(&hash)?;
+        bucket.iter().find(|e| e.key.downcast_ref::<K>() == Some(key)).map(|e| e.plan.clone())
     }
 
     /// Every plan held, in no particular order (e.g. to report which engine each chose).
     pub fn plans(&self) -> Vec<Rc<Plan>> {
-        self.plans.borrow().values().cloned().collect()
+        self.plans.borrow().values().flatten().map(|e| e.plan.clone()).collect()
     }
 
     /// Counters and size.
     pub fn stats(&self) -> CacheStats {
-        CacheStats { hits: self.hits.get(), misses: self.misses.get(), entries: self.plans.borrow().len() }
+        let entries = self.plans.borrow().values().map(Vec::len).sum();
+        CacheStats { hits: self.hits.get(), misses: self.misses.get(), entries }
     }
 
     /// Drops every plan and resets the counters.
@@ -126,54 +117,32 @@ impl PlanCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::hash_map::DefaultHasher;
-    use std::hash::{Hash, Hasher};
 
-    fn key(tokens: usize, hidden: usize, dtype: DataType, phase: NormPhase) -> PlanKey {
-        PlanKey::RmsNorm { tokens, hidden, row_stride: hidden, dtype, phase }
-    }
-
-    fn hash(k: &PlanKey) -> u64 {
-        let mut h = DefaultHasher::new();
-        k.hash(&mut h);
-        h.finish()
-    }
-
-    #[test]
-    fn same_shape_same_key_any_change_different_key() {
-        let base = key(30, 4096, DataType::BF16, NormPhase::Inference);
-        assert_eq!(base, key(30, 4096, DataType::BF16, NormPhase::Inference));
-        assert_eq!(hash(&base), hash(&key(30, 4096, DataType::BF16, NormPhase::Inference)));
-        let changed = [
-            key(31, 4096, DataType::BF16, NormPhase::Inference),
-            key(30, 2048, DataType::BF16, NormPhase::Inference),
-            key(30, 4096, DataType::F16, NormPhase::Inference),
-            key(30, 4096, DataType::BF16, NormPhase::Training),
-            PlanKey::RmsNorm {
-                tokens: 30,
-                hidden: 4096,
-                row_stride: 4104,
-                dtype: DataType::BF16,
-                phase: NormPhase::Inference,
-            },
-        ];
-        for k in changed {
-            assert_ne!(base, k);
-            assert_ne!(hash(&base), hash(&k), "{k:?}");
-        }
-    }
+    /// Two ops' keys with equal fields.
+    #[derive(Debug, Clone, PartialEq, Eq, Hash)]
+    struct KeyA(usize);
+    #[derive(Debug, Clone, PartialEq, Eq, Hash)]
+    struct KeyB(usize);
 
     #[test]
     fn failed_builds_count_as_misses_and_are_not_cached() {
         let cache = PlanCache::default();
-        let k = key(1, 8, DataType::F32, NormPhase::Inference);
+        let k = KeyA(1);
         for _ in 0..2 {
             let err = cache.get_or_build(&k, || Err(crate::Error::invalid("no"))).unwrap_err();
             assert!(err.to_string().contains("no"));
         }
         assert_eq!(cache.stats(), CacheStats { hits: 0, misses: 2, entries: 0 });
+        assert!(cache.get(&k).is_none());
         cache.clear();
         assert_eq!(cache.stats(), CacheStats::default());
+    }
+
+    #[test]
+    fn keys_of_two_ops_with_equal_fields_differ() {
+        assert_ne!(hash_of(&KeyA(7)), hash_of(&KeyB(7)));
+        assert_eq!(hash_of(&KeyA(7)), hash_of(&KeyA(7)));
+        assert_ne!(hash_of(&KeyA(7)), hash_of(&KeyA(8)));
     }
 
     /// A captured graph launches kernels its plans own: every clear moves the epoch graphs check, to

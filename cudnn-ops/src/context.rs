@@ -89,7 +89,7 @@ pub struct Cudnn {
     workspace: RefCell<Option<Rc<CudaSlice<u8>>>>,
     /// Counts reallocations of the buffers ops share through the context (see [`Cudnn::buffer_epoch`]).
     epoch: std::cell::Cell<u64>,
-    pub(crate) naive: OnceCell<crate::naive::Kernels>,
+    pub(crate) naive: OnceCell<crate::kernels::Kernels>,
     blas: OnceCell<cudarc::cublas::CudaBlas>,
     autotune: std::cell::Cell<usize>,
     knob_search: std::cell::Cell<usize>,

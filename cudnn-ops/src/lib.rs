@@ -1,5 +1,5 @@
-//! Safe cuDNN graph API for LLM inference: fused RMSNorm, SDPA and matmul (with epilogues) graphs with
-//! plan caching, next to naive PyTorch-eager-style baselines.
+//! Safe cuDNN graph API for LLM inference: fused RMSNorm, attention and matmul graphs with plan
+//! caching, fused RoPE and row kernels, each next to its naive PyTorch-eager-style baseline.
 //!
 //! | layer | what it is |
 //! |---|---|
@@ -7,15 +7,15 @@
 //! | [`TensorSpec`], [`Graph`] | graph builder in the cuDNN frontend's shape: typed attributes in, named outputs out, `validate()` without a GPU |
 //! | [`Plan`], [`Bindings`] | heuristics (mode A, B when autotuning, then FALLBACK) and a plan finalized for one context's handle, optionally autotuned over engine configurations and knobs ([`Tuning`], [`KnobRange`]); execution checks the handle and every bound buffer |
 //! | [`Features`] | what the running cuDNN can do on this GPU, from its version ([`Cudnn::features`]) |
-//! | [`PlanCache`], [`PlanKey`] | plans by shape/stride/dtype/flags, with hit and miss counters |
-//! | [`ops`] | fused ops: [`ops::rmsnorm::rms_norm`] ... |
-//! | [`naive`] | the eager baselines: one kernel per elementary op, f32 intermediates |
+//! | [`PlanCache`], [`PlanKey`] | plans by op-declared keys (shape/stride/dtype/flags), with hit and miss counters |
+//! | [`ops`] | one room per op: [`rms_norm`], [`sdpa`], [`matmul`], [`rope`], [`embedding`] and [`write_cache`], each with its arguments, operands, fused half and eager baseline |
 //! | [`reference`](mod@reference) | f64 CPU references and the comparison used by tests and reports |
 //!
-//! Recipe for a fused call:
+//! Recipe for an op call:
 //! 1. `let ctx = Cudnn::new(0)?;` (an error, not a panic, without a driver, GPU or cuDNN);
 //! 2. allocate buffers on `ctx.stream()` with cudarc;
-//! 3. `ops::rmsnorm::rms_norm(&ctx, args, &x, &w, &mut y)?` builds the plan once per shape, then executes.
+//! 3. `rms_norm(&ctx, args, RmsNormOperands::new(&x, &w, &mut y), Backend::Fused)?` builds the plan
+//!    once per shape, then executes; `Backend::Naive` runs the eager kernels instead.
 #![deny(missing_docs, rustdoc::broken_intra_doc_links)]
 
 mod cache;
@@ -26,7 +26,7 @@ mod dtype;
 mod error;
 mod features;
 mod graph;
-pub mod naive;
+mod kernels;
 pub mod ops;
 mod plan;
 #[cfg(test)]
@@ -46,13 +46,13 @@ pub use graph::{
     Binary, Graph, Mask, NormPhase, Reduce, RmsNormOutputs, SdpaForm, SdpaOptions, SdpaOutputs, TensorId,
     Unary,
 };
-pub use ops::matmul::{
-    linear, matmul, matmul_with, Activation, BufferLens, Epilogue, Linear, MatmulArgs, MatrixLayout, Operands,
+pub use ops::matmul::{matmul, Activation, BufferLens, Epilogue, MatmulArgs, MatmulOperands, MatrixLayout};
+pub use ops::rmsnorm::{rms_norm, RmsNormArgs, RmsNormOperands};
+pub use ops::rope::{rope, RopeArgs, RopeOperands, RopeTables};
+pub use ops::rows::{
+    check_ids, embedding, write_cache, CacheWrite, CacheWriteOperands, EmbeddingArgs, EmbeddingOperands,
 };
-pub use ops::rmsnorm::{rms_norm, rms_norm_train, rms_norm_with, RmsNormArgs};
-pub use ops::rope::{rope_at, rope_with, RopeArgs, RopeTables};
-pub use ops::rows::{check_ids, embedding, write_cache, write_cache_at, CacheWrite};
-pub use ops::sdpa::{sdpa, sdpa_padded, sdpa_train, sdpa_with, Layout, SdpaArgs, SdpaLens};
+pub use ops::sdpa::{sdpa, Layout, SdpaArgs, SdpaLens, SdpaOperands};
 pub use plan::{knob_name, Bindings, KnobRange, L2Flush, Plan, Prepared, Scalar};
 pub use tensor::{packed_strides, TensorSpec, DEFAULT_ALIGNMENT, MAX_RANK};
 

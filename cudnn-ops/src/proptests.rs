@@ -7,7 +7,7 @@ use crate::graph::{Graph, NormPhase, SdpaForm};
 use crate::ops::matmul::{BufferLens, Epilogue, MatmulArgs, MatrixLayout};
 use crate::ops::rmsnorm::RmsNormArgs;
 use crate::ops::rope::RopeArgs;
-use crate::ops::rows::{check_embedding, CacheWrite};
+use crate::ops::rows::{CacheWrite, EmbeddingArgs};
 use crate::ops::sdpa::{Layout, SdpaArgs, SdpaLens};
 use crate::{packed_strides, DataType, Error, KnobRange, Mask, TensorSpec};
 use proptest::prelude::*;
@@ -138,16 +138,16 @@ proptest! {
         let scale = |d: [usize; 3]| [d[0], d[1].saturating_mul(8), d[2].saturating_mul(8)];
         let (ad, bd) = (scale(a_dims), scale(b_dims));
         let args = match layouts {
-            0 => MatmulArgs { a: MatrixLayout::row_major(ad[0], ad[1], ad[2]), b: MatrixLayout::column_major(bd[0], ad[2], bd[2]) },
-            1 => MatmulArgs { a: MatrixLayout::row_major(ad[0], ad[1], ad[2]), b: MatrixLayout::row_major(1, ad[2], bd[2]) },
-            2 => MatmulArgs { a: MatrixLayout { dims: ad, strides: a_strides }, b: MatrixLayout { dims: bd, strides: b_strides } },
-            _ => MatmulArgs { a: MatrixLayout { dims: ad, strides: [a_strides[0], a_strides[1], 1] }, b: MatrixLayout::row_major(1, ad[2], bd[2]) },
+            0 => MatmulArgs { a: MatrixLayout::row_major(ad[0], ad[1], ad[2]), b: MatrixLayout::column_major(bd[0], ad[2], bd[2]) , epilogue: Epilogue::NONE },
+            1 => MatmulArgs { a: MatrixLayout::row_major(ad[0], ad[1], ad[2]), b: MatrixLayout::row_major(1, ad[2], bd[2]) , epilogue: Epilogue::NONE },
+            2 => MatmulArgs { a: MatrixLayout { dims: ad, strides: a_strides }, b: MatrixLayout { dims: bd, strides: b_strides } , epilogue: Epilogue::NONE },
+            _ => MatmulArgs { a: MatrixLayout { dims: ad, strides: [a_strides[0], a_strides[1], 1] }, b: MatrixLayout::row_major(1, ad[2], bd[2]) , epilogue: Epilogue::NONE },
         };
         let _ = args.folded();
         let _ = args.d_len();
         let lens = BufferLens { a: l[0], b: l[1], d: l[2], ..BufferLens::default() };
-        if typed(args.check(DataType::BF16, DataType::BF16, Epilogue::NONE, &lens))? {
-            let g = args.graph(DataType::BF16, DataType::BF16, Epilogue::NONE);
+        if typed(args.check(DataType::BF16, DataType::BF16, &lens))? {
+            let g = args.graph(DataType::BF16, DataType::BF16);
             prop_assert!(g.validate().is_ok(), "{:?}", g.validate());
             bound_tensors_fit(&g, &[("A", l[0]), ("B", l[1]), ("D", l[2])])?;
         }
@@ -187,7 +187,7 @@ proptest! {
     #[test]
     fn embedding_sizes(v in prop::array::uniform6(size())) {
         let [ids, rows, table, vocab, hidden, y] = v;
-        if typed(check_embedding(ids, rows, table, vocab, hidden, y))? {
+        if typed(EmbeddingArgs { rows, vocab, hidden }.check(ids, table, y))? {
             prop_assert!(vocab * hidden <= table && rows * hidden <= y && rows <= ids);
         }
     }

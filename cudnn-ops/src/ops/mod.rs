@@ -1,8 +1,62 @@
-//! Fused ops: each builds (once, through the plan cache) a cuDNN graph and executes it.
+//! The ops, one room each. A room's `mod.rs` holds the arguments, their checks, the plan key and the
+//! op's one public call per phase; `fused.rs` builds and binds the cuDNN graph (or launches the fused
+//! custom kernel); `naive.rs` with its `.cu` is the eager baseline.
+//!
+//! | room | public call | fused | naive |
+//! |---|---|---|---|
+//! | [`rmsnorm`] | [`rms_norm`](rmsnorm::rms_norm) | `NORM_FORWARD` graph | 8 eager kernels ([`rmsnorm::naive`]) |
+//! | [`sdpa`] | [`sdpa`](sdpa::sdpa) | SDPA graph (unified or composite) | math-path attention ([`sdpa::naive`]) |
+//! | [`matmul`] | [`matmul`](matmul::matmul) | matmul + epilogue graph | cuBLAS GEMM + one kernel per step ([`matmul::naive`]) |
+//! | [`rope`] | [`rope`](rope::rope) | one custom kernel | 10 eager kernels |
+//! | [`rows`] | [`embedding`](rows::embedding), [`write_cache`](rows::write_cache) | one kernel, the same on both backends | |
+//!
+//! Every public call takes the op's arguments, an operands struct (inputs by name, outputs, optional
+//! training outputs) and the [`Backend`]. Inside the crate, the arguments type implements `Op` (its
+//! checks, in the room's `mod.rs`), `Fused` (in `fused.rs`) and `Naive` (in `naive.rs`); `ops::run`
+//! checks once and dispatches, so the room's `mod.rs` never names its halves and the halves only import
+//! `mod.rs`.
 
-pub mod epilogue;
 pub mod matmul;
 pub mod rmsnorm;
 pub mod rope;
 pub mod rows;
 pub mod sdpa;
+
+use crate::{Backend, Cudnn, Result};
+
+/// An op's arguments (shape, strides, options), with the checks both backends rely on. `E` names the
+/// element types of the operands (`T`, or `(T, O)` for a matmul with another output type).
+pub(crate) trait Op<E>: Sized {
+    /// The buffers of one call: inputs by name, outputs, optional training outputs.
+    type Operands<'a>;
+
+    /// Checks the arguments against the operands (shapes, buffer lengths, dtypes, options); nothing is
+    /// touched on error. Returns the arguments both halves run (e.g. a mask that hides nothing dropped).
+    fn checked(self, x: &Self::Operands<'_>) -> Result<Self>;
+}
+
+/// An op's cuDNN half (the room's `fused.rs`): arguments already [`Op::checked`].
+pub(crate) trait Fused<E>: Op<E> {
+    /// Builds (once, through the plan cache) and executes the graph, or launches the fused kernel.
+    fn fused(self, ctx: &Cudnn, x: Self::Operands<'_>) -> Result<()>;
+}
+
+/// An op's eager half (the room's `naive.rs`): arguments already [`Op::checked`].
+pub(crate) trait Naive<E>: Op<E> {
+    /// Launches the eager decomposition, one kernel per elementary op.
+    fn naive(self, ctx: &Cudnn, x: Self::Operands<'_>) -> Result<()>;
+}
+
+/// The one dispatch: checks `args` against `x` once, then runs the half `backend` names.
+pub(crate) fn run<E, A: Fused<E> + Naive<E>>(
+    ctx: &Cudnn,
+    args: A,
+    x: A::Operands<'_>,
+    backend: Backend,
+) -> Result<()> {
+    let args = args.checked(&x)?;
+    match backend {
+        Backend::Fused => args.fused(ctx, x),
+        Backend::Naive => args.naive(ctx, x),
+    }
+}

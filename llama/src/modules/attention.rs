@@ -6,8 +6,8 @@ use crate::backends::Site;
 use crate::{Backend, Result};
 use cudarc::driver::CudaSlice;
 use cudnn_ops::{
-    rope_at, rope_with, sdpa_padded, sdpa_with, write_cache, write_cache_at, CacheWrite, Element, Layout,
-    Mask, RopeArgs, SdpaArgs,
+    rope, sdpa, write_cache, CacheWrite, CacheWriteOperands, Element, Layout, Mask, RopeArgs, RopeOperands,
+    SdpaArgs, SdpaOperands,
 };
 
 /// One layer's K and V caches (`[batch, max_seq, h_kv · d]` each) and the device values a decode step
@@ -74,11 +74,12 @@ impl<T: Element> Attention<T> {
         let (ctx, tables, on_device) = (p.ctx, p.rope, p.positions.on_device);
         let baked = &mut p.positions.baked;
         p.dispatch.run(Site::ROPE, Some(self.layer), &p.shape, |b| {
+            let x = RopeOperands::new(tables, qkv);
             if b == Backend::Fused && on_device {
-                return rope_at(ctx, args, tables, qkv, positions);
+                return rope(ctx, args, x.starts(positions), b);
             }
             *baked = true;
-            rope_with(b, ctx, args, tables, qkv)
+            rope(ctx, args, x, b)
         })
     }
 
@@ -111,18 +112,19 @@ impl<T: Element> Attention<T> {
             if b == Backend::Fused && on_device && *padded {
                 // One plan for every decode step: the whole cache as capacity, lengths and the
                 // written row on the device.
-                write_cache_at(ctx, write, &k_src, k, positions)?;
-                write_cache_at(ctx, write, &v_src, v, positions)?;
+                write_cache(ctx, write, CacheWriteOperands::new(&k_src, k).starts(positions))?;
+                write_cache(ctx, write, CacheWriteOperands::new(&v_src, v).starts(positions))?;
                 let padded_args = SdpaArgs { seq_kv: max_seq, ..attn }.with_mask(Mask::None).with_seq_lens();
-                match sdpa_padded(ctx, padded_args, qkv, &*k, &*v, o, q_lens, kv_lens) {
+                let x = SdpaOperands::new(qkv, &*k, &*v, o).seq_lens(q_lens, kv_lens);
+                match sdpa(ctx, padded_args, x, Backend::Fused) {
                     Err(cudnn_ops::Error::NotSupported { .. }) => *padded = false,
                     done => return done,
                 }
             }
             *baked = true;
-            write_cache(ctx, write, &k_src, k)?;
-            write_cache(ctx, write, &v_src, v)?;
-            sdpa_with(b, ctx, attn, qkv, &*k, &*v, o, None)
+            write_cache(ctx, write, CacheWriteOperands::new(&k_src, k))?;
+            write_cache(ctx, write, CacheWriteOperands::new(&v_src, v))?;
+            sdpa(ctx, attn, SdpaOperands::new(qkv, &*k, &*v, o), b)
         })
     }
 }

@@ -4,7 +4,7 @@ use super::linear::Linear;
 use super::Pass;
 use crate::Result;
 use cudarc::driver::CudaSlice;
-use cudnn_ops::{embedding, Element};
+use cudnn_ops::{embedding, Element, EmbeddingArgs, EmbeddingOperands};
 
 /// The range of the embedding lookup (one kernel on both backends).
 pub const EMBED_RANGE: &str = "fwd.embed";
@@ -29,8 +29,10 @@ impl<T: Element> Embedding<T> {
     ) -> Result<()> {
         let (rows, ctx) = (p.tokens.rows(), p.ctx);
         let Linear { weight, in_features: hidden, out_features: vocab } = &self.table;
-        let embedded =
-            p.dispatch.observe(EMBED_RANGE, None, || embedding(ctx, ids, rows, weight, *vocab, *hidden, out));
+        let args = EmbeddingArgs { rows, vocab: *vocab, hidden: *hidden };
+        let embedded = p.dispatch.observe(EMBED_RANGE, None, || {
+            embedding(ctx, args, EmbeddingOperands { ids, table: weight, y: out })
+        });
         Ok(embedded?)
     }
 }

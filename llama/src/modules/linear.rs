@@ -1,7 +1,7 @@
 //! A linear layer and what its epilogue adds.
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
-use cudnn_ops::{linear, Backend, Cudnn, Element, Epilogue, Operands};
+use cudnn_ops::{matmul, Backend, Cudnn, Element, Epilogue, MatmulArgs, MatmulOperands};
 
 /// What a linear layer's epilogue does with `x · Wᵀ` (fused into the GEMM's graph, or one more naive
 /// kernel).
@@ -34,16 +34,15 @@ impl<T: Element> Linear<T> {
         tokens: usize,
         x: &dyn DevicePtr<T>,
         then: Then<'_, T>,
-        out: &mut (impl DevicePtrMut<T> + ?Sized),
+        out: &mut dyn DevicePtrMut<T>,
     ) -> cudnn_ops::Result<()> {
-        let shape =
-            cudnn_ops::Linear { tokens, in_features: self.in_features, out_features: self.out_features };
-        let operands = Operands::new(x, &self.weight);
+        let shape = MatmulArgs::linear(tokens, self.in_features, self.out_features);
+        let operands = MatmulOperands::new(x, &self.weight, out);
         let (epilogue, operands) = match then {
             Then::Nothing => (Epilogue::NONE, operands),
             Then::SwiGlu(up) => (Epilogue::SWIGLU, operands.gate(up)),
             Then::AddTo(residual) => (Epilogue::RESIDUAL, operands.residual(residual)),
         };
-        linear(backend, ctx, shape, epilogue, &operands, out)
+        matmul(ctx, &shape.with_epilogue(epilogue), operands, backend)
     }
 }

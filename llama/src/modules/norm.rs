@@ -4,7 +4,7 @@ use super::Pass;
 use crate::backends::Site;
 use crate::Result;
 use cudarc::driver::CudaSlice;
-use cudnn_ops::{rms_norm_with, Element, RmsNormArgs};
+use cudnn_ops::{rms_norm, Element, RmsNormArgs, RmsNormOperands};
 
 /// `x / rms(x) · weight` over each row of `hidden` values; a prenorm of one layer or the output norm.
 pub(crate) struct RmsNorm<T> {
@@ -36,7 +36,8 @@ impl<T: Element> RmsNorm<T> {
     ) -> Result<()> {
         let args = RmsNormArgs { tokens: p.tokens.rows(), hidden: self.hidden, epsilon: self.epsilon };
         let ctx = p.ctx;
-        p.dispatch
-            .run(self.site, self.layer, &p.shape, |b| rms_norm_with(b, ctx, args, x, &self.weight, out, None))
+        p.dispatch.run(self.site, self.layer, &p.shape, |b| {
+            rms_norm(ctx, args, RmsNormOperands::new(x, &self.weight, out), b)
+        })
     }
 }

@@ -11,7 +11,7 @@ __device__ __forceinline__ float epi_gelu_tanh(float x) {
 }
 __device__ __forceinline__ float epi_relu(float x) { return x <= 0.0f ? 0.0f : x; }  // NaN propagates
 
-// One set per output dtype: T the element type, load/store the f32 conversions from kernels.cu.
+// One set per output dtype: T the element type, load/store the f32 conversions from kernels/common.cu.
 #define EPI_KERNELS(T, sfx, load, store)                                                                \
 /* y + bias, bias broadcast over rows of length cols */                                                \
 ELEMENTWISE(epi_bias_##sfx, (T* y, const T* bias, long cols, long n),                                  \

@@ -13,12 +13,12 @@
 //! after every step, as eager's is. Steps run in place on D: the memory traffic equals eager's
 //! out-of-place kernels (one read and one write of `[batch, m, n]` per step, plus U or R).
 
-use super::{elementwise, Arg, Kernels};
+use super::{Epilogue, MatmulArgs, MatmulOperands, MatrixLayout};
 use crate::dtype::{DataType, Element};
-use crate::naive::blas::{gemm, Gemm, Operand};
-use crate::ops::matmul::{Epilogue, MatmulArgs, MatrixLayout, Operands};
+use crate::kernels::blas::{gemm, Gemm, Operand};
+use crate::kernels::{elementwise, Arg, Kernels};
+use crate::ops::Naive;
 use crate::{Cudnn, Result};
-use cudarc::driver::DevicePtrMut;
 
 /// Launches per call: one cuBLAS GEMM (cuBLAS may add a split-K reduction kernel of its own) plus one
 /// kernel per epilogue step.
@@ -62,16 +62,15 @@ fn gemm_config(args: &MatmulArgs, a: u64, b: u64, d: u64, dtype: DataType, out: 
     }
 }
 
-/// Runs the eager decomposition; reached through [`crate::ops::matmul::matmul_with`] with
-/// [`crate::Backend::Naive`].
-pub(crate) fn run<T: Element, O: Element>(
-    ctx: &Cudnn,
-    args: &MatmulArgs,
-    epilogue: Epilogue,
-    x: &Operands<'_, T, O>,
-    d: &mut (impl DevicePtrMut<O> + ?Sized),
-) -> Result<()> {
-    args.check(T::DTYPE, O::DTYPE, epilogue, &x.lens(d.len()))?;
+impl<T: Element, O: Element> Naive<(T, O)> for MatmulArgs {
+    fn naive(self, ctx: &Cudnn, x: MatmulOperands<'_, T, O>) -> Result<()> {
+        run(ctx, &self, x)
+    }
+}
+
+/// The eager decomposition: the GEMM, then the epilogue's steps in place on D.
+fn run<T: Element, O: Element>(ctx: &Cudnn, args: &MatmulArgs, x: MatmulOperands<'_, T, O>) -> Result<()> {
+    let epilogue = args.epilogue;
     let total = args.d_len();
     crate::error::ensure!(
         epilogue.steps() == 0 || total <= u32::MAX as usize,
@@ -88,7 +87,7 @@ pub(crate) fn run<T: Element, O: Element>(
     let stream = ctx.stream();
     let (a_ptr, _ga) = x.a.device_ptr(stream);
     let (b_ptr, _gb) = x.b.device_ptr(stream);
-    let (d_ptr, _gd) = d.device_ptr_mut(stream);
+    let (d_ptr, _gd) = x.d.device_ptr_mut(stream);
     gemm(ctx, &gemm_config(args, a_ptr, b_ptr, d_ptr, T::DTYPE, O::DTYPE))?;
     let Some(kernels) = kernels else { return Ok(()) };
     let y = Arg::Ptr(d_ptr);

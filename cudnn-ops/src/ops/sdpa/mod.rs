@@ -5,17 +5,16 @@
 //! [`Layout::Bshd`] is what a QKV projection produces (`[b, s, h, d]` in memory), [`Layout::Bhsd`] the
 //! head-major layout; Q, K and V views into one fused QKV buffer are just other strides.
 
-use crate::cache::PlanKey;
+mod fused;
+pub mod naive;
+
 use crate::checked;
 use crate::dtype::{DataType, Element};
 use crate::error::ensure;
-use crate::graph::{Graph, Mask, SdpaForm, SdpaOptions};
-use crate::naive::Arg;
-use crate::plan::{Bindings, Plan};
-use crate::tensor::TensorSpec;
-use crate::{Backend, Cudnn, Error, Features, Result};
+use crate::graph::{Mask, SdpaForm};
+use crate::ops::Op;
+use crate::{Backend, Cudnn, Error, Result};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
-use std::rc::Rc;
 
 /// Storage order of a `[b, h, s, d]` tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -77,7 +76,8 @@ pub struct SdpaArgs {
     /// ([`SdpaForm::select`]), falling back to the composite graph if the unified one is rejected.
     pub form: Option<SdpaForm>,
     /// `seq_q` and `seq_kv` are capacities and each sequence's lengths come from device tensors at run
-    /// time ([`sdpa_padded`]): one plan for every length up to the capacity (e.g. every decode step).
+    /// time ([`SdpaOperands::seq_lens`]): one plan for every length up to the capacity (e.g. every decode
+    /// step).
     pub padded: bool,
 }
 
@@ -156,7 +156,8 @@ impl SdpaArgs {
         }
     }
 
-    /// What both backends do first: `check_dtype`, [`SdpaArgs::check`], then [`SdpaArgs::normalized`].
+    /// What both backends do first: `check_dtype` (f16 or bf16 I/O), [`SdpaArgs::check`], then
+    /// [`SdpaArgs::normalized`].
     pub fn validated(self, dtype: DataType, lens: SdpaLens) -> Result<Self> {
         check_dtype(dtype)?;
         self.check(lens)?;
@@ -249,8 +250,8 @@ impl SdpaArgs {
     }
 
     /// The plan-cache key.
-    pub fn key(&self, dtype: DataType, stats: bool) -> PlanKey {
-        PlanKey::Sdpa {
+    pub fn key(&self, dtype: DataType, stats: bool) -> Key {
+        Key {
             dims: [self.batch, self.heads_q, self.heads_kv, self.seq_q, self.seq_kv, self.head_dim],
             strides: [self.q_strides, self.k_strides, self.v_strides, self.o_strides],
             dtype,
@@ -260,159 +261,25 @@ impl SdpaArgs {
             padded: self.padded,
         }
     }
-
-    /// The cuDNN graph in `form`: Q, K, V (uids 1-3), the scale by value (4), then O and, in training
-    /// mode, stats (f32 `[b, h_q, s_q, 1]` packed), named `O` and `stats`.
-    pub fn graph(&self, dtype: DataType, stats: bool, form: SdpaForm, features: Features) -> Graph {
-        let i = |v: [usize; 4]| v.map(|x| x as i64);
-        let mut g = Graph::new(format!(
-            "sdpa b{} hq{} hkv{} sq{} skv{} d{} {dtype} {} {}",
-            self.batch,
-            self.heads_q,
-            self.heads_kv,
-            self.seq_q,
-            self.seq_kv,
-            self.head_dim,
-            self.mask.name(),
-            if stats { "training" } else { "inference" }
-        ));
-        let q = g.tensor(TensorSpec::new("Q", &i(self.dims('q')), dtype).with_strides(&i(self.q_strides)));
-        let k = g.tensor(TensorSpec::new("K", &i(self.dims('k')), dtype).with_strides(&i(self.k_strides)));
-        let v = g.tensor(TensorSpec::new("V", &i(self.dims('v')), dtype).with_strides(&i(self.v_strides)));
-        let scale = g.tensor(TensorSpec::scalar("scale", DataType::F32, 4));
-        let seq_lens = self.padded.then(|| {
-            let b = self.batch as i64;
-            let lens =
-                |name: &str| TensorSpec::new(name, &[b, 1, 1, 1], DataType::I32).with_strides(&[1, 1, 1, 1]);
-            (g.tensor(lens("seq_len_q")), g.tensor(lens("seq_len_kv")))
-        });
-        let out = g.sdpa(q, k, v, scale, SdpaOptions { mask: self.mask, stats, form, features, seq_lens });
-        let o = g.output(out.o);
-        o.name = "O".into();
-        o.strides = i(self.o_strides).to_vec();
-        if let Some(s) = out.stats {
-            g.output(s).name = "stats".into();
-        }
-        g
-    }
-
-    /// The cached plan (for the [`SdpaArgs::normalized`] attention), built on first use. With an automatic form, a unified graph the running cuDNN
-    /// rejects is rebuilt as the composite graph; [`Plan::form`] says which one runs.
-    pub fn plan(&self, ctx: &Cudnn, dtype: DataType, stats: bool) -> Result<Rc<Plan>> {
-        let a = self.normalized();
-        let (version, features) = (ctx.info().cudnn_version, ctx.features());
-        if a.padded && !features.sdpa_seq_lens() {
-            return Err(Error::NotSupported {
-                op: "sdpa".into(),
-                reason: format!(
-                    "attention with run-time sequence lengths needs cuDNN 9.15 (the unified operation), this is {}",
-                    crate::version_string(version)
-                ),
-            });
-        }
-        ctx.cache().get_or_build(&a.key(dtype, stats), || {
-            let form = a.form.unwrap_or_else(|| SdpaForm::select(features, a.mask));
-            match a.graph(dtype, stats, form, features).build(ctx) {
-                Err(e)
-                    if e.is_not_supported() && a.form.is_none() && form == SdpaForm::Unified && !a.padded =>
-                {
-                    a.graph(dtype, stats, SdpaForm::Composite, features).build(ctx)
-                }
-                other => other,
-            }
-        })
-    }
 }
 
-/// Fused attention, inference mode.
-pub fn sdpa<T: Element>(
-    ctx: &Cudnn,
-    args: SdpaArgs,
-    q: &(impl DevicePtr<T> + ?Sized),
-    k: &(impl DevicePtr<T> + ?Sized),
-    v: &(impl DevicePtr<T> + ?Sized),
-    o: &mut (impl DevicePtrMut<T> + ?Sized),
-) -> Result<()> {
-    fused::<T>(ctx, args, q, k, v, o, None)
-}
-
-/// Fused attention, training mode: also writes the f32 log-sum-exp of each score row.
-pub fn sdpa_train<T: Element>(
-    ctx: &Cudnn,
-    args: SdpaArgs,
-    q: &(impl DevicePtr<T> + ?Sized),
-    k: &(impl DevicePtr<T> + ?Sized),
-    v: &(impl DevicePtr<T> + ?Sized),
-    o: &mut (impl DevicePtrMut<T> + ?Sized),
-    stats: &mut impl DevicePtrMut<f32>,
-) -> Result<()> {
-    fused::<T>(ctx, args, q, k, v, o, Some(stats))
-}
-
-/// Attention on the chosen backend; `stats` selects training mode.
-#[allow(clippy::too_many_arguments)]
-pub fn sdpa_with<T: Element>(
-    backend: Backend,
-    ctx: &Cudnn,
-    args: SdpaArgs,
-    q: &(impl DevicePtr<T> + ?Sized),
-    k: &(impl DevicePtr<T> + ?Sized),
-    v: &(impl DevicePtr<T> + ?Sized),
-    o: &mut (impl DevicePtrMut<T> + ?Sized),
-    stats: Option<&mut dyn DevicePtrMut<f32>>,
-) -> Result<()> {
-    match backend {
-        Backend::Fused => fused::<T>(ctx, args, q, k, v, o, stats),
-        Backend::Naive => crate::naive::attention::run::<T>(ctx, args, q, k, v, o, stats),
-    }
-}
-
-/// Fused attention with per-sequence lengths read from device i32 buffers of `batch` values each:
-/// `args` must be [`SdpaArgs::with_seq_lens`], its seq dims the capacities (buffers are sized by them);
-/// keys past `seq_len_kv[b]` and queries past `seq_len_q[b]` are masked out (their output rows are
-/// unspecified). One plan serves every length, e.g. every step of a decode over a growing cache.
-/// Needs cuDNN 9.15+ and no causal mask (a single decode query needs none).
-///
-/// The lengths are device values the host cannot check, and cuDNN bounds them by nothing: a length past
-/// the capacity would read K/V (and write O) past the buffers. So a launch-only kernel first copies
-/// them, clamped into `0..=capacity`, into an op-owned buffer, and cuDNN reads that copy.
-#[allow(clippy::too_many_arguments)]
-pub fn sdpa_padded<T: Element>(
-    ctx: &Cudnn,
-    args: SdpaArgs,
-    q: &(impl DevicePtr<T> + ?Sized),
-    k: &(impl DevicePtr<T> + ?Sized),
-    v: &(impl DevicePtr<T> + ?Sized),
-    o: &mut (impl DevicePtrMut<T> + ?Sized),
-    seq_len_q: &(impl DevicePtr<i32> + ?Sized),
-    seq_len_kv: &(impl DevicePtr<i32> + ?Sized),
-) -> Result<()> {
-    ensure!(args.padded, "sdpa_padded: build the arguments with SdpaArgs::with_seq_lens");
-    for (name, len) in [("seq_len_q", seq_len_q.len()), ("seq_len_kv", seq_len_kv.len())] {
-        ensure!(len >= args.batch, "sdpa_padded: {name} has {len} values, batch is {}", args.batch);
-    }
-    let lens = SdpaLens { q: q.len(), k: k.len(), v: v.len(), o: o.len(), stats: None };
-    let args = args.validated(T::DTYPE, lens)?;
-    let plan = args.plan(ctx, T::DTYPE, false)?;
-    let (uid_q, uid_kv, uid_o) = (plan.uid("seq_len_q")?, plan.uid("seq_len_kv")?, plan.uid("O")?);
-    let kernels = crate::naive::Kernels::get(ctx)?;
-    // The K/V half starts 16-byte aligned (the alignment the graph declares).
-    let kv_at = args.batch.next_multiple_of(4);
-    let clamped = kernels.seq_lens(ctx, 2 * kv_at)?;
-    {
-        let (sq, _gq) = seq_len_q.device_ptr(ctx.stream());
-        let (skv, _gkv) = seq_len_kv.device_ptr(ctx.stream());
-        let (out, _go) = clamped.device_ptr(ctx.stream());
-        let i = |v: usize| Arg::I64(v as i64); // each at most 2 * batch or a capacity, all < 2^31
-        let a = [Arg::Ptr(sq), Arg::Ptr(skv), i(args.seq_q), i(args.seq_kv), i(kv_at), Arg::Ptr(out)];
-        crate::naive::elementwise(ctx, kernels, "clamp_seq_lens", args.batch, &a)?;
-    }
-    let (lens_q, lens_kv) = (clamped.slice(0..args.batch), clamped.slice(kv_at..kv_at + args.batch));
-    let mut b = Bindings::new(ctx.stream());
-    b.input(1, q).input(2, k).input(3, v).scalar_f32(4, args.scale());
-    b.input_i32(uid_q, &lens_q).input_i32(uid_kv, &lens_kv);
-    b.output(uid_o, o);
-    plan.execute(ctx, &b)
+/// What identifies an attention plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Key {
+    /// `[batch, heads_q, heads_kv, seq_q, seq_kv, head_dim]`.
+    pub dims: [usize; 6],
+    /// Element strides of Q, K, V and O over their logical `[b, h, s, d]` dims.
+    pub strides: [[usize; 4]; 4],
+    /// I/O dtype.
+    pub dtype: DataType,
+    /// Causal masking.
+    pub mask: Mask,
+    /// Training mode (stats written).
+    pub stats: bool,
+    /// The form asked for (`None`: chosen by version).
+    pub form: Option<SdpaForm>,
+    /// Sequence lengths bound at run time (seq dims are capacities).
+    pub padded: bool,
 }
 
 /// Rejects what no backend runs: f32 I/O (both backends take f16/bf16).
@@ -426,39 +293,93 @@ pub(crate) fn check_dtype(dtype: DataType) -> Result<()> {
     })
 }
 
-fn fused<T: Element>(
-    ctx: &Cudnn,
-    args: SdpaArgs,
-    q: &(impl DevicePtr<T> + ?Sized),
-    k: &(impl DevicePtr<T> + ?Sized),
-    v: &(impl DevicePtr<T> + ?Sized),
-    o: &mut (impl DevicePtrMut<T> + ?Sized),
-    stats: Option<&mut dyn DevicePtrMut<f32>>,
-) -> Result<()> {
-    let lens =
-        SdpaLens { q: q.len(), k: k.len(), v: v.len(), o: o.len(), stats: stats.as_ref().map(|s| s.len()) };
-    let args = args.validated(T::DTYPE, lens)?;
-    let info = ctx.info();
-    let limit = ctx.features().max_sdpa_head_dim();
-    if args.head_dim > limit {
-        let (major, minor) = info.compute_capability;
-        return Err(Error::NotSupported {
-            op: "sdpa".into(),
-            reason: format!(
-                "head_dim {} exceeds {limit}, the largest fused attention takes on sm_{major}{minor} with cuDNN {}",
-                args.head_dim,
-                info.cudnn_version_string()
-            ),
-        });
+/// The buffers of an attention call: Q, K, V in, O out (strided as [`SdpaArgs`] says), and optionally
+/// the training stats and the run-time sequence lengths of padded attention.
+pub struct SdpaOperands<'a, T: Element> {
+    /// Q over `[b, h_q, s_q, d]`.
+    pub q: &'a dyn DevicePtr<T>,
+    /// K over `[b, h_kv, s_kv, d]`.
+    pub k: &'a dyn DevicePtr<T>,
+    /// V over `[b, h_kv, s_kv, d]`.
+    pub v: &'a dyn DevicePtr<T>,
+    /// O over `[b, h_q, s_q, d]`.
+    pub o: &'a mut dyn DevicePtrMut<T>,
+    /// The f32 log-sum-exp of each score row, `[b, h_q, s_q]` packed; given, it selects training mode.
+    pub stats: Option<&'a mut dyn DevicePtrMut<f32>>,
+    /// `(seq_len_q, seq_len_kv)`: device i32 buffers of `batch` values each, for arguments made with
+    /// [`SdpaArgs::with_seq_lens`] (and only for those), whose seq dims are then capacities (buffers
+    /// are sized by them); keys past `seq_len_kv[b]` and queries past `seq_len_q[b]` are masked out
+    /// (their output rows are unspecified). One plan serves every length, e.g. every step of a decode
+    /// over a growing cache. Fused only; needs cuDNN 9.15+ and no causal mask (a single decode query
+    /// needs none).
+    ///
+    /// The lengths are device values the host cannot check, and cuDNN bounds them by nothing: a length
+    /// past the capacity would read K/V (and write O) past the buffers. So a launch-only kernel first
+    /// copies them, clamped into `0..=capacity`, into an op-owned buffer, and cuDNN reads that copy.
+    pub seq_lens: Option<(&'a dyn DevicePtr<i32>, &'a dyn DevicePtr<i32>)>,
+}
+
+impl<'a, T: Element> SdpaOperands<'a, T> {
+    /// Inference: Q, K, V in, O out.
+    pub fn new(
+        q: &'a dyn DevicePtr<T>,
+        k: &'a dyn DevicePtr<T>,
+        v: &'a dyn DevicePtr<T>,
+        o: &'a mut dyn DevicePtrMut<T>,
+    ) -> Self {
+        SdpaOperands { q, k, v, o, stats: None, seq_lens: None }
     }
-    let plan = args.plan(ctx, T::DTYPE, stats.is_some())?;
-    let mut b = Bindings::new(ctx.stream());
-    // Q, K, V and the scale are created first (uids 1-4); O and stats are found by name.
-    b.input(1, q).input(2, k).input(3, v).scalar_f32(4, args.scale()).output(plan.uid("O")?, o);
-    if let Some(s) = stats {
-        b.output(plan.uid("stats")?, s);
+
+    /// Training: also writes the f32 log-sum-exp of each score row.
+    pub fn stats(mut self, stats: &'a mut dyn DevicePtrMut<f32>) -> Self {
+        self.stats = Some(stats);
+        self
     }
-    plan.execute(ctx, &b)
+
+    /// Per-sequence lengths read on the device (see [`SdpaOperands::seq_lens`](#structfield.seq_lens)).
+    pub fn seq_lens(mut self, seq_len_q: &'a dyn DevicePtr<i32>, seq_len_kv: &'a dyn DevicePtr<i32>) -> Self {
+        self.seq_lens = Some((seq_len_q, seq_len_kv));
+        self
+    }
+
+    /// The buffer lengths.
+    pub fn lens(&self) -> SdpaLens {
+        let (q, k, v, o) = (self.q.len(), self.k.len(), self.v.len(), self.o.len());
+        SdpaLens { q, k, v, o, stats: self.stats.as_ref().map(|s| s.len()) }
+    }
+}
+
+impl<T: Element> Op<T> for SdpaArgs {
+    type Operands<'a> = SdpaOperands<'a, T>;
+
+    /// [`check_dtype`], the sequence-length operands against [`SdpaArgs::padded`], [`SdpaArgs::check`],
+    /// then [`SdpaArgs::normalized`].
+    fn checked(self, x: &SdpaOperands<'_, T>) -> Result<Self> {
+        if let Some((q, kv)) = x.seq_lens {
+            ensure!(self.padded, "sdpa: sequence lengths need arguments made with SdpaArgs::with_seq_lens");
+            for (name, len) in [("seq_len_q", q.len()), ("seq_len_kv", kv.len())] {
+                ensure!(len >= self.batch, "sdpa: {name} has {len} values, batch is {}", self.batch);
+            }
+            if x.stats.is_some() {
+                return Err(Error::NotSupported {
+                    op: "sdpa".into(),
+                    reason: "training stats with run-time sequence lengths".into(),
+                });
+            }
+        } else {
+            ensure!(
+                !self.padded,
+                "sdpa: arguments made with SdpaArgs::with_seq_lens need the seq_len_q and seq_len_kv operands"
+            );
+        }
+        self.validated(T::DTYPE, x.lens())
+    }
+}
+
+/// Attention on `backend`; training mode and padded lengths follow the operands
+/// ([`SdpaOperands::stats`], [`SdpaOperands::seq_lens`]).
+pub fn sdpa<T: Element>(ctx: &Cudnn, args: SdpaArgs, x: SdpaOperands<'_, T>, backend: Backend) -> Result<()> {
+    crate::ops::run::<T, _>(ctx, args, x, backend)
 }
 
 #[cfg(test)]
@@ -564,35 +485,6 @@ mod tests {
     }
 
     #[test]
-    fn padded_graphs_bind_sequence_lengths_on_the_unified_form_only() {
-        let a = SdpaArgs::new(2, 8, 2, 1, 256, 64, Layout::Bshd).with_seq_lens();
-        assert_ne!(a.key(DataType::BF16, false), SdpaArgs { padded: false, ..a }.key(DataType::BF16, false));
-        let g = a.graph(DataType::BF16, false, SdpaForm::Unified, Features::for_version(91900, (9, 0)));
-        g.validate().unwrap();
-        let bound: Vec<(&str, i64)> = g
-            .tensors()
-            .iter()
-            .filter(|t| !t.is_virtual && !t.by_value)
-            .map(|t| (t.name.as_str(), t.uid))
-            .collect();
-        assert_eq!(&bound[3..5], &[("seq_len_q", 5), ("seq_len_kv", 6)]);
-        let lens = g.tensors().iter().find(|t| t.name == "seq_len_kv").unwrap();
-        assert_eq!((lens.dtype, lens.dims.clone()), (DataType::I32, vec![2, 1, 1, 1]));
-        // The composite graph has no padding mask here; a causal mask cannot go on the unified node.
-        let e = a
-            .graph(DataType::BF16, false, SdpaForm::Composite, Features::for_version(91900, (9, 0)))
-            .validate()
-            .unwrap_err();
-        assert!(e.is_not_supported() && e.to_string().contains("unified SDPA operation"), "{e}");
-        let chunk = SdpaArgs { seq_q: 4, ..a }.with_mask(Mask::CausalBottomRight);
-        assert!(chunk
-            .graph(DataType::BF16, false, SdpaForm::Unified, Features::for_version(91900, (9, 0)))
-            .validate()
-            .unwrap_err()
-            .is_not_supported());
-    }
-
-    #[test]
     fn flops_count_causal_as_half_and_decode_in_full() {
         let a = SdpaArgs::new(1, 32, 8, 8192, 8192, 128, Layout::Bshd);
         let full = 4.0 * 32.0 * 128.0 * 8192.0 * 8192.0;
@@ -626,54 +518,5 @@ mod tests {
             a.with_form(SdpaForm::Composite).key(DataType::BF16, false),
         ];
         assert_eq!(variants.iter().collect::<HashSet<_>>().len(), variants.len());
-    }
-
-    #[test]
-    fn graphs_validate_in_both_forms() {
-        for (mask, stats) in
-            [(Mask::None, false), (Mask::CausalTopLeft, true), (Mask::CausalBottomRight, false)]
-        {
-            let a = SdpaArgs::new(1, 32, 8, 64, 128, 128, Layout::Bshd).with_mask(mask);
-            let g = a.graph(DataType::BF16, stats, SdpaForm::Composite, Features::for_version(91900, (9, 0)));
-            g.validate().unwrap();
-            assert_eq!(g.form(), Some("composite"));
-            let mut bound: Vec<&str> = g
-                .tensors()
-                .iter()
-                .filter(|t| !t.is_virtual && !t.by_value)
-                .map(|t| t.name.as_str())
-                .collect();
-            let mut expected = vec!["Q", "K", "V", "O"];
-            if stats {
-                expected.push("stats");
-            }
-            bound.sort_unstable();
-            expected.sort_unstable();
-            assert_eq!(bound, expected);
-            // K is the transposed view over the same memory: dims and strides swapped.
-            let k = &g.tensors()[1];
-            assert_eq!(
-                (k.dims.clone(), k.strides.clone()),
-                (vec![1, 8, 128, 128], vec![128 * 8 * 128, 128, 1, 8 * 128])
-            );
-            let o = g.tensors().iter().find(|t| t.name == "O").unwrap();
-            assert_eq!(o.strides, vec![64 * 32 * 128, 128, 32 * 128, 1]);
-            assert_eq!(o.dtype, DataType::BF16);
-        }
-        let u = SdpaArgs::new(1, 32, 8, 64, 64, 64, Layout::Bhsd).graph(
-            DataType::F16,
-            true,
-            SdpaForm::Unified,
-            Features::for_version(91900, (9, 0)),
-        );
-        u.validate().unwrap();
-        assert_eq!(u.form(), Some("unified"));
-        // A mask cannot go on the unified node with these bindings.
-        let masked = SdpaArgs::new(1, 4, 4, 8, 8, 64, Layout::Bhsd).with_mask(Mask::CausalTopLeft);
-        let e = masked
-            .graph(DataType::F16, false, SdpaForm::Unified, Features::for_version(92100, (9, 0)))
-            .validate()
-            .unwrap_err();
-        assert!(e.is_not_supported() && e.to_string().contains("9.21"), "{e}");
     }
 }

@@ -13,13 +13,14 @@
 //! The `b · h_q · s_q · s_kv` scores live in device memory in f32 (twice, plus the cast copy), so long
 //! sequences run out of memory: that is checked up front and returned as [`Error::OutOfMemory`].
 
-use super::blas::{gemm, Gemm, Operand};
-use super::{elementwise, launch, scratch, Arg, Kernels};
+use super::{SdpaArgs, SdpaOperands};
 use crate::dtype::{DataType, Element};
 use crate::graph::Mask;
-use crate::ops::sdpa::{SdpaArgs, SdpaLens};
+use crate::kernels::blas::{gemm, Gemm, Operand};
+use crate::kernels::{elementwise, launch, scratch, Arg, Kernels};
+use crate::ops::Naive;
 use crate::{Cudnn, Error, Result};
-use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
+use cudarc::driver::LaunchConfig;
 
 /// Headroom left free for cuBLAS's workspace and the rest of the process.
 const HEADROOM: usize = 256 << 20;
@@ -60,20 +61,22 @@ fn layout(args: &SdpaArgs, dtype: DataType) -> Result<(usize, [usize; 4])> {
     Ok((total, [p, p_io, k, v]))
 }
 
-/// Runs the eager decomposition; reached through [`crate::ops::sdpa::sdpa_with`] with
-/// [`crate::Backend::Naive`].
-pub(crate) fn run<T: Element>(
-    ctx: &Cudnn,
-    args: SdpaArgs,
-    q: &(impl DevicePtr<T> + ?Sized),
-    k: &(impl DevicePtr<T> + ?Sized),
-    v: &(impl DevicePtr<T> + ?Sized),
-    o: &mut (impl DevicePtrMut<T> + ?Sized),
-    stats: Option<&mut dyn DevicePtrMut<f32>>,
-) -> Result<()> {
-    let lens =
-        SdpaLens { q: q.len(), k: k.len(), v: v.len(), o: o.len(), stats: stats.as_ref().map(|s| s.len()) };
-    let args = args.validated(T::DTYPE, lens)?;
+impl<T: Element> Naive<T> for SdpaArgs {
+    fn naive(self, ctx: &Cudnn, x: SdpaOperands<'_, T>) -> Result<()> {
+        if x.seq_lens.is_some() {
+            return Err(Error::NotSupported {
+                op: "sdpa".into(),
+                reason: "run-time sequence lengths are fused only (the naive attention runs every position)"
+                    .into(),
+            });
+        }
+        run(ctx, self, x)
+    }
+}
+
+/// The eager decomposition.
+fn run<T: Element>(ctx: &Cudnn, args: SdpaArgs, x: SdpaOperands<'_, T>) -> Result<()> {
+    let SdpaOperands { q, k, v, o, stats, .. } = x;
     let kernels = Kernels::get(ctx)?;
     let (total, [p_at, p_io_at, k_at, v_at]) = layout(&args, T::DTYPE)?;
     let held = kernels.scratch_len();

@@ -10,11 +10,12 @@
 //! 8 kernels for bf16/f16, 6 for f32, every intermediate an f32 tensor in device memory. In the
 //! training phase the rsqrt output is the inverse RMS and is written straight to the caller's buffer.
 
-use super::{elementwise, launch, scratch, Arg, Kernels};
+use super::{RmsNormArgs, RmsNormOperands};
 use crate::dtype::{DataType, Element};
-use crate::ops::rmsnorm::RmsNormArgs;
+use crate::kernels::{elementwise, launch, scratch, Arg, Kernels};
+use crate::ops::Naive;
 use crate::{Cudnn, Result};
-use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
+use cudarc::driver::LaunchConfig;
 
 /// Kernels launched per call for an I/O dtype (the report checks its counts against this).
 pub fn kernel_count(dtype: DataType) -> usize {
@@ -25,17 +26,15 @@ pub fn kernel_count(dtype: DataType) -> usize {
     }
 }
 
-/// Runs the eager decomposition; reached through [`crate::ops::rmsnorm::rms_norm_with`] with
-/// [`crate::Backend::Naive`]. `inv_rms` selects the training phase.
-pub(crate) fn run<T: Element>(
-    ctx: &Cudnn,
-    args: RmsNormArgs,
-    x: &(impl DevicePtr<T> + ?Sized),
-    weight: &(impl DevicePtr<T> + ?Sized),
-    y: &mut (impl DevicePtrMut<T> + ?Sized),
-    inv_rms: Option<&mut dyn DevicePtrMut<f32>>,
-) -> Result<()> {
-    args.check(x.len(), weight.len(), y.len(), inv_rms.as_ref().map(|i| i.len()))?;
+impl<T: Element> Naive<T> for RmsNormArgs {
+    fn naive(self, ctx: &Cudnn, x: RmsNormOperands<'_, T>) -> Result<()> {
+        run(ctx, self, x)
+    }
+}
+
+/// The eager decomposition; the training phase writes the rsqrt output straight to `inv_rms`.
+fn run<T: Element>(ctx: &Cudnn, args: RmsNormArgs, x: RmsNormOperands<'_, T>) -> Result<()> {
+    let RmsNormOperands { x, weight, y, inv_rms } = x;
     let suffix = match T::DTYPE {
         DataType::BF16 => "bf16",
         DataType::F16 => "f16",

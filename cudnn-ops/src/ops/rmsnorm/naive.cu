@@ -1,38 +1,5 @@
-// Elementary kernels in the style of PyTorch eager: one op per launch, f32 intermediates in device
-// memory. Compiled at run time with NVRTC; self-contained (no CUDA headers needed on the target).
-// Each elementwise thread handles ITEMS elements spaced a block apart (PyTorch's unrolled loop), so
-// every load instruction of a warp is coalesced.
+// ---- Naive RMSNorm: LlamaRMSNorm.forward as eager runs it, one op per launch (casts in common.cu). ----
 
-#define ITEMS 4
-typedef unsigned short bits16;
-
-__device__ __forceinline__ float bf16_to_f32(bits16 h) { return __uint_as_float(((unsigned int)h) << 16); }
-__device__ __forceinline__ bits16 f32_to_bf16(float f) {
-    unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bits16)((u >> 16) | 0x40u);  // quiet NaN
-    u += 0x7fffu + ((u >> 16) & 1u);                                            // round to nearest even
-    return (bits16)(u >> 16);
-}
-__device__ __forceinline__ float f16_to_f32(bits16 h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
-__device__ __forceinline__ bits16 f32_to_f16(float f) { bits16 h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
-__device__ __forceinline__ float f32_to_f32(float f) { return f; }
-
-#define ELEMENTWISE(name, params, ...)                                                   \
-extern "C" __global__ void name params {                                                 \
-    long base = (long)blockIdx.x * blockDim.x * ITEMS + threadIdx.x;                     \
-    _Pragma("unroll")                                                                    \
-    for (int k = 0; k < ITEMS; ++k) {                                                    \
-        long i = base + (long)k * blockDim.x;                                            \
-        if (i < n) { __VA_ARGS__; }                                                      \
-    }                                                                                    \
-}
-
-// x.to(torch.float32)
-ELEMENTWISE(cast_bf16_f32, (const bits16* x, float* y, long n), y[i] = bf16_to_f32(x[i]))
-ELEMENTWISE(cast_f16_f32, (const bits16* x, float* y, long n), y[i] = f16_to_f32(x[i]))
-// x.to(input_dtype)
-ELEMENTWISE(cast_f32_bf16, (const float* x, bits16* y, long n), y[i] = f32_to_bf16(x[i]))
-ELEMENTWISE(cast_f32_f16, (const float* x, bits16* y, long n), y[i] = f32_to_f16(x[i]))
 // x.pow(2)
 ELEMENTWISE(pow2_f32, (const float* x, float* y, long n), { float v = x[i]; y[i] = v * v; })
 // v + eps

@@ -1,12 +1,13 @@
-//! Row moves a decoder needs on both backends (one kernel each, as in eager): the embedding lookup and
-//! writing K/V rows into a preallocated cache.
+//! Row moves a decoder needs on both backends (one kernel each, as in eager, so neither call takes a
+//! [`Backend`](crate::Backend)): the embedding lookup and writing K/V rows into a preallocated cache.
+//! Their kernels are in `rows.cu`.
 
 use crate::checked;
 use crate::dtype::Element;
 use crate::error::ensure;
-use crate::naive::{elementwise, Arg, Kernels};
+use crate::kernels::{elementwise, optional_ptr, Arg, Kernels};
 use crate::{Cudnn, Error, Result};
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
 
 fn sixteen_bit<T: Element>(op: &str) -> Result<()> {
     if T::DTYPE.size() == 2 {
@@ -26,6 +27,43 @@ pub fn check_ids(ids: &[u32], vocab: usize) -> Result<()> {
     Ok(())
 }
 
+/// Shape of an embedding lookup: the first `rows` ids into a `[vocab, hidden]` table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EmbeddingArgs {
+    /// Ids looked up (rows of the output).
+    pub rows: usize,
+    /// Rows of the table.
+    pub vocab: usize,
+    /// Row length.
+    pub hidden: usize,
+}
+
+impl EmbeddingArgs {
+    /// Checks the shape against the buffer lengths (ids, table, output) with checked arithmetic (no GPU
+    /// needed).
+    pub fn check(&self, ids: usize, table: usize, y: usize) -> Result<()> {
+        let EmbeddingArgs { rows, vocab, hidden } = *self;
+        ensure!(rows > 0 && hidden > 0, "embedding: no tokens or zero hidden size");
+        ensure!(vocab > 0, "embedding: empty vocabulary");
+        ensure!(ids >= rows, "embedding: {ids} ids for {rows} rows");
+        let need = checked::product("embedding: vocab * hidden", &[vocab, hidden])?;
+        ensure!(table >= need, "embedding: table has {table} elements, needs {need}");
+        let n = checked::product("embedding: rows * hidden", &[rows, hidden])?;
+        ensure!(y >= n, "embedding: output has {y} elements, needs {n}");
+        Ok(())
+    }
+}
+
+/// The buffers of an embedding lookup.
+pub struct EmbeddingOperands<'a, T: Element> {
+    /// Token ids on the device.
+    pub ids: &'a dyn DevicePtr<u32>,
+    /// `[vocab, hidden]`.
+    pub table: &'a dyn DevicePtr<T>,
+    /// `[rows, hidden]`.
+    pub y: &'a mut dyn DevicePtrMut<T>,
+}
+
 /// `y[r] = table[ids[r]]` for the first `rows` device ids and a `[vocab, hidden]` table. Launch-only, so
 /// it can be captured in a CUDA graph.
 ///
@@ -35,18 +73,12 @@ pub fn check_ids(ids: &[u32], vocab: usize) -> Result<()> {
 /// embedding row, which a real vocabulary row practically never is) instead of silently aliasing the
 /// last token; rather than an error flag, because reading a flag back needs a synchronization that
 /// a launch-only op (captured in a CUDA graph) cannot do.
-pub fn embedding<T: Element>(
-    ctx: &Cudnn,
-    ids: &(impl DevicePtr<u32> + ?Sized),
-    rows: usize,
-    table: &(impl DevicePtr<T> + ?Sized),
-    vocab: usize,
-    hidden: usize,
-    y: &mut (impl DevicePtrMut<T> + ?Sized),
-) -> Result<()> {
+pub fn embedding<T: Element>(ctx: &Cudnn, args: EmbeddingArgs, x: EmbeddingOperands<'_, T>) -> Result<()> {
     sixteen_bit::<T>("embedding")?;
-    check_embedding(ids.len(), rows, table.len(), vocab, hidden, y.len())?;
-    let n = rows * hidden; // checked by check_embedding
+    let EmbeddingOperands { ids, table, y } = x;
+    args.check(ids.len(), table.len(), y.len())?;
+    let EmbeddingArgs { rows, vocab, hidden } = args;
+    let n = rows * hidden; // checked by EmbeddingArgs::check
     let kernels = Kernels::get(ctx)?;
     let (i, _gi) = ids.device_ptr(ctx.stream());
     let (t, _gt) = table.device_ptr(ctx.stream());
@@ -60,25 +92,6 @@ pub fn embedding<T: Element>(
         n,
         &[Arg::Ptr(i), Arg::Ptr(t), Arg::I64(bound), Arg::I64(hidden as i64), Arg::Ptr(o)],
     )
-}
-
-/// Checks an embedding lookup's shape against its buffers with checked arithmetic (no GPU needed).
-pub(crate) fn check_embedding(
-    ids: usize,
-    rows: usize,
-    table: usize,
-    vocab: usize,
-    hidden: usize,
-    y: usize,
-) -> Result<()> {
-    ensure!(rows > 0 && hidden > 0, "embedding: no tokens or zero hidden size");
-    ensure!(vocab > 0, "embedding: empty vocabulary");
-    ensure!(ids >= rows, "embedding: {ids} ids for {rows} rows");
-    let need = checked::product("embedding: vocab * hidden", &[vocab, hidden])?;
-    ensure!(table >= need, "embedding: table has {table} elements, needs {need}");
-    let n = checked::product("embedding: rows * hidden", &[rows, hidden])?;
-    ensure!(y >= n, "embedding: output has {y} elements, needs {n}");
-    Ok(())
 }
 
 /// Where rows go in a `[batch, max_seq, cols]` cache.
@@ -122,44 +135,54 @@ impl CacheWrite {
     }
 }
 
-/// Copies `batch · seq` rows of `src` into the cache at rows `start..start + seq` of each sequence.
-pub fn write_cache<T: Element>(
-    ctx: &Cudnn,
-    w: CacheWrite,
-    src: &(impl DevicePtr<T> + ?Sized),
-    cache: &mut (impl DevicePtrMut<T> + ?Sized),
-) -> Result<()> {
-    copy_rows(ctx, w, src, cache, None)
+/// The buffers of a cache write.
+pub struct CacheWriteOperands<'a, T: Element> {
+    /// The rows, `src_stride` elements apart (e.g. a view into the QKV buffer).
+    pub src: &'a dyn DevicePtr<T>,
+    /// `[batch, max_seq, cols]`.
+    pub cache: &'a mut dyn DevicePtrMut<T>,
+    /// Device i32, one per sequence: sequence `b`'s rows go to `starts[b]..` ([`CacheWrite::start`] is
+    /// not used), read when the kernel runs, so a captured CUDA graph serves every decode position.
+    /// Rows that would land outside the cache are skipped (the kernel bounds them).
+    pub starts: Option<&'a dyn DevicePtr<i32>>,
 }
 
-/// [`write_cache`] with sequence `b`'s rows going to `starts[b]..` (device i32, one per sequence;
-/// `w.start` is not used), read when the kernel runs, so a captured CUDA graph serves every decode
-/// position. Rows that would land outside the cache are skipped (the kernel bounds them).
-pub fn write_cache_at<T: Element>(
-    ctx: &Cudnn,
-    w: CacheWrite,
-    src: &(impl DevicePtr<T> + ?Sized),
-    cache: &mut (impl DevicePtrMut<T> + ?Sized),
-    starts: &CudaSlice<i32>,
-) -> Result<()> {
-    ensure!(starts.len() >= w.batch, "write_cache: {} start rows for {} sequences", starts.len(), w.batch);
-    copy_rows(ctx, CacheWrite { start: 0, ..w }, src, cache, Some(starts))
+impl<'a, T: Element> CacheWriteOperands<'a, T> {
+    /// Rows from `src` into `cache` at [`CacheWrite::start`].
+    pub fn new(src: &'a dyn DevicePtr<T>, cache: &'a mut dyn DevicePtrMut<T>) -> Self {
+        CacheWriteOperands { src, cache, starts: None }
+    }
+
+    /// Start rows from the device (see [`CacheWriteOperands::starts`](#structfield.starts)).
+    pub fn starts(mut self, starts: &'a dyn DevicePtr<i32>) -> Self {
+        self.starts = Some(starts);
+        self
+    }
 }
 
-fn copy_rows<T: Element>(
-    ctx: &Cudnn,
-    w: CacheWrite,
-    src: &(impl DevicePtr<T> + ?Sized),
-    cache: &mut (impl DevicePtrMut<T> + ?Sized),
-    starts: Option<&CudaSlice<i32>>,
-) -> Result<()> {
+/// Copies `batch · seq` rows of `src` into the cache at rows `start..start + seq` of each sequence (or
+/// from the device start rows of [`CacheWriteOperands::starts`]).
+pub fn write_cache<T: Element>(ctx: &Cudnn, w: CacheWrite, x: CacheWriteOperands<'_, T>) -> Result<()> {
+    let w = match x.starts {
+        Some(starts) => {
+            ensure!(
+                starts.len() >= w.batch,
+                "write_cache: {} start rows for {} sequences",
+                starts.len(),
+                w.batch
+            );
+            CacheWrite { start: 0, ..w }
+        }
+        None => w,
+    };
     sixteen_bit::<T>("write_cache")?;
+    let CacheWriteOperands { src, cache, starts } = x;
     w.check(src.len(), cache.len())?;
     let CacheWrite { batch, seq, cols, src_stride, max_seq, start } = w;
     let kernels = Kernels::get(ctx)?;
     let (s, _gs) = src.device_ptr(ctx.stream());
     let (c, _gc) = cache.device_ptr_mut(ctx.stream());
-    let (p, _gp) = crate::naive::optional_ptr(starts, ctx.stream());
+    let (p, _gp) = optional_ptr(starts, ctx.stream());
     // Every value below was checked to fit i64 by `CacheWrite::check` (each is at most an extent).
     let i = |v: usize| Arg::I64(v as i64);
     let args = [Arg::Ptr(s), i(src_stride), i(seq), i(cols), i(max_seq), i(start), Arg::Ptr(p), Arg::Ptr(c)];
@@ -176,6 +199,17 @@ mod tests {
         let e = check_ids(&[0, 10], 10).unwrap_err().to_string();
         assert!(e.contains("token id 10 is outside the vocabulary of 10"), "{e}");
         assert!(check_ids(&[], 10).is_err());
+    }
+
+    fn check_embedding(
+        ids: usize,
+        rows: usize,
+        table: usize,
+        vocab: usize,
+        hidden: usize,
+        y: usize,
+    ) -> Result<()> {
+        EmbeddingArgs { rows, vocab, hidden }.check(ids, table, y)
     }
 
     #[test]

@@ -1,17 +1,21 @@
 //! Rotary position embedding of Q and K in place, inside a fused QKV buffer. Fused: one custom kernel
-//! (f32 math, one rounding). Naive: Hugging Face's `apply_rotary_pos_emb` as eager runs it, five kernels
-//! for Q and five for K in the I/O dtype (`x·cos`, `-x₂`, `cat`, `·sin`, `+`).
+//! (f32 math, one rounding; `fused.cu`). Naive: Hugging Face's `apply_rotary_pos_emb` as eager runs
+//! it, five kernels for Q and five for K in the I/O dtype (`x·cos`, `-x₂`, `cat`, `·sin`, `+`;
+//! `naive.cu`).
 //!
 //! A QKV buffer holds one row per token: Q heads, then K heads, then V heads, each `head_dim` wide;
 //! rows are `row_stride` elements apart. Row `r` of a call is the token at position
 //! `start + r % seq` (batch-major rows).
 
+mod fused;
+mod naive;
+
 use crate::checked;
 use crate::dtype::{DataType, Element};
 use crate::error::ensure;
-use crate::naive::{elementwise, launch, scratch, Arg, Kernels};
+use crate::ops::Op;
 use crate::{Backend, Cudnn, Error, Result};
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 /// Shape of a RoPE call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -110,6 +114,7 @@ impl RopeArgs {
 /// Kernels the eager path launches per call.
 pub const NAIVE_KERNELS: usize = 10;
 
+/// The kernels' name suffix for an I/O dtype (f16 and bf16 only).
 fn suffix(dtype: DataType) -> Result<&'static str> {
     match dtype {
         DataType::BF16 => Ok("bf16"),
@@ -120,146 +125,58 @@ fn suffix(dtype: DataType) -> Result<&'static str> {
     }
 }
 
-/// Rotates Q and K of `qkv` in place on the chosen backend.
-pub fn rope_with<T: Element>(
-    backend: Backend,
-    ctx: &Cudnn,
-    args: RopeArgs,
-    tables: &RopeTables<T>,
-    qkv: &mut (impl DevicePtrMut<T> + ?Sized),
-) -> Result<()> {
-    args.check(qkv.len(), tables.positions, tables.dim)?;
-    rotate(backend, ctx, args, tables, qkv, None)
+/// The buffers of a RoPE call: the tables, the QKV buffer rotated in place and, optionally, each
+/// sequence's first position on the device.
+pub struct RopeOperands<'a, T: Element> {
+    /// The cos/sin tables.
+    pub tables: &'a RopeTables<T>,
+    /// The QKV rows, Q and K rotated in place.
+    pub qkv: &'a mut dyn DevicePtrMut<T>,
+    /// Device i32, one per sequence: sequence `b` starts at position `starts[b]` (`RopeArgs::start` is
+    /// not used). The positions are read on the device when the kernel runs, so a captured CUDA graph
+    /// serves every decode position; a row whose position falls outside the tables is left unrotated
+    /// (the kernel bounds it; no host check can). Fused only.
+    pub starts: Option<&'a dyn DevicePtr<i32>>,
 }
 
-/// Rotates Q and K of `qkv` in place with the fused kernel, sequence `b` starting at position
-/// `starts[b]` (device i32, one per sequence; `args.start` is not used). The positions are read on the
-/// device when the kernel runs, so a captured CUDA graph serves every decode position; a row whose
-/// position falls outside the tables is left unrotated (the kernel bounds it; no host check can).
-pub fn rope_at<T: Element>(
-    ctx: &Cudnn,
-    args: RopeArgs,
-    tables: &RopeTables<T>,
-    qkv: &mut (impl DevicePtrMut<T> + ?Sized),
-    starts: &CudaSlice<i32>,
-) -> Result<()> {
-    RopeArgs { start: 0, ..args }.check(qkv.len(), tables.positions, tables.dim)?;
-    ensure!(
-        starts.len() >= args.batch,
-        "rope: {} start positions for {} sequences",
-        starts.len(),
-        args.batch
-    );
-    rotate(Backend::Fused, ctx, args, tables, qkv, Some(starts))
-}
-
-fn rotate<T: Element>(
-    backend: Backend,
-    ctx: &Cudnn,
-    args: RopeArgs,
-    tables: &RopeTables<T>,
-    qkv: &mut (impl DevicePtrMut<T> + ?Sized),
-    starts: Option<&CudaSlice<i32>>,
-) -> Result<()> {
-    let sfx = suffix(T::DTYPE)?;
-    let kernels = Kernels::get(ctx)?;
-    let RopeArgs { batch, seq, heads_q, heads_kv, head_dim: d, row_stride, start } = args;
-    let rows = batch * seq;
-    let (x, _gx) = qkv.device_ptr_mut(ctx.stream());
-    let i = |v: usize| Arg::I64(v as i64);
-    match backend {
-        Backend::Fused => {
-            let (c, _gc) = tables.cos_half.device_ptr(ctx.stream());
-            let (s, _gs) = tables.sin_half.device_ptr(ctx.stream());
-            let heads = heads_q + heads_kv;
-            let (p, _gp) = crate::naive::optional_ptr(starts, ctx.stream());
-            let a = [
-                Arg::Ptr(x),
-                i(row_stride),
-                i(seq),
-                i(heads),
-                i(d),
-                i(start),
-                Arg::Ptr(p),
-                i(tables.positions),
-                Arg::Ptr(c),
-                Arg::Ptr(s),
-            ];
-            // One block per row; enough warps for the row's pairs (40 heads x 64 pairs: 256 threads).
-            let threads = (heads * d / 2).next_multiple_of(32).clamp(32, 256) as u32;
-            let cfg = LaunchConfig {
-                grid_dim: (checked::launch_dim("rope: rows", rows)?, 1, 1),
-                block_dim: (threads, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            launch(ctx, kernels, &format!("rope_fused_{sfx}"), cfg, &a)
-        }
-        Backend::Naive => {
-            let (c, _gc) = tables.cos_full.device_ptr(ctx.stream());
-            let (s, _gs) = tables.sin_full.device_ptr(ctx.stream());
-            let elem = T::DTYPE.size() as u64;
-            // t1, t3, t4 hold rows · heads · d elements, t2 half of that, all in the I/O dtype (sized for
-            // the wider of the Q and K passes).
-            let n = rows * heads_q.max(heads_kv) * d;
-            let base = scratch(ctx, kernels, (n * 7 / 2 * T::DTYPE.size()).div_ceil(4))?;
-            let (t1, t2, t3, t4) = (
-                base,
-                base + elem * n as u64,
-                base + elem * (3 * n / 2) as u64,
-                base + elem * (5 * n / 2) as u64,
-            );
-            for (offset, heads) in [(0, heads_q), (heads_q * d, heads_kv)] {
-                let xh = x + elem * offset as u64;
-                let n = rows * heads * d;
-                let k = |name: &str| format!("rope_{name}_{sfx}");
-                elementwise(
-                    ctx,
-                    kernels,
-                    &k("mul_cos"),
-                    n,
-                    &[
-                        Arg::Ptr(xh),
-                        i(row_stride),
-                        i(seq),
-                        i(heads),
-                        i(d),
-                        i(start),
-                        Arg::Ptr(c),
-                        Arg::Ptr(t1),
-                    ],
-                )?;
-                elementwise(
-                    ctx,
-                    kernels,
-                    &k("neg_half"),
-                    n / 2,
-                    &[Arg::Ptr(xh), i(row_stride), i(heads), i(d), Arg::Ptr(t2)],
-                )?;
-                elementwise(
-                    ctx,
-                    kernels,
-                    &k("cat"),
-                    n,
-                    &[Arg::Ptr(t2), Arg::Ptr(xh), i(row_stride), i(heads), i(d), Arg::Ptr(t3)],
-                )?;
-                elementwise(
-                    ctx,
-                    kernels,
-                    &k("mul_sin"),
-                    n,
-                    &[Arg::Ptr(t3), i(seq), i(heads), i(d), i(start), Arg::Ptr(s), Arg::Ptr(t4)],
-                )?;
-                elementwise(
-                    ctx,
-                    kernels,
-                    &k("add"),
-                    n,
-                    &[Arg::Ptr(t1), Arg::Ptr(t4), i(row_stride), i(heads), i(d), Arg::Ptr(xh)],
-                )?;
-            }
-            Ok(())
-        }
+impl<'a, T: Element> RopeOperands<'a, T> {
+    /// Positions from [`RopeArgs::start`].
+    pub fn new(tables: &'a RopeTables<T>, qkv: &'a mut dyn DevicePtrMut<T>) -> Self {
+        RopeOperands { tables, qkv, starts: None }
     }
+
+    /// Positions from the device (see [`RopeOperands::starts`](#structfield.starts)).
+    pub fn starts(mut self, starts: &'a dyn DevicePtr<i32>) -> Self {
+        self.starts = Some(starts);
+        self
+    }
+}
+
+impl<T: Element> Op<T> for RopeArgs {
+    type Operands<'a> = RopeOperands<'a, T>;
+
+    fn checked(self, x: &RopeOperands<'_, T>) -> Result<Self> {
+        let (len, positions, dim) = (x.qkv.len(), x.tables.positions, x.tables.dim);
+        match x.starts {
+            None => self.check(len, positions, dim)?,
+            Some(starts) => {
+                RopeArgs { start: 0, ..self }.check(len, positions, dim)?;
+                ensure!(
+                    starts.len() >= self.batch,
+                    "rope: {} start positions for {} sequences",
+                    starts.len(),
+                    self.batch
+                );
+            }
+        }
+        suffix(T::DTYPE)?;
+        Ok(self)
+    }
+}
+
+/// Rotates Q and K of the operands' QKV buffer in place on `backend`.
+pub fn rope<T: Element>(ctx: &Cudnn, args: RopeArgs, x: RopeOperands<'_, T>, backend: Backend) -> Result<()> {
+    crate::ops::run::<T, _>(ctx, args, x, backend)
 }
 
 #[cfg(test)]

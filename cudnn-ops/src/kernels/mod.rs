@@ -1,10 +1,9 @@
-//! Naive baselines: what PyTorch eager runs, one kernel per elementary op with f32 intermediates in
-//! device memory. Kernels are compiled with NVRTC on first use and cached per context.
+//! The NVRTC runtime every custom kernel runs on: one program (the shared helpers of `common.cu`, then
+//! each op room's `.cu`), compiled on first use and cached per context, its functions looked up once;
+//! launch helpers; the grown-never-shrunk scratch the eager baselines keep their intermediates in; and
+//! the cuBLAS GEMM of the naive matmul and attention ([`blas`]).
 
-pub mod attention;
 pub(crate) mod blas;
-pub mod matmul;
-pub mod rmsnorm;
 
 use crate::{Cudnn, Error, Result};
 use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
@@ -14,23 +13,27 @@ use cudarc::nvrtc::CompileOptions;
 use std::cell::RefCell;
 use std::collections::HashMap;
 
-/// One NVRTC program: the shared helpers and elementwise kernels first, then each op's kernels.
+/// One NVRTC program: the shared helpers and casts first, then each op room's kernels.
 const SOURCE: &str = concat!(
-    include_str!("kernels.cu"),
-    include_str!("attention.cu"),
-    include_str!("epilogue.cu"),
-    include_str!("model.cu")
+    include_str!("common.cu"),
+    include_str!("../ops/rmsnorm/naive.cu"),
+    include_str!("../ops/sdpa/fused.cu"),
+    include_str!("../ops/sdpa/naive.cu"),
+    include_str!("../ops/matmul/naive.cu"),
+    include_str!("../ops/rope/fused.cu"),
+    include_str!("../ops/rope/naive.cu"),
+    include_str!("../ops/rows/rows.cu"),
 );
 /// Threads per block of the elementwise kernels, and elements each thread handles.
 const BLOCK: u32 = 256;
 const ITEMS: u32 = 4;
 
-/// The compiled kernels and the scratch memory their intermediates live in.
+/// The compiled kernels and the scratch memory the eager baselines' intermediates live in.
 pub struct Kernels {
     module: Arc<CudaModule>,
     functions: RefCell<HashMap<String, CudaFunction>>,
     scratch: RefCell<Option<CudaSlice<f32>>>,
-    /// Clamped sequence lengths of padded attention (see [`crate::sdpa_padded`]).
+    /// Clamped sequence lengths of padded attention (see [`crate::SdpaOperands::seq_lens`]).
     seq_lens: RefCell<Option<CudaSlice<i32>>>,
 }
 
@@ -65,7 +68,7 @@ impl Kernels {
     }
 
     /// Scratch f32 elements currently held.
-    fn scratch_len(&self) -> usize {
+    pub(crate) fn scratch_len(&self) -> usize {
         self.scratch.borrow().as_ref().map_or(0, |s| s.len())
     }
 
@@ -110,10 +113,9 @@ pub(crate) fn scratch(ctx: &Cudnn, kernels: &Kernels, len: usize) -> Result<u64>
 /// The device address of an optional buffer read by a kernel (0, a null pointer, for `None`), with
 /// the guard that records the read when it drops.
 pub(crate) fn optional_ptr<'a, T>(
-    buf: Option<&'a CudaSlice<T>>,
+    buf: Option<&'a dyn cudarc::driver::DevicePtr<T>>,
     stream: &'a cudarc::driver::CudaStream,
 ) -> (u64, Option<cudarc::driver::SyncOnDrop<'a>>) {
-    use cudarc::driver::DevicePtr;
     match buf {
         Some(b) => {
             let (p, g) = b.device_ptr(stream);
@@ -147,7 +149,7 @@ pub(crate) fn launch(
             Arg::I64(v) => launch.arg(v),
         };
     }
-    // SAFETY: callers pass arguments in the order and types of the kernel's signature in kernels.cu,
+    // SAFETY: callers pass arguments in the order and types of the kernel's signature in its .cu file,
     // with every pointer covering the elements (or rows) the kernel touches (checked by the op).
     unsafe { launch.launch(cfg) }?;
     Ok(())

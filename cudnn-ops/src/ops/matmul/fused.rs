@@ -1,0 +1,231 @@
+//! The fused half: one cuDNN graph per layouts, dtypes and epilogue, the epilogue's steps fused after
+//! the matmul, bound by the uids the graph gives its tensors by name ([`uid`]).
+
+use super::{MatmulArgs, MatmulOperands, MatrixLayout};
+use crate::dtype::{DataType, Element};
+use crate::graph::{Binary, Graph};
+use crate::ops::Fused;
+use crate::plan::{Bindings, Plan};
+use crate::tensor::TensorSpec;
+use crate::{Cudnn, Error, Result};
+use std::rc::Rc;
+
+/// The uids [`MatmulArgs::graph`] gives the tensors a call binds (graph intermediates take the ones
+/// from 6, below D's).
+mod uid {
+    pub const A: i64 = 1;
+    pub const B: i64 = 2;
+    pub const BIAS: i64 = 3;
+    pub const GATE: i64 = 4;
+    pub const RESIDUAL: i64 = 5;
+    pub const D: i64 = 100;
+}
+
+/// A matrix operand's tensor: its dims over its strides.
+fn spec(l: &MatrixLayout, name: &str, dtype: DataType) -> TensorSpec {
+    let dims = l.dims.map(|d| d as i64);
+    let strides = l.strides.map(|s| s as i64);
+    TensorSpec::new(name, &dims, dtype).with_strides(&strides)
+}
+
+impl MatmulArgs {
+    /// The cuDNN graph: A, B, then the epilogue's inputs bias `[1, 1, n]`, U and R in the output dtype;
+    /// matmul (f32), bias add, activation, gate multiply, residual add, all f32 virtual; the last step's
+    /// output is D, packed `[batch, m, n]`. Each bound tensor carries its named uid.
+    pub fn graph(&self, dtype: DataType, out: DataType) -> Graph {
+        if let Some(folded) = self.folded() {
+            return folded.graph(dtype, out);
+        }
+        let epilogue = self.epilogue;
+        let (batch, m, n) = (self.batch() as i64, self.m() as i64, self.n() as i64);
+        let mut g = Graph::new(format!("matmul {} {dtype}->{out} epilogue {epilogue}", self.describe()));
+        let a = g.tensor(spec(&self.a, "A", dtype).with_uid(uid::A));
+        let b = g.tensor(spec(&self.b, "B", dtype).with_uid(uid::B));
+        let bias =
+            epilogue.bias.then(|| g.tensor(TensorSpec::new("bias", &[1, 1, n], out).with_uid(uid::BIAS)));
+        let gate =
+            epilogue.gate.then(|| g.tensor(TensorSpec::new("U", &[batch, m, n], out).with_uid(uid::GATE)));
+        let residual = epilogue
+            .residual
+            .then(|| g.tensor(TensorSpec::new("R", &[batch, m, n], out).with_uid(uid::RESIDUAL)));
+        let mut d = g.matmul(a, b);
+        if let Some(bias) = bias {
+            d = g.binary(Binary::Add, d, bias);
+        }
+        if let Some(act) = epilogue.activation {
+            d = g.unary(act.unary(), d);
+        }
+        if let Some(u) = gate {
+            d = g.binary(Binary::Mul, d, u);
+        }
+        if let Some(r) = residual {
+            d = g.binary(Binary::Add, d, r);
+        }
+        let spec = g.output(d);
+        spec.name = "D".into();
+        spec.dtype = out;
+        spec.uid = uid::D;
+        g
+    }
+
+    /// The same product with the batch folded into the rows, when B is shared by every batch and A's
+    /// batches follow each other row by row: `[b, m, k] × [1, k, n]` is `[1, b·m, k] × [1, k, n]` over
+    /// the same memory (D, U and R are packed, so they fold too). cuDNN 9.14 computed wrong results for
+    /// the broadcast form without an epilogue (9.19 did not); the folded form avoids broadcasting.
+    pub fn folded(&self) -> Option<MatmulArgs> {
+        let [batch, m, k] = self.a.dims;
+        let [_, sr, sc] = self.a.strides;
+        let foldable =
+            self.b.dims[0] == 1 && batch > 1 && sc == 1 && Some(self.a.strides[0]) == m.checked_mul(sr);
+        if !foldable {
+            return None;
+        }
+        // Sizes that overflow cannot fold (and `check` rejects them).
+        let rows = batch.checked_mul(m)?;
+        Some(MatmulArgs {
+            a: MatrixLayout { dims: [1, rows, k], strides: [rows.checked_mul(sr)?, sr, 1] },
+            ..*self
+        })
+    }
+
+    /// The cached plan, built on first use with [`Cudnn::tuning`]'s engine configurations (timed
+    /// on the first execution). [`Error::NotSupported`] names the shape, dtypes and epilogue when cuDNN
+    /// has no engine for them.
+    pub fn plan(&self, ctx: &Cudnn, dtype: DataType, out: DataType) -> Result<Rc<Plan>> {
+        let epilogue = self.epilogue;
+        let broadcast_ok = ctx.features().batch_broadcast_matmul();
+        if self.b.dims[0] == 1 && self.batch() > 1 && self.folded().is_none() && !broadcast_ok {
+            return Err(Error::NotSupported {
+                op: format!("matmul {} {dtype}->{out} epilogue {epilogue}", self.describe()),
+                reason: format!(
+                    "a B shared across batches with an A that cannot fold its batch into rows: cuDNN 9.14 \
+                     returned wrong results for batch broadcasting in our tests (9.19 did not); this is {}",
+                    ctx.info().cudnn_version_string()
+                ),
+            });
+        }
+        ctx.cache()
+            .get_or_build(&self.key(dtype, out), || self.graph(dtype, out).build_tuned(ctx, ctx.tuning()))
+    }
+}
+
+impl<T: Element, O: Element> Fused<(T, O)> for MatmulArgs {
+    fn fused(self, ctx: &Cudnn, x: MatmulOperands<'_, T, O>) -> Result<()> {
+        let plan = self.plan(ctx, T::DTYPE, O::DTYPE)?;
+        let mut b = Bindings::new(ctx.stream());
+        b.input(uid::A, x.a).input(uid::B, x.b);
+        if let Some(bias) = x.bias {
+            b.input(uid::BIAS, bias);
+        }
+        if let Some(u) = x.gate {
+            b.input(uid::GATE, u);
+        }
+        if let Some(r) = x.residual {
+            b.input(uid::RESIDUAL, r);
+        }
+        b.output(uid::D, x.d);
+        plan.execute(ctx, &b)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::matmul::{BufferLens, Epilogue};
+
+    #[test]
+    fn a_shared_b_folds_the_batch_into_rows() {
+        let shared =
+            MatmulArgs { b: MatrixLayout::row_major(1, 64, 128), ..MatmulArgs::packed(3, 32, 64, 128) };
+        let f = shared.folded().unwrap();
+        assert_eq!(f.a, MatrixLayout::row_major(1, 96, 64));
+        assert_eq!((f.batch(), f.m(), f.k(), f.n()), (1, 96, 64, 128));
+        let g = shared.with_epilogue(Epilogue::NONE).graph(DataType::BF16, DataType::BF16);
+        let a = g.tensors().iter().find(|t| t.name == "A").unwrap();
+        assert_eq!(a.dims, vec![1, 96, 64]);
+        // Per-batch B, a column-major A or a single batch: nothing to fold.
+        assert!(MatmulArgs::packed(3, 32, 64, 128).folded().is_none());
+        let col = MatmulArgs { a: MatrixLayout::column_major(3, 32, 64), ..shared };
+        assert!(col.folded().is_none());
+        assert!(MatmulArgs::linear(30, 64, 128).folded().is_none());
+    }
+
+    #[test]
+    fn extreme_shapes_do_not_fold_or_pass_the_check() {
+        let b = MatrixLayout::row_major(1, 64, 128);
+        // batch · m and batch · m · row stride overflow: no fold (it used to panic in debug and wrap in
+        // release), and the check names the overflow.
+        for a in [
+            MatrixLayout { dims: [1 << 33, 1 << 32, 64], strides: [1 << 38, 64, 1] },
+            MatrixLayout { dims: [1 << 20, 1 << 40, 64], strides: [1 << 46, 64, 1] },
+            MatrixLayout { dims: [usize::MAX, usize::MAX, 64], strides: [usize::MAX, 64, 1] },
+        ] {
+            let args = MatmulArgs { a, b, epilogue: Epilogue::NONE };
+            assert!(args.folded().is_none(), "{a:?}");
+            let lens = BufferLens { a: usize::MAX, b: usize::MAX, d: usize::MAX, ..Default::default() };
+            let e =
+                args.with_epilogue(Epilogue::NONE).check(DataType::BF16, DataType::BF16, &lens).unwrap_err();
+            let m = e.to_string();
+            assert!(
+                matches!(e, Error::InvalidArgument(_)) && (m.contains("overflows") || m.contains("64-bit")),
+                "{m}"
+            );
+        }
+        // A batch stride past i64::MAX would reach cuDNN as a negative stride.
+        let a = MatrixLayout { dims: [1, 16, 64], strides: [1 << 63, 64, 1] };
+        let lens = BufferLens { a: usize::MAX, b: usize::MAX, d: usize::MAX, ..Default::default() };
+        let e = MatmulArgs { a, b, epilogue: Epilogue::NONE }
+            .with_epilogue(Epilogue::NONE)
+            .check(DataType::BF16, DataType::BF16, &lens)
+            .unwrap_err();
+        assert!(e.to_string().contains("64-bit signed"), "{e}");
+    }
+
+    #[test]
+    fn every_epilogue_graph_validates() {
+        for args in [MatmulArgs::linear(7, 64, 4096), MatmulArgs::packed(3, 30, 64, 64)] {
+            for (dtype, out) in [
+                (DataType::BF16, DataType::BF16),
+                (DataType::F16, DataType::F16),
+                (DataType::F32, DataType::F32),
+                (DataType::BF16, DataType::F32),
+            ] {
+                for e in Epilogue::all() {
+                    let g = args.with_epilogue(e).graph(dtype, out);
+                    g.validate().unwrap_or_else(|err| panic!("{}: {err}", g.name()));
+                    assert!(g.name().contains(&format!("epilogue {}", e.name())), "{}", g.name());
+                    let bound: Vec<(&str, i64, DataType)> = g
+                        .tensors()
+                        .iter()
+                        .filter(|t| !t.is_virtual)
+                        .map(|t| (t.name.as_str(), t.uid, t.dtype))
+                        .collect();
+                    let mut expected = vec![("A", uid::A, dtype), ("B", uid::B, dtype)];
+                    if e.bias {
+                        expected.push(("bias", uid::BIAS, out));
+                    }
+                    if e.gate {
+                        expected.push(("U", uid::GATE, out));
+                    }
+                    if e.residual {
+                        expected.push(("R", uid::RESIDUAL, out));
+                    }
+                    expected.push(("D", uid::D, out));
+                    assert_eq!(bound, expected, "{}", g.name());
+                    let d = g.tensors().iter().find(|t| t.name == "D").unwrap();
+                    let (b, m, n) = (args.batch() as i64, args.m() as i64, args.n() as i64);
+                    assert_eq!((d.dims.clone(), d.strides.clone()), (vec![b, m, n], vec![m * n, n, 1]));
+                    // The graph is matmul plus one node per step: every virtual tensor is an intermediate.
+                    let virtuals = g.tensors().iter().filter(|t| t.is_virtual).count();
+                    assert_eq!(virtuals, e.steps(), "{}", g.name());
+                }
+            }
+        }
+        let g = MatmulArgs::linear(30, 4096, 6144)
+            .with_epilogue(Epilogue::RESIDUAL)
+            .graph(DataType::BF16, DataType::BF16);
+        let b = g.tensors().iter().find(|t| t.name == "B").unwrap();
+        assert_eq!((b.dims.clone(), b.strides.clone()), (vec![1, 4096, 6144], vec![4096 * 6144, 1, 4096]));
+        assert_eq!(g.name(), "matmul [1, 30, 4096] x [1, 4096, 6144] col-major bf16->bf16 epilogue residual");
+    }
+}

@@ -1,0 +1,244 @@
+//! The fused half: one cuDNN attention graph per shape, strides, dtype, mask and mode, in the unified
+//! or the composite form ([`SdpaForm`]), bound by the uids the graph gives its tensors by name
+//! ([`uid`]). Padded attention first clamps its device sequence lengths with `clamp_seq_lens`
+//! (`fused.cu`).
+
+use super::{SdpaArgs, SdpaOperands};
+use crate::dtype::{DataType, Element};
+use crate::graph::{Graph, SdpaForm, SdpaOptions};
+use crate::kernels::{elementwise, Arg, Kernels};
+use crate::ops::Fused;
+use crate::plan::{Bindings, Plan};
+use crate::tensor::TensorSpec;
+use crate::{Cudnn, Error, Features, Result};
+use cudarc::driver::{CudaSlice, DevicePtr};
+use std::rc::Rc;
+
+/// The uids [`SdpaArgs::graph`] gives the tensors a call binds. O and stats are node outputs created
+/// after the graph's intermediates (numbered from 5, or 7 with sequence lengths), hence far above them.
+mod uid {
+    pub const Q: i64 = 1;
+    pub const K: i64 = 2;
+    pub const V: i64 = 3;
+    pub const SCALE: i64 = 4;
+    pub const SEQ_LEN_Q: i64 = 5;
+    pub const SEQ_LEN_KV: i64 = 6;
+    pub const O: i64 = 100;
+    pub const STATS: i64 = 101;
+}
+
+impl SdpaArgs {
+    /// The cuDNN graph in `form`: Q, K, V, the scale by value, with padded lengths the i32 `[b, 1, 1, 1]`
+    /// seq_len_q and seq_len_kv, then O and, in training mode, stats (f32 `[b, h_q, s_q, 1]` packed); each
+    /// bound tensor carries its named uid.
+    pub fn graph(&self, dtype: DataType, stats: bool, form: SdpaForm, features: Features) -> Graph {
+        let i = |v: [usize; 4]| v.map(|x| x as i64);
+        let mut g = Graph::new(format!(
+            "sdpa b{} hq{} hkv{} sq{} skv{} d{} {dtype} {} {}",
+            self.batch,
+            self.heads_q,
+            self.heads_kv,
+            self.seq_q,
+            self.seq_kv,
+            self.head_dim,
+            self.mask.name(),
+            if stats { "training" } else { "inference" }
+        ));
+        let io = |name: &str, t: char, strides: [usize; 4], uid: i64| {
+            TensorSpec::new(name, &i(self.dims(t)), dtype).with_strides(&i(strides)).with_uid(uid)
+        };
+        let q = g.tensor(io("Q", 'q', self.q_strides, uid::Q));
+        let k = g.tensor(io("K", 'k', self.k_strides, uid::K));
+        let v = g.tensor(io("V", 'v', self.v_strides, uid::V));
+        let scale = g.tensor(TensorSpec::scalar("scale", DataType::F32, 4).with_uid(uid::SCALE));
+        let seq_lens = self.padded.then(|| {
+            let b = self.batch as i64;
+            let lens = |name: &str, uid: i64| {
+                TensorSpec::new(name, &[b, 1, 1, 1], DataType::I32).with_strides(&[1, 1, 1, 1]).with_uid(uid)
+            };
+            (g.tensor(lens("seq_len_q", uid::SEQ_LEN_Q)), g.tensor(lens("seq_len_kv", uid::SEQ_LEN_KV)))
+        });
+        let out = g.sdpa(q, k, v, scale, SdpaOptions { mask: self.mask, stats, form, features, seq_lens });
+        let o = g.output(out.o);
+        (o.name, o.uid) = ("O".into(), uid::O);
+        o.strides = i(self.o_strides).to_vec();
+        if let Some(s) = out.stats {
+            let s = g.output(s);
+            (s.name, s.uid) = ("stats".into(), uid::STATS);
+        }
+        g
+    }
+
+    /// The cached plan (for the [`SdpaArgs::normalized`] attention), built on first use. With an
+    /// automatic form, a unified graph the running cuDNN rejects is rebuilt as the composite graph;
+    /// [`Plan::form`] says which one runs.
+    pub fn plan(&self, ctx: &Cudnn, dtype: DataType, stats: bool) -> Result<Rc<Plan>> {
+        let a = self.normalized();
+        let (version, features) = (ctx.info().cudnn_version, ctx.features());
+        if a.padded && !features.sdpa_seq_lens() {
+            return Err(Error::NotSupported {
+                op: "sdpa".into(),
+                reason: format!(
+                    "attention with run-time sequence lengths needs cuDNN 9.15 (the unified operation), this is {}",
+                    crate::version_string(version)
+                ),
+            });
+        }
+        ctx.cache().get_or_build(&a.key(dtype, stats), || {
+            let form = a.form.unwrap_or_else(|| SdpaForm::select(features, a.mask));
+            match a.graph(dtype, stats, form, features).build(ctx) {
+                Err(e)
+                    if e.is_not_supported() && a.form.is_none() && form == SdpaForm::Unified && !a.padded =>
+                {
+                    a.graph(dtype, stats, SdpaForm::Composite, features).build(ctx)
+                }
+                other => other,
+            }
+        })
+    }
+}
+
+impl<T: Element> Fused<T> for SdpaArgs {
+    fn fused(self, ctx: &Cudnn, x: SdpaOperands<'_, T>) -> Result<()> {
+        let info = ctx.info();
+        let limit = ctx.features().max_sdpa_head_dim();
+        if self.head_dim > limit {
+            let (major, minor) = info.compute_capability;
+            return Err(Error::NotSupported {
+                op: "sdpa".into(),
+                reason: format!(
+                    "head_dim {} exceeds {limit}, the largest fused attention takes on sm_{major}{minor} with cuDNN {}",
+                    self.head_dim,
+                    info.cudnn_version_string()
+                ),
+            });
+        }
+        let plan = self.plan(ctx, T::DTYPE, x.stats.is_some())?;
+        let SdpaOperands { q, k, v, o, stats, seq_lens } = x;
+        // The K/V half of the clamped lengths starts 16-byte aligned (the alignment the graph declares).
+        let kv_at = self.batch.next_multiple_of(4);
+        let clamped = match seq_lens {
+            Some((seq_len_q, seq_len_kv)) => Some(self.clamp_seq_lens(ctx, seq_len_q, seq_len_kv, kv_at)?),
+            None => None,
+        };
+        let lens = clamped.as_ref().map(|c| (c.slice(0..self.batch), c.slice(kv_at..kv_at + self.batch)));
+        let mut b = Bindings::new(ctx.stream());
+        b.input(uid::Q, q).input(uid::K, k).input(uid::V, v).scalar_f32(uid::SCALE, self.scale());
+        if let Some((lens_q, lens_kv)) = &lens {
+            b.input_i32(uid::SEQ_LEN_Q, lens_q).input_i32(uid::SEQ_LEN_KV, lens_kv);
+        }
+        b.output(uid::O, o);
+        if let Some(s) = stats {
+            b.output(uid::STATS, s);
+        }
+        plan.execute(ctx, &b)
+    }
+}
+
+impl SdpaArgs {
+    /// Copies the device sequence lengths, clamped into `0..=capacity`, into the op-owned buffer: the Q
+    /// lengths at `0..batch`, the K/V lengths at `kv_at..kv_at + batch`.
+    fn clamp_seq_lens<'k>(
+        &self,
+        ctx: &'k Cudnn,
+        seq_len_q: &dyn DevicePtr<i32>,
+        seq_len_kv: &dyn DevicePtr<i32>,
+        kv_at: usize,
+    ) -> Result<std::cell::Ref<'k, CudaSlice<i32>>> {
+        let kernels = Kernels::get(ctx)?;
+        let clamped = kernels.seq_lens(ctx, 2 * kv_at)?;
+        let (sq, _gq) = seq_len_q.device_ptr(ctx.stream());
+        let (skv, _gkv) = seq_len_kv.device_ptr(ctx.stream());
+        let (out, _go) = clamped.device_ptr(ctx.stream());
+        let i = |v: usize| Arg::I64(v as i64); // each at most 2 * batch or a capacity, all < 2^31
+        let a = [Arg::Ptr(sq), Arg::Ptr(skv), i(self.seq_q), i(self.seq_kv), i(kv_at), Arg::Ptr(out)];
+        elementwise(ctx, kernels, "clamp_seq_lens", self.batch, &a)?;
+        drop((_gq, _gkv, _go));
+        Ok(clamped)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::graph::Mask;
+    use crate::ops::sdpa::Layout;
+
+    #[test]
+    fn padded_graphs_bind_sequence_lengths_on_the_unified_form_only() {
+        let a = SdpaArgs::new(2, 8, 2, 1, 256, 64, Layout::Bshd).with_seq_lens();
+        assert_ne!(a.key(DataType::BF16, false), SdpaArgs { padded: false, ..a }.key(DataType::BF16, false));
+        let g = a.graph(DataType::BF16, false, SdpaForm::Unified, Features::for_version(91900, (9, 0)));
+        g.validate().unwrap();
+        let bound: Vec<(&str, i64)> = g
+            .tensors()
+            .iter()
+            .filter(|t| !t.is_virtual && !t.by_value)
+            .map(|t| (t.name.as_str(), t.uid))
+            .collect();
+        assert_eq!(&bound[3..5], &[("seq_len_q", uid::SEQ_LEN_Q), ("seq_len_kv", uid::SEQ_LEN_KV)]);
+        let lens = g.tensors().iter().find(|t| t.name == "seq_len_kv").unwrap();
+        assert_eq!((lens.dtype, lens.dims.clone()), (DataType::I32, vec![2, 1, 1, 1]));
+        // The composite graph has no padding mask here; a causal mask cannot go on the unified node.
+        let e = a
+            .graph(DataType::BF16, false, SdpaForm::Composite, Features::for_version(91900, (9, 0)))
+            .validate()
+            .unwrap_err();
+        assert!(e.is_not_supported() && e.to_string().contains("unified SDPA operation"), "{e}");
+        let chunk = SdpaArgs { seq_q: 4, ..a }.with_mask(Mask::CausalBottomRight);
+        assert!(chunk
+            .graph(DataType::BF16, false, SdpaForm::Unified, Features::for_version(91900, (9, 0)))
+            .validate()
+            .unwrap_err()
+            .is_not_supported());
+    }
+
+    #[test]
+    fn graphs_validate_in_both_forms() {
+        for (mask, stats) in
+            [(Mask::None, false), (Mask::CausalTopLeft, true), (Mask::CausalBottomRight, false)]
+        {
+            let a = SdpaArgs::new(1, 32, 8, 64, 128, 128, Layout::Bshd).with_mask(mask);
+            let g = a.graph(DataType::BF16, stats, SdpaForm::Composite, Features::for_version(91900, (9, 0)));
+            g.validate().unwrap();
+            assert_eq!(g.form(), Some("composite"));
+            let mut bound: Vec<&str> = g
+                .tensors()
+                .iter()
+                .filter(|t| !t.is_virtual && !t.by_value)
+                .map(|t| t.name.as_str())
+                .collect();
+            let mut expected = vec!["Q", "K", "V", "O"];
+            if stats {
+                expected.push("stats");
+            }
+            bound.sort_unstable();
+            expected.sort_unstable();
+            assert_eq!(bound, expected);
+            // K is the transposed view over the same memory: dims and strides swapped.
+            let k = &g.tensors()[1];
+            assert_eq!(
+                (k.dims.clone(), k.strides.clone()),
+                (vec![1, 8, 128, 128], vec![128 * 8 * 128, 128, 1, 8 * 128])
+            );
+            let o = g.tensors().iter().find(|t| t.name == "O").unwrap();
+            assert_eq!(o.strides, vec![64 * 32 * 128, 128, 32 * 128, 1]);
+            assert_eq!(o.dtype, DataType::BF16);
+        }
+        let u = SdpaArgs::new(1, 32, 8, 64, 64, 64, Layout::Bhsd).graph(
+            DataType::F16,
+            true,
+            SdpaForm::Unified,
+            Features::for_version(91900, (9, 0)),
+        );
+        u.validate().unwrap();
+        assert_eq!(u.form(), Some("unified"));
+        // A mask cannot go on the unified node with these bindings.
+        let masked = SdpaArgs::new(1, 4, 4, 8, 8, 64, Layout::Bhsd).with_mask(Mask::CausalTopLeft);
+        let e = masked
+            .graph(DataType::F16, false, SdpaForm::Unified, Features::for_version(92100, (9, 0)))
+            .validate()
+            .unwrap_err();
+        assert!(e.is_not_supported() && e.to_string().contains("9.21"), "{e}");
+    }
+}
