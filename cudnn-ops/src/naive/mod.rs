@@ -19,7 +19,12 @@ const SOURCE: &str = concat!(
     include_str!("kernels.cu"),
     include_str!("attention.cu"),
     include_str!("epilogue.cu"),
-    include_str!("model.cu")
+    include_str!("model.cu"),
+    // The backward's custom kernels (issue 14), in their ops' rooms.
+    include_str!("../ops/loss/loss.cu"),
+    include_str!("../ops/optim/optim.cu"),
+    include_str!("../ops/rope/backward.cu"),
+    include_str!("../ops/rows/backward.cu")
 );
 /// Threads per block of the elementwise kernels, and elements each thread handles.
 const BLOCK: u32 = 256;

@@ -6,6 +6,8 @@
 //! rows are `row_stride` elements apart. Row `r` of a call is the token at position
 //! `start + r % seq` (batch-major rows).
 
+pub mod backward;
+
 use crate::checked;
 use crate::dtype::{DataType, Element};
 use crate::error::ensure;

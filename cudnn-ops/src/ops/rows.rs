@@ -1,6 +1,8 @@
 //! Row moves a decoder needs on both backends (one kernel each, as in eager): the embedding lookup and
 //! writing K/V rows into a preallocated cache.
 
+pub mod backward;
+
 use crate::checked;
 use crate::dtype::Element;
 use crate::error::ensure;
