@@ -28,9 +28,9 @@ pub fn rms_norm_backward(
     }
     let mut dx = vec![0.0; x.len()];
     let mut dscale = vec![0.0; hidden];
-    for t in 0..tokens {
+    for (t, &r) in inv_rms.iter().enumerate() {
         let row = t * hidden..(t + 1) * hidden;
-        let (xr, dyr, r) = (&x[row.clone()], &dy[row.clone()], inv_rms[t]);
+        let (xr, dyr) = (&x[row.clone()], &dy[row.clone()]);
         // d/dx_i of x_j · r: r·δ_ij − x_j · r³ · x_i / hidden.
         let dot: f64 = (0..hidden).map(|j| dyr[j] * scale[j] * xr[j]).sum();
         for i in 0..hidden {
