@@ -2,6 +2,9 @@
 
 use crate::dtype::{DataType, Element};
 
+/// References for the backward pass, the loss and the optimizer, with finite-difference tests.
+pub mod backward;
+
 /// RMSNorm of row-major `[tokens, hidden]` in f64: returns `(y, inv_rms)`.
 pub fn rms_norm(
     x: &[f64],

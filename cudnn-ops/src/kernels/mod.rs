@@ -23,6 +23,10 @@ const SOURCE: &str = concat!(
     include_str!("../ops/rope/fused.cu"),
     include_str!("../ops/rope/naive.cu"),
     include_str!("../ops/rows/rows.cu"),
+    include_str!("../ops/loss/loss.cu"),
+    include_str!("../ops/optim/optim.cu"),
+    include_str!("../ops/rope/backward.cu"),
+    include_str!("../ops/rows/backward.cu"),
 );
 /// Threads per block of the elementwise kernels, and elements each thread handles.
 const BLOCK: u32 = 256;

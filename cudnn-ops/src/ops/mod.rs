@@ -16,7 +16,9 @@
 //! checks once and dispatches, so the room's `mod.rs` never names its halves and the halves only import
 //! `mod.rs`.
 
+pub mod loss;
 pub mod matmul;
+pub mod optim;
 pub mod rmsnorm;
 pub mod rope;
 pub mod rows;

@@ -7,6 +7,7 @@
 //! rows are `row_stride` elements apart. Row `r` of a call is the token at position
 //! `start + r % seq` (batch-major rows).
 
+pub mod backward;
 mod fused;
 mod naive;
 

@@ -2,6 +2,8 @@
 //! [`Backend`](crate::Backend)): the embedding lookup and writing K/V rows into a preallocated cache.
 //! Their kernels are in `rows.cu`.
 
+pub mod backward;
+
 use crate::checked;
 use crate::dtype::Element;
 use crate::error::ensure;

@@ -1,0 +1,229 @@
+#!/usr/bin/env python3
+"""PyTorch's side of `cargo bench --bench backward`: forward + backward of each training op at the
+issue's Llama shapes, bf16 activations, random non-zero inputs.
+
+Ops and what is timed (each row names its `phase`):
+- rmsnorm: autograd of `F.rms_norm` (eager), `fwd+bwd` and `bwd` alone (the graph kept with
+  `retain_graph=True`); GB/s counts dy, x read and dx written (the scale and dscale are one row).
+- sdpa: `F.scaled_dot_product_attention` restricted to CUDNN_ATTENTION and FLASH_ATTENTION, causal
+  (top-left), GQA 32/8 heads, BSHD storage viewed as [b, h, s, d]; `fwd+bwd` and `bwd`. If a backend
+  refuses `enable_gqa`, K/V are repeated to 32 heads first (the `note` column says so). TFLOP/s count
+  the causal half of 4·s²·d·h per forward and 2.5 times that per backward.
+- linear: `nn.Linear` (no bias) on Llama-3.1-8B's projections at 2048 and 16384 tokens; `bwd` is dX
+  and dW (4·T·in·out FLOPs), `fwd+bwd` adds the forward's 2·T·in·out.
+- cross_entropy: `F.cross_entropy(logits.float(), targets)` as Hugging Face's loss runs it, and
+  `F.cross_entropy(logits, targets)` on the bf16 logits, 16384 tokens x 128256, `fwd+bwd`; GB/s count
+  the bf16 logits read once and dlogits written once (what a fused kernel must move).
+- adamw: `torch.optim.AdamW(fused=True)` over Llama-3.2-1B's 1.24 B parameters (tied embedding),
+  f32 and bf16 parameters; GB/s count p, m, v read and written and g read.
+
+Gradients come from `torch.autograd.grad` (returned, not accumulated into `.grad`, so no extra add
+kernel per call). Timing: 5 warm-up calls, then the median of 11 CUDA-event samples, each over enough back-to-back calls
+to cover about a millisecond (as benches/sdpa_torch.py). Writes CSV rows (op, model, shape, dtype,
+backend, phase, ms, gbps, tflops, note, torch) to the path given as the first argument; a case that
+fails (a refused backend, out of memory) is a row with `ms` empty and the error in `note`.
+"""
+import csv
+import math
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+LLAMA_8B = {"hidden": 4096, "inter": 14336, "heads": 32, "kv_heads": 8, "head_dim": 128}
+LLAMA_1B = {"hidden": 2048, "inter": 8192, "heads": 32, "kv_heads": 8, "head_dim": 64, "layers": 16, "vocab": 128256}
+
+
+def time_ms(fn):
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    batch = max(1, min(200, math.ceil(1.0 / max(start.elapsed_time(end), 1e-3))))
+    samples = []
+    for _ in range(11):
+        start.record()
+        for _ in range(batch):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / batch)
+    return statistics.median(samples)
+
+
+def randn(*shape, dtype=BF16, scale=1.0, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return torch.randn(*shape, device=DEV, dtype=torch.float32, generator=g).mul_(scale).to(dtype)
+
+
+def rmsnorm_cases():
+    for model, tokens, hidden in (("Llama-3.1-8B", 16384, 4096), ("Llama-3.2-1B", 16384, 2048)):
+        x = randn(tokens, hidden, seed=1).requires_grad_()
+        w = (1.0 + 0.1 * randn(hidden, seed=2)).requires_grad_()
+        dy = randn(tokens, hidden, seed=3)
+        moved = 3 * tokens * hidden * 2
+
+        def fwd_bwd():
+            y = F.rms_norm(x, (hidden,), w, 1e-5)
+            torch.autograd.grad(y, (x, w), dy)
+
+        y = F.rms_norm(x, (hidden,), w, 1e-5)
+
+        def bwd():
+            torch.autograd.grad(y, (x, w), dy, retain_graph=True)
+
+        for phase, fn in (("fwd+bwd", fwd_bwd), ("bwd", bwd)):
+            yield "rmsnorm", model, f"{tokens}x{hidden}", "bf16", "eager", phase, fn, moved if phase == "bwd" else None, None, ""
+
+
+def sdpa_cases():
+    for model, cfg in (("Llama-3.1-8B", LLAMA_8B), ("Llama-3.2-1B", LLAMA_1B)):
+        hq, hkv, d = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+        for s in (4096, 8192):
+            q = randn(1, s, hq, d, seed=4).transpose(1, 2).requires_grad_()
+            k = randn(1, s, hkv, d, seed=5).transpose(1, 2).requires_grad_()
+            v = randn(1, s, hkv, d, seed=6).transpose(1, 2).requires_grad_()
+            do = randn(1, s, hq, d, seed=7).transpose(1, 2)
+            fwd_flops = 4 * s * s * d * hq / 2
+            for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+                yield from sdpa_backend_cases(model, s, q, k, v, do, hq, hkv, d, name, backend, fwd_flops)
+
+
+def sdpa_backend_cases(model, s, q, k, v, do, hq, hkv, d, name, backend, fwd_flops):
+    shape = f"b1 s{s} h{hq}/{hkv} d{d} causal"
+    for note in ("enable_gqa", "repeated K/V"):
+        if note == "enable_gqa":
+            kk, vv, kw = k, v, {"enable_gqa": True}
+        else:
+            kk = k.detach().repeat_interleave(hq // hkv, dim=1).requires_grad_()
+            vv = v.detach().repeat_interleave(hq // hkv, dim=1).requires_grad_()
+            kw = {}
+        try:
+            with sdpa_kernel(backend):
+                o = F.scaled_dot_product_attention(q, kk, vv, is_causal=True, **kw)
+                torch.autograd.grad(o, (q, kk, vv), do, retain_graph=True)
+        except RuntimeError as e:  # the backend refuses this case
+            if note == "enable_gqa":
+                continue
+            yield "sdpa", model, shape, "bf16", name, "fwd+bwd", None, None, None, str(e).splitlines()[0][:160]
+            return
+
+        def fwd_bwd(kk=kk, vv=vv, kw=kw):
+            with sdpa_kernel(backend):
+                o = F.scaled_dot_product_attention(q, kk, vv, is_causal=True, **kw)
+                torch.autograd.grad(o, (q, kk, vv), do)
+
+        def bwd(o=o, kk=kk, vv=vv):
+            torch.autograd.grad(o, (q, kk, vv), do, retain_graph=True)
+
+        yield "sdpa", model, shape, "bf16", name, "fwd+bwd", fwd_bwd, None, 3.5 * fwd_flops, note
+        yield "sdpa", model, shape, "bf16", name, "bwd", bwd, None, 2.5 * fwd_flops, note
+        return
+
+
+def linear_cases():
+    h, inter = LLAMA_8B["hidden"], LLAMA_8B["inter"]
+    kv = LLAMA_8B["kv_heads"] * LLAMA_8B["head_dim"]
+    projections = (("qkv", h, h + 2 * kv), ("o", h, h), ("gate_up", h, 2 * inter), ("down", inter, h))
+    for tokens in (2048, 16384):
+        for name, inp, out in projections:
+            lin = torch.nn.Linear(inp, out, bias=False, device=DEV, dtype=BF16)
+            with torch.no_grad():
+                lin.weight.copy_(randn(out, inp, scale=inp**-0.5, seed=8))
+            x = randn(tokens, inp, seed=9).requires_grad_()
+            dy = randn(tokens, out, seed=10)
+
+            def fwd_bwd(lin=lin, x=x, dy=dy):
+                torch.autograd.grad(lin(x), (x, lin.weight), dy)
+
+            y = lin(x)
+
+            def bwd(lin=lin, x=x, y=y, dy=dy):
+                torch.autograd.grad(y, (x, lin.weight), dy, retain_graph=True)
+
+            flops = 2 * tokens * inp * out
+            shape = f"{name} {tokens}x{inp}->{out}"
+            yield "linear", "Llama-3.1-8B", shape, "bf16", "eager", "fwd+bwd", fwd_bwd, None, 3 * flops, ""
+            yield "linear", "Llama-3.1-8B", shape, "bf16", "eager", "bwd", bwd, None, 2 * flops, ""
+
+
+def cross_entropy_cases():
+    tokens, vocab = 16384, LLAMA_1B["vocab"]
+    logits = randn(tokens, vocab, scale=2.0, seed=11).requires_grad_()
+    g = torch.Generator(device=DEV).manual_seed(12)
+    targets = torch.randint(0, vocab, (tokens,), device=DEV, generator=g)
+    targets[::7] = -100
+    moved = 2 * tokens * vocab * 2
+
+    def upcast():
+        torch.autograd.grad(F.cross_entropy(logits.float(), targets, ignore_index=-100), logits)
+
+    def direct():
+        torch.autograd.grad(F.cross_entropy(logits, targets, ignore_index=-100), logits)
+
+    for backend, fn in (("eager_float", upcast), ("eager", direct)):
+        yield "cross_entropy", "Llama-3", f"{tokens}x{vocab}", "bf16", backend, "fwd+bwd", fn, moved, None, ""
+
+
+def llama_1b_shapes():
+    c = LLAMA_1B
+    h, i, kv = c["hidden"], c["inter"], c["kv_heads"] * c["head_dim"]
+    shapes = [(c["vocab"], h), (h,)]
+    for _ in range(c["layers"]):
+        shapes += [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i), (h,), (h,)]
+    return shapes
+
+
+def adamw_cases():
+    shapes = llama_1b_shapes()
+    count = sum(math.prod(s) for s in shapes)
+    for dtype, name in ((torch.float32, "f32"), (BF16, "bf16")):
+        params = [torch.nn.Parameter(randn(*s, dtype=dtype, scale=0.02, seed=13 + k)) for k, s in enumerate(shapes)]
+        for k, p in enumerate(params):
+            p.grad = randn(*p.shape, dtype=dtype, scale=1e-3, seed=1000 + k)
+        opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+        size = torch.finfo(dtype).bits // 8
+        # p read + written, g read, m and v read + written (in the parameters' dtype, as torch keeps them)
+        moved = count * size * 7
+        yield "adamw", "Llama-3.2-1B", f"{count} params", name, "fused", "step", opt.step, moved, None, ""
+
+
+def main():
+    out = sys.argv[1] if len(sys.argv) > 1 else "backward_torch.csv"
+    version = f"torch {torch.__version__} (cuDNN {torch.backends.cudnn.version()})"
+    print(f"# {version}, {torch.cuda.get_device_name()}")
+    rows = []
+    for cases in (rmsnorm_cases, sdpa_cases, linear_cases, cross_entropy_cases, adamw_cases):
+        try:
+            for op, model, shape, dtype, backend, phase, fn, moved, flops, note in cases():
+                ms = gbps = tflops = ""
+                if fn is not None:
+                    try:
+                        t = time_ms(fn)
+                        ms = f"{t:.5f}"
+                        gbps = f"{moved / (t * 1e-3) / 1e9:.1f}" if moved else ""
+                        tflops = f"{flops / (t * 1e-3) / 1e12:.1f}" if flops else ""
+                    except RuntimeError as e:  # out of memory, a refused backend
+                        note = str(e).splitlines()[0][:160]
+                rows.append((op, model, shape, dtype, backend, phase, ms, gbps, tflops, note, version))
+                print(f"{op} {model} {shape} {dtype} {backend} {phase}: {ms or note} ms {gbps} GB/s {tflops} TFLOP/s")
+        except RuntimeError as e:  # a whole group failed to set up (out of memory)
+            rows.append((cases.__name__.removesuffix("_cases"), "", "", "", "", "", "", "", "", str(e).splitlines()[0][:160], version))
+        torch.cuda.empty_cache()
+    with open(out, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["op", "model", "shape", "dtype", "backend", "phase", "ms", "gbps", "tflops", "note", "torch"])
+        w.writerows(rows)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

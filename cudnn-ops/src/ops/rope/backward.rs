@@ -1,0 +1,108 @@
+//! RoPE backward: the gradient of a rotation by θ is the rotation by −θ, applied in place to the
+//! gradient of the Q and K heads of a QKV buffer (same [`RopeArgs`] and tables as the forward; V's
+//! gradient is left as it is). Fused: one kernel, the forward's with the sine negated (f32 math, one
+//! rounding). Naive: eager autograd of Hugging Face's `apply_rotary_pos_emb`, five kernels for Q
+//! and five for K in the I/O dtype (`g·cos`, `g·sin`, `−` of the first half, `cat`, `+`).
+
+use super::{suffix, RopeArgs, RopeTables};
+use crate::checked;
+use crate::dtype::Element;
+use crate::kernels::{elementwise, launch, scratch, Arg, Kernels};
+use crate::{Backend, Cudnn, Result};
+use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
+
+/// Kernels the eager path launches per call.
+pub const NAIVE_KERNELS: usize = 10;
+
+/// Rotates the gradient of Q and K in `dqkv` by −θ in place on the chosen backend: `dqkv` holds the
+/// gradient of the forward's output on entry and of its input on return.
+pub fn rope_backward_with<T: Element>(
+    backend: Backend,
+    ctx: &Cudnn,
+    args: RopeArgs,
+    tables: &RopeTables<T>,
+    dqkv: &mut (impl DevicePtrMut<T> + ?Sized),
+) -> Result<()> {
+    args.check(dqkv.len(), tables.positions, tables.dim)?;
+    let sfx = suffix(T::DTYPE)?;
+    let kernels = Kernels::get(ctx)?;
+    let RopeArgs { batch, seq, heads_q, heads_kv, head_dim: d, row_stride, start } = args;
+    let rows = batch * seq; // checked by `RopeArgs::check`, as every size below
+    let (x, _gx) = dqkv.device_ptr_mut(ctx.stream());
+    let i = |v: usize| Arg::I64(v as i64);
+    match backend {
+        Backend::Fused => {
+            let (c, _gc) = tables.cos_half.device_ptr(ctx.stream());
+            let (s, _gs) = tables.sin_half.device_ptr(ctx.stream());
+            let heads = heads_q + heads_kv;
+            let a = [
+                Arg::Ptr(x),
+                i(row_stride),
+                i(seq),
+                i(heads),
+                i(d),
+                i(start),
+                i(tables.positions),
+                Arg::Ptr(c),
+                Arg::Ptr(s),
+            ];
+            let threads = (heads * d / 2).next_multiple_of(32).clamp(32, 256) as u32;
+            let cfg = LaunchConfig {
+                grid_dim: (checked::launch_dim("rope backward: rows", rows)?, 1, 1),
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            launch(ctx, kernels, &format!("rope_backward_fused_{sfx}"), cfg, &a)
+        }
+        Backend::Naive => {
+            let (c, _gc) = tables.cos_full.device_ptr(ctx.stream());
+            let (s, _gs) = tables.sin_full.device_ptr(ctx.stream());
+            let elem = T::DTYPE.size() as u64;
+            // t1, t2, t4 hold rows · heads · d elements, t3 half of that (the forward's scratch size).
+            let n = rows * heads_q.max(heads_kv) * d;
+            let base = scratch(ctx, kernels, (n * 7 / 2 * T::DTYPE.size()).div_ceil(4))?;
+            let (t1, t2, t3, t4) = (
+                base,
+                base + elem * n as u64,
+                base + elem * (2 * n) as u64,
+                base + elem * (5 * n / 2) as u64,
+            );
+            for (offset, heads) in [(0, heads_q), (heads_q * d, heads_kv)] {
+                let xh = x + elem * offset as u64;
+                let n = rows * heads * d;
+                let k = |name: &str| format!("{name}_{sfx}");
+                let strided = |t: u64, table: u64| {
+                    [
+                        Arg::Ptr(xh),
+                        i(row_stride),
+                        i(seq),
+                        i(heads),
+                        i(d),
+                        i(start),
+                        Arg::Ptr(table),
+                        Arg::Ptr(t),
+                    ]
+                };
+                elementwise(ctx, kernels, &k("rope_mul_cos"), n, &strided(t1, c))?;
+                elementwise(ctx, kernels, &k("rope_bwd_mul_sin"), n, &strided(t2, s))?;
+                elementwise(
+                    ctx,
+                    kernels,
+                    &k("rope_bwd_neg_first"),
+                    n / 2,
+                    &[Arg::Ptr(t2), i(d), Arg::Ptr(t3)],
+                )?;
+                elementwise(
+                    ctx,
+                    kernels,
+                    &k("rope_bwd_cat"),
+                    n,
+                    &[Arg::Ptr(t2), Arg::Ptr(t3), i(d), Arg::Ptr(t4)],
+                )?;
+                let add = [Arg::Ptr(t1), Arg::Ptr(t4), i(row_stride), i(heads), i(d), Arg::Ptr(xh)];
+                elementwise(ctx, kernels, &k("rope_add"), n, &add)?;
+            }
+            Ok(())
+        }
+    }
+}
