@@ -11,15 +11,28 @@ Ops and what is timed (each row names its `phase`):
   the causal half of 4·s²·d·h per forward and 2.5 times that per backward.
 - linear: `nn.Linear` (no bias) on Llama-3.1-8B's projections at 2048 and 16384 tokens; `bwd` is dX
   and dW (4·T·in·out FLOPs), `fwd+bwd` adds the forward's 2·T·in·out.
-- cross_entropy: `F.cross_entropy(logits.float(), targets)` as Hugging Face's loss runs it, and
-  `F.cross_entropy(logits, targets)` on the bf16 logits, 16384 tokens x 128256, `fwd+bwd`; GB/s count
-  the bf16 logits read once and dlogits written once (what a fused kernel must move).
+- cross_entropy: `F.cross_entropy(logits.float(), targets)` as Hugging Face's loss runs it
+  (`eager_float`), and `F.cross_entropy(logits, targets)` on the bf16 logits (`eager`), 16384 and
+  4096 tokens x 128256, `fwd` (the loss, no graph) and `fwd+bwd`; GB/s count the bf16 logits read
+  once (and dlogits written once), what a fused kernel must move.
 - adamw: `torch.optim.AdamW(fused=True)` over Llama-3.2-1B's 1.24 B parameters (tied embedding),
-  f32 and bf16 parameters; GB/s count p, m, v read and written and g read.
+  f32 and bf16 parameters (gradients of the same dtype), `step`; GB/s count p, m, v read and written
+  and g read, m and v in the parameters' dtype as torch keeps them (the Rust side keeps f32 moments).
+- grad_norm: `clip_grad_norm_(max_norm=1.0)` over the same gradients, `foreach=False` (`single`)
+  and `foreach=True` (`foreach`), `norm+clip`; and the norm alone (`norm`, through
+  `torch.nn.utils.get_total_norm` where this torch has it); GB/s count g read (and read + written by
+  the clip).
+- rope: Hugging Face's `apply_rotary_pos_emb` on Q and K ([b, h, s, d] views of [b, s, h, d]
+  storage), 4 x 4096 tokens, `fwd` (no graph) and `bwd` (its autograd); GB/s count Q and K read and
+  written.
+- embedding: `F.embedding` of 16384 ids into a bf16 128256 x hidden table, `fwd` (no graph) and
+  `bwd` (`embedding_dense_backward`, a bf16 table gradient); GB/s count dy read and the table
+  gradient written (bf16 here, f32 on the Rust side).
 
-Gradients come from `torch.autograd.grad` (returned, not accumulated into `.grad`, so no extra add
-kernel per call). Timing: 5 warm-up calls, then the median of 11 CUDA-event samples, each over enough back-to-back calls
-to cover about a millisecond (as benches/sdpa_torch.py). Writes CSV rows (op, model, shape, dtype,
+Shapes, phases and units are those of `cargo bench --bench backward` (its rows join these on op,
+model, shape, dtype and phase). Gradients come from `torch.autograd.grad` (returned, not accumulated
+into `.grad`, so no extra add kernel per call). Timing: 5 warm-up calls, then the median of 15
+CUDA-event samples, each over enough back-to-back calls to cover about 2 ms (as the Rust bench). Writes CSV rows (op, model, shape, dtype,
 backend, phase, ms, gbps, tflops, note, torch) to the path given as the first argument; a case that
 fails (a refused backend, out of memory) is a row with `ms` empty and the error in `note`.
 """
@@ -47,9 +60,9 @@ def time_ms(fn):
     fn()
     end.record()
     end.synchronize()
-    batch = max(1, min(200, math.ceil(1.0 / max(start.elapsed_time(end), 1e-3))))
+    batch = max(1, min(100, math.ceil(2.0 / max(start.elapsed_time(end), 1e-3))))
     samples = []
-    for _ in range(11):
+    for _ in range(15):
         start.record()
         for _ in range(batch):
             fn()
@@ -156,21 +169,91 @@ def linear_cases():
 
 
 def cross_entropy_cases():
+    vocab = LLAMA_1B["vocab"]
+    for tokens in (16384, 4096):
+        logits = randn(tokens, vocab, scale=2.0, seed=11).requires_grad_()
+        g = torch.Generator(device=DEV).manual_seed(12)
+        targets = torch.randint(0, vocab, (tokens,), device=DEV, generator=g)
+        targets[::7] = -100
+        n = tokens * vocab * 2
+
+        def upcast_fwd(logits=logits, targets=targets):
+            with torch.no_grad():
+                F.cross_entropy(logits.float(), targets, ignore_index=-100)
+
+        def direct_fwd(logits=logits, targets=targets):
+            with torch.no_grad():
+                F.cross_entropy(logits, targets, ignore_index=-100)
+
+        def upcast(logits=logits, targets=targets):
+            torch.autograd.grad(F.cross_entropy(logits.float(), targets, ignore_index=-100), logits)
+
+        def direct(logits=logits, targets=targets):
+            torch.autograd.grad(F.cross_entropy(logits, targets, ignore_index=-100), logits)
+
+        for backend, fwd, fwd_bwd in (("eager_float", upcast_fwd, upcast), ("eager", direct_fwd, direct)):
+            shape = f"{tokens}x{vocab}"
+            yield "cross_entropy", "Llama-3", shape, "bf16", backend, "fwd", fwd, n, None, ""
+            yield "cross_entropy", "Llama-3", shape, "bf16", backend, "fwd+bwd", fwd_bwd, 2 * n, None, ""
+        del logits
+        torch.cuda.empty_cache()
+
+
+def rope_cases():
+    batch, seq = 4, 4096
+    for model, cfg in (("Llama-3.1-8B", LLAMA_8B), ("Llama-3.2-1B", LLAMA_1B)):
+        hq, hkv, d = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+        inv_freq = 500000.0 ** (-torch.arange(0, d, 2, device=DEV, dtype=torch.float32) / d)
+        freqs = torch.outer(torch.arange(seq, device=DEV, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos().to(BF16)[None].expand(batch, seq, d).unsqueeze(1)
+        sin = emb.sin().to(BF16)[None].expand(batch, seq, d).unsqueeze(1)
+        q = randn(batch, seq, hq, d, seed=14).transpose(1, 2).requires_grad_()
+        k = randn(batch, seq, hkv, d, seed=15).transpose(1, 2).requires_grad_()
+        dq = randn(batch, seq, hq, d, seed=16).transpose(1, 2)
+        dk = randn(batch, seq, hkv, d, seed=17).transpose(1, 2)
+
+        def rotate_half(x):
+            return torch.cat((-x[..., x.shape[-1] // 2 :], x[..., : x.shape[-1] // 2]), dim=-1)
+
+        def apply(q=q, k=k, cos=cos, sin=sin):
+            return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+        def fwd(apply=apply):
+            with torch.no_grad():
+                apply()
+
+        qe, ke = apply()
+
+        def bwd(qe=qe, ke=ke, q=q, k=k, dq=dq, dk=dk):
+            torch.autograd.grad((qe, ke), (q, k), (dq, dk), retain_graph=True)
+
+        moved = 2 * batch * seq * (hq + hkv) * d * 2
+        shape = f"b{batch} s{seq} h{hq}/{hkv} d{d}"
+        yield "rope", model, shape, "bf16", "eager", "fwd", fwd, moved, None, ""
+        yield "rope", model, shape, "bf16", "eager", "bwd", bwd, moved, None, ""
+
+
+def embedding_cases():
     tokens, vocab = 16384, LLAMA_1B["vocab"]
-    logits = randn(tokens, vocab, scale=2.0, seed=11).requires_grad_()
-    g = torch.Generator(device=DEV).manual_seed(12)
-    targets = torch.randint(0, vocab, (tokens,), device=DEV, generator=g)
-    targets[::7] = -100
-    moved = 2 * tokens * vocab * 2
+    g = torch.Generator(device=DEV).manual_seed(18)
+    ids = torch.randint(0, vocab, (tokens,), device=DEV, generator=g)
+    for model, hidden in (("Llama-3.1-8B", LLAMA_8B["hidden"]), ("Llama-3.2-1B", LLAMA_1B["hidden"])):
+        w = randn(vocab, hidden, seed=19).requires_grad_()
+        dy = randn(tokens, hidden, seed=20)
 
-    def upcast():
-        torch.autograd.grad(F.cross_entropy(logits.float(), targets, ignore_index=-100), logits)
+        def fwd(w=w):
+            with torch.no_grad():
+                F.embedding(ids, w)
 
-    def direct():
-        torch.autograd.grad(F.cross_entropy(logits, targets, ignore_index=-100), logits)
+        y = F.embedding(ids, w)
 
-    for backend, fn in (("eager_float", upcast), ("eager", direct)):
-        yield "cross_entropy", "Llama-3", f"{tokens}x{vocab}", "bf16", backend, "fwd+bwd", fn, moved, None, ""
+        def bwd(y=y, w=w, dy=dy):
+            torch.autograd.grad(y, w, dy, retain_graph=True)
+
+        shape = f"{tokens}x{hidden} vocab {vocab}"
+        yield "embedding", model, shape, "bf16", "eager", "fwd", fwd, 2 * tokens * hidden * 2, None, ""
+        yield "embedding", model, shape, "bf16", "eager", "bwd", bwd, tokens * hidden * 2 + vocab * hidden * 2, None, "bf16 table gradient"
 
 
 def llama_1b_shapes():
@@ -183,8 +266,10 @@ def llama_1b_shapes():
 
 
 def adamw_cases():
+    """AdamW, then the gradient norm and clipping on the same gradients (the Rust bench's order)."""
     shapes = llama_1b_shapes()
     count = sum(math.prod(s) for s in shapes)
+    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)
     for dtype, name in ((torch.float32, "f32"), (BF16, "bf16")):
         params = [torch.nn.Parameter(randn(*s, dtype=dtype, scale=0.02, seed=13 + k)) for k, s in enumerate(shapes)]
         for k, p in enumerate(params):
@@ -193,7 +278,25 @@ def adamw_cases():
         size = torch.finfo(dtype).bits // 8
         # p read + written, g read, m and v read + written (in the parameters' dtype, as torch keeps them)
         moved = count * size * 7
-        yield "adamw", "Llama-3.2-1B", f"{count} params", name, "fused", "step", opt.step, moved, None, ""
+        shape = f"{count} params"
+        yield "adamw", "Llama-3.2-1B", shape, name, "fused", "step", opt.step, moved, None, "m, v in the parameters' dtype"
+        for backend, foreach in (("single", False), ("foreach", True)):
+            grads = [p.grad for p in params]
+            if get_total_norm is not None:
+
+                def norm(grads=grads, foreach=foreach):
+                    get_total_norm(grads, 2.0, foreach=foreach)
+
+                yield "grad_norm", "Llama-3.2-1B", shape, name, backend, "norm", norm, count * size, None, ""
+            else:
+                yield "grad_norm", "Llama-3.2-1B", shape, name, backend, "norm", None, None, None, "no torch.nn.utils.get_total_norm in this torch"
+
+            def clip(params=params, foreach=foreach):
+                torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=foreach)
+
+            yield "grad_norm", "Llama-3.2-1B", shape, name, backend, "norm+clip", clip, 3 * count * size, None, ""
+        del opt, params
+        torch.cuda.empty_cache()
 
 
 def main():
@@ -201,7 +304,8 @@ def main():
     version = f"torch {torch.__version__} (cuDNN {torch.backends.cudnn.version()})"
     print(f"# {version}, {torch.cuda.get_device_name()}")
     rows = []
-    for cases in (rmsnorm_cases, sdpa_cases, linear_cases, cross_entropy_cases, adamw_cases):
+    # The order of the Rust bench: the largest buffers (the logits) last.
+    for cases in (adamw_cases, rope_cases, embedding_cases, rmsnorm_cases, sdpa_cases, linear_cases, cross_entropy_cases):
         try:
             for op, model, shape, dtype, backend, phase, fn, moved, flops, note in cases():
                 ms = gbps = tflops = ""

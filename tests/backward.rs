@@ -3,17 +3,16 @@
 //! outputs poisoned (NaN) before each run. GPU tests are ignored by default; run them with
 //! `--include-ignored` on a GPU machine.
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use cudnn_llm::bench_util::gpu;
 use cudnn_llm::bench_util::{download, poisoned, upload};
-use cudnn_llm::cudnn_ops::ops::loss::{
-    cross_entropy, cross_entropy_in_place, cross_entropy_loss, CrossEntropyArgs,
-};
-use cudnn_llm::cudnn_ops::ops::optim::{AdamW, AdamWTensor, MultiTensor};
-use cudnn_llm::cudnn_ops::ops::rope::backward::rope_backward_with;
-use cudnn_llm::cudnn_ops::ops::rows::backward::{embedding_backward, EmbeddingGrad};
 use cudnn_llm::cudnn_ops::reference::{self, backward as rb, Tolerance};
-use cudnn_llm::cudnn_ops::{rope, Backend, Cudnn, Element, RopeArgs, RopeOperands, RopeTables};
+use cudnn_llm::cudnn_ops::{
+    adamw, cross_entropy, embedding_backward, grad_norm, rope, rope_backward, AdamWArgs, AdamWOperands,
+    AdamWTensor, Backend, CrossEntropyArgs, CrossEntropyOperands, Cudnn, Element, EmbeddingArgs,
+    EmbeddingBackwardOperands, EmbeddingGrad, GradNormArgs, GradNormOperands, MultiTensor, RopeArgs,
+    RopeBackwardOperands, RopeOperands, RopeTables,
+};
 use half::{bf16, f16};
 
 /// The loss is one f32 sum over rows of f32 log-sum-exps computed with `__expf`/`__logf` (a few
@@ -51,13 +50,14 @@ fn check_cross_entropy<T: Element>(ctx: &Cudnn, tokens: usize, vocab: usize) {
     for backend in [Backend::Fused, Backend::Naive] {
         let tag = format!("{} {backend:?} {tokens}x{vocab}", T::DTYPE);
         let mut loss = poisoned::<f32>(ctx, 1).unwrap();
-        cross_entropy_loss(backend, ctx, args, &logits, &t_dev, &mut loss).unwrap();
+        cross_entropy(ctx, args, CrossEntropyOperands::new(&logits, &t_dev, &mut loss), backend).unwrap();
         let l = scalar(ctx, &loss);
         assert!(((l - want_loss) / want_loss).abs() < LOSS_TOL, "{tag}: loss {l} vs {want_loss}");
 
         let mut loss = poisoned::<f32>(ctx, 1).unwrap();
         let mut d = poisoned::<T>(ctx, tokens * vocab).unwrap();
-        cross_entropy(backend, ctx, args, &logits, &t_dev, &mut loss, &mut d).unwrap();
+        let x = CrossEntropyOperands::with_grad(&logits, &mut d, &t_dev, &mut loss);
+        cross_entropy(ctx, args, x, backend).unwrap();
         let l = scalar(ctx, &loss);
         assert!(((l - want_loss) / want_loss).abs() < LOSS_TOL, "{tag}: loss {l} vs {want_loss}");
         let c = reference::compare(&download(ctx, &d).unwrap(), &want_d);
@@ -66,7 +66,8 @@ fn check_cross_entropy<T: Element>(ctx: &Cudnn, tokens: usize, vocab: usize) {
 
         let mut inplace = logits.clone();
         let mut loss = poisoned::<f32>(ctx, 1).unwrap();
-        cross_entropy_in_place(backend, ctx, args, &mut inplace, &t_dev, &mut loss).unwrap();
+        cross_entropy(ctx, args, CrossEntropyOperands::in_place(&mut inplace, &t_dev, &mut loss), backend)
+            .unwrap();
         let c = reference::compare(&download(ctx, &inplace).unwrap(), &want_d);
         assert!(c.passes(ce_tol::<T>()), "{tag}: in place {c}");
         assert!(((scalar(ctx, &loss) - want_loss) / want_loss).abs() < LOSS_TOL, "{tag}: in-place loss");
@@ -94,25 +95,24 @@ fn cross_entropy_rejects_bad_arguments_with_outputs_untouched() {
     let args = CrossEntropyArgs { tokens, vocab, ignore_index: None, grad_scale: 1.0 };
     let mut loss = ctx.stream().clone_htod(&[7.0f32]).unwrap();
     let mut d = ctx.stream().clone_htod(&vec![bf16::from_f32(7.0); tokens * vocab - 1]).unwrap();
-    let e = cross_entropy(Backend::Fused, &ctx, args, &logits, &targets, &mut loss, &mut d).unwrap_err();
+    let x = CrossEntropyOperands::with_grad(&logits, &mut d, &targets, &mut loss);
+    let e = cross_entropy(&ctx, args, x, Backend::Fused).unwrap_err();
     assert!(e.to_string().contains("dlogits have"), "{e}");
-    let e = cross_entropy(
-        Backend::Fused,
-        &ctx,
-        CrossEntropyArgs { tokens: 5, ..args },
-        &logits,
-        &targets,
-        &mut loss,
-        &mut d,
-    )
-    .unwrap_err();
+    let x = CrossEntropyOperands::with_grad(&logits, &mut d, &targets, &mut loss);
+    let e = cross_entropy(&ctx, CrossEntropyArgs { tokens: 5, ..args }, x, Backend::Naive).unwrap_err();
     assert!(e.to_string().contains("logits have"), "{e}");
     assert_eq!(download(&ctx, &loss).unwrap(), vec![7.0]);
     assert!(download(&ctx, &d).unwrap().iter().all(|v| v.to_f32() == 7.0));
     // A device target outside the vocabulary cannot be refused before the launch: its loss is NaN.
     let bad = ctx.stream().clone_htod(&[1i32, 2, 300, 4]).unwrap();
     let mut d = poisoned::<bf16>(&ctx, tokens * vocab).unwrap();
-    cross_entropy(Backend::Fused, &ctx, args, &logits, &bad, &mut loss, &mut d).unwrap();
+    cross_entropy(
+        &ctx,
+        args,
+        CrossEntropyOperands::with_grad(&logits, &mut d, &bad, &mut loss),
+        Backend::Fused,
+    )
+    .unwrap();
     assert!(scalar(&ctx, &loss).is_nan());
 }
 
@@ -125,7 +125,7 @@ struct Host {
 }
 
 fn check_adamw<P: Element, G: Element>(ctx: &Cudnn, master: bool, clip: bool) {
-    let hp = AdamW { lr: 0.05, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
+    let hp = AdamWArgs { lr: 0.05, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step: 1 };
     let rhp = rb::AdamWParams {
         lr: hp.lr,
         beta1: hp.beta1,
@@ -153,8 +153,9 @@ fn check_adamw<P: Element, G: Element>(ctx: &Cudnn, master: bool, clip: bool) {
         let want_norm = rb::global_grad_norm(&grads);
         let coef = if clip { rb::clip_coefficient(want_norm, 1.0) } else { 1.0 };
         {
-            let g: Vec<&CudaSlice<G>> = dev.iter().map(|d| &d.1).collect();
-            opt.grad_norm(ctx, &g, clip.then_some(1.0), &mut norm).unwrap();
+            let g: Vec<&dyn DevicePtr<G>> = dev.iter().map(|d| &d.1 as &dyn DevicePtr<G>).collect();
+            let args = GradNormArgs { max_norm: clip.then_some(1.0) };
+            grad_norm(ctx, args, GradNormOperands::new(&mut opt, g, &mut norm), backend).unwrap();
         }
         let got = download(ctx, &norm).unwrap();
         assert!(
@@ -168,11 +169,22 @@ fn check_adamw<P: Element, G: Element>(ctx: &Cudnn, master: bool, clip: bool) {
                 let g: Vec<f64> = h.g.iter().map(|x| x * coef).collect();
                 rb::adamw_step(&mut h.p, &g, &mut h.m, &mut h.v, step, rhp);
             }
-            let mut tensors: Vec<AdamWTensor<'_, P, G>> = dev
+            let tensors: Vec<AdamWTensor<'_, P, G>> = dev
                 .iter_mut()
-                .map(|(p, g, m, v, w)| AdamWTensor { param: p, grad: g, m, v, master: master.then_some(w) })
+                .map(|(p, g, m, v, w)| {
+                    let t = AdamWTensor::new(p, g, m, v);
+                    if master {
+                        t.master(w)
+                    } else {
+                        t
+                    }
+                })
                 .collect();
-            opt.adamw(backend, ctx, hp, step, &mut tensors, clip.then_some(&norm)).unwrap();
+            let mut x = AdamWOperands::new(&mut opt, tensors);
+            if clip {
+                x = x.clip(&norm);
+            }
+            adamw(ctx, AdamWArgs { step, ..hp }, x, backend).unwrap();
         }
         for (k, (h, d)) in host.iter().zip(&dev).enumerate() {
             if h.p.is_empty() {
@@ -208,31 +220,54 @@ fn adamw_matches_torch_formula_per_dtype() {
 #[ignore = "needs a CUDA GPU"]
 fn grad_norm_is_deterministic_and_clipping_scales_in_place() {
     let ctx = gpu();
-    let sizes = [200_000, 17, 65_537];
+    let sizes = [200_000, 17, 0, 65_537];
     let host: Vec<Vec<f64>> =
         sizes.iter().enumerate().map(|(k, &n)| reference::random_values(k as u64, n)).collect();
-    let mut grads: Vec<CudaSlice<bf16>> = host.iter().map(|h| upload::<bf16>(&ctx, h).unwrap().0).collect();
+    let grads: Vec<CudaSlice<bf16>> = host.iter().map(|h| upload::<bf16>(&ctx, h).unwrap().0).collect();
     let rounded: Vec<Vec<f64>> =
         grads.iter().map(|g| download(&ctx, g).unwrap().iter().map(|v| v.to_f64()).collect()).collect();
     let refs: Vec<&[f64]> = rounded.iter().map(|r| r.as_slice()).collect();
     let want = rb::global_grad_norm(&refs);
-    let mut opt = MultiTensor::new();
-    let mut a = poisoned::<f32>(&ctx, 2).unwrap();
-    let mut b = poisoned::<f32>(&ctx, 2).unwrap();
-    let g: Vec<&CudaSlice<bf16>> = grads.iter().collect();
-    opt.grad_norm(&ctx, &g, Some(1.0), &mut a).unwrap();
-    opt.grad_norm(&ctx, &g, Some(1.0), &mut b).unwrap();
-    let (a, b) = (download(&ctx, &a).unwrap(), download(&ctx, &b).unwrap());
-    assert_eq!(a[0].to_bits(), b[0].to_bits(), "two runs differ");
-    assert!(((a[0] as f64 - want) / want).abs() < 1e-5, "norm {} vs {want}", a[0]);
-    let norm = ctx.stream().clone_htod(&a).unwrap();
-    let mut gm: Vec<&mut CudaSlice<bf16>> = grads.iter_mut().collect();
-    opt.clip_grads(&ctx, &mut gm, &norm).unwrap();
     let coef = rb::clip_coefficient(want, 1.0);
-    for (g, r) in grads.iter().zip(&rounded) {
-        let want: Vec<f64> = r.iter().map(|v| v * coef).collect();
-        let c = reference::compare(&download(&ctx, g).unwrap(), &want);
-        assert!(c.passes(reference::BF16_TOL), "clipped {c}");
+    let args = GradNormArgs { max_norm: Some(1.0) };
+    for backend in [Backend::Fused, Backend::Naive] {
+        let mut opt = MultiTensor::new();
+        fn read(g: &[CudaSlice<bf16>]) -> Vec<&dyn DevicePtr<bf16>> {
+            g.iter().map(|g| g as &dyn DevicePtr<bf16>).collect()
+        }
+        let mut a = poisoned::<f32>(&ctx, 2).unwrap();
+        let mut b = poisoned::<f32>(&ctx, 2).unwrap();
+        grad_norm(&ctx, args, GradNormOperands::new(&mut opt, read(&grads), &mut a), backend).unwrap();
+        grad_norm(&ctx, args, GradNormOperands::new(&mut opt, read(&grads), &mut b), backend).unwrap();
+        let (a, b) = (download(&ctx, &a).unwrap(), download(&ctx, &b).unwrap());
+        assert_eq!(a[0].to_bits(), b[0].to_bits(), "{backend:?}: two runs differ");
+        assert!(((a[0] as f64 - want) / want).abs() < 1e-5, "{backend:?}: norm {} vs {want}", a[0]);
+        assert!(((a[1] as f64 - coef) / coef).abs() < 1e-5, "{backend:?}: coefficient {} vs {coef}", a[1]);
+        // The norm alone: coefficient 1.
+        let mut c = poisoned::<f32>(&ctx, 2).unwrap();
+        let none = GradNormArgs { max_norm: None };
+        grad_norm(&ctx, none, GradNormOperands::new(&mut opt, read(&grads), &mut c), backend).unwrap();
+        assert_eq!(download(&ctx, &c).unwrap()[1], 1.0, "{backend:?}: coefficient without max_norm");
+        // clip_grad_norm_: the same norm, then the gradients scaled in place.
+        let mut clipped: Vec<CudaSlice<bf16>> = grads.clone();
+        let mut norm = poisoned::<f32>(&ctx, 2).unwrap();
+        let gm: Vec<&mut dyn DevicePtrMut<bf16>> =
+            clipped.iter_mut().map(|g| g as &mut dyn DevicePtrMut<bf16>).collect();
+        grad_norm(&ctx, args, GradNormOperands::clip(&mut opt, gm, &mut norm), backend).unwrap();
+        assert_eq!(download(&ctx, &norm).unwrap()[0].to_bits(), a[0].to_bits(), "{backend:?}: clip's norm");
+        for (g, r) in clipped.iter().zip(&rounded).filter(|(g, _)| !g.is_empty()) {
+            let want: Vec<f64> = r.iter().map(|v| v * coef).collect();
+            let c = reference::compare(&download(&ctx, g).unwrap(), &want);
+            assert!(c.passes(reference::BF16_TOL), "{backend:?}: clipped {c}");
+        }
+        // Clipping without a threshold is refused, the gradients untouched.
+        let mut norm = poisoned::<f32>(&ctx, 2).unwrap();
+        let before = download(&ctx, &clipped[0]).unwrap();
+        let gm: Vec<&mut dyn DevicePtrMut<bf16>> =
+            clipped.iter_mut().map(|g| g as &mut dyn DevicePtrMut<bf16>).collect();
+        let e = grad_norm(&ctx, none, GradNormOperands::clip(&mut opt, gm, &mut norm), backend).unwrap_err();
+        assert!(e.to_string().contains("needs a max_norm"), "{e}");
+        assert_eq!(download(&ctx, &clipped[0]).unwrap(), before);
     }
 }
 
@@ -259,7 +294,7 @@ fn check_rope_backward<T: Element>(ctx: &Cudnn, a: RopeArgs, positions: usize) {
     }
     for backend in [Backend::Fused, Backend::Naive] {
         let mut buf = dy.clone();
-        rope_backward_with(backend, ctx, a, &tables, &mut buf).unwrap();
+        rope_backward(ctx, a, RopeBackwardOperands::new(&tables, &mut buf), backend).unwrap();
         let c = reference::compare(&download(ctx, &buf).unwrap(), &want);
         println!("{} {backend:?} {a:?}: {c}", T::DTYPE);
         assert!(c.passes(reference::tolerance(T::DTYPE)), "{backend:?} {a:?}: {c}");
@@ -291,22 +326,42 @@ fn check_embedding_backward<T: Element>(ctx: &Cudnn, vocab: usize, hidden: usize
     let acc = reference::random_values(9, vocab * hidden);
     let acc32 = reference::to_elements::<f32>(&acc);
     let acc_rounded: Vec<f64> = acc32.iter().map(|&v| v as f64).collect();
-    for how in [EmbeddingGrad::Atomic, EmbeddingGrad::Deterministic] {
-        let tag = format!("{} {how:?} {rows} ids into {vocab}x{hidden}", T::DTYPE);
+    let args = EmbeddingArgs { rows, vocab, hidden };
+    let runs = [
+        (Backend::Fused, EmbeddingGrad::Atomic),
+        (Backend::Fused, EmbeddingGrad::Deterministic),
+        (Backend::Naive, EmbeddingGrad::Atomic),
+    ];
+    for (backend, how) in runs {
+        let tag = format!("{} {backend:?} {how:?} {rows} ids into {vocab}x{hidden}", T::DTYPE);
         let mut dt = poisoned::<f32>(ctx, vocab * hidden).unwrap();
-        embedding_backward(ctx, how, &ids_dev, rows, &dy, vocab, hidden, &mut dt, false).unwrap();
+        embedding_backward(
+            ctx,
+            args,
+            EmbeddingBackwardOperands::new(&ids_dev, &dy, &mut dt).how(how),
+            backend,
+        )
+        .unwrap();
         let want = rb::embedding_backward(ids, &rounded, vocab, hidden, None);
         let first = download(ctx, &dt).unwrap();
         let c = reference::compare(&first, &want);
         assert!(c.passes(OPTIM_F32_TOL), "{tag}: {c}");
-        if how == EmbeddingGrad::Deterministic {
-            embedding_backward(ctx, how, &ids_dev, rows, &dy, vocab, hidden, &mut dt, false).unwrap();
+        // The deterministic kernel and the eager sort give the same bits on every run.
+        if how == EmbeddingGrad::Deterministic || backend == Backend::Naive {
+            embedding_backward(
+                ctx,
+                args,
+                EmbeddingBackwardOperands::new(&ids_dev, &dy, &mut dt).how(how),
+                backend,
+            )
+            .unwrap();
             let again = download(ctx, &dt).unwrap();
             assert!(first.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits()), "{tag}: runs differ");
         }
         // Accumulation adds to what is there.
         let mut dt = ctx.stream().clone_htod(&acc32).unwrap();
-        embedding_backward(ctx, how, &ids_dev, rows, &dy, vocab, hidden, &mut dt, true).unwrap();
+        let x = EmbeddingBackwardOperands::new(&ids_dev, &dy, &mut dt).how(how).accumulate();
+        embedding_backward(ctx, args, x, backend).unwrap();
         let want = rb::embedding_backward(ids, &rounded, vocab, hidden, Some(&acc_rounded));
         let c = reference::compare(&download(ctx, &dt).unwrap(), &want);
         assert!(c.passes(OPTIM_F32_TOL), "{tag} accumulate: {c}");

@@ -9,6 +9,10 @@
 //! | [`matmul`] | [`matmul`](matmul::matmul) | matmul + epilogue graph | cuBLAS GEMM + one kernel per step ([`matmul::naive`]) |
 //! | [`rope`] | [`rope`](rope::rope) | one custom kernel | 10 eager kernels |
 //! | [`rows`] | [`embedding`](rows::embedding), [`write_cache`](rows::write_cache) | one kernel, the same on both backends | |
+//! | [`rope::backward`] | [`rope_backward`](rope::backward::rope_backward) | one custom kernel (rotation by −θ) | 10 eager kernels |
+//! | [`rows::backward`] | [`embedding_backward`](rows::backward::embedding_backward) | atomic scatter-add or a deterministic tiled kernel | `embedding_dense_backward`: zeros, sort, segment sums |
+//! | [`loss`] | [`cross_entropy`](loss::cross_entropy) (loss, or loss and gradient) | 3 launches, no f32 logits | `.float()`, `log_softmax`, `nll_loss` and their backward |
+//! | [`optim`] | [`adamw`](optim::adamw), [`grad_norm`](optim::grad_norm) (norm, or norm and clip) | one multi-tensor launch each (+1 to clip) | single-tensor `AdamW`, `clip_grad_norm_(foreach=False)` |
 //!
 //! Every public call takes the op's arguments, an operands struct (inputs by name, outputs, optional
 //! training outputs) and the [`Backend`]. Inside the crate, the arguments type implements `Op` (its

@@ -11,10 +11,14 @@
 //! `.float()`, `log_softmax`, `nll_loss`, then `nll_loss_backward` (zeros and a scatter),
 //! `log_softmax_backward` and the cast back, with three f32 `[tokens, vocab]` intermediates.
 
+mod fused;
+mod naive;
+
 use crate::checked;
 use crate::dtype::{DataType, Element};
 use crate::error::ensure;
-use crate::kernels::{elementwise, launch, scratch, Arg, Kernels};
+use crate::kernels::Arg;
+use crate::ops::Op;
 use crate::{Backend, Cudnn, Error, Result};
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
 
@@ -39,9 +43,6 @@ pub const MAX_TOKENS: usize = 1 << 24;
 /// Kernels the eager path launches for the forward alone and for forward + backward (16-bit logits;
 /// f32 logits skip both casts).
 pub const NAIVE_KERNELS: (usize, usize) = (3, 7);
-
-/// Threads per row block of the fused kernel.
-const ROW_THREADS: u32 = 512;
 
 impl CrossEntropyArgs {
     /// Checks the shape against the buffer lengths with checked arithmetic (no GPU needed);
@@ -81,7 +82,7 @@ pub fn check_targets(targets: &[i32], vocab: usize, ignore_index: Option<i32>) -
     Ok(())
 }
 
-fn suffix(dtype: DataType) -> Result<&'static str> {
+pub(crate) fn suffix(dtype: DataType) -> Result<&'static str> {
     match dtype {
         DataType::BF16 => Ok("bf16"),
         DataType::F16 => Ok("f16"),
@@ -93,185 +94,155 @@ fn suffix(dtype: DataType) -> Result<&'static str> {
     }
 }
 
-/// The mean cross-entropy loss into `loss[0]` (f32), forward only.
-pub fn cross_entropy_loss<T: Element>(
-    backend: Backend,
-    ctx: &Cudnn,
-    args: CrossEntropyArgs,
-    logits: &(impl DevicePtr<T> + ?Sized),
-    targets: &(impl DevicePtr<i32> + ?Sized),
-    loss: &mut (impl DevicePtrMut<f32> + ?Sized),
-) -> Result<()> {
-    args.check(logits.len(), targets.len(), loss.len(), None)?;
-    let sfx = suffix(T::DTYPE)?;
-    let (x, _gx) = logits.device_ptr(ctx.stream());
-    let (t, _gt) = targets.device_ptr(ctx.stream());
-    let (l, _gl) = loss.device_ptr_mut(ctx.stream());
-    run::<T>(backend, ctx, args, sfx, Ptrs { logits: x, targets: t, loss: l, dlogits: None })
+/// Where the gradient of a cross-entropy call goes, which also selects its phase.
+pub enum Logits<'a, T: Element> {
+    /// Forward only: the mean loss.
+    Loss(&'a dyn DevicePtr<T>),
+    /// Forward and backward: the loss and `dlogits` (the logits' dtype, `[tokens, vocab]`).
+    Grad {
+        /// `[tokens, vocab]` logits, read.
+        logits: &'a dyn DevicePtr<T>,
+        /// Their gradient, written.
+        dlogits: &'a mut dyn DevicePtrMut<T>,
+    },
+    /// Forward and backward with the gradient written over the logits (no second `[tokens, vocab]`
+    /// buffer).
+    InPlace(&'a mut dyn DevicePtrMut<T>),
 }
 
-/// The mean loss into `loss[0]` and its gradient with respect to the logits into `dlogits` (the
-/// logits' dtype), in one call.
-pub fn cross_entropy<T: Element>(
-    backend: Backend,
-    ctx: &Cudnn,
-    args: CrossEntropyArgs,
-    logits: &(impl DevicePtr<T> + ?Sized),
-    targets: &(impl DevicePtr<i32> + ?Sized),
-    loss: &mut (impl DevicePtrMut<f32> + ?Sized),
-    dlogits: &mut (impl DevicePtrMut<T> + ?Sized),
-) -> Result<()> {
-    args.check(logits.len(), targets.len(), loss.len(), Some(dlogits.len()))?;
-    let sfx = suffix(T::DTYPE)?;
-    let (x, _gx) = logits.device_ptr(ctx.stream());
-    let (t, _gt) = targets.device_ptr(ctx.stream());
-    let (l, _gl) = loss.device_ptr_mut(ctx.stream());
-    let (d, _gd) = dlogits.device_ptr_mut(ctx.stream());
-    run::<T>(backend, ctx, args, sfx, Ptrs { logits: x, targets: t, loss: l, dlogits: Some(d) })
+/// The buffers of a cross-entropy call: the logits (and where their gradient goes), one i32 target
+/// per token, and the f32 mean loss `[1]`.
+pub struct CrossEntropyOperands<'a, T: Element> {
+    /// The logits and the phase: [`Logits::Loss`], [`Logits::Grad`] or [`Logits::InPlace`].
+    pub logits: Logits<'a, T>,
+    /// Device i32 targets, one per token.
+    pub targets: &'a dyn DevicePtr<i32>,
+    /// f32 `[1]`: the mean loss.
+    pub loss: &'a mut dyn DevicePtrMut<f32>,
 }
 
-/// [`cross_entropy`] with the gradient written over the logits (no second `[tokens, vocab]` buffer).
-pub fn cross_entropy_in_place<T: Element>(
-    backend: Backend,
-    ctx: &Cudnn,
-    args: CrossEntropyArgs,
-    logits: &mut (impl DevicePtrMut<T> + ?Sized),
-    targets: &(impl DevicePtr<i32> + ?Sized),
-    loss: &mut (impl DevicePtrMut<f32> + ?Sized),
-) -> Result<()> {
-    args.check(logits.len(), targets.len(), loss.len(), Some(logits.len()))?;
-    let sfx = suffix(T::DTYPE)?;
-    let (t, _gt) = targets.device_ptr(ctx.stream());
-    let (l, _gl) = loss.device_ptr_mut(ctx.stream());
-    let (x, _gx) = logits.device_ptr_mut(ctx.stream());
-    run::<T>(backend, ctx, args, sfx, Ptrs { logits: x, targets: t, loss: l, dlogits: Some(x) })
-}
+impl<'a, T: Element> CrossEntropyOperands<'a, T> {
+    /// Forward only: the mean loss of `logits` against `targets` into `loss[0]`.
+    pub fn new(
+        logits: &'a dyn DevicePtr<T>,
+        targets: &'a dyn DevicePtr<i32>,
+        loss: &'a mut dyn DevicePtrMut<f32>,
+    ) -> Self {
+        CrossEntropyOperands { logits: Logits::Loss(logits), targets, loss }
+    }
 
-/// Device addresses of one call (their guards live in the caller).
-struct Ptrs {
-    logits: u64,
-    targets: u64,
-    loss: u64,
-    dlogits: Option<u64>,
-}
+    /// Forward and backward: also the gradient with respect to the logits into `dlogits`.
+    pub fn with_grad(
+        logits: &'a dyn DevicePtr<T>,
+        dlogits: &'a mut dyn DevicePtrMut<T>,
+        targets: &'a dyn DevicePtr<i32>,
+        loss: &'a mut dyn DevicePtrMut<f32>,
+    ) -> Self {
+        CrossEntropyOperands { logits: Logits::Grad { logits, dlogits }, targets, loss }
+    }
 
-fn run<T: Element>(backend: Backend, ctx: &Cudnn, args: CrossEntropyArgs, sfx: &str, p: Ptrs) -> Result<()> {
-    let kernels = Kernels::get(ctx)?;
-    let CrossEntropyArgs { tokens, vocab, ignore_index, grad_scale } = args;
-    // Every size below was checked by `CrossEntropyArgs::check` (n and 3n fit i64).
-    let i = |v: usize| Arg::I64(v as i64);
-    let (ignore, has_ignore) =
-        (Arg::I64(ignore_index.unwrap_or(0) as i64), i(ignore_index.is_some() as usize));
-    let rows = |threads: u32| -> Result<LaunchConfig> {
-        Ok(LaunchConfig {
-            grid_dim: (checked::launch_dim("cross_entropy: tokens", tokens)?, 1, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
-        })
-    };
-    let one_block = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-    match backend {
-        Backend::Fused => {
-            // Op-owned scratch: count, then row losses, then row log-sum-exps.
-            let base = scratch(ctx, kernels, 2 * tokens + 1)?;
-            let (count, row_loss, lse) = (base, base + 4, base + 4 * (tokens as u64 + 1));
-            launch(
-                ctx,
-                kernels,
-                "ce_count",
-                one_block,
-                &[Arg::Ptr(p.targets), i(tokens), ignore, has_ignore, Arg::Ptr(count)],
-            )?;
-            launch(
-                ctx,
-                kernels,
-                &format!("ce_fused_{sfx}"),
-                rows(ROW_THREADS)?,
-                &[
-                    Arg::Ptr(p.logits),
-                    Arg::Ptr(p.dlogits.unwrap_or(0)),
-                    Arg::Ptr(p.targets),
-                    i(vocab),
-                    ignore,
-                    has_ignore,
-                    Arg::Ptr(count),
-                    Arg::F32(grad_scale),
-                    Arg::Ptr(row_loss),
-                    Arg::Ptr(lse),
-                    i(p.dlogits.is_some() as usize),
-                ],
-            )?;
-            launch(
-                ctx,
-                kernels,
-                "ce_mean",
-                one_block,
-                &[Arg::Ptr(row_loss), i(tokens), Arg::Ptr(count), Arg::Ptr(p.loss)],
-            )
-        }
-        Backend::Naive => {
-            let n = tokens * vocab;
-            let wide = T::DTYPE != DataType::F32;
-            // f32 scratch: [x32 (16-bit logits only)] [logp] [g] [total weight].
-            let base = scratch(ctx, kernels, 3 * n + 1)?;
-            let at = |k: usize| base + 4 * (k * n) as u64;
-            let (logp, g, out) = (at(1), at(2), at(3));
-            let x32 = if wide {
-                elementwise(
-                    ctx,
-                    kernels,
-                    &format!("cast_{sfx}_f32"),
-                    n,
-                    &[Arg::Ptr(p.logits), Arg::Ptr(at(0))],
-                )?;
-                at(0)
-            } else {
-                p.logits
-            };
-            launch(
-                ctx,
-                kernels,
-                "ce_log_softmax_f32",
-                rows(1024)?,
-                &[Arg::Ptr(x32), i(vocab), Arg::Ptr(logp)],
-            )?;
-            let nll = [
-                Arg::Ptr(logp),
-                Arg::Ptr(p.targets),
-                i(tokens),
-                i(vocab),
-                ignore,
-                has_ignore,
-                Arg::Ptr(p.loss),
-                Arg::Ptr(out),
-            ];
-            launch(ctx, kernels, "ce_nll_forward", one_block, &nll)?;
-            let Some(d) = p.dlogits else { return Ok(()) };
-            elementwise(ctx, kernels, "bwd_fill_f32", n, &[Arg::Ptr(g), Arg::F32(0.0)])?;
-            let scatter = [
-                Arg::Ptr(p.targets),
-                i(vocab),
-                ignore,
-                has_ignore,
-                Arg::Ptr(out),
-                Arg::F32(grad_scale),
-                Arg::Ptr(g),
-            ];
-            elementwise(ctx, kernels, "ce_nll_backward", tokens, &scatter)?;
-            let gi = if wide { g } else { d };
-            launch(
-                ctx,
-                kernels,
-                "ce_log_softmax_backward_f32",
-                rows(1024)?,
-                &[Arg::Ptr(g), Arg::Ptr(logp), i(vocab), Arg::Ptr(gi)],
-            )?;
-            if wide {
-                elementwise(ctx, kernels, &format!("cast_f32_{sfx}"), n, &[Arg::Ptr(g), Arg::Ptr(d)])?;
-            }
-            Ok(())
+    /// Forward and backward, the gradient written over the logits.
+    pub fn in_place(
+        logits: &'a mut dyn DevicePtrMut<T>,
+        targets: &'a dyn DevicePtr<i32>,
+        loss: &'a mut dyn DevicePtrMut<f32>,
+    ) -> Self {
+        CrossEntropyOperands { logits: Logits::InPlace(logits), targets, loss }
+    }
+
+    /// Whether the call writes the gradient (forward and backward) or only the loss.
+    pub fn backward(&self) -> bool {
+        !matches!(self.logits, Logits::Loss(_))
+    }
+
+    /// Element counts of the logits and of the gradient buffer, if any.
+    fn lens(&self) -> (usize, Option<usize>) {
+        match &self.logits {
+            Logits::Loss(l) => (l.len(), None),
+            Logits::Grad { logits, dlogits } => (logits.len(), Some(dlogits.len())),
+            Logits::InPlace(l) => (l.len(), Some(l.len())),
         }
     }
+}
+
+impl<T: Element> Op<T> for CrossEntropyArgs {
+    type Operands<'a> = CrossEntropyOperands<'a, T>;
+
+    fn checked(self, x: &CrossEntropyOperands<'_, T>) -> Result<Self> {
+        let (logits, dlogits) = x.lens();
+        self.check(logits, x.targets.len(), x.loss.len(), dlogits)?;
+        suffix(T::DTYPE)?;
+        Ok(self)
+    }
+}
+
+/// Cross-entropy on `backend`: the mean loss into `loss[0]` and, when the operands ask for it
+/// ([`CrossEntropyOperands::with_grad`], [`CrossEntropyOperands::in_place`]), its gradient with respect
+/// to the logits, in one call.
+pub fn cross_entropy<T: Element>(
+    ctx: &Cudnn,
+    args: CrossEntropyArgs,
+    x: CrossEntropyOperands<'_, T>,
+    backend: Backend,
+) -> Result<()> {
+    crate::ops::run::<T, _>(ctx, args, x, backend)
+}
+
+/// Device addresses of one call, and the guards that record its reads and writes when they drop.
+pub(crate) struct Ptrs<'a> {
+    pub(crate) logits: u64,
+    pub(crate) targets: u64,
+    pub(crate) loss: u64,
+    pub(crate) dlogits: Option<u64>,
+    _guards: Vec<cudarc::driver::SyncOnDrop<'a>>,
+}
+
+impl<'a> Ptrs<'a> {
+    /// The addresses of `x` on `ctx`'s stream.
+    pub(crate) fn new<'b: 'a, T: Element>(ctx: &'a Cudnn, x: CrossEntropyOperands<'b, T>) -> Ptrs<'a> {
+        let s = ctx.stream();
+        let CrossEntropyOperands { logits, targets, loss } = x;
+        let (t, gt) = targets.device_ptr(s);
+        let (l, gl) = loss.device_ptr_mut(s);
+        let mut guards = vec![gt, gl];
+        let (logits, dlogits) = match logits {
+            Logits::Loss(x) => {
+                let (p, g) = x.device_ptr(s);
+                guards.push(g);
+                (p, None)
+            }
+            Logits::Grad { logits, dlogits } => {
+                let (p, g) = logits.device_ptr(s);
+                let (d, gd) = dlogits.device_ptr_mut(s);
+                guards.extend([g, gd]);
+                (p, Some(d))
+            }
+            Logits::InPlace(x) => {
+                let (p, g) = x.device_ptr_mut(s);
+                guards.push(g);
+                (p, Some(p))
+            }
+        };
+        Ptrs { logits, targets: t, loss: l, dlogits, _guards: guards }
+    }
+}
+
+/// The rows of one launch, one block each.
+pub(crate) fn row_blocks(tokens: usize, threads: u32) -> Result<LaunchConfig> {
+    Ok(LaunchConfig {
+        grid_dim: (checked::launch_dim("cross_entropy: tokens", tokens)?, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// One block of 1024 threads (the count and the mean).
+pub(crate) const ONE_BLOCK: LaunchConfig =
+    LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+
+/// `(ignore, has_ignore)` as the kernels take them.
+pub(crate) fn ignore_args(ignore_index: Option<i32>) -> (Arg, Arg) {
+    (Arg::I64(ignore_index.unwrap_or(0) as i64), Arg::I64(ignore_index.is_some() as i64))
 }
 
 #[cfg(test)]

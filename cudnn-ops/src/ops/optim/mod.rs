@@ -1,23 +1,31 @@
 //! The optimizer step and gradient clipping over many tensors at once (custom kernels).
 //!
+//! | call | fused | naive |
+//! |---|---|---|
+//! | [`adamw`] | one multi-tensor launch | `torch.optim.AdamW(foreach=False, fused=False)`: 8 kernels per tensor |
+//! | [`grad_norm`] | two launches (+1 to clip) | `clip_grad_norm_(foreach=False)`: a norm per tensor, stack, norm, 4 for the coefficient (+1 per tensor to clip) |
+//!
 //! Fused: one launch covers every tensor. A [`MultiTensor`] keeps a device table of the tensors'
 //! addresses and sizes (uploaded only when the list changes); each block of a launch takes
 //! `OPT_CHUNK` (65536) consecutive elements of one tensor, found by a binary search over the table.
-//! - [`MultiTensor::adamw`]: AdamW as `torch.optim.AdamW` computes it (decoupled weight decay, bias
-//!   correction), bf16 or f32 parameters and gradients, f32 moments, an optional f32 master copy,
-//!   optionally scaled by a clipping coefficient read on the device.
-//! - [`MultiTensor::grad_norm`]: the global L2 norm of all gradients and `clip_grad_norm_`'s
-//!   coefficient, two passes (per-block partial sums, then one block in a fixed order): no atomics,
-//!   the same bits on every run.
-//! - [`MultiTensor::clip_grads`]: the gradients scaled by that coefficient in place.
+//! - [`adamw`]: AdamW as `torch.optim.AdamW` computes it (decoupled weight decay, bias correction),
+//!   bf16 or f32 parameters and gradients, f32 moments, an optional f32 master copy, optionally
+//!   scaled by a clipping coefficient read on the device.
+//! - [`grad_norm`]: the global L2 norm of all gradients and `clip_grad_norm_`'s coefficient, two
+//!   passes (per-block partial sums, then one block in a fixed order): no atomics, the same bits on
+//!   every run; with [`GradNormOperands::clip`] the gradients are then scaled in place.
 //!
-//! Naive (AdamW only): `torch.optim.AdamW(foreach=False, fused=False)`, one tensor at a time and one
-//! kernel per elementary op (`mul_`, `lerp_`, `mul_`, `addcmul_`, `sqrt`, `div`, `add_`, `addcdiv_`).
+//! Naive (`naive.rs`): PyTorch's single-tensor paths, one kernel per elementary op, f32
+//! intermediates. Eager's norm of a bf16 gradient is a bf16 tensor; the naive path keeps it in f32
+//! (the same kernels and traffic, a more accurate result).
+
+mod fused;
+mod naive;
 
 use crate::checked;
 use crate::dtype::{DataType, Element};
 use crate::error::ensure;
-use crate::kernels::{elementwise, launch, scratch, Arg, Kernels};
+use crate::ops::Op;
 use crate::{Backend, Cudnn, Error, Result};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 
@@ -32,9 +40,9 @@ const THREADS: u32 = 512;
 /// master copy).
 pub const NAIVE_KERNELS_PER_TENSOR: usize = 8;
 
-/// AdamW's hyperparameters, as `torch.optim.AdamW` names them.
+/// One AdamW step, with `torch.optim.AdamW`'s hyperparameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AdamW {
+pub struct AdamWArgs {
     /// Learning rate.
     pub lr: f64,
     /// First-moment decay, in `[0, 1)`.
@@ -45,12 +53,14 @@ pub struct AdamW {
     pub eps: f64,
     /// Decoupled weight decay: the parameter is multiplied by `1 − lr · weight_decay` first.
     pub weight_decay: f64,
+    /// The step, counted from 1 (bias correction).
+    pub step: u64,
 }
 
-impl AdamW {
-    /// Checks the hyperparameters and the step (counted from 1).
-    pub fn check(&self, step: u64) -> Result<()> {
-        let AdamW { lr, beta1, beta2, eps, weight_decay } = *self;
+impl AdamWArgs {
+    /// Checks the hyperparameters and the step.
+    pub fn check(&self) -> Result<()> {
+        let AdamWArgs { lr, beta1, beta2, eps, weight_decay, step } = *self;
         ensure!(step >= 1, "adamw: steps count from 1, not {step}");
         ensure!(lr.is_finite() && lr >= 0.0, "adamw: learning rate {lr}");
         ensure!(
@@ -61,6 +71,12 @@ impl AdamW {
         ensure!(weight_decay.is_finite() && weight_decay >= 0.0, "adamw: weight decay {weight_decay}");
         Ok(())
     }
+
+    /// `lr / (1 − β₁^step)` and `√(1 − β₂^step)`, as torch computes them.
+    fn corrections(&self) -> (f64, f64) {
+        let step_size = self.lr / (1.0 - self.beta1.powf(self.step as f64));
+        (step_size, (1.0 - self.beta2.powf(self.step as f64)).sqrt())
+    }
 }
 
 /// One tensor of an AdamW step: the parameter (bf16 or f32), its gradient (bf16 or f32), the f32
@@ -68,15 +84,193 @@ impl AdamW {
 /// receives its rounding). All have the parameter's length.
 pub struct AdamWTensor<'a, P, G> {
     /// The parameter.
-    pub param: &'a mut CudaSlice<P>,
+    pub param: &'a mut dyn DevicePtrMut<P>,
     /// Its gradient.
-    pub grad: &'a CudaSlice<G>,
+    pub grad: &'a dyn DevicePtr<G>,
     /// First moment.
-    pub m: &'a mut CudaSlice<f32>,
+    pub m: &'a mut dyn DevicePtrMut<f32>,
     /// Second moment.
-    pub v: &'a mut CudaSlice<f32>,
+    pub v: &'a mut dyn DevicePtrMut<f32>,
     /// f32 master weights.
-    pub master: Option<&'a mut CudaSlice<f32>>,
+    pub master: Option<&'a mut dyn DevicePtrMut<f32>>,
+}
+
+impl<'a, P, G> AdamWTensor<'a, P, G> {
+    /// A tensor without a master copy.
+    pub fn new(
+        param: &'a mut dyn DevicePtrMut<P>,
+        grad: &'a dyn DevicePtr<G>,
+        m: &'a mut dyn DevicePtrMut<f32>,
+        v: &'a mut dyn DevicePtrMut<f32>,
+    ) -> Self {
+        AdamWTensor { param, grad, m, v, master: None }
+    }
+
+    /// With an f32 master copy of the parameter.
+    pub fn master(mut self, master: &'a mut dyn DevicePtrMut<f32>) -> Self {
+        self.master = Some(master);
+        self
+    }
+}
+
+/// The buffers of an AdamW step: every tensor, an optional clipping buffer and the device tables.
+pub struct AdamWOperands<'a, P, G> {
+    /// The tensors updated (empty ones are skipped).
+    pub tensors: Vec<AdamWTensor<'a, P, G>>,
+    /// `[norm, coefficient]` as [`grad_norm`] writes it: gradients are multiplied by the coefficient
+    /// as they are read (the gradient buffers are not changed).
+    pub clip: Option<&'a dyn DevicePtr<f32>>,
+    /// The device tables of the fused launch (keep one per parameter set).
+    pub tables: &'a mut MultiTensor,
+}
+
+impl<'a, P, G> AdamWOperands<'a, P, G> {
+    /// The tensors of one step, unclipped.
+    pub fn new(tables: &'a mut MultiTensor, tensors: Vec<AdamWTensor<'a, P, G>>) -> Self {
+        AdamWOperands { tensors, clip: None, tables }
+    }
+
+    /// Gradients scaled by the coefficient in `clip[1]` (see [`AdamWOperands::clip`](#structfield.clip)).
+    pub fn clip(mut self, clip: &'a dyn DevicePtr<f32>) -> Self {
+        self.clip = Some(clip);
+        self
+    }
+}
+
+impl<P: Element, G: Element> Op<(P, G)> for AdamWArgs {
+    type Operands<'a> = AdamWOperands<'a, P, G>;
+
+    fn checked(self, x: &AdamWOperands<'_, P, G>) -> Result<Self> {
+        self.check()?;
+        let both = [DataType::BF16, DataType::F32];
+        suffix("adamw", P::DTYPE, &both)?;
+        suffix("adamw", G::DTYPE, &both)?;
+        for (i, t) in x.tensors.iter().enumerate() {
+            let n = t.param.len();
+            ensure!(
+                t.grad.len() == n && t.m.len() == n && t.v.len() == n,
+                "adamw: tensor {i}: param {n}, grad {}, m {}, v {} elements differ",
+                t.grad.len(),
+                t.m.len(),
+                t.v.len()
+            );
+            if let Some(w) = &t.master {
+                ensure!(w.len() == n, "adamw: tensor {i}: master copy has {} elements, param {n}", w.len());
+            }
+        }
+        if let Some(c) = x.clip {
+            ensure!(
+                c.len() >= 2,
+                "adamw: the clipping buffer holds [norm, coefficient], got {} elements",
+                c.len()
+            );
+        }
+        Ok(self)
+    }
+}
+
+/// One AdamW step over every tensor of the operands on `backend`.
+pub fn adamw<P: Element, G: Element>(
+    ctx: &Cudnn,
+    args: AdamWArgs,
+    x: AdamWOperands<'_, P, G>,
+    backend: Backend,
+) -> Result<()> {
+    crate::ops::run::<(P, G), _>(ctx, args, x, backend)
+}
+
+/// The global gradient norm, as `torch.nn.utils.clip_grad_norm_` computes it (L2, `1e-6` added before
+/// the division).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GradNormArgs {
+    /// The clipping threshold: the coefficient is `min(1, max_norm / (norm + 1e-6))`; without it the
+    /// coefficient is 1 (the norm alone).
+    pub max_norm: Option<f32>,
+}
+
+/// The gradients of a [`grad_norm`] call: read (the norm and coefficient only), or scaled in place.
+pub enum Grads<'a, G> {
+    /// Read only.
+    Read(Vec<&'a dyn DevicePtr<G>>),
+    /// Scaled in place by the coefficient after the norm (`clip_grad_norm_`).
+    Clip(Vec<&'a mut dyn DevicePtrMut<G>>),
+}
+
+impl<G> Grads<'_, G> {
+    fn lens(&self) -> Vec<usize> {
+        match self {
+            Grads::Read(g) => g.iter().map(|g| g.len()).collect(),
+            Grads::Clip(g) => g.iter().map(|g| g.len()).collect(),
+        }
+    }
+}
+
+/// The buffers of a [`grad_norm`] call.
+pub struct GradNormOperands<'a, G> {
+    /// The gradients (empty ones count for nothing).
+    pub grads: Grads<'a, G>,
+    /// f32 `[2]`: the norm, then the clipping coefficient, written on the device (nothing is read
+    /// back; [`AdamWOperands::clip`] reads them there).
+    pub norm: &'a mut dyn DevicePtrMut<f32>,
+    /// The device tables of the fused launches, and the eager path's reduction counter.
+    pub tables: &'a mut MultiTensor,
+}
+
+impl<'a, G> GradNormOperands<'a, G> {
+    /// The norm and coefficient of `grads`, which are only read.
+    pub fn new(
+        tables: &'a mut MultiTensor,
+        grads: Vec<&'a dyn DevicePtr<G>>,
+        norm: &'a mut dyn DevicePtrMut<f32>,
+    ) -> Self {
+        GradNormOperands { grads: Grads::Read(grads), norm, tables }
+    }
+
+    /// `clip_grad_norm_`: the norm and coefficient, then every gradient scaled in place by it (needs
+    /// [`GradNormArgs::max_norm`]).
+    pub fn clip(
+        tables: &'a mut MultiTensor,
+        grads: Vec<&'a mut dyn DevicePtrMut<G>>,
+        norm: &'a mut dyn DevicePtrMut<f32>,
+    ) -> Self {
+        GradNormOperands { grads: Grads::Clip(grads), norm, tables }
+    }
+}
+
+impl<G: Element> Op<G> for GradNormArgs {
+    type Operands<'a> = GradNormOperands<'a, G>;
+
+    fn checked(self, x: &GradNormOperands<'_, G>) -> Result<Self> {
+        suffix("grad_norm", G::DTYPE, &[DataType::BF16, DataType::F16, DataType::F32])?;
+        ensure!(
+            x.norm.len() >= 2,
+            "grad_norm: the output holds [norm, coefficient], got {} elements",
+            x.norm.len()
+        );
+        if let Some(m) = self.max_norm {
+            ensure!(m.is_finite() && m > 0.0, "grad_norm: max_norm {m} must be positive");
+        }
+        ensure!(
+            self.max_norm.is_some() || matches!(x.grads, Grads::Read(_)),
+            "grad_norm: clipping in place needs a max_norm"
+        );
+        for (i, &n) in x.grads.lens().iter().enumerate() {
+            checked::to_i64(&format!("grad_norm: tensor {i} length"), n)?;
+        }
+        Ok(self)
+    }
+}
+
+/// The global L2 norm of the operands' gradients into `norm[0]` and `clip_grad_norm_`'s coefficient
+/// into `norm[1]`, on the device; with [`GradNormOperands::clip`] the gradients are then multiplied
+/// by the coefficient in place. Fused: deterministic (two passes, no atomics).
+pub fn grad_norm<G: Element>(
+    ctx: &Cudnn,
+    args: GradNormArgs,
+    x: GradNormOperands<'_, G>,
+    backend: Backend,
+) -> Result<()> {
+    crate::ops::run::<G, _>(ctx, args, x, backend)
 }
 
 /// A device table of tensor addresses, re-uploaded only when its contents change.
@@ -144,13 +338,15 @@ fn suffix(op: &str, dtype: DataType, allowed: &[DataType]) -> Result<&'static st
     Err(Error::NotSupported { op: op.into(), reason: format!("takes {}, not {dtype}", names.join(" or ")) })
 }
 
-/// The device tables of the multi-tensor kernels and the grad norm's partial sums; keep one per
-/// parameter set (a training loop's), so that the tables upload once.
+/// The device tables of the multi-tensor kernels, the grad norm's partial sums and the eager norm's
+/// counter; keep one per parameter set (a training loop's), so that the tables upload once.
 #[derive(Default)]
 pub struct MultiTensor {
     adamw: Table,
     grads: Table,
     partial: Option<CudaSlice<f32>>,
+    /// The eager per-tensor norm's finishing counter (zero between launches: its last block resets it).
+    counter: Option<CudaSlice<u32>>,
 }
 
 impl MultiTensor {
@@ -159,218 +355,79 @@ impl MultiTensor {
         Self::default()
     }
 
-    /// One AdamW step (`step` counts from 1) over every tensor. With `clip`, gradients are multiplied
-    /// by `clip[1]` (the coefficient [`MultiTensor::grad_norm`] writes) as they are read; the
-    /// gradient buffers are not changed.
-    pub fn adamw<P: Element, G: Element>(
-        &mut self,
-        backend: Backend,
-        ctx: &Cudnn,
-        hp: AdamW,
-        step: u64,
-        tensors: &mut [AdamWTensor<'_, P, G>],
-        clip: Option<&CudaSlice<f32>>,
-    ) -> Result<()> {
-        hp.check(step)?;
-        let both = [DataType::BF16, DataType::F32];
-        let (ps, gs) = (suffix("adamw", P::DTYPE, &both)?, suffix("adamw", G::DTYPE, &both)?);
-        for (i, t) in tensors.iter().enumerate() {
-            let n = t.param.len();
-            ensure!(
-                t.grad.len() == n && t.m.len() == n && t.v.len() == n,
-                "adamw: tensor {i}: param {n}, grad {}, m {}, v {} elements differ",
-                t.grad.len(),
-                t.m.len(),
-                t.v.len()
-            );
-            if let Some(w) = &t.master {
-                ensure!(w.len() == n, "adamw: tensor {i}: master copy has {} elements, param {n}", w.len());
-            }
-        }
-        if let Some(c) = clip {
-            ensure!(
-                c.len() >= 2,
-                "adamw: the clipping buffer holds [norm, coefficient], got {} elements",
-                c.len()
-            );
-        }
-        let AdamW { lr, beta1, beta2, eps, weight_decay } = hp;
-        let step_size = lr / (1.0 - beta1.powf(step as f64));
-        let bc2_sqrt = (1.0 - beta2.powf(step as f64)).sqrt();
-        let kernels = Kernels::get(ctx)?;
-        let s = ctx.stream();
-        let mut guards = Vec::new();
-        let mut addrs = Vec::with_capacity(tensors.len());
-        for t in tensors.iter_mut() {
-            let n = t.param.len();
-            let (p, g1) = t.param.device_ptr_mut(s);
-            let (g, g2) = t.grad.device_ptr(s);
-            let (m, g3) = t.m.device_ptr_mut(s);
-            let (v, g4) = t.v.device_ptr_mut(s);
-            let w = match t.master.as_mut() {
-                Some(w) => {
-                    let (w, g5) = w.device_ptr_mut(s);
-                    guards.push(g5);
-                    w
-                }
-                None => 0,
-            };
-            guards.extend([g1, g2, g3, g4]);
-            addrs.push(([p, g, m, v, w], n));
-        }
-        let (c, _gc) = crate::kernels::optional_ptr(clip.map(|c| c as &dyn DevicePtr<f32>), s);
-        match backend {
-            Backend::Fused => {
-                let (host, blocks, count) = rows(addrs.iter().map(|a| a.0), addrs.iter().map(|a| a.1))?;
-                if count == 0 {
-                    return Ok(());
-                }
-                let table = self.adamw.upload(ctx, host)?;
-                let f = |v: f64| Arg::F32(v as f32);
-                let args = [
-                    Arg::Ptr(table),
-                    Arg::I64(count as i64),
-                    f(lr),
-                    f(beta1),
-                    f(beta2),
-                    f(eps),
-                    f(weight_decay),
-                    f(step_size),
-                    f(bc2_sqrt),
-                    Arg::Ptr(c),
-                ];
-                launch(ctx, kernels, &format!("adamw_{ps}_{gs}"), grid(blocks)?, &args)
-            }
-            Backend::Naive => {
-                let most = addrs.iter().map(|a| a.1).max().unwrap_or(0);
-                // f32 scratch: denom, then the clipped gradient.
-                let tmp =
-                    scratch(ctx, kernels, checked::product("adamw: eager scratch", &[most, 2])?.max(1))?;
-                let (denom, clipped) = (tmp, tmp + 4 * most as u64);
-                for ([p, g, m, v, w], n) in addrs {
-                    if n == 0 {
-                        continue;
-                    }
-                    let e = |name: &str, args: &[Arg]| elementwise(ctx, kernels, name, n, args);
-                    let (target, td) = if w != 0 { (w, "f32") } else { (p, ps) };
-                    e(
-                        &format!("adamw_eager_decay_{td}"),
-                        &[Arg::Ptr(target), Arg::F32((1.0 - lr * weight_decay) as f32)],
-                    )?;
-                    let (grad, gd) = if c != 0 {
-                        e(
-                            &format!("adamw_eager_scale_{gs}"),
-                            &[Arg::Ptr(g), Arg::Ptr(c), Arg::Ptr(clipped)],
-                        )?;
-                        (clipped, "f32")
-                    } else {
-                        (g, gs)
-                    };
-                    e(
-                        &format!("adamw_eager_lerp_{gd}"),
-                        &[Arg::Ptr(m), Arg::Ptr(grad), Arg::F32((1.0 - beta1) as f32)],
-                    )?;
-                    e("adamw_eager_mul_f32", &[Arg::Ptr(v), Arg::F32(beta2 as f32)])?;
-                    e(
-                        &format!("adamw_eager_addcmul_{gd}"),
-                        &[Arg::Ptr(v), Arg::Ptr(grad), Arg::F32((1.0 - beta2) as f32)],
-                    )?;
-                    e("adamw_eager_sqrt_f32", &[Arg::Ptr(v), Arg::Ptr(denom)])?;
-                    e("adamw_eager_div_f32", &[Arg::Ptr(denom), Arg::F32(bc2_sqrt as f32)])?;
-                    e("add_scalar_f32", &[Arg::Ptr(denom), Arg::F32(eps as f32), Arg::Ptr(denom)])?;
-                    let update =
-                        [Arg::Ptr(target), Arg::Ptr(m), Arg::Ptr(denom), Arg::F32(-step_size as f32)];
-                    e(&format!("adamw_eager_addcdiv_{td}"), &update)?;
-                    if w != 0 {
-                        // param.copy_(master)
-                        let copy =
-                            if ps == "f32" { "copy_f32".to_string() } else { format!("cast_f32_{ps}") };
-                        e(&copy, &[Arg::Ptr(w), Arg::Ptr(p)])?;
-                    }
-                }
-                Ok(())
-            }
-        }
-    }
-
-    /// The global L2 norm of `grads` into `out[0]` and the clipping coefficient
-    /// `min(1, max_norm / (norm + 1e-6))` into `out[1]` (1 without `max_norm`), on the device:
-    /// nothing is read back. Deterministic (two passes, no atomics).
-    pub fn grad_norm<G: Element>(
-        &mut self,
-        ctx: &Cudnn,
-        grads: &[&CudaSlice<G>],
-        max_norm: Option<f32>,
-        out: &mut CudaSlice<f32>,
-    ) -> Result<()> {
-        let sfx = suffix("grad_norm", G::DTYPE, &[DataType::BF16, DataType::F16, DataType::F32])?;
-        ensure!(
-            out.len() >= 2,
-            "grad_norm: the output holds [norm, coefficient], got {} elements",
-            out.len()
-        );
-        if let Some(m) = max_norm {
-            ensure!(m.is_finite() && m > 0.0, "grad_norm: max_norm {m} must be positive");
-        }
-        let s = ctx.stream();
-        let ptrs: Vec<_> = grads.iter().map(|g| g.device_ptr(s)).collect();
-        let (host, blocks, count) =
-            rows(ptrs.iter().map(|(p, _)| [0, *p, 0, 0, 0]), grads.iter().map(|g| g.len()))?;
-        let kernels = Kernels::get(ctx)?;
-        if self.partial.as_ref().is_none_or(|p| p.len() < blocks.max(1)) {
+    /// An f32 buffer of at least `len` partial sums (grown, never shrunk), as a device address.
+    fn partial(&mut self, ctx: &Cudnn, len: usize) -> Result<u64> {
+        if self.partial.as_ref().is_none_or(|p| p.len() < len.max(1)) {
             self.partial = None;
-            self.partial = Some(s.alloc_zeros::<f32>(blocks.max(1))?);
+            self.partial = Some(ctx.stream().alloc_zeros::<f32>(len.max(1))?);
         }
-        let table = self.grads.upload(ctx, host)?;
-        let (part, _gp) = self.partial.as_mut().expect("just allocated").device_ptr_mut(s);
-        let (o, _go) = out.device_ptr_mut(s);
-        if count > 0 {
-            launch(
-                ctx,
-                kernels,
-                &format!("grad_sumsq_{sfx}"),
-                grid(blocks)?,
-                &[Arg::Ptr(table), Arg::I64(count as i64), Arg::Ptr(part)],
-            )?;
-        }
-        let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-        let finish =
-            [Arg::Ptr(part), Arg::I64(blocks as i64), Arg::F32(max_norm.unwrap_or(0.0)), Arg::Ptr(o)];
-        launch(ctx, kernels, "grad_norm_finish", one, &finish)
+        let (p, _g) = self.partial.as_ref().expect("just allocated").device_ptr(ctx.stream());
+        Ok(p)
     }
 
-    /// Scales every gradient in place by `norm[1]`, the coefficient [`MultiTensor::grad_norm`] wrote
-    /// (`clip_grad_norm_`'s multiplication).
-    pub fn clip_grads<G: Element>(
-        &mut self,
-        ctx: &Cudnn,
-        grads: &mut [&mut CudaSlice<G>],
-        norm: &CudaSlice<f32>,
-    ) -> Result<()> {
-        let sfx = suffix("clip_grads", G::DTYPE, &[DataType::BF16, DataType::F16, DataType::F32])?;
-        ensure!(
-            norm.len() >= 2,
-            "clip_grads: the norm buffer holds [norm, coefficient], got {} elements",
-            norm.len()
-        );
-        let s = ctx.stream();
-        let lens: Vec<usize> = grads.iter().map(|g| g.len()).collect();
-        let ptrs: Vec<_> = grads.iter_mut().map(|g| g.device_ptr_mut(s)).collect();
-        let (host, blocks, count) = rows(ptrs.iter().map(|(p, _)| [0, *p, 0, 0, 0]), lens.into_iter())?;
-        if count == 0 {
-            return Ok(());
+    /// The zeroed counter of the eager norm kernel, as a device address.
+    fn counter(&mut self, ctx: &Cudnn) -> Result<u64> {
+        if self.counter.is_none() {
+            self.counter = Some(ctx.stream().alloc_zeros::<u32>(1)?);
         }
-        let kernels = Kernels::get(ctx)?;
-        let table = self.grads.upload(ctx, host)?;
-        let (c, _gc) = norm.device_ptr(s);
-        launch(
-            ctx,
-            kernels,
-            &format!("grad_scale_{sfx}"),
-            grid(blocks)?,
-            &[Arg::Ptr(table), Arg::I64(count as i64), Arg::Ptr(c)],
-        )
+        let (p, _g) = self.counter.as_ref().expect("just allocated").device_ptr(ctx.stream());
+        Ok(p)
     }
+}
+
+/// The device addresses of AdamW tensors (`[param, grad, m, v, master or 0]`) with their lengths, and
+/// the guards that record the accesses when they drop.
+fn adamw_addresses<'a, P, G>(
+    s: &'a cudarc::driver::CudaStream,
+    tensors: &'a mut [AdamWTensor<'_, P, G>],
+) -> (Vec<([u64; 5], usize)>, Vec<cudarc::driver::SyncOnDrop<'a>>) {
+    let mut guards = Vec::new();
+    let mut addrs = Vec::with_capacity(tensors.len());
+    for t in tensors.iter_mut() {
+        let n = t.param.len();
+        let (p, g1) = t.param.device_ptr_mut(s);
+        let (g, g2) = t.grad.device_ptr(s);
+        let (m, g3) = t.m.device_ptr_mut(s);
+        let (v, g4) = t.v.device_ptr_mut(s);
+        guards.extend([g1, g2, g3, g4]);
+        let w = match t.master.as_mut() {
+            Some(w) => {
+                let (w, g5) = w.device_ptr_mut(s);
+                guards.push(g5);
+                w
+            }
+            None => 0,
+        };
+        addrs.push(([p, g, m, v, w], n));
+    }
+    (addrs, guards)
+}
+
+/// The device addresses of gradients with their lengths, and the guards of the accesses.
+fn grad_addresses<'a, G>(
+    s: &'a cudarc::driver::CudaStream,
+    grads: &'a mut Grads<'_, G>,
+) -> (Vec<(u64, usize)>, Vec<cudarc::driver::SyncOnDrop<'a>>) {
+    let mut guards = Vec::new();
+    let mut addrs = Vec::new();
+    match grads {
+        Grads::Read(gs) => {
+            for g in gs.iter() {
+                let (p, guard) = g.device_ptr(s);
+                addrs.push((p, g.len()));
+                guards.push(guard);
+            }
+        }
+        Grads::Clip(gs) => {
+            for g in gs.iter_mut() {
+                let n = g.len();
+                let (p, guard) = g.device_ptr_mut(s);
+                addrs.push((p, n));
+                guards.push(guard);
+            }
+        }
+    }
+    (addrs, guards)
 }
 
 #[cfg(test)]
@@ -379,18 +436,18 @@ mod tests {
 
     #[test]
     fn hyperparameters_are_checked() {
-        let hp = AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
-        hp.check(1).unwrap();
-        for (bad, step, expected) in [
-            (hp, 0, "count from 1"),
-            (AdamW { lr: f64::NAN, ..hp }, 1, "learning rate"),
-            (AdamW { lr: -1.0, ..hp }, 1, "learning rate"),
-            (AdamW { beta1: 1.0, ..hp }, 1, "betas"),
-            (AdamW { beta2: -0.1, ..hp }, 1, "betas"),
-            (AdamW { eps: 0.0, ..hp }, 1, "eps"),
-            (AdamW { weight_decay: f64::INFINITY, ..hp }, 1, "weight decay"),
+        let hp = AdamWArgs { lr: 1e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step: 1 };
+        hp.check().unwrap();
+        for (bad, expected) in [
+            (AdamWArgs { step: 0, ..hp }, "count from 1"),
+            (AdamWArgs { lr: f64::NAN, ..hp }, "learning rate"),
+            (AdamWArgs { lr: -1.0, ..hp }, "learning rate"),
+            (AdamWArgs { beta1: 1.0, ..hp }, "betas"),
+            (AdamWArgs { beta2: -0.1, ..hp }, "betas"),
+            (AdamWArgs { eps: 0.0, ..hp }, "eps"),
+            (AdamWArgs { weight_decay: f64::INFINITY, ..hp }, "weight decay"),
         ] {
-            let e = bad.check(step).unwrap_err();
+            let e = bad.check().unwrap_err();
             assert!(
                 matches!(e, Error::InvalidArgument(_)) && e.to_string().contains(expected),
                 "{expected}: {e}"

@@ -148,3 +148,46 @@ ELEMENTWISE(adamw_eager_addcdiv_f32, (float* p, const float* m, const float* d, 
 // grad * clip_coef into an f32 temporary (clip_grad_norm_'s mul_, without touching the caller's grads)
 ELEMENTWISE(adamw_eager_scale_bf16, (const bits16* g, const float* c, float* y, long n), y[i] = bf16_to_f32(g[i]) * c[1])
 ELEMENTWISE(adamw_eager_scale_f32, (const float* g, const float* c, float* y, long n), y[i] = g[i] * c[1])
+
+// ---- The eager gradient norm and clipping: clip_grad_norm_(foreach=False). ----
+
+// torch.linalg.vector_norm(g) of one tensor in one launch (PyTorch's reduce kernel): each block sums
+// squares over a grid-stride range in f32 and writes its partial; the last block to arrive (a fence,
+// then a counter) sums the partials in block order, writes √ to out[0] and resets the counter to 0
+// for the next launch. Launch at most 1024 blocks (the partials buffer).
+#define GRAD_NORM_EAGER(G, sfx, load_g)                                                                   \
+extern "C" __global__ void grad_norm_eager_##sfx(const G* g, long n, float* partial, unsigned* counter,   \
+                                                 float* out) {                                            \
+    __shared__ bool last;                                                                                 \
+    float acc = 0.f;                                                                                      \
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) { \
+        float x = load_g(g[i]);                                                                           \
+        acc += x * x;                                                                                     \
+    }                                                                                                     \
+    acc = opt_block_sum(acc);                                                                             \
+    if (threadIdx.x == 0) {                                                                               \
+        partial[blockIdx.x] = acc;                                                                        \
+        __threadfence();                                                                                  \
+        last = atomicAdd(counter, 1u) == gridDim.x - 1;                                                   \
+    }                                                                                                     \
+    __syncthreads();                                                                                      \
+    if (!last) return;                                                                                    \
+    __threadfence();                                                                                      \
+    float total = 0.f;                                                                                    \
+    for (long b = threadIdx.x; b < gridDim.x; b += blockDim.x) total += ((volatile float*)partial)[b];    \
+    total = opt_block_sum(total);                                                                         \
+    if (threadIdx.x == 0) { out[0] = sqrtf(total); *counter = 0u; }                                       \
+}
+GRAD_NORM_EAGER(bits16, bf16, bf16_to_f32)
+GRAD_NORM_EAGER(bits16, f16, f16_to_f32)
+GRAD_NORM_EAGER(float, f32, f32_to_f32)
+
+// max_norm / (total + 1e-6) as eager divides a Python scalar by a tensor: reciprocal, then mul.
+ELEMENTWISE(clip_eager_reciprocal_f32, (const float* x, float* y, long n), y[i] = 1.f / x[i])
+ELEMENTWISE(clip_eager_mul_scalar_f32, (const float* x, float s, float* y, long n), y[i] = x[i] * s)
+// torch.clamp(coef, max=1.0)
+ELEMENTWISE(clip_eager_clamp_max_f32, (const float* x, float hi, float* y, long n), y[i] = fminf(x[i], hi))
+// g.mul_(clip_coef_clamped), per tensor
+ELEMENTWISE(clip_eager_mul_bf16, (bits16* g, const float* c, long n), g[i] = f32_to_bf16(bf16_to_f32(g[i]) * c[0]))
+ELEMENTWISE(clip_eager_mul_f16, (bits16* g, const float* c, long n), g[i] = f32_to_f16(f16_to_f32(g[i]) * c[0]))
+ELEMENTWISE(clip_eager_mul_f32, (float* g, const float* c, long n), g[i] = g[i] * c[0])

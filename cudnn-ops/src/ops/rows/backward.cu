@@ -64,3 +64,46 @@ extern "C" __global__ void embedding_backward_det_##sfx(const unsigned* ids, lon
 EMBEDDING_BACKWARD_DET(bits16, bf16, bf16_to_f32)
 EMBEDDING_BACKWARD_DET(bits16, f16, f16_to_f32)
 EMBEDDING_BACKWARD_DET(float, f32, f32_to_f32)
+
+// ---- The eager baseline: embedding_dense_backward (zeros, sort, segment reduction). ----
+
+// torch.sort of the ids, stable, with their positions (cub's radix sort in PyTorch): the rank of
+// token r is the number of ids below its own plus the equal ids before it, counted over tiles of ids
+// in shared memory. An id outside the vocabulary sorts as `vocab` (last) and is skipped by the sum.
+extern "C" __global__ void embedding_eager_sort(const unsigned* ids, long rows, long vocab, int* sorted, int* order) {
+    __shared__ unsigned tile[256];
+    long r = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned key = r < rows ? ((long)ids[r] < vocab ? ids[r] : (unsigned)vocab) : 0u;
+    long rank = 0;
+    for (long base = 0; base < rows; base += blockDim.x) {
+        long j = base + threadIdx.x;
+        unsigned k = j < rows ? ids[j] : 0u;
+        tile[threadIdx.x] = (long)k < vocab ? k : (unsigned)vocab;
+        __syncthreads();
+        long count = rows - base < (long)blockDim.x ? rows - base : (long)blockDim.x;
+        for (long q = 0; q < count; ++q) {
+            unsigned other = tile[q];
+            rank += other < key || (other == key && base + q < r);
+        }
+        __syncthreads();
+    }
+    if (r < rows) { sorted[rank] = (int)key; order[rank] = (int)r; }
+}
+
+// The segment reduction (PyTorch's compute_grad_weight and sum_and_scatter in one): the thread of
+// column c at the first sorted position of a run of equal ids sums the run's dy rows in sorted
+// (token) order in f32 and adds the sum to that id's gradient row.
+#define EMBEDDING_EAGER_SEGMENT_SUM(T, sfx, load)                                                         \
+ELEMENTWISE(embedding_eager_segment_sum_##sfx, (const int* sorted, const int* order, long rows,            \
+                                                const T* dy, long vocab, long cols, float* dt, long n), {  \
+    long p = i / cols, c = i % cols;                                                                      \
+    int id = sorted[p];                                                                                   \
+    if ((long)id < vocab && (p == 0 || sorted[p - 1] != id)) {                                            \
+        float acc = 0.f;                                                                                  \
+        for (long q = p; q < rows && sorted[q] == id; ++q) acc += load(dy[(long)order[q] * cols + c]);    \
+        dt[(long)id * cols + c] += acc;                                                                   \
+    }                                                                                                     \
+})
+EMBEDDING_EAGER_SEGMENT_SUM(bits16, bf16, bf16_to_f32)
+EMBEDDING_EAGER_SEGMENT_SUM(bits16, f16, f16_to_f32)
+EMBEDDING_EAGER_SEGMENT_SUM(float, f32, f32_to_f32)

@@ -1,0 +1,555 @@
+//! `cargo bench --bench backward`: the training side, forward and backward per op, fused vs naive
+//! (PyTorch eager's decomposition), bf16 activations, at Llama-3.1-8B and Llama-3.2-1B shapes:
+//!
+//! | op | cases | phases | backends |
+//! |---|---|---|---|
+//! | AdamW | Llama-3.2-1B's 1.24 B parameters (147 tensors, tied embedding), f32 and bf16 params (f32 moments) | `step` | fused (one multi-tensor launch), naive (8 kernels per tensor) |
+//! | grad norm | the same gradients | `norm`, `norm+clip` | fused, naive (`clip_grad_norm_(foreach=False)`) |
+//! | RoPE | 16384 tokens (4 × 4096), Q and K of a QKV buffer | `fwd`, `bwd` | fused (one kernel), naive (10 kernels) |
+//! | embedding | 16384 tokens into 128256 × hidden | `fwd`, `bwd` | fused (atomic), fused-det (deterministic), naive (zeros, sort, segment sums) |
+//! | cross-entropy | 16384 and 4096 tokens × 128256 | `fwd`, `fwd+bwd` | fused (3 launches, no f32 logits), naive (`.float()`, `log_softmax`, `nll_loss` and back) |
+//! | RMSNorm, SDPA, matmul backward | see [`rmsnorm`], [`sdpa`], [`matmul`] | | rows added with those ops |
+//!
+//! Inputs are random and non-zero (a host-generated block tiled over the device buffer). Criterion
+//! times each case with CUDA events (`iter_custom`); the summary then takes the median of 15
+//! CUDA-event samples after warm-up, each over enough calls to cover about 2 ms. GB/s count what a
+//! perfect kernel must move (each row's `note` says what) against a 1 GiB device-to-device copy.
+//! The summary is written as `backward.csv` / `backward.md` to `$BENCH_RESULTS_DIR` (default
+//! `benches/results`). If `$TORCH_BACKWARD_CSV` names the output of `benches/backward_torch.py` (run
+//! on the same GPU just before), PyTorch's times join the rows (`torch_backend`, `torch_ms`).
+//! `BACKWARD_BENCH_FILTER=rope` keeps only the ops whose name contains the text. Without a GPU it
+//! says so and exits 0.
+
+use criterion::Criterion;
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudnn_llm::bench_util::{
+    bench_main, copy_bandwidth_gbps, csv_and_markdown, environment, gpu_time_ms, median_call_ms, round,
+    write_results,
+};
+use cudnn_llm::cudnn_ops::{
+    adamw, cross_entropy, embedding, embedding_backward, grad_norm, reference, rope, rope_backward,
+    AdamWArgs, AdamWOperands, AdamWTensor, Backend, CrossEntropyArgs, CrossEntropyOperands, Cudnn, Element,
+    EmbeddingArgs, EmbeddingBackwardOperands, EmbeddingGrad, EmbeddingOperands, GradNormArgs,
+    GradNormOperands, MultiTensor, Result, RopeArgs, RopeBackwardOperands, RopeOperands, RopeTables,
+};
+use half::bf16;
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+
+/// The vocabulary of Llama 3 (both models).
+const VOCAB: usize = 128_256;
+/// Training tokens per step of the large cases.
+const TOKENS: usize = 16_384;
+
+/// What one timed row is.
+struct Case {
+    op: &'static str,
+    model: &'static str,
+    /// The shape, spelled as `backward_torch.py` spells it (the join key with PyTorch's rows).
+    shape: String,
+    dtype: &'static str,
+    phase: &'static str,
+    backend: &'static str,
+    /// Bytes a perfect kernel moves (memory-bound ops).
+    bytes: Option<f64>,
+    /// What `bytes` counts.
+    note: &'static str,
+}
+
+/// One line of `backward.csv`.
+#[derive(Serialize)]
+struct Row {
+    op: &'static str,
+    model: &'static str,
+    shape: String,
+    dtype: &'static str,
+    phase: &'static str,
+    backend: &'static str,
+    ms: f64,
+    gbps: Option<f64>,
+    pct_of_copy: Option<f64>,
+    speedup_vs_naive: Option<f64>,
+    torch_backend: Option<String>,
+    torch_ms: Option<f64>,
+    speedup_vs_torch: Option<f64>,
+    note: &'static str,
+}
+
+/// A row of `benches/backward_torch.py`'s CSV.
+#[derive(Deserialize)]
+struct TorchRow {
+    op: String,
+    model: String,
+    shape: String,
+    dtype: String,
+    backend: String,
+    phase: String,
+    ms: Option<f64>,
+    torch: Option<String>,
+}
+
+fn torch_times() -> Vec<TorchRow> {
+    let Ok(path) = std::env::var("TORCH_BACKWARD_CSV") else { return Vec::new() };
+    match csv::Reader::from_path(&path) {
+        Ok(mut r) => r.deserialize().filter_map(|row| row.ok()).collect(),
+        Err(e) => {
+            eprintln!("cannot read {path}: {e}");
+            Vec::new()
+        }
+    }
+}
+
+/// The PyTorch backend each op is compared with: HF's loss upcasts the logits, the default AdamW on
+/// CUDA is `fused=True` as timed, `clip_grad_norm_` defaults to foreach on CUDA, the rest is eager.
+fn torch_backend(op: &str) -> &'static str {
+    match op {
+        "cross_entropy" => "eager_float",
+        "adamw" => "fused",
+        "grad_norm" => "foreach",
+        _ => "eager",
+    }
+}
+
+/// A function that times one op's cases and adds their rows.
+type OpRows = fn(&mut Bench) -> Result<()>;
+
+/// The timer and the rows it collects.
+struct Bench<'a> {
+    ctx: &'a Cudnn,
+    criterion: Criterion,
+    copy_gbps: f64,
+    rows: Vec<Row>,
+}
+
+impl Bench<'_> {
+    /// Runs `f` once (kernel compilation, scratch growth), lets criterion time it, then records the
+    /// median of 15 CUDA-event samples after warm-up.
+    fn time(&mut self, case: Case, mut f: impl FnMut() -> Result<()>) -> Result<()> {
+        let ctx = self.ctx;
+        f()?;
+        ctx.synchronize()?;
+        let once = gpu_time_ms(ctx, 1, &mut f)?;
+        let batch = (2.0 / once.max(1e-3)).ceil().clamp(1.0, 100.0) as usize;
+        let name = format!(
+            "{}/{}/{}/{}/{}/{}",
+            case.op, case.model, case.shape, case.dtype, case.phase, case.backend
+        );
+        self.criterion.bench_function(&name, |b| {
+            b.iter_custom(|iters| {
+                let ms = gpu_time_ms(ctx, iters as usize, &mut f).expect("timed run");
+                Duration::from_secs_f64(ms * 1e-3)
+            })
+        });
+        let ms = median_call_ms(ctx, 3, 15, batch, &mut f)?;
+        let gbps = case.bytes.map(|b| b / (ms * 1e-3) / 1e9);
+        println!("{name}: {ms:.4} ms{}", gbps.map(|g| format!(", {g:.0} GB/s")).unwrap_or_default());
+        self.rows.push(Row {
+            op: case.op,
+            model: case.model,
+            shape: case.shape,
+            dtype: case.dtype,
+            phase: case.phase,
+            backend: case.backend,
+            ms: round(ms, 5),
+            gbps: gbps.map(|g| round(g, 1)),
+            pct_of_copy: gbps.map(|g| round(100.0 * g / self.copy_gbps, 1)),
+            speedup_vs_naive: None,
+            torch_backend: None,
+            torch_ms: None,
+            speedup_vs_torch: None,
+            note: case.note,
+        });
+        Ok(())
+    }
+}
+
+/// A device buffer of `n` random non-zero values times `scale`: a block of up to 4 M host values,
+/// tiled over the buffer with device copies (the large cases hold billions of elements).
+fn random<T: Element>(ctx: &Cudnn, n: usize, seed: u64, scale: f64) -> Result<CudaSlice<T>> {
+    let block: Vec<f64> = reference::random_values(seed, n.clamp(1, 1 << 22))
+        .iter()
+        .map(|v| scale * if *v == 0.0 { 0.5 } else { *v })
+        .collect();
+    let block = ctx.stream().clone_htod(&reference::to_elements::<T>(&block))?;
+    let mut out = ctx.stream().alloc_zeros::<T>(n.max(1))?;
+    let mut at = 0;
+    while at < n {
+        let len = block.len().min(n - at);
+        ctx.stream().memcpy_dtod(&block.slice(0..len), &mut out.slice_mut(at..at + len))?;
+        at += len;
+    }
+    Ok(out)
+}
+
+/// `n` token ids spread over the vocabulary (a fixed LCG).
+fn token_ids(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 33) % vocab as u64) as u32
+        })
+        .collect()
+}
+
+fn main() {
+    bench_main("backward bench", run);
+}
+
+fn run(ctx: &Cudnn) -> Result<()> {
+    let info = ctx.info().clone();
+    println!("# {}", environment(&info));
+    let criterion = Criterion::default()
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(1))
+        .sample_size(10)
+        .configure_from_args();
+    let copy_gbps = copy_bandwidth_gbps(ctx, 1 << 30, 20)?;
+    let mut bench = Bench { ctx, criterion, copy_gbps, rows: Vec::new() };
+    let filter = std::env::var("BACKWARD_BENCH_FILTER").unwrap_or_default();
+    // Largest op-owned buffers last: the eager cross-entropy grows the shared scratch to three f32
+    // copies of the logits, and scratch is never shrunk.
+    let ops: [(&str, OpRows); 8] = [
+        ("adamw", optim::<f32, f32>),
+        ("adamw", optim::<bf16, bf16>),
+        ("rope", rope_cases),
+        ("embedding", embedding_cases),
+        ("rmsnorm", rmsnorm),
+        ("sdpa", sdpa),
+        ("matmul", matmul),
+        ("cross_entropy", cross_entropy_cases),
+    ];
+    for (name, op) in ops {
+        if name.contains(&filter) || (filter == "grad_norm" && name == "adamw") {
+            op(&mut bench)?;
+        }
+    }
+    bench.criterion.final_summary();
+
+    let torch = torch_times();
+    let mut rows = std::mem::take(&mut bench.rows);
+    let key = |r: &Row| (r.op, r.model, r.shape.clone(), r.dtype, r.phase);
+    let naive: Vec<_> = rows.iter().filter(|r| r.backend == "naive").map(|r| (key(r), r.ms)).collect();
+    for r in rows.iter_mut() {
+        if r.backend != "naive" {
+            r.speedup_vs_naive = naive.iter().find(|(k, _)| *k == key(r)).map(|(_, ms)| round(ms / r.ms, 2));
+        }
+        let want = torch_backend(r.op);
+        if let Some(t) = torch.iter().find(|t| {
+            t.op == r.op
+                && t.model == r.model
+                && t.shape == r.shape
+                && t.dtype == r.dtype
+                && t.phase == r.phase
+                && t.backend == want
+        }) {
+            r.torch_backend = Some(want.to_string());
+            r.torch_ms = t.ms;
+            r.speedup_vs_torch = t.ms.map(|t| round(t / r.ms, 2));
+        }
+    }
+    let (csv, table) = csv_and_markdown(&rows).map_err(|e| {
+        cudnn_llm::cudnn_ops::Error::InvalidArgument(format!("cannot render backward.csv: {e}"))
+    })?;
+    let torch_version = torch.iter().find_map(|t| t.torch.clone());
+    let md = format!(
+        "## Backward: fused vs naive (PyTorch eager's decomposition), forward and backward per op\n\n{}\n\n\
+         Device-to-device copy (1 GiB, read + write): **{copy_gbps:.0} GB/s**; `pct_of_copy` is a row's GB/s \
+         against it. Times are medians of CUDA-event samples after warm-up. `speedup_vs_naive` is the naive \
+         time over the row's; `speedup_vs_torch` is PyTorch's time over the row's (>1: ours faster), \
+         from `benches/backward_torch.py`{}.\n\n{table}",
+        environment(&info),
+        match torch_version {
+            Some(v) => format!(" ({v}, same GPU, same device call)"),
+            None => " (not given: set `$TORCH_BACKWARD_CSV`)".into(),
+        }
+    );
+    println!("\n{md}");
+    write_results("backward", &csv, &md);
+    Ok(())
+}
+
+/// Llama-3.2-1B's parameter shapes (tied embedding), as `backward_torch.py::llama_1b_shapes`.
+fn llama_1b_shapes() -> Vec<usize> {
+    let (h, i, kv, layers) = (2048, 8192, 8 * 64, 16);
+    let mut shapes = vec![VOCAB * h, h];
+    for _ in 0..layers {
+        shapes.extend([h * h, kv * h, kv * h, h * h, i * h, i * h, h * i, h, h]);
+    }
+    shapes
+}
+
+/// The parameters, gradients and moments of one optimizer case.
+struct OptimSet<P, G> {
+    p: Vec<CudaSlice<P>>,
+    g: Vec<CudaSlice<G>>,
+    m: Vec<CudaSlice<f32>>,
+    v: Vec<CudaSlice<f32>>,
+    tables: MultiTensor,
+    norm: CudaSlice<f32>,
+}
+
+/// AdamW (`step`), then the gradient norm (`norm`) and `clip_grad_norm_` (`norm+clip`) on the same
+/// gradients, over Llama-3.2-1B's parameters in `P`, gradients in `G`.
+fn optim<P: Element, G: Element>(b: &mut Bench) -> Result<()> {
+    let ctx = b.ctx;
+    let shapes = llama_1b_shapes();
+    let count: usize = shapes.iter().sum();
+    let mut set = OptimSet::<P, G> {
+        p: Vec::new(),
+        g: Vec::new(),
+        m: Vec::new(),
+        v: Vec::new(),
+        tables: MultiTensor::new(),
+        norm: ctx.stream().alloc_zeros(2)?,
+    };
+    for (k, &n) in shapes.iter().enumerate() {
+        set.p.push(random(ctx, n, 13 + k as u64, 0.02)?);
+        set.g.push(random(ctx, n, 1000 + k as u64, 1e-3)?);
+        set.m.push(ctx.stream().alloc_zeros(n)?);
+        set.v.push(ctx.stream().alloc_zeros(n)?);
+    }
+    let dtype = P::DTYPE.name();
+    let (p_size, g_size) = (P::DTYPE.size() as f64, G::DTYPE.size() as f64);
+    let shape = format!("{count} params");
+    let args = AdamWArgs { lr: 1e-4, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step: 1 };
+    // One step from zero moments first, so that m and v hold a step's state (v = (1 − β₂)·g² ≥ 0).
+    step(ctx, &mut set, args, Backend::Fused)?;
+    for backend in [Backend::Fused, Backend::Naive] {
+        let case = Case {
+            op: "adamw",
+            model: "Llama-3.2-1B",
+            shape: shape.clone(),
+            dtype,
+            phase: "step",
+            backend: backend.name(),
+            bytes: Some(count as f64 * (2.0 * p_size + g_size + 16.0)),
+            note: "p read + written, g read, f32 m and v read + written",
+        };
+        let args = AdamWArgs { step: 2, ..args };
+        b.time(case, || step(ctx, &mut set, args, backend))?;
+    }
+    let norm_args = GradNormArgs { max_norm: Some(1.0) };
+    for (phase, clip, note) in
+        [("norm", false, "g read"), ("norm+clip", true, "g read, then read + written by the clip")]
+    {
+        for backend in [Backend::Fused, Backend::Naive] {
+            let case = Case {
+                op: "grad_norm",
+                model: "Llama-3.2-1B",
+                shape: shape.clone(),
+                dtype: G::DTYPE.name(),
+                phase,
+                backend: backend.name(),
+                bytes: Some(count as f64 * g_size * if clip { 3.0 } else { 1.0 }),
+                note,
+            };
+            b.time(case, || {
+                let OptimSet { g, tables, norm, .. } = &mut set;
+                let x = if clip {
+                    GradNormOperands::clip(
+                        tables,
+                        g.iter_mut().map(|g| g as &mut dyn DevicePtrMut<G>).collect(),
+                        norm,
+                    )
+                } else {
+                    GradNormOperands::new(tables, g.iter().map(|g| g as &dyn DevicePtr<G>).collect(), norm)
+                };
+                grad_norm(ctx, norm_args, x, backend)
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// One AdamW step over every tensor of `set`.
+fn step<P: Element, G: Element>(
+    ctx: &Cudnn,
+    set: &mut OptimSet<P, G>,
+    args: AdamWArgs,
+    backend: Backend,
+) -> Result<()> {
+    let OptimSet { p, g, m, v, tables, .. } = set;
+    let tensors = p
+        .iter_mut()
+        .zip(g.iter())
+        .zip(m.iter_mut().zip(v.iter_mut()))
+        .map(|((p, g), (m, v))| AdamWTensor::new(p, g, m, v))
+        .collect();
+    adamw(ctx, args, AdamWOperands::new(tables, tensors), backend)
+}
+
+/// RoPE forward and backward on the Q and K heads of a bf16 QKV buffer, 4 sequences of 4096.
+fn rope_cases(b: &mut Bench) -> Result<()> {
+    let ctx = b.ctx;
+    for (model, hq, hkv, d) in [("Llama-3.1-8B", 32, 8, 128), ("Llama-3.2-1B", 32, 8, 64)] {
+        let (batch, seq) = (4, TOKENS / 4);
+        let half = d / 2;
+        let angle = |i: usize| (i / half) as f64 * 500000f64.powf(-((2 * (i % half)) as f64) / d as f64);
+        let cos: Vec<f64> = (0..seq * half).map(|i| angle(i).cos()).collect();
+        let sin: Vec<f64> = (0..seq * half).map(|i| angle(i).sin()).collect();
+        let tables = RopeTables::<bf16>::new(ctx, &cos, &sin, d)?;
+        let row_stride = (hq + 2 * hkv) * d;
+        let args = RopeArgs { batch, seq, heads_q: hq, heads_kv: hkv, head_dim: d, row_stride, start: 0 };
+        let mut qkv = random::<bf16>(ctx, batch * seq * row_stride, 21, 1.0)?;
+        let shape = format!("b{batch} s{seq} h{hq}/{hkv} d{d}");
+        let bytes = (2 * batch * seq * (hq + hkv) * d * 2) as f64;
+        for phase in ["fwd", "bwd"] {
+            for backend in [Backend::Fused, Backend::Naive] {
+                let case = Case {
+                    op: "rope",
+                    model,
+                    shape: shape.clone(),
+                    dtype: "bf16",
+                    phase,
+                    backend: backend.name(),
+                    bytes: Some(bytes),
+                    note: "Q and K read + written",
+                };
+                b.time(case, || match phase {
+                    "fwd" => rope(ctx, args, RopeOperands::new(&tables, &mut qkv), backend),
+                    _ => rope_backward(ctx, args, RopeBackwardOperands::new(&tables, &mut qkv), backend),
+                })?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The embedding lookup and its backward into an f32 table gradient, 16384 tokens.
+fn embedding_cases(b: &mut Bench) -> Result<()> {
+    let ctx = b.ctx;
+    for (model, hidden) in [("Llama-3.1-8B", 4096), ("Llama-3.2-1B", 2048)] {
+        let args = EmbeddingArgs { rows: TOKENS, vocab: VOCAB, hidden };
+        let ids = ctx.stream().clone_htod(&token_ids(TOKENS, VOCAB, 7))?;
+        let table = random::<bf16>(ctx, VOCAB * hidden, 22, 1.0)?;
+        let mut y = ctx.stream().alloc_zeros::<bf16>(TOKENS * hidden)?;
+        let dy = random::<bf16>(ctx, TOKENS * hidden, 23, 1.0)?;
+        let mut dtable = ctx.stream().alloc_zeros::<f32>(VOCAB * hidden)?;
+        let shape = format!("{TOKENS}x{hidden} vocab {VOCAB}");
+        let fwd = Case {
+            op: "embedding",
+            model,
+            shape: shape.clone(),
+            dtype: "bf16",
+            phase: "fwd",
+            backend: "fused",
+            bytes: Some((2 * TOKENS * hidden * 2) as f64),
+            note: "rows read, y written (one kernel on both backends)",
+        };
+        b.time(fwd, || embedding(ctx, args, EmbeddingOperands { ids: &ids, table: &table, y: &mut y }))?;
+        let runs = [
+            (Backend::Fused, EmbeddingGrad::Atomic, "fused"),
+            (Backend::Fused, EmbeddingGrad::Deterministic, "fused-det"),
+            (Backend::Naive, EmbeddingGrad::Atomic, "naive"),
+        ];
+        for (backend, how, name) in runs {
+            let case = Case {
+                op: "embedding",
+                model,
+                shape: shape.clone(),
+                dtype: "bf16",
+                phase: "bwd",
+                backend: name,
+                bytes: Some((TOKENS * hidden * 2 + VOCAB * hidden * 4) as f64),
+                note: "dy read, f32 table gradient written",
+            };
+            b.time(case, || {
+                let x = EmbeddingBackwardOperands::new(&ids, &dy, &mut dtable).how(how);
+                embedding_backward(ctx, args, x, backend)
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// Cross-entropy over the Llama 3 vocabulary, bf16 logits: the loss alone and the loss with dlogits.
+fn cross_entropy_cases(b: &mut Bench) -> Result<()> {
+    let ctx = b.ctx;
+    for tokens in [TOKENS, 4096] {
+        let args = CrossEntropyArgs { tokens, vocab: VOCAB, ignore_index: Some(-100), grad_scale: 1.0 };
+        let logits = random::<bf16>(ctx, tokens * VOCAB, 11, 2.0)?;
+        let targets: Vec<i32> = token_ids(tokens, VOCAB, 12)
+            .iter()
+            .enumerate()
+            .map(|(k, &t)| if k % 7 == 0 { -100 } else { t as i32 })
+            .collect();
+        let targets = ctx.stream().clone_htod(&targets)?;
+        let mut loss = ctx.stream().alloc_zeros::<f32>(1)?;
+        let mut d = ctx.stream().alloc_zeros::<bf16>(tokens * VOCAB)?;
+        let shape = format!("{tokens}x{VOCAB}");
+        let n = (tokens * VOCAB * 2) as f64;
+        for (phase, bytes, note) in [
+            ("fwd", n, "bf16 logits read once"),
+            ("fwd+bwd", 2.0 * n, "bf16 logits read once, dlogits written once"),
+        ] {
+            for backend in [Backend::Fused, Backend::Naive] {
+                let case = Case {
+                    op: "cross_entropy",
+                    model: "Llama-3",
+                    shape: shape.clone(),
+                    dtype: "bf16",
+                    phase,
+                    backend: backend.name(),
+                    bytes: Some(bytes),
+                    note,
+                };
+                b.time(case, || {
+                    let x = match phase {
+                        "fwd" => CrossEntropyOperands::new(&logits, &targets, &mut loss),
+                        _ => CrossEntropyOperands::with_grad(&logits, &mut d, &targets, &mut loss),
+                    };
+                    cross_entropy(ctx, args, x, backend)
+                })?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// RMSNorm backward rows go here with the op (issue 14): for each case, fused vs naive
+/// `fwd+bwd` (training forward with the inverse RMS, then backward) and `bwd`, GB/s counting dy and
+/// x read and dx written, shapes spelled as `backward_torch.py::rmsnorm_cases` spells them
+/// (`"{tokens}x{hidden}"`, model, dtype bf16).
+const RMSNORM_CASES: [(&str, usize, usize); 2] =
+    [("Llama-3.1-8B", TOKENS, 4096), ("Llama-3.2-1B", TOKENS, 2048)];
+
+fn rmsnorm(_b: &mut Bench) -> Result<()> {
+    for (model, tokens, hidden) in RMSNORM_CASES {
+        println!("rmsnorm {model} {tokens}x{hidden}: backward not built yet, no rows");
+    }
+    Ok(())
+}
+
+/// SDPA backward rows go here with the op: causal top-left GQA, BSHD, batch 1, fused vs naive and
+/// PyTorch's CUDNN_ATTENTION / FLASH_ATTENTION backends (`torch_backend` "cudnn" and "flash"),
+/// `fwd+bwd` and `bwd`, TFLOP/s counting the causal half of 4·s²·d·h forward and 2.5 times that
+/// backward; shapes as `backward_torch.py::sdpa_cases` (`"b1 s{s} h{hq}/{hkv} d{d} causal"`).
+const SDPA_CASES: [(&str, usize, usize, usize, usize); 4] = [
+    ("Llama-3.1-8B", 4096, 32, 8, 128),
+    ("Llama-3.1-8B", 8192, 32, 8, 128),
+    ("Llama-3.2-1B", 4096, 32, 8, 64),
+    ("Llama-3.2-1B", 8192, 32, 8, 64),
+];
+
+fn sdpa(_b: &mut Bench) -> Result<()> {
+    for (model, s, hq, hkv, d) in SDPA_CASES {
+        println!("sdpa {model} b1 s{s} h{hq}/{hkv} d{d} causal: backward not built yet, no rows");
+    }
+    Ok(())
+}
+
+/// Matmul backward rows go here with the op: dX and dW (and dW accumulated) of Llama-3.1-8B's
+/// projections at 2048 and 16384 tokens, TFLOP/s (4·T·in·out for `bwd`), against cuBLAS, and the
+/// fused SwiGLU backward; shapes as `backward_torch.py::linear_cases` (`"{name} {T}x{in}->{out}"`).
+const MATMUL_CASES: [(&str, usize, usize); 4] =
+    [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)];
+
+fn matmul(_b: &mut Bench) -> Result<()> {
+    for tokens in [2048, TOKENS] {
+        for (name, inp, out) in MATMUL_CASES {
+            println!("matmul {name} {tokens}x{inp}->{out}: backward not built yet, no rows");
+        }
+    }
+    Ok(())
+}
