@@ -48,11 +48,11 @@ pub use graph::{
 };
 pub use ops::matmul::{matmul, Activation, BufferLens, Epilogue, MatmulArgs, MatmulOperands, MatrixLayout};
 pub use ops::rmsnorm::{rms_norm, RmsNormArgs, RmsNormOperands};
-pub use ops::rope::{rope, RopeArgs, RopeOperands, RopeTables};
+pub use ops::rope::{rope, KvAppend, RopeArgs, RopeOperands, RopeTables};
 pub use ops::rows::{
     check_ids, embedding, write_cache, CacheWrite, CacheWriteOperands, EmbeddingArgs, EmbeddingOperands,
 };
-pub use ops::sdpa::{sdpa, Layout, SdpaArgs, SdpaLens, SdpaOperands};
+pub use ops::sdpa::{sdpa, DeviceSeqLens, Layout, SdpaArgs, SdpaLens, SdpaOperands, SeqLens};
 pub use plan::{knob_name, Bindings, KnobRange, L2Flush, Plan, Prepared, Scalar};
 pub use tensor::{packed_strides, TensorSpec, DEFAULT_ALIGNMENT, MAX_RANK};
 
