@@ -1,6 +1,7 @@
 //! RoPE in place on a QKV buffer: the fused kernel and the ten eager kernels against an f64 rotation.
 //! GPU tests are ignored by default; run them with `--include-ignored` on a GPU machine.
 
+use cudarc::driver::CudaSlice;
 use cudnn_llm::bench_util::{download, gpu, upload};
 use cudnn_llm::cudnn_ops::{reference, rope, Backend, Cudnn, Element, RopeArgs, RopeOperands, RopeTables};
 use half::{bf16, f16};
@@ -17,10 +18,15 @@ fn tables(positions: usize, dim: usize) -> (Vec<f64>, Vec<f64>) {
 /// The rotation of Q and K heads (the first `heads_q + heads_kv` heads of each row); V and the
 /// padding past it are untouched.
 fn rotate(x: &[f64], a: &RopeArgs, cos: &[f64], sin: &[f64]) -> Vec<f64> {
+    rotate_at(x, a, cos, sin, &vec![a.start; a.batch])
+}
+
+/// [`rotate`] with sequence `b` starting at position `starts[b]`.
+fn rotate_at(x: &[f64], a: &RopeArgs, cos: &[f64], sin: &[f64], starts: &[usize]) -> Vec<f64> {
     let (d, half) = (a.head_dim, a.head_dim / 2);
     let mut y = x.to_vec();
     for r in 0..a.batch * a.seq {
-        let pos = a.start + r % a.seq;
+        let pos = starts[r / a.seq] + r % a.seq;
         for h in 0..a.heads_q + a.heads_kv {
             let v = r * a.row_stride + h * d;
             for j in 0..half {
@@ -82,4 +88,71 @@ fn fused_and_eager_rope_rotate_q_and_k_only() {
         RopeArgs { batch: 2, seq: 7, heads_q: 3, heads_kv: 1, head_dim: 8, row_stride: 48, start: 1 },
         16,
     );
+}
+
+/// RoPE with the K/V append: Q and K rotated as without it, and each row's rotated K heads and V
+/// heads copied bit for bit to row `position` of its sequence's caches; every other cache row keeps its
+/// poison (NaN). Fused with host and device positions, eager with host positions.
+fn check_append<T: Element>(ctx: &Cudnn, a: RopeArgs, starts: Option<&[usize]>, max_seq: usize) {
+    let positions = max_seq + 4;
+    let (cos, sin) = tables(positions, a.head_dim);
+    let t = RopeTables::<T>::new(ctx, &cos, &sin, a.head_dim).unwrap();
+    let n = a.batch * a.seq * a.row_stride;
+    let (x, rounded) = upload::<T>(ctx, &reference::random_values(11, n)).unwrap();
+    let host_starts = starts.map(<[usize]>::to_vec).unwrap_or_else(|| vec![a.start; a.batch]);
+    let want = rotate_at(&rounded, &a, &cos, &sin, &host_starts);
+    let cols = a.heads_kv * a.head_dim;
+    let poison = vec![f64::NAN; a.batch * max_seq * cols];
+    let backends: &[Backend] =
+        if starts.is_some() { &[Backend::Fused] } else { &[Backend::Fused, Backend::Naive] };
+    for &backend in backends {
+        let mut buf = x.clone();
+        let (mut kc, _) = upload::<T>(ctx, &poison).unwrap();
+        let (mut vc, _) = upload::<T>(ctx, &poison).unwrap();
+        let dev_starts: Option<CudaSlice<i32>> = starts
+            .map(|s| ctx.stream().clone_htod(&s.iter().map(|&p| p as i32).collect::<Vec<_>>()).unwrap());
+        let mut ops = RopeOperands::new(&t, &mut buf).append(&mut kc, &mut vc, max_seq);
+        if let Some(d) = &dev_starts {
+            ops = ops.starts(d);
+        }
+        rope(ctx, a, ops, backend).unwrap();
+        let got = download(ctx, &buf).unwrap();
+        let c = reference::compare(&got, &want);
+        assert!(c.passes(reference::tolerance(T::DTYPE)), "{backend:?} {a:?}: {c}");
+        let (k, v) = (download(ctx, &kc).unwrap(), download(ctx, &vc).unwrap());
+        let mut written = vec![false; a.batch * max_seq];
+        for r in 0..a.batch * a.seq {
+            let (b, pos) = (r / a.seq, host_starts[r / a.seq] + r % a.seq);
+            let row = b * max_seq + pos;
+            written[row] = true;
+            let src = r * a.row_stride + a.heads_q * a.head_dim;
+            for (cache, at, name) in [(&k, src, "K"), (&v, src + cols, "V")] {
+                let same = (0..cols)
+                    .all(|e| cache[row * cols + e].to_f64().to_bits() == got[at + e].to_f64().to_bits());
+                assert!(same, "{backend:?} {a:?}: {name} cache row {row} differs from the rotated buffer");
+            }
+        }
+        for (row, w) in written.iter().enumerate() {
+            if !w {
+                let untouched = (0..cols)
+                    .all(|e| k[row * cols + e].to_f64().is_nan() && v[row * cols + e].to_f64().is_nan());
+                assert!(untouched, "{backend:?} {a:?}: cache row {row} written without a token");
+            }
+        }
+        println!("{} {backend:?} append {a:?} starts {starts:?}: {c}", T::DTYPE);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn rope_appends_rotated_k_and_v_to_the_cache() {
+    let ctx = gpu();
+    // An 8B-width prefill chunk after 5 cached tokens, and 1B-width decode steps at device positions.
+    let chunk =
+        RopeArgs { batch: 2, seq: 9, heads_q: 32, heads_kv: 8, head_dim: 128, row_stride: 6144, start: 5 };
+    check_append::<bf16>(&ctx, chunk, None, 32);
+    let step =
+        RopeArgs { batch: 3, seq: 1, heads_q: 32, heads_kv: 8, head_dim: 64, row_stride: 3072, start: 0 };
+    check_append::<f16>(&ctx, step, Some(&[0, 17, 63]), 64);
+    check_append::<bf16>(&ctx, RopeArgs { start: 40, ..step }, None, 64);
 }

@@ -7,7 +7,7 @@ use cudarc::driver::CudaSlice;
 use cudnn_llm::bench_util::{download, gpu, poisoned, upload};
 use cudnn_llm::cudnn_ops::{
     embedding, reference, rms_norm, sdpa, Backend, Bindings, DataType, EmbeddingArgs, EmbeddingOperands,
-    Error, Layout, NormPhase, RmsNormArgs, RmsNormOperands, SdpaArgs, SdpaOperands,
+    Error, Layout, NormPhase, RmsNormArgs, RmsNormOperands, SdpaArgs, SdpaOperands, SeqLens,
 };
 use half::bf16;
 
@@ -111,6 +111,25 @@ fn padded_attention_clamps_lengths_beyond_the_capacity() {
     // capacity.
     let beyond = run(&[7, i32::MAX], &[1000, i32::MAX]).unwrap();
     assert_eq!(beyond, full);
+    // Clamped once into a SeqLens and read by two calls: the same, and a SeqLens clamped into a
+    // larger capacity than the call's is refused before anything runs.
+    let mut lens = SeqLens::new(&ctx, batch, 1, cap_kv).unwrap();
+    let (sq, skv) =
+        (ctx.stream().clone_htod(&[7, i32::MAX]).unwrap(), ctx.stream().clone_htod(&[1000, -5]).unwrap());
+    lens.clamp(&ctx, &sq, &skv).unwrap();
+    for _ in 0..2 {
+        let mut o = poisoned::<bf16>(&ctx, batch * heads * d).unwrap();
+        sdpa(&ctx, args, SdpaOperands::new(&q, &k, &v, &mut o).clamped_seq_lens(&lens), Backend::Fused)
+            .unwrap();
+        let got = download(&ctx, &o).unwrap();
+        assert_eq!(got[..heads * d], full[..heads * d], "sequence 0 clamped to the capacity");
+    }
+    let wide = SeqLens::new(&ctx, batch, 1, cap_kv + 1).unwrap();
+    let mut o = poisoned::<bf16>(&ctx, batch * heads * d).unwrap();
+    let e = sdpa(&ctx, args, SdpaOperands::new(&q, &k, &v, &mut o).clamped_seq_lens(&wide), Backend::Fused)
+        .unwrap_err();
+    assert!(e.to_string().contains("more than the call's capacities"), "{e}");
+    assert!(download(&ctx, &o).unwrap().iter().all(|v| v.to_f64().is_nan()), "a refused call wrote O");
 }
 
 #[test]

@@ -54,12 +54,12 @@ pub use ops::optim::{
 };
 pub use ops::rmsnorm::{rms_norm, RmsNormArgs, RmsNormOperands};
 pub use ops::rope::backward::{rope_backward, RopeBackwardOperands};
-pub use ops::rope::{rope, RopeArgs, RopeOperands, RopeTables};
+pub use ops::rope::{rope, KvAppend, RopeArgs, RopeOperands, RopeTables};
 pub use ops::rows::backward::{embedding_backward, EmbeddingBackwardOperands, EmbeddingGrad};
 pub use ops::rows::{
     check_ids, embedding, write_cache, CacheWrite, CacheWriteOperands, EmbeddingArgs, EmbeddingOperands,
 };
-pub use ops::sdpa::{sdpa, Layout, SdpaArgs, SdpaLens, SdpaOperands};
+pub use ops::sdpa::{sdpa, DeviceSeqLens, Layout, SdpaArgs, SdpaLens, SdpaOperands, SeqLens};
 pub use plan::{knob_name, Bindings, KnobRange, L2Flush, Plan, Prepared, Scalar};
 pub use tensor::{packed_strides, TensorSpec, DEFAULT_ALIGNMENT, MAX_RANK};
 

@@ -105,9 +105,9 @@ impl Site {
     pub const ATTN_PRENORM: Site = Site { range: "fwd.layer.attn.prenorm", kind: ModuleKind::Prenorm };
     /// The fused Q/K/V projection.
     pub const QKV_PROJ: Site = Site { range: "fwd.layer.attn.qkv_proj", kind: ModuleKind::QkvProj };
-    /// RoPE on Q and K.
+    /// RoPE on Q and K, and the K/V cache append.
     pub const ROPE: Site = Site { range: "fwd.layer.attn.rope", kind: ModuleKind::Rope };
-    /// Grouped-query attention (with the K/V cache writes).
+    /// Grouped-query attention over the cache.
     pub const GQA: Site = Site { range: "fwd.layer.attn.gqa", kind: ModuleKind::Gqa };
     /// The attention output projection with the residual add.
     pub const O_PROJ: Site = Site { range: "fwd.layer.attn.o_proj", kind: ModuleKind::OProj };

@@ -15,14 +15,14 @@
 //! |---|---|---|
 //! | `fwd.layer.attn.prenorm`, `fwd.layer.mlp.prenorm`, `fwd.output_norm` | RMSNorm graph | 8 eager kernels |
 //! | `fwd.layer.attn.qkv_proj` | matmul graph | cuBLAS GEMM |
-//! | `fwd.layer.attn.rope` | 1 kernel | 10 eager kernels |
-//! | `fwd.layer.attn.gqa` | SDPA graph | math-path attention |
+//! | `fwd.layer.attn.rope` | 1 kernel (RoPE and the K/V cache append) | 10 eager kernels, 2 row copies |
+//! | `fwd.layer.attn.gqa` | SDPA graph (a decode step's first layer also clamps the lengths) | math-path attention |
 //! | `fwd.layer.attn.o_proj` | matmul + residual graph | GEMM, add |
 //! | `fwd.layer.mlp.mlp` | 3 graphs (SwiGLU, residual epilogues) | 3 GEMMs, silu, mul, add |
 //!
 //! Q, K and V live in one `[tokens, (h_q + 2·h_kv)·d]` buffer (one GEMM against the concatenated
-//! weight, as gpt-fast's `wqkv`); RoPE rotates Q and K there, K and V rows are copied into a
-//! preallocated cache, and attention reads Q and the cache through strides. Prefill uses a top-left
+//! weight, as gpt-fast's `wqkv`); RoPE rotates Q and K there and appends K and V rows to a
+//! preallocated cache (one kernel fused), and attention reads Q and the cache through strides. Prefill uses a top-left
 //! causal mask; later calls (decode, chunked prefill) attend bottom-right aligned over the cache.
 //! Fused decode steps (one new token per sequence) all run one attention plan: the whole cache is its
 //! capacity and the lengths are device values (cuDNN 9.15+), so a new cache length builds no plan.
@@ -43,7 +43,7 @@ use crate::modules::{Pass, Tokens};
 use crate::weights::{Tensor, Weights};
 use crate::{Backend, Error, Result};
 use cudarc::driver::{CudaSlice, DevicePtrMut};
-use cudnn_ops::{check_ids, Cudnn, Element, RopeTables};
+use cudnn_ops::{check_ids, Cudnn, Element, RopeTables, SeqLens};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use crate::modules::{Fallback, NoObserver, Observer, EMBED_RANGE};
@@ -68,8 +68,11 @@ pub struct KvCache<T> {
     kv_lens: CudaSlice<i32>,
     q_lens: CudaSlice<i32>,
     /// Per sequence, the position of the token a decode step writes (`len`): fused RoPE and the
-    /// cache writes read it on the device, so a captured decode step serves every position.
+    /// K/V append read it on the device, so a captured decode step serves every position.
     positions: CudaSlice<i32>,
+    /// `kv_lens` and `q_lens` clamped into the cache's capacity, once per fused decode step, for every
+    /// layer's attention.
+    seq_lens: SeqLens,
     id: u64,
 }
 
@@ -103,6 +106,7 @@ impl<T> KvCache<T> {
             kv_lens: &self.kv_lens,
             q_lens: &self.q_lens,
             positions: &self.positions,
+            seq_lens: &mut self.seq_lens,
         }
     }
 }
@@ -228,7 +232,8 @@ impl<T: Element> Llama<T> {
         let kv_lens = s.alloc_zeros::<i32>(batch).map_err(cudnn_ops::Error::from)?;
         let q_lens = s.clone_htod(&vec![1i32; batch]).map_err(cudnn_ops::Error::from)?;
         let positions = s.alloc_zeros::<i32>(batch).map_err(cudnn_ops::Error::from)?;
-        Ok(KvCache { k, v, batch, max_seq, len: 0, kv_lens, q_lens, positions, id: next_id() })
+        let seq_lens = SeqLens::new(ctx, batch, 1, max_seq)?;
+        Ok(KvCache { k, v, batch, max_seq, len: 0, kv_lens, q_lens, positions, seq_lens, id: next_id() })
     }
 
     fn activations(&mut self, ctx: &Cudnn, rows: usize) -> Result<()> {
@@ -272,7 +277,7 @@ impl<T: Element> Llama<T> {
     }
 
     /// Captures one decode step (one token per sequence) and its logits as a CUDA graph that
-    /// [`Llama::decode`] replays at every later position: fused RoPE, the cache writes and attention
+    /// [`Llama::decode`] replays at every later position: fused RoPE with its K/V append and attention
     /// read the position and lengths on the device. Run a fused decode step and its logits with the
     /// same `backends` first, so that plans are built and kernels loaded outside the capture. It is an
     /// error when the step cannot be replayed at another position: RoPE or attention not fused in some

@@ -1,18 +1,16 @@
 //! Grouped-query attention with RoPE and a KV cache.
 
 use super::linear::{Linear, Then};
-use super::{Pass, Tokens};
+use super::{Pass, Positions, Tokens};
 use crate::backends::Site;
 use crate::{Backend, Result};
 use cudarc::driver::CudaSlice;
-use cudnn_ops::{
-    rope, sdpa, write_cache, CacheWrite, CacheWriteOperands, Element, Layout, Mask, RopeArgs, RopeOperands,
-    SdpaArgs, SdpaOperands,
-};
+use cudnn_ops::{rope, sdpa, Element, Layout, Mask, RopeArgs, RopeOperands, SdpaArgs, SdpaOperands, SeqLens};
 
 /// One layer's K and V caches (`[batch, max_seq, h_kv · d]` each) and the device values a decode step
 /// reads: per sequence, the keys it attends to and its query count (the run-time lengths of the padded
-/// attention plan), and the position it writes.
+/// attention plan, and those lengths clamped into the cache, shared by every layer), and the position
+/// it writes.
 pub(crate) struct LayerCache<'a, T> {
     pub(crate) k: &'a mut CudaSlice<T>,
     pub(crate) v: &'a mut CudaSlice<T>,
@@ -20,6 +18,7 @@ pub(crate) struct LayerCache<'a, T> {
     pub(crate) kv_lens: &'a CudaSlice<i32>,
     pub(crate) q_lens: &'a CudaSlice<i32>,
     pub(crate) positions: &'a CudaSlice<i32>,
+    pub(crate) seq_lens: &'a mut SeqLens,
 }
 
 /// Attention's scratch: the fused Q/K/V rows and the attention output.
@@ -45,7 +44,7 @@ impl<T: Element> Attention<T> {
         p: &mut Pass<'_, T>,
         h: &CudaSlice<T>,
         bufs: &mut AttnBuffers<T>,
-        cache: LayerCache<'_, T>,
+        mut cache: LayerCache<'_, T>,
         x: &CudaSlice<T>,
         sum: &mut CudaSlice<T>,
     ) -> Result<()> {
@@ -54,7 +53,7 @@ impl<T: Element> Attention<T> {
         p.dispatch.run(Site::QKV_PROJ, at, &p.shape, |b| {
             self.qkv_proj.forward(b, ctx, rows, h, Then::Nothing, qkv)
         })?;
-        self.rope(p, qkv, cache.positions)?;
+        self.rope(p, qkv, &mut cache)?;
         self.gqa(p, qkv, cache, o)?;
         p.dispatch
             .run(Site::O_PROJ, at, &p.shape, |b| self.o_proj.forward(b, ctx, rows, o, Then::AddTo(x), sum))
@@ -65,28 +64,32 @@ impl<T: Element> Attention<T> {
         (self.heads + 2 * self.kv_heads) * self.head_dim
     }
 
-    /// Rotates Q and K in place; fused decode steps read the position on the device.
-    fn rope(&self, p: &mut Pass<'_, T>, qkv: &mut CudaSlice<T>, positions: &CudaSlice<i32>) -> Result<()> {
+    /// Rotates Q and K in place and appends the rotated K and V to the cache (one kernel fused, as
+    /// serving decoders do; eager: HF's rotation, then `StaticCache.update`'s two row copies); fused
+    /// decode steps read the position on the device.
+    fn rope(&self, p: &mut Pass<'_, T>, qkv: &mut CudaSlice<T>, cache: &mut LayerCache<'_, T>) -> Result<()> {
         let Tokens { batch, seq, start } = p.tokens;
         let (heads_q, heads_kv, head_dim, row_stride) =
             (self.heads, self.kv_heads, self.head_dim, self.width());
         let args = RopeArgs { batch, seq, heads_q, heads_kv, head_dim, row_stride, start };
         let (ctx, tables, on_device) = (p.ctx, p.rope, p.positions.on_device);
         let baked = &mut p.positions.baked;
+        let LayerCache { k, v, max_seq, positions, .. } = cache;
         p.dispatch.run(Site::ROPE, Some(self.layer), &p.shape, |b| {
-            let x = RopeOperands::new(tables, qkv);
+            let x = RopeOperands::new(tables, qkv).append(*k, *v, *max_seq);
             if b == Backend::Fused && on_device {
-                return rope(ctx, args, x.starts(positions), b);
+                return rope(ctx, args, x.starts(*positions), b);
             }
             *baked = true;
             rope(ctx, args, x, b)
         })
     }
 
-    /// Writes the pass's K and V rows into the cache, then attends: prefill with a top-left causal
-    /// mask, later passes (decode, chunked prefill) bottom-right aligned over the cache. Fused decode
-    /// steps all run one attention plan: the whole cache is its capacity and the lengths are device
-    /// values (cuDNN 9.15+), so a new cache length builds no plan.
+    /// Attends over the cache (the pass's K and V rows are in it, see [`Attention::rope`]): prefill
+    /// with a top-left causal mask, later passes (decode, chunked prefill) bottom-right aligned over the
+    /// cache. Fused decode steps all run one attention plan: the whole cache is its capacity and the
+    /// lengths are device values (cuDNN 9.15+), so a new cache length builds no plan; the first layer
+    /// clamps the lengths into the cache for all.
     fn gqa(
         &self,
         p: &mut Pass<'_, T>,
@@ -96,7 +99,7 @@ impl<T: Element> Attention<T> {
     ) -> Result<()> {
         let Tokens { batch, seq, start } = p.tokens;
         let (hq, hkv, d, w) = (self.heads, self.kv_heads, self.head_dim, self.width());
-        let LayerCache { k, v, max_seq, kv_lens, q_lens, positions } = cache;
+        let LayerCache { k, v, max_seq, kv_lens, q_lens, seq_lens, .. } = cache;
         let mask = if start == 0 { Mask::CausalTopLeft } else { Mask::CausalBottomRight };
         let mut attn = SdpaArgs::new(batch, hq, hkv, seq, start + seq, d, Layout::Bshd).with_mask(mask);
         attn.q_strides = [seq * w, d, w, 1];
@@ -104,26 +107,24 @@ impl<T: Element> Attention<T> {
         (attn.k_strides, attn.v_strides) = (kv, kv);
         // The fallback key leaves s_kv out, so decode steps do not retry a shape that failed.
         let attn_shape = format!("{batch}x{seq} {}", mask.name());
-        let write = CacheWrite { batch, seq, cols: hkv * d, src_stride: w, max_seq, start };
         let (ctx, on_device) = (p.ctx, p.positions.on_device);
-        let (padded, baked) = (&mut p.positions.padded, &mut p.positions.baked);
+        let Positions { padded, baked, lens_clamped, .. } = &mut p.positions;
         p.dispatch.run(Site::GQA, Some(self.layer), &attn_shape, |b| {
-            let (k_src, v_src) = (qkv.slice(hq * d..), qkv.slice((hq + hkv) * d..));
             if b == Backend::Fused && on_device && *padded {
-                // One plan for every decode step: the whole cache as capacity, lengths and the
-                // written row on the device.
-                write_cache(ctx, write, CacheWriteOperands::new(&k_src, k).starts(positions))?;
-                write_cache(ctx, write, CacheWriteOperands::new(&v_src, v).starts(positions))?;
+                // One plan for every decode step: the whole cache as capacity, the lengths on the
+                // device, clamped once per step.
+                if !*lens_clamped {
+                    seq_lens.clamp(ctx, q_lens, kv_lens)?;
+                    *lens_clamped = true;
+                }
                 let padded_args = SdpaArgs { seq_kv: max_seq, ..attn }.with_mask(Mask::None).with_seq_lens();
-                let x = SdpaOperands::new(qkv, &*k, &*v, o).seq_lens(q_lens, kv_lens);
+                let x = SdpaOperands::new(qkv, &*k, &*v, o).clamped_seq_lens(seq_lens);
                 match sdpa(ctx, padded_args, x, Backend::Fused) {
                     Err(cudnn_ops::Error::NotSupported { .. }) => *padded = false,
                     done => return done,
                 }
             }
             *baked = true;
-            write_cache(ctx, write, CacheWriteOperands::new(&k_src, k))?;
-            write_cache(ctx, write, CacheWriteOperands::new(&v_src, v))?;
             sdpa(ctx, attn, SdpaOperands::new(qkv, &*k, &*v, o), b)
         })
     }

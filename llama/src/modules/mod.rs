@@ -6,8 +6,8 @@
 //!     for block in blocks:                               # Block::forward
 //!         x += attn(attn_norm(x))                        # RmsNorm, Attention:
 //!             qkv = qkv_proj(h)                          #   fwd.layer.attn.qkv_proj
-//!             rope(qkv)                                  #   fwd.layer.attn.rope
-//!             o   = gqa(qkv, cache)                      #   fwd.layer.attn.gqa     (K/V cache writes)
+//!             rope(qkv); cache += k, v                   #   fwd.layer.attn.rope    (and the K/V append)
+//!             o   = gqa(qkv, cache)                      #   fwd.layer.attn.gqa
 //!             x   = x + o_proj(o)                        #   fwd.layer.attn.o_proj  (residual epilogue)
 //!         x += mlp(mlp_norm(x))                          # RmsNorm, Mlp:
 //!             x   = x + down(silu(gate(h)) * up(h))      #   fwd.layer.mlp.mlp      (SwiGLU, residual epilogues)
@@ -21,7 +21,7 @@
 //! instead (once per shape). `x` is a [`Residual`](residual::Residual): two buffers, an add reads one
 //! and writes the other. Each cudnn-ops op is called in one method: `rms_norm_with` in
 //! [`RmsNorm::forward`](norm::RmsNorm::forward), `linear` in [`Linear::forward`](linear::Linear::forward),
-//! RoPE, cache writes and SDPA in [`Attention`](attention::Attention), `embedding` in
+//! RoPE with the K/V append and SDPA in [`Attention`](attention::Attention), `embedding` in
 //! [`Embedding::forward`](embedding::Embedding::forward).
 //!
 //! Q, K and V live in one `[tokens, (h_q + 2·h_kv)·d]` buffer (one GEMM against the concatenated
@@ -68,13 +68,15 @@ pub(crate) struct Positions {
     pub(crate) padded: bool,
     /// Some launch took the position as a host value: a captured graph of the pass replays it only.
     pub(crate) baked: bool,
+    /// The decode step's sequence lengths are clamped into the cache (done by the first fused layer).
+    pub(crate) lens_clamped: bool,
 }
 
 impl Positions {
     /// A pass of `tokens`; `padded` says whether the padded attention plan still works.
     pub(crate) fn new(tokens: Tokens, padded: bool) -> Self {
         let on_device = tokens.seq == 1 && tokens.start > 0 && padded;
-        Positions { on_device, padded, baked: !on_device }
+        Positions { on_device, padded, baked: !on_device, lens_clamped: false }
     }
 }
 

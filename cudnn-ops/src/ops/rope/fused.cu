@@ -27,3 +27,41 @@ extern "C" __global__ void rope_fused_##sfx(T* x, long ss, long seq, long heads,
 }
 ROPE_FUSED(bits16, bf16, bf16_to_f32, f32_to_bf16)
 ROPE_FUSED(bits16, f16, f16_to_f32, f32_to_f16)
+
+// Fused RoPE with the K/V append of a decode step or prefill: rope_fused_*, and the rotated K heads and
+// the V heads of each row also go to row `pos` of their sequence's `[max_seq, h_kv * dim]` caches (kc,
+// vc), so one launch does what RoPE and two cache-row copies did. Rows whose position falls outside the
+// tables or the cache are left as they are and not appended.
+#define ROPE_APPEND(T, sfx, load, store)                                                                  \
+extern "C" __global__ void rope_append_##sfx(T* x, long ss, long seq, long heads_q, long heads_kv,        \
+                                             long dim, long start, const int* starts, long positions,     \
+                                             const float* cos_t, const float* sin_t, T* kc, T* vc,        \
+                                             long max_seq) {                                              \
+    long r = blockIdx.x, seqn = r / seq;                                                                  \
+    int half = (int)dim / 2, q_pairs = (int)heads_q * half;                                               \
+    int pairs = (int)(heads_q + heads_kv) * half, kv_cols = (int)(heads_kv * dim);                        \
+    long pos = (starts ? (long)starts[seqn] : start) + r % seq;                                           \
+    if (pos < 0 || pos >= positions || pos >= max_seq) return;                                            \
+    const float* c = cos_t + pos * half;                                                                  \
+    const float* s = sin_t + pos * half;                                                                  \
+    T* row = x + r * ss;                                                                                  \
+    T* krow = kc + (seqn * max_seq + pos) * kv_cols;                                                      \
+    T* vrow = vc + (seqn * max_seq + pos) * kv_cols;                                                      \
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {                                               \
+        int h = p / half, j = p - h * half;                                                               \
+        T* v = row + h * (int)dim;                                                                        \
+        float a = load(v[j]), b = load(v[j + half]), cj = c[j], sj = s[j];                                \
+        T lo = store(a * cj - b * sj), hi = store(b * cj + a * sj);                                       \
+        v[j] = lo;                                                                                        \
+        v[j + half] = hi;                                                                                 \
+        if (p >= q_pairs) {                                                                               \
+            T* k = krow + (h - (int)heads_q) * (int)dim;                                                  \
+            k[j] = lo;                                                                                    \
+            k[j + half] = hi;                                                                             \
+        }                                                                                                 \
+    }                                                                                                     \
+    const T* vsrc = row + (heads_q + heads_kv) * dim;                                                     \
+    for (int e = threadIdx.x; e < kv_cols; e += blockDim.x) vrow[e] = vsrc[e];                            \
+}
+ROPE_APPEND(bits16, bf16, bf16_to_f32, f32_to_bf16)
+ROPE_APPEND(bits16, f16, f16_to_f32, f32_to_f16)

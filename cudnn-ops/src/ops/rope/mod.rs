@@ -14,6 +14,7 @@ mod naive;
 use crate::checked;
 use crate::dtype::{DataType, Element};
 use crate::error::ensure;
+use crate::ops::rows::CacheWrite;
 use crate::ops::Op;
 use crate::{Backend, Cudnn, Error, Result};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
@@ -80,6 +81,13 @@ impl<T: Element> RopeTables<T> {
 }
 
 impl RopeArgs {
+    /// The cache rows a [`KvAppend`] writes: the K (or V) heads of each row, `row_stride` apart, to
+    /// rows `start..start + seq` of each sequence's `max_seq`.
+    pub fn cache_write(&self, max_seq: usize) -> CacheWrite {
+        let RopeArgs { batch, seq, heads_kv, head_dim, row_stride, start, .. } = *self;
+        CacheWrite { batch, seq, cols: heads_kv * head_dim, src_stride: row_stride, max_seq, start }
+    }
+
     /// Checks the shape against the buffer length and the tables; every size is computed with checked
     /// arithmetic and checked to fit the kernels' index types (an overflow is an error, never a wrapped
     /// size that passes the length check).
@@ -112,7 +120,7 @@ impl RopeArgs {
     }
 }
 
-/// Kernels the eager path launches per call.
+/// Kernels the eager path launches per call (two more with a [`KvAppend`]).
 pub const NAIVE_KERNELS: usize = 10;
 
 /// The kernels' name suffix for an I/O dtype (f16 and bf16 only).
@@ -138,12 +146,40 @@ pub struct RopeOperands<'a, T: Element> {
     /// serves every decode position; a row whose position falls outside the tables is left unrotated
     /// (the kernel bounds it; no host check can). Fused only.
     pub starts: Option<&'a dyn DevicePtr<i32>>,
+    /// Also append the tokens' rotated K and their V rows to a KV cache (see [`KvAppend`]).
+    pub append: Option<KvAppend<'a, T>>,
+}
+
+/// The caches a RoPE call appends the rotated K heads and the V heads of its tokens to, as a decoder
+/// does before attention: `[batch, max_seq, h_kv · d]` each, the token at position `p` of sequence `b`
+/// to row `p` of sequence `b` (positions from [`RopeArgs::start`] or the device starts). Fused: the
+/// same single kernel writes them; naive: the eager rotation, then one row copy per cache
+/// (`StaticCache.update`'s `index_copy_`, as [`write_cache`](crate::write_cache) does). With device
+/// starts, a row whose position falls outside the cache is skipped.
+pub struct KvAppend<'a, T: Element> {
+    /// The K cache.
+    pub k: &'a mut dyn DevicePtrMut<T>,
+    /// The V cache.
+    pub v: &'a mut dyn DevicePtrMut<T>,
+    /// Rows per sequence of each cache.
+    pub max_seq: usize,
 }
 
 impl<'a, T: Element> RopeOperands<'a, T> {
     /// Positions from [`RopeArgs::start`].
     pub fn new(tables: &'a RopeTables<T>, qkv: &'a mut dyn DevicePtrMut<T>) -> Self {
-        RopeOperands { tables, qkv, starts: None }
+        RopeOperands { tables, qkv, starts: None, append: None }
+    }
+
+    /// Also append the rotated K and the V rows to `k` and `v` (see [`KvAppend`]).
+    pub fn append(
+        mut self,
+        k: &'a mut dyn DevicePtrMut<T>,
+        v: &'a mut dyn DevicePtrMut<T>,
+        max_seq: usize,
+    ) -> Self {
+        self.append = Some(KvAppend { k, v, max_seq });
+        self
     }
 
     /// Positions from the device (see [`RopeOperands::starts`](#structfield.starts)).
@@ -158,17 +194,24 @@ impl<T: Element> Op<T> for RopeArgs {
 
     fn checked(self, x: &RopeOperands<'_, T>) -> Result<Self> {
         let (len, positions, dim) = (x.qkv.len(), x.tables.positions, x.tables.dim);
-        match x.starts {
-            None => self.check(len, positions, dim)?,
-            Some(starts) => {
-                RopeArgs { start: 0, ..self }.check(len, positions, dim)?;
-                ensure!(
-                    starts.len() >= self.batch,
-                    "rope: {} start positions for {} sequences",
-                    starts.len(),
-                    self.batch
-                );
-            }
+        let host = match x.starts {
+            None => self,
+            Some(_) => RopeArgs { start: 0, ..self },
+        };
+        host.check(len, positions, dim)?;
+        if let Some(KvAppend { k, v, max_seq }) = &x.append {
+            let w = host.cache_write(*max_seq);
+            let (k_at, v_at) = (self.heads_q * self.head_dim, (self.heads_q + self.heads_kv) * self.head_dim);
+            w.check(len.saturating_sub(k_at), k.len())?;
+            w.check(len.saturating_sub(v_at), v.len())?;
+        }
+        if let Some(starts) = x.starts {
+            ensure!(
+                starts.len() >= self.batch,
+                "rope: {} start positions for {} sequences",
+                starts.len(),
+                self.batch
+            );
         }
         suffix(T::DTYPE)?;
         Ok(self)

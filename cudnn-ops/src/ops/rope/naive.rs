@@ -1,7 +1,7 @@
 //! The naive half: Hugging Face's `apply_rotary_pos_emb` as eager runs it (`naive.cu`), five kernels
 //! for Q and five for K in the I/O dtype, temporaries in the scratch.
 
-use super::{suffix, RopeArgs, RopeOperands};
+use super::{suffix, KvAppend, RopeArgs, RopeOperands};
 use crate::dtype::Element;
 use crate::kernels::{elementwise, scratch, Arg, Kernels};
 use crate::ops::Naive;
@@ -21,7 +21,7 @@ impl<T: Element> Naive<T> for RopeArgs {
         let sfx = suffix(T::DTYPE)?;
         let kernels = Kernels::get(ctx)?;
         let RopeArgs { batch, seq, heads_q, heads_kv, head_dim: d, row_stride, start } = self;
-        let RopeOperands { tables, qkv, .. } = x;
+        let RopeOperands { tables, qkv, append, .. } = x;
         let rows = batch * seq;
         let (x, _gx) = qkv.device_ptr_mut(ctx.stream());
         let i = |v: usize| Arg::I64(v as i64);
@@ -77,6 +77,26 @@ impl<T: Element> Naive<T> for RopeArgs {
                 n,
                 &[Arg::Ptr(t1), Arg::Ptr(t4), i(row_stride), i(heads), i(d), Arg::Ptr(xh)],
             )?;
+        }
+        // The K/V append: one row copy per cache, as `StaticCache.update`'s `index_copy_` (the rows
+        // room's kernel; the shapes were checked by `CacheWrite::check`).
+        if let Some(KvAppend { k, v, max_seq }) = append {
+            let cols = heads_kv * d;
+            for (offset, cache) in [(heads_q * d, k), ((heads_q + heads_kv) * d, v)] {
+                let (dst, _gd) = cache.device_ptr_mut(ctx.stream());
+                let src = x + elem * offset as u64;
+                let a = [
+                    Arg::Ptr(src),
+                    i(row_stride),
+                    i(seq),
+                    i(cols),
+                    i(max_seq),
+                    i(start),
+                    Arg::Ptr(0),
+                    Arg::Ptr(dst),
+                ];
+                elementwise(ctx, kernels, "cache_rows_16", rows * cols, &a)?;
+            }
         }
         Ok(())
     }

@@ -1,17 +1,16 @@
 //! The fused half: one cuDNN attention graph per shape, strides, dtype, mask and mode, in the unified
 //! or the composite form ([`SdpaForm`]), bound by the uids the graph gives its tensors by name
-//! ([`uid`]). Padded attention first clamps its device sequence lengths with `clamp_seq_lens`
-//! (`fused.cu`).
+//! ([`uid`]). Padded attention reads its device sequence lengths clamped (`seq_lens.rs`).
 
-use super::{SdpaArgs, SdpaOperands};
+use super::seq_lens::{kv_offset, launch_clamp};
+use super::{DeviceSeqLens, SdpaArgs, SdpaOperands};
 use crate::dtype::{DataType, Element};
 use crate::graph::{Graph, SdpaForm, SdpaOptions};
-use crate::kernels::{elementwise, Arg, Kernels};
+use crate::kernels::Kernels;
 use crate::ops::Fused;
 use crate::plan::{Bindings, Plan};
 use crate::tensor::TensorSpec;
 use crate::{Cudnn, Error, Features, Result};
-use cudarc::driver::{CudaSlice, DevicePtr};
 use std::rc::Rc;
 
 /// The uids [`SdpaArgs::graph`] gives the tensors a call binds. O and stats are node outputs created
@@ -115,13 +114,26 @@ impl<T: Element> Fused<T> for SdpaArgs {
         }
         let plan = self.plan(ctx, T::DTYPE, x.stats.is_some())?;
         let SdpaOperands { q, k, v, o, stats, seq_lens } = x;
-        // The K/V half of the clamped lengths starts 16-byte aligned (the alignment the graph declares).
-        let kv_at = self.batch.next_multiple_of(4);
-        let clamped = match seq_lens {
-            Some((seq_len_q, seq_len_kv)) => Some(self.clamp_seq_lens(ctx, seq_len_q, seq_len_kv, kv_at)?),
+        let batch = self.batch;
+        let owned; // the context's buffer, for lengths clamped by this call
+        let lens = match seq_lens {
+            Some(DeviceSeqLens::Raw(seq_len_q, seq_len_kv)) => {
+                let kernels = Kernels::get(ctx)?;
+                owned = kernels.seq_lens(ctx, 2 * kv_offset(batch))?;
+                launch_clamp(
+                    ctx,
+                    kernels,
+                    (seq_len_q, seq_len_kv),
+                    (self.seq_q, self.seq_kv),
+                    &owned,
+                    batch,
+                )?;
+                let kv_at = kv_offset(batch);
+                Some((owned.slice(0..batch), owned.slice(kv_at..kv_at + batch)))
+            }
+            Some(DeviceSeqLens::Clamped(l)) => Some(l.halves(batch)),
             None => None,
         };
-        let lens = clamped.as_ref().map(|c| (c.slice(0..self.batch), c.slice(kv_at..kv_at + self.batch)));
         let mut b = Bindings::new(ctx.stream());
         b.input(uid::Q, q).input(uid::K, k).input(uid::V, v).scalar_f32(uid::SCALE, self.scale());
         if let Some((lens_q, lens_kv)) = &lens {
@@ -132,29 +144,6 @@ impl<T: Element> Fused<T> for SdpaArgs {
             b.output(uid::STATS, s);
         }
         plan.execute(ctx, &b)
-    }
-}
-
-impl SdpaArgs {
-    /// Copies the device sequence lengths, clamped into `0..=capacity`, into the op-owned buffer: the Q
-    /// lengths at `0..batch`, the K/V lengths at `kv_at..kv_at + batch`.
-    fn clamp_seq_lens<'k>(
-        &self,
-        ctx: &'k Cudnn,
-        seq_len_q: &dyn DevicePtr<i32>,
-        seq_len_kv: &dyn DevicePtr<i32>,
-        kv_at: usize,
-    ) -> Result<std::cell::Ref<'k, CudaSlice<i32>>> {
-        let kernels = Kernels::get(ctx)?;
-        let clamped = kernels.seq_lens(ctx, 2 * kv_at)?;
-        let (sq, _gq) = seq_len_q.device_ptr(ctx.stream());
-        let (skv, _gkv) = seq_len_kv.device_ptr(ctx.stream());
-        let (out, _go) = clamped.device_ptr(ctx.stream());
-        let i = |v: usize| Arg::I64(v as i64); // each at most 2 * batch or a capacity, all < 2^31
-        let a = [Arg::Ptr(sq), Arg::Ptr(skv), i(self.seq_q), i(self.seq_kv), i(kv_at), Arg::Ptr(out)];
-        elementwise(ctx, kernels, "clamp_seq_lens", self.batch, &a)?;
-        drop((_gq, _gkv, _go));
-        Ok(clamped)
     }
 }
 

@@ -7,6 +7,9 @@
 
 mod fused;
 pub mod naive;
+mod seq_lens;
+
+pub use seq_lens::{DeviceSeqLens, SeqLens};
 
 use crate::checked;
 use crate::dtype::{DataType, Element};
@@ -316,7 +319,7 @@ pub struct SdpaOperands<'a, T: Element> {
     /// The lengths are device values the host cannot check, and cuDNN bounds them by nothing: a length
     /// past the capacity would read K/V (and write O) past the buffers. So a launch-only kernel first
     /// copies them, clamped into `0..=capacity`, into an op-owned buffer, and cuDNN reads that copy.
-    pub seq_lens: Option<(&'a dyn DevicePtr<i32>, &'a dyn DevicePtr<i32>)>,
+    pub seq_lens: Option<DeviceSeqLens<'a>>,
 }
 
 impl<'a, T: Element> SdpaOperands<'a, T> {
@@ -338,7 +341,13 @@ impl<'a, T: Element> SdpaOperands<'a, T> {
 
     /// Per-sequence lengths read on the device (see [`SdpaOperands::seq_lens`](#structfield.seq_lens)).
     pub fn seq_lens(mut self, seq_len_q: &'a dyn DevicePtr<i32>, seq_len_kv: &'a dyn DevicePtr<i32>) -> Self {
-        self.seq_lens = Some((seq_len_q, seq_len_kv));
+        self.seq_lens = Some(DeviceSeqLens::Raw(seq_len_q, seq_len_kv));
+        self
+    }
+
+    /// Per-sequence lengths clamped before (see [`SeqLens`]): the call launches no clamp of its own.
+    pub fn clamped_seq_lens(mut self, lens: &'a SeqLens) -> Self {
+        self.seq_lens = Some(DeviceSeqLens::Clamped(lens));
         self
     }
 
@@ -355,10 +364,29 @@ impl<T: Element> Op<T> for SdpaArgs {
     /// [`check_dtype`], the sequence-length operands against [`SdpaArgs::padded`], [`SdpaArgs::check`],
     /// then [`SdpaArgs::normalized`].
     fn checked(self, x: &SdpaOperands<'_, T>) -> Result<Self> {
-        if let Some((q, kv)) = x.seq_lens {
+        if let Some(lens) = x.seq_lens {
             ensure!(self.padded, "sdpa: sequence lengths need arguments made with SdpaArgs::with_seq_lens");
-            for (name, len) in [("seq_len_q", q.len()), ("seq_len_kv", kv.len())] {
-                ensure!(len >= self.batch, "sdpa: {name} has {len} values, batch is {}", self.batch);
+            match lens {
+                DeviceSeqLens::Raw(q, kv) => {
+                    for (name, len) in [("seq_len_q", q.len()), ("seq_len_kv", kv.len())] {
+                        ensure!(len >= self.batch, "sdpa: {name} has {len} values, batch is {}", self.batch);
+                    }
+                }
+                DeviceSeqLens::Clamped(l) => {
+                    let (cap_q, cap_kv) = l.capacities();
+                    ensure!(
+                        l.batch() >= self.batch,
+                        "sdpa: lengths of {} sequences, batch is {}",
+                        l.batch(),
+                        self.batch
+                    );
+                    ensure!(
+                        cap_q <= self.seq_q && cap_kv <= self.seq_kv,
+                        "sdpa: lengths clamped into {cap_q} x {cap_kv}, more than the call's capacities {} x {}",
+                        self.seq_q,
+                        self.seq_kv
+                    );
+                }
             }
             if x.stats.is_some() {
                 return Err(Error::NotSupported {
