@@ -1,28 +1,6 @@
 // ---- RoPE backward (ops/rope/backward): the gradient of a rotation by θ is the rotation by −θ. ----
 
-// Fused: rope_fused_* with the sine negated, in place on the gradient of a QKV buffer (same layout,
-// launch and position rules as the forward kernel in model.cu).
-#define ROPE_BACKWARD_FUSED(T, sfx, load, store)                                                          \
-extern "C" __global__ void rope_backward_fused_##sfx(T* x, long ss, long seq, long heads, long dim,       \
-                                                     long start, long positions,                          \
-                                                     const float* cos_t, const float* sin_t) {            \
-    long r = blockIdx.x;                                                                                  \
-    int half = (int)dim / 2, pairs = (int)heads * half;                                                   \
-    long pos = start + r % seq;                                                                           \
-    if (pos < 0 || pos >= positions) return;                                                              \
-    const float* c = cos_t + pos * half;                                                                  \
-    const float* s = sin_t + pos * half;                                                                  \
-    T* row = x + r * ss;                                                                                  \
-    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {                                               \
-        int h = p / half, j = p - h * half;                                                               \
-        T* v = row + h * (int)dim;                                                                        \
-        float a = load(v[j]), b = load(v[j + half]), cj = c[j], sj = s[j];                                \
-        v[j] = store(a * cj + b * sj);                                                                    \
-        v[j + half] = store(b * cj - a * sj);                                                             \
-    }                                                                                                     \
-}
-ROPE_BACKWARD_FUSED(bits16, bf16, bf16_to_f32, f32_to_bf16)
-ROPE_BACKWARD_FUSED(bits16, f16, f16_to_f32, f32_to_f16)
+// Fused: rope_fused_* with sign -1 (fused.cu).
 
 // Eager autograd of out = x·cos + cat(−x₂, x₁)·sin, for a gradient g of out (Q or K heads of a QKV
 // gradient, rows `ss` apart), in the I/O dtype, one op per launch:

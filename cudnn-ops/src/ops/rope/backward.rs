@@ -1,16 +1,15 @@
 //! RoPE backward: the gradient of a rotation by θ is the rotation by −θ, applied in place to the
 //! gradient of the Q and K heads of a QKV buffer (same [`RopeArgs`] and tables as the forward; V's
-//! gradient is left as it is). Fused: one kernel, the forward's with the sine negated (f32 math, one
+//! gradient is left as it is). Fused: the forward's kernel with the sine negated (f32 math, one
 //! rounding). Naive: eager autograd of Hugging Face's `apply_rotary_pos_emb`, five kernels for Q
 //! and five for K in the I/O dtype (`g·cos`, `g·sin`, `−` of the first half, `cat`, `+`).
 
 use super::{suffix, RopeArgs, RopeTables};
-use crate::checked;
 use crate::dtype::Element;
-use crate::kernels::{elementwise, launch, scratch, Arg, Kernels};
+use crate::kernels::{elementwise, scratch, Arg, Kernels};
 use crate::ops::{Fused, Naive, Op};
 use crate::{Backend, Cudnn, Result};
-use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
 
 /// Kernels the eager path launches per call.
 pub const NAIVE_KERNELS: usize = 10;
@@ -57,34 +56,9 @@ pub fn rope_backward<T: Element>(
 
 impl<T: Element> Fused<T> for Backward {
     fn fused(self, ctx: &Cudnn, x: RopeBackwardOperands<'_, T>) -> Result<()> {
-        let sfx = suffix(T::DTYPE)?;
-        let kernels = Kernels::get(ctx)?;
-        let RopeArgs { batch, seq, heads_q, heads_kv, head_dim: d, row_stride, start } = self.0;
         let RopeBackwardOperands { tables, dqkv } = x;
-        let rows = batch * seq; // checked by `RopeArgs::check`, as every size below
-        let (x, _gx) = dqkv.device_ptr_mut(ctx.stream());
-        let i = |v: usize| Arg::I64(v as i64);
-        let (c, _gc) = tables.cos_half.device_ptr(ctx.stream());
-        let (s, _gs) = tables.sin_half.device_ptr(ctx.stream());
-        let heads = heads_q + heads_kv;
-        let a = [
-            Arg::Ptr(x),
-            i(row_stride),
-            i(seq),
-            i(heads),
-            i(d),
-            i(start),
-            i(tables.positions),
-            Arg::Ptr(c),
-            Arg::Ptr(s),
-        ];
-        let threads = (heads * d / 2).next_multiple_of(32).clamp(32, 256) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (checked::launch_dim("rope backward: rows", rows)?, 1, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        launch(ctx, kernels, &format!("rope_backward_fused_{sfx}"), cfg, &a)
+        let (g, _gg) = dqkv.device_ptr_mut(ctx.stream());
+        super::fused::rotate(ctx, self.0, tables, g, 0, super::fused::Rotation::Backward)
     }
 }
 

@@ -6,10 +6,11 @@
 // memory traffic). The first `heads` heads of a row (Q, then K) start at element 0; cos/sin are f32
 // [positions, dim / 2]. With `starts` (device i32 [batch]; may be null) sequence b starts at
 // starts[b] instead of `start`; a row whose position falls outside the tables is left as it is.
+// `sign` multiplies the sine: 1 rotates by θ, -1 by -θ (the gradient of the rotation, ops/rope/backward).
 #define ROPE_FUSED(T, sfx, load, store)                                                                   \
 extern "C" __global__ void rope_fused_##sfx(T* x, long ss, long seq, long heads, long dim, long start,     \
                                             const int* starts, long positions,                            \
-                                            const float* cos_t, const float* sin_t) {                     \
+                                            const float* cos_t, const float* sin_t, float sign) {         \
     long r = blockIdx.x;                                                                                  \
     int half = (int)dim / 2, pairs = (int)heads * half;                                                   \
     long pos = (starts ? (long)starts[r / seq] : start) + r % seq;                                        \
@@ -20,7 +21,7 @@ extern "C" __global__ void rope_fused_##sfx(T* x, long ss, long seq, long heads,
     for (int p = threadIdx.x; p < pairs; p += blockDim.x) {                                               \
         int h = p / half, j = p - h * half;                                                               \
         T* v = row + h * (int)dim;                                                                        \
-        float a = load(v[j]), b = load(v[j + half]), cj = c[j], sj = s[j];                                \
+        float a = load(v[j]), b = load(v[j + half]), cj = c[j], sj = sign * s[j];                         \
         v[j] = store(a * cj - b * sj);                                                                    \
         v[j + half] = store(b * cj + a * sj);                                                             \
     }                                                                                                     \

@@ -1,7 +1,7 @@
 //! The fused half: one kernel (`fused.cu`), one block per row, rotating Q and K in f32 with one
 //! rounding; positions from the arguments or, per sequence, from the device.
 
-use super::{suffix, KvAppend, RopeArgs, RopeOperands};
+use super::{suffix, KvAppend, RopeArgs, RopeOperands, RopeTables};
 use crate::checked;
 use crate::dtype::Element;
 use crate::kernels::{launch, optional_ptr, Arg, Kernels};
@@ -11,40 +11,77 @@ use cudarc::driver::{DevicePtr, LaunchConfig};
 
 impl<T: Element> Fused<T> for RopeArgs {
     fn fused(self, ctx: &Cudnn, x: RopeOperands<'_, T>) -> Result<()> {
-        let sfx = suffix(T::DTYPE)?;
-        let kernels = Kernels::get(ctx)?;
-        let RopeArgs { batch, seq, heads_q, heads_kv, head_dim: d, row_stride, start } = self;
         let RopeOperands { tables, qkv, starts, append } = x;
-        let rows = batch * seq;
         let (x, _gx) = qkv.device_ptr_mut(ctx.stream());
-        let i = |v: usize| Arg::I64(v as i64);
-        let (c, _gc) = tables.cos_half.device_ptr(ctx.stream());
-        let (s, _gs) = tables.sin_half.device_ptr(ctx.stream());
-        let heads = heads_q + heads_kv;
         let (p, _gp) = optional_ptr(starts, ctx.stream());
-        // One block per row; enough warps for the row's pairs (40 heads x 64 pairs: 256 threads).
-        let threads = (heads * d / 2).next_multiple_of(32).clamp(32, 256) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (checked::launch_dim("rope: rows", rows)?, 1, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let table = [i(tables.positions), Arg::Ptr(c), Arg::Ptr(s)];
         let Some(KvAppend { k, v, max_seq }) = append else {
-            let shape = [Arg::Ptr(x), i(row_stride), i(seq), i(heads), i(d), i(start), Arg::Ptr(p)];
-            return launch(
-                ctx,
-                kernels,
-                &format!("rope_fused_{sfx}"),
-                cfg,
-                &[shape.as_slice(), &table].concat(),
-            );
+            return rotate(ctx, self, tables, x, p, Rotation::Forward);
         };
         let (kc, _gk) = k.device_ptr_mut(ctx.stream());
         let (vc, _gv) = v.device_ptr_mut(ctx.stream());
-        let shape =
-            [Arg::Ptr(x), i(row_stride), i(seq), i(heads_q), i(heads_kv), i(d), i(start), Arg::Ptr(p)];
-        let a = [shape.as_slice(), &table, &[Arg::Ptr(kc), Arg::Ptr(vc), i(max_seq)]].concat();
-        launch(ctx, kernels, &format!("rope_append_{sfx}"), cfg, &a)
+        let RopeArgs { heads_q, heads_kv, head_dim: d, row_stride, seq, start, .. } = self;
+        let i = |v: usize| Arg::I64(v as i64);
+        let (c, _gc) = tables.cos_half.device_ptr(ctx.stream());
+        let (s, _gs) = tables.sin_half.device_ptr(ctx.stream());
+        let a = [Arg::Ptr(x), i(row_stride), i(seq), i(heads_q), i(heads_kv), i(d), i(start), Arg::Ptr(p)];
+        let rest = [i(tables.positions), Arg::Ptr(c), Arg::Ptr(s), Arg::Ptr(kc), Arg::Ptr(vc), i(max_seq)];
+        launch(
+            ctx,
+            Kernels::get(ctx)?,
+            &format!("rope_append_{}", suffix(T::DTYPE)?),
+            row_blocks(self)?,
+            &[a.as_slice(), &rest].concat(),
+        )
     }
+}
+
+/// The direction of a rotation: by θ (the forward), or by −θ (its gradient).
+#[derive(Clone, Copy)]
+pub(super) enum Rotation {
+    Forward,
+    Backward,
+}
+
+/// One block per row; enough warps for the row's Q and K pairs (40 heads x 64 pairs: 256 threads).
+fn row_blocks(a: RopeArgs) -> Result<LaunchConfig> {
+    let threads = ((a.heads_q + a.heads_kv) * a.head_dim / 2).next_multiple_of(32).clamp(32, 256) as u32;
+    Ok(LaunchConfig {
+        grid_dim: (checked::launch_dim("rope: rows", a.batch * a.seq)?, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// `rope_fused_*` over the Q and K heads at device address `x` (positions from `args.start`, or per
+/// sequence from the device starts at `starts` when non-zero); arguments checked by the caller.
+pub(super) fn rotate<T: Element>(
+    ctx: &Cudnn,
+    args: RopeArgs,
+    tables: &RopeTables<T>,
+    x: u64,
+    starts: u64,
+    rotation: Rotation,
+) -> Result<()> {
+    let RopeArgs { seq, heads_q, heads_kv, head_dim: d, row_stride, start, .. } = args;
+    let i = |v: usize| Arg::I64(v as i64);
+    let (c, _gc) = tables.cos_half.device_ptr(ctx.stream());
+    let (s, _gs) = tables.sin_half.device_ptr(ctx.stream());
+    let sign = match rotation {
+        Rotation::Forward => 1.0,
+        Rotation::Backward => -1.0,
+    };
+    let a = [
+        Arg::Ptr(x),
+        i(row_stride),
+        i(seq),
+        i(heads_q + heads_kv),
+        i(d),
+        i(start),
+        Arg::Ptr(starts),
+        i(tables.positions),
+        Arg::Ptr(c),
+        Arg::Ptr(s),
+        Arg::F32(sign),
+    ];
+    launch(ctx, Kernels::get(ctx)?, &format!("rope_fused_{}", suffix(T::DTYPE)?), row_blocks(args)?, &a)
 }
