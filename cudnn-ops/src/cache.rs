@@ -105,7 +105,7 @@ impl PlanCache {
         self.plans.borrow_mut().clear();
         self.hits.set(0);
         self.misses.set(0);
-        self.epoch.set(crate::context::next_epoch());
+        self.epoch.set(crate::exec::next_epoch());
     }
 
     /// Changes at every [`PlanCache::clear`] (part of [`Cudnn::buffer_epoch`](crate::Cudnn::buffer_epoch)).

@@ -37,7 +37,7 @@ impl Features {
     }
 
     /// The features of cuDNN `runtime` through this build's bindings ([`crate::HEADER_VERSION`]), on a
-    /// GPU of `compute_capability`: what [`crate::Cudnn::features`] holds on such a system.
+    /// GPU of `compute_capability`: what [`crate::Exec::features`] holds on such a system.
     pub fn for_version(runtime: usize, compute_capability: (i32, i32)) -> Self {
         Self::new(runtime, crate::HEADER_VERSION, compute_capability)
     }

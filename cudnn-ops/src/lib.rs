@@ -3,10 +3,10 @@
 //!
 //! | layer | what it is |
 //! |---|---|
-//! | [`Cudnn`] | the context: cuDNN handle bound to a cudarc stream, plan cache, workspace, naive kernels |
+//! | [`Cudnn`], [`Exec`] | the context: plan cache, naive kernels and tuning settings on top of its execution state (cuDNN handle bound to a cudarc stream, workspace), which plans and kernels run on |
 //! | [`TensorSpec`], [`Graph`] | graph builder in the cuDNN frontend's shape: typed attributes in, named outputs out, `validate()` without a GPU |
 //! | [`Plan`], [`Bindings`] | heuristics (mode A, B when autotuning, then FALLBACK) and a plan finalized for one context's handle, optionally autotuned over engine configurations and knobs ([`Tuning`], [`KnobRange`]); execution checks the handle and every bound buffer |
-//! | [`Features`] | what the running cuDNN can do on this GPU, from its version ([`Cudnn::features`]) |
+//! | [`Features`] | what the running cuDNN can do on this GPU, from its version ([`Exec::features`]) |
 //! | [`PlanCache`], [`PlanKey`] | plans by op-declared keys (shape/stride/dtype/flags), with hit and miss counters |
 //! | [`ops`] | one room per op: [`rms_norm`], [`sdpa`], [`matmul`], [`rope`], [`embedding`] and [`write_cache`], each with its arguments, operands, fused half and eager baseline; the training side's custom kernels: [`cross_entropy`], [`adamw`], [`grad_norm`], [`rope_backward`], [`embedding_backward`] |
 //! | [`reference`](mod@reference) | f64 CPU references and the comparison used by tests and reports |
@@ -24,6 +24,7 @@ mod context;
 mod descriptor;
 mod dtype;
 mod error;
+mod exec;
 mod features;
 mod graph;
 mod kernels;
@@ -36,11 +37,10 @@ pub mod reference;
 mod tensor;
 
 pub use cache::{CacheStats, PlanCache, PlanKey};
-pub use context::{
-    open_device, Cudnn, DeviceInfo, Tuning, AUTOTUNE_ENV, DEFAULT_AUTOTUNE, KNOB_SEARCH_ENV, TUNE_FLUSH_ENV,
-};
+pub use context::{Cudnn, AUTOTUNE_ENV, DEFAULT_AUTOTUNE, KNOB_SEARCH_ENV, TUNE_FLUSH_ENV};
 pub use dtype::{DataType, Element};
 pub use error::{Error, Result};
+pub use exec::{open_device, DeviceInfo, Exec};
 pub use features::Features;
 pub use graph::{
     Binary, Graph, Mask, NormPhase, Reduce, RmsNormOutputs, SdpaForm, SdpaOptions, SdpaOutputs, TensorId,
@@ -60,7 +60,7 @@ pub use ops::rows::{
     check_ids, embedding, write_cache, CacheWrite, CacheWriteOperands, EmbeddingArgs, EmbeddingOperands,
 };
 pub use ops::sdpa::{sdpa, DeviceSeqLens, Layout, SdpaArgs, SdpaLens, SdpaOperands, SeqLens};
-pub use plan::{knob_name, Bindings, KnobRange, L2Flush, Plan, Prepared, Scalar};
+pub use plan::{knob_name, Bindings, KnobRange, L2Flush, Plan, Prepared, Scalar, Tuning};
 pub use tensor::{packed_strides, TensorSpec, DEFAULT_ALIGNMENT, MAX_RANK};
 
 /// Which implementation a module runs on.

@@ -79,6 +79,22 @@ mod tests {
         assert!(banded > 0, "some frequencies fall in the interpolated band");
     }
 
+    /// The edge values `LlamaConfig::check` accepts (its tests hold the ones it refuses) give finite
+    /// tables.
+    #[test]
+    fn values_the_config_check_accepts_give_finite_tables() {
+        let base = LlamaConfig::tiny();
+        let unscaled = LlamaConfig {
+            rope_scaling: Some(crate::config::RopeScaling { factor: 1.0, ..base.rope_scaling.unwrap() }),
+            ..base.clone()
+        };
+        for cfg in [base.clone(), unscaled, LlamaConfig { rms_eps: 0.1, ..base.clone() }] {
+            cfg.check().unwrap();
+            let (c, s) = tables(&cfg, 0, 4);
+            assert!(c.iter().chain(&s).all(|v| v.is_finite()));
+        }
+    }
+
     #[test]
     fn rotation_preserves_norms_and_position_zero_is_identity() {
         let cfg = LlamaConfig::tiny();

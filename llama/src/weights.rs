@@ -798,4 +798,19 @@ mod tests {
         assert_eq!((loaded.embed, loaded.layers, loaded.norm), (w.embed, w.layers, w.norm));
         assert_eq!(Weights::<f32>::random(&tied, 4).lm_head, None);
     }
+
+    /// The largest shape `LlamaConfig::check` accepts names its tensors (its sizes do not overflow).
+    #[test]
+    fn the_largest_accepted_shape_names_its_tensors() {
+        use crate::config::{MAX_LAYERS, MAX_TENSOR_ELEMENTS};
+        let big = LlamaConfig {
+            vocab: MAX_TENSOR_ELEMENTS / (1 << 14),
+            hidden: 1 << 14,
+            layers: MAX_LAYERS,
+            ffn: MAX_TENSOR_ELEMENTS / (1 << 14),
+            ..LlamaConfig::tiny()
+        };
+        big.check().unwrap();
+        assert_eq!(Weights::<f32>::names(&big).len(), 1 + 9 * MAX_LAYERS + 2);
+    }
 }

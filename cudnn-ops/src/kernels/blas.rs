@@ -2,7 +2,8 @@
 //! (`cublasGemmStridedBatchedEx` with f32 compute).
 
 use crate::dtype::DataType;
-use crate::{Cudnn, Error, Result};
+use crate::exec::Exec;
+use crate::{Error, Result};
 use cudarc::cublas::sys;
 
 /// One operand of a column-major GEMM: device address, dtype, leading dimension and batch stride
@@ -47,7 +48,7 @@ fn int(v: usize, what: &str) -> Result<i32> {
 }
 
 /// Enqueues the GEMM on the context's stream (f32 compute, default algorithm).
-pub(crate) fn gemm(ctx: &Cudnn, g: &Gemm) -> Result<()> {
+pub(crate) fn gemm(ctx: &Exec, g: &Gemm) -> Result<()> {
     let blas = ctx.blas()?;
     let op =
         |t: bool| if t { sys::cublasOperation_t::CUBLAS_OP_T } else { sys::cublasOperation_t::CUBLAS_OP_N };

@@ -5,7 +5,8 @@
 
 pub(crate) mod blas;
 
-use crate::{Cudnn, Error, Result};
+use crate::exec::Exec;
+use crate::{Error, Result};
 use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 
@@ -42,7 +43,9 @@ pub struct Kernels {
 }
 
 impl Kernels {
-    fn compile(ctx: &Cudnn) -> Result<Self> {
+    /// Compiles the program for `ctx`'s device and loads it; a context does so once, on first use
+    /// (`Kernels::get`, in `context.rs`: the context owns the registry).
+    pub(crate) fn compile(ctx: &Exec) -> Result<Self> {
         let ptx = ptx(ctx.info().compute_capability)?;
         let module = ctx.stream().context().load_module(ptx)?;
         Ok(Kernels {
@@ -53,13 +56,9 @@ impl Kernels {
         })
     }
 
-    pub(crate) fn get(ctx: &Cudnn) -> Result<&Kernels> {
-        ctx.naive.get_or_try_init(|| Kernels::compile(ctx))
-    }
-
     /// An op-owned i32 buffer of at least `len` elements (grown, never shrunk) for clamped sequence
     /// lengths; only this context's stream uses it, so stream order alone keeps it safe.
-    pub(crate) fn seq_lens(&self, ctx: &Cudnn, len: usize) -> Result<std::cell::Ref<'_, CudaSlice<i32>>> {
+    pub(crate) fn seq_lens(&self, ctx: &Exec, len: usize) -> Result<std::cell::Ref<'_, CudaSlice<i32>>> {
         {
             let mut s = self.seq_lens.borrow_mut();
             if s.as_ref().is_none_or(|s| s.len() < len) {
@@ -101,7 +100,7 @@ fn ptx((major, minor): (i32, i32)) -> Result<cudarc::nvrtc::Ptx> {
 
 /// Scratch f32 memory of at least `len` elements (grown, never shrunk), as a device address. Like
 /// PyTorch's caching allocator, it keeps allocation out of the timed kernels.
-pub(crate) fn scratch(ctx: &Cudnn, kernels: &Kernels, len: usize) -> Result<u64> {
+pub(crate) fn scratch(ctx: &Exec, kernels: &Kernels, len: usize) -> Result<u64> {
     use cudarc::driver::DevicePtr;
     let mut s = kernels.scratch.borrow_mut();
     if s.as_ref().is_none_or(|s| s.len() < len) {
@@ -138,7 +137,7 @@ pub(crate) enum Arg {
 }
 
 pub(crate) fn launch(
-    ctx: &Cudnn,
+    ctx: &Exec,
     kernels: &Kernels,
     name: &str,
     cfg: LaunchConfig,
@@ -161,7 +160,7 @@ pub(crate) fn launch(
 
 /// Launches an elementwise kernel over `n` elements: `args`, then `n`. A grid too large for one launch
 /// (the kernels have no grid-stride loop) is an error, not a launch that silently covers fewer elements.
-pub(crate) fn elementwise(ctx: &Cudnn, kernels: &Kernels, name: &str, n: usize, args: &[Arg]) -> Result<()> {
+pub(crate) fn elementwise(ctx: &Exec, kernels: &Kernels, name: &str, n: usize, args: &[Arg]) -> Result<()> {
     let per_block = (BLOCK * ITEMS) as usize;
     let what = format!("{name}: blocks for {n} elements");
     let cfg = LaunchConfig {

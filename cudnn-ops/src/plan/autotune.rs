@@ -5,7 +5,8 @@
 use super::engine::{knob_ranges, EngineChoice, KnobRange};
 use super::lifecycle::Candidate;
 use super::{Bindings, Plan};
-use crate::{Cudnn, Error, Result};
+use crate::exec::Exec;
+use crate::{Error, Result};
 use cudarc::driver::{CudaEvent, CudaSlice};
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -22,7 +23,7 @@ impl Plan {
     /// host.
     fn time_candidate(
         &self,
-        ctx: &Cudnn,
+        ctx: &Exec,
         b: &Bindings<'_>,
         i: usize,
         (start, end): (&CudaEvent, &CudaEvent),
@@ -48,7 +49,7 @@ impl Plan {
     /// Times every candidate on these bindings (see `time_candidate`), runs the knob search if the
     /// plan has a budget for one (`knob_search`), and keeps the fastest. Outputs are overwritten;
     /// inputs are only read.
-    pub fn autotune(&self, ctx: &Cudnn, b: &Bindings<'_>) -> Result<()> {
+    pub fn autotune(&self, ctx: &Exec, b: &Bindings<'_>) -> Result<()> {
         self.check_context(ctx, b)?;
         let started = Instant::now();
         let cuda = ctx.stream().context();
@@ -159,6 +160,25 @@ impl L2Flush {
     }
 }
 
+/// How a plan that autotunes picks its engine configuration (what
+/// [`Cudnn::tuning`](crate::Cudnn::tuning) hands to [`Graph::build_tuned`](crate::Graph::build_tuned)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tuning {
+    /// Heuristics' configurations to finalize and time on the first execution (1 without a knob
+    /// search: take the first, untimed).
+    pub candidates: usize,
+    /// Further configurations the first execution may build and time: knob by knob around the
+    /// fastest one so far, while that improves (0: none).
+    pub knob_search: usize,
+    /// How L2 is emptied before each timed execution.
+    pub flush: L2Flush,
+}
+
+impl Tuning {
+    /// The heuristics' first choice, untimed.
+    pub const FIRST: Tuning = Tuning { candidates: 1, knob_search: 0, flush: L2Flush::Read };
+}
+
 /// Columns of the GEMV's scratch matrix (its rows follow from the L2 size).
 const FLUSH_COLS: usize = 4096;
 
@@ -172,7 +192,7 @@ pub(crate) enum Flusher {
 impl Flusher {
     /// Buffers of twice the L2 size for `mode`. Falls back to writing when cuBLAS is missing, and to
     /// no flush when the device has no L2 size or too little free memory.
-    pub(crate) fn new(ctx: &Cudnn, mode: L2Flush) -> Self {
+    pub(crate) fn new(ctx: &Exec, mode: L2Flush) -> Self {
         let cuda = ctx.stream().context();
         let l2 = cuda
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
@@ -195,7 +215,7 @@ impl Flusher {
     }
 
     /// Enqueues the flush on the context's stream (autotuning carries on without one if this fails).
-    pub(crate) fn run(&mut self, ctx: &Cudnn) -> Result<()> {
+    pub(crate) fn run(&mut self, ctx: &Exec) -> Result<()> {
         match self {
             Flusher::Read { a, x, y, rows } => {
                 crate::raw::cublas::sgemv(ctx.blas()?, (*rows, FLUSH_COLS), a, x, y)

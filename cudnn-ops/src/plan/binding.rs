@@ -5,8 +5,9 @@ use super::lifecycle::Candidate;
 use super::Plan;
 use crate::descriptor::{Attr, Descriptor};
 use crate::dtype::{DataType, Element};
+use crate::exec::Exec;
 use crate::raw::driver::DeviceBytes;
-use crate::{Cudnn, Error, Result};
+use crate::{Error, Result};
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 use cudnn_sys as sys;
 use std::ffi::c_void;
@@ -45,7 +46,7 @@ impl Plan {
     /// are the ones the plan's engines were built for, and the plan cache is per context), and
     /// bindings made for a stream other than the context's (cudarc's event tracking would then order
     /// the buffers against the wrong stream). [`Error::WrongContext`]; nothing is enqueued.
-    pub fn check_context(&self, ctx: &Cudnn, b: &Bindings<'_>) -> Result<()> {
+    pub fn check_context(&self, ctx: &Exec, b: &Bindings<'_>) -> Result<()> {
         self.check_handle(ctx)?;
         if b.stream.cu_stream() != ctx.stream().cu_stream() {
             return Err(Error::WrongContext(format!(
@@ -110,14 +111,14 @@ impl Plan {
     }
 
     /// Checks the bindings and builds the variant pack once; [`Prepared::execute`] then only enqueues.
-    pub fn prepare<'p>(&'p self, ctx: &'p Cudnn, b: &'p Bindings<'_>) -> Result<Prepared<'p>> {
+    pub fn prepare<'p>(&'p self, ctx: &'p Exec, b: &'p Bindings<'_>) -> Result<Prepared<'p>> {
         self.prepare_candidate(ctx, b, self.chosen.get())
     }
 
     /// [`Plan::prepare`] for candidate `index` (autotuning times each this way).
     pub(super) fn prepare_candidate<'p>(
         &'p self,
-        ctx: &'p Cudnn,
+        ctx: &'p Exec,
         b: &'p Bindings<'_>,
         index: usize,
     ) -> Result<Prepared<'p>> {
@@ -159,7 +160,7 @@ pub struct Prepared<'p> {
     candidate: Rc<Candidate>,
     /// Keeps the plan (and the graph descriptors its candidates were finalized from) borrowed.
     _plan: &'p Plan,
-    ctx: &'p Cudnn,
+    ctx: &'p Exec,
     pack: Descriptor,
     /// Whether the workspace is zeroed before each execution (the cuDNN version needs it).
     zero: bool,

@@ -2,10 +2,12 @@
 //! context's handle, which the plan records and checks on every execution.
 
 use super::engine::EngineChoice;
+use super::Tuning;
 use super::{Plan, PlanParts};
 use crate::descriptor::{Attr, Descriptor};
+use crate::exec::Exec;
 use crate::raw::HandleId;
-use crate::{Cudnn, Error, Result, Tuning};
+use crate::{Error, Result};
 use cudnn_sys as sys;
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -25,7 +27,7 @@ pub(super) struct Candidate {
 impl Candidate {
     /// Finalizes `config` for `ctx`'s handle; `parts` are the descriptors it was built from.
     pub(super) fn new(
-        ctx: &Cudnn,
+        ctx: &Exec,
         config: Descriptor,
         choice: EngineChoice,
         parts: Vec<Descriptor>,
@@ -42,12 +44,7 @@ impl Plan {
     /// Finalizes engine configurations in heuristics order (mode A, then B when several candidates
     /// are wanted, then FALLBACK) until `tuning.candidates` succeed, for `ctx`'s handle, which the
     /// plan records. [`Error::NotSupported`] if none does.
-    pub(crate) fn from_graph(
-        ctx: &Cudnn,
-        parts: PlanParts,
-        started: Instant,
-        tuning: Tuning,
-    ) -> Result<Plan> {
+    pub(crate) fn from_graph(ctx: &Exec, parts: PlanParts, started: Instant, tuning: Tuning) -> Result<Plan> {
         let max_candidates = tuning.candidates;
         let PlanParts { name, form, graph, descriptors, tensors, constants } = parts;
         let mut last_error = None;
@@ -120,7 +117,7 @@ impl Plan {
 
     /// [`Error::WrongContext`] unless `ctx`'s handle is the one the plan was finalized for (its
     /// engines were built for that handle, stream and device, and the plan cache is per context).
-    pub(super) fn check_handle(&self, ctx: &Cudnn) -> Result<()> {
+    pub(super) fn check_handle(&self, ctx: &Exec) -> Result<()> {
         same_handle(&self.name, self.handle, ctx.handle_id())
     }
 }
@@ -153,7 +150,7 @@ fn engine_configs(graph: &Descriptor, mode: sys::cudnnBackendHeurMode_t) -> Resu
 }
 
 /// An execution plan of `config` finalized for `ctx`'s handle.
-fn finalize_plan(ctx: &Cudnn, config: &Descriptor) -> Result<Descriptor> {
+fn finalize_plan(ctx: &Exec, config: &Descriptor) -> Result<Descriptor> {
     let mut plan = Descriptor::new(D::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR)?;
     plan.set(A::CUDNN_ATTR_EXECUTION_PLAN_HANDLE, Attr::Handle(ctx.raw_handle()))?;
     plan.set(A::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, Attr::Descriptors(&[config]))?;

@@ -4,9 +4,10 @@
 //! L2 flush) and [`engine`] (engine configurations and knobs).
 
 use crate::descriptor::Descriptor;
+use crate::exec::Exec;
 use crate::raw::HandleId;
 use crate::tensor::TensorSpec;
-use crate::{Cudnn, Error, Result};
+use crate::{Error, Result};
 use engine::knob_ranges;
 use lifecycle::Candidate;
 use std::cell::{Cell, RefCell};
@@ -18,7 +19,7 @@ mod binding;
 mod engine;
 mod lifecycle;
 
-pub use autotune::L2Flush;
+pub use autotune::{L2Flush, Tuning};
 pub use binding::{Bindings, Prepared, Scalar};
 pub use engine::{knob_name, KnobRange};
 
@@ -47,7 +48,7 @@ pub struct Plan {
     chosen: Cell<usize>,
     tuned: Cell<bool>,
     knob_search: usize,
-    flush: crate::L2Flush,
+    flush: L2Flush,
     timings: RefCell<Vec<(String, f64)>>,
     _graph: Descriptor,
     _parts: Vec<Descriptor>,
@@ -149,10 +150,11 @@ impl Plan {
             .ok_or_else(|| Error::invalid(format!("plan `{}` has no tensor `{name}`", self.name)))
     }
 
-    /// Checks the bindings and enqueues the plan on the context's stream. The first execution of a
+    /// Checks the bindings and enqueues the plan on the context's stream (`ctx`: a
+    /// [`Cudnn`](crate::Cudnn) derefs to its [`Exec`], so `&ctx` will do). The first execution of a
     /// plan with several candidates times them first (synchronizing the stream), so run it once before
     /// capturing a CUDA graph.
-    pub fn execute(&self, ctx: &Cudnn, b: &Bindings<'_>) -> Result<()> {
+    pub fn execute(&self, ctx: &Exec, b: &Bindings<'_>) -> Result<()> {
         self.check_context(ctx, b)?;
         if !self.tuned.get() {
             self.autotune(ctx, b)?;

@@ -1,0 +1,213 @@
+//! The execution state plans and kernels run on: the cuDNN handle bound to a cudarc stream, the
+//! device it opened, the growable workspace, the cuBLAS handle and the buffer epoch. A [`Cudnn`]
+//! owns one and builds its plan cache and kernel registry on top; `plan/`, `kernels/` and `cache`
+//! depend on this module, never on the context.
+//!
+//! [`Cudnn`]: crate::Cudnn
+
+use crate::features::Features;
+use crate::raw::{self, Handle, HandleId, RawHandle};
+use crate::{Error, Result};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use once_cell::unsync::OnceCell;
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::sync::Arc;
+
+/// What the context runs on, for reports.
+#[derive(Debug, Clone)]
+pub struct DeviceInfo {
+    /// Device ordinal.
+    pub ordinal: usize,
+    /// GPU name, e.g. `NVIDIA H100 80GB HBM3`.
+    pub name: String,
+    /// Compute capability (major, minor).
+    pub compute_capability: (i32, i32),
+    /// CUDA driver API version (e.g. 13000).
+    pub driver_version: i32,
+    /// `cudnnGetVersion()`, e.g. 91900.
+    pub cudnn_version: usize,
+    /// The CUDA runtime cuDNN was built for.
+    pub cudnn_cudart_version: usize,
+    /// Which library file was opened.
+    pub cudnn_library: String,
+}
+
+impl DeviceInfo {
+    /// cuDNN version as `9.19.0`.
+    pub fn cudnn_version_string(&self) -> String {
+        cudnn_sys::version_string(self.cudnn_version)
+    }
+}
+
+/// The execution state of a context ([`Cudnn`](crate::Cudnn) derefs to it): the cuDNN handle bound
+/// to one stream, the device it runs on, the workspace plans share, the cuBLAS handle and the buffer
+/// epoch. It is what executing a [`Plan`](crate::Plan) or launching a kernel needs, so `&ctx` is
+/// accepted wherever an `&Exec` is asked for. Not `Send`, as its context.
+pub struct Exec {
+    // Field order is drop order: the workspace goes before the handle and the stream.
+    workspace: RefCell<Option<Rc<CudaSlice<u8>>>>,
+    /// Counts reallocations of the buffers ops share through the context (see
+    /// [`Cudnn::buffer_epoch`](crate::Cudnn::buffer_epoch)).
+    epoch: std::cell::Cell<u64>,
+    blas: OnceCell<cudarc::cublas::CudaBlas>,
+    handle: Handle,
+    stream: Arc<CudaStream>,
+    info: DeviceInfo,
+    features: Features,
+}
+
+/// The next buffer epoch ([`Cudnn::buffer_epoch`](crate::Cudnn::buffer_epoch)): increasing over the
+/// whole process.
+static NEXT_EPOCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+pub(crate) fn next_epoch() -> u64 {
+    NEXT_EPOCH.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+impl Exec {
+    /// Binds the stream's CUDA context to this thread, creates a cuDNN handle on `stream` and reads
+    /// the device's and cuDNN's versions.
+    pub(crate) fn open(stream: Arc<CudaStream>) -> Result<Self> {
+        let ctx = stream.context().clone();
+        ctx.bind_to_thread()?;
+        let (cudnn_version, cudnn_library) = raw::version()?;
+        let handle = Handle::new(stream.cu_stream() as *mut std::ffi::c_void)?;
+        let info = DeviceInfo {
+            ordinal: ctx.ordinal(),
+            name: ctx.name()?,
+            compute_capability: ctx.compute_capability()?,
+            driver_version: raw::driver::driver_version(),
+            cudnn_version,
+            cudnn_cudart_version: raw::cudart_version()?,
+            cudnn_library,
+        };
+        let features = Features::for_version(info.cudnn_version, info.compute_capability);
+        Ok(Exec {
+            workspace: RefCell::new(None),
+            epoch: std::cell::Cell::new(next_epoch()),
+            blas: OnceCell::new(),
+            handle,
+            stream,
+            info,
+            features,
+        })
+    }
+
+    /// The identity of this context's cuDNN handle (what a [`crate::Plan`] records).
+    pub(crate) fn handle_id(&self) -> HandleId {
+        self.handle.id()
+    }
+
+    /// The stream all work of this context is enqueued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Device and library versions.
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// What the running cuDNN can do on this GPU (graph forms, limits, workarounds), computed once
+    /// from its version when the context opened.
+    pub fn features(&self) -> Features {
+        self.features
+    }
+
+    /// Waits for all work on the stream.
+    pub fn synchronize(&self) -> Result<()> {
+        Ok(self.stream.synchronize()?)
+    }
+
+    pub(crate) fn raw_handle(&self) -> RawHandle {
+        self.handle.raw()
+    }
+
+    /// A workspace of at least `bytes`, grown (never shrunk) as plans need. The `Rc` keeps an old
+    /// buffer alive while a prepared execution still points at it.
+    pub(crate) fn workspace(&self, bytes: usize) -> Result<Option<Rc<CudaSlice<u8>>>> {
+        if bytes == 0 {
+            return Ok(None);
+        }
+        let mut ws = self.workspace.borrow_mut();
+        if ws.as_ref().is_none_or(|w| w.len() < bytes) {
+            let size = bytes.next_power_of_two().max(1 << 20);
+            *ws = Some(Rc::new(self.stream.alloc_zeros::<u8>(size)?));
+            self.bump_epoch();
+        }
+        Ok(ws.clone())
+    }
+
+    /// This state's part of [`Cudnn::buffer_epoch`](crate::Cudnn::buffer_epoch): moved by every
+    /// reallocation of the workspace or of a buffer the kernels keep ([`Exec::bump_epoch`]).
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch.get()
+    }
+
+    /// Records that a buffer ops share through the context was reallocated.
+    pub(crate) fn bump_epoch(&self) {
+        self.epoch.set(next_epoch());
+    }
+
+    /// Makes the context's CUDA context current on this thread (cuDNN uses the current context).
+    pub(crate) fn bind(&self) -> Result<()> {
+        Ok(self.stream.context().bind_to_thread()?)
+    }
+
+    /// The cuBLAS handle on this context's stream, created on first use (the naive backend's GEMMs).
+    pub(crate) fn blas(&self) -> Result<&cudarc::cublas::CudaBlas> {
+        self.blas.get_or_try_init(|| {
+            if !raw::cublas::library_present() {
+                return Err(Error::Blas(
+                    "libcublas.so was not found: install the CUDA 13 cuBLAS library".into(),
+                ));
+            }
+            self.bind()?;
+            cudarc::cublas::CudaBlas::new(self.stream.clone()).map_err(|e| Error::Blas(e.to_string()))
+        })
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        self.bind()?;
+        Ok(cudarc::driver::result::mem_get_info()?)
+    }
+
+    /// Bytes of stream-ordered device memory (every buffer this context and cudarc allocate; not
+    /// cuDNN's or cuBLAS's own allocations) in use now, and the most in use since the last
+    /// [`Exec::reset_peak_memory`].
+    pub fn pool_memory(&self) -> Result<(u64, u64)> {
+        self.bind()?;
+        raw::driver::pool_usage(self.stream.context().cu_device())
+    }
+
+    /// Starts a new high-water mark for [`Exec::pool_memory`] (at the memory in use now).
+    pub fn reset_peak_memory(&self) -> Result<()> {
+        self.bind()?;
+        raw::driver::reset_pool_peak(self.stream.context().cu_device())
+    }
+
+    /// Bytes of workspace currently held.
+    pub fn workspace_bytes(&self) -> usize {
+        self.workspace.borrow().as_ref().map_or(0, |w| w.len())
+    }
+}
+
+/// Checks for the driver library before cudarc could panic on it, then opens the device.
+pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>> {
+    if !raw::driver::library_present() {
+        return Err(Error::NoGpu(
+            "the CUDA driver library (libcuda.so.1) was not found: install an NVIDIA driver".into(),
+        ));
+    }
+    let count = CudaContext::device_count()
+        .map_err(|e| Error::NoGpu(format!("the CUDA driver did not start: {e}")))?;
+    if count == 0 {
+        return Err(Error::NoGpu("the driver reports no CUDA device".into()));
+    }
+    if ordinal >= count as usize {
+        return Err(Error::NoGpu(format!("device {ordinal} requested, but only {count} present")));
+    }
+    Ok(CudaContext::new(ordinal)?)
+}
