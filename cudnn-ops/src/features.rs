@@ -15,6 +15,9 @@ const SDPA_SEQ_LENS: usize = 91500;
 const MATMUL_FIXES: usize = 91900;
 /// First version with diagonal bounds (causal masks) on the unified SDPA operation.
 const UNIFIED_SDPA_CAUSAL: usize = 92100;
+/// First version with engines for a norm backward followed by an add of the residual stream's
+/// gradient (NVIDIA/TransformerEngine#2778: "From CUDNN 9.21 ... fusing the dLN + add backward").
+const NORM_BACKWARD_ADD: usize = 92100;
 
 /// What the running cuDNN and GPU support, as graph forms and workarounds.
 ///
@@ -93,6 +96,12 @@ impl Features {
         self.runtime >= MATMUL_FIXES
     }
 
+    /// A norm backward whose dX feeds a pointwise add (the residual stream's gradient) in the same
+    /// graph: cuDNN 9.21. The pattern needs no new attribute, so the running library decides.
+    pub fn rmsnorm_backward_add(&self) -> bool {
+        self.runtime >= NORM_BACKWARD_ADD
+    }
+
     /// Whether plans zero their workspace before every execution: cuDNN before 9.19 has matmul engines
     /// (seen on 9.14 in the Llama MLP) that return wrong, run-to-run different results unless they
     /// find the workspace zeroed each time, as an earlier execution (even of the same plan) leaves it
@@ -125,6 +134,7 @@ mod tests {
         assert!(!f(90900).neg_infinity_mask_fill() && f(91000).neg_infinity_mask_fill());
         assert!(f(91400).zeroes_workspace() && !f(91900).zeroes_workspace());
         assert!(!f(91400).batch_broadcast_matmul() && f(91900).batch_broadcast_matmul());
+        assert!(!f(91900).rmsnorm_backward_add() && f(92100).rmsnorm_backward_add());
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //! | [`Plan`], [`Bindings`] | heuristics (mode A, B when autotuning, then FALLBACK) and a plan finalized for one context's handle, optionally autotuned over engine configurations and knobs ([`Tuning`], [`KnobRange`]); execution checks the handle and every bound buffer |
 //! | [`Features`] | what the running cuDNN can do on this GPU, from its version ([`Exec::features`]) |
 //! | [`PlanCache`], [`PlanKey`] | plans by op-declared keys (shape/stride/dtype/flags), with hit and miss counters |
-//! | [`ops`] | one room per op: [`rms_norm`], [`sdpa`], [`matmul`], [`rope`], [`embedding`] and [`write_cache`], each with its arguments, operands, fused half and eager baseline; the training side's custom kernels: [`cross_entropy`], [`adamw`], [`grad_norm`], [`rope_backward`], [`embedding_backward`] |
+//! | [`ops`] | one room per op: [`rms_norm`], [`sdpa`], [`matmul`], [`rope`], [`embedding`] and [`write_cache`], each with its arguments, operands, fused half and eager baseline; backward phases [`rms_norm_backward`], [`linear_backward_data`], [`linear_backward_weight`], [`swiglu_down_backward`], [`rope_backward`], [`embedding_backward`]; the training side's custom kernels [`cross_entropy`], [`adamw`], [`grad_norm`] |
 //! | [`reference`](mod@reference) | f64 CPU references and the comparison used by tests and reports |
 //!
 //! Recipe for an op call:
@@ -43,16 +43,20 @@ pub use error::{Error, Result};
 pub use exec::{open_device, DeviceInfo, Exec};
 pub use features::Features;
 pub use graph::{
-    Binary, Graph, Mask, NormPhase, Reduce, RmsNormOutputs, SdpaForm, SdpaOptions, SdpaOutputs, TensorId,
-    Unary,
+    Binary, Graph, Mask, NormPhase, Reduce, RmsNormGradOutputs, RmsNormOutputs, SdpaForm, SdpaOptions,
+    SdpaOutputs, TensorId, Unary,
 };
 pub use ops::loss::{cross_entropy, CrossEntropyArgs, CrossEntropyOperands, Logits};
-pub use ops::matmul::{matmul, Activation, BufferLens, Epilogue, MatmulArgs, MatmulOperands, MatrixLayout};
+pub use ops::matmul::{
+    linear_backward_data, linear_backward_weight, matmul, swiglu_down_backward, Activation, BufferLens,
+    DataGrad, Epilogue, LinearGradArgs, MatmulArgs, MatmulOperands, MatrixLayout, SwigluForm, SwigluGrads,
+    WeightGrad,
+};
 pub use ops::optim::{
     adamw, grad_norm, AdamWArgs, AdamWOperands, AdamWTensor, GradNormArgs, GradNormOperands, Grads,
     MultiTensor,
 };
-pub use ops::rmsnorm::{rms_norm, RmsNormArgs, RmsNormOperands};
+pub use ops::rmsnorm::{rms_norm, rms_norm_backward, RmsNormArgs, RmsNormGrads, RmsNormOperands};
 pub use ops::rope::backward::{rope_backward, RopeBackwardOperands};
 pub use ops::rope::{rope, KvAppend, RopeArgs, RopeOperands, RopeTables};
 pub use ops::rows::backward::{embedding_backward, EmbeddingBackwardOperands, EmbeddingGrad};

@@ -1,7 +1,7 @@
 //! Builder methods: each records a node and returns its (virtual) outputs.
 
 use super::node::{Binary, Node, Pointwise, Reduce, Unary};
-use super::{Graph, NormPhase, RmsNormOutputs, TensorId};
+use super::{Graph, NormPhase, RmsNormGradOutputs, RmsNormOutputs, TensorId};
 use crate::dtype::DataType;
 use crate::tensor::packed_strides;
 
@@ -29,6 +29,31 @@ impl Graph {
         });
         self.nodes.push(Node::RmsNorm { x, scale, epsilon, y, inv_rms, phase });
         RmsNormOutputs { y, inv_rms }
+    }
+
+    /// The backward of [`Graph::rmsnorm`] (cuDNN's norm backward in RMS mode), from the forward's saved
+    /// f32 inverse RMS `[rows, 1, ...]`: `dx` (dims, strides and dtype of X) and `dscale` (those of
+    /// scale), f32 compute. Epsilon is not an input: it is inside the saved statistic.
+    pub fn rmsnorm_backward(
+        &mut self,
+        dy: TensorId,
+        x: TensorId,
+        scale: TensorId,
+        inv_rms: TensorId,
+    ) -> RmsNormGradOutputs {
+        let (xs, ss) = (self.spec(x).clone(), self.spec(scale).clone());
+        let dx = self.intermediate(format!("{}::dX", self.name), &xs.dims, &xs.strides, xs.dtype);
+        let dscale = self.intermediate(format!("{}::dscale", self.name), &ss.dims, &ss.strides, ss.dtype);
+        self.nodes.push(Node::RmsNormBackward { dy, x, scale, inv_rms, dx, dscale });
+        RmsNormGradOutputs { dx, dscale }
+    }
+
+    /// The backward of the activation `act` at the forward input `x`: `dy · act'(x)` elementwise
+    /// (cuDNN's `*_BWD` pointwise modes), f32. Activations without one (identity, exp, log) fail
+    /// validation.
+    pub fn activation_backward(&mut self, act: Unary, dy: TensorId, x: TensorId) -> TensorId {
+        let dims = self.broadcast(x, dy);
+        self.pointwise(Pointwise::Backward(act), DataType::F32, DataType::F32, x, Some(dy), None, &dims, None)
     }
 
     /// `op(x)` elementwise, f32 compute; the output is f32 (change it with [`Graph::spec_mut`] or

@@ -13,6 +13,9 @@ impl Graph {
             Node::RmsNorm { x, scale, epsilon, y, inv_rms, .. } => {
                 self.check_rmsnorm(x, scale, epsilon, y, inv_rms)
             }
+            Node::RmsNormBackward { dy, x, scale, inv_rms, dx, dscale } => {
+                self.check_rmsnorm_backward(dy, x, scale, inv_rms, dx, dscale)
+            }
             Node::Pointwise { op, x, b, t, y, .. } => self.check_pointwise(op, x, b, t, y),
             Node::Matmul { a, b, c } => self.check_matmul(a, b, c),
             Node::Reduction { x, y, .. } => {
@@ -79,7 +82,7 @@ impl Graph {
         }
         let needs = match op {
             Pointwise::Unary(_) | Pointwise::GenIndex => (false, false),
-            Pointwise::Binary(_) => (true, false),
+            Pointwise::Binary(_) | Pointwise::Backward(_) => (true, false),
             Pointwise::Select => (true, true),
         };
         if needs != (b.is_some(), t.is_some()) {
@@ -88,6 +91,13 @@ impl Graph {
         if let (Pointwise::Select, Some(t)) = (op, t) {
             if self.spec(t).dtype != DataType::Bool {
                 return Err(self.fail(t, "a select condition must be boolean"));
+            }
+        }
+        if let Pointwise::Backward(u) = op {
+            if !Pointwise::has_backward(u) {
+                return Err(
+                    self.fail(y, format!("{} has no cuDNN backward mode", Pointwise::Unary(u).name()))
+                );
             }
         }
         if op == Pointwise::Binary(Binary::CmpGe) && self.spec(y).dtype != DataType::Bool {
@@ -238,6 +248,71 @@ impl Graph {
                     format!("must be f32 [{}, 1, ...], is {} {:?}", xs.dims[0], s.dtype, s.dims),
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// The norm backward: dY and dX like X, scale and dscale `[1, hidden, ...]`, the saved inverse RMS
+    /// f32 `[rows, 1, ...]`; X, dY, scale and the statistic are device tensors (cuDNN reads them from
+    /// memory).
+    fn check_rmsnorm_backward(
+        &self,
+        dy: TensorId,
+        x: TensorId,
+        scale: TensorId,
+        inv: TensorId,
+        dx: TensorId,
+        dscale: TensorId,
+    ) -> Result<()> {
+        for id in [dy, x, scale, dx, dscale] {
+            if !FLOATS.contains(&self.spec(id).dtype) {
+                return Err(self.fail(id, format!("dtype {} is not f32, f16 or bf16", self.spec(id).dtype)));
+            }
+        }
+        let xs = self.spec(x);
+        if xs.dims.len() < 2 {
+            return Err(self.fail(x, format!("needs at least 2 dims, has {:?}", xs.dims)));
+        }
+        for id in [dy, x, scale, inv] {
+            let s = self.spec(id);
+            if s.is_virtual || s.by_value {
+                return Err(self.fail(id, "must be a device tensor"));
+            }
+        }
+        for id in [dy, dx] {
+            if self.spec(id).dims != xs.dims {
+                return Err(
+                    self.fail(id, format!("dims {:?} differ from X {:?}", self.spec(id).dims, xs.dims))
+                );
+            }
+        }
+        let mut expected = xs.dims.clone();
+        expected[0] = 1;
+        for id in [scale, dscale] {
+            if self.spec(id).dims != expected {
+                return Err(self.fail(
+                    id,
+                    format!(
+                        "dims {:?} do not match X {:?}: expected {expected:?}",
+                        self.spec(id).dims,
+                        xs.dims
+                    ),
+                ));
+            }
+        }
+        let s = self.spec(inv);
+        if s.dtype != DataType::F32
+            || s.dims.len() != xs.dims.len()
+            || s.dims[0] != xs.dims[0]
+            || s.dims[1..].iter().any(|&d| d != 1)
+        {
+            return Err(self.fail(
+                inv,
+                format!(
+                    "the saved inverse RMS must be f32 [{}, 1, ...] (the training forward's), is {} {:?}",
+                    xs.dims[0], s.dtype, s.dims
+                ),
+            ));
         }
         Ok(())
     }

@@ -17,8 +17,8 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Builders: [`Graph::rmsnorm`], the elementary [`Graph::unary`], [`Graph::binary`], [`Graph::select`],
-//! [`Graph::gen_index`], [`Graph::reduce`], [`Graph::matmul`], and the attention patterns of
+//! Builders: [`Graph::rmsnorm`] and its [`Graph::rmsnorm_backward`], the elementary [`Graph::unary`], [`Graph::binary`], [`Graph::select`],
+//! [`Graph::gen_index`], [`Graph::reduce`], [`Graph::activation_backward`], [`Graph::matmul`], and the attention patterns of
 //! [`Graph::sdpa`]. Node outputs are virtual f32 tensors until marked with [`Graph::output`].
 
 mod attention;
@@ -69,6 +69,15 @@ pub struct RmsNormOutputs {
     pub y: TensorId,
     /// f32 inverse RMS per row, `[rows, 1, ...]`; only in the training phase.
     pub inv_rms: Option<TensorId>,
+}
+
+/// Outputs of [`Graph::rmsnorm_backward`].
+#[derive(Debug, Clone, Copy)]
+pub struct RmsNormGradOutputs {
+    /// The gradient of X (dims, strides and dtype of X).
+    pub dx: TensorId,
+    /// The gradient of the scale (dims, strides and dtype of the scale).
+    pub dscale: TensorId,
 }
 
 /// An operation graph under construction.

@@ -61,6 +61,9 @@ pub(crate) enum Pointwise {
     GenIndex,
     /// `y = t ? x : b`.
     Select,
+    /// The backward of an activation: `dx = dy · f'(x)`; cuDNN's `*_BWD` modes, which read the forward
+    /// input as X and the incoming gradient as DY and write DX (the node's `x`, `b` and `y`).
+    Backward(Unary),
 }
 
 impl Pointwise {
@@ -85,7 +88,20 @@ impl Pointwise {
             },
             Pointwise::GenIndex => "gen_index",
             Pointwise::Select => "select",
+            Pointwise::Backward(u) => match u {
+                Unary::Relu => "relu_backward",
+                Unary::Silu => "silu_backward",
+                Unary::Gelu => "gelu_backward",
+                Unary::GeluTanh => "gelu_tanh_backward",
+                Unary::Sigmoid => "sigmoid_backward",
+                Unary::Identity | Unary::Exp | Unary::Log => "backward",
+            },
         }
+    }
+
+    /// The activations with a cuDNN backward mode.
+    pub(crate) fn has_backward(u: Unary) -> bool {
+        matches!(u, Unary::Relu | Unary::Silu | Unary::Gelu | Unary::GeluTanh | Unary::Sigmoid)
     }
 
     fn raw(self) -> sys::cudnnPointwiseMode_t {
@@ -110,6 +126,14 @@ impl Pointwise {
             },
             Pointwise::GenIndex => M::CUDNN_POINTWISE_GEN_INDEX,
             Pointwise::Select => M::CUDNN_POINTWISE_BINARY_SELECT,
+            // Validation refuses the others (`has_backward`) before anything is lowered.
+            Pointwise::Backward(u) => match u {
+                Unary::Relu => M::CUDNN_POINTWISE_RELU_BWD,
+                Unary::Gelu => M::CUDNN_POINTWISE_GELU_BWD,
+                Unary::GeluTanh => M::CUDNN_POINTWISE_GELU_APPROX_TANH_BWD,
+                Unary::Sigmoid => M::CUDNN_POINTWISE_SIGMOID_BWD,
+                _ => M::CUDNN_POINTWISE_SWISH_BWD,
+            },
         }
     }
 }
@@ -123,6 +147,16 @@ pub(crate) enum Node {
         y: TensorId,
         inv_rms: Option<TensorId>,
         phase: NormPhase,
+    },
+    /// cuDNN's norm backward in RMS mode, from the forward's saved f32 inverse RMS (no epsilon: it is
+    /// inside the saved statistic).
+    RmsNormBackward {
+        dy: TensorId,
+        x: TensorId,
+        scale: TensorId,
+        inv_rms: TensorId,
+        dx: TensorId,
+        dscale: TensorId,
     },
     /// `x` is cuDNN's X, `b` its B (second operand, or the false branch of a select), `t` the condition.
     Pointwise {
@@ -163,6 +197,7 @@ impl Node {
     pub(crate) fn inputs(&self) -> Vec<TensorId> {
         match *self {
             Node::RmsNorm { x, scale, epsilon, .. } => vec![x, scale, epsilon],
+            Node::RmsNormBackward { dy, x, scale, inv_rms, .. } => vec![dy, x, scale, inv_rms],
             Node::Pointwise { x, b, t, .. } => [Some(x), b, t].into_iter().flatten().collect(),
             Node::Matmul { a, b, .. } => vec![a, b],
             Node::Reduction { x, .. } => vec![x],
@@ -177,6 +212,7 @@ impl Node {
     pub(crate) fn outputs(&self) -> Vec<TensorId> {
         match *self {
             Node::RmsNorm { y, inv_rms, .. } => [Some(y), inv_rms].into_iter().flatten().collect(),
+            Node::RmsNormBackward { dx, dscale, .. } => vec![dx, dscale],
             Node::Pointwise { y, .. } | Node::Reduction { y, .. } => vec![y],
             Node::Matmul { c, .. } => vec![c],
             Node::SdpaFwd { o, stats, .. } => [Some(o), stats].into_iter().flatten().collect(),
@@ -207,6 +243,22 @@ impl Node {
                 op.finalize("rmsnorm operation")?;
                 Ok(op)
             }
+            Node::RmsNormBackward { dy, x, scale, inv_rms, dx, dscale } => {
+                let mut op = Descriptor::new(D::CUDNN_BACKEND_OPERATION_NORM_BACKWARD_DESCRIPTOR)?;
+                op.set(
+                    A::CUDNN_ATTR_OPERATION_NORM_BWD_MODE,
+                    Attr::NormMode(sys::cudnnBackendNormMode_t::CUDNN_RMS_NORM),
+                )?;
+                // As the frontend's DRMSNormNode: no epsilon and no mean for RMS mode, no dbias.
+                op.set(A::CUDNN_ATTR_OPERATION_NORM_BWD_XDESC, Attr::Descriptors(&[t(x)]))?;
+                op.set(A::CUDNN_ATTR_OPERATION_NORM_BWD_DYDESC, Attr::Descriptors(&[t(dy)]))?;
+                op.set(A::CUDNN_ATTR_OPERATION_NORM_BWD_SCALE_DESC, Attr::Descriptors(&[t(scale)]))?;
+                op.set(A::CUDNN_ATTR_OPERATION_NORM_BWD_INV_VARIANCE_DESC, Attr::Descriptors(&[t(inv_rms)]))?;
+                op.set(A::CUDNN_ATTR_OPERATION_NORM_BWD_DSCALE_DESC, Attr::Descriptors(&[t(dscale)]))?;
+                op.set(A::CUDNN_ATTR_OPERATION_NORM_BWD_DXDESC, Attr::Descriptors(&[t(dx)]))?;
+                op.finalize("rmsnorm backward operation")?;
+                Ok(op)
+            }
             Node::Pointwise { op: mode, compute, x, b, t: cond, y, axis } => {
                 // The parameter descriptor is copied into the operation at finalize and dropped here.
                 let mut pw = Descriptor::new(D::CUDNN_BACKEND_POINTWISE_DESCRIPTOR)?;
@@ -215,20 +267,32 @@ impl Node {
                 if let Some(axis) = axis {
                     pw.set(A::CUDNN_ATTR_POINTWISE_AXIS, Attr::I64(&[axis]))?;
                 }
-                if mode == Pointwise::Unary(Unary::Silu) {
+                if matches!(mode, Pointwise::Unary(Unary::Silu) | Pointwise::Backward(Unary::Silu)) {
                     pw.set(A::CUDNN_ATTR_POINTWISE_SWISH_BETA, Attr::F64(1.0))?;
                 }
                 pw.finalize(&format!("pointwise {} descriptor", mode.name()))?;
                 let mut op = Descriptor::new(D::CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR)?;
                 op.set(A::CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, Attr::Descriptors(&[&pw]))?;
                 op.set(A::CUDNN_ATTR_OPERATION_POINTWISE_XDESC, Attr::Descriptors(&[t(x)]))?;
-                if let Some(b) = b {
-                    op.set(A::CUDNN_ATTR_OPERATION_POINTWISE_BDESC, Attr::Descriptors(&[t(b)]))?;
+                if let Pointwise::Backward(_) = mode {
+                    // Activation backward: X the forward input, DY the incoming gradient, DX the result.
+                    let Some(dy) = b else {
+                        return Err(crate::Error::invalid(format!(
+                            "{} without its gradient input",
+                            mode.name()
+                        )));
+                    };
+                    op.set(A::CUDNN_ATTR_OPERATION_POINTWISE_DYDESC, Attr::Descriptors(&[t(dy)]))?;
+                    op.set(A::CUDNN_ATTR_OPERATION_POINTWISE_DXDESC, Attr::Descriptors(&[t(y)]))?;
+                } else {
+                    if let Some(b) = b {
+                        op.set(A::CUDNN_ATTR_OPERATION_POINTWISE_BDESC, Attr::Descriptors(&[t(b)]))?;
+                    }
+                    if let Some(c) = cond {
+                        op.set(A::CUDNN_ATTR_OPERATION_POINTWISE_TDESC, Attr::Descriptors(&[t(c)]))?;
+                    }
+                    op.set(A::CUDNN_ATTR_OPERATION_POINTWISE_YDESC, Attr::Descriptors(&[t(y)]))?;
                 }
-                if let Some(c) = cond {
-                    op.set(A::CUDNN_ATTR_OPERATION_POINTWISE_TDESC, Attr::Descriptors(&[t(c)]))?;
-                }
-                op.set(A::CUDNN_ATTR_OPERATION_POINTWISE_YDESC, Attr::Descriptors(&[t(y)]))?;
                 op.finalize(&format!("pointwise {} operation", mode.name()))?;
                 Ok(op)
             }

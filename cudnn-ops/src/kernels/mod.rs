@@ -21,6 +21,7 @@ const SOURCE: &str = concat!(
     include_str!("../ops/sdpa/fused.cu"),
     include_str!("../ops/sdpa/naive.cu"),
     include_str!("../ops/matmul/naive.cu"),
+    include_str!("../ops/matmul/backward/naive.cu"),
     include_str!("../ops/rope/fused.cu"),
     include_str!("../ops/rope/naive.cu"),
     include_str!("../ops/rows/rows.cu"),

@@ -12,7 +12,7 @@ use std::rc::Rc;
 
 /// The uids [`MatmulArgs::graph`] gives the tensors a call binds (graph intermediates take the ones
 /// from 6, below D's).
-mod uid {
+pub(super) mod uid {
     pub const A: i64 = 1;
     pub const B: i64 = 2;
     pub const BIAS: i64 = 3;

@@ -24,10 +24,15 @@
 //! D, U and R are packed row-major `[batch, m, n]`. The output dtype is the input dtype or f32 (e.g.
 //! logits from bf16 weights); bias, U and R have the output dtype.
 
+pub mod backward;
 pub mod epilogue;
 mod fused;
 pub mod naive;
 
+pub use backward::{
+    linear_backward_data, linear_backward_weight, swiglu_down_backward, DataGrad, LinearGradArgs, SwigluForm,
+    SwigluGrads, WeightGrad,
+};
 pub use epilogue::{Activation, Epilogue};
 
 use crate::dtype::{DataType, Element};
