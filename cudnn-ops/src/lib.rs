@@ -8,7 +8,7 @@
 //! | [`Plan`], [`Bindings`] | heuristics (mode A, B when autotuning, then FALLBACK) and a plan finalized for one context's handle, optionally autotuned over engine configurations and knobs ([`Tuning`], [`KnobRange`]); execution checks the handle and every bound buffer |
 //! | [`Features`] | what the running cuDNN can do on this GPU, from its version ([`Cudnn::features`]) |
 //! | [`PlanCache`], [`PlanKey`] | plans by op-declared keys (shape/stride/dtype/flags), with hit and miss counters |
-//! | [`ops`] | one room per op: [`rms_norm`], [`sdpa`], [`matmul`], [`rope`], [`embedding`] and [`write_cache`], each with its arguments, operands, fused half and eager baseline |
+//! | [`ops`] | one room per op: [`rms_norm`], [`sdpa`] (and [`sdpa_backward`]), [`matmul`], [`rope`], [`embedding`] and [`write_cache`], each with its arguments, operands, fused half and eager baseline |
 //! | [`reference`](mod@reference) | f64 CPU references and the comparison used by tests and reports |
 //!
 //! Recipe for an op call:
@@ -43,8 +43,8 @@ pub use dtype::{DataType, Element};
 pub use error::{Error, Result};
 pub use features::Features;
 pub use graph::{
-    Binary, Graph, Mask, NormPhase, Reduce, RmsNormOutputs, SdpaForm, SdpaOptions, SdpaOutputs, TensorId,
-    Unary,
+    Binary, Graph, Mask, NormPhase, Reduce, RmsNormOutputs, SdpaBackwardOptions, SdpaForm, SdpaGradients,
+    SdpaOptions, SdpaOutputs, TensorId, Unary,
 };
 pub use ops::matmul::{matmul, Activation, BufferLens, Epilogue, MatmulArgs, MatmulOperands, MatrixLayout};
 pub use ops::rmsnorm::{rms_norm, RmsNormArgs, RmsNormOperands};
@@ -52,7 +52,7 @@ pub use ops::rope::{rope, RopeArgs, RopeOperands, RopeTables};
 pub use ops::rows::{
     check_ids, embedding, write_cache, CacheWrite, CacheWriteOperands, EmbeddingArgs, EmbeddingOperands,
 };
-pub use ops::sdpa::{sdpa, Layout, SdpaArgs, SdpaLens, SdpaOperands};
+pub use ops::sdpa::{sdpa, sdpa_backward, Layout, SdpaArgs, SdpaGrads, SdpaLens, SdpaOperands};
 pub use plan::{knob_name, Bindings, KnobRange, L2Flush, Plan, Prepared, Scalar};
 pub use tensor::{packed_strides, TensorSpec, DEFAULT_ALIGNMENT, MAX_RANK};
 

@@ -10,6 +10,7 @@ use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKern
 use std::sync::Arc;
 
 use cudarc::nvrtc::CompileOptions;
+use once_cell::unsync::OnceCell;
 use std::cell::RefCell;
 use std::collections::HashMap;
 
@@ -32,29 +33,48 @@ const SOURCE: &str = concat!(
 const BLOCK: u32 = 256;
 const ITEMS: u32 = 4;
 
-/// The compiled kernels and the scratch memory the eager baselines' intermediates live in.
+/// The compiled kernels (compiled on the first launch), the scratch memory the eager baselines'
+/// intermediates live in, and the buffers fused ops own.
 pub struct Kernels {
-    module: Arc<CudaModule>,
+    module: OnceCell<Arc<CudaModule>>,
     functions: RefCell<HashMap<String, CudaFunction>>,
     scratch: RefCell<Option<CudaSlice<f32>>>,
     /// Clamped sequence lengths of padded attention (see [`crate::SdpaOperands::seq_lens`]).
     seq_lens: RefCell<Option<CudaSlice<i32>>>,
+    /// The fused attention backward's f32 row sums and dQ accumulator (see
+    /// [`crate::ops::sdpa::sdpa_backward`]).
+    sdpa_backward: RefCell<Option<CudaSlice<f32>>>,
 }
 
 impl Kernels {
-    fn compile(ctx: &Cudnn) -> Result<Self> {
-        let ptx = ptx(ctx.info().compute_capability)?;
-        let module = ctx.stream().context().load_module(ptx)?;
-        Ok(Kernels {
-            module,
-            functions: RefCell::new(HashMap::new()),
-            scratch: RefCell::new(None),
-            seq_lens: RefCell::new(None),
+    pub(crate) fn get(ctx: &Cudnn) -> Result<&Kernels> {
+        // Nothing compiles here: an op that only needs an op-owned buffer needs no NVRTC.
+        ctx.naive.get_or_try_init(|| {
+            Ok(Kernels {
+                module: OnceCell::new(),
+                functions: RefCell::new(HashMap::new()),
+                scratch: RefCell::new(None),
+                seq_lens: RefCell::new(None),
+                sdpa_backward: RefCell::new(None),
+            })
         })
     }
 
-    pub(crate) fn get(ctx: &Cudnn) -> Result<&Kernels> {
-        ctx.naive.get_or_try_init(|| Kernels::compile(ctx))
+    /// An op-owned f32 buffer of at least `len` elements (grown, never shrunk; zeroed when allocated)
+    /// for the fused attention backward's row sums and dQ accumulator; only this context's stream
+    /// uses it, so stream order alone keeps it safe.
+    pub(crate) fn sdpa_backward(
+        &self,
+        ctx: &Cudnn,
+        len: usize,
+    ) -> Result<std::cell::RefMut<'_, CudaSlice<f32>>> {
+        let mut s = self.sdpa_backward.borrow_mut();
+        if s.as_ref().is_none_or(|s| s.len() < len) {
+            *s = None;
+            *s = Some(ctx.stream().alloc_zeros::<f32>(len.max(1))?);
+            ctx.bump_epoch();
+        }
+        Ok(std::cell::RefMut::map(s, |s| s.as_mut().expect("just allocated")))
     }
 
     /// An op-owned i32 buffer of at least `len` elements (grown, never shrunk) for clamped sequence
@@ -76,12 +96,16 @@ impl Kernels {
         self.scratch.borrow().as_ref().map_or(0, |s| s.len())
     }
 
-    /// The kernel called `name` (looked up once, then cached).
-    fn function(&self, name: &str) -> Result<CudaFunction> {
+    /// The kernel called `name` (looked up once, then cached); the program compiles on the first call.
+    fn function(&self, ctx: &Cudnn, name: &str) -> Result<CudaFunction> {
         if let Some(f) = self.functions.borrow().get(name) {
             return Ok(f.clone());
         }
-        let f = self.module.load_function(name)?;
+        let module = self.module.get_or_try_init(|| {
+            let ptx = ptx(ctx.info().compute_capability)?;
+            Ok::<_, Error>(ctx.stream().context().load_module(ptx)?)
+        })?;
+        let f = module.load_function(name)?;
         self.functions.borrow_mut().insert(name.to_string(), f.clone());
         Ok(f)
     }
@@ -144,7 +168,7 @@ pub(crate) fn launch(
     cfg: LaunchConfig,
     args: &[Arg],
 ) -> Result<()> {
-    let f = kernels.function(name)?;
+    let f = kernels.function(ctx, name)?;
     let mut launch = ctx.stream().launch_builder(&f);
     for a in args {
         match a {

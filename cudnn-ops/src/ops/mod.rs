@@ -6,6 +6,7 @@
 //! |---|---|---|---|
 //! | [`rmsnorm`] | [`rms_norm`](rmsnorm::rms_norm) | `NORM_FORWARD` graph | 8 eager kernels ([`rmsnorm::naive`]) |
 //! | [`sdpa`] | [`sdpa`](sdpa::sdpa) | SDPA graph (unified or composite) | math-path attention ([`sdpa::naive`]) |
+//! | | [`sdpa_backward`](sdpa::sdpa_backward) | composite backward graph | math-path autograd ([`sdpa::naive`]) |
 //! | [`matmul`] | [`matmul`](matmul::matmul) | matmul + epilogue graph | cuBLAS GEMM + one kernel per step ([`matmul::naive`]) |
 //! | [`rope`] | [`rope`](rope::rope) | one custom kernel | 10 eager kernels |
 //! | [`rows`] | [`embedding`](rows::embedding), [`write_cache`](rows::write_cache) | one kernel, the same on both backends | |
