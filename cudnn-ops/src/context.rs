@@ -220,10 +220,11 @@ impl std::ops::Deref for Cudnn {
 }
 
 impl Kernels {
-    /// The context's kernels, compiled for its device on first use. Here, not in `kernels/`: the
-    /// context owns the registry, and the kernels know only the [`Exec`] they launch on.
+    /// The context's kernel registry (its program compiles for the device on the first launch). Here,
+    /// not in `kernels/`: the context owns the registry, and the kernels know only the [`Exec`] they
+    /// launch on.
     pub(crate) fn get(ctx: &Cudnn) -> Result<&Kernels> {
-        ctx.kernels.get_or_try_init(|| Kernels::compile(ctx))
+        Ok(ctx.kernels.get_or_init(Kernels::new))
     }
 }
 

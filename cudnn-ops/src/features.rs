@@ -4,6 +4,13 @@
 
 /// First version whose masks fill with `-inf` (the lowest finite float before).
 const NEG_INFINITY_MASK_FILL: usize = 91000;
+/// First version whose attention-backward engines zero their f32 dQ accumulator themselves (the
+/// frontend memsets it before each execution below this).
+const SDPA_BACKWARD_ZEROES_DQ_ACCUM: usize = 90600;
+/// First version whose attention-backward engines take any K/V length: up to 9.15.0 the frontend adds a
+/// padding mask with full lengths when `s_kv % 128 != 0` (an illegal memory access under CUDA-graph
+/// replay and NaNs otherwise, fixed in 9.15.1).
+const SDPA_BACKWARD_ANY_SEQ_KV: usize = 91501;
 /// First version with head dim 256 on Blackwell (and later) GPUs.
 const WIDE_HEADS_AFTER_HOPPER: usize = 91100;
 /// First version with the unified SDPA operation (`OPERATION_SDPA_FWD`), unmasked.
@@ -18,6 +25,9 @@ const UNIFIED_SDPA_CAUSAL: usize = 92100;
 /// First version with engines for a norm backward followed by an add of the residual stream's
 /// gradient (NVIDIA/TransformerEngine#2778: "From CUDNN 9.21 ... fusing the dLN + add backward").
 const NORM_BACKWARD_ADD: usize = 92100;
+// No version enables the unified SDPA backward (`OPERATION_SDPA_BWD`): the frontend never builds it and
+// a raw-API client reports it does not finalize on 9.19/9.20, so attention backward is the composite
+// graph on every version (add a threshold and a feature here once one is known to work).
 
 /// What the running cuDNN and GPU support, as graph forms and workarounds.
 ///
@@ -90,6 +100,29 @@ impl Features {
         }
     }
 
+    /// Whether the f32 dQ accumulator of the attention backward must be zeroed before each execution:
+    /// cuDNN before 9.6 (from 9.6 the engines initialize it).
+    pub fn sdpa_backward_zeroes_dq_accum(&self) -> bool {
+        self.runtime < SDPA_BACKWARD_ZEROES_DQ_ACCUM
+    }
+
+    /// Whether the fused attention backward takes a K/V length that is not a multiple of 128 without
+    /// the frontend's padding-mask workaround (not built here): cuDNN 9.15.1.
+    pub fn sdpa_backward_any_seq_kv(&self) -> bool {
+        self.runtime >= SDPA_BACKWARD_ANY_SEQ_KV
+    }
+
+    /// The largest head dim the fused attention backward takes: 256 on Hopper; 128 on Ampere/Ada and
+    /// on Blackwell and later (the frontend's backward support surface; Blackwell's d_qk 192 with
+    /// d_v 128 needs distinct head dims, which these ops do not have); 0 before Ampere.
+    pub fn max_sdpa_backward_head_dim(&self) -> usize {
+        match self.compute_capability.0 {
+            ..=7 => 0,
+            9 => 256,
+            _ => 128,
+        }
+    }
+
     /// Matmuls whose B is shared across batches while A cannot fold its batch into rows: cuDNN 9.14
     /// returned wrong results for them in our tests, 9.19 did not.
     pub fn batch_broadcast_matmul(&self) -> bool {
@@ -133,6 +166,8 @@ mod tests {
         let f = |runtime| Features::new(runtime, 90000, HOPPER);
         assert!(!f(90900).neg_infinity_mask_fill() && f(91000).neg_infinity_mask_fill());
         assert!(f(91400).zeroes_workspace() && !f(91900).zeroes_workspace());
+        assert!(f(90500).sdpa_backward_zeroes_dq_accum() && !f(90600).sdpa_backward_zeroes_dq_accum());
+        assert!(!f(91500).sdpa_backward_any_seq_kv() && f(91501).sdpa_backward_any_seq_kv());
         assert!(!f(91400).batch_broadcast_matmul() && f(91900).batch_broadcast_matmul());
         assert!(!f(91900).rmsnorm_backward_add() && f(92100).rmsnorm_backward_add());
     }
@@ -145,6 +180,11 @@ mod tests {
         assert_eq!(dim((10, 0), 91000), 128);
         assert_eq!(dim((10, 0), 91900), 256);
         assert_eq!(dim((7, 5), 91900), 0);
+        let bwd = |cc| Features::for_version(91900, cc).max_sdpa_backward_head_dim();
+        assert_eq!(
+            (bwd((9, 0)), bwd((8, 0)), bwd((10, 0)), bwd((12, 0)), bwd((7, 5))),
+            (256, 128, 128, 128, 0)
+        );
     }
 
     #[test]

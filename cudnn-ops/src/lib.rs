@@ -8,7 +8,7 @@
 //! | [`Plan`], [`Bindings`] | heuristics (mode A, B when autotuning, then FALLBACK) and a plan finalized for one context's handle, optionally autotuned over engine configurations and knobs ([`Tuning`], [`KnobRange`]); execution checks the handle and every bound buffer |
 //! | [`Features`] | what the running cuDNN can do on this GPU, from its version ([`Exec::features`]) |
 //! | [`PlanCache`], [`PlanKey`] | plans by op-declared keys (shape/stride/dtype/flags), with hit and miss counters |
-//! | [`ops`] | one room per op: [`rms_norm`], [`sdpa`], [`matmul`], [`rope`], [`embedding`] and [`write_cache`], each with its arguments, operands, fused half and eager baseline; backward phases [`rms_norm_backward`], [`linear_backward_data`], [`linear_backward_weight`], [`swiglu_down_backward`], [`rope_backward`], [`embedding_backward`]; the training side's custom kernels [`cross_entropy`], [`adamw`], [`grad_norm`] |
+//! | [`ops`] | one room per op: [`rms_norm`], [`sdpa`], [`matmul`], [`rope`], [`embedding`] and [`write_cache`], each with its arguments, operands, fused half and eager baseline; backward phases [`rms_norm_backward`], [`sdpa_backward`], [`linear_backward_data`], [`linear_backward_weight`], [`swiglu_down_backward`], [`rope_backward`], [`embedding_backward`]; the training side's custom kernels [`cross_entropy`], [`adamw`], [`grad_norm`] |
 //! | [`reference`](mod@reference) | f64 CPU references and the comparison used by tests and reports |
 //!
 //! Recipe for an op call:
@@ -43,8 +43,8 @@ pub use error::{Error, Result};
 pub use exec::{open_device, DeviceInfo, Exec};
 pub use features::Features;
 pub use graph::{
-    Binary, Graph, Mask, NormPhase, Reduce, RmsNormGradOutputs, RmsNormOutputs, SdpaForm, SdpaOptions,
-    SdpaOutputs, TensorId, Unary,
+    Binary, Graph, Mask, NormPhase, Reduce, RmsNormGradOutputs, RmsNormOutputs, SdpaBackwardOptions,
+    SdpaForm, SdpaGradients, SdpaOptions, SdpaOutputs, TensorId, Unary,
 };
 pub use ops::loss::{cross_entropy, CrossEntropyArgs, CrossEntropyOperands, Logits};
 pub use ops::matmul::{
@@ -63,7 +63,9 @@ pub use ops::rows::backward::{embedding_backward, EmbeddingBackwardOperands, Emb
 pub use ops::rows::{
     check_ids, embedding, write_cache, CacheWrite, CacheWriteOperands, EmbeddingArgs, EmbeddingOperands,
 };
-pub use ops::sdpa::{sdpa, DeviceSeqLens, Layout, SdpaArgs, SdpaLens, SdpaOperands, SeqLens};
+pub use ops::sdpa::{
+    sdpa, sdpa_backward, DeviceSeqLens, Layout, SdpaArgs, SdpaGrads, SdpaLens, SdpaOperands, SeqLens,
+};
 pub use plan::{knob_name, Bindings, KnobRange, L2Flush, Plan, Prepared, Scalar, Tuning};
 pub use tensor::{packed_strides, TensorSpec, DEFAULT_ALIGNMENT, MAX_RANK};
 

@@ -152,25 +152,7 @@ impl Graph {
         kt.strides.swap(2, 3);
         let s = self.matmul(q, k);
         let s = self.binary(Binary::Mul, s, scale);
-        let s = match opts.mask {
-            Mask::None => s,
-            mask => {
-                let mut row = self.gen_index(s, 2);
-                let col = self.gen_index(s, 3);
-                if mask == Mask::CausalBottomRight {
-                    // row + s_kv − s_q ≥ col, with both lengths as i32 constants (no padding).
-                    let sdims = self.spec(s).dims.clone();
-                    let skv = self.constant("seq_len_kv", Scalar::I32(sdims[3] as i32), 4);
-                    let sq = self.constant("seq_len_q", Scalar::I32(sdims[2] as i32), 4);
-                    row = self.index_arith(Binary::Add, row, skv);
-                    row = self.index_arith(Binary::Sub, row, sq);
-                }
-                let keep = self.binary(Binary::CmpGe, row, col);
-                let fill = if opts.features.neg_infinity_mask_fill() { f32::NEG_INFINITY } else { f32::MIN };
-                let fill = self.constant("mask_fill", Scalar::F32(fill), 4);
-                self.select(keep, s, fill)
-            }
-        };
+        let s = self.causal_mask(s, opts.mask, opts.features);
         // Softmax with its statistics: max, exp(s − max), sum, stats = max + ln(sum), p = e / sum.
         let max = self.reduce(Reduce::Max, s, &stats_dims);
         let z = self.binary(Binary::Sub, s, max);
@@ -194,6 +176,197 @@ impl Graph {
         self.attentions.push(([q, k, v, o], opts.stats.then_some(stats)));
         SdpaOutputs { o, stats: opts.stats.then_some(stats) }
     }
+
+    /// The scores `s` (`[b, h, s_q, s_kv]`) with the keys `mask` hides filled with `-inf` (the lowest
+    /// float before cuDNN 9.10): the frontend's right-bound diagonal band, GEN_INDEX row and column,
+    /// CMP_GE, BINARY_SELECT; bottom-right alignment shifts the row by `s_kv − s_q` first.
+    fn causal_mask(&mut self, s: TensorId, mask: Mask, features: Features) -> TensorId {
+        if mask == Mask::None {
+            return s;
+        }
+        let mut row = self.gen_index(s, 2);
+        let col = self.gen_index(s, 3);
+        if mask == Mask::CausalBottomRight {
+            // row + s_kv − s_q ≥ col, with both lengths as i32 constants (no padding).
+            let sdims = self.spec(s).dims.clone();
+            let skv = self.constant("seq_len_kv", Scalar::I32(sdims[3] as i32), 4);
+            let sq = self.constant("seq_len_q", Scalar::I32(sdims[2] as i32), 4);
+            row = self.index_arith(Binary::Add, row, skv);
+            row = self.index_arith(Binary::Sub, row, sq);
+        }
+        let keep = self.binary(Binary::CmpGe, row, col);
+        let fill = if features.neg_infinity_mask_fill() { f32::NEG_INFINITY } else { f32::MIN };
+        let fill = self.constant("mask_fill", Scalar::F32(fill), 4);
+        self.select(keep, s, fill)
+    }
+
+    /// Attention backward from the forward's saved log-sum-exp `stats`: the composite graph of the
+    /// frontend's `CompositeSDPABackwardNode` (cuDNN's unified `OPERATION_SDPA_BWD` does not finalize
+    /// on 9.19). Q, O, dO `[b, h_q, s_q, d]`, K, V `[b, h_kv, s_kv, d]` over any strides with a unit
+    /// last stride, `h_q` a multiple of `h_kv`; stats f32 `[b, h_q, s_q, 1]`; `scale` a by-value f32,
+    /// the forward's. Returns dQ, dK, dV (virtual, I/O dtype, packed until the caller marks and strides
+    /// them) and the two f32 buffers the graph writes and reads back, which the caller binds.
+    ///
+    /// Node by node (K and V become their `[b, h, d, s_kv]` transposed views, a stride swap on the
+    /// same uids):
+    /// 1. `softmax_sum = rowsum(dO ⊙ O) · 1` (MUL, REDUCTION ADD, MUL by a constant 1.0);
+    /// 2. `P = exp(mask(scale · Q Kᵀ − stats))` (MATMUL, MUL, SUB, mask chain, EXP);
+    /// 3. `dV = Pᵀ dO` through a transposed RESHAPE of P in the I/O dtype (grouped heads: full-head
+    ///    product, then REDUCTION ADD over each group);
+    /// 4. `dS = scale · P ⊙ (dO Vᵀ − softmax_sum)` (MATMUL, SUB, MUL, MUL);
+    /// 5. `dK = dSᵀ Q` through a transposed RESHAPE of dS (grouped heads: REDUCTION ADD);
+    /// 6. `dQ = dS K` into the f32 `dq_accum` (K viewed back through a RESHAPE), then IDENTITY to dQ.
+    #[allow(clippy::too_many_arguments)]
+    pub fn sdpa_backward(
+        &mut self,
+        q: TensorId,
+        k: TensorId,
+        v: TensorId,
+        o: TensorId,
+        d_o: TensorId,
+        stats: TensorId,
+        scale: TensorId,
+        opts: SdpaBackwardOptions,
+    ) -> SdpaGradients {
+        let io = self.spec(q).dtype;
+        let rank4 = [q, k, v, o, d_o].iter().all(|&t| self.spec(t).dims.len() == 4);
+        let dims = |g: &Graph, t: TensorId| -> [i64; 4] {
+            let d = &g.spec(t).dims;
+            if rank4 {
+                [d[0], d[1], d[2], d[3]]
+            } else {
+                [1; 4] // validation names the tensor of the wrong rank
+            }
+        };
+        let [b, h_q, s_q, d_qk] = dims(self, q);
+        let [_, h_k, s_kv, _] = dims(self, k);
+        let [_, h_v, _, d_v] = dims(self, v);
+        self.set_form(SdpaForm::Composite.name());
+        let f32 = crate::DataType::F32;
+        let packed = |d: &[i64]| crate::packed_strides(d);
+        let one = self.constant("one", Scalar::F32(1.0), 4);
+
+        // 1. softmax_sum = rowsum(dO ⊙ O), an f32 buffer the graph writes and reads back.
+        let d_o_o = self.binary(Binary::Mul, d_o, o);
+        // The frontend's strides for this virtual product (BSHD-like over BHSD dims).
+        self.spec_mut(d_o_o).strides = vec![h_q * s_q * d_v, s_q * d_v, h_q * d_v, 1];
+        let row_dims = [b, h_q, s_q, 1];
+        let row_sum = self.reduce(Reduce::Sum, d_o_o, &row_dims);
+        let softmax_sum = self.binary(Binary::Mul, row_sum, one);
+        let name = format!("{}::softmax_sum", self.name);
+        let spec = self.output(softmax_sum);
+        spec.name = name;
+        spec.strides = vec![h_q * s_q, s_q, 1, 1];
+
+        // 2. P = exp(mask(scale · Q Kᵀ − stats)), recomputed from the forward's log-sum-exp.
+        for t in [k, v] {
+            let spec = self.spec_mut(t);
+            if spec.dims.len() == 4 {
+                spec.dims.swap(2, 3);
+                spec.strides.swap(2, 3);
+            }
+        }
+        let s = self.matmul(q, k);
+        let s = self.binary(Binary::Mul, s, scale);
+        let s = self.binary(Binary::Sub, s, stats);
+        let s = self.causal_mask(s, opts.mask, opts.features);
+        let p = self.unary(Unary::Exp, s);
+
+        // The `[b, h_q, s_kv, s_q]` transposed view of a score-shaped tensor, in the I/O dtype.
+        let transposed = [b, h_q, s_kv, s_q];
+        let t_strides = [h_q * s_q * s_kv, s_q * s_kv, 1, s_kv];
+        // A full-head gradient reduced over each group of query heads when K/V have fewer heads.
+        let grouped = |g: &mut Graph, full: TensorId, heads: i64, dim: i64| -> TensorId {
+            g.spec_mut(full).dtype = io;
+            if heads == h_q {
+                return full;
+            }
+            g.spec_mut(full).strides = packed(&[b, h_q, s_kv, dim]);
+            g.reduce(Reduce::Sum, full, &[b, heads, s_kv, dim])
+        };
+
+        // 3. dV = Pᵀ dO.
+        let p_t = self.reshape(p, &transposed, &t_strides, io);
+        let dv_full = self.matmul(p_t, d_o);
+        let dv = grouped(self, dv_full, h_v, d_v);
+
+        // 4. dS = scale · P ⊙ (dO Vᵀ − softmax_sum).
+        let dp = self.matmul(d_o, v);
+        let ds = self.binary(Binary::Sub, dp, softmax_sum);
+        let ds = self.binary(Binary::Mul, ds, p);
+        let ds = self.binary(Binary::Mul, ds, scale);
+
+        // 5. dK = dSᵀ Q.
+        let ds_t = self.reshape(ds, &transposed, &t_strides, io);
+        let dk_full = self.matmul(ds_t, q);
+        let dk = grouped(self, dk_full, h_k, d_qk);
+
+        // 6. dQ = dS K, accumulated in f32, then cast.
+        let (kd, ks) = (self.spec(k).dims.clone(), self.spec(k).strides.clone());
+        let (k_dims, k_strides) = if rank4 {
+            ([kd[0], kd[1], kd[3], kd[2]], [ks[0], ks[1], ks[3], ks[2]])
+        } else {
+            ([1; 4], [1; 4])
+        };
+        let k_view = self.reshape(k, &k_dims, &k_strides, f32);
+        let dq_accum = self.matmul(ds, k_view);
+        let name = format!("{}::dq_accum", self.name);
+        let spec = self.output(dq_accum);
+        spec.name = name;
+        spec.strides = packed(&[b, h_q, s_q, d_qk]);
+        let dq = self.unary(Unary::Identity, dq_accum);
+        self.spec_mut(dq).dtype = io;
+
+        for (t, name) in [(dq, "dQ"), (dk, "dK"), (dv, "dV")] {
+            let n = format!("{}::{name}", self.name);
+            self.spec_mut(t).name = n;
+            self.spec_mut(t).dtype = io;
+        }
+        let tensors = SdpaBackwardTensors { q, k, v, o, d_o, stats, dq, dk, dv };
+        self.backward_attentions.push(tensors);
+        SdpaGradients { dq, dk, dv, softmax_sum, dq_accum }
+    }
+}
+
+/// What [`Graph::sdpa_backward`] builds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SdpaBackwardOptions {
+    /// The forward's causal masking.
+    pub mask: Mask,
+    /// What the cuDNN the graph is for can do (the mask fill).
+    pub features: Features,
+}
+
+/// Outputs of [`Graph::sdpa_backward`].
+#[derive(Debug, Clone, Copy)]
+pub struct SdpaGradients {
+    /// `[b, h_q, s_q, d]` in the I/O dtype, virtual until marked with [`Graph::output`].
+    pub dq: TensorId,
+    /// `[b, h_kv, s_kv, d]` in the I/O dtype (summed over each group of query heads), virtual until
+    /// marked.
+    pub dk: TensorId,
+    /// `[b, h_kv, s_kv, d_v]` in the I/O dtype, virtual until marked.
+    pub dv: TensorId,
+    /// f32 `[b, h_q, s_q, 1]` (strides `[h_q·s_q, s_q, 1, 1]`) row sums of `dO ⊙ O`: a device buffer
+    /// the graph writes, then reads (the frontend keeps it in its part of the workspace).
+    pub softmax_sum: TensorId,
+    /// f32 `[b, h_q, s_q, d]` packed accumulator of dQ: a device buffer the graph's engines accumulate
+    /// into (cuDNN before 9.6 needs it zeroed before each execution).
+    pub dq_accum: TensorId,
+}
+
+/// The tensors of one attention backward, checked as a whole by [`Graph::validate`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct SdpaBackwardTensors {
+    pub q: TensorId,
+    pub k: TensorId,
+    pub v: TensorId,
+    pub o: TensorId,
+    pub d_o: TensorId,
+    pub stats: TensorId,
+    pub dq: TensorId,
+    pub dk: TensorId,
+    pub dv: TensorId,
 }
 
 #[cfg(test)]
@@ -275,5 +448,195 @@ mod tests {
         for (r, c) in [(0, 0), (2, 1), (1, 2), (5, 5)] {
             assert_eq!(Mask::CausalTopLeft.keeps(r, c, 6, 6), Mask::CausalBottomRight.keeps(r, c, 6, 6));
         }
+    }
+
+    /// The node sequence of a graph, in cuDNN's op-graph tag spelling (pointwise modes by name).
+    fn pattern(g: &Graph) -> Vec<String> {
+        use super::super::node::Pointwise;
+        g.nodes
+            .iter()
+            .map(|n| match n {
+                Node::Matmul { .. } => "matmul".to_string(),
+                Node::Reduction { op, .. } => format!("reduce_{op:?}").to_lowercase(),
+                Node::Reshape { .. } => "reshape".to_string(),
+                Node::Pointwise { op, .. } => match op {
+                    Pointwise::Unary(u) => format!("{u:?}").to_lowercase(),
+                    other => other.name().to_string(),
+                },
+                other => format!("{other:?}"),
+            })
+            .collect()
+    }
+
+    /// A backward graph over packed BHSD tensors: `[b, h_q, h_kv, s_q, s_kv, d]`.
+    fn backward(shape: [i64; 6], mask: Mask, dtype: crate::DataType) -> (Graph, SdpaGradients) {
+        let [b, hq, hkv, sq, skv, d] = shape;
+        let mut g = Graph::new("bwd");
+        let t =
+            |g: &mut Graph, name: &str, dims: [i64; 4]| g.tensor(crate::TensorSpec::new(name, &dims, dtype));
+        let q = t(&mut g, "Q", [b, hq, sq, d]);
+        let k = t(&mut g, "K", [b, hkv, skv, d]);
+        let v = t(&mut g, "V", [b, hkv, skv, d]);
+        let o = t(&mut g, "O", [b, hq, sq, d]);
+        let d_o = t(&mut g, "dO", [b, hq, sq, d]);
+        let stats = g.tensor(crate::TensorSpec::new("stats", &[b, hq, sq, 1], crate::DataType::F32));
+        let scale = g.tensor(crate::TensorSpec::scalar("scale", crate::DataType::F32, 4));
+        let opts = SdpaBackwardOptions { mask, features: Features::for_version(91900, (9, 0)) };
+        let out = g.sdpa_backward(q, k, v, o, d_o, stats, scale, opts);
+        for t in [out.dq, out.dk, out.dv] {
+            g.output(t);
+        }
+        (g, out)
+    }
+
+    #[test]
+    fn backward_follows_the_frontend_composite_node_by_node() {
+        let (g, out) = backward([2, 8, 2, 64, 96, 64], Mask::CausalTopLeft, crate::DataType::BF16);
+        g.validate().unwrap();
+        assert_eq!(g.form(), Some("composite"));
+        let expected = [
+            // softmax_sum = rowsum(dO ⊙ O) · 1
+            "mul",
+            "reduce_sum",
+            "mul",
+            // P = exp(mask(scale · Q Kᵀ − stats))
+            "matmul",
+            "mul",
+            "sub",
+            "gen_index",
+            "gen_index",
+            "cmp_ge",
+            "select",
+            "exp",
+            // dV = Pᵀ dO, grouped heads summed
+            "reshape",
+            "matmul",
+            "reduce_sum",
+            // dS = scale · P ⊙ (dO Vᵀ − softmax_sum)
+            "matmul",
+            "sub",
+            "mul",
+            "mul",
+            // dK = dSᵀ Q, grouped heads summed
+            "reshape",
+            "matmul",
+            "reduce_sum",
+            // dQ = dS K through the f32 accumulator
+            "reshape",
+            "matmul",
+            "identity",
+        ];
+        assert_eq!(pattern(&g), expected);
+        // K and V are their transposed views over the same memory; the row sums and the dQ
+        // accumulator are f32 device buffers the caller binds.
+        for name in ["K", "V"] {
+            let t = g.tensors().iter().find(|t| t.name == name).unwrap();
+            assert_eq!(
+                (t.dims.clone(), t.strides.clone()),
+                (vec![2, 2, 64, 96], vec![96 * 2 * 64, 96 * 64, 1, 64])
+            );
+        }
+        let sum = g.spec(out.softmax_sum);
+        assert!(!sum.is_virtual && sum.dtype == crate::DataType::F32);
+        assert_eq!((sum.dims.clone(), sum.strides.clone()), (vec![2, 8, 64, 1], vec![8 * 64, 64, 1, 1]));
+        let acc = g.spec(out.dq_accum);
+        assert!(!acc.is_virtual && acc.dtype == crate::DataType::F32);
+        assert_eq!(
+            (acc.dims.clone(), acc.strides.clone()),
+            (vec![2, 8, 64, 64], vec![8 * 64 * 64, 64 * 64, 64, 1])
+        );
+        // The transposed P and dS views go to their matmuls in the I/O dtype.
+        let views: Vec<_> = g
+            .nodes
+            .iter()
+            .filter_map(|n| if let Node::Reshape { y, .. } = n { Some(g.spec(*y).clone()) } else { None })
+            .collect();
+        for v in &views[..2] {
+            assert_eq!(
+                (v.dims.clone(), v.strides.clone(), v.dtype),
+                (vec![2, 8, 96, 64], vec![8 * 64 * 96, 64 * 96, 1, 96], crate::DataType::BF16)
+            );
+        }
+        assert_eq!(
+            (views[2].dims.clone(), views[2].strides.clone()),
+            (vec![2, 2, 96, 64], vec![96 * 2 * 64, 96 * 64, 64, 1])
+        );
+        for (t, dims) in [(out.dq, [2, 8, 64, 64]), (out.dk, [2, 2, 96, 64]), (out.dv, [2, 2, 96, 64])] {
+            assert_eq!((g.spec(t).dims.clone(), g.spec(t).dtype), (dims.to_vec(), crate::DataType::BF16));
+        }
+    }
+
+    #[test]
+    fn backward_graphs_validate_for_every_mask_and_head_grouping() {
+        for mask in [Mask::None, Mask::CausalTopLeft, Mask::CausalBottomRight] {
+            for (hq, hkv) in [(8, 8), (8, 2), (8, 1)] {
+                for dtype in [crate::DataType::BF16, crate::DataType::F16] {
+                    let (g, _) = backward([1, hq, hkv, 32, 48, 128], mask, dtype);
+                    g.validate().unwrap_or_else(|e| panic!("{mask:?} {hq}/{hkv} {dtype}: {e}"));
+                    let p = pattern(&g);
+                    let masks = p.iter().filter(|n| *n == "select").count();
+                    assert_eq!(masks, usize::from(mask != Mask::None), "{mask:?}");
+                    // Bottom-right shifts the row index by s_kv − s_q (an add and a sub on i32).
+                    let shifts = p.iter().filter(|n| *n == "add").count();
+                    assert_eq!(shifts, usize::from(mask == Mask::CausalBottomRight), "{mask:?}");
+                    // Multi-head: the matmuls write dV and dK directly; grouped: a head reduction each.
+                    let reductions = p.iter().filter(|n| *n == "reduce_sum").count();
+                    assert_eq!(reductions, 1 + if hq == hkv { 0 } else { 2 }, "{hq}/{hkv}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn backward_validation_names_the_tensor() {
+        use crate::DataType::{BF16, F16, F32};
+        let expect = |g: &Graph, tensor: &str, reason: &str| match g.validate() {
+            Err(crate::Error::InvalidGraph { tensor: t, reason: r, .. }) => {
+                assert!(t.contains(tensor) && r.contains(reason), "{t}: {r}")
+            }
+            other => panic!("expected InvalidGraph for {tensor}, got {other:?}"),
+        };
+        let find = |g: &Graph, name: &str| TensorId(g.tensors().iter().position(|t| t.name == name).unwrap());
+        let (mut g, _) = backward([1, 8, 2, 16, 16, 64], Mask::None, BF16);
+        let d_o = find(&g, "dO");
+        g.spec_mut(d_o).dims = vec![1, 8, 16, 32];
+        expect(&g, "dO", "differ from O");
+        let (mut g, _) = backward([1, 8, 2, 16, 16, 64], Mask::None, BF16);
+        let d_o = find(&g, "dO");
+        g.spec_mut(d_o).dtype = F16;
+        expect(&g, "dO", "I/O dtype");
+        let (mut g, out) = backward([1, 8, 2, 16, 16, 64], Mask::None, BF16);
+        g.spec_mut(out.dk).strides = vec![2 * 16 * 64, 16 * 64, 1, 16];
+        expect(&g, "dK", "stride 1");
+        let (mut g, _) = backward([1, 8, 2, 16, 16, 64], Mask::None, BF16);
+        let stats = find(&g, "stats");
+        g.spec_mut(stats).dims = vec![1, 8, 16, 2];
+        expect(&g, "stats", "stats must be f32");
+        let (mut g, _) = backward([1, 8, 2, 16, 16, 64], Mask::None, BF16);
+        let stats = find(&g, "stats");
+        g.spec_mut(stats).dtype = F32;
+        g.spec_mut(stats).by_value = true;
+        expect(&g, "stats", "device tensor");
+        let (g, _) = backward([1, 6, 4, 16, 16, 64], Mask::None, BF16);
+        expect(&g, "K", "multiple of the K/V heads");
+    }
+
+    #[test]
+    fn reshapes_and_grouped_reductions_are_checked() {
+        let mut g = Graph::new("views");
+        let x = g.tensor(crate::TensorSpec::new("X", &[1, 8, 16, 32], crate::DataType::F32));
+        let y = g.reshape(x, &[1, 8, 32, 16], &[4096, 512, 1, 32], crate::DataType::BF16);
+        let r = g.reduce(Reduce::Sum, y, &[1, 2, 32, 16]);
+        g.output(r);
+        g.validate().unwrap();
+        let mut bad = g.clone();
+        bad.spec_mut(y).dims = vec![1, 8, 32, 8];
+        bad.spec_mut(y).strides = vec![2048, 256, 1, 32];
+        let e = bad.validate().unwrap_err().to_string();
+        assert!(e.contains("not a permutation"), "{e}");
+        let mut bad = g.clone();
+        bad.spec_mut(r).dims = vec![1, 3, 32, 16];
+        let e = bad.validate().unwrap_err().to_string();
+        assert!(e.contains("must divide"), "{e}");
     }
 }

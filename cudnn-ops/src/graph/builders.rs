@@ -146,6 +146,15 @@ impl Graph {
         c
     }
 
+    /// A view of `x` as `dims` over `strides` (the same elements, e.g. a transpose: dims and strides
+    /// permuted), in `dtype`; virtual. cuDNN's reshape operation: no data moves.
+    pub fn reshape(&mut self, x: TensorId, dims: &[i64], strides: &[i64], dtype: DataType) -> TensorId {
+        let name = format!("{}::reshape{}", self.name, self.nodes.len());
+        let y = self.intermediate(name, dims, strides, dtype);
+        self.nodes.push(Node::Reshape { x, y });
+        y
+    }
+
     fn broadcast(&self, a: TensorId, b: TensorId) -> Vec<i64> {
         let (ad, bd) = (&self.spec(a).dims, &self.spec(b).dims);
         if ad.len() != bd.len() {

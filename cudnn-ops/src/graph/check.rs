@@ -18,10 +18,8 @@ impl Graph {
             }
             Node::Pointwise { op, x, b, t, y, .. } => self.check_pointwise(op, x, b, t, y),
             Node::Matmul { a, b, c } => self.check_matmul(a, b, c),
-            Node::Reduction { x, y, .. } => {
-                self.check_broadcast(x, y, "reduction input")?;
-                Ok(())
-            }
+            Node::Reduction { x, y, .. } => self.check_reduction(x, y),
+            Node::Reshape { x, y } => self.check_reshape(x, y),
             Node::SdpaFwd { q, k, v, o, stats, mask, seq_lens, .. } => {
                 if let Some((sq, skv)) = seq_lens {
                     let b = self.spec(q).dims.first().copied().unwrap_or(0);
@@ -50,7 +48,7 @@ impl Graph {
                         ),
                     });
                 }
-                self.check_sdpa_tensors(q, k, v, o, stats, false)
+                self.check_sdpa_tensors(q, k, v, o, stats, [false, false])
             }
         }
     }
@@ -65,6 +63,40 @@ impl Graph {
         }
         if s.iter().zip(f).any(|(&a, &b)| a != b && a != 1 && b != 1) {
             return Err(self.fail(small, format!("{what}: dims {s:?} do not broadcast with {f:?}")));
+        }
+        Ok(())
+    }
+
+    /// Every output dim equals the input's, is 1 (reduced), or divides it (a sum over groups of
+    /// consecutive entries: the query heads of one K/V head, in the attention backward).
+    fn check_reduction(&self, x: TensorId, y: TensorId) -> Result<()> {
+        let (xd, yd) = (&self.spec(x).dims, &self.spec(y).dims);
+        if xd.len() != yd.len() {
+            return Err(
+                self.fail(y, format!("reduction: rank {} differs from input rank {}", yd.len(), xd.len()))
+            );
+        }
+        if xd.iter().zip(yd).any(|(&a, &b)| b != 1 && (b > a || a % b != 0)) {
+            return Err(self
+                .fail(y, format!("reduction of {xd:?} to {yd:?}: each output dim must divide the input's")));
+        }
+        Ok(())
+    }
+
+    /// A view: the same rank, and dims that are a permutation of the input's (every element once).
+    fn check_reshape(&self, x: TensorId, y: TensorId) -> Result<()> {
+        let (mut xd, mut yd) = (self.spec(x).dims.clone(), self.spec(y).dims.clone());
+        xd.sort_unstable();
+        yd.sort_unstable();
+        if xd != yd {
+            return Err(self.fail(
+                y,
+                format!(
+                    "reshape view dims {:?} are not a permutation of the input's {:?}",
+                    self.spec(y).dims,
+                    self.spec(x).dims
+                ),
+            ));
         }
         Ok(())
     }
@@ -144,9 +176,9 @@ impl Graph {
         Ok(())
     }
 
-    /// Shapes of an attention: Q `[b, h_q, s_q, d]`, K `[b, h_k, s_kv, d]` (or its `[b, h_k, d, s_kv]`
-    /// transposed view when `k_transposed`), V `[b, h_k, s_kv, d_v]`, O `[b, h_q, s_q, d_v]`, stats
-    /// `[b, h_q, s_q, 1]` f32; f16/bf16 with unit last-dim strides.
+    /// Shapes of an attention: Q `[b, h_q, s_q, d]`, K `[b, h_k, s_kv, d]`, V `[b, h_k, s_kv, d_v]` (K
+    /// or V as the `[b, h_k, d, s_kv]` transposed view where `transposed` says so: `[k, v]`), O
+    /// `[b, h_q, s_q, d_v]`, stats `[b, h_q, s_q, 1]` f32; f16/bf16 with unit head-dim strides.
     pub(super) fn check_sdpa_tensors(
         &self,
         q: TensorId,
@@ -154,8 +186,9 @@ impl Graph {
         v: TensorId,
         o: TensorId,
         stats: Option<TensorId>,
-        k_transposed: bool,
+        transposed: [bool; 2],
     ) -> Result<()> {
+        let [k_transposed, v_transposed] = transposed;
         for id in [q, k, v, o] {
             let s = self.spec(id);
             if s.dims.len() != 4 {
@@ -164,17 +197,21 @@ impl Graph {
             if s.dtype != DataType::F16 && s.dtype != DataType::BF16 {
                 return Err(self.fail(id, format!("attention I/O must be f16 or bf16, is {}", s.dtype)));
             }
-            let unit = if id == k && k_transposed { s.strides[2] } else { s.strides[3] };
+            let swapped = (id == k && k_transposed) || (id == v && v_transposed);
+            let unit = if swapped { s.strides[2] } else { s.strides[3] };
             if unit != 1 {
                 return Err(
                     self.fail(id, format!("the head dim must have stride 1, strides are {:?}", s.strides))
                 );
             }
         }
-        let (qd, vd, od) = (&self.spec(q).dims, &self.spec(v).dims, &self.spec(o).dims);
-        let mut kd = self.spec(k).dims.clone();
+        let (qd, od) = (&self.spec(q).dims, &self.spec(o).dims);
+        let (mut kd, mut vd) = (self.spec(k).dims.clone(), self.spec(v).dims.clone());
         if k_transposed {
             kd.swap(2, 3);
+        }
+        if v_transposed {
+            vd.swap(2, 3);
         }
         if kd[0] != qd[0] || vd[0] != qd[0] {
             return Err(self.fail(k, format!("batch differs: Q {qd:?}, K {kd:?}, V {vd:?}")));
@@ -201,6 +238,47 @@ impl Graph {
             let sp = self.spec(s);
             if sp.dtype != DataType::F32 || sp.dims[..] != [qd[0], qd[1], qd[2], 1] {
                 return Err(self.fail(s, format!("stats must be f32 [{}, {}, {}, 1]", qd[0], qd[1], qd[2])));
+            }
+        }
+        Ok(())
+    }
+
+    /// An attention backward as a whole: the forward's tensors (K and V as their transposed views),
+    /// the stats a device input, dO like O, and dQ, dK, dV with the dims of Q, K, V in the I/O dtype,
+    /// unit head-dim strides.
+    pub(super) fn check_sdpa_backward_tensors(
+        &self,
+        t: &super::attention::SdpaBackwardTensors,
+    ) -> Result<()> {
+        self.check_sdpa_tensors(t.q, t.k, t.v, t.o, Some(t.stats), [true, true])?;
+        let stats = self.spec(t.stats);
+        if stats.is_virtual || stats.by_value {
+            return Err(self.fail(t.stats, "the forward's stats must be a device tensor"));
+        }
+        let io = self.spec(t.q).dtype;
+        let untransposed = |id: TensorId| {
+            let mut d = self.spec(id).dims.clone();
+            d.swap(2, 3);
+            d
+        };
+        let pairs = [
+            (t.d_o, self.spec(t.o).dims.clone(), "O"),
+            (t.dq, self.spec(t.q).dims.clone(), "Q"),
+            (t.dk, untransposed(t.k), "K"),
+            (t.dv, untransposed(t.v), "V"),
+        ];
+        for (id, dims, like) in pairs {
+            let s = self.spec(id);
+            if s.dims != dims {
+                return Err(self.fail(id, format!("dims {:?} differ from {like}'s {dims:?}", s.dims)));
+            }
+            if s.dtype != io {
+                return Err(self.fail(id, format!("dtype {} differs from the I/O dtype {io}", s.dtype)));
+            }
+            if s.strides.last() != Some(&1) {
+                return Err(
+                    self.fail(id, format!("the head dim must have stride 1, strides are {:?}", s.strides))
+                );
             }
         }
         Ok(())

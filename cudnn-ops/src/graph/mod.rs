@@ -17,16 +17,18 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Builders: [`Graph::rmsnorm`] and its [`Graph::rmsnorm_backward`], the elementary [`Graph::unary`], [`Graph::binary`], [`Graph::select`],
-//! [`Graph::gen_index`], [`Graph::reduce`], [`Graph::activation_backward`], [`Graph::matmul`], and the attention patterns of
-//! [`Graph::sdpa`]. Node outputs are virtual f32 tensors until marked with [`Graph::output`].
+//! Builders: [`Graph::rmsnorm`] and its [`Graph::rmsnorm_backward`], the elementary [`Graph::unary`],
+//! [`Graph::binary`], [`Graph::select`], [`Graph::gen_index`], [`Graph::reduce`],
+//! [`Graph::activation_backward`], [`Graph::matmul`], [`Graph::reshape`], and the attention patterns of
+//! [`Graph::sdpa`] and [`Graph::sdpa_backward`]. Node outputs are virtual f32 tensors until marked with
+//! [`Graph::output`].
 
 mod attention;
 mod builders;
 mod check;
 mod node;
 
-pub use attention::{Mask, SdpaForm, SdpaOptions, SdpaOutputs};
+pub use attention::{Mask, SdpaBackwardOptions, SdpaForm, SdpaGradients, SdpaOptions, SdpaOutputs};
 pub use node::{Binary, Reduce, Unary};
 
 use crate::descriptor::{Attr, Descriptor};
@@ -93,6 +95,8 @@ pub struct Graph {
     discarded: Vec<TensorId>,
     /// Composite attentions, checked as a whole before their nodes: `[q, k (transposed), v, o]`, stats.
     attentions: Vec<([TensorId; 4], Option<TensorId>)>,
+    /// Composite attention backwards, checked as a whole before their nodes.
+    backward_attentions: Vec<attention::SdpaBackwardTensors>,
     /// A composite attention was asked for with sequence lengths (its padding mask is not built).
     padded_composite: Option<TensorId>,
     form: Option<String>,
@@ -108,6 +112,7 @@ impl Graph {
             constants: Vec::new(),
             discarded: Vec::new(),
             attentions: Vec::new(),
+            backward_attentions: Vec::new(),
             padded_composite: None,
             form: None,
         }
@@ -209,7 +214,10 @@ impl Graph {
             });
         }
         for &([q, k, v, o], stats) in &self.attentions {
-            self.check_sdpa_tensors(q, k, v, o, stats, true)?;
+            self.check_sdpa_tensors(q, k, v, o, stats, [true, false])?;
+        }
+        for t in &self.backward_attentions {
+            self.check_sdpa_backward_tensors(t)?;
         }
         for node in &self.nodes {
             self.check_node(node)?;

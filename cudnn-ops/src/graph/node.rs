@@ -178,6 +178,12 @@ pub(crate) enum Node {
         x: TensorId,
         y: TensorId,
     },
+    /// A view of `x` with other dims and strides over the same elements (a transpose), possibly in
+    /// another dtype: cuDNN's `OPERATION_RESHAPE`, as the frontend's attention backward uses it.
+    Reshape {
+        x: TensorId,
+        y: TensorId,
+    },
     /// cuDNN's single SDPA forward operation (9.13.1+): Q, K, V `[b, h, s, d]` (K not transposed).
     SdpaFwd {
         q: TensorId,
@@ -200,7 +206,7 @@ impl Node {
             Node::RmsNormBackward { dy, x, scale, inv_rms, .. } => vec![dy, x, scale, inv_rms],
             Node::Pointwise { x, b, t, .. } => [Some(x), b, t].into_iter().flatten().collect(),
             Node::Matmul { a, b, .. } => vec![a, b],
-            Node::Reduction { x, .. } => vec![x],
+            Node::Reduction { x, .. } | Node::Reshape { x, .. } => vec![x],
             Node::SdpaFwd { q, k, v, scale, seq_lens, .. } => {
                 let mut v = vec![q, k, v, scale];
                 v.extend(seq_lens.into_iter().flat_map(|(a, b)| [a, b]));
@@ -213,7 +219,7 @@ impl Node {
         match *self {
             Node::RmsNorm { y, inv_rms, .. } => [Some(y), inv_rms].into_iter().flatten().collect(),
             Node::RmsNormBackward { dx, dscale, .. } => vec![dx, dscale],
-            Node::Pointwise { y, .. } | Node::Reduction { y, .. } => vec![y],
+            Node::Pointwise { y, .. } | Node::Reduction { y, .. } | Node::Reshape { y, .. } => vec![y],
             Node::Matmul { c, .. } => vec![c],
             Node::SdpaFwd { o, stats, .. } => [Some(o), stats].into_iter().flatten().collect(),
         }
@@ -323,6 +329,13 @@ impl Node {
                 op.set(A::CUDNN_ATTR_OPERATION_REDUCTION_YDESC, Attr::Descriptors(&[t(y)]))?;
                 op.set(A::CUDNN_ATTR_OPERATION_REDUCTION_DESC, Attr::Descriptors(&[&red]))?;
                 op.finalize("reduction operation")?;
+                Ok(op)
+            }
+            Node::Reshape { x, y } => {
+                let mut op = Descriptor::new(D::CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR)?;
+                op.set(A::CUDNN_ATTR_OPERATION_RESHAPE_XDESC, Attr::Descriptors(&[t(x)]))?;
+                op.set(A::CUDNN_ATTR_OPERATION_RESHAPE_YDESC, Attr::Descriptors(&[t(y)]))?;
+                op.finalize("reshape operation")?;
                 Ok(op)
             }
             Node::SdpaFwd { q, k, v, scale, o, stats, seq_lens, .. } => {

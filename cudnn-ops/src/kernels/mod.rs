@@ -11,6 +11,7 @@ use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKern
 use std::sync::Arc;
 
 use cudarc::nvrtc::CompileOptions;
+use once_cell::unsync::OnceCell;
 use std::cell::RefCell;
 use std::collections::HashMap;
 
@@ -34,27 +35,48 @@ const SOURCE: &str = concat!(
 const BLOCK: u32 = 256;
 const ITEMS: u32 = 4;
 
-/// The compiled kernels and the scratch memory the eager baselines' intermediates live in.
+/// The compiled kernels (compiled on the first launch), the scratch memory the eager baselines'
+/// intermediates live in, and the buffers fused ops own.
 pub struct Kernels {
-    module: Arc<CudaModule>,
+    module: OnceCell<Arc<CudaModule>>,
     functions: RefCell<HashMap<String, CudaFunction>>,
     scratch: RefCell<Option<CudaSlice<f32>>>,
     /// Clamped sequence lengths of padded attention (see [`crate::SdpaOperands::seq_lens`]).
     seq_lens: RefCell<Option<CudaSlice<i32>>>,
+    /// The fused attention backward's f32 row sums and dQ accumulator (see
+    /// [`crate::ops::sdpa::sdpa_backward`]).
+    sdpa_backward: RefCell<Option<CudaSlice<f32>>>,
 }
 
 impl Kernels {
-    /// Compiles the program for `ctx`'s device and loads it; a context does so once, on first use
-    /// (`Kernels::get`, in `context.rs`: the context owns the registry).
-    pub(crate) fn compile(ctx: &Exec) -> Result<Self> {
-        let ptx = ptx(ctx.info().compute_capability)?;
-        let module = ctx.stream().context().load_module(ptx)?;
-        Ok(Kernels {
-            module,
+    /// An empty registry: nothing compiles here (an op that only needs an op-owned buffer needs no
+    /// NVRTC); the program compiles on the first launch. The context owns it (`Kernels::get`, in
+    /// `context.rs`).
+    pub(crate) fn new() -> Self {
+        Kernels {
+            module: OnceCell::new(),
             functions: RefCell::new(HashMap::new()),
             scratch: RefCell::new(None),
             seq_lens: RefCell::new(None),
-        })
+            sdpa_backward: RefCell::new(None),
+        }
+    }
+
+    /// An op-owned f32 buffer of at least `len` elements (grown, never shrunk; zeroed when allocated)
+    /// for the fused attention backward's row sums and dQ accumulator; only this context's stream
+    /// uses it, so stream order alone keeps it safe.
+    pub(crate) fn sdpa_backward(
+        &self,
+        ctx: &Exec,
+        len: usize,
+    ) -> Result<std::cell::RefMut<'_, CudaSlice<f32>>> {
+        let mut s = self.sdpa_backward.borrow_mut();
+        if s.as_ref().is_none_or(|s| s.len() < len) {
+            *s = None;
+            *s = Some(ctx.stream().alloc_zeros::<f32>(len.max(1))?);
+            ctx.bump_epoch();
+        }
+        Ok(std::cell::RefMut::map(s, |s| s.as_mut().expect("just allocated")))
     }
 
     /// An op-owned i32 buffer of at least `len` elements (grown, never shrunk) for clamped sequence
@@ -76,12 +98,16 @@ impl Kernels {
         self.scratch.borrow().as_ref().map_or(0, |s| s.len())
     }
 
-    /// The kernel called `name` (looked up once, then cached).
-    fn function(&self, name: &str) -> Result<CudaFunction> {
+    /// The kernel called `name` (looked up once, then cached); the program compiles on the first call.
+    fn function(&self, ctx: &Exec, name: &str) -> Result<CudaFunction> {
         if let Some(f) = self.functions.borrow().get(name) {
             return Ok(f.clone());
         }
-        let f = self.module.load_function(name)?;
+        let module = self.module.get_or_try_init(|| {
+            let ptx = ptx(ctx.info().compute_capability)?;
+            Ok::<_, Error>(ctx.stream().context().load_module(ptx)?)
+        })?;
+        let f = module.load_function(name)?;
         self.functions.borrow_mut().insert(name.to_string(), f.clone());
         Ok(f)
     }
@@ -144,7 +170,7 @@ pub(crate) fn launch(
     cfg: LaunchConfig,
     args: &[Arg],
 ) -> Result<()> {
-    let f = kernels.function(name)?;
+    let f = kernels.function(ctx, name)?;
     let mut launch = ctx.stream().launch_builder(&f);
     for a in args {
         match a {

@@ -1,11 +1,13 @@
 //! The fused half: one cuDNN attention graph per shape, strides, dtype, mask and mode, in the unified
 //! or the composite form ([`SdpaForm`]), bound by the uids the graph gives its tensors by name
-//! ([`uid`]). Padded attention reads its device sequence lengths clamped (`seq_lens.rs`).
+//! ([`uid`]). Padded attention reads its device sequence lengths clamped (`seq_lens.rs`). The backward
+//! is the composite graph of [`Graph::sdpa_backward`], bound by the uids of [`bwd_uid`], with its two
+//! f32 buffers (row sums, dQ accumulator) in one op-owned buffer.
 
 use super::seq_lens::{kv_offset, launch_clamp};
-use super::{DeviceSeqLens, SdpaArgs, SdpaOperands};
+use super::{Backward, DeviceSeqLens, SdpaArgs, SdpaGrads, SdpaOperands};
 use crate::dtype::{DataType, Element};
-use crate::graph::{Graph, SdpaForm, SdpaOptions};
+use crate::graph::{Graph, SdpaBackwardOptions, SdpaForm, SdpaOptions};
 use crate::kernels::Kernels;
 use crate::ops::Fused;
 use crate::plan::{Bindings, Plan};
@@ -24,6 +26,23 @@ mod uid {
     pub const SEQ_LEN_KV: i64 = 6;
     pub const O: i64 = 100;
     pub const STATS: i64 = 101;
+}
+
+/// The uids [`SdpaArgs::backward_graph`] gives the tensors a backward call binds: inputs first, the
+/// gradients and the op-owned buffers far above the graph's intermediates.
+mod bwd_uid {
+    pub const Q: i64 = 1;
+    pub const K: i64 = 2;
+    pub const V: i64 = 3;
+    pub const O: i64 = 4;
+    pub const D_O: i64 = 5;
+    pub const STATS: i64 = 6;
+    pub const SCALE: i64 = 7;
+    pub const DQ: i64 = 200;
+    pub const DK: i64 = 201;
+    pub const DV: i64 = 202;
+    pub const SOFTMAX_SUM: i64 = 203;
+    pub const DQ_ACCUM: i64 = 204;
 }
 
 impl SdpaArgs {
@@ -147,6 +166,131 @@ impl<T: Element> Fused<T> for SdpaArgs {
     }
 }
 
+impl SdpaArgs {
+    /// The attention backward's composite graph: Q, K, V, O, dO in the I/O dtype with their strides,
+    /// the forward's stats (f32 `[b, h_q, s_q, 1]` packed), the scale by value; dQ, dK, dV with the
+    /// strides of Q, K, V; the f32 row sums and dQ accumulator the op binds. Each bound tensor
+    /// carries its named uid (`bwd_uid`).
+    pub fn backward_graph(&self, dtype: DataType, features: Features) -> Graph {
+        let i = |v: [usize; 4]| v.map(|x| x as i64);
+        let mut g = Graph::new(format!(
+            "sdpa_backward b{} hq{} hkv{} sq{} skv{} d{} {dtype} {}",
+            self.batch,
+            self.heads_q,
+            self.heads_kv,
+            self.seq_q,
+            self.seq_kv,
+            self.head_dim,
+            self.mask.name(),
+        ));
+        let io = |name: &str, t: char, strides: [usize; 4], uid: i64| {
+            TensorSpec::new(name, &i(self.dims(t)), dtype).with_strides(&i(strides)).with_uid(uid)
+        };
+        let q = g.tensor(io("Q", 'q', self.q_strides, bwd_uid::Q));
+        let k = g.tensor(io("K", 'k', self.k_strides, bwd_uid::K));
+        let v = g.tensor(io("V", 'v', self.v_strides, bwd_uid::V));
+        let o = g.tensor(io("O", 'o', self.o_strides, bwd_uid::O));
+        let d_o = g.tensor(io("dO", 'o', self.o_strides, bwd_uid::D_O));
+        let (b, h, s) = (self.batch as i64, self.heads_q as i64, self.seq_q as i64);
+        let stats = g.tensor(
+            TensorSpec::new("stats", &[b, h, s, 1], DataType::F32)
+                .with_strides(&[h * s, s, 1, 1])
+                .with_uid(bwd_uid::STATS),
+        );
+        let scale = g.tensor(TensorSpec::scalar("scale", DataType::F32, 4).with_uid(bwd_uid::SCALE));
+        let out =
+            g.sdpa_backward(q, k, v, o, d_o, stats, scale, SdpaBackwardOptions { mask: self.mask, features });
+        for (t, name, uid, strides) in [
+            (out.dq, "dQ", bwd_uid::DQ, self.q_strides),
+            (out.dk, "dK", bwd_uid::DK, self.k_strides),
+            (out.dv, "dV", bwd_uid::DV, self.v_strides),
+        ] {
+            let spec = g.output(t);
+            (spec.name, spec.uid, spec.strides) = (name.into(), uid, i(strides).to_vec());
+        }
+        for (t, name, uid) in [
+            (out.softmax_sum, "softmax_sum", bwd_uid::SOFTMAX_SUM),
+            (out.dq_accum, "dq_accum", bwd_uid::DQ_ACCUM),
+        ] {
+            let spec = g.output(t);
+            (spec.name, spec.uid) = (name.into(), uid);
+        }
+        g
+    }
+
+    /// The cached backward plan (for the [`SdpaArgs::normalized`] attention), built on first use.
+    pub fn backward_plan(&self, ctx: &Cudnn, dtype: DataType) -> Result<Rc<Plan>> {
+        let a = self.normalized();
+        ctx.cache()
+            .get_or_build(&a.backward_key(dtype), || a.backward_graph(dtype, ctx.features()).build(ctx))
+    }
+
+    /// Elements of the op-owned f32 buffer of a backward: the row sums (`b · h_q · s_q`) from 0, the
+    /// dQ accumulator (`b · h_q · s_q · d`) from the returned offset (16-byte aligned), and the total.
+    fn backward_buffers(&self) -> Result<(usize, usize, usize)> {
+        use crate::checked::{add, product};
+        let what = "sdpa backward: row sums and dQ accumulator";
+        let rows = product(what, &[self.batch, self.heads_q, self.seq_q])?;
+        let accum_at = rows.next_multiple_of(4);
+        let accum = product(what, &[rows, self.head_dim])?;
+        Ok((rows, accum_at, add(what, accum_at, accum)?))
+    }
+}
+
+impl<T: Element> Fused<T> for Backward {
+    fn fused(self, ctx: &Cudnn, x: SdpaGrads<'_, T>) -> Result<()> {
+        let a = self.0;
+        let info = ctx.info();
+        let limit = ctx.features().max_sdpa_backward_head_dim();
+        if a.head_dim > limit {
+            let (major, minor) = info.compute_capability;
+            return Err(Error::NotSupported {
+                op: "sdpa backward".into(),
+                reason: format!(
+                    "head_dim {} exceeds {limit}, the largest fused attention backward takes on sm_{major}{minor} with cuDNN {}",
+                    a.head_dim,
+                    info.cudnn_version_string()
+                ),
+            });
+        }
+        if a.seq_q == 1 && a.seq_kv == 1 {
+            return Err(Error::NotSupported {
+                op: "sdpa backward".into(),
+                reason: "s_q = s_kv = 1 (the frontend refuses it for the fused backward)".into(),
+            });
+        }
+        if !a.seq_kv.is_multiple_of(128) && !ctx.features().sdpa_backward_any_seq_kv() {
+            return Err(Error::NotSupported {
+                op: "sdpa backward".into(),
+                reason: format!(
+                    "seq_kv {} is not a multiple of 128: cuDNN {} needs the frontend's padding-mask workaround \
+                     there (fixed in 9.15.1), which is not built",
+                    a.seq_kv,
+                    info.cudnn_version_string()
+                ),
+            });
+        }
+        let plan = a.backward_plan(ctx, T::DTYPE)?;
+        let (rows, accum_at, total) = a.backward_buffers()?;
+        let mut buffer = Kernels::get(ctx)?.sdpa_backward(ctx, total)?;
+        let (mut softmax_sum, mut rest) = buffer.split_at_mut(accum_at);
+        let mut softmax_sum = softmax_sum.slice_mut(..rows);
+        let mut dq_accum = rest.slice_mut(..total - accum_at);
+        if ctx.features().sdpa_backward_zeroes_dq_accum() {
+            ctx.stream().memset_zeros(&mut dq_accum)?;
+        }
+        let SdpaGrads { q, k, v, o, stats, d_o, dq, dk, dv } = x;
+        let stats =
+            stats.ok_or_else(|| Error::invalid("sdpa backward: the forward's training stats are missing"))?;
+        let mut b = Bindings::new(ctx.stream());
+        b.input(bwd_uid::Q, q).input(bwd_uid::K, k).input(bwd_uid::V, v).input(bwd_uid::O, o);
+        b.input(bwd_uid::D_O, d_o).input(bwd_uid::STATS, stats).scalar_f32(bwd_uid::SCALE, a.scale());
+        b.output(bwd_uid::DQ, dq).output(bwd_uid::DK, dk).output(bwd_uid::DV, dv);
+        b.output(bwd_uid::SOFTMAX_SUM, &mut softmax_sum).output(bwd_uid::DQ_ACCUM, &mut dq_accum);
+        plan.execute(ctx, &b)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -229,5 +373,88 @@ mod tests {
             .validate()
             .unwrap_err();
         assert!(e.is_not_supported() && e.to_string().contains("9.21"), "{e}");
+    }
+
+    #[test]
+    fn backward_graphs_bind_every_tensor_by_its_named_uid() {
+        let features = Features::for_version(91900, (9, 0));
+        for layout in [Layout::Bshd, Layout::Bhsd] {
+            for mask in [Mask::None, Mask::CausalTopLeft, Mask::CausalBottomRight] {
+                for (hq, hkv) in [(8, 8), (8, 2), (8, 1)] {
+                    for dtype in [DataType::BF16, DataType::F16] {
+                        let a = SdpaArgs::new(2, hq, hkv, 48, 64, 64, layout).with_mask(mask);
+                        let g = a.backward_graph(dtype, features);
+                        let tag = format!("{} {mask:?} {hq}/{hkv} {dtype}", layout.name());
+                        g.validate().unwrap_or_else(|e| panic!("{tag}: {e}"));
+                        assert_eq!(g.form(), Some("composite"));
+                        let bound: Vec<(&str, i64)> = g
+                            .tensors()
+                            .iter()
+                            .filter(|t| !t.is_virtual && !t.by_value)
+                            .map(|t| (t.name.as_str(), t.uid))
+                            .collect();
+                        let expected = [
+                            ("Q", bwd_uid::Q),
+                            ("K", bwd_uid::K),
+                            ("V", bwd_uid::V),
+                            ("O", bwd_uid::O),
+                            ("dO", bwd_uid::D_O),
+                            ("stats", bwd_uid::STATS),
+                        ];
+                        assert_eq!(&bound[..6], &expected, "{tag}");
+                        let mut rest = bound[6..].to_vec();
+                        rest.sort_unstable();
+                        let mut outputs = vec![
+                            ("dK", bwd_uid::DK),
+                            ("dQ", bwd_uid::DQ),
+                            ("dV", bwd_uid::DV),
+                            ("dq_accum", bwd_uid::DQ_ACCUM),
+                            ("softmax_sum", bwd_uid::SOFTMAX_SUM),
+                        ];
+                        outputs.sort_unstable();
+                        assert_eq!(rest, outputs, "{tag}");
+                        // Gradients take the strides of what they differentiate, in the I/O dtype.
+                        let spec = |name: &str| g.tensors().iter().find(|t| t.name == name).unwrap().clone();
+                        let i = |v: [usize; 4]| v.iter().map(|&x| x as i64).collect::<Vec<_>>();
+                        for (name, strides) in [
+                            ("dQ", a.q_strides),
+                            ("dK", a.k_strides),
+                            ("dV", a.v_strides),
+                            ("dO", a.o_strides),
+                        ] {
+                            assert_eq!(
+                                (spec(name).strides, spec(name).dtype),
+                                (i(strides), dtype),
+                                "{tag} {name}"
+                            );
+                        }
+                        // The op-owned buffers are as large as backward_buffers says.
+                        let (rows, accum_at, total) = a.backward_buffers().unwrap();
+                        assert_eq!(spec("softmax_sum").min_elements(), Some(rows));
+                        assert_eq!(spec("dq_accum").min_elements(), Some(total - accum_at));
+                        assert_eq!(accum_at % 4, 0, "the accumulator starts 16-byte aligned");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn backward_keys_differ_from_forward_keys_and_follow_the_shape() {
+        use std::collections::HashSet;
+        let a = SdpaArgs::new(2, 8, 2, 16, 16, 64, Layout::Bshd).with_mask(Mask::CausalTopLeft);
+        let k = a.backward_key(DataType::BF16);
+        // The scale and the forward's form are not part of the backward plan.
+        assert_eq!(k, a.with_scale(0.5).with_form(SdpaForm::Composite).backward_key(DataType::BF16));
+        let variants = [
+            k,
+            a.backward_key(DataType::F16),
+            a.with_mask(Mask::None).backward_key(DataType::BF16),
+            a.with_mask(Mask::CausalBottomRight).backward_key(DataType::BF16),
+            SdpaArgs { heads_kv: 8, ..a }.backward_key(DataType::BF16),
+            SdpaArgs { seq_kv: 32, ..a }.backward_key(DataType::BF16),
+            SdpaArgs { v_strides: Layout::Bhsd.strides(2, 16, 64), ..a }.backward_key(DataType::BF16),
+        ];
+        assert_eq!(variants.iter().collect::<HashSet<_>>().len(), variants.len());
     }
 }

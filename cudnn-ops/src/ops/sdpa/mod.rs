@@ -1,4 +1,5 @@
-//! Scaled dot-product attention forward: `O = softmax(scale · Q Kᵀ + mask) V`, f16/bf16 I/O, f32
+//! Scaled dot-product attention: the forward `O = softmax(scale · Q Kᵀ + mask) V` ([`sdpa`]) and its
+//! backward from the forward's saved log-sum-exp stats ([`sdpa_backward`]); f16/bf16 I/O, f32
 //! compute, grouped-query heads through head counts alone, any strides with a unit last stride.
 //!
 //! Q is `[b, h_q, s_q, d]`, K and V `[b, h_kv, s_kv, d]`, O like Q: logical dims over strided storage.
@@ -410,6 +411,167 @@ pub fn sdpa<T: Element>(ctx: &Cudnn, args: SdpaArgs, x: SdpaOperands<'_, T>, bac
     crate::ops::run::<T, _>(ctx, args, x, backend)
 }
 
+/// The buffers of an attention backward: the forward's Q, K, V, O and training stats, the gradient
+/// dO of its output in; dQ, dK, dV out. Each gradient has the strides of what it differentiates
+/// ([`SdpaArgs`]: dO and dQ like O and Q, dK and dV like K and V), so gradients of views into one QKV
+/// buffer land in the same views of one dQKV buffer. With grouped-query heads, dK and dV sum over
+/// the query heads of each K/V head.
+pub struct SdpaGrads<'a, T: Element> {
+    /// Q over `[b, h_q, s_q, d]`.
+    pub q: &'a dyn DevicePtr<T>,
+    /// K over `[b, h_kv, s_kv, d]`.
+    pub k: &'a dyn DevicePtr<T>,
+    /// V over `[b, h_kv, s_kv, d]`.
+    pub v: &'a dyn DevicePtr<T>,
+    /// The forward's O over `[b, h_q, s_q, d]`.
+    pub o: &'a dyn DevicePtr<T>,
+    /// The forward's f32 log-sum-exp of each score row, `[b, h_q, s_q]` packed (what [`sdpa`] writes
+    /// with [`SdpaOperands::stats`]). Required: a backward without it is an error.
+    pub stats: Option<&'a dyn DevicePtr<f32>>,
+    /// The gradient of O, with O's strides.
+    pub d_o: &'a dyn DevicePtr<T>,
+    /// The gradient of Q, with Q's strides (overwritten).
+    pub dq: &'a mut dyn DevicePtrMut<T>,
+    /// The gradient of K, with K's strides (overwritten).
+    pub dk: &'a mut dyn DevicePtrMut<T>,
+    /// The gradient of V, with V's strides (overwritten).
+    pub dv: &'a mut dyn DevicePtrMut<T>,
+}
+
+impl<'a, T: Element> SdpaGrads<'a, T> {
+    /// The forward's inputs and output, the output's gradient, and the three gradients to write; add
+    /// the forward's stats with [`SdpaGrads::stats`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        q: &'a dyn DevicePtr<T>,
+        k: &'a dyn DevicePtr<T>,
+        v: &'a dyn DevicePtr<T>,
+        o: &'a dyn DevicePtr<T>,
+        d_o: &'a dyn DevicePtr<T>,
+        dq: &'a mut dyn DevicePtrMut<T>,
+        dk: &'a mut dyn DevicePtrMut<T>,
+        dv: &'a mut dyn DevicePtrMut<T>,
+    ) -> Self {
+        SdpaGrads { q, k, v, o, stats: None, d_o, dq, dk, dv }
+    }
+
+    /// The forward's training stats.
+    pub fn stats(mut self, stats: &'a dyn DevicePtr<f32>) -> Self {
+        self.stats = Some(stats);
+        self
+    }
+
+    /// The forward's buffer lengths (stats `None` when missing).
+    pub fn lens(&self) -> SdpaLens {
+        let (q, k, v, o) = (self.q.len(), self.k.len(), self.v.len(), self.o.len());
+        SdpaLens { q, k, v, o, stats: self.stats.map(|s| s.len()) }
+    }
+
+    /// The gradients' buffer lengths, as [`SdpaLens`] of the tensors they differentiate (dO in `o`).
+    pub fn grad_lens(&self) -> SdpaLens {
+        let (q, k, v, o) = (self.dq.len(), self.dk.len(), self.dv.len(), self.d_o.len());
+        SdpaLens { q, k, v, o, stats: None }
+    }
+}
+
+/// What identifies an attention backward plan (its own key type: never equal to a forward's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BackwardKey {
+    /// `[batch, heads_q, heads_kv, seq_q, seq_kv, head_dim]`.
+    pub dims: [usize; 6],
+    /// Element strides of Q, K, V and O (and of dQ, dK, dV and dO, which follow them).
+    pub strides: [[usize; 4]; 4],
+    /// I/O dtype.
+    pub dtype: DataType,
+    /// Causal masking.
+    pub mask: Mask,
+}
+
+impl SdpaArgs {
+    /// The attention backward's plan-cache key (composite graph: the form asked for is not part of it).
+    pub fn backward_key(&self, dtype: DataType) -> BackwardKey {
+        let Key { dims, strides, mask, .. } = self.key(dtype, true);
+        BackwardKey { dims, strides, dtype, mask }
+    }
+
+    /// The backward's checks (both backends): f16/bf16, no run-time sequence lengths, not the unified
+    /// form, the forward's stats present and long enough, every forward buffer and gradient long
+    /// enough for its dims and strides ([`SdpaArgs::check`]); then [`SdpaArgs::normalized`]. Nothing is
+    /// touched on error.
+    pub fn validated_backward(self, dtype: DataType, lens: SdpaLens, grads: SdpaLens) -> Result<Self> {
+        check_dtype(dtype)?;
+        if self.padded {
+            return Err(Error::NotSupported {
+                op: "sdpa backward".into(),
+                reason: "run-time sequence lengths (padded attention) have no backward here".into(),
+            });
+        }
+        if self.form == Some(SdpaForm::Unified) {
+            return Err(Error::NotSupported {
+                op: "sdpa backward".into(),
+                reason: "the unified SDPA backward operation does not finalize on this cuDNN (9.19 and \
+                         9.20 reject it); the backward is the composite graph"
+                    .into(),
+            });
+        }
+        ensure!(
+            lens.stats.is_some(),
+            "sdpa backward: the forward's training stats are missing (run sdpa with SdpaOperands::stats \
+             and pass them with SdpaGrads::stats)"
+        );
+        self.check(lens)?;
+        let gradients = [
+            ('q', "dQ", self.q_strides, grads.q),
+            ('k', "dK", self.k_strides, grads.k),
+            ('v', "dV", self.v_strides, grads.v),
+            ('o', "dO", self.o_strides, grads.o),
+        ];
+        for (t, name, strides, len) in gradients {
+            let need = checked::extent(&format!("sdpa backward: {name} extent"), &self.dims(t), &strides)?;
+            ensure!(
+                len >= need,
+                "sdpa backward: {name} has {len} elements, its dims {:?} and strides need {need}",
+                self.dims(t)
+            );
+        }
+        Ok(self.normalized())
+    }
+}
+
+/// The backward phase of [`sdpa`] as an op (its own operands and plan key).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Backward(pub(crate) SdpaArgs);
+
+impl<T: Element> Op<T> for Backward {
+    type Operands<'a> = SdpaGrads<'a, T>;
+
+    /// [`SdpaArgs::validated_backward`].
+    fn checked(self, x: &SdpaGrads<'_, T>) -> Result<Self> {
+        Ok(Backward(self.0.validated_backward(T::DTYPE, x.lens(), x.grad_lens())?))
+    }
+}
+
+/// Attention backward on `backend`: dQ, dK and dV of the attention `args` describes (the forward's
+/// arguments: shape, strides, mask, scale) from the forward's Q, K, V, O, its training stats and the
+/// gradient dO ([`SdpaGrads`]).
+///
+/// The fused backend runs the composite cuDNN graph (one plan per shape, strides, dtype and mask; the
+/// f32 row sums and dQ accumulator it needs live in a buffer the op owns on the context); the naive
+/// backend runs PyTorch's math-path autograd, one kernel per elementary op ([`naive`]).
+///
+/// Errors, with nothing written: missing stats, a stats buffer shorter than `b · h_q · s_q`, a buffer
+/// shorter than its dims and strides, bad shapes ([`Error::InvalidArgument`]); f32 I/O, padded
+/// attention, the unified form, or a head dim beyond what the fused backward takes on this GPU
+/// ([`Error::NotSupported`]).
+pub fn sdpa_backward<T: Element>(
+    ctx: &Cudnn,
+    args: SdpaArgs,
+    x: SdpaGrads<'_, T>,
+    backend: Backend,
+) -> Result<()> {
+    crate::ops::run::<T, _>(ctx, Backward(args), x, backend)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -546,5 +708,43 @@ mod tests {
             a.with_form(SdpaForm::Composite).key(DataType::BF16, false),
         ];
         assert_eq!(variants.iter().collect::<HashSet<_>>().len(), variants.len());
+    }
+
+    #[test]
+    fn backward_argument_errors_and_refusals() {
+        let a = args();
+        let l = lens(&a);
+        let grads = SdpaLens { stats: None, ..l };
+        a.validated_backward(DataType::BF16, l, grads).unwrap();
+        let invalid = |a: SdpaArgs, l: SdpaLens, g: SdpaLens, expected: &str| match a.validated_backward(
+            DataType::BF16,
+            l,
+            g,
+        ) {
+            Err(e @ Error::InvalidArgument(_)) => {
+                assert!(e.to_string().contains(expected), "{expected}: {e}")
+            }
+            other => panic!("{expected}: expected InvalidArgument, got {other:?}"),
+        };
+        invalid(a, SdpaLens { stats: None, ..l }, grads, "training stats are missing");
+        invalid(a, SdpaLens { stats: Some(255), ..l }, grads, "stats has 255");
+        invalid(a, SdpaLens { o: l.o - 1, ..l }, grads, "O has");
+        invalid(a, l, SdpaLens { q: l.q - 1, ..grads }, "dQ has");
+        invalid(a, l, SdpaLens { k: l.k - 1, ..grads }, "dK has");
+        invalid(a, l, SdpaLens { v: l.v - 1, ..grads }, "dV has");
+        invalid(a, l, SdpaLens { o: l.o - 1, ..grads }, "dO has");
+        invalid(SdpaArgs { heads_kv: 3, ..a }, l, grads, "not a multiple of heads_kv");
+        let not_supported = |a: SdpaArgs, dtype: DataType, expected: &str| {
+            let e = a.validated_backward(dtype, l, grads).unwrap_err();
+            assert!(e.is_not_supported() && e.to_string().contains(expected), "{expected}: {e}");
+        };
+        not_supported(a, DataType::F32, "f16 or bf16");
+        not_supported(a.with_form(SdpaForm::Unified), DataType::BF16, "unified SDPA backward");
+        not_supported(a.with_seq_lens(), DataType::BF16, "sequence lengths");
+        // The composite form may be asked for; a single bottom-right query runs unmasked.
+        a.with_form(SdpaForm::Composite).validated_backward(DataType::BF16, l, grads).unwrap();
+        let decode = SdpaArgs::new(2, 8, 2, 1, 16, 64, Layout::Bshd).with_mask(Mask::CausalBottomRight);
+        let (dl, dg) = (lens(&decode), SdpaLens { stats: None, ..lens(&decode) });
+        assert_eq!(decode.validated_backward(DataType::BF16, dl, dg).unwrap().mask, Mask::None);
     }
 }

@@ -59,3 +59,46 @@ extern "C" __global__ void softmax_rows_f32(const float* x, long cols, float* y,
     float inv = 1.f / shared_value;
     for (long j = threadIdx.x; j < cols; j += blockDim.x) out[j] = expf(row[j] - m) * inv;
 }
+
+// ---- Naive attention backward: the math path's autograd, one op per launch. ----
+
+// p = exp(s - lse[row]) over [rows, cols] f32 scores: the forward's softmax recomputed from its saved
+// log-sum-exp (a row whose lse is not finite has every key masked: its probabilities are 0).
+ELEMENTWISE(exp_sub_rows_f32, (const float* s, const float* lse, long cols, float* p, long n), {
+    float m = lse[i / cols];
+    p[i] = fabsf(m) < __int_as_float(0x7f800000) ? expf(s[i] - m) : 0.f;
+})
+
+// delta[row] = (dO * O).sum(-1) in f32 over strided [b, h, s, d] 16-bit tensors, one thread per row.
+#define ROW_DOT(name, to_f32)                                                                          \
+ELEMENTWISE(name, (const bits16* x, const bits16* y, long heads, long seq, long dim,                   \
+                   long xb, long xh, long xs, long yb, long yh, long ys, float* out, long n), {         \
+    long s = i % seq, h = (i / seq) % heads, b = i / (seq * heads);                                    \
+    const bits16* xr = x + b * xb + h * xh + s * xs;                                                   \
+    const bits16* yr = y + b * yb + h * yh + s * ys;                                                   \
+    float acc = 0.f;                                                                                   \
+    for (long e = 0; e < dim; ++e) acc += to_f32(xr[e]) * to_f32(yr[e]);                               \
+    out[i] = acc;                                                                                      \
+})
+ROW_DOT(row_dot_bf16, bf16_to_f32)
+ROW_DOT(row_dot_f16, f16_to_f32)
+
+// torch._softmax_backward_data with the row sums precomputed: ds = p * (dp - delta[row]).
+ELEMENTWISE(softmax_backward_f32, (const float* p, const float* dp, const float* delta, long cols, float* ds, long n),
+            ds[i] = p[i] * (dp[i] - delta[i / cols]))
+
+// repeat_interleave's backward: the f32 gradient of the repeated [b, h_q, s, d] heads (packed) summed
+// over each group of `group` query heads into the strided [b, h_kv, s, d] gradient of K or V.
+#define GROUP_SUM(name, from_f32)                                                                      \
+ELEMENTWISE(name, (const float* src, long heads_kv, long group, long seq, long dim,                    \
+                   long db, long dh, long ds, bits16* dst, long n), {                                  \
+    long e = i % dim, r = i / dim;                                                                     \
+    long s = r % seq; r /= seq;                                                                        \
+    long h = r % heads_kv, b = r / heads_kv;                                                           \
+    const float* from = src + (((b * heads_kv + h) * group) * seq + s) * dim + e;                      \
+    float acc = 0.f;                                                                                   \
+    for (long g = 0; g < group; ++g) acc += from[g * seq * dim];                                       \
+    dst[b * db + h * dh + s * ds + e] = from_f32(acc);                                                 \
+})
+GROUP_SUM(group_sum_f32_bf16, f32_to_bf16)
+GROUP_SUM(group_sum_f32_f16, f32_to_f16)
