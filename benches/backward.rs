@@ -8,12 +8,15 @@
 //! | RoPE | 16384 tokens (4 × 4096), Q and K of a QKV buffer | `fwd`, `bwd` | fused (one kernel), naive (10 kernels) |
 //! | embedding | 16384 tokens into 128256 × hidden | `fwd`, `bwd` | fused (atomic), fused-det (deterministic), naive (zeros, sort, segment sums) |
 //! | cross-entropy | 16384 and 4096 tokens × 128256 | `fwd`, `fwd+bwd` | fused (3 launches, no f32 logits), naive (`.float()`, `log_softmax`, `nll_loss` and back) |
-//! | RMSNorm, SDPA, matmul backward | see [`rmsnorm`], [`sdpa`], [`matmul`] | | rows added with those ops |
+//! | RMSNorm | 16384 × 4096 and 16384 × 2048 ([`RMSNORM_CASES`]) | `fwd` (training: the inverse RMS saved), `bwd`, `fwd+bwd` | fused (cuDNN norm forward / backward graphs), naive (8 forward, 19 backward kernels) |
+//! | matmul | Llama-3.1-8B's qkv, o, gate_up (each of gate and up) and down projections at 2048 and 16384 tokens ([`MATMUL_CASES`]) | `dx`, `dw`, `dw+=f32`; `dx+swiglu` on the down projection | fused (cuDNN matmul graphs), naive (cuBLAS GEMM, an add kernel when accumulating, 4 eager kernels after the SwiGLU's GEMM) |
+//! | SDPA backward | see [`sdpa`] | | rows added with the op |
 //!
 //! Inputs are random and non-zero (a host-generated block tiled over the device buffer). Criterion
 //! times each case with CUDA events (`iter_custom`); the summary then takes the median of 15
 //! CUDA-event samples after warm-up, each over enough calls to cover about 2 ms. GB/s count what a
-//! perfect kernel must move (each row's `note` says what) against a 1 GiB device-to-device copy.
+//! perfect kernel must move (each row's `note` says what) against a 1 GiB device-to-device copy;
+//! TFLOP/s count the GEMMs' 2·m·n·k.
 //! The summary is written as `backward.csv` / `backward.md` to `$BENCH_RESULTS_DIR` (default
 //! `benches/results`). If `$TORCH_BACKWARD_CSV` names the output of `benches/backward_torch.py` (run
 //! on the same GPU just before), PyTorch's times join the rows (`torch_backend`, `torch_ms`).
@@ -26,11 +29,15 @@ use cudnn_llm::bench_util::{
     bench_main, copy_bandwidth_gbps, csv_and_markdown, environment, gpu_time_ms, median_call_ms, round,
     write_results,
 };
+use cudnn_llm::cudnn_ops::ops::{matmul::backward::naive as linear_naive, rmsnorm::naive as rms_naive};
 use cudnn_llm::cudnn_ops::{
-    adamw, cross_entropy, embedding, embedding_backward, grad_norm, reference, rope, rope_backward,
-    AdamWArgs, AdamWOperands, AdamWTensor, Backend, CrossEntropyArgs, CrossEntropyOperands, Cudnn, Element,
-    EmbeddingArgs, EmbeddingBackwardOperands, EmbeddingGrad, EmbeddingOperands, GradNormArgs,
-    GradNormOperands, MultiTensor, Result, RopeArgs, RopeBackwardOperands, RopeOperands, RopeTables,
+    adamw, cross_entropy, embedding, embedding_backward, grad_norm, linear_backward_data,
+    linear_backward_weight, reference, rms_norm, rms_norm_backward, rope, rope_backward,
+    swiglu_down_backward, AdamWArgs, AdamWOperands, AdamWTensor, Backend, CrossEntropyArgs,
+    CrossEntropyOperands, Cudnn, DataGrad, DataType, Element, EmbeddingArgs, EmbeddingBackwardOperands,
+    EmbeddingGrad, EmbeddingOperands, GradNormArgs, GradNormOperands, LinearGradArgs, MultiTensor, Result,
+    RmsNormArgs, RmsNormGrads, RmsNormOperands, RopeArgs, RopeBackwardOperands, RopeOperands, RopeTables,
+    SwigluForm, SwigluGrads, WeightGrad,
 };
 use half::bf16;
 use serde::{Deserialize, Serialize};
@@ -52,7 +59,9 @@ struct Case {
     backend: &'static str,
     /// Bytes a perfect kernel moves (memory-bound ops).
     bytes: Option<f64>,
-    /// What `bytes` counts.
+    /// Floating-point operations (GEMMs, attention).
+    flops: Option<f64>,
+    /// What `bytes` or `flops` count.
     note: &'static str,
 }
 
@@ -68,6 +77,7 @@ struct Row {
     ms: f64,
     gbps: Option<f64>,
     pct_of_copy: Option<f64>,
+    tflops: Option<f64>,
     speedup_vs_naive: Option<f64>,
     torch_backend: Option<String>,
     torch_ms: Option<f64>,
@@ -142,7 +152,12 @@ impl Bench<'_> {
         });
         let ms = median_call_ms(ctx, 3, 15, batch, &mut f)?;
         let gbps = case.bytes.map(|b| b / (ms * 1e-3) / 1e9);
-        println!("{name}: {ms:.4} ms{}", gbps.map(|g| format!(", {g:.0} GB/s")).unwrap_or_default());
+        let tflops = case.flops.map(|f| f / (ms * 1e-3) / 1e12);
+        println!(
+            "{name}: {ms:.4} ms{}{}",
+            gbps.map(|g| format!(", {g:.0} GB/s")).unwrap_or_default(),
+            tflops.map(|t| format!(", {t:.0} TFLOP/s")).unwrap_or_default()
+        );
         self.rows.push(Row {
             op: case.op,
             model: case.model,
@@ -153,6 +168,7 @@ impl Bench<'_> {
             ms: round(ms, 5),
             gbps: gbps.map(|g| round(g, 1)),
             pct_of_copy: gbps.map(|g| round(100.0 * g / self.copy_gbps, 1)),
+            tflops: tflops.map(|t| round(t, 1)),
             speedup_vs_naive: None,
             torch_backend: None,
             torch_ms: None,
@@ -255,14 +271,21 @@ fn run(ctx: &Cudnn) -> Result<()> {
     let md = format!(
         "## Backward: fused vs naive (PyTorch eager's decomposition), forward and backward per op\n\n{}\n\n\
          Device-to-device copy (1 GiB, read + write): **{copy_gbps:.0} GB/s**; `pct_of_copy` is a row's GB/s \
-         against it. Times are medians of CUDA-event samples after warm-up. `speedup_vs_naive` is the naive \
-         time over the row's; `speedup_vs_torch` is PyTorch's time over the row's (>1: ours faster), \
-         from `benches/backward_torch.py`{}.\n\n{table}",
+         against it; `tflops` counts a GEMM's 2·m·n·k (the matmul rows: 2·T·in·out). Times are medians of \
+         CUDA-event samples after warm-up. `speedup_vs_naive` is the naive time over the row's; \
+         `speedup_vs_torch` is PyTorch's time over the row's (>1: ours faster), from \
+         `benches/backward_torch.py`{}. Naive launches per call (bf16): RMSNorm {} forward, {} backward; \
+         matmul `dx` and `dw` {} (the cuBLAS GEMM), `dw+=f32` {}, `dx+swiglu` {}.\n\n{table}",
         environment(&info),
         match torch_version {
             Some(v) => format!(" ({v}, same GPU, same device call)"),
             None => " (not given: set `$TORCH_BACKWARD_CSV`)".into(),
-        }
+        },
+        rms_naive::kernel_count(DataType::BF16),
+        rms_naive::backward_kernel_count(DataType::BF16, false),
+        linear_naive::data_kernel_count(false),
+        linear_naive::weight_kernel_count(true, false),
+        linear_naive::SWIGLU_KERNELS,
     );
     println!("\n{md}");
     write_results("backward", &csv, &md);
@@ -324,6 +347,7 @@ fn optim<P: Element, G: Element>(b: &mut Bench) -> Result<()> {
             phase: "step",
             backend: backend.name(),
             bytes: Some(count as f64 * (2.0 * p_size + g_size + 16.0)),
+            flops: None,
             note: "p read + written, g read, f32 m and v read + written",
         };
         let args = AdamWArgs { step: 2, ..args };
@@ -342,6 +366,7 @@ fn optim<P: Element, G: Element>(b: &mut Bench) -> Result<()> {
                 phase,
                 backend: backend.name(),
                 bytes: Some(count as f64 * g_size * if clip { 3.0 } else { 1.0 }),
+                flops: None,
                 note,
             };
             b.time(case, || {
@@ -404,6 +429,7 @@ fn rope_cases(b: &mut Bench) -> Result<()> {
                     phase,
                     backend: backend.name(),
                     bytes: Some(bytes),
+                    flops: None,
                     note: "Q and K read + written",
                 };
                 b.time(case, || match phase {
@@ -435,6 +461,7 @@ fn embedding_cases(b: &mut Bench) -> Result<()> {
             phase: "fwd",
             backend: "fused",
             bytes: Some((2 * TOKENS * hidden * 2) as f64),
+            flops: None,
             note: "rows read, y written (one kernel on both backends)",
         };
         b.time(fwd, || embedding(ctx, args, EmbeddingOperands { ids: &ids, table: &table, y: &mut y }))?;
@@ -452,6 +479,7 @@ fn embedding_cases(b: &mut Bench) -> Result<()> {
                 phase: "bwd",
                 backend: name,
                 bytes: Some((TOKENS * hidden * 2 + VOCAB * hidden * 4) as f64),
+                flops: None,
                 note: "dy read, f32 table gradient written",
             };
             b.time(case, || {
@@ -492,6 +520,7 @@ fn cross_entropy_cases(b: &mut Bench) -> Result<()> {
                     phase,
                     backend: backend.name(),
                     bytes: Some(bytes),
+                    flops: None,
                     note,
                 };
                 b.time(case, || {
@@ -507,16 +536,60 @@ fn cross_entropy_cases(b: &mut Bench) -> Result<()> {
     Ok(())
 }
 
-/// RMSNorm backward rows go here with the op (issue 14): for each case, fused vs naive
-/// `fwd+bwd` (training forward with the inverse RMS, then backward) and `bwd`, GB/s counting dy and
-/// x read and dx written, shapes spelled as `backward_torch.py::rmsnorm_cases` spells them
-/// (`"{tokens}x{hidden}"`, model, dtype bf16).
+/// RMSNorm's training forward and backward, bf16, fused vs naive, shapes spelled as
+/// `backward_torch.py::rmsnorm_cases` spells them (`"{tokens}x{hidden}"`): `fwd` (x and the weight
+/// in; y and the f32 inverse RMS out), `bwd` (dy, x, the weight and the saved inverse RMS in; dx and
+/// dweight out) and `fwd+bwd` (both, as a training step runs them). GB/s count those buffers once.
 const RMSNORM_CASES: [(&str, usize, usize); 2] =
     [("Llama-3.1-8B", TOKENS, 4096), ("Llama-3.2-1B", TOKENS, 2048)];
 
-fn rmsnorm(_b: &mut Bench) -> Result<()> {
+fn rmsnorm(b: &mut Bench) -> Result<()> {
+    let ctx = b.ctx;
     for (model, tokens, hidden) in RMSNORM_CASES {
-        println!("rmsnorm {model} {tokens}x{hidden}: backward not built yet, no rows");
+        let args = RmsNormArgs { tokens, hidden, epsilon: 1e-5 };
+        let n = tokens * hidden;
+        let x = random::<bf16>(ctx, n, 31, 1.0)?;
+        let w = random::<bf16>(ctx, hidden, 32, 1.0)?;
+        let dy = random::<bf16>(ctx, n, 33, 1.0)?;
+        let mut y = ctx.stream().alloc_zeros::<bf16>(n)?;
+        let mut inv_rms = ctx.stream().alloc_zeros::<f32>(tokens)?;
+        let mut dx = ctx.stream().alloc_zeros::<bf16>(n)?;
+        let mut dw = ctx.stream().alloc_zeros::<bf16>(hidden)?;
+        // The `bwd` rows read the statistic a training forward saved.
+        rms_norm(ctx, args, RmsNormOperands::new(&x, &w, &mut y).inv_rms(&mut inv_rms), Backend::Fused)?;
+        let (rows, row, stat) = ((n * 2) as f64, (hidden * 2) as f64, (tokens * 4) as f64);
+        let (fwd, bwd) = (2.0 * rows + row + stat, 3.0 * rows + 2.0 * row + stat);
+        let phases = [
+            ("fwd", fwd, "x, weight read; y, f32 inverse RMS written"),
+            ("bwd", bwd, "dy, x, weight, f32 inverse RMS read; dx, dweight written"),
+            ("fwd+bwd", fwd + bwd, "the fwd and bwd rows' bytes"),
+        ];
+        for (phase, bytes, note) in phases {
+            for backend in [Backend::Fused, Backend::Naive] {
+                let case = Case {
+                    op: "rmsnorm",
+                    model,
+                    shape: format!("{tokens}x{hidden}"),
+                    dtype: "bf16",
+                    phase,
+                    backend: backend.name(),
+                    bytes: Some(bytes),
+                    flops: None,
+                    note,
+                };
+                b.time(case, || {
+                    if phase != "bwd" {
+                        let fwd = RmsNormOperands::new(&x, &w, &mut y).inv_rms(&mut inv_rms);
+                        rms_norm(ctx, args, fwd, backend)?;
+                    }
+                    if phase == "fwd" {
+                        return Ok(());
+                    }
+                    let grads = RmsNormGrads::new(&dy, &x, &w, &inv_rms, &mut dx, &mut dw);
+                    rms_norm_backward(ctx, args, grads, backend)
+                })?;
+            }
+        }
     }
     Ok(())
 }
@@ -539,17 +612,108 @@ fn sdpa(_b: &mut Bench) -> Result<()> {
     Ok(())
 }
 
-/// Matmul backward rows go here with the op: dX and dW (and dW accumulated) of Llama-3.1-8B's
-/// projections at 2048 and 16384 tokens, TFLOP/s (4·T·in·out for `bwd`), against cuBLAS, and the
-/// fused SwiGLU backward; shapes as `backward_torch.py::linear_cases` (`"{name} {T}x{in}->{out}"`).
+/// Linear gradients of Llama-3.1-8B's projections (gate and up share one shape, `gate_up`, as in
+/// `benches/matmul.rs`), bf16, at [`MATMUL_TOKENS`], fused vs naive (one cuBLAS GEMM, and an add
+/// kernel when accumulating): `dx` (dX = dY·W), `dw` (dW = dYᵀ·X into a bf16 gradient) and `dw+=f32`
+/// (dW added to an f32 gradient accumulator); then, on the down projection's shape, `dx+swiglu`
+/// ([`swiglu_rows`]). TFLOP/s count the GEMM's 2·T·in·out. Shapes as
+/// `backward_torch.py::matmul_cases` (`"{name} {T}x{in}->{out}"`).
 const MATMUL_CASES: [(&str, usize, usize); 4] =
-    [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)];
+    [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 14336), ("down", 14336, 4096)];
+/// Tokens per step of the matmul rows: one sequence of 2048, and [`TOKENS`].
+const MATMUL_TOKENS: [usize; 2] = [2048, TOKENS];
 
-fn matmul(_b: &mut Bench) -> Result<()> {
-    for tokens in [2048, TOKENS] {
+fn matmul(b: &mut Bench) -> Result<()> {
+    let ctx = b.ctx;
+    for tokens in MATMUL_TOKENS {
         for (name, inp, out) in MATMUL_CASES {
-            println!("matmul {name} {tokens}x{inp}->{out}: backward not built yet, no rows");
+            let args = LinearGradArgs::new(tokens, inp, out);
+            let dy = random::<bf16>(ctx, tokens * out, 41, 1.0)?;
+            let w = random::<bf16>(ctx, out * inp, 42, 0.02)?;
+            let x = random::<bf16>(ctx, tokens * inp, 43, 1.0)?;
+            let mut dx = ctx.stream().alloc_zeros::<bf16>(tokens * inp)?;
+            let mut dw = ctx.stream().alloc_zeros::<bf16>(out * inp)?;
+            let mut dw32 = ctx.stream().alloc_zeros::<f32>(out * inp)?;
+            let shape = format!("{name} {tokens}x{inp}->{out}");
+            let phases = [
+                ("dx", "dX = dY·W"),
+                ("dw", "dW = dYᵀ·X, bf16"),
+                ("dw+=f32", "dW = dYᵀ·X added to an f32 gradient (naive: GEMM, then an add kernel)"),
+            ];
+            for (phase, note) in phases {
+                for backend in [Backend::Fused, Backend::Naive] {
+                    let case = Case {
+                        op: "matmul",
+                        model: "Llama-3.1-8B",
+                        shape: shape.clone(),
+                        dtype: "bf16",
+                        phase,
+                        backend: backend.name(),
+                        bytes: None,
+                        flops: Some(args.flops()),
+                        note,
+                    };
+                    b.time(case, || match phase {
+                        "dx" => linear_backward_data(ctx, &args, DataGrad::new(&dy, &w, &mut dx), backend),
+                        "dw" => {
+                            linear_backward_weight(ctx, &args, WeightGrad::new(&dy, &x, &mut dw), backend)
+                        }
+                        _ => {
+                            let grads = WeightGrad::new(&dy, &x, &mut dw32);
+                            linear_backward_weight(ctx, &args.accumulating(), grads, backend)
+                        }
+                    })?;
+                }
+            }
+            if name == "down" {
+                swiglu_rows(b, &args, &shape, &dy, &w)?;
+            }
         }
+    }
+    Ok(())
+}
+
+/// The SwiGLU backward through the down projection (`args`, its `dy` and weight `w`), phase
+/// `dx+swiglu`: d_gate and d_up from d_act = dY·W_down and the forward's gate and up. Fused: the data
+/// gradient's graph with the SwiGLU steps after the matmul (or, where cuDNN refuses that graph, the
+/// split form: the matmul into f32, then a pointwise graph; the note says which); naive: the cuBLAS
+/// GEMM and four elementwise kernels.
+fn swiglu_rows(
+    b: &mut Bench,
+    args: &LinearGradArgs,
+    shape: &str,
+    dy: &CudaSlice<bf16>,
+    w: &CudaSlice<bf16>,
+) -> Result<()> {
+    let ctx = b.ctx;
+    let n = args.tokens * args.in_features;
+    let gate = random::<bf16>(ctx, n, 44, 2.0)?;
+    let up = random::<bf16>(ctx, n, 45, 1.0)?;
+    let mut d_gate = ctx.stream().alloc_zeros::<bf16>(n)?;
+    let mut d_up = ctx.stream().alloc_zeros::<bf16>(n)?;
+    for backend in [Backend::Fused, Backend::Naive] {
+        let note = match backend {
+            Backend::Naive => "cuBLAS GEMM, then silu, 2 muls, silu backward (eager's kernels)",
+            Backend::Fused => match args.swiglu_form(ctx, <bf16 as Element>::DTYPE)? {
+                SwigluForm::Fused => "one graph: the matmul, then the SwiGLU backward on its f32 result",
+                SwigluForm::Split => "split: the matmul into f32, then a pointwise graph (one graph refused)",
+            },
+        };
+        let case = Case {
+            op: "matmul",
+            model: "Llama-3.1-8B",
+            shape: shape.to_string(),
+            dtype: "bf16",
+            phase: "dx+swiglu",
+            backend: backend.name(),
+            bytes: None,
+            flops: Some(args.flops()),
+            note,
+        };
+        b.time(case, || {
+            let grads = SwigluGrads::new(dy, w, &gate, &up, &mut d_gate, &mut d_up);
+            swiglu_down_backward(ctx, args, grads, backend)
+        })?;
     }
     Ok(())
 }

@@ -3,14 +3,19 @@
 issue's Llama shapes, bf16 activations, random non-zero inputs.
 
 Ops and what is timed (each row names its `phase`):
-- rmsnorm: autograd of `F.rms_norm` (eager), `fwd+bwd` and `bwd` alone (the graph kept with
-  `retain_graph=True`); GB/s counts dy, x read and dx written (the scale and dscale are one row).
+- rmsnorm: `F.rms_norm` (eager) at 16384 x 4096 and 16384 x 2048: `fwd` (the training forward,
+  recording the graph), `bwd` alone (the graph kept with `retain_graph=True`) and `fwd+bwd`; GB/s
+  count what the Rust bench counts: `fwd` x and the weight read, y and an f32 inverse RMS per row
+  written; `bwd` dy, x, the weight and the inverse RMS read, dx and dweight written; `fwd+bwd` both.
 - sdpa: `F.scaled_dot_product_attention` restricted to CUDNN_ATTENTION and FLASH_ATTENTION, causal
   (top-left), GQA 32/8 heads, BSHD storage viewed as [b, h, s, d]; `fwd+bwd` and `bwd`. If a backend
   refuses `enable_gqa`, K/V are repeated to 32 heads first (the `note` column says so). TFLOP/s count
   the causal half of 4·s²·d·h per forward and 2.5 times that per backward.
-- linear: `nn.Linear` (no bias) on Llama-3.1-8B's projections at 2048 and 16384 tokens; `bwd` is dX
-  and dW (4·T·in·out FLOPs), `fwd+bwd` adds the forward's 2·T·in·out.
+- matmul: `nn.Linear` (no bias) on Llama-3.1-8B's projections (qkv, o, gate_up: gate and up are
+  one shape, down) at 2048 and 16384 tokens; `dx` is `autograd.grad` of the input alone (one GEMM),
+  `dw` of the weight alone (one GEMM, a bf16 gradient); on the down projection `dx+swiglu` is the
+  gradient of gate and up through `down(F.silu(gate) * up)` (the GEMM, two muls, silu backward).
+  TFLOP/s count the GEMM's 2·T·in·out.
 - cross_entropy: `F.cross_entropy(logits.float(), targets)` as Hugging Face's loss runs it
   (`eager_float`), and `F.cross_entropy(logits, targets)` on the bf16 logits (`eager`), 16384 and
   4096 tokens x 128256, `fwd` (the loss, no graph) and `fwd+bwd`; GB/s count the bf16 logits read
@@ -82,19 +87,24 @@ def rmsnorm_cases():
         x = randn(tokens, hidden, seed=1).requires_grad_()
         w = (1.0 + 0.1 * randn(hidden, seed=2)).requires_grad_()
         dy = randn(tokens, hidden, seed=3)
-        moved = 3 * tokens * hidden * 2
+        rows, row, stat = tokens * hidden * 2, hidden * 2, tokens * 4
+        moved = {"fwd": 2 * rows + row + stat, "bwd": 3 * rows + 2 * row + stat}
+        moved["fwd+bwd"] = moved["fwd"] + moved["bwd"]
 
-        def fwd_bwd():
+        def fwd(x=x, w=w, hidden=hidden):
+            F.rms_norm(x, (hidden,), w, 1e-5)
+
+        def fwd_bwd(x=x, w=w, dy=dy, hidden=hidden):
             y = F.rms_norm(x, (hidden,), w, 1e-5)
             torch.autograd.grad(y, (x, w), dy)
 
         y = F.rms_norm(x, (hidden,), w, 1e-5)
 
-        def bwd():
+        def bwd(y=y, x=x, w=w, dy=dy):
             torch.autograd.grad(y, (x, w), dy, retain_graph=True)
 
-        for phase, fn in (("fwd+bwd", fwd_bwd), ("bwd", bwd)):
-            yield "rmsnorm", model, f"{tokens}x{hidden}", "bf16", "eager", phase, fn, moved if phase == "bwd" else None, None, ""
+        for phase, fn in (("fwd", fwd), ("bwd", bwd), ("fwd+bwd", fwd_bwd)):
+            yield "rmsnorm", model, f"{tokens}x{hidden}", "bf16", "eager", phase, fn, moved[phase], None, ""
 
 
 def sdpa_cases():
@@ -142,10 +152,10 @@ def sdpa_backend_cases(model, s, q, k, v, do, hq, hkv, d, name, backend, fwd_flo
         return
 
 
-def linear_cases():
+def matmul_cases():
     h, inter = LLAMA_8B["hidden"], LLAMA_8B["inter"]
     kv = LLAMA_8B["kv_heads"] * LLAMA_8B["head_dim"]
-    projections = (("qkv", h, h + 2 * kv), ("o", h, h), ("gate_up", h, 2 * inter), ("down", inter, h))
+    projections = (("qkv", h, h + 2 * kv), ("o", h, h), ("gate_up", h, inter), ("down", inter, h))
     for tokens in (2048, 16384):
         for name, inp, out in projections:
             lin = torch.nn.Linear(inp, out, bias=False, device=DEV, dtype=BF16)
@@ -153,19 +163,27 @@ def linear_cases():
                 lin.weight.copy_(randn(out, inp, scale=inp**-0.5, seed=8))
             x = randn(tokens, inp, seed=9).requires_grad_()
             dy = randn(tokens, out, seed=10)
-
-            def fwd_bwd(lin=lin, x=x, dy=dy):
-                torch.autograd.grad(lin(x), (x, lin.weight), dy)
-
             y = lin(x)
 
-            def bwd(lin=lin, x=x, y=y, dy=dy):
-                torch.autograd.grad(y, (x, lin.weight), dy, retain_graph=True)
+            def dx(y=y, x=x, dy=dy):
+                torch.autograd.grad(y, x, dy, retain_graph=True)
+
+            def dw(y=y, lin=lin, dy=dy):
+                torch.autograd.grad(y, lin.weight, dy, retain_graph=True)
 
             flops = 2 * tokens * inp * out
             shape = f"{name} {tokens}x{inp}->{out}"
-            yield "linear", "Llama-3.1-8B", shape, "bf16", "eager", "fwd+bwd", fwd_bwd, None, 3 * flops, ""
-            yield "linear", "Llama-3.1-8B", shape, "bf16", "eager", "bwd", bwd, None, 2 * flops, ""
+            yield "matmul", "Llama-3.1-8B", shape, "bf16", "eager", "dx", dx, None, flops, ""
+            yield "matmul", "Llama-3.1-8B", shape, "bf16", "eager", "dw", dw, None, flops, ""
+            if name == "down":
+                gate = randn(tokens, inp, scale=2.0, seed=11).requires_grad_()
+                up = randn(tokens, inp, seed=12).requires_grad_()
+                out_swiglu = lin(F.silu(gate) * up)
+
+                def swiglu(o=out_swiglu, gate=gate, up=up, dy=dy):
+                    torch.autograd.grad(o, (gate, up), dy, retain_graph=True)
+
+                yield "matmul", "Llama-3.1-8B", shape, "bf16", "eager", "dx+swiglu", swiglu, None, flops, ""
 
 
 def cross_entropy_cases():
@@ -305,7 +323,7 @@ def main():
     print(f"# {version}, {torch.cuda.get_device_name()}")
     rows = []
     # The order of the Rust bench: the largest buffers (the logits) last.
-    for cases in (adamw_cases, rope_cases, embedding_cases, rmsnorm_cases, sdpa_cases, linear_cases, cross_entropy_cases):
+    for cases in (adamw_cases, rope_cases, embedding_cases, rmsnorm_cases, sdpa_cases, matmul_cases, cross_entropy_cases):
         try:
             for op, model, shape, dtype, backend, phase, fn, moved, flops, note in cases():
                 ms = gbps = tflops = ""
