@@ -4,7 +4,7 @@
 
 use super::{DataGrad, DataOf, LinearGradArgs, SwigluGrads, SwigluOf, WeightGrad, WeightOf};
 use crate::dtype::{DataType, Element};
-use crate::graph::{Binary, Graph, Reduce, Unary};
+use crate::graph::{Binary, Graph, Unary};
 use crate::kernels::{scratch, Kernels};
 use crate::ops::matmul::fused::uid;
 use crate::ops::matmul::MatmulArgs;
@@ -99,9 +99,12 @@ impl<T: Element, O: Element> Fused<WeightOf<T, O>> for LinearGradArgs {
         execute_matmul(ctx, &self.weight_grad(), x.dy, x.x, x.dw)?;
         let (Some(plan), Some(db)) = (bias_plan, x.dbias) else { return Ok(()) };
         let stream = ctx.stream();
+        // The row of ones the graph's matmul sums dY's rows with (uploaded per call: Llama has no
+        // bias, so this path is rare).
+        let ones = stream.clone_htod(&vec![T::from_f64(1.0); self.tokens])?;
         let (read, mut write, _guard) = aliases(db, stream);
         let mut bind = Bindings::new(stream);
-        bind.input(bias_uid::DY, x.dy);
+        bind.input(bias_uid::ONES, &ones).input(bias_uid::DY, x.dy);
         if self.accumulate {
             bind.input::<O>(bias_uid::OLD, &read);
         }
@@ -114,6 +117,7 @@ impl<T: Element, O: Element> Fused<WeightOf<T, O>> for LinearGradArgs {
 mod bias_uid {
     pub const DY: i64 = 1;
     pub const OLD: i64 = 2;
+    pub const ONES: i64 = 3;
     pub const DBIAS: i64 = 100;
 }
 
@@ -180,9 +184,10 @@ thread_local! {
 }
 
 impl LinearGradArgs {
-    /// The bias gradient: a sum reduction of dY `[1, tokens, out]` over the tokens into `[1, 1, out]`
-    /// (f32 compute), then, when accumulating, a pointwise add of the old gradient; the last step's
-    /// output is the bound gradient.
+    /// The bias gradient: the sum of dY's rows `[1, tokens, out]` into `[1, 1, out]` as a matmul with a
+    /// bound row of ones `[1, 1, tokens]` (f32 accumulation; cuDNN 9.19 has no engine for a standalone
+    /// reduction graph of this shape), then, when accumulating, a pointwise add of the old gradient;
+    /// the last step's output is the bound gradient.
     pub fn bias_graph(&self, dtype: DataType, out: DataType) -> Graph {
         let (t, o) = (self.tokens as i64, self.out_features as i64);
         let extra = if self.accumulate { " accumulate" } else { "" };
@@ -191,7 +196,8 @@ impl LinearGradArgs {
         let old = self
             .accumulate
             .then(|| g.tensor(TensorSpec::new("dbias_old", &[1, 1, o], out).with_uid(bias_uid::OLD)));
-        let mut db = g.reduce(Reduce::Sum, dy, &[1, 1, o]);
+        let ones = g.tensor(TensorSpec::new("ones", &[1, 1, t], dtype).with_uid(bias_uid::ONES));
+        let mut db = g.matmul(ones, dy);
         if let Some(old) = old {
             db = g.binary(Binary::Add, db, old);
         }
@@ -349,6 +355,7 @@ mod tests {
                 if args.accumulate {
                     expected.push(("dbias_old".into(), bias_uid::OLD, out));
                 }
+                expected.push(("ones".into(), bias_uid::ONES, dtype));
                 expected.push(("dbias".into(), bias_uid::DBIAS, out));
                 assert_eq!(bound(&bg), expected, "{}", bg.name());
                 let db = bg.tensors().iter().find(|t| t.name == "dbias").unwrap();
