@@ -20,8 +20,9 @@
 //! The summary is written as `backward.csv` / `backward.md` to `$BENCH_RESULTS_DIR` (default
 //! `benches/results`). If `$TORCH_BACKWARD_CSV` names the output of `benches/backward_torch.py` (run
 //! on the same GPU just before), PyTorch's times join the rows (`torch_backend`, `torch_ms`).
-//! `BACKWARD_BENCH_FILTER=rope` keeps only the ops whose name contains the text. Without a GPU it
-//! says so and exits 0.
+//! `BACKWARD_BENCH_FILTER=rope` keeps only the ops whose name contains the text;
+//! `BACKWARD_BENCH_CRITERION=0` skips criterion's own sampling (the CUDA-event medians the tables
+//! report remain), for a short device call. Without a GPU it says so and exits 0.
 
 use criterion::Criterion;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
@@ -32,12 +33,12 @@ use cudnn_llm::bench_util::{
 use cudnn_llm::cudnn_ops::ops::{matmul::backward::naive as linear_naive, rmsnorm::naive as rms_naive};
 use cudnn_llm::cudnn_ops::{
     adamw, cross_entropy, embedding, embedding_backward, grad_norm, linear_backward_data,
-    linear_backward_weight, reference, rms_norm, rms_norm_backward, rope, rope_backward,
+    linear_backward_weight, reference, rms_norm, rms_norm_backward, rope, rope_backward, sdpa, sdpa_backward,
     swiglu_down_backward, AdamWArgs, AdamWOperands, AdamWTensor, Backend, CrossEntropyArgs,
     CrossEntropyOperands, Cudnn, DataGrad, DataType, Element, EmbeddingArgs, EmbeddingBackwardOperands,
-    EmbeddingGrad, EmbeddingOperands, GradNormArgs, GradNormOperands, LinearGradArgs, MultiTensor, Result,
-    RmsNormArgs, RmsNormGrads, RmsNormOperands, RopeArgs, RopeBackwardOperands, RopeOperands, RopeTables,
-    SwigluForm, SwigluGrads, WeightGrad,
+    EmbeddingGrad, EmbeddingOperands, GradNormArgs, GradNormOperands, Layout, LinearGradArgs, Mask,
+    MultiTensor, Result, RmsNormArgs, RmsNormGrads, RmsNormOperands, RopeArgs, RopeBackwardOperands,
+    RopeOperands, RopeTables, SdpaArgs, SdpaGrads, SdpaOperands, SwigluForm, SwigluGrads, WeightGrad,
 };
 use half::bf16;
 use serde::{Deserialize, Serialize};
@@ -116,6 +117,7 @@ fn torch_backend(op: &str) -> &'static str {
         "cross_entropy" => "eager_float",
         "adamw" => "fused",
         "grad_norm" => "foreach",
+        "sdpa" => "cudnn",
         _ => "eager",
     }
 }
@@ -139,17 +141,20 @@ impl Bench<'_> {
         f()?;
         ctx.synchronize()?;
         let once = gpu_time_ms(ctx, 1, &mut f)?;
+        let criterion = std::env::var("BACKWARD_BENCH_CRITERION").map_or(true, |v| v != "0");
         let batch = (2.0 / once.max(1e-3)).ceil().clamp(1.0, 100.0) as usize;
         let name = format!(
             "{}/{}/{}/{}/{}/{}",
             case.op, case.model, case.shape, case.dtype, case.phase, case.backend
         );
-        self.criterion.bench_function(&name, |b| {
-            b.iter_custom(|iters| {
-                let ms = gpu_time_ms(ctx, iters as usize, &mut f).expect("timed run");
-                Duration::from_secs_f64(ms * 1e-3)
-            })
-        });
+        if criterion {
+            self.criterion.bench_function(&name, |b| {
+                b.iter_custom(|iters| {
+                    let ms = gpu_time_ms(ctx, iters as usize, &mut f).expect("timed run");
+                    Duration::from_secs_f64(ms * 1e-3)
+                })
+            });
+        }
         let ms = median_call_ms(ctx, 3, 15, batch, &mut f)?;
         let gbps = case.bytes.map(|b| b / (ms * 1e-3) / 1e9);
         let tflops = case.flops.map(|f| f / (ms * 1e-3) / 1e12);
@@ -231,7 +236,7 @@ fn run(ctx: &Cudnn) -> Result<()> {
         ("rope", rope_cases),
         ("embedding", embedding_cases),
         ("rmsnorm", rmsnorm),
-        ("sdpa", sdpa),
+        ("sdpa", sdpa_cases),
         ("matmul", matmul),
         ("cross_entropy", cross_entropy_cases),
     ];
@@ -287,6 +292,34 @@ fn run(ctx: &Cudnn) -> Result<()> {
         linear_naive::weight_kernel_count(true, false),
         linear_naive::SWIGLU_KERNELS,
     );
+    // Attention has two PyTorch backends to compare with: the join above takes CUDNN_ATTENTION; the
+    // FLASH_ATTENTION rows are listed here.
+    let mut flash = String::new();
+    for r in rows.iter().filter(|r| r.op == "sdpa" && r.backend == "fused") {
+        let t = torch.iter().find(|t| {
+            t.op == "sdpa"
+                && t.shape == r.shape
+                && t.model == r.model
+                && t.phase == r.phase
+                && t.backend == "flash"
+        });
+        if let Some(ms) = t.and_then(|t| t.ms) {
+            flash += &format!(
+                "| {} | {} | {} | {:.4} | {:.4} | {:.2}x |\n",
+                r.model,
+                r.shape,
+                r.phase,
+                r.ms,
+                ms,
+                ms / r.ms
+            );
+        }
+    }
+    let md = if flash.is_empty() {
+        md
+    } else {
+        format!("{md}\n\nAttention against PyTorch's FLASH_ATTENTION backend (same device call):\n\n| model | shape | phase | fused ms | flash ms | flash / fused |\n|---|---|---|---|---|---|\n{flash}")
+    };
     println!("\n{md}");
     write_results("backward", &csv, &md);
     Ok(())
@@ -605,9 +638,51 @@ const SDPA_CASES: [(&str, usize, usize, usize, usize); 4] = [
     ("Llama-3.2-1B", 8192, 32, 8, 64),
 ];
 
-fn sdpa(_b: &mut Bench) -> Result<()> {
+fn sdpa_cases(b: &mut Bench) -> Result<()> {
+    let ctx = b.ctx;
     for (model, s, hq, hkv, d) in SDPA_CASES {
-        println!("sdpa {model} b1 s{s} h{hq}/{hkv} d{d} causal: backward not built yet, no rows");
+        let args = SdpaArgs::new(1, hq, hkv, s, s, d, Layout::Bshd).with_mask(Mask::CausalTopLeft);
+        let (nq, nkv) = (s * hq * d, s * hkv * d);
+        let q = random::<bf16>(ctx, nq, 41, 1.0)?;
+        let k = random::<bf16>(ctx, nkv, 42, 1.0)?;
+        let v = random::<bf16>(ctx, nkv, 43, 1.0)?;
+        let d_o = random::<bf16>(ctx, nq, 44, 1.0)?;
+        let mut o = ctx.stream().alloc_zeros::<bf16>(nq)?;
+        let mut stats = ctx.stream().alloc_zeros::<f32>(hq * s)?;
+        let (mut dq, mut dk, mut dv) = (
+            ctx.stream().alloc_zeros::<bf16>(nq)?,
+            ctx.stream().alloc_zeros::<bf16>(nkv)?,
+            ctx.stream().alloc_zeros::<bf16>(nkv)?,
+        );
+        // The `bwd` rows read the O and stats of one fused training forward.
+        sdpa(ctx, args, SdpaOperands::new(&q, &k, &v, &mut o).stats(&mut stats), Backend::Fused)?;
+        let fwd_flops = args.flops();
+        let phases = [("fwd+bwd", 3.5 * fwd_flops), ("bwd", 2.5 * fwd_flops)];
+        // The math path materializes f32 [h, s, s] scores (8.6 GB each at s 8192): naive at 4096 only.
+        let backends: &[Backend] =
+            if s <= 4096 { &[Backend::Fused, Backend::Naive] } else { &[Backend::Fused] };
+        for (phase, flops) in phases {
+            for &backend in backends {
+                let case = Case {
+                    op: "sdpa",
+                    model,
+                    shape: format!("b1 s{s} h{hq}/{hkv} d{d} causal"),
+                    dtype: "bf16",
+                    phase,
+                    backend: backend.name(),
+                    bytes: None,
+                    flops: Some(flops),
+                    note: "causal top-left, GQA, BSHD; the forward keeps its log-sum-exp stats",
+                };
+                b.time(case, || {
+                    if phase == "fwd+bwd" {
+                        sdpa(ctx, args, SdpaOperands::new(&q, &k, &v, &mut o).stats(&mut stats), backend)?;
+                    }
+                    let grads = SdpaGrads::new(&q, &k, &v, &o, &d_o, &mut dq, &mut dk, &mut dv).stats(&stats);
+                    sdpa_backward(ctx, args, grads, backend)
+                })?;
+            }
+        }
     }
     Ok(())
 }
