@@ -9,7 +9,7 @@ use crate::kernels::{scratch, Kernels};
 use crate::ops::matmul::fused::uid;
 use crate::ops::matmul::MatmulArgs;
 use crate::ops::Fused;
-use crate::plan::{Bindings, Plan};
+use crate::plan::{Bindings, Plan, Tuning};
 use crate::tensor::TensorSpec;
 use crate::{Cudnn, Error, Result};
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
@@ -63,6 +63,10 @@ impl<T> DevicePtrMut<T> for Alias {
 
 /// Executes `m`'s matmul plan on A, B and the output `d`, which is also bound as the residual when
 /// `m` accumulates.
+/// The plan key of an in-place accumulating matmul (see [`execute_matmul`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct InPlace(crate::ops::matmul::Key);
+
 fn execute_matmul<T: Element, O: Element>(
     ctx: &Cudnn,
     m: &MatmulArgs,
@@ -70,7 +74,18 @@ fn execute_matmul<T: Element, O: Element>(
     b: &dyn DevicePtr<T>,
     d: &mut dyn DevicePtrMut<O>,
 ) -> Result<()> {
-    let plan = m.plan(ctx, T::DTYPE, O::DTYPE)?;
+    let plan = if m.epilogue.residual {
+        // Accumulating in place (the gradient is both the residual and the output): autotuning
+        // executes the plan on the bound buffers, and every timed run would add dY·W again (the GPU
+        // test caught it), so these plans take the heuristics' first engine, untimed, under a key of
+        // their own.
+        let (dtype, out) = (T::DTYPE, O::DTYPE);
+        ctx.cache().get_or_build(&InPlace(m.key(dtype, out)), || {
+            m.graph(dtype, out).build_tuned(ctx, Tuning::FIRST)
+        })?
+    } else {
+        m.plan(ctx, T::DTYPE, O::DTYPE)?
+    };
     let stream = ctx.stream();
     // The one guard of the output for the whole execution; the aliases only carry its address.
     let (read, mut write, _guard) = aliases(d, stream);
