@@ -368,7 +368,7 @@ fn optim<P: Element, G: Element>(b: &mut Bench) -> Result<()> {
     let dtype = P::DTYPE.name();
     let (p_size, g_size) = (P::DTYPE.size() as f64, G::DTYPE.size() as f64);
     let shape = format!("{count} params");
-    let args = AdamWArgs { lr: 1e-4, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step: 1 };
+    let args = AdamWArgs::new(1e-4).with_betas(0.9, 0.95).with_eps(1e-8).with_weight_decay(0.1).with_step(1);
     // One step from zero moments first, so that m and v hold a step's state (v = (1 − β₂)·g² ≥ 0).
     step(ctx, &mut set, args, Backend::Fused)?;
     for backend in [Backend::Fused, Backend::Naive] {
@@ -383,10 +383,10 @@ fn optim<P: Element, G: Element>(b: &mut Bench) -> Result<()> {
             flops: None,
             note: "p read + written, g read, f32 m and v read + written",
         };
-        let args = AdamWArgs { step: 2, ..args };
+        let args = args.with_step(2);
         b.time(case, || step(ctx, &mut set, args, backend))?;
     }
-    let norm_args = GradNormArgs { max_norm: Some(1.0) };
+    let norm_args = GradNormArgs::clip(1.0);
     for (phase, clip, note) in
         [("norm", false, "g read"), ("norm+clip", true, "g read, then read + written by the clip")]
     {
@@ -448,7 +448,7 @@ fn rope_cases(b: &mut Bench) -> Result<()> {
         let sin: Vec<f64> = (0..seq * half).map(|i| angle(i).sin()).collect();
         let tables = RopeTables::<bf16>::new(ctx, &cos, &sin, d)?;
         let row_stride = (hq + 2 * hkv) * d;
-        let args = RopeArgs { batch, seq, heads_q: hq, heads_kv: hkv, head_dim: d, row_stride, start: 0 };
+        let args = RopeArgs::new(batch, seq, hq, hkv, d).with_row_stride(row_stride);
         let mut qkv = random::<bf16>(ctx, batch * seq * row_stride, 21, 1.0)?;
         let shape = format!("b{batch} s{seq} h{hq}/{hkv} d{d}");
         let bytes = (2 * batch * seq * (hq + hkv) * d * 2) as f64;
@@ -479,7 +479,7 @@ fn rope_cases(b: &mut Bench) -> Result<()> {
 fn embedding_cases(b: &mut Bench) -> Result<()> {
     let ctx = b.ctx;
     for (model, hidden) in [("Llama-3.1-8B", 4096), ("Llama-3.2-1B", 2048)] {
-        let args = EmbeddingArgs { rows: TOKENS, vocab: VOCAB, hidden };
+        let args = EmbeddingArgs::new(TOKENS, VOCAB, hidden);
         let ids = ctx.stream().clone_htod(&token_ids(TOKENS, VOCAB, 7))?;
         let table = random::<bf16>(ctx, VOCAB * hidden, 22, 1.0)?;
         let mut y = ctx.stream().alloc_zeros::<bf16>(TOKENS * hidden)?;
@@ -497,7 +497,7 @@ fn embedding_cases(b: &mut Bench) -> Result<()> {
             flops: None,
             note: "rows read, y written (one kernel on both backends)",
         };
-        b.time(fwd, || embedding(ctx, args, EmbeddingOperands { ids: &ids, table: &table, y: &mut y }))?;
+        b.time(fwd, || embedding(ctx, args, EmbeddingOperands::new(&ids, &table, &mut y)))?;
         let runs = [
             (Backend::Fused, EmbeddingGrad::Atomic, "fused"),
             (Backend::Fused, EmbeddingGrad::Deterministic, "fused-det"),
@@ -528,7 +528,7 @@ fn embedding_cases(b: &mut Bench) -> Result<()> {
 fn cross_entropy_cases(b: &mut Bench) -> Result<()> {
     let ctx = b.ctx;
     for tokens in [TOKENS, 4096] {
-        let args = CrossEntropyArgs { tokens, vocab: VOCAB, ignore_index: Some(-100), grad_scale: 1.0 };
+        let args = CrossEntropyArgs::new(tokens, VOCAB).with_ignore_index(-100);
         let logits = random::<bf16>(ctx, tokens * VOCAB, 11, 2.0)?;
         let targets: Vec<i32> = token_ids(tokens, VOCAB, 12)
             .iter()
@@ -579,7 +579,7 @@ const RMSNORM_CASES: [(&str, usize, usize); 2] =
 fn rmsnorm(b: &mut Bench) -> Result<()> {
     let ctx = b.ctx;
     for (model, tokens, hidden) in RMSNORM_CASES {
-        let args = RmsNormArgs { tokens, hidden, epsilon: 1e-5 };
+        let args = RmsNormArgs::new(tokens, hidden, 1e-5);
         let n = tokens * hidden;
         let x = random::<bf16>(ctx, n, 31, 1.0)?;
         let w = random::<bf16>(ctx, hidden, 32, 1.0)?;
@@ -772,6 +772,7 @@ fn swiglu_rows(
             Backend::Fused => match args.swiglu_form(ctx, <bf16 as Element>::DTYPE)? {
                 SwigluForm::Fused => "one graph: the matmul, then the SwiGLU backward on its f32 result",
                 SwigluForm::Split => "split: the matmul into f32, then a pointwise graph (one graph refused)",
+                other => other.name(),
             },
         };
         let case = Case {

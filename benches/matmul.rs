@@ -179,7 +179,7 @@ impl Pools {
             x = x.bias(&bias);
         }
         if e.gate {
-            x = x.gate(&u);
+            x = x.up(&u);
         }
         if e.residual {
             x = x.residual(&r);

@@ -36,7 +36,7 @@ impl Buffers {
         let (x, _) = upload(ctx, &reference::random_values(tokens as u64, tokens * hidden))?;
         let (w, _) = upload(ctx, &reference::random_values(hidden as u64, hidden))?;
         let y = ctx.stream().alloc_zeros(tokens * hidden)?;
-        Ok(Buffers { args: RmsNormArgs { tokens, hidden, epsilon: EPS }, x, w, y })
+        Ok(Buffers { args: RmsNormArgs::new(tokens, hidden, EPS), x, w, y })
     }
 
     fn run(&mut self, ctx: &Cudnn, backend: Backend) -> Result<()> {

@@ -138,7 +138,7 @@ fn run(ctx: &Cudnn) -> Result<()> {
                 let naive: Vec<f64> = ctx.stream().clone_dtoh(&c.o)?.iter().map(|v| v.to_f64()).collect();
                 let cmp = reference::compare(&fused, &naive);
                 println!("{}: fused vs naive {cmp}", c.label);
-                if !cmp.passes(reference::Tolerance { rel_l2: 2e-2 }) {
+                if !cmp.passes(reference::Tolerance::rel_l2(2e-2)) {
                     return Err(Error::InvalidArgument(format!(
                         "{}: fused and naive disagree: {cmp}",
                         c.label

@@ -1,7 +1,7 @@
 //! A Llama MLP's projections as fused matmul graphs: `cargo run --release --example 02-matmul` on a GPU
 //! machine. `h + down(silu(gate(x)) ⊙ up(x))` is two Linear matmuls with epilogues plus the plain `up`.
+use cudnn_llm::half::bf16;
 use cudnn_llm::{matmul, Backend, Cudnn, Epilogue, MatmulArgs, MatmulOperands};
-use half::bf16;
 
 fn main() -> cudnn_llm::Result<()> {
     let ctx = Cudnn::new(0)?; // an error (not a panic) without a GPU
@@ -23,7 +23,7 @@ fn main() -> cudnn_llm::Result<()> {
     let narrow = MatmulArgs::linear(tokens, ffn, hidden).with_epilogue(Epilogue::RESIDUAL);
     // up = x · W_upᵀ; act = silu(x · W_gateᵀ) ⊙ up; out = h + act · W_downᵀ. Each plan is built once.
     matmul(&ctx, &wide, MatmulOperands::new(&x, &w_up, &mut up), Backend::Fused)?;
-    let gate = MatmulOperands::new(&x, &w_gate, &mut act).gate(&up);
+    let gate = MatmulOperands::new(&x, &w_gate, &mut act).up(&up);
     matmul(&ctx, &wide.with_epilogue(Epilogue::SWIGLU), gate, Backend::Fused)?;
     matmul(&ctx, &narrow, MatmulOperands::new(&act, &w_down, &mut out).residual(&h), Backend::Fused)?;
 

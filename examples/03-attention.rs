@@ -1,7 +1,7 @@
 //! Causal grouped-query attention read straight out of a fused QKV projection buffer:
 //! `cargo run --release --example 03-attention` on a GPU machine.
+use cudnn_llm::half::bf16;
 use cudnn_llm::{sdpa, Backend, Cudnn, DataType, Layout, Mask, SdpaArgs, SdpaOperands};
-use half::bf16;
 
 fn main() -> cudnn_llm::Result<()> {
     let ctx = Cudnn::new(0)?; // an error (not a panic) without a GPU

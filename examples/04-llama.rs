@@ -1,10 +1,10 @@
 //! Llama-3.2-1B with random weights: a prefill and 16 decode steps, all-naive then all-fused, with
 //! times: `cargo run --release --example 04-llama [-- SELECTION]` on a GPU machine (SELECTION is a
 //! backend string such as `fused=prenorm,gqa`; the default compares `naive=all` with `fused=all`).
+use cudnn_llm::half::bf16;
 use cudnn_llm::llama::weights::Weights;
 use cudnn_llm::llama::{Backends, Llama, LlamaConfig, NoObserver};
 use cudnn_llm::Cudnn;
-use half::bf16;
 use std::time::Instant;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -3,11 +3,11 @@
 //! as one CUDA graph per step, beside the floor (weight + KV bytes over the measured copy bandwidth):
 //! `cargo run --release --example 05-decode [-- LAYERS]` on a GPU machine.
 use cudnn_llm::bench_util::{copy_bandwidth_gbps, median, wall_ms};
+use cudnn_llm::half::bf16;
 use cudnn_llm::llama::roofline::DecodeRoofline;
 use cudnn_llm::llama::weights::Weights;
 use cudnn_llm::llama::{Backends, Llama, LlamaConfig, NoObserver};
 use cudnn_llm::{Backend, Cudnn};
-use half::bf16;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let ctx = Cudnn::new(0)?;

@@ -9,10 +9,10 @@
 //! equal-length sequences, then decode steps of one token per sequence. For each backend (all naive,
 //! all fused) it writes `OUT_DIR/logits-{naive,fused}.f32`: little-endian f32 rows of `vocab` values,
 //! the prefill's rows (sequence-major, every position) followed by each decode step's rows.
+use cudnn_llm::half::bf16;
 use cudnn_llm::llama::weights::Weights;
 use cudnn_llm::llama::{Backends, Llama, LlamaConfig, NoObserver};
 use cudnn_llm::Cudnn;
-use half::bf16;
 use std::path::PathBuf;
 
 #[derive(serde::Deserialize)]

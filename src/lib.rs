@@ -1,9 +1,14 @@
 //! The facade of the workspace: re-exports [`cudnn_ops`] and records how this build was made, for
 //! bench summaries and reports.
+//!
+//! [`cudarc`] and [`half`] are re-exported as `cudnn_ops` re-exports them (cudarc 0.19 with
+//! `cuda-13000` and `dynamic-loading`; see the [`cudnn_ops`] crate docs for why): use these rather
+//! than depending on either crate yourself, or match that version and those features exactly.
 #![deny(missing_docs)]
 
 pub use cudnn_ops;
 pub use cudnn_ops::*;
+pub use cudnn_ops::{cudarc, half};
 pub use llama;
 
 pub mod bench_util;

@@ -19,9 +19,9 @@ use half::{bf16, f16};
 /// ulp each); relative to the f64 loss of the same rounded logits.
 const LOSS_TOL: f64 = 1e-5;
 /// f32 dlogits through `__expf` (relative error up to ~2e-6 at the arguments softmax sees).
-const CE_F32_TOL: Tolerance = Tolerance { rel_l2: 1e-4 };
+const CE_F32_TOL: Tolerance = Tolerance::rel_l2(1e-4);
 /// f32 optimizer state and norms: a handful of f32 operations per element.
-const OPTIM_F32_TOL: Tolerance = Tolerance { rel_l2: 1e-5 };
+const OPTIM_F32_TOL: Tolerance = Tolerance::rel_l2(1e-5);
 
 fn ce_tol<T: Element>() -> Tolerance {
     if T::DTYPE == cudnn_llm::cudnn_ops::DataType::F32 {
@@ -46,7 +46,7 @@ fn check_cross_entropy<T: Element>(ctx: &Cudnn, tokens: usize, vocab: usize) {
     let grad = 0.5;
     let (want_loss, lse) = rb::cross_entropy(&rounded, &wide, vocab, Some(-100));
     let want_d = rb::cross_entropy_backward(&rounded, &wide, &lse, vocab, Some(-100), grad);
-    let args = CrossEntropyArgs { tokens, vocab, ignore_index: Some(-100), grad_scale: grad as f32 };
+    let args = CrossEntropyArgs::new(tokens, vocab).with_ignore_index(-100).with_grad_scale(grad as f32);
     for backend in [Backend::Fused, Backend::Naive] {
         let tag = format!("{} {backend:?} {tokens}x{vocab}", T::DTYPE);
         let mut loss = poisoned::<f32>(ctx, 1).unwrap();
@@ -92,14 +92,14 @@ fn cross_entropy_rejects_bad_arguments_with_outputs_untouched() {
     let (tokens, vocab) = (4, 100);
     let (logits, _) = upload::<bf16>(&ctx, &reference::random_values(1, tokens * vocab)).unwrap();
     let targets = ctx.stream().clone_htod(&[1i32, 2, 3, 4]).unwrap();
-    let args = CrossEntropyArgs { tokens, vocab, ignore_index: None, grad_scale: 1.0 };
+    let args = CrossEntropyArgs::new(tokens, vocab);
     let mut loss = ctx.stream().clone_htod(&[7.0f32]).unwrap();
     let mut d = ctx.stream().clone_htod(&vec![bf16::from_f32(7.0); tokens * vocab - 1]).unwrap();
     let x = CrossEntropyOperands::with_grad(&logits, &mut d, &targets, &mut loss);
     let e = cross_entropy(&ctx, args, x, Backend::Fused).unwrap_err();
     assert!(e.to_string().contains("dlogits have"), "{e}");
     let x = CrossEntropyOperands::with_grad(&logits, &mut d, &targets, &mut loss);
-    let e = cross_entropy(&ctx, CrossEntropyArgs { tokens: 5, ..args }, x, Backend::Naive).unwrap_err();
+    let e = cross_entropy(&ctx, CrossEntropyArgs::new(5, vocab), x, Backend::Naive).unwrap_err();
     assert!(e.to_string().contains("logits have"), "{e}");
     assert_eq!(download(&ctx, &loss).unwrap(), vec![7.0]);
     assert!(download(&ctx, &d).unwrap().iter().all(|v| v.to_f32() == 7.0));
@@ -125,7 +125,7 @@ struct Host {
 }
 
 fn check_adamw<P: Element, G: Element>(ctx: &Cudnn, master: bool, clip: bool) {
-    let hp = AdamWArgs { lr: 0.05, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step: 1 };
+    let hp = AdamWArgs::new(0.05).with_betas(0.9, 0.95).with_eps(1e-8).with_weight_decay(0.1).with_step(1);
     let rhp = rb::AdamWParams {
         lr: hp.lr,
         beta1: hp.beta1,
@@ -154,7 +154,7 @@ fn check_adamw<P: Element, G: Element>(ctx: &Cudnn, master: bool, clip: bool) {
         let coef = if clip { rb::clip_coefficient(want_norm, 1.0) } else { 1.0 };
         {
             let g: Vec<&dyn DevicePtr<G>> = dev.iter().map(|d| &d.1 as &dyn DevicePtr<G>).collect();
-            let args = GradNormArgs { max_norm: clip.then_some(1.0) };
+            let args = if clip { GradNormArgs::clip(1.0) } else { GradNormArgs::norm() };
             grad_norm(ctx, args, GradNormOperands::new(&mut opt, g, &mut norm), backend).unwrap();
         }
         let got = download(ctx, &norm).unwrap();
@@ -184,7 +184,7 @@ fn check_adamw<P: Element, G: Element>(ctx: &Cudnn, master: bool, clip: bool) {
             if clip {
                 x = x.clip(&norm);
             }
-            adamw(ctx, AdamWArgs { step, ..hp }, x, backend).unwrap();
+            adamw(ctx, hp.with_step(step), x, backend).unwrap();
         }
         for (k, (h, d)) in host.iter().zip(&dev).enumerate() {
             if h.p.is_empty() {
@@ -229,7 +229,7 @@ fn grad_norm_is_deterministic_and_clipping_scales_in_place() {
     let refs: Vec<&[f64]> = rounded.iter().map(|r| r.as_slice()).collect();
     let want = rb::global_grad_norm(&refs);
     let coef = rb::clip_coefficient(want, 1.0);
-    let args = GradNormArgs { max_norm: Some(1.0) };
+    let args = GradNormArgs::clip(1.0);
     for backend in [Backend::Fused, Backend::Naive] {
         let mut opt = MultiTensor::new();
         fn read(g: &[CudaSlice<bf16>]) -> Vec<&dyn DevicePtr<bf16>> {
@@ -245,7 +245,7 @@ fn grad_norm_is_deterministic_and_clipping_scales_in_place() {
         assert!(((a[1] as f64 - coef) / coef).abs() < 1e-5, "{backend:?}: coefficient {} vs {coef}", a[1]);
         // The norm alone: coefficient 1.
         let mut c = poisoned::<f32>(&ctx, 2).unwrap();
-        let none = GradNormArgs { max_norm: None };
+        let none = GradNormArgs::norm();
         grad_norm(&ctx, none, GradNormOperands::new(&mut opt, read(&grads), &mut c), backend).unwrap();
         assert_eq!(download(&ctx, &c).unwrap()[1], 1.0, "{backend:?}: coefficient without max_norm");
         // clip_grad_norm_: the same norm, then the gradients scaled in place.
@@ -309,14 +309,9 @@ fn check_rope_backward<T: Element>(ctx: &Cudnn, a: RopeArgs, positions: usize) {
 #[ignore = "needs a CUDA GPU"]
 fn rope_backward_rotates_by_minus_theta() {
     let ctx = gpu();
-    let a =
-        RopeArgs { batch: 2, seq: 33, heads_q: 32, heads_kv: 8, head_dim: 128, row_stride: 6144, start: 0 };
+    let a = RopeArgs::new(2, 33, 32, 8, 128).with_row_stride(6144);
     check_rope_backward::<bf16>(&ctx, a, 64);
-    check_rope_backward::<f16>(
-        &ctx,
-        RopeArgs { batch: 3, seq: 7, heads_q: 3, heads_kv: 1, head_dim: 8, row_stride: 48, start: 2 },
-        16,
-    );
+    check_rope_backward::<f16>(&ctx, RopeArgs::new(3, 7, 3, 1, 8).with_row_stride(48).with_start(2), 16);
 }
 
 fn check_embedding_backward<T: Element>(ctx: &Cudnn, vocab: usize, hidden: usize, ids: &[u32]) {
@@ -326,7 +321,7 @@ fn check_embedding_backward<T: Element>(ctx: &Cudnn, vocab: usize, hidden: usize
     let acc = reference::random_values(9, vocab * hidden);
     let acc32 = reference::to_elements::<f32>(&acc);
     let acc_rounded: Vec<f64> = acc32.iter().map(|&v| v as f64).collect();
-    let args = EmbeddingArgs { rows, vocab, hidden };
+    let args = EmbeddingArgs::new(rows, vocab, hidden);
     let runs = [
         (Backend::Fused, EmbeddingGrad::Atomic),
         (Backend::Fused, EmbeddingGrad::Deterministic),

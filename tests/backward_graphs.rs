@@ -15,9 +15,9 @@ use half::{bf16, f16};
 
 /// cuDNN may run f32 matmuls on tensor cores as TF32 (inputs rounded to 10 mantissa bits): a relative
 /// error near 1e-3, as in tests/matmul.rs.
-const F32_MATMUL_TOL: Tolerance = Tolerance { rel_l2: 5e-3 };
+const F32_MATMUL_TOL: Tolerance = Tolerance::rel_l2(5e-3);
 /// f32 RMSNorm gradients: f32 arithmetic with row and column sums of a few thousand terms.
-const F32_NORM_TOL: Tolerance = Tolerance { rel_l2: 1e-5 };
+const F32_NORM_TOL: Tolerance = Tolerance::rel_l2(1e-5);
 
 fn matmul_tol(dtype: DataType) -> Tolerance {
     if dtype == DataType::F32 {
@@ -66,7 +66,7 @@ fn is_not_supported(e: &Error) -> bool {
 
 fn rms_case<T: Element>(ctx: &Cudnn, tokens: usize, hidden: usize, seed: u64, failures: &mut Vec<String>) {
     let n = tokens * hidden;
-    let args = RmsNormArgs { tokens, hidden, epsilon: 1e-5 };
+    let args = RmsNormArgs::new(tokens, hidden, 1e-5);
     let (x, xr) = upload::<T>(ctx, &reference::random_values(seed, n)).unwrap();
     let (w, wr) = upload::<T>(ctx, &reference::random_values(seed + 1, hidden)).unwrap();
     let (dy, dyr) = upload::<T>(ctx, &reference::random_values(seed + 2, n)).unwrap();
@@ -134,7 +134,7 @@ fn rms_norm_backward_bad_inputs_are_typed_errors_outputs_untouched() {
     let ctx = gpu();
     let (tokens, hidden) = (8, 256);
     let n = tokens * hidden;
-    let args = RmsNormArgs { tokens, hidden, epsilon: 1e-5 };
+    let args = RmsNormArgs::new(tokens, hidden, 1e-5);
     let (x, _) = upload::<bf16>(&ctx, &reference::random_values(1, n)).unwrap();
     let (w, _) = upload::<bf16>(&ctx, &reference::random_values(2, hidden)).unwrap();
     let (dy, _) = upload::<bf16>(&ctx, &reference::random_values(3, n)).unwrap();

@@ -356,7 +356,8 @@ fn fused_and_naive_greedy_agree_on_a_1b_shaped_two_layer_model() {
     let ctx = gpu();
     // Untied: with the random embedding as lm_head, a token's own embedding dominates its logits and
     // greedy decoding repeats the last prompt token, which would make the comparison vacuous.
-    let cfg = LlamaConfig { tie_embeddings: false, ..LlamaConfig::llama_3_2_1b().with_layers(2) };
+    let mut cfg = LlamaConfig::llama_3_2_1b().with_layers(2);
+    cfg.tie_embeddings = false;
     let (dir, _) = model_dir("1b-2-layers", &cfg, 22);
     let tok = Tokenizer::from_file(&dir).unwrap();
     let prompt = tok.encode("the quick brown fox jumps over the lazy dog", true).unwrap();
@@ -484,7 +485,7 @@ fn seeded_sampling_reproduces_and_draws_only_kept_ids() {
     let model = Llama::new(&ctx, &cfg, &w, prompt.len() + n).unwrap();
     let mut g =
         Generator::new(&ctx, model, Backends::all(cudnn_llm::Backend::Fused), prompt.len() + n).unwrap();
-    let params = |seed| SamplingParams { temperature: 1.5, top_k: Some(50), top_p: Some(0.9), seed };
+    let params = |seed| SamplingParams::new(1.5, seed).with_top_k(50).with_top_p(0.9);
     let mut run = |seed| {
         let mut s = Sampler::new(params(seed)).unwrap();
         g.generate(&ctx, &prompt, n, &mut s, &[], |_| ControlFlow::Continue(())).unwrap().tokens

@@ -10,7 +10,7 @@ use cudnn_llm::llama::{reference, Backends, Llama, LlamaConfig, ModuleKind, NoOb
 use half::bf16;
 
 /// Hidden states through a whole bf16 model, against f64.
-const MODEL_TOL: Tolerance = Tolerance { rel_l2: 3e-2 };
+const MODEL_TOL: Tolerance = Tolerance::rel_l2(3e-2);
 
 fn tokens(batch: usize, seq: usize, vocab: usize, seed: u32) -> Vec<Vec<u32>> {
     (0..batch)
@@ -126,13 +126,8 @@ fn prefill_then_decode_equals_a_full_forward() {
 fn unsupported_fused_modules_fall_back_and_say_why() {
     let ctx = gpu();
     // Head dim 264 is past every GPU's fused-attention limit: attention must fall back, once per shape.
-    let cfg = LlamaConfig {
-        name: "wide-heads".into(),
-        heads: 2,
-        kv_heads: 1,
-        head_dim: 264,
-        ..LlamaConfig::tiny()
-    };
+    let mut cfg = LlamaConfig::tiny();
+    (cfg.name, cfg.heads, cfg.kv_heads, cfg.head_dim) = ("wide-heads".into(), 2, 1, 264);
     let w = Weights::<bf16>::random(&cfg, 4);
     let mut model = Llama::new(&ctx, &cfg, &w, 32).unwrap();
     let toks = tokens(1, 8, cfg.vocab, 1);

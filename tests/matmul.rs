@@ -13,7 +13,7 @@ use half::{bf16, f16};
 
 /// cuDNN may run f32 matmuls on tensor cores as TF32 (inputs rounded to 10 mantissa bits), which gives a
 /// relative error near 1e-3; f32 outputs are held to this instead of the exact-f32 tolerance.
-const F32_MATMUL_TOL: reference::Tolerance = reference::Tolerance { rel_l2: 5e-3 };
+const F32_MATMUL_TOL: reference::Tolerance = reference::Tolerance::rel_l2(5e-3);
 
 fn tolerance(dtype: DataType) -> reference::Tolerance {
     match dtype {
@@ -150,7 +150,7 @@ impl<T: Element, O: Element> Device<T, O> {
             x = x.bias(&self.bias);
         }
         if e.gate {
-            x = x.gate(&self.u);
+            x = x.up(&self.u);
         }
         if e.residual {
             x = x.residual(&self.r);
@@ -307,18 +307,14 @@ fn batched_and_strided_layouts_match_the_reference() {
         // Row-major B per batch.
         batched,
         // One B shared by every batch (broadcast).
-        MatmulArgs { b: MatrixLayout::row_major(1, 64, 128), ..batched },
+        MatmulArgs::new(batched.a, MatrixLayout::row_major(1, 64, 128)),
         // Column-major A (x stored transposed) and a transposed weight view.
-        MatmulArgs {
-            a: MatrixLayout::column_major(3, 32, 64),
-            b: MatrixLayout::column_major(3, 64, 128),
-            epilogue: Epilogue::NONE,
-        },
+        MatmulArgs::new(MatrixLayout::column_major(3, 32, 64), MatrixLayout::column_major(3, 64, 128)),
         // Padded rows: A rows 72 elements apart, k = 64.
-        MatmulArgs {
-            a: MatrixLayout { dims: [1, 30, 64], strides: [30 * 72, 72, 1] },
-            ..MatmulArgs::linear(30, 64, 128)
-        },
+        MatmulArgs::new(
+            MatrixLayout::strided([1, 30, 64], [30 * 72, 72, 1]),
+            MatmulArgs::linear(30, 64, 128).b,
+        ),
     ];
     for (i, args) in layouts.iter().enumerate() {
         check_shape::<bf16, bf16>(&ctx, args, &es, 200 + i as u64, &mut failures);
@@ -443,10 +439,10 @@ fn bad_inputs_are_errors_and_touch_nothing() {
         };
         let none = Epilogue::NONE;
         expect_untouched(&ctx, &mut d, "inner dimensions differ", |d| {
-            run(MatmulArgs { b: MatrixLayout::column_major(1, 72, 128), ..args }, none, dev.operands(none, d))
+            run(MatmulArgs::new(args.a, MatrixLayout::column_major(1, 72, 128)), none, dev.operands(none, d))
         });
         expect_untouched(&ctx, &mut d, "batch mismatch", |d| {
-            run(MatmulArgs { b: MatrixLayout::column_major(2, 64, 128), ..args }, none, dev.operands(none, d))
+            run(MatmulArgs::new(args.a, MatrixLayout::column_major(2, 64, 128)), none, dev.operands(none, d))
         });
         expect_untouched(&ctx, &mut d, "misaligned k for bf16", |d| {
             run(MatmulArgs::linear(30, 60, 128), none, dev.operands(none, d))

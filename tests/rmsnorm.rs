@@ -10,7 +10,7 @@ use half::{bf16, f16};
 
 const EPS: f32 = 1e-5;
 /// The inverse RMS is f32 from f32 arithmetic on both paths.
-const INV_RMS_TOL: reference::Tolerance = reference::Tolerance { rel_l2: 1e-5 };
+const INV_RMS_TOL: reference::Tolerance = reference::Tolerance::rel_l2(1e-5);
 
 #[test]
 fn no_gpu_is_an_error_not_a_panic() {
@@ -32,8 +32,7 @@ struct Case {
 /// Runs both backends in each phase of `phases` (training = true) for dtype T on poisoned outputs and compares with the reference (inputs
 /// uploaded and the reference computed once per dtype: the largest cases are 134M elements).
 fn check<T: Element>(ctx: &Cudnn, case: &Case, phases: &[bool], failures: &mut Vec<String>) {
-    let (n, args) =
-        (case.tokens * case.hidden, RmsNormArgs { tokens: case.tokens, hidden: case.hidden, epsilon: EPS });
+    let (n, args) = (case.tokens * case.hidden, RmsNormArgs::new(case.tokens, case.hidden, EPS));
     let (x, xr) = upload::<T>(ctx, &case.x).unwrap();
     let (w, wr) = upload::<T>(ctx, &case.w).unwrap();
     let (y_ref, inv_ref) = reference::rms_norm(&xr, &wr, case.tokens, case.hidden, EPS as f64);
@@ -50,12 +49,9 @@ fn check<T: Element>(ctx: &Cudnn, case: &Case, phases: &[bool], failures: &mut V
                 case.hidden,
                 if train { "training" } else { "inference" }
             );
-            if let Err(e) = rms_norm(
-                ctx,
-                args,
-                RmsNormOperands { x: &x, weight: &w, y: &mut y, inv_rms: inv_arg },
-                backend,
-            ) {
+            let mut operands = RmsNormOperands::new(&x, &w, &mut y);
+            operands.inv_rms = inv_arg;
+            if let Err(e) = rms_norm(ctx, args, operands, backend) {
                 failures.push(format!("{tag}: {e}"));
                 continue;
             }
@@ -120,7 +116,7 @@ fn large_magnitudes_stay_finite() {
 #[ignore = "needs a CUDA GPU"]
 fn plan_cache_builds_once_per_shape() {
     let ctx = gpu();
-    let args = RmsNormArgs { tokens: 30, hidden: 2048, epsilon: EPS };
+    let args = RmsNormArgs::new(30, 2048, EPS);
     let (x, _) = upload::<bf16>(&ctx, &reference::random_values(1, 30 * 2048)).unwrap();
     let (w, _) = upload::<bf16>(&ctx, &reference::random_values(2, 2048)).unwrap();
     let mut y = poisoned::<bf16>(&ctx, 30 * 2048).unwrap();
@@ -133,15 +129,20 @@ fn plan_cache_builds_once_per_shape() {
     // Epsilon is a by-value scalar: a different epsilon reuses the plan.
     rms_norm(
         &ctx,
-        RmsNormArgs { epsilon: 1e-6, ..args },
+        RmsNormArgs::new(args.tokens, args.hidden, 1e-6),
         RmsNormOperands::new(&x, &w, &mut y),
         Backend::Fused,
     )
     .unwrap();
     assert_eq!(ctx.cache().stats().misses, 1);
     // Fewer tokens on a longer buffer is another shape, another plan; the training phase is another plan.
-    rms_norm(&ctx, RmsNormArgs { tokens: 29, ..args }, RmsNormOperands::new(&x, &w, &mut y), Backend::Fused)
-        .unwrap();
+    rms_norm(
+        &ctx,
+        RmsNormArgs::new(29, args.hidden, args.epsilon),
+        RmsNormOperands::new(&x, &w, &mut y),
+        Backend::Fused,
+    )
+    .unwrap();
     let mut inv = poisoned::<f32>(&ctx, 30).unwrap();
     rms_norm(&ctx, args, RmsNormOperands::new(&x, &w, &mut y).inv_rms(&mut inv), Backend::Fused).unwrap();
     rms_norm(&ctx, args, RmsNormOperands::new(&x, &w, &mut y).inv_rms(&mut inv), Backend::Fused).unwrap();
@@ -174,7 +175,7 @@ fn expect_untouched(
 fn bad_inputs_are_errors_and_touch_nothing() {
     let ctx = gpu();
     let (t, h) = (30usize, 2048usize);
-    let args = RmsNormArgs { tokens: t, hidden: h, epsilon: EPS };
+    let args = RmsNormArgs::new(t, h, EPS);
     let (x, _) = upload::<bf16>(&ctx, &reference::random_values(1, t * h + 8)).unwrap();
     let (w, _) = upload::<bf16>(&ctx, &reference::random_values(2, h)).unwrap();
     let (w_short, _) = upload::<bf16>(&ctx, &reference::random_values(2, h - 1)).unwrap();
@@ -188,7 +189,7 @@ fn bad_inputs_are_errors_and_touch_nothing() {
         };
         expect_untouched(&ctx, &mut y, "weight has 2047 elements", |y| run(args, &x, &w_short, y));
         expect_untouched(&ctx, &mut y, "tokens must be > 0", |y| {
-            run(RmsNormArgs { tokens: 0, ..args }, &x, &w, y)
+            run(RmsNormArgs::new(0, args.hidden, args.epsilon), &x, &w, y)
         });
         expect_untouched(&ctx, &mut y, "output has 61439 elements", |y| {
             let mut short = y.slice_mut(0..t * h - 1);

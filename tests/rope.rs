@@ -73,21 +73,12 @@ fn check<T: Element>(ctx: &Cudnn, a: RopeArgs, positions: usize) {
 fn fused_and_eager_rope_rotate_q_and_k_only() {
     let ctx = gpu();
     // Llama-3.1-8B widths (32 + 8 + 8 heads of 128) in a prefill, and a decode step deep in the cache.
-    let prefill =
-        RopeArgs { batch: 1, seq: 2048, heads_q: 32, heads_kv: 8, head_dim: 128, row_stride: 6144, start: 0 };
+    let prefill = RopeArgs::new(1, 2048, 32, 8, 128).with_row_stride(6144);
     check::<bf16>(&ctx, prefill, 4096);
-    check::<f16>(&ctx, RopeArgs { batch: 3, seq: 1, start: 4000, ..prefill }, 4096);
+    check::<f16>(&ctx, RopeArgs::new(3, 1, 32, 8, 128).with_row_stride(6144).with_start(4000), 4096);
     // Llama-3.2-1B widths, batch 3 x 10 after 5 cached tokens; odd head counts and a head dim of 8.
-    check::<bf16>(
-        &ctx,
-        RopeArgs { batch: 3, seq: 10, heads_q: 32, heads_kv: 8, head_dim: 64, row_stride: 3072, start: 5 },
-        64,
-    );
-    check::<bf16>(
-        &ctx,
-        RopeArgs { batch: 2, seq: 7, heads_q: 3, heads_kv: 1, head_dim: 8, row_stride: 48, start: 1 },
-        16,
-    );
+    check::<bf16>(&ctx, RopeArgs::new(3, 10, 32, 8, 64).with_row_stride(3072).with_start(5), 64);
+    check::<bf16>(&ctx, RopeArgs::new(2, 7, 3, 1, 8).with_row_stride(48).with_start(1), 16);
 }
 
 /// RoPE with the K/V append: Q and K rotated as without it, and each row's rotated K heads and V
@@ -148,11 +139,9 @@ fn check_append<T: Element>(ctx: &Cudnn, a: RopeArgs, starts: Option<&[usize]>, 
 fn rope_appends_rotated_k_and_v_to_the_cache() {
     let ctx = gpu();
     // An 8B-width prefill chunk after 5 cached tokens, and 1B-width decode steps at device positions.
-    let chunk =
-        RopeArgs { batch: 2, seq: 9, heads_q: 32, heads_kv: 8, head_dim: 128, row_stride: 6144, start: 5 };
+    let chunk = RopeArgs::new(2, 9, 32, 8, 128).with_row_stride(6144).with_start(5);
     check_append::<bf16>(&ctx, chunk, None, 32);
-    let step =
-        RopeArgs { batch: 3, seq: 1, heads_q: 32, heads_kv: 8, head_dim: 64, row_stride: 3072, start: 0 };
+    let step = RopeArgs::new(3, 1, 32, 8, 64).with_row_stride(3072);
     check_append::<f16>(&ctx, step, Some(&[0, 17, 63]), 64);
-    check_append::<bf16>(&ctx, RopeArgs { start: 40, ..step }, None, 64);
+    check_append::<bf16>(&ctx, step.with_start(40), None, 64);
 }

@@ -19,13 +19,13 @@ use half::{bf16, f16};
 
 /// bf16 gradients: P and dS enter their GEMMs rounded to bf16 (8-bit mantissa) on both backends,
 /// then the gradients are rounded once more; the forward's O tolerance plus that second rounding.
-const GRAD_BF16: Tolerance = Tolerance { rel_l2: 3e-2 };
+const GRAD_BF16: Tolerance = Tolerance::rel_l2(3e-2);
 /// f16 gradients: the same path with 11-bit mantissas.
-const GRAD_F16: Tolerance = Tolerance { rel_l2: 1e-2 };
+const GRAD_F16: Tolerance = Tolerance::rel_l2(1e-2);
 /// Fused against naive at a size the f64 reference would take minutes for: two bf16 roundings apart.
-const FUSED_VS_NAIVE_BF16: Tolerance = Tolerance { rel_l2: 3e-2 };
+const FUSED_VS_NAIVE_BF16: Tolerance = Tolerance::rel_l2(3e-2);
 /// Log-sum-exp rows are f32 on both sides (as in tests/sdpa.rs).
-const STATS_TOL: Tolerance = Tolerance { rel_l2: 1e-4 };
+const STATS_TOL: Tolerance = Tolerance::rel_l2(1e-4);
 
 fn tol<T: Element>() -> Tolerance {
     if T::DTYPE == DataType::BF16 {
@@ -352,7 +352,9 @@ fn bad_inputs_are_typed_errors_and_touch_nothing() {
         });
         g.refused(&ctx, "not a multiple of heads_kv", false, |g| {
             let grads = SdpaGrads::new(&x.q, &x.k, &x.v, &x.o, &x.d_o, &mut g.dq, &mut g.dk, &mut g.dv);
-            sdpa_backward(&ctx, SdpaArgs { heads_kv: 3, ..a }, grads.stats(&x.stats), backend)
+            let mut bad = a;
+            bad.heads_kv = 3;
+            sdpa_backward(&ctx, bad, grads.stats(&x.stats), backend)
         });
         g.refused(&ctx, "unified SDPA backward", true, |g| {
             let grads = SdpaGrads::new(&x.q, &x.k, &x.v, &x.o, &x.d_o, &mut g.dq, &mut g.dk, &mut g.dv);

@@ -26,7 +26,7 @@ fn an_input_written_on_a_forked_stream_is_read_in_order() {
     let x_ref: Vec<f64> = x_host.iter().map(|v| v.to_f64()).collect();
     let (w, w_ref) = upload::<bf16>(&ctx, &values(hidden, 2)).unwrap();
     let mut y = poisoned::<bf16>(&ctx, n).unwrap();
-    let args = RmsNormArgs { tokens, hidden, epsilon: 1e-5 };
+    let args = RmsNormArgs::new(tokens, hidden, 1e-5);
     // Build the plan first, so that the race window below is not hidden by plan building.
     rms_norm(
         &ctx,
@@ -69,8 +69,8 @@ fn device_ids_outside_the_vocabulary_give_zero_rows() {
     let mut y = poisoned::<bf16>(&ctx, ids_host.len() * hidden).unwrap();
     embedding(
         &ctx,
-        EmbeddingArgs { rows: ids_host.len(), vocab, hidden },
-        EmbeddingOperands { ids: &ids, table: &table, y: &mut y },
+        EmbeddingArgs::new(ids_host.len(), vocab, hidden),
+        EmbeddingOperands::new(&ids, &table, &mut y),
     )
     .unwrap();
     let out = download(&ctx, &y).unwrap();
@@ -136,7 +136,7 @@ fn padded_attention_clamps_lengths_beyond_the_capacity() {
 #[ignore = "needs a CUDA GPU"]
 fn a_plan_refuses_another_context_and_foreign_bindings() {
     let (ctx, other) = (gpu(), gpu());
-    let args = RmsNormArgs { tokens: 4, hidden: 256, epsilon: 1e-5 };
+    let args = RmsNormArgs::new(4, 256, 1e-5);
     let plan = args.plan(&ctx, DataType::BF16, NormPhase::Inference).unwrap();
     let [ux, uw, ue, uy] = ["X", "scale", "epsilon", "Y"].map(|name| plan.uid(name).unwrap());
     let (x, _) = upload::<bf16>(&other, &values(4 * 256, 7)).unwrap();

@@ -39,6 +39,7 @@ fn hash_of<K: PlanKey>(key: &K) -> u64 {
 
 /// Cache counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct CacheStats {
     /// Lookups that found a plan.
     pub hits: u64,

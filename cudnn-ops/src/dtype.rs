@@ -6,6 +6,7 @@ use half::{bf16, f16};
 
 /// A tensor element type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum DataType {
     /// 32-bit IEEE float.
     F32,

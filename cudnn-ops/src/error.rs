@@ -5,6 +5,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Everything that can go wrong, from a missing driver to a graph cuDNN cannot run.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// A cuDNN call failed. `status` is the numeric code, `name` its `cudnnGetErrorString` name,
     /// `message` the text of `cudnnGetLastErrorString` right after the failure.

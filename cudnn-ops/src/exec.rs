@@ -16,6 +16,7 @@ use std::sync::Arc;
 
 /// What the context runs on, for reports.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct DeviceInfo {
     /// Device ordinal.
     pub ordinal: usize,

@@ -16,7 +16,23 @@
 //! 2. allocate buffers on `ctx.stream()` with cudarc;
 //! 3. `rms_norm(&ctx, args, RmsNormOperands::new(&x, &w, &mut y), Backend::Fused)?` builds the plan
 //!    once per shape, then executes; `Backend::Naive` runs the eager kernels instead.
+//!
+//! # cudarc and half
+//!
+//! [`cudarc`] and [`half`] are part of this crate's public API (device buffers are cudarc
+//! `DevicePtr`s, the context hands out an `Arc<CudaStream>`, [`Error::Driver`] wraps a cudarc error,
+//! 16-bit elements are `half`'s `f16`/`bf16`), so both are re-exported: use `cudnn_ops::cudarc` and
+//! `cudnn_ops::half` rather than depending on them yourself. This crate is built against cudarc 0.19
+//! with `default-features = false` and the features `std`, `driver`, `nvrtc`, `cublas`, `f16`,
+//! `cuda-13000` and `dynamic-loading`: `cuda-13000` because the driver bindings target CUDA 13
+//! drivers, `dynamic-loading` because nothing is linked at build time (the CUDA libraries are opened
+//! at run time, so the crate builds on a machine without CUDA). A crate that depends on cudarc
+//! directly must match this exactly: another `cuda-*` feature or `dynamic-linking` makes cudarc
+//! fail to build, and another cudarc version gives two incompatible copies of its types.
 #![deny(missing_docs, rustdoc::broken_intra_doc_links)]
+
+pub use cudarc;
+pub use half;
 
 mod cache;
 mod checked;
@@ -70,6 +86,10 @@ pub use plan::{knob_name, Bindings, KnobRange, L2Flush, Plan, Prepared, Scalar, 
 pub use tensor::{packed_strides, TensorSpec, DEFAULT_ALIGNMENT, MAX_RANK};
 
 /// Which implementation a module runs on.
+///
+/// Exhaustive on purpose: every op comes as a fused graph and as its eager baseline, and callers
+/// match on the two (a third implementation would change what every comparison means, a breaking
+/// change either way).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Backend {
     /// cuDNN graphs.

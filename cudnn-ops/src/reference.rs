@@ -27,7 +27,8 @@ pub fn rms_norm(
 }
 
 /// Shape of a reference attention: Q `[batch, heads_q, seq_q, dim]`, K/V `[batch, heads_kv, seq_kv, dim]`,
-/// all packed BHSD.
+/// all packed BHSD. Exhaustive on purpose (built as a literal by tests and downstream checks): the
+/// reference's shape is complete, and six named dims read better than six positional ones.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttentionShape {
     /// Batch.
@@ -101,9 +102,17 @@ pub fn attention(
 
 /// Named tolerances per dtype: relative L2 error `‖out − ref‖ / ‖ref‖`.
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub struct Tolerance {
     /// Maximum relative L2 error.
     pub rel_l2: f64,
+}
+
+impl Tolerance {
+    /// At most `rel_l2` relative L2 error.
+    pub const fn rel_l2(rel_l2: f64) -> Self {
+        Tolerance { rel_l2 }
+    }
 }
 
 /// bf16 outputs: 8 bits of mantissa, a rounding of ~2e-3 per element; the bound.
@@ -124,6 +133,7 @@ pub fn tolerance(dtype: DataType) -> Tolerance {
 
 /// How an output compares with its reference.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct Comparison {
     /// `‖out − ref‖ / ‖ref‖`.
     pub rel_l2: f64,

@@ -16,6 +16,7 @@ pub const DEFAULT_ALIGNMENT: i64 = 16;
 /// Layout is only ever expressed through strides: a transposed or head-split view is a different
 /// stride vector over the same memory, never a copy.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct TensorSpec {
     /// Name used in errors and for binding lookups.
     pub name: String,

@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 /// The kinds of module a forward pass is made of. Each has a range name like an NVTX profile of the
 /// PyTorch model (`fwd.layer.attn.prenorm`, ...).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
 pub enum ModuleKind {
     /// The RMSNorms before attention and before the MLP.
     Prenorm,
@@ -93,6 +94,7 @@ impl ModuleKind {
 /// A place in the forward where a module runs: its range name (what NVTX, the observer and the report
 /// show) and the kind whose backend it runs on. The two prenorms are two sites of one kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct Site {
     /// Range name, e.g. `fwd.layer.attn.prenorm`.
     pub range: &'static str,

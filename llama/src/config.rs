@@ -8,6 +8,7 @@ use std::path::Path;
 
 /// Llama-3's RoPE frequency scaling (`rope_type: llama3` in Hugging Face configs).
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[non_exhaustive]
 pub struct RopeScaling {
     /// Divides the low frequencies.
     pub factor: f64,
@@ -20,8 +21,23 @@ pub struct RopeScaling {
     pub original_max_position: usize,
 }
 
+impl RopeScaling {
+    /// Llama-3 scaling: low frequencies divided by `factor`, wavelengths between
+    /// `original_max_position / high_freq_factor` and `original_max_position / low_freq_factor`
+    /// interpolated.
+    pub fn llama3(
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position: usize,
+    ) -> Self {
+        RopeScaling { factor, low_freq_factor, high_freq_factor, original_max_position }
+    }
+}
+
 /// The shape of a Llama-3 decoder.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct LlamaConfig {
     /// Preset or model name, for reports.
     pub name: String,

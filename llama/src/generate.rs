@@ -45,6 +45,7 @@ pub enum DecodeMode {
 
 /// Why [`Generator::generate`] stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum StopReason {
     /// It produced this end-of-sequence id (the last of [`Generation::tokens`]).
     Eos(u32),
@@ -56,6 +57,7 @@ pub enum StopReason {
 
 /// What [`Generator::generate`] produced, and how long it took.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct Generation {
     /// The new ids, in order (an end-of-sequence id that stopped it included).
     pub tokens: Vec<u32>,

@@ -42,7 +42,7 @@ use crate::modules::residual::Residual;
 use crate::modules::{Pass, Tokens};
 use crate::weights::{Tensor, Weights};
 use crate::{Backend, Error, Result};
-use cudarc::driver::{CudaSlice, DevicePtrMut};
+use cudnn_ops::cudarc::driver::{CudaSlice, DevicePtrMut};
 use cudnn_ops::{check_ids, Cudnn, Element, RopeTables, SeqLens};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -125,7 +125,7 @@ struct Activations<T> {
 
 /// One decode step captured as a CUDA graph ([`Llama::capture_decode`], replayed by [`Llama::decode`]).
 pub struct DecodeGraph<T> {
-    graph: cudarc::driver::CudaGraph,
+    graph: cudnn_ops::cudarc::driver::CudaGraph,
     logits: CudaSlice<T>,
     batch: usize,
     cache_id: u64,
@@ -409,7 +409,7 @@ impl<T: Element> Llama<T> {
         tokens: &[Vec<u32>],
         cache: &mut KvCache<T>,
         backends: &Backends,
-    ) -> Result<cudarc::driver::CudaGraph> {
+    ) -> Result<cudnn_ops::cudarc::driver::CudaGraph> {
         backends.check_layers(self.cfg.layers)?;
         let (batch, seq) = self.upload(ctx, tokens, cache)?;
         // SAFETY: the caller's promise (this function's contract is `Cudnn::capture`'s).

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 
 /// One instance of a named host range (a module call), on the host clock.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RangeRecord {
     /// Range name, e.g. `fwd.layer.attn.gqa`.
     pub name: String,
@@ -27,6 +28,7 @@ pub fn duration_ns(k: &KernelRecord) -> u64 {
 
 /// What the kernels of one range name add up to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct RangeTotals {
     /// Range instances (calls).
     pub calls: usize,

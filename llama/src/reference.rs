@@ -103,7 +103,7 @@ pub fn logits<T: Element>(cfg: &LlamaConfig, w: &Weights<T>, hidden: &[f64]) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use half::bf16;
+    use cudnn_ops::half::bf16;
 
     #[test]
     fn forward_is_deterministic_causal_and_batch_independent() {

@@ -6,6 +6,7 @@ use crate::config::LlamaConfig;
 
 /// Bytes a decode step must read, and what they say about a measured step time.
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub struct DecodeRoofline {
     /// Weight bytes read per step: every layer, the final norm, `lm_head` (the embedding when tied)
     /// and one embedding row per sequence.

@@ -17,6 +17,7 @@ use std::cmp::Ordering;
 
 /// How to choose tokens. `Default` is greedy.
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub struct SamplingParams {
     /// Softmax temperature, ≥ 0 and finite; 0 means greedy.
     pub temperature: f32,
@@ -36,6 +37,22 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
+    /// Sampling at `temperature` (0 is greedy) from the stream seeded by `seed`, over every id (no
+    /// top-k or top-p cut).
+    pub fn new(temperature: f32, seed: u64) -> Self {
+        SamplingParams { temperature, top_k: None, top_p: None, seed }
+    }
+
+    /// The same keeping only the `k` most probable ids.
+    pub fn with_top_k(self, k: usize) -> Self {
+        SamplingParams { top_k: Some(k), ..self }
+    }
+
+    /// The same keeping the smallest set of most probable ids whose probability reaches `p`.
+    pub fn with_top_p(self, p: f32) -> Self {
+        SamplingParams { top_p: Some(p), ..self }
+    }
+
     /// Argmax decoding.
     pub fn greedy() -> Self {
         SamplingParams { temperature: 0.0, top_k: None, top_p: None, seed: 0 }

@@ -10,9 +10,9 @@
 //! 3. `weights.save(&cfg, file, DataType::BF16)` writes one `safetensors` file with the same names.
 
 use crate::{Error, LlamaConfig, Result};
+use cudnn_ops::half::{bf16, f16};
 use cudnn_ops::reference::random_iter;
 use cudnn_ops::{DataType, Element};
-use half::{bf16, f16};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -44,6 +44,10 @@ impl<T: Element> Tensor<T> {
 }
 
 /// One decoder layer's weights. Linear weights are `[out_features, in_features]`.
+///
+/// Exhaustive on purpose, like [`Weights`]: a loader of another checkpoint format builds it as a
+/// literal, and a new tensor here (a bias, a norm) is a new model architecture, which no default
+/// could fill.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LayerWeights<T> {
     /// RMSNorm scale before attention, `[hidden]`.

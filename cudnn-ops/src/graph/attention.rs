@@ -8,6 +8,7 @@ use crate::Features;
 
 /// Causal masking of the attention scores.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Mask {
     /// Every query sees every key.
     None,
@@ -40,6 +41,7 @@ impl Mask {
 
 /// Which graph an attention lowers to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum SdpaForm {
     /// Matmul, scale, index-compare-select mask, softmax with stats, matmul: 15-20 nodes that the fused
     /// flash-attention engines match as a whole. Every cuDNN 9 version.
@@ -76,6 +78,7 @@ impl SdpaForm {
 
 /// What [`Graph::sdpa`] builds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct SdpaOptions {
     /// Causal masking.
     pub mask: Mask,
@@ -92,8 +95,27 @@ pub struct SdpaOptions {
     pub seq_lens: Option<(TensorId, TensorId)>,
 }
 
+impl SdpaOptions {
+    /// Inference (no stats) with `mask`, in `form`, for the cuDNN `features` describe; fixed lengths.
+    pub fn new(mask: Mask, form: SdpaForm, features: Features) -> Self {
+        SdpaOptions { mask, stats: false, form, features, seq_lens: None }
+    }
+
+    /// The same, also outputting the log-sum-exp stats (training mode).
+    pub fn with_stats(self) -> Self {
+        SdpaOptions { stats: true, ..self }
+    }
+
+    /// The same with per-sequence lengths from the i32 `[b, 1, 1, 1]` tensors `q` and `kv` (see
+    /// [`SdpaOptions::seq_lens`](#structfield.seq_lens)).
+    pub fn with_seq_lens(self, q: TensorId, kv: TensorId) -> Self {
+        SdpaOptions { seq_lens: Some((q, kv)), ..self }
+    }
+}
+
 /// Outputs of [`Graph::sdpa`].
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct SdpaOutputs {
     /// `[b, h_q, s_q, d_v]` in the dtype of Q (packed BHSD until the caller sets strides).
     pub o: TensorId,
@@ -330,6 +352,7 @@ impl Graph {
 
 /// What [`Graph::sdpa_backward`] builds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct SdpaBackwardOptions {
     /// The forward's causal masking.
     pub mask: Mask,
@@ -337,8 +360,16 @@ pub struct SdpaBackwardOptions {
     pub features: Features,
 }
 
+impl SdpaBackwardOptions {
+    /// The backward of a forward with `mask`, for the cuDNN `features` describe.
+    pub fn new(mask: Mask, features: Features) -> Self {
+        SdpaBackwardOptions { mask, features }
+    }
+}
+
 /// Outputs of [`Graph::sdpa_backward`].
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct SdpaGradients {
     /// `[b, h_q, s_q, d]` in the I/O dtype, virtual until marked with [`Graph::output`].
     pub dq: TensorId,

@@ -47,6 +47,7 @@ pub struct TensorId(usize);
 
 /// Forward normalization phase.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum NormPhase {
     /// Output only.
     Inference,
@@ -66,6 +67,7 @@ impl NormPhase {
 
 /// Outputs of [`Graph::rmsnorm`].
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct RmsNormOutputs {
     /// The normalized, scaled output (dims and strides of X, dtype of X).
     pub y: TensorId,
@@ -75,6 +77,7 @@ pub struct RmsNormOutputs {
 
 /// Outputs of [`Graph::rmsnorm_backward`].
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct RmsNormGradOutputs {
     /// The gradient of X (dims, strides and dtype of X).
     pub dx: TensorId,

@@ -9,6 +9,7 @@ use sys::{cudnnBackendAttributeName_t as A, cudnnBackendDescriptorType_t as D};
 
 /// Elementwise operations with one input.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Unary {
     /// `y = x` (a cast when the output dtype differs).
     Identity,
@@ -30,6 +31,7 @@ pub enum Unary {
 
 /// Elementwise operations with two inputs (the second broadcast over dims of size 1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Binary {
     /// `a + b`.
     Add,
@@ -45,6 +47,7 @@ pub enum Binary {
 
 /// Reductions over the dims where the output has size 1.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Reduce {
     /// Maximum.
     Max,

@@ -133,6 +133,7 @@ impl Plan {
 
 /// How autotuning empties L2 before each timed execution.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum L2Flush {
     /// Read twice the L2 size (a cuBLAS GEMV over a scratch matrix): L2 ends up holding clean lines,
     /// as after the kernels that run before a layer in a forward. The default.
@@ -163,6 +164,7 @@ impl L2Flush {
 /// How a plan that autotunes picks its engine configuration (what
 /// [`Cudnn::tuning`](crate::Cudnn::tuning) hands to [`Graph::build_tuned`](crate::Graph::build_tuned)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Tuning {
     /// Heuristics' configurations to finalize and time on the first execution (1 without a knob
     /// search: take the first, untimed).
@@ -177,6 +179,21 @@ pub struct Tuning {
 impl Tuning {
     /// The heuristics' first choice, untimed.
     pub const FIRST: Tuning = Tuning { candidates: 1, knob_search: 0, flush: L2Flush::Read };
+
+    /// The same timing the heuristics' first `candidates` configurations.
+    pub const fn with_candidates(self, candidates: usize) -> Self {
+        Tuning { candidates, ..self }
+    }
+
+    /// The same with up to `knob_search` further configurations tried knob by knob.
+    pub const fn with_knob_search(self, knob_search: usize) -> Self {
+        Tuning { knob_search, ..self }
+    }
+
+    /// The same emptying L2 by `flush` before each timed execution.
+    pub const fn with_flush(self, flush: L2Flush) -> Self {
+        Tuning { flush, ..self }
+    }
 }
 
 /// Columns of the GEMV's scratch matrix (its rows follow from the L2 size).

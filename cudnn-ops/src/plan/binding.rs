@@ -16,6 +16,7 @@ use sys::{cudnnBackendAttributeName_t as A, cudnnBackendDescriptorType_t as D};
 
 /// A by-value scalar: a host value cuDNN reads at execute time.
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub enum Scalar {
     /// 32-bit float.
     F32(f32),

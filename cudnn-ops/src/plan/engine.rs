@@ -12,6 +12,7 @@ pub(crate) const MAX_KNOB_VALUES: usize = 64;
 
 /// One tunable knob of an engine: its type and the values it takes, `min..=max` by `stride`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct KnobRange {
     /// The raw `cudnnBackendKnobType_t` (see [`knob_name`]).
     pub kind: u32,

@@ -4,7 +4,7 @@ use super::linear::{Linear, Then};
 use super::{Pass, Positions, Tokens};
 use crate::backends::Site;
 use crate::{Backend, Result};
-use cudarc::driver::CudaSlice;
+use cudnn_ops::cudarc::driver::CudaSlice;
 use cudnn_ops::{rope, sdpa, Element, Layout, Mask, RopeArgs, RopeOperands, SdpaArgs, SdpaOperands, SeqLens};
 
 /// One layer's K and V caches (`[batch, max_seq, h_kv · d]` each) and the device values a decode step
@@ -71,7 +71,9 @@ impl<T: Element> Attention<T> {
         let Tokens { batch, seq, start } = p.tokens;
         let (heads_q, heads_kv, head_dim, row_stride) =
             (self.heads, self.kv_heads, self.head_dim, self.width());
-        let args = RopeArgs { batch, seq, heads_q, heads_kv, head_dim, row_stride, start };
+        let args = RopeArgs::new(batch, seq, heads_q, heads_kv, head_dim)
+            .with_row_stride(row_stride)
+            .with_start(start);
         let (ctx, tables, on_device) = (p.ctx, p.rope, p.positions.on_device);
         let baked = &mut p.positions.baked;
         let LayerCache { k, v, max_seq, positions, .. } = cache;
@@ -117,7 +119,8 @@ impl<T: Element> Attention<T> {
                     seq_lens.clamp(ctx, q_lens, kv_lens)?;
                     *lens_clamped = true;
                 }
-                let padded_args = SdpaArgs { seq_kv: max_seq, ..attn }.with_mask(Mask::None).with_seq_lens();
+                let mut padded_args = attn.with_mask(Mask::None).with_seq_lens();
+                padded_args.seq_kv = max_seq;
                 let x = SdpaOperands::new(qkv, &*k, &*v, o).clamped_seq_lens(seq_lens);
                 match sdpa(ctx, padded_args, x, Backend::Fused) {
                     Err(cudnn_ops::Error::NotSupported { .. }) => *padded = false,

@@ -10,7 +10,7 @@ use crate::backends::Site;
 use crate::config::LlamaConfig;
 use crate::weights::LayerWeights;
 use crate::Result;
-use cudarc::driver::CudaSlice;
+use cudnn_ops::cudarc::driver::CudaSlice;
 use cudnn_ops::{Cudnn, Element};
 
 /// The scratch buffers of a layer: the normed hidden state `h`, attention's and the MLP's.

@@ -19,6 +19,7 @@ impl Observer for NoObserver {}
 
 /// A fused module that ran naive instead.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Fallback {
     /// Range name of the module.
     pub range: &'static str,

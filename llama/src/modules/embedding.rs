@@ -3,7 +3,7 @@
 use super::linear::Linear;
 use super::Pass;
 use crate::Result;
-use cudarc::driver::CudaSlice;
+use cudnn_ops::cudarc::driver::CudaSlice;
 use cudnn_ops::{embedding, Element, EmbeddingArgs, EmbeddingOperands};
 
 /// The range of the embedding lookup (one kernel on both backends).
@@ -29,10 +29,10 @@ impl<T: Element> Embedding<T> {
     ) -> Result<()> {
         let (rows, ctx) = (p.tokens.rows(), p.ctx);
         let Linear { weight, in_features: hidden, out_features: vocab } = &self.table;
-        let args = EmbeddingArgs { rows, vocab: *vocab, hidden: *hidden };
-        let embedded = p.dispatch.observe(EMBED_RANGE, None, || {
-            embedding(ctx, args, EmbeddingOperands { ids, table: weight, y: out })
-        });
+        let args = EmbeddingArgs::new(rows, *vocab, *hidden);
+        let embedded = p
+            .dispatch
+            .observe(EMBED_RANGE, None, || embedding(ctx, args, EmbeddingOperands::new(ids, weight, out)));
         Ok(embedded?)
     }
 }

@@ -1,6 +1,6 @@
 //! A linear layer and what its epilogue adds.
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudnn_ops::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use cudnn_ops::{matmul, Backend, Cudnn, Element, Epilogue, MatmulArgs, MatmulOperands};
 
 /// What a linear layer's epilogue does with `x · Wᵀ` (fused into the GEMM's graph, or one more naive
@@ -40,7 +40,7 @@ impl<T: Element> Linear<T> {
         let operands = MatmulOperands::new(x, &self.weight, out);
         let (epilogue, operands) = match then {
             Then::Nothing => (Epilogue::NONE, operands),
-            Then::SwiGlu(up) => (Epilogue::SWIGLU, operands.gate(up)),
+            Then::SwiGlu(up) => (Epilogue::SWIGLU, operands.up(up)),
             Then::AddTo(residual) => (Epilogue::RESIDUAL, operands.residual(residual)),
         };
         matmul(ctx, &shape.with_epilogue(epilogue), operands, backend)

@@ -4,7 +4,7 @@ use super::linear::{Linear, Then};
 use super::Pass;
 use crate::backends::Site;
 use crate::Result;
-use cudarc::driver::CudaSlice;
+use cudnn_ops::cudarc::driver::CudaSlice;
 use cudnn_ops::Element;
 
 /// The MLP's scratch: `up(h)` and `silu(gate(h)) · up(h)`, `[rows, ffn]` each.

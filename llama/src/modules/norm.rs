@@ -3,7 +3,7 @@
 use super::Pass;
 use crate::backends::Site;
 use crate::Result;
-use cudarc::driver::CudaSlice;
+use cudnn_ops::cudarc::driver::CudaSlice;
 use cudnn_ops::{rms_norm, Element, RmsNormArgs, RmsNormOperands};
 
 /// `x / rms(x) · weight` over each row of `hidden` values; a prenorm of one layer or the output norm.
@@ -34,7 +34,7 @@ impl<T: Element> RmsNorm<T> {
         x: &CudaSlice<T>,
         out: &mut CudaSlice<T>,
     ) -> Result<()> {
-        let args = RmsNormArgs { tokens: p.tokens.rows(), hidden: self.hidden, epsilon: self.epsilon };
+        let args = RmsNormArgs::new(p.tokens.rows(), self.hidden, self.epsilon);
         let ctx = p.ctx;
         p.dispatch.run(self.site, self.layer, &p.shape, |b| {
             rms_norm(ctx, args, RmsNormOperands::new(x, &self.weight, out), b)

@@ -94,12 +94,8 @@ impl Options {
                 }
             }
         }
-        let sampling = SamplingParams {
-            temperature: self.temperature,
-            top_k: self.top_k,
-            top_p: self.top_p,
-            seed: self.seed.unwrap_or(0),
-        };
+        let mut sampling = SamplingParams::new(self.temperature, self.seed.unwrap_or(0));
+        (sampling.top_k, sampling.top_p) = (self.top_k, self.top_p);
         sampling.check().map_err(|e| e.to_string())?;
         let decode = match self.decode {
             Decode::Graph => DecodeMode::Graph,
@@ -149,10 +145,7 @@ mod tests {
         ])
         .unwrap();
         let p = o.resolve().unwrap();
-        assert_eq!(
-            p.sampling,
-            SamplingParams { temperature: 0.7, top_k: Some(40), top_p: Some(0.9), seed: 3 }
-        );
+        assert_eq!(p.sampling, SamplingParams::new(0.7, 3).with_top_k(40).with_top_p(0.9));
         assert_eq!(p.dtype, DataType::F16);
         assert_eq!(p.backends.to_selection(), "fused=gqa");
     }

@@ -411,5 +411,5 @@ fn gpu_clocks() -> String {
 /// 1.01x and 0.87x that, and 6.7e-2 from each other (benches/results/h100/hf_parity-8b-32layers.md).
 fn agreement(plan: &Resolved) -> reference::Tolerance {
     let rel_l2 = if plan.model_dir.is_some() { 1e-1 } else { 3e-2 };
-    reference::Tolerance { rel_l2 }
+    reference::Tolerance::rel_l2(rel_l2)
 }

@@ -25,6 +25,7 @@ use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
 /// Shape and options of a cross-entropy call over `logits [tokens, vocab]` (packed rows) and one i32
 /// target per token.
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub struct CrossEntropyArgs {
     /// Token rows.
     pub tokens: usize,
@@ -45,6 +46,21 @@ pub const MAX_TOKENS: usize = 1 << 24;
 pub const NAIVE_KERNELS: (usize, usize) = (3, 7);
 
 impl CrossEntropyArgs {
+    /// `tokens` rows of `vocab` logits; every target counted, gradient scale 1 (the mean loss itself).
+    pub fn new(tokens: usize, vocab: usize) -> Self {
+        CrossEntropyArgs { tokens, vocab, ignore_index: None, grad_scale: 1.0 }
+    }
+
+    /// The same, not counting targets equal to `ignore_index` (PyTorch's `ignore_index`, usually -100).
+    pub fn with_ignore_index(self, ignore_index: i32) -> Self {
+        CrossEntropyArgs { ignore_index: Some(ignore_index), ..self }
+    }
+
+    /// The same with the backward scaled by `grad_scale` (see [`CrossEntropyArgs::grad_scale`](#structfield.grad_scale)).
+    pub fn with_grad_scale(self, grad_scale: f32) -> Self {
+        CrossEntropyArgs { grad_scale, ..self }
+    }
+
     /// Checks the shape against the buffer lengths with checked arithmetic (no GPU needed);
     /// `dlogits` is the length of the gradient buffer when there is one.
     pub fn check(&self, logits: usize, targets: usize, loss: usize, dlogits: Option<usize>) -> Result<()> {
@@ -95,6 +111,7 @@ pub(crate) fn suffix(dtype: DataType) -> Result<&'static str> {
 }
 
 /// Where the gradient of a cross-entropy call goes, which also selects its phase.
+#[non_exhaustive]
 pub enum Logits<'a, T: Element> {
     /// Forward only: the mean loss.
     Loss(&'a dyn DevicePtr<T>),
@@ -112,6 +129,7 @@ pub enum Logits<'a, T: Element> {
 
 /// The buffers of a cross-entropy call: the logits (and where their gradient goes), one i32 target
 /// per token, and the f32 mean loss `[1]`.
+#[non_exhaustive]
 pub struct CrossEntropyOperands<'a, T: Element> {
     /// The logits and the phase: [`Logits::Loss`], [`Logits::Grad`] or [`Logits::InPlace`].
     pub logits: Logits<'a, T>,

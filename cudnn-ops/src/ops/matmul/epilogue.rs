@@ -6,6 +6,7 @@ use crate::{Error, Result};
 
 /// An elementwise activation applied after the bias.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Activation {
     /// `x · sigmoid(x)`.
     Silu,
@@ -45,6 +46,7 @@ impl Activation {
 
 /// Which epilogue steps follow the matmul; see the [module docs](self) for their fixed order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
 pub struct Epilogue {
     /// Add a bias `[n]`, broadcast over rows.
     pub bias: bool,

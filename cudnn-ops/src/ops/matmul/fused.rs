@@ -117,7 +117,7 @@ impl<T: Element, O: Element> Fused<(T, O)> for MatmulArgs {
         if let Some(bias) = x.bias {
             b.input(uid::BIAS, bias);
         }
-        if let Some(u) = x.gate {
+        if let Some(u) = x.up {
             b.input(uid::GATE, u);
         }
         if let Some(r) = x.residual {

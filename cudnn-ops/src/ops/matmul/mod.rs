@@ -47,6 +47,7 @@ const ALIGN_BYTES: usize = 16;
 /// A rank-3 matrix operand: logical dims `[batch, rows, cols]` over element strides. One of the last
 /// two strides must be 1 (row- or column-major); the batch stride is free.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct MatrixLayout {
     /// `[batch, rows, cols]`.
     pub dims: [usize; 3],
@@ -55,6 +56,11 @@ pub struct MatrixLayout {
 }
 
 impl MatrixLayout {
+    /// Logical dims `[batch, rows, cols]` over element `strides` (checked by the call, not here).
+    pub fn strided(dims: [usize; 3], strides: [usize; 3]) -> Self {
+        MatrixLayout { dims, strides }
+    }
+
     /// Packed row-major `[batch, rows, cols]`.
     pub fn row_major(batch: usize, rows: usize, cols: usize) -> Self {
         MatrixLayout { dims: [batch, rows, cols], strides: [rows.saturating_mul(cols), cols, 1] }
@@ -143,6 +149,7 @@ impl MatrixLayout {
 
 /// Element counts of the buffers of one call, checked by [`MatmulArgs::check`] (no GPU needed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct BufferLens {
     /// A.
     pub a: usize,
@@ -150,8 +157,8 @@ pub struct BufferLens {
     pub b: usize,
     /// The bias, when given.
     pub bias: Option<usize>,
-    /// The gate input U, when given.
-    pub gate: Option<usize>,
+    /// The multiplier U of the gate step, when given.
+    pub up: Option<usize>,
     /// The residual R, when given.
     pub residual: Option<usize>,
     /// The output D.
@@ -160,6 +167,7 @@ pub struct BufferLens {
 
 /// Shapes and layouts of a matmul, `A [batch, m, k] · B [batch or 1, k, n]`, and its epilogue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct MatmulArgs {
     /// A `[batch, m, k]`.
     pub a: MatrixLayout,
@@ -170,6 +178,11 @@ pub struct MatmulArgs {
 }
 
 impl MatmulArgs {
+    /// A `[batch, m, k]` and B `[batch or 1, k, n]` in any layouts (strided views), no epilogue.
+    pub fn new(a: MatrixLayout, b: MatrixLayout) -> Self {
+        MatmulArgs { a, b, epilogue: Epilogue::NONE }
+    }
+
     /// Row-major A `[batch, m, k]` and B `[batch, k, n]`, no epilogue.
     pub fn packed(batch: usize, m: usize, k: usize, n: usize) -> Self {
         MatmulArgs {
@@ -271,7 +284,7 @@ impl MatmulArgs {
         let name = epilogue.name();
         for (step, wanted, given, what) in [
             ("bias", epilogue.bias, lens.bias, "a bias"),
-            ("gate", epilogue.gate, lens.gate, "a gate input U"),
+            ("gate", epilogue.gate, lens.up, "a multiplier U (the up projection)"),
             ("residual", epilogue.residual, lens.residual, "a residual R"),
         ] {
             ensure!(!wanted || given.is_some(), "matmul: epilogue `{name}` needs {what}, none was given");
@@ -285,7 +298,7 @@ impl MatmulArgs {
         if let Some(len) = lens.bias {
             ensure!(len == n, "matmul: bias has {len} elements, n is {n}");
         }
-        for (what, len) in [("gate input U", lens.gate), ("residual R", lens.residual)] {
+        for (what, len) in [("gate multiplier U", lens.up), ("residual R", lens.residual)] {
             if let Some(len) = len {
                 ensure!(len >= d_len, "matmul: {what} has {len} elements, needs batch*m*n = {d_len}");
             }
@@ -307,6 +320,7 @@ impl MatmulArgs {
 
 /// What identifies a matmul plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct Key {
     /// Layouts of A and B, and the epilogue.
     pub args: MatmulArgs,
@@ -331,6 +345,7 @@ fn check_dtypes(dtype: DataType, out: DataType) -> Result<()> {
 
 /// The device buffers of one call: A and B in the input dtype `T`; bias, U and R (the epilogue's
 /// inputs) and the output D in the output dtype `O`.
+#[non_exhaustive]
 pub struct MatmulOperands<'a, T: Element, O: Element = T> {
     /// A, laid out as [`MatmulArgs::a`].
     pub a: &'a dyn DevicePtr<T>,
@@ -338,8 +353,9 @@ pub struct MatmulOperands<'a, T: Element, O: Element = T> {
     pub b: &'a dyn DevicePtr<T>,
     /// The bias `[n]`.
     pub bias: Option<&'a dyn DevicePtr<O>>,
-    /// The gate input U, packed `[batch, m, n]`.
-    pub gate: Option<&'a dyn DevicePtr<O>>,
+    /// The multiplier U of the gate step (`⊙ U`), packed `[batch, m, n]`: in SwiGLU, the up
+    /// projection `x · W_upᵀ` (A · B being the gate projection).
+    pub up: Option<&'a dyn DevicePtr<O>>,
     /// The residual R, packed `[batch, m, n]`.
     pub residual: Option<&'a dyn DevicePtr<O>>,
     /// The output D, packed `[batch, m, n]`.
@@ -349,7 +365,7 @@ pub struct MatmulOperands<'a, T: Element, O: Element = T> {
 impl<'a, T: Element, O: Element> MatmulOperands<'a, T, O> {
     /// A and B in, D out, no epilogue inputs.
     pub fn new(a: &'a dyn DevicePtr<T>, b: &'a dyn DevicePtr<T>, d: &'a mut dyn DevicePtrMut<O>) -> Self {
-        MatmulOperands { a, b, bias: None, gate: None, residual: None, d }
+        MatmulOperands { a, b, bias: None, up: None, residual: None, d }
     }
 
     /// Adds the bias.
@@ -358,9 +374,10 @@ impl<'a, T: Element, O: Element> MatmulOperands<'a, T, O> {
         self
     }
 
-    /// Adds the gate input U.
-    pub fn gate(mut self, u: &'a dyn DevicePtr<O>) -> Self {
-        self.gate = Some(u);
+    /// Adds the multiplier U of the gate step: in SwiGLU (`silu(x · W_gateᵀ) ⊙ (x · W_upᵀ)`, with
+    /// [`Epilogue::SWIGLU`]) the up projection, A and B being x and the gate weight.
+    pub fn up(mut self, u: &'a dyn DevicePtr<O>) -> Self {
+        self.up = Some(u);
         self
     }
 
@@ -376,7 +393,7 @@ impl<'a, T: Element, O: Element> MatmulOperands<'a, T, O> {
             a: self.a.len(),
             b: self.b.len(),
             bias: self.bias.map(|x| x.len()),
-            gate: self.gate.map(|x| x.len()),
+            up: self.up.map(|x| x.len()),
             residual: self.residual.map(|x| x.len()),
             d: self.d.len(),
         }
@@ -394,8 +411,8 @@ impl<T: Element, O: Element> Op<(T, O)> for MatmulArgs {
 
 /// `D = epilogue(A · B)` on `backend`: the fused cuDNN graph, or a cuBLAS GEMM followed by one kernel
 /// per epilogue step. A Linear layer is [`MatmulArgs::linear`] with `MatmulOperands::new(&x, &weight,
-/// &mut y)` plus the epilogue's inputs, e.g. `.residual(&h)` for `h + o_proj(attn)` or `.gate(&up)`
-/// with [`Epilogue::SWIGLU`].
+/// &mut y)` plus the epilogue's inputs, e.g. `.residual(&h)` for `h + o_proj(attn)` or `.up(&up)`
+/// with [`Epilogue::SWIGLU`] (A·B being x and the gate weight).
 pub fn matmul<T: Element, O: Element>(
     ctx: &Cudnn,
     args: &MatmulArgs,
@@ -418,7 +435,7 @@ mod tests {
             a: args.a.min_elements().unwrap(),
             b: args.b.min_elements().unwrap(),
             bias: e.bias.then_some(args.n()),
-            gate: e.gate.then_some(d),
+            up: e.gate.then_some(d),
             residual: e.residual.then_some(d),
             d,
         }
@@ -543,8 +560,8 @@ mod tests {
             "bias has 127 elements, n is 128",
         );
         invalid(
-            args.with_epilogue(full).check(bf, bf, &BufferLens { gate: Some(10), ..all }),
-            "gate input U has 10 elements",
+            args.with_epilogue(full).check(bf, bf, &BufferLens { up: Some(10), ..all }),
+            "gate multiplier U has 10 elements",
         );
         invalid(
             args.with_epilogue(full).check(bf, bf, &BufferLens { residual: Some(10), ..all }),
@@ -561,7 +578,7 @@ mod tests {
             "a bias was given, but epilogue `residual` has no bias step",
         );
         invalid(
-            args.with_epilogue(Epilogue::NONE).check(bf, bf, &BufferLens { gate: Some(896), ..ok }),
+            args.with_epilogue(Epilogue::NONE).check(bf, bf, &BufferLens { up: Some(896), ..ok }),
             "has no gate step",
         );
         // Overflow.

@@ -99,7 +99,7 @@ fn run<T: Element, O: Element>(ctx: &Cudnn, args: &MatmulArgs, x: MatmulOperands
     if let Some(act) = epilogue.activation {
         elementwise(ctx, kernels, &format!("epi_{}_{suffix}", act.name()), total, &[y])?;
     }
-    if let Some(u) = x.gate {
+    if let Some(u) = x.up {
         let (p, _g) = u.device_ptr(stream);
         elementwise(ctx, kernels, &format!("epi_mul_{suffix}"), total, &[y, Arg::Ptr(p)])?;
     }

@@ -42,6 +42,7 @@ pub const NAIVE_KERNELS_PER_TENSOR: usize = 8;
 
 /// One AdamW step, with `torch.optim.AdamW`'s hyperparameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub struct AdamWArgs {
     /// Learning rate.
     pub lr: f64,
@@ -58,6 +59,32 @@ pub struct AdamWArgs {
 }
 
 impl AdamWArgs {
+    /// Step 1 at learning rate `lr` with `torch.optim.AdamW`'s other defaults: betas `(0.9, 0.999)`,
+    /// eps `1e-8`, weight decay `0.01`.
+    pub fn new(lr: f64) -> Self {
+        AdamWArgs { lr, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, step: 1 }
+    }
+
+    /// The same with moment decays `beta1` and `beta2`.
+    pub fn with_betas(self, beta1: f64, beta2: f64) -> Self {
+        AdamWArgs { beta1, beta2, ..self }
+    }
+
+    /// The same with `eps`.
+    pub fn with_eps(self, eps: f64) -> Self {
+        AdamWArgs { eps, ..self }
+    }
+
+    /// The same with decoupled weight decay `weight_decay`.
+    pub fn with_weight_decay(self, weight_decay: f64) -> Self {
+        AdamWArgs { weight_decay, ..self }
+    }
+
+    /// The same at step `step` (counted from 1).
+    pub fn with_step(self, step: u64) -> Self {
+        AdamWArgs { step, ..self }
+    }
+
     /// Checks the hyperparameters and the step.
     pub fn check(&self) -> Result<()> {
         let AdamWArgs { lr, beta1, beta2, eps, weight_decay, step } = *self;
@@ -82,6 +109,7 @@ impl AdamWArgs {
 /// One tensor of an AdamW step: the parameter (bf16 or f32), its gradient (bf16 or f32), the f32
 /// moments and, optionally, an f32 master copy that the update reads and writes (the parameter then
 /// receives its rounding). All have the parameter's length.
+#[non_exhaustive]
 pub struct AdamWTensor<'a, P, G> {
     /// The parameter.
     pub param: &'a mut dyn DevicePtrMut<P>,
@@ -114,6 +142,7 @@ impl<'a, P, G> AdamWTensor<'a, P, G> {
 }
 
 /// The buffers of an AdamW step: every tensor, an optional clipping buffer and the device tables.
+#[non_exhaustive]
 pub struct AdamWOperands<'a, P, G> {
     /// The tensors updated (empty ones are skipped).
     pub tensors: Vec<AdamWTensor<'a, P, G>>,
@@ -182,13 +211,27 @@ pub fn adamw<P: Element, G: Element>(
 /// The global gradient norm, as `torch.nn.utils.clip_grad_norm_` computes it (L2, `1e-6` added before
 /// the division).
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub struct GradNormArgs {
     /// The clipping threshold: the coefficient is `min(1, max_norm / (norm + 1e-6))`; without it the
     /// coefficient is 1 (the norm alone).
     pub max_norm: Option<f32>,
 }
 
+impl GradNormArgs {
+    /// The norm alone (coefficient 1, nothing clipped).
+    pub fn norm() -> Self {
+        GradNormArgs { max_norm: None }
+    }
+
+    /// The norm and the clipping coefficient for threshold `max_norm`.
+    pub fn clip(max_norm: f32) -> Self {
+        GradNormArgs { max_norm: Some(max_norm) }
+    }
+}
+
 /// The gradients of a [`grad_norm`] call: read (the norm and coefficient only), or scaled in place.
+#[non_exhaustive]
 pub enum Grads<'a, G> {
     /// Read only.
     Read(Vec<&'a dyn DevicePtr<G>>),
@@ -206,6 +249,7 @@ impl<G> Grads<'_, G> {
 }
 
 /// The buffers of a [`grad_norm`] call.
+#[non_exhaustive]
 pub struct GradNormOperands<'a, G> {
     /// The gradients (empty ones count for nothing).
     pub grads: Grads<'a, G>,

@@ -22,6 +22,7 @@ use std::marker::PhantomData;
 
 /// Shape and epsilon of an RMSNorm call.
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub struct RmsNormArgs {
     /// Rows (tokens).
     pub tokens: usize,
@@ -32,6 +33,11 @@ pub struct RmsNormArgs {
 }
 
 impl RmsNormArgs {
+    /// `tokens` rows of `hidden` elements, `epsilon` added to each row's mean square.
+    pub fn new(tokens: usize, hidden: usize, epsilon: f32) -> Self {
+        RmsNormArgs { tokens, hidden, epsilon }
+    }
+
     /// Checks the arguments and the buffer lengths shared by every backend; nothing is touched on error.
     pub fn check(
         &self,
@@ -108,6 +114,7 @@ impl RmsNormArgs {
 /// Element counts of the backward's buffers, checked by [`RmsNormArgs::check_backward`] (no GPU
 /// needed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct GradLens {
     /// dy.
     pub dy: usize,
@@ -127,6 +134,7 @@ pub struct GradLens {
 
 /// What identifies an RMSNorm backward plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct BackwardKey {
     /// Rows.
     pub tokens: usize,
@@ -143,6 +151,7 @@ pub struct BackwardKey {
 /// The buffers of an RMSNorm backward: dy, x, weight and the training forward's f32 inverse RMS in;
 /// dx and dweight out (overwritten); optionally the gradient of a pre-norm residual stream, added to
 /// dx (`dx = norm'ᵀ dy + d_residual`, the gradient reaching the stream along both paths).
+#[non_exhaustive]
 pub struct RmsNormGrads<'a, T: Element> {
     /// The gradient of y, `[tokens, hidden]`.
     pub dy: &'a dyn DevicePtr<T>,
@@ -221,6 +230,7 @@ pub fn rms_norm_backward<T: Element>(
 
 /// What identifies an RMSNorm plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct Key {
     /// Rows.
     pub tokens: usize,
@@ -236,6 +246,7 @@ pub struct Key {
 
 /// The buffers of an RMSNorm call: x and weight `[hidden]` in, y out, and in the training phase the
 /// f32 inverse RMS `[tokens]`.
+#[non_exhaustive]
 pub struct RmsNormOperands<'a, T: Element> {
     /// `[tokens, hidden]` row-major.
     pub x: &'a dyn DevicePtr<T>,

@@ -16,6 +16,7 @@ pub const NAIVE_KERNELS: usize = 10;
 
 /// The buffers of a RoPE backward call: the forward's tables and the gradient of its QKV buffer,
 /// rotated in place (Q and K; V's gradient is left as it is).
+#[non_exhaustive]
 pub struct RopeBackwardOperands<'a, T: Element> {
     /// The cos/sin tables of the forward.
     pub tables: &'a RopeTables<T>,

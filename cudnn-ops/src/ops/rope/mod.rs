@@ -21,6 +21,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 /// Shape of a RoPE call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct RopeArgs {
     /// Sequences.
     pub batch: usize,
@@ -36,6 +37,35 @@ pub struct RopeArgs {
     pub row_stride: usize,
     /// Position of each sequence's first token in this call.
     pub start: usize,
+}
+
+impl RopeArgs {
+    /// `seq` tokens of `batch` sequences in a packed fused QKV buffer (per token `heads_q` query
+    /// heads, then `heads_kv` key heads, then `heads_kv` value heads, so `row_stride` is
+    /// `(heads_q + 2 · heads_kv) · head_dim`), each sequence starting at position 0. A row stride
+    /// that does not fit `usize` saturates, and the call's length check rejects it.
+    pub fn new(batch: usize, seq: usize, heads_q: usize, heads_kv: usize, head_dim: usize) -> Self {
+        let heads = heads_kv.saturating_mul(2).saturating_add(heads_q);
+        RopeArgs {
+            batch,
+            seq,
+            heads_q,
+            heads_kv,
+            head_dim,
+            row_stride: heads.saturating_mul(head_dim),
+            start: 0,
+        }
+    }
+
+    /// The same with `row_stride` elements between consecutive tokens (a wider or strided buffer).
+    pub fn with_row_stride(self, row_stride: usize) -> Self {
+        RopeArgs { row_stride, ..self }
+    }
+
+    /// The same with each sequence's first token at position `start` (a decode step, a chunk).
+    pub fn with_start(self, start: usize) -> Self {
+        RopeArgs { start, ..self }
+    }
 }
 
 /// The cos/sin tables both backends read, on the device: f32 `[positions, dim / 2]` for the fused
@@ -136,6 +166,7 @@ fn suffix(dtype: DataType) -> Result<&'static str> {
 
 /// The buffers of a RoPE call: the tables, the QKV buffer rotated in place and, optionally, each
 /// sequence's first position on the device.
+#[non_exhaustive]
 pub struct RopeOperands<'a, T: Element> {
     /// The cos/sin tables.
     pub tables: &'a RopeTables<T>,
@@ -156,6 +187,7 @@ pub struct RopeOperands<'a, T: Element> {
 /// same single kernel writes them; naive: the eager rotation, then one row copy per cache
 /// (`StaticCache.update`'s `index_copy_`, as [`write_cache`](crate::write_cache) does). With device
 /// starts, a row whose position falls outside the cache is skipped.
+#[non_exhaustive]
 pub struct KvAppend<'a, T: Element> {
     /// The K cache.
     pub k: &'a mut dyn DevicePtrMut<T>,
@@ -254,5 +286,25 @@ mod tests {
             assert!(e.contains(expected), "{expected}: {e}");
         }
         assert!(suffix(DataType::F32).unwrap_err().is_not_supported());
+    }
+
+    #[test]
+    fn the_constructor_packs_a_fused_qkv_row() {
+        let a = RopeArgs::new(2, 5, 32, 8, 64);
+        let literal = RopeArgs {
+            batch: 2,
+            seq: 5,
+            heads_q: 32,
+            heads_kv: 8,
+            head_dim: 64,
+            row_stride: 48 * 64,
+            start: 0,
+        };
+        assert_eq!(a, literal);
+        assert_eq!(a.with_row_stride(9).with_start(7), RopeArgs { row_stride: 9, start: 7, ..literal });
+        // A saturated stride is rejected by the check, not wrapped.
+        let huge = RopeArgs::new(1, 1, 1, usize::MAX / 2, 2);
+        assert_eq!(huge.row_stride, usize::MAX);
+        assert!(huge.check(usize::MAX, 8, 2).is_err());
     }
 }

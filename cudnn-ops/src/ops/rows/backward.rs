@@ -33,6 +33,7 @@ const TILE: usize = 32;
 
 /// How the scatter-add resolves rows that share an id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum EmbeddingGrad {
     /// f32 atomics: fast, run-to-run differences in the last bits.
     Atomic,
@@ -41,6 +42,7 @@ pub enum EmbeddingGrad {
 }
 
 /// The buffers and options of an embedding backward call.
+#[non_exhaustive]
 pub struct EmbeddingBackwardOperands<'a, T: Element> {
     /// The forward's token ids on the device.
     pub ids: &'a dyn DevicePtr<u32>,

@@ -31,6 +31,7 @@ pub fn check_ids(ids: &[u32], vocab: usize) -> Result<()> {
 
 /// Shape of an embedding lookup: the first `rows` ids into a `[vocab, hidden]` table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct EmbeddingArgs {
     /// Ids looked up (rows of the output).
     pub rows: usize,
@@ -41,6 +42,11 @@ pub struct EmbeddingArgs {
 }
 
 impl EmbeddingArgs {
+    /// The first `rows` ids into a `[vocab, hidden]` table.
+    pub fn new(rows: usize, vocab: usize, hidden: usize) -> Self {
+        EmbeddingArgs { rows, vocab, hidden }
+    }
+
     /// Checks the shape against the buffer lengths (ids, table, output) with checked arithmetic (no GPU
     /// needed).
     pub fn check(&self, ids: usize, table: usize, y: usize) -> Result<()> {
@@ -57,6 +63,7 @@ impl EmbeddingArgs {
 }
 
 /// The buffers of an embedding lookup.
+#[non_exhaustive]
 pub struct EmbeddingOperands<'a, T: Element> {
     /// Token ids on the device.
     pub ids: &'a dyn DevicePtr<u32>,
@@ -64,6 +71,17 @@ pub struct EmbeddingOperands<'a, T: Element> {
     pub table: &'a dyn DevicePtr<T>,
     /// `[rows, hidden]`.
     pub y: &'a mut dyn DevicePtrMut<T>,
+}
+
+impl<'a, T: Element> EmbeddingOperands<'a, T> {
+    /// Ids and table in, `y` out.
+    pub fn new(
+        ids: &'a dyn DevicePtr<u32>,
+        table: &'a dyn DevicePtr<T>,
+        y: &'a mut dyn DevicePtrMut<T>,
+    ) -> Self {
+        EmbeddingOperands { ids, table, y }
+    }
 }
 
 /// `y[r] = table[ids[r]]` for the first `rows` device ids and a `[vocab, hidden]` table. Launch-only, so
@@ -98,6 +116,7 @@ pub fn embedding<T: Element>(ctx: &Cudnn, args: EmbeddingArgs, x: EmbeddingOpera
 
 /// Where rows go in a `[batch, max_seq, cols]` cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct CacheWrite {
     /// Sequences.
     pub batch: usize,
@@ -114,6 +133,23 @@ pub struct CacheWrite {
 }
 
 impl CacheWrite {
+    /// `seq` packed rows of `cols` elements per sequence (source stride `cols`) into a cache of
+    /// `max_seq` rows per sequence, from row 0.
+    pub fn new(batch: usize, seq: usize, cols: usize, max_seq: usize) -> Self {
+        CacheWrite { batch, seq, cols, src_stride: cols, max_seq, start: 0 }
+    }
+
+    /// The same with `src_stride` elements between source rows (a view into a wider buffer, e.g. the
+    /// K or V heads of a fused QKV row).
+    pub fn with_src_stride(self, src_stride: usize) -> Self {
+        CacheWrite { src_stride, ..self }
+    }
+
+    /// The same writing from cache row `start` of each sequence.
+    pub fn with_start(self, start: usize) -> Self {
+        CacheWrite { start, ..self }
+    }
+
     /// Checks the rows against the source and cache lengths with checked arithmetic (no GPU needed):
     /// every offset the kernel computes stays below the lengths and fits its 64-bit indices.
     pub fn check(&self, src_len: usize, cache_len: usize) -> Result<()> {
@@ -138,6 +174,7 @@ impl CacheWrite {
 }
 
 /// The buffers of a cache write.
+#[non_exhaustive]
 pub struct CacheWriteOperands<'a, T: Element> {
     /// The rows, `src_stride` elements apart (e.g. a view into the QKV buffer).
     pub src: &'a dyn DevicePtr<T>,
@@ -212,6 +249,18 @@ mod tests {
         y: usize,
     ) -> Result<()> {
         EmbeddingArgs { rows, vocab, hidden }.check(ids, table, y)
+    }
+
+    #[test]
+    fn cache_write_constructor_packs_rows_from_row_zero() {
+        let w = CacheWrite::new(2, 3, 64, 16);
+        assert_eq!(w, CacheWrite { batch: 2, seq: 3, cols: 64, src_stride: 64, max_seq: 16, start: 0 });
+        let w = w.with_src_stride(192).with_start(13);
+        assert_eq!((w.src_stride, w.start), (192, 13));
+        // Rows 13..16 fit; the stride widens the source extent to (2·3 − 1)·192 + 64.
+        w.check(5 * 192 + 64, 2 * 16 * 64).unwrap();
+        assert!(w.check(5 * 192 + 63, 2 * 16 * 64).is_err());
+        assert!(w.with_start(14).check(usize::MAX, usize::MAX).is_err());
     }
 
     #[test]

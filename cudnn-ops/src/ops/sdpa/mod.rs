@@ -22,6 +22,7 @@ use cudarc::driver::{DevicePtr, DevicePtrMut};
 
 /// Storage order of a `[b, h, s, d]` tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Layout {
     /// `[batch, seq, heads, dim]` in memory (a projection's output).
     Bshd,
@@ -51,6 +52,7 @@ impl Layout {
 
 /// Shape, strides and options of an attention call.
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub struct SdpaArgs {
     /// Batch size.
     pub batch: usize,
@@ -86,7 +88,8 @@ pub struct SdpaArgs {
 }
 
 /// Buffer lengths (elements) of an attention call, checked before anything runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct SdpaLens {
     /// Q buffer.
     pub q: usize,
@@ -269,6 +272,7 @@ impl SdpaArgs {
 
 /// What identifies an attention plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct Key {
     /// `[batch, heads_q, heads_kv, seq_q, seq_kv, head_dim]`.
     pub dims: [usize; 6],
@@ -299,6 +303,7 @@ pub(crate) fn check_dtype(dtype: DataType) -> Result<()> {
 
 /// The buffers of an attention call: Q, K, V in, O out (strided as [`SdpaArgs`] says), and optionally
 /// the training stats and the run-time sequence lengths of padded attention.
+#[non_exhaustive]
 pub struct SdpaOperands<'a, T: Element> {
     /// Q over `[b, h_q, s_q, d]`.
     pub q: &'a dyn DevicePtr<T>,
@@ -416,6 +421,7 @@ pub fn sdpa<T: Element>(ctx: &Cudnn, args: SdpaArgs, x: SdpaOperands<'_, T>, bac
 /// ([`SdpaArgs`]: dO and dQ like O and Q, dK and dV like K and V), so gradients of views into one QKV
 /// buffer land in the same views of one dQKV buffer. With grouped-query heads, dK and dV sum over
 /// the query heads of each K/V head.
+#[non_exhaustive]
 pub struct SdpaGrads<'a, T: Element> {
     /// Q over `[b, h_q, s_q, d]`.
     pub q: &'a dyn DevicePtr<T>,
@@ -476,6 +482,7 @@ impl<'a, T: Element> SdpaGrads<'a, T> {
 
 /// What identifies an attention backward plan (its own key type: never equal to a forward's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct BackwardKey {
     /// `[batch, heads_q, heads_kv, seq_q, seq_kv, head_dim]`.
     pub dims: [usize; 6],

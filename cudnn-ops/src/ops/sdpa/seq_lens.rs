@@ -9,6 +9,7 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 
 /// Where padded attention's sequence lengths come from.
 #[derive(Clone, Copy)]
+#[non_exhaustive]
 pub enum DeviceSeqLens<'a> {
     /// `(seq_len_q, seq_len_kv)`: device i32 buffers of `batch` values each, clamped by the call (one
     /// kernel) into a buffer of the context.

@@ -149,6 +149,7 @@ mod swiglu_uid {
 
 /// What identifies a bias-gradient plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct BiasGradKey {
     /// Rows summed.
     pub tokens: usize,
@@ -164,6 +165,7 @@ pub struct BiasGradKey {
 
 /// How the SwiGLU backward runs on the fused backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum SwigluForm {
     /// One graph: the data-gradient matmul with the SwiGLU backward's pointwise steps after it.
     Fused,
@@ -183,6 +185,7 @@ impl SwigluForm {
 
 /// What identifies a SwiGLU backward plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct SwigluKey {
     /// The down projection's shape.
     pub args: LinearGradArgs,

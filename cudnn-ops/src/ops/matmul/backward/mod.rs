@@ -39,6 +39,7 @@ use std::marker::PhantomData;
 /// The shape of a Linear layer's backward, `y[tokens, out] = x[tokens, in] · W[out, in]ᵀ`, and whether
 /// the gradients it writes add to what their buffers hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct LinearGradArgs {
     /// Rows of x and y.
     pub tokens: usize,
@@ -178,6 +179,7 @@ fn renamed(r: Result<()>, what: &str) -> Result<()> {
 
 /// Element counts of a data gradient's buffers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct DataGradLens {
     /// dY.
     pub dy: usize,
@@ -189,6 +191,7 @@ pub struct DataGradLens {
 
 /// Element counts of a weight gradient's buffers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct WeightGradLens {
     /// dY.
     pub dy: usize,
@@ -202,6 +205,7 @@ pub struct WeightGradLens {
 
 /// Element counts of a SwiGLU down-projection backward's buffers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct SwigluGradLens {
     /// dY (the down projection's output gradient).
     pub dy: usize,
@@ -218,6 +222,7 @@ pub struct SwigluGradLens {
 }
 
 /// The buffers of a data gradient: dY and the weight in `T`, dX in `O` (`T` or f32).
+#[non_exhaustive]
 pub struct DataGrad<'a, T: Element, O: Element = T> {
     /// `[tokens, out]`.
     pub dy: &'a dyn DevicePtr<T>,
@@ -245,6 +250,7 @@ impl<'a, T: Element, O: Element> DataGrad<'a, T, O> {
 
 /// The buffers of a weight gradient: dY and X in `T`, dW (and the bias gradient) in `O` (`T` or f32,
 /// e.g. an f32 gradient accumulator for bf16 weights).
+#[non_exhaustive]
 pub struct WeightGrad<'a, T: Element, O: Element = T> {
     /// `[tokens, out]`.
     pub dy: &'a dyn DevicePtr<T>,
@@ -282,6 +288,7 @@ impl<'a, T: Element, O: Element> WeightGrad<'a, T, O> {
 /// The buffers of the SwiGLU MLP's backward through its down projection: `y = W_down · (silu(gate) ⊙
 /// up)` per token, so dY `[tokens, hidden]`, W_down `[hidden, inter]` as stored, and the forward's
 /// gate and up `[tokens, inter]` in; d_gate and d_up `[tokens, inter]` out, all in `T`.
+#[non_exhaustive]
 pub struct SwigluGrads<'a, T: Element> {
     /// The MLP output's gradient, `[tokens, hidden]`.
     pub dy: &'a dyn DevicePtr<T>,
