@@ -9,6 +9,7 @@
 //! | [`Features`] | what the running cuDNN can do on this GPU, from its version ([`Exec::features`]) |
 //! | [`PlanCache`], [`PlanKey`] | plans by op-declared keys (shape/stride/dtype/flags), with hit and miss counters |
 //! | [`ops`] | one room per op: [`rms_norm`], [`sdpa`], [`matmul`], [`rope`], [`embedding`] and [`write_cache`], each with its arguments, operands, fused half and eager baseline; backward phases [`rms_norm_backward`], [`sdpa_backward`], [`linear_backward_data`], [`linear_backward_weight`], [`swiglu_down_backward`], [`rope_backward`], [`embedding_backward`]; the training side's custom kernels [`cross_entropy`], [`adamw`], [`grad_norm`] |
+//! | [`KvCache`], [`RopeFrequencies`] | what a decoder keeps between steps: per-layer K/V caches with per-sequence positions, appends (RoPE fused) and decode attention that picks the one-plan padded form and falls back by itself ([`kv_cache`]); RoPE tables for plain and Llama-3-scaled frequencies |
 //! | [`reference`](mod@reference) | f64 CPU references and the comparison used by tests and reports |
 //!
 //! Recipe for an op call:
@@ -44,6 +45,7 @@ mod exec;
 mod features;
 mod graph;
 mod kernels;
+pub mod kv_cache;
 pub mod ops;
 mod plan;
 #[cfg(test)]
@@ -51,6 +53,9 @@ mod proptests;
 mod raw;
 pub mod reference;
 mod tensor;
+
+pub use cudarc;
+pub use half;
 
 pub use cache::{CacheStats, PlanCache, PlanKey};
 pub use context::{Cudnn, AUTOTUNE_ENV, DEFAULT_AUTOTUNE, KNOB_SEARCH_ENV, TUNE_FLUSH_ENV};
@@ -62,6 +67,7 @@ pub use graph::{
     Binary, Graph, Mask, NormPhase, Reduce, RmsNormGradOutputs, RmsNormOutputs, SdpaBackwardOptions,
     SdpaForm, SdpaGradients, SdpaOptions, SdpaOutputs, TensorId, Unary,
 };
+pub use kv_cache::{AttendForm, KvCache, KvCacheShape, QkvRows};
 pub use ops::loss::{cross_entropy, CrossEntropyArgs, CrossEntropyOperands, Logits};
 pub use ops::matmul::{
     linear_backward_data, linear_backward_weight, matmul, swiglu_down_backward, Activation, BufferLens,
@@ -74,7 +80,7 @@ pub use ops::optim::{
 };
 pub use ops::rmsnorm::{rms_norm, rms_norm_backward, RmsNormArgs, RmsNormGrads, RmsNormOperands};
 pub use ops::rope::backward::{rope_backward, RopeBackwardOperands};
-pub use ops::rope::{rope, KvAppend, RopeArgs, RopeOperands, RopeTables};
+pub use ops::rope::{rope, KvAppend, Llama3Scaling, RopeArgs, RopeFrequencies, RopeOperands, RopeTables};
 pub use ops::rows::backward::{embedding_backward, EmbeddingBackwardOperands, EmbeddingGrad};
 pub use ops::rows::{
     check_ids, embedding, write_cache, CacheWrite, CacheWriteOperands, EmbeddingArgs, EmbeddingOperands,

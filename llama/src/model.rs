@@ -188,14 +188,14 @@ impl<T: Element> Llama<T> {
             Some(w) => Some(Linear::new(up(w)?, cfg.hidden, cfg.vocab)),
             None => None,
         };
-        let (cos, sin) = crate::rope::tables(cfg, 0, max_positions);
+        let rope = RopeTables::from_frequencies(ctx, &crate::rope::frequencies(cfg)?, max_positions)?;
         Ok(Llama {
             cfg: cfg.clone(),
             embed,
             blocks,
             norm,
             lm_head,
-            rope: RopeTables::new(ctx, &cos, &sin, cfg.head_dim)?,
+            rope,
             acts: None,
             fallbacks: Fallbacks::default(),
             padded_decode: ctx.features().sdpa_seq_lens(),

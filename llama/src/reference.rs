@@ -38,7 +38,8 @@ pub fn forward<T: Element>(cfg: &LlamaConfig, w: &Weights<T>, tokens: &[Vec<u32>
     let embed = f64s(&w.embed);
     let mut x: Vec<f64> =
         tokens.iter().flatten().flat_map(|&t| embed[t as usize * hid..][..hid].to_vec()).collect();
-    let (cos, sin) = rope::tables(cfg, start, seq);
+    let (cos, sin) =
+        rope::tables(cfg, start, seq).expect("reference forward: a config LlamaConfig::check accepts");
     let half = d / 2;
     for layer in &w.layers {
         let (h, _) = rms_norm(&x, &f64s(&layer.attn_norm), rows, hid, cfg.rms_eps);

@@ -3,51 +3,40 @@
 //! the low frequencies.
 
 use crate::config::LlamaConfig;
+use crate::{Error, Result};
+use cudnn_ops::{Llama3Scaling, RopeFrequencies};
+
+/// The model's RoPE frequencies ([`RopeFrequencies`] in `cudnn-ops`, where the math lives): base
+/// `rope_theta`, Llama-3 scaled when the config says so. A theta or scaling that
+/// [`LlamaConfig::check`] refuses is an [`Error::Config`].
+pub fn frequencies(cfg: &LlamaConfig) -> Result<RopeFrequencies> {
+    let config = |e: cudnn_ops::Error| Error::Config(e.to_string());
+    let f = RopeFrequencies::new(cfg.head_dim, cfg.rope_theta).map_err(config)?;
+    match cfg.rope_scaling {
+        None => Ok(f),
+        Some(s) => {
+            let s =
+                Llama3Scaling::new(s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position);
+            f.llama3(s).map_err(config)
+        }
+    }
+}
 
 /// The `head_dim / 2` inverse frequencies, Llama-3 scaled when the config says so (Hugging Face's
-/// `_compute_llama3_parameters`): wavelengths longer than `original_max_position / low_freq_factor`
-/// are divided by `factor`, shorter than `original_max_position / high_freq_factor` kept, and the band
-/// between interpolated.
-pub fn inv_freq(cfg: &LlamaConfig) -> Vec<f64> {
-    let d = cfg.head_dim as f64;
-    let base: Vec<f64> =
-        (0..cfg.head_dim / 2).map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / d)).collect();
-    let Some(s) = cfg.rope_scaling else { return base };
-    let old = s.original_max_position as f64;
-    let (low_wavelen, high_wavelen) = (old / s.low_freq_factor, old / s.high_freq_factor);
-    base.into_iter()
-        .map(|f| {
-            let wavelen = 2.0 * std::f64::consts::PI / f;
-            if wavelen < high_wavelen {
-                f
-            } else if wavelen > low_wavelen {
-                f / s.factor
-            } else {
-                let smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
-                (1.0 - smooth) * f / s.factor + smooth * f
-            }
-        })
-        .collect()
+/// `_compute_llama3_parameters`; see [`RopeFrequencies::inv_freq`]).
+pub fn inv_freq(cfg: &LlamaConfig) -> Result<Vec<f64>> {
+    Ok(frequencies(cfg)?.inv_freq())
 }
 
 /// `cos` and `sin` of `position · inv_freq`, `[positions, head_dim / 2]` row-major, for positions
 /// `start..start + count`.
-pub fn tables(cfg: &LlamaConfig, start: usize, count: usize) -> (Vec<f64>, Vec<f64>) {
-    let f = inv_freq(cfg);
-    let angles: Vec<f64> = (start..start + count).flat_map(|p| f.iter().map(move |w| p as f64 * w)).collect();
-    (angles.iter().map(|a| a.cos()).collect(), angles.iter().map(|a| a.sin()).collect())
+pub fn tables(cfg: &LlamaConfig, start: usize, count: usize) -> Result<(Vec<f64>, Vec<f64>)> {
+    Ok(frequencies(cfg)?.tables(start, count))
 }
 
 /// Rotates one head vector `x` (`head_dim` values) by the angles whose cos/sin are `cos`, `sin`
 /// (`head_dim / 2` each): `x · cos + rotate_half(x) · sin` with `rotate_half(x) = [-x₂, x₁]`.
-pub fn rotate(x: &mut [f64], cos: &[f64], sin: &[f64]) {
-    let half = x.len() / 2;
-    for i in 0..half {
-        let (a, b) = (x[i], x[i + half]);
-        x[i] = a * cos[i] - b * sin[i];
-        x[i + half] = b * cos[i] + a * sin[i];
-    }
-}
+pub use cudnn_ops::ops::rope::rotate;
 
 #[cfg(test)]
 mod tests {
@@ -56,8 +45,8 @@ mod tests {
     #[test]
     fn llama3_scaling_keeps_high_and_divides_low_frequencies() {
         let cfg = LlamaConfig::llama_3_1_8b();
-        let plain = inv_freq(&LlamaConfig { rope_scaling: None, ..cfg.clone() });
-        let scaled = inv_freq(&cfg);
+        let plain = inv_freq(&LlamaConfig { rope_scaling: None, ..cfg.clone() }).unwrap();
+        let scaled = inv_freq(&cfg).unwrap();
         assert_eq!(plain.len(), 64);
         assert_eq!(plain[0], 1.0);
         assert!((plain[1] - 500000f64.powf(-2.0 / 128.0)).abs() < 1e-15);
@@ -90,7 +79,7 @@ mod tests {
         };
         for cfg in [base.clone(), unscaled, LlamaConfig { rms_eps: 0.1, ..base.clone() }] {
             cfg.check().unwrap();
-            let (c, s) = tables(&cfg, 0, 4);
+            let (c, s) = tables(&cfg, 0, 4).unwrap();
             assert!(c.iter().chain(&s).all(|v| v.is_finite()));
         }
     }
@@ -98,7 +87,7 @@ mod tests {
     #[test]
     fn rotation_preserves_norms_and_position_zero_is_identity() {
         let cfg = LlamaConfig::tiny();
-        let (cos, sin) = tables(&cfg, 0, 5);
+        let (cos, sin) = tables(&cfg, 0, 5).unwrap();
         let h = cfg.head_dim / 2;
         let x: Vec<f64> = (0..cfg.head_dim).map(|i| (i as f64 * 0.37).sin() + 0.1).collect();
         let mut y = x.clone();
@@ -114,7 +103,7 @@ mod tests {
         // Relative positions: <R(m)q, R(n)k> depends on m − n only.
         let q: Vec<f64> = (0..cfg.head_dim).map(|i| (i as f64).cos()).collect();
         let dot_at = |m: usize, n: usize| {
-            let (c, s) = tables(&cfg, 0, 20);
+            let (c, s) = tables(&cfg, 0, 20).unwrap();
             let (mut a, mut b) = (q.clone(), x.clone());
             rotate(&mut a, &c[m * h..][..h], &s[m * h..][..h]);
             rotate(&mut b, &c[n * h..][..h], &s[n * h..][..h]);

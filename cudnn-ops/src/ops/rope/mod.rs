@@ -8,8 +8,11 @@
 //! `start + r % seq` (batch-major rows).
 
 pub mod backward;
+mod freqs;
 mod fused;
 mod naive;
+
+pub use freqs::{rotate, Llama3Scaling, RopeFrequencies};
 
 use crate::checked;
 use crate::dtype::{DataType, Element};

@@ -1,0 +1,103 @@
+//! Attention of a step's queries over the cache, in the cheapest form that runs: one padded plan for
+//! every decode step where cuDNN takes run-time lengths, else a plan per length, else per sequence.
+
+use super::{within, KvCache, QkvRows};
+use crate::dtype::Element;
+use crate::ops::sdpa::{sdpa, SdpaArgs, SdpaLens, SdpaOperands};
+use crate::{Backend, Cudnn, Mask, Result};
+use cudarc::driver::{CudaView, CudaViewMut};
+
+/// Which attention [`KvCache::attend`] ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum AttendForm {
+    /// One plan for every decode step: the whole cache as key capacity, each sequence's lengths read
+    /// on the device (cuDNN 9.15+; fused decode steps, one query per sequence).
+    Padded,
+    /// One call over the first `len + seq` keys, all sequences at the same length: a plan per length.
+    PerLength,
+    /// One call per sequence, for sequences at different lengths: a plan per length and sequence.
+    PerSequence,
+}
+
+impl AttendForm {
+    /// `padded`, `per-length` or `per-sequence`.
+    pub fn name(self) -> &'static str {
+        match self {
+            AttendForm::Padded => "padded",
+            AttendForm::PerLength => "per-length",
+            AttendForm::PerSequence => "per-sequence",
+        }
+    }
+}
+
+impl<T: Element> KvCache<T> {
+    /// Attention of the step's queries (`q`: rows as `rows` says, Q heads first; append the step's K and
+    /// V first) over layer `layer`'s cache, each sequence over its own `len + seq` keys, causal; O
+    /// packed `[batch · seq, heads_q · d]`. Picks the form itself and returns it ([`AttendForm`]):
+    /// a fused decode step (one query per sequence) runs the one padded plan (the step's first such
+    /// call clamps the lengths for all layers); when cuDNN refuses that plan (`NotSupported`) the
+    /// cache records why ([`KvCache::padded_refusal`]) and runs, now and after, a plan per length
+    /// (per sequence where lengths differ). Other errors are returned.
+    pub fn attend(
+        &mut self,
+        ctx: &Cudnn,
+        layer: usize,
+        rows: QkvRows,
+        q: CudaView<'_, T>,
+        mut o: CudaViewMut<'_, T>,
+        backend: Backend,
+    ) -> Result<AttendForm> {
+        self.check_layer(layer)?;
+        let seq = self.lens.step()?;
+        let shape = self.shape;
+        // The whole cache as capacity: checks Q, O and the cache for every form below.
+        let capacity = SdpaArgs { seq_kv: shape.max_seq, ..shape.attention(rows, 1, seq) };
+        let (k, v) = (&self.k[layer], &self.v[layer]);
+        let (q_len, o_len) = (q.len(), o.len());
+        capacity.check(SdpaLens { q: q_len, k: k.len(), v: v.len(), o: o_len, stats: None })?;
+        let form = if seq == 1 && backend == Backend::Fused && self.padded_refusal.is_none() {
+            if !self.clamped {
+                self.seq_lens.clamp(ctx, &self.q_lens, &self.kv_lens)?;
+                self.clamped = true;
+            }
+            let padded = capacity.with_mask(Mask::None).with_seq_lens();
+            let x = SdpaOperands::new(&q, k, v, &mut o).clamped_seq_lens(&self.seq_lens);
+            match sdpa(ctx, padded, x, backend) {
+                Ok(()) => Some(AttendForm::Padded),
+                Err(e) if e.is_not_supported() => {
+                    self.padded_refusal = Some(e.to_string());
+                    None
+                }
+                Err(e) => return Err(e),
+            }
+        } else {
+            None
+        };
+        let form = match form {
+            Some(f) => f,
+            None => match self.lens.uniform() {
+                Some(len) => {
+                    sdpa(ctx, shape.attention(rows, len, seq), SdpaOperands::new(&q, k, v, &mut o), backend)?;
+                    AttendForm::PerLength
+                }
+                None => {
+                    let one = super::KvCacheShape { batch: 1, ..shape };
+                    let (q_rows, o_rows) = (seq * rows.row_stride, seq * rows.heads_q * shape.head_dim);
+                    let cache = shape.max_seq * shape.row_width();
+                    for (b, &len) in self.lens.get().iter().enumerate() {
+                        let qb = within(q.try_slice(b * q_rows..q_len))?;
+                        let mut ob = within(o.try_slice_mut(b * o_rows..(b + 1) * o_rows))?;
+                        let kb = within(k.try_slice(b * cache..(b + 1) * cache))?;
+                        let vb = within(v.try_slice(b * cache..(b + 1) * cache))?;
+                        let x = SdpaOperands::new(&qb, &kb, &vb, &mut ob);
+                        sdpa(ctx, one.attention(rows, len, seq), x, backend)?;
+                    }
+                    AttendForm::PerSequence
+                }
+            },
+        };
+        self.last_form = Some(form);
+        Ok(form)
+    }
+}

@@ -1,0 +1,283 @@
+//! A contiguous KV cache for decoding: per layer, K and V buffers of `[batch, max_seq, h_kv · d]`,
+//! per-sequence cached lengths on the host, and the device values a step's kernels read (each
+//! sequence's first position, its key and query counts, and those lengths clamped for padded
+//! attention).
+//!
+//! Recipe for one step (prefill or decode) of a decoder:
+//! 1. `cache.begin(&ctx, seq)?`: `seq` new tokens per sequence, each sequence written from its own
+//!    length on (sequences may be at different positions); uploads the step's positions and lengths.
+//! 2. per layer, after the QKV projection: [`KvCache::append_rotated`] (RoPE on Q and K in place, and
+//!    the rotated K and the V rows into the cache, one kernel fused) or [`KvCache::append`] (K and V rows
+//!    as they are);
+//! 3. per layer, [`KvCache::attend`]: the step's queries over the cache, on the one padded plan when
+//!    it can ([`AttendForm`]);
+//! 4. `cache.finish()?`: the step's tokens count.
+//!
+//! K and V are read in place through strides ([`KvCacheShape::kv_strides`]): row `p` of sequence `b`
+//! of a layer's K buffer starts at element `(b · max_seq + p) · h_kv · d`, its head `h` at `+ h · d`.
+//!
+//! ```no_run
+//! use cudnn_ops::cudarc::driver::CudaSlice;
+//! use cudnn_ops::half::bf16;
+//! use cudnn_ops::{Backend, Cudnn, KvCache, KvCacheShape, QkvRows, RopeFrequencies, RopeTables};
+//! # fn main() -> cudnn_ops::Result<()> {
+//! let ctx = Cudnn::new(0)?;
+//! // One layer of Llama-3.2-1B's attention (32 query heads, 8 K/V heads of 64), 2 sequences of 128.
+//! let shape = KvCacheShape::new(1, 2, 128, 8, 64)?;
+//! let mut cache = KvCache::<bf16>::new(&ctx, shape)?;
+//! let rope = RopeTables::<bf16>::from_frequencies(&ctx, &RopeFrequencies::new(64, 500_000.0)?, 128)?;
+//! let rows = QkvRows::packed(32, &shape);
+//! // The QKV projection of one new token per sequence, and the attention output.
+//! let mut qkv: CudaSlice<bf16> = ctx.stream().alloc_zeros(2 * rows.row_stride)?;
+//! let mut o: CudaSlice<bf16> = ctx.stream().alloc_zeros(2 * 32 * 64)?;
+//! cache.begin(&ctx, 1)?;
+//! cache.append_rotated(&ctx, 0, &rope, rows, qkv.as_view_mut(), Backend::Fused)?;
+//! let form = cache.attend(&ctx, 0, rows, qkv.as_view(), o.as_view_mut(), Backend::Fused)?;
+//! cache.finish()?;
+//! println!("{}: {:?} tokens cached", form.name(), cache.lens());
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! `examples/downstream_block/` builds a whole Llama-3.2-1B-shaped decoder block on this (and
+//! `tests/downstream_block.rs` checks it against an f64 reference on a GPU).
+
+mod attend;
+mod book;
+
+pub use attend::AttendForm;
+pub use book::{KvCacheShape, QkvRows};
+
+use crate::dtype::Element;
+use crate::error::ensure;
+use crate::ops::rope::{rope, RopeArgs, RopeOperands, RopeTables};
+use crate::ops::rows::{write_cache, CacheWrite, CacheWriteOperands};
+use crate::ops::sdpa::SeqLens;
+use crate::{Backend, Cudnn, Error, Result};
+use book::Lens;
+use cudarc::driver::{CudaSlice, CudaViewMut, DevicePtr};
+
+/// Per-layer K and V caches and the bookkeeping of steps (see the [module docs](self)).
+pub struct KvCache<T> {
+    shape: KvCacheShape,
+    k: Vec<CudaSlice<T>>,
+    v: Vec<CudaSlice<T>>,
+    lens: Lens,
+    /// Per sequence, the first position the step begun writes (its length before the step).
+    positions: CudaSlice<i32>,
+    /// Per sequence, the keys the step's queries attend to (`len + seq`) and its queries (`seq`).
+    kv_lens: CudaSlice<i32>,
+    q_lens: CudaSlice<i32>,
+    /// `q_lens` and `kv_lens` clamped into `(1, max_seq)` by the step's first padded attention.
+    seq_lens: SeqLens,
+    clamped: bool,
+    /// Why padded attention does not run here (cuDNN < 9.15, or cuDNN refused it); `None` while it may.
+    padded_refusal: Option<String>,
+    last_form: Option<AttendForm>,
+}
+
+impl<T: Element> KvCache<T> {
+    /// An empty cache of `shape`, zero-filled, on `ctx`'s stream. Takes 16-bit elements (f16, bf16).
+    pub fn new(ctx: &Cudnn, shape: KvCacheShape) -> Result<Self> {
+        if T::DTYPE.size() != 2 {
+            return Err(Error::NotSupported {
+                op: "kv cache".into(),
+                reason: format!("takes 16-bit elements, not {}", T::DTYPE),
+            });
+        }
+        let KvCacheShape { layers, batch, max_seq, .. } = shape;
+        let s = ctx.stream();
+        let mut k = Vec::with_capacity(layers);
+        let mut v = Vec::with_capacity(layers);
+        for _ in 0..layers {
+            k.push(s.alloc_zeros::<T>(shape.layer_len())?);
+            v.push(s.alloc_zeros::<T>(shape.layer_len())?);
+        }
+        let features = ctx.features();
+        let padded_refusal = (!features.sdpa_seq_lens()).then(|| {
+            format!(
+                "attention with run-time sequence lengths needs cuDNN 9.15, this is {}",
+                crate::version_string(features.cudnn_version())
+            )
+        });
+        Ok(KvCache {
+            shape,
+            k,
+            v,
+            lens: Lens::new(batch, max_seq),
+            positions: s.alloc_zeros::<i32>(batch)?,
+            kv_lens: s.alloc_zeros::<i32>(batch)?,
+            q_lens: s.alloc_zeros::<i32>(batch)?,
+            seq_lens: SeqLens::new(ctx, batch, 1, max_seq)?,
+            clamped: false,
+            padded_refusal,
+            last_form: None,
+        })
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> KvCacheShape {
+        self.shape
+    }
+
+    /// Tokens cached per sequence (the step begun not counted).
+    pub fn lens(&self) -> &[usize] {
+        self.lens.get()
+    }
+
+    /// New tokens per sequence of the step begun, if one is.
+    pub fn step(&self) -> Option<usize> {
+        self.lens.step().ok()
+    }
+
+    /// Forgets every cached token (the memory is kept) and a step begun.
+    pub fn clear(&mut self) {
+        self.lens.clear();
+    }
+
+    /// Keeps the first `lens[b]` tokens of sequence `b` (at most what it holds), e.g. each prompt's own
+    /// length after a prefill padded to the longest; drops a step begun.
+    pub fn truncate(&mut self, lens: &[usize]) -> Result<()> {
+        self.lens.truncate(lens)
+    }
+
+    /// Begins a step of `seq` new tokens per sequence: sequence `b`'s tokens go to positions
+    /// `lens()[b]..lens()[b] + seq` (an error, with nothing changed, where one has no room). Uploads
+    /// each sequence's first position and its key and query counts on `ctx`'s stream, which the step's
+    /// [`append_rotated`](KvCache::append_rotated), [`append`](KvCache::append) and
+    /// [`attend`](KvCache::attend) read on the device. A step begun and not finished is dropped.
+    pub fn begin(&mut self, ctx: &Cudnn, seq: usize) -> Result<()> {
+        let values = self.lens.begin(seq)?;
+        let s = ctx.stream();
+        s.memcpy_htod(&values.positions, &mut self.positions)?;
+        s.memcpy_htod(&values.kv_lens, &mut self.kv_lens)?;
+        s.memcpy_htod(&values.q_lens, &mut self.q_lens)?;
+        self.clamped = false;
+        Ok(())
+    }
+
+    /// Counts the step's tokens in [`lens`](KvCache::lens); returns how many each sequence got.
+    pub fn finish(&mut self) -> Result<usize> {
+        self.lens.finish()
+    }
+
+    /// Layer `layer`'s K and V buffers (`[batch, max_seq, h_kv · d]`; strides in the module docs).
+    pub fn layer(&self, layer: usize) -> Result<(&CudaSlice<T>, &CudaSlice<T>)> {
+        self.check_layer(layer)?;
+        Ok((&self.k[layer], &self.v[layer]))
+    }
+
+    /// Layer `layer`'s K and V buffers, to write.
+    pub fn layer_mut(&mut self, layer: usize) -> Result<(&mut CudaSlice<T>, &mut CudaSlice<T>)> {
+        self.check_layer(layer)?;
+        Ok((&mut self.k[layer], &mut self.v[layer]))
+    }
+
+    /// Device i32 per sequence: the first position the step begun writes (for RoPE's and
+    /// `write_cache`'s device starts).
+    pub fn positions(&self) -> &CudaSlice<i32> {
+        &self.positions
+    }
+
+    /// Why attention here runs a plan per length instead of the one padded plan: cuDNN < 9.15, or
+    /// cuDNN refused the padded graph (recorded by the first [`attend`](KvCache::attend) it failed).
+    pub fn padded_refusal(&self) -> Option<&str> {
+        self.padded_refusal.as_deref()
+    }
+
+    /// The form the last [`attend`](KvCache::attend) ran.
+    pub fn last_form(&self) -> Option<AttendForm> {
+        self.last_form
+    }
+
+    fn check_layer(&self, layer: usize) -> Result<()> {
+        ensure!(layer < self.shape.layers, "kv cache: layer {layer} of a {}-layer cache", self.shape.layers);
+        Ok(())
+    }
+
+    /// RoPE on the step's Q and K heads in place in `qkv` (rows as `rows` says, each sequence's tokens
+    /// at its own positions), and the rotated K and the V rows into layer `layer`'s cache. Fused: one
+    /// kernel reading the positions on the device; naive: the eager rotation and two row copies, one
+    /// call per sequence where their positions differ. An error, with nothing written, where a position
+    /// falls outside `tables`.
+    pub fn append_rotated(
+        &mut self,
+        ctx: &Cudnn,
+        layer: usize,
+        tables: &RopeTables<T>,
+        rows: QkvRows,
+        mut qkv: CudaViewMut<'_, T>,
+        backend: Backend,
+    ) -> Result<()> {
+        self.check_layer(layer)?;
+        let seq = self.lens.step()?;
+        let KvCacheShape { batch, max_seq, heads_kv, head_dim, .. } = self.shape;
+        let end = self.lens.get().iter().max().copied().unwrap_or(0) + seq;
+        ensure!(
+            end <= tables.positions(),
+            "kv cache: positions up to {end} exceed the RoPE tables' {}",
+            tables.positions()
+        );
+        let args = RopeArgs {
+            batch,
+            seq,
+            heads_q: rows.heads_q,
+            heads_kv,
+            head_dim,
+            row_stride: rows.row_stride,
+            start: 0,
+        };
+        // The whole step's shape, checked before anything runs (the per-sequence calls are its parts).
+        args.check(qkv.len(), tables.positions(), tables.head_dim())?;
+        let (k, v) = (&mut self.k[layer], &mut self.v[layer]);
+        if backend == Backend::Fused {
+            let x = RopeOperands::new(tables, &mut qkv).append(k, v, max_seq).starts(&self.positions);
+            return rope(ctx, args, x, backend);
+        }
+        if let Some(start) = self.lens.uniform() {
+            let x = RopeOperands::new(tables, &mut qkv).append(k, v, max_seq);
+            return rope(ctx, RopeArgs { start, ..args }, x, backend);
+        }
+        let (rows_len, cache_len, qkv_len) =
+            (seq * rows.row_stride, max_seq * self.shape.row_width(), qkv.len());
+        let range = |b: usize| b * cache_len..(b + 1) * cache_len;
+        for (b, &start) in self.lens.get().iter().enumerate() {
+            let mut q = within(qkv.try_slice_mut(b * rows_len..qkv_len))?;
+            let mut kb = within(k.try_slice_mut(range(b)))?;
+            let mut vb = within(v.try_slice_mut(range(b)))?;
+            let x = RopeOperands::new(tables, &mut q).append(&mut kb, &mut vb, max_seq);
+            rope(ctx, RopeArgs { batch: 1, start, ..args }, x, backend)?;
+        }
+        Ok(())
+    }
+
+    /// The step's K and V rows (`k_rows`, `v_rows`: `batch · seq` rows of `h_kv · d` elements,
+    /// `row_stride` apart, e.g. views into a QKV buffer at the K and V heads) into layer `layer`'s cache
+    /// at each sequence's positions, as they are (no rotation). One kernel per cache, the same on both
+    /// backends.
+    pub fn append(
+        &mut self,
+        ctx: &Cudnn,
+        layer: usize,
+        k_rows: &dyn DevicePtr<T>,
+        v_rows: &dyn DevicePtr<T>,
+        row_stride: usize,
+    ) -> Result<()> {
+        self.check_layer(layer)?;
+        let seq = self.lens.step()?;
+        let KvCacheShape { batch, max_seq, .. } = self.shape;
+        let cols = self.shape.row_width();
+        let w = CacheWrite { batch, seq, cols, src_stride: row_stride, max_seq, start: 0 };
+        w.check(k_rows.len(), self.k[layer].len())?;
+        w.check(v_rows.len(), self.v[layer].len())?;
+        let (k, v, p) = (&mut self.k[layer], &mut self.v[layer], &self.positions);
+        write_cache(ctx, w, CacheWriteOperands::new(k_rows, k).starts(p))?;
+        write_cache(ctx, w, CacheWriteOperands::new(v_rows, v).starts(p))
+    }
+}
+
+/// A sub-view, or an error (never a panic) where its range was outside the buffer (the whole step's
+/// checks rule that out).
+pub(crate) fn within<V>(view: Option<V>) -> Result<V> {
+    view.ok_or_else(|| Error::invalid("kv cache: a sequence's rows fall outside the buffer"))
+}
