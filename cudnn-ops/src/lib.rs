@@ -54,9 +54,6 @@ mod raw;
 pub mod reference;
 mod tensor;
 
-pub use cudarc;
-pub use half;
-
 pub use cache::{CacheStats, PlanCache, PlanKey};
 pub use context::{Cudnn, AUTOTUNE_ENV, DEFAULT_AUTOTUNE, KNOB_SEARCH_ENV, TUNE_FLUSH_ENV};
 pub use dtype::{DataType, Element};

@@ -128,7 +128,7 @@ impl Block {
         let alloc = |n: usize| -> Result<CudaSlice<bf16>> { Ok(ctx.stream().alloc_zeros::<bf16>(rows * n)?) };
         let (mut h, mut qkv, mut o) = (alloc(s.hidden)?, alloc(s.qkv_width())?, alloc(s.heads * s.head_dim)?);
         let (mut x2, mut up, mut act) = (alloc(s.hidden)?, alloc(s.ffn)?, alloc(s.ffn)?);
-        let norm = RmsNormArgs { tokens: rows, hidden: s.hidden, epsilon: s.eps };
+        let norm = RmsNormArgs::new(rows, s.hidden, s.eps);
         let linear = |inp: usize, out: usize| MatmulArgs::linear(rows, inp, out);
 
         // Attention: RMSNorm, one QKV GEMM, RoPE on Q and K with the K/V append, causal GQA over the
@@ -151,7 +151,7 @@ impl Block {
         rms_norm(ctx, norm, RmsNormOperands::new(&x2, &self.mlp_norm, &mut h), backend)?;
         matmul(ctx, &linear(s.hidden, s.ffn), MatmulOperands::new(&h, &self.w_up, &mut up), backend)?;
         let gate = linear(s.hidden, s.ffn).with_epilogue(Epilogue::SWIGLU);
-        matmul(ctx, &gate, MatmulOperands::new(&h, &self.w_gate, &mut act).gate(&up), backend)?;
+        matmul(ctx, &gate, MatmulOperands::new(&h, &self.w_gate, &mut act).up(&up), backend)?;
         let down = linear(s.ffn, s.hidden).with_epilogue(Epilogue::RESIDUAL);
         matmul(ctx, &down, MatmulOperands::new(&act, &self.w_down, out).residual(&x2), backend)?;
         Ok(form)
