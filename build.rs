@@ -1,8 +1,13 @@
 //! Records build metadata for reports: git revision, rustc version, and the cuDNN header version the
-//! bindings in cudnn-sys were generated from.
+//! bindings in cudnn-sys were generated from. Only the `app` feature uses them (`BUILD`): without it
+//! the script does nothing, so a crate depending on the library runs no git or rustc here.
 use std::process::Command;
 
 fn main() {
+    println!("cargo:rerun-if-changed=build.rs");
+    if std::env::var_os("CARGO_FEATURE_APP").is_none() {
+        return;
+    }
     let git = Command::new("git")
         .args(["rev-parse", "--short=12", "HEAD"])
         .output()

@@ -1,9 +1,13 @@
-//! The facade of the workspace: re-exports [`cudnn_ops`] and records how this build was made, for
-//! bench summaries and reports.
+//! The facade of the workspace: everything of [`cudnn_ops`] at its root, and the Llama-3 decoder as
+//! [`llama`].
 //!
 //! [`cudarc`] and [`half`] are re-exported as `cudnn_ops` re-exports them (cudarc 0.19 with
 //! `cuda-13000` and `dynamic-loading`; see the [`cudnn_ops`] crate docs for why): use these rather
 //! than depending on either crate yourself, or match that version and those features exactly.
+//!
+//! With the `app` feature (off by default) it also holds what the workspace's binaries, benches and
+//! tests share: the per-module report, the bench and test helpers and this build's metadata. They are
+//! not part of the library's API and bring CLI, plotting and serialization dependencies.
 #![deny(missing_docs)]
 
 pub use cudnn_ops;
@@ -11,10 +15,13 @@ pub use cudnn_ops::*;
 pub use cudnn_ops::{cudarc, half};
 pub use llama;
 
+#[cfg(feature = "app")]
 pub mod bench_util;
+#[cfg(feature = "app")]
 pub mod report;
 
 /// How this binary was built.
+#[cfg(feature = "app")]
 #[derive(Debug, Clone, Copy)]
 pub struct BuildInfo {
     /// `git rev-parse --short HEAD`, with `-dirty` for uncommitted tracked changes.
@@ -26,6 +33,7 @@ pub struct BuildInfo {
 }
 
 /// Build metadata recorded by `build.rs`.
+#[cfg(feature = "app")]
 pub const BUILD: BuildInfo = BuildInfo {
     git_revision: env!("BUILD_GIT_REVISION"),
     rustc: env!("BUILD_RUSTC_VERSION"),
