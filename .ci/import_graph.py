@@ -14,7 +14,7 @@ macro), `super::` or `self::`, with a child module of the current module (`engin
 `plan/mod.rs`), or with a name an earlier `use` bound (`use crate::raw;` ... `raw::driver::x`);
 and every leaf of every `use` tree (`use crate::{a::B, c::{D, E}}`). Comments (doc comments
 included, so intra-doc links do not count) and string and char literals are blanked first; paths
-into other crates (`std::`, `cudarc::`, `cudnn_sys::`) are ignored. Test code (`#[cfg(test)]`
+into other crates (`std::`, `cudarc::`, `cudnn_llm_sys::`) are ignored. Test code (`#[cfg(test)]`
 modules) counts like any other code: it is part of the crate, and a test that reaches up a layer
 ties the layers together as much as a function does. `include_str!` of another room's `.cu` file is
 a string, not an import, and does not count.

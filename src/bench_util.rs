@@ -2,7 +2,7 @@
 //! CUDA events, medians, random device data and poisoning.
 
 use cudarc::driver::{sys::CUevent_flags, CudaSlice};
-use cudnn_ops::{reference, Cudnn, Element, Result};
+use cudnn_llm_ops::{reference, Cudnn, Element, Result};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -83,7 +83,7 @@ pub fn gpu_time_ms(ctx: &Cudnn, iters: usize, mut f: impl FnMut() -> Result<()>)
 }
 
 /// Wall ms of one run of `f` from an idle stream to its end: synchronize, launch, synchronize.
-pub fn wall_ms<E: From<cudnn_ops::Error>>(
+pub fn wall_ms<E: From<cudnn_llm_ops::Error>>(
     ctx: &Cudnn,
     f: impl FnOnce() -> std::result::Result<(), E>,
 ) -> std::result::Result<f64, E> {
@@ -95,12 +95,12 @@ pub fn wall_ms<E: From<cudnn_ops::Error>>(
 }
 
 /// One run of `f` from an idle stream: GPU ms between CUDA events around it, and its [`wall_ms`].
-pub fn gpu_and_wall_ms<E: From<cudnn_ops::Error>>(
+pub fn gpu_and_wall_ms<E: From<cudnn_llm_ops::Error>>(
     ctx: &Cudnn,
     f: impl FnOnce() -> std::result::Result<(), E>,
 ) -> std::result::Result<(f64, f64), E> {
     let cuda = ctx.stream().context();
-    let events = || cuda.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(cudnn_ops::Error::from);
+    let events = || cuda.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(cudnn_llm_ops::Error::from);
     let (start, end) = (events()?, events()?);
     let record = |e: &cudarc::driver::CudaEvent| e.record(ctx.stream()).map_err(|e| E::from(e.into()));
     let wall = wall_ms(ctx, || {
@@ -108,7 +108,7 @@ pub fn gpu_and_wall_ms<E: From<cudnn_ops::Error>>(
         f()?;
         record(&end)
     })?;
-    Ok((start.elapsed_ms(&end).map_err(cudnn_ops::Error::from)? as f64, wall))
+    Ok((start.elapsed_ms(&end).map_err(cudnn_llm_ops::Error::from)? as f64, wall))
 }
 
 /// Median over `reps` samples of the per-call GPU time (ms), each sample timing `batch` calls, after
@@ -171,7 +171,7 @@ pub fn expect_untouched(
     d: &mut CudaSlice<half::bf16>,
     expected: &str,
     f: impl FnOnce(&mut CudaSlice<half::bf16>) -> Result<()>,
-) -> cudnn_ops::Error {
+) -> cudnn_llm_ops::Error {
     let sevens = vec![half::bf16::from_f32(7.0); d.len()];
     ctx.stream().memcpy_htod(&sevens, d).unwrap();
     let err = f(d).expect_err(expected);
@@ -197,7 +197,7 @@ pub fn copy_bandwidth_gbps(ctx: &Cudnn, bytes: usize, reps: usize) -> Result<f64
 }
 
 /// One line naming the GPU, driver, cuDNN and build, for result summaries.
-pub fn environment(info: &cudnn_ops::DeviceInfo) -> String {
+pub fn environment(info: &cudnn_llm_ops::DeviceInfo) -> String {
     format!(
         "GPU {} (sm_{}{}), driver API {}, cuDNN {} ({}), build {} ({}), bindings from cuDNN {} headers.",
         info.name,

@@ -10,10 +10,10 @@
 //! not part of the library's API and bring CLI, plotting and serialization dependencies.
 #![deny(missing_docs)]
 
-pub use cudnn_ops;
-pub use cudnn_ops::*;
-pub use cudnn_ops::{cudarc, half};
-pub use llama;
+pub use cudnn_llm_llama as llama;
+pub use cudnn_llm_ops as cudnn_ops;
+pub use cudnn_llm_ops::*;
+pub use cudnn_llm_ops::{cudarc, half};
 
 #[cfg(feature = "app")]
 pub mod bench_util;

@@ -148,7 +148,7 @@ fn plan_cache_builds_once_per_shape() {
     rms_norm(&ctx, args, RmsNormOperands::new(&x, &w, &mut y).inv_rms(&mut inv), Backend::Fused).unwrap();
     let s = ctx.cache().stats();
     assert_eq!((s.misses, s.hits, s.entries), (3, 4, 3));
-    let plan = ctx.cache().get(&args.key(DataType::BF16, cudnn_ops::NormPhase::Inference)).unwrap();
+    let plan = ctx.cache().get(&args.key(DataType::BF16, cudnn_llm_ops::NormPhase::Inference)).unwrap();
     println!(
         "{}: engine {}, workspace {} B, built in {:?}",
         plan.name(),
@@ -164,7 +164,7 @@ fn expect_untouched(
     ctx: &Cudnn,
     y: &mut CudaSlice<bf16>,
     expected: &str,
-    f: impl FnOnce(&mut CudaSlice<bf16>) -> cudnn_ops::Result<()>,
+    f: impl FnOnce(&mut CudaSlice<bf16>) -> cudnn_llm_ops::Result<()>,
 ) {
     let err = cudnn_llm::bench_util::expect_untouched(ctx, y, expected, f);
     assert!(matches!(err, Error::InvalidArgument(_)), "{expected}: {err}");

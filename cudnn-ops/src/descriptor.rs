@@ -6,7 +6,7 @@
 use crate::dtype::DataType;
 use crate::raw::{self, AttrName, AttrType, DescType, RawDesc};
 use crate::Result;
-use cudnn_sys as sys;
+use cudnn_llm_sys as sys;
 use std::ffi::c_void;
 
 /// A typed attribute value (borrowed for the duration of the `set` call).

@@ -52,8 +52,8 @@ impl DataType {
             .find(|d| d.name() == s)
     }
 
-    pub(crate) fn to_raw(self) -> cudnn_sys::cudnnDataType_t {
-        use cudnn_sys::cudnnDataType_t as T;
+    pub(crate) fn to_raw(self) -> cudnn_llm_sys::cudnnDataType_t {
+        use cudnn_llm_sys::cudnnDataType_t as T;
         match self {
             DataType::F32 => T::CUDNN_DATA_FLOAT,
             DataType::F16 => T::CUDNN_DATA_HALF,

@@ -49,7 +49,7 @@ pub enum Error {
     WrongContext(String),
     /// cuDNN could not be loaded or is too old.
     #[error(transparent)]
-    Load(#[from] cudnn_sys::LoadError),
+    Load(#[from] cudnn_llm_sys::LoadError),
     /// No usable GPU: no driver library, no device, or the driver refused to start.
     #[error("no CUDA GPU: {0}")]
     NoGpu(String),

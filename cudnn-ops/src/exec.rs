@@ -37,7 +37,7 @@ pub struct DeviceInfo {
 impl DeviceInfo {
     /// cuDNN version as `9.19.0`.
     pub fn cudnn_version_string(&self) -> String {
-        cudnn_sys::version_string(self.cudnn_version)
+        cudnn_llm_sys::version_string(self.cudnn_version)
     }
 }
 

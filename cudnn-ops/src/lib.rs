@@ -22,8 +22,8 @@
 //!
 //! [`cudarc`] and [`half`] are part of this crate's public API (device buffers are cudarc
 //! `DevicePtr`s, the context hands out an `Arc<CudaStream>`, [`Error::Driver`] wraps a cudarc error,
-//! 16-bit elements are `half`'s `f16`/`bf16`), so both are re-exported: use `cudnn_ops::cudarc` and
-//! `cudnn_ops::half` rather than depending on them yourself. This crate is built against cudarc 0.19
+//! 16-bit elements are `half`'s `f16`/`bf16`), so both are re-exported: use `cudnn_llm_ops::cudarc` and
+//! `cudnn_llm_ops::half` rather than depending on them yourself. This crate is built against cudarc 0.19
 //! with `default-features = false` and the features `std`, `driver`, `nvrtc`, `cublas`, `f16`,
 //! `cuda-13000` and `dynamic-loading`: `cuda-13000` because the driver bindings target CUDA 13
 //! drivers, `dynamic-loading` because nothing is linked at build time (the CUDA libraries are opened
@@ -111,10 +111,10 @@ impl Backend {
     }
 }
 
-/// The cuDNN version of the headers `cudnn-sys` was generated from (e.g. 91900).
-pub const HEADER_VERSION: usize = cudnn_sys::HEADER_VERSION;
+/// The cuDNN version of the headers `cudnn-llm-sys` was generated from (e.g. 91900).
+pub const HEADER_VERSION: usize = cudnn_llm_sys::HEADER_VERSION;
 
 /// `major.minor.patch` of a `cudnnGetVersion()` number.
 pub fn version_string(v: usize) -> String {
-    cudnn_sys::version_string(v)
+    cudnn_llm_sys::version_string(v)
 }

@@ -3,10 +3,10 @@
 use crate::descriptor::{Attr, Descriptor};
 use crate::dtype::DataType;
 use crate::Result;
-use cudnn_sys::{cudnnBackendAttributeName_t as A, cudnnBackendDescriptorType_t as D};
+use cudnn_llm_sys::{cudnnBackendAttributeName_t as A, cudnnBackendDescriptorType_t as D};
 
 /// The most dimensions a cuDNN tensor may have (`CUDNN_DIM_MAX`).
-pub const MAX_RANK: usize = cudnn_sys::CUDNN_DIM_MAX as usize;
+pub const MAX_RANK: usize = cudnn_llm_sys::CUDNN_DIM_MAX as usize;
 
 /// Default byte alignment declared for device tensors, checked against pointers at execute time.
 pub const DEFAULT_ALIGNMENT: i64 = 16;

@@ -8,9 +8,9 @@
 mod block;
 
 use block::{random_bf16, Block, HostWeights, Shape};
-use cudnn_ops::half::bf16;
-use cudnn_ops::reference::{self, AttentionShape, BF16_TOL};
-use cudnn_ops::{
+use cudnn_llm_ops::half::bf16;
+use cudnn_llm_ops::reference::{self, AttentionShape, BF16_TOL};
+use cudnn_llm_ops::{
     ops::rope::rotate, Activation, Backend, Cudnn, Epilogue, KvCache, Llama3Scaling, Mask, MatmulArgs,
     RopeFrequencies, RopeTables,
 };

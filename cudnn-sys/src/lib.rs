@@ -8,7 +8,7 @@
 //!   that the symbols the safe layer calls are present, the version is 9.x or later and the
 //!   sub-libraries agree. Every failure is a [`LoadError`], never a panic.
 //!
-//! This crate holds no safe wrappers: those are in `cudnn-ops`.
+//! This crate holds no safe wrappers: those are in `cudnn-llm-ops`.
 #![allow(non_camel_case_types, non_snake_case, non_upper_case_globals, clippy::all)]
 
 #[rustfmt::skip]

@@ -7,16 +7,16 @@
 //! stamped on it and kernels attributed to the range open at their launch.
 //!
 //! ```no_run
-//! let cupti = cupti::Cupti::load()?; // an error (not a panic) where there is no libcupti
+//! let cupti = cudnn_llm_cupti::Cupti::load()?; // an error (not a panic) where there is no libcupti
 //! cupti.start()?;
-//! let t0 = cupti::timestamp(&cupti)?;
+//! let t0 = cudnn_llm_cupti::timestamp(&cupti)?;
 //! // ... launch work, then synchronise the device ...
-//! let t1 = cupti::timestamp(&cupti)?;
+//! let t1 = cudnn_llm_cupti::timestamp(&cupti)?;
 //! let collected = cupti.stop_and_collect()?;
 //! for k in collected.kernels.iter().filter(|k| (t0..t1).contains(&k.launch_ns)) {
 //!     println!("{} {} ns", k.name, k.end_ns - k.start_ns);
 //! }
-//! # Ok::<(), cupti::Error>(())
+//! # Ok::<(), cudnn_llm_cupti::Error>(())
 //! ```
 //!
 //! * [`bindings`] is bindgen's output for the CUPTI 13.0 headers (see `HEADER_VERSION`), restricted to

@@ -25,7 +25,7 @@ fn real_library_loads_or_fails_clearly() {
         eprintln!("no libcupti to test (run cupti/regen.sh or set CUPTI_TEST_LIBRARY); skipped");
         return;
     };
-    let cupti = match cupti::Cupti::load_from(std::slice::from_ref(&path)) {
+    let cupti = match cudnn_llm_cupti::Cupti::load_from(std::slice::from_ref(&path)) {
         Ok(c) => c,
         Err(e) => {
             // E.g. a glibc too old for the wheel: the error must name the library.
@@ -37,32 +37,35 @@ fn real_library_loads_or_fails_clearly() {
     };
     assert_eq!(cupti.library(), path.display().to_string());
     assert!(cupti.version() >= 130000, "{cupti:?}");
-    let t0 = cupti::timestamp(&cupti).expect("cuptiGetTimestamp needs no GPU");
+    let t0 = cudnn_llm_cupti::timestamp(&cupti).expect("cuptiGetTimestamp needs no GPU");
     let t1 = cupti.timestamp().unwrap();
     assert!(t0 > 0 && t1 >= t0, "{t0} {t1}");
 
     // Loading again reuses the open library.
-    let again = cupti::Cupti::load_from(std::slice::from_ref(&path)).unwrap();
+    let again = cudnn_llm_cupti::Cupti::load_from(std::slice::from_ref(&path)).unwrap();
     assert_eq!(again.version(), cupti.version());
 
-    assert_eq!(cupti.stop_and_collect(), Err(cupti::Error::NotStarted));
+    assert_eq!(cupti.stop_and_collect(), Err(cudnn_llm_cupti::Error::NotStarted));
     match cupti.start() {
         Ok(()) => {
             // A GPU machine: nothing was launched, so no kernels; a second start is refused.
-            assert_eq!(again.start(), Err(cupti::Error::AlreadyStarted));
+            assert_eq!(again.start(), Err(cudnn_llm_cupti::Error::AlreadyStarted));
             let c = cupti.stop_and_collect().unwrap();
             assert!(c.kernels.is_empty(), "{c:?}");
         }
         Err(e) => {
             // No driver here: cuptiActivityEnable fails (CUPTI_ERROR_UNKNOWN with libcupti 13.0.85).
-            let cupti::Error::Call { function, name, .. } = &e else { panic!("{e:?}") };
+            let cudnn_llm_cupti::Error::Call { function, name, .. } = &e else { panic!("{e:?}") };
             assert_eq!(*function, "cuptiActivityEnable", "{e}");
             assert!(name.starts_with("CUPTI_ERROR"), "{e}");
             eprintln!("start failed as expected without a GPU: {e}");
             // The failed start left nothing running: stop is refused, a new start fails the same way.
-            assert_eq!(cupti.stop_and_collect(), Err(cupti::Error::NotStarted));
+            assert_eq!(cupti.stop_and_collect(), Err(cudnn_llm_cupti::Error::NotStarted));
             let again = cupti.start().unwrap_err();
-            assert!(matches!(again, cupti::Error::Call { function: "cuptiActivityEnable", .. }), "{again}");
+            assert!(
+                matches!(again, cudnn_llm_cupti::Error::Call { function: "cuptiActivityEnable", .. }),
+                "{again}"
+            );
         }
     }
 }

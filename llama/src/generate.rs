@@ -25,7 +25,7 @@ use crate::config::LlamaConfig;
 use crate::model::{DecodeGraph, KvCache, Llama, NoObserver, Observer};
 use crate::sampling::Sampler;
 use crate::{Error, Result};
-use cudnn_ops::{Cudnn, Element};
+use cudnn_llm_ops::{Cudnn, Element};
 use std::ops::ControlFlow;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -250,7 +250,7 @@ impl<T: Element> Generator<T> {
             if let Some(graph) = self.graph.as_mut() {
                 let dev = self.model.decode(ctx, graph, &[id], &mut self.cache)?;
                 self.tokens.push(id); // in the cache now, whether or not the copy below succeeds
-                let host = ctx.stream().clone_dtoh(dev).map_err(cudnn_ops::Error::from)?;
+                let host = ctx.stream().clone_dtoh(dev).map_err(cudnn_llm_ops::Error::from)?;
                 return Ok(host.iter().map(|v| v.to_f64() as f32).collect());
             }
         }
@@ -275,7 +275,7 @@ impl<T: Element> Generator<T> {
     /// Logits of output row `row` of the last forward, on the host.
     fn last_logits(&mut self, ctx: &Cudnn, row: usize, obs: &mut dyn Observer) -> Result<Vec<f32>> {
         let dev = self.model.logits_rows(ctx, row..row + 1, &self.backends, obs)?;
-        let host = ctx.stream().clone_dtoh(&dev).map_err(cudnn_ops::Error::from)?;
+        let host = ctx.stream().clone_dtoh(&dev).map_err(cudnn_llm_ops::Error::from)?;
         Ok(host.iter().map(|v| v.to_f64() as f32).collect())
     }
 

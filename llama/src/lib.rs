@@ -33,7 +33,7 @@ pub mod weights;
 
 pub use backends::{Backends, ModuleKind, Site};
 pub use config::LlamaConfig;
-pub use cudnn_ops::Backend;
+pub use cudnn_llm_ops::Backend;
 pub use generate::{DecodeMode, Generation, Generator, StopReason};
 pub use model::{DecodeGraph, Fallback, KvCache, Llama, NoObserver, Observer};
 pub use sampling::{Sampler, SamplingParams};
@@ -66,5 +66,5 @@ pub enum Error {
     Generate(String),
     /// A cuDNN, CUDA or argument error from the ops layer.
     #[error(transparent)]
-    Ops(#[from] cudnn_ops::Error),
+    Ops(#[from] cudnn_llm_ops::Error),
 }

@@ -42,8 +42,8 @@ use crate::modules::residual::Residual;
 use crate::modules::{Pass, Tokens};
 use crate::weights::{Tensor, Weights};
 use crate::{Backend, Error, Result};
-use cudnn_ops::cudarc::driver::{CudaSlice, DevicePtrMut};
-use cudnn_ops::{check_ids, Cudnn, Element, RopeTables, SeqLens};
+use cudnn_llm_ops::cudarc::driver::{CudaSlice, DevicePtrMut};
+use cudnn_llm_ops::{check_ids, Cudnn, Element, RopeTables, SeqLens};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use crate::modules::{Fallback, NoObserver, Observer, EMBED_RANGE};
@@ -125,7 +125,7 @@ struct Activations<T> {
 
 /// One decode step captured as a CUDA graph ([`Llama::capture_decode`], replayed by [`Llama::decode`]).
 pub struct DecodeGraph<T> {
-    graph: cudnn_ops::cudarc::driver::CudaGraph,
+    graph: cudnn_llm_ops::cudarc::driver::CudaGraph,
     logits: CudaSlice<T>,
     batch: usize,
     cache_id: u64,
@@ -174,7 +174,7 @@ impl<T: Element> Llama<T> {
                 cfg.layers
             )));
         }
-        let up = |t: &Tensor<T>| ctx.stream().clone_htod(&t.data).map_err(cudnn_ops::Error::from);
+        let up = |t: &Tensor<T>| ctx.stream().clone_htod(&t.data).map_err(cudnn_llm_ops::Error::from);
         let blocks = weights
             .layers
             .iter()
@@ -221,7 +221,7 @@ impl<T: Element> Llama<T> {
             )));
         }
         let n = batch * max_seq * self.cfg.kv_heads * self.cfg.head_dim;
-        let alloc = || ctx.stream().alloc_zeros::<T>(n).map_err(cudnn_ops::Error::from);
+        let alloc = || ctx.stream().alloc_zeros::<T>(n).map_err(cudnn_llm_ops::Error::from);
         let mut k = Vec::with_capacity(self.cfg.layers);
         let mut v = Vec::with_capacity(self.cfg.layers);
         for _ in 0..self.cfg.layers {
@@ -229,9 +229,9 @@ impl<T: Element> Llama<T> {
             v.push(alloc()?);
         }
         let s = ctx.stream();
-        let kv_lens = s.alloc_zeros::<i32>(batch).map_err(cudnn_ops::Error::from)?;
-        let q_lens = s.clone_htod(&vec![1i32; batch]).map_err(cudnn_ops::Error::from)?;
-        let positions = s.alloc_zeros::<i32>(batch).map_err(cudnn_ops::Error::from)?;
+        let kv_lens = s.alloc_zeros::<i32>(batch).map_err(cudnn_llm_ops::Error::from)?;
+        let q_lens = s.clone_htod(&vec![1i32; batch]).map_err(cudnn_llm_ops::Error::from)?;
+        let positions = s.alloc_zeros::<i32>(batch).map_err(cudnn_llm_ops::Error::from)?;
         let seq_lens = SeqLens::new(ctx, batch, 1, max_seq)?;
         Ok(KvCache { k, v, batch, max_seq, len: 0, kv_lens, q_lens, positions, seq_lens, id: next_id() })
     }
@@ -241,12 +241,12 @@ impl<T: Element> Llama<T> {
             return Ok(());
         }
         let c = &self.cfg;
-        let alloc = |n: usize| ctx.stream().alloc_zeros::<T>(rows * n).map_err(cudnn_ops::Error::from);
+        let alloc = |n: usize| ctx.stream().alloc_zeros::<T>(rows * n).map_err(cudnn_llm_ops::Error::from);
         self.acts = Some(Activations {
             id: next_id(),
             rows,
             last: 0,
-            ids: ctx.stream().alloc_zeros::<u32>(rows).map_err(cudnn_ops::Error::from)?,
+            ids: ctx.stream().alloc_zeros::<u32>(rows).map_err(cudnn_llm_ops::Error::from)?,
             x: Residual::new(alloc(c.hidden)?, alloc(c.hidden)?),
             scratch: Scratch {
                 h: alloc(c.hidden)?,
@@ -321,8 +321,10 @@ impl<T: Element> Llama<T> {
         if !self.padded_decode || !(0..self.cfg.layers).all(fused) {
             return Err(host_positions());
         }
-        let mut logits =
-            ctx.stream().alloc_zeros::<T>(cache.batch * self.cfg.vocab).map_err(cudnn_ops::Error::from)?;
+        let mut logits = ctx
+            .stream()
+            .alloc_zeros::<T>(cache.batch * self.cfg.vocab)
+            .map_err(cudnn_llm_ops::Error::from)?;
         let epoch = ctx.buffer_epoch();
         // SAFETY: the caller's promise (this function's contract is `Cudnn::capture`'s).
         let (baked, graph) = unsafe {
@@ -379,7 +381,7 @@ impl<T: Element> Llama<T> {
         self.upload(ctx, &step, cache)?;
         // The graph reads these whatever the model's padded-decode state is now.
         Self::upload_positions(ctx, cache)?;
-        graph.graph.launch().map_err(cudnn_ops::Error::from)?;
+        graph.graph.launch().map_err(cudnn_llm_ops::Error::from)?;
         // The replay records no events: mark the logits written on this stream, so another stream
         // that reads them is ordered after the replay.
         drop(graph.logits.device_ptr_mut(ctx.stream()));
@@ -409,7 +411,7 @@ impl<T: Element> Llama<T> {
         tokens: &[Vec<u32>],
         cache: &mut KvCache<T>,
         backends: &Backends,
-    ) -> Result<cudnn_ops::cudarc::driver::CudaGraph> {
+    ) -> Result<cudnn_llm_ops::cudarc::driver::CudaGraph> {
         backends.check_layers(self.cfg.layers)?;
         let (batch, seq) = self.upload(ctx, tokens, cache)?;
         // SAFETY: the caller's promise (this function's contract is `Cudnn::capture`'s).
@@ -447,7 +449,7 @@ impl<T: Element> Llama<T> {
         acts.last = batch * seq;
         ctx.stream()
             .memcpy_htod(&ids, &mut acts.ids.slice_mut(..ids.len()))
-            .map_err(cudnn_ops::Error::from)?;
+            .map_err(cudnn_llm_ops::Error::from)?;
         if seq == 1 && cache.len > 0 && self.padded_decode {
             Self::upload_positions(ctx, cache)?;
         }
@@ -459,9 +461,9 @@ impl<T: Element> Llama<T> {
     fn upload_positions(ctx: &Cudnn, cache: &mut KvCache<T>) -> Result<()> {
         let s = ctx.stream();
         let lens = vec![(cache.len + 1) as i32; cache.batch];
-        s.memcpy_htod(&lens, &mut cache.kv_lens).map_err(cudnn_ops::Error::from)?;
+        s.memcpy_htod(&lens, &mut cache.kv_lens).map_err(cudnn_llm_ops::Error::from)?;
         let positions = vec![cache.len as i32; cache.batch];
-        s.memcpy_htod(&positions, &mut cache.positions).map_err(cudnn_ops::Error::from)?;
+        s.memcpy_htod(&positions, &mut cache.positions).map_err(cudnn_llm_ops::Error::from)?;
         Ok(())
     }
 
@@ -542,7 +544,7 @@ impl<T: Element> Llama<T> {
         obs: &mut dyn Observer,
     ) -> Result<CudaSlice<T>> {
         let n = rows.len() * self.cfg.vocab;
-        let mut out = ctx.stream().alloc_zeros::<T>(n).map_err(cudnn_ops::Error::from)?;
+        let mut out = ctx.stream().alloc_zeros::<T>(n).map_err(cudnn_llm_ops::Error::from)?;
         self.head(ctx, rows, backends, obs, &mut out)?;
         Ok(out)
     }

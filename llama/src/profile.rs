@@ -19,7 +19,7 @@ pub struct RangeRecord {
     pub end_ns: u64,
 }
 
-pub use cupti::KernelRecord;
+pub use cudnn_llm_cupti::KernelRecord;
 
 /// GPU duration of a kernel in ns.
 pub fn duration_ns(k: &KernelRecord) -> u64 {

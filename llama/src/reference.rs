@@ -4,8 +4,8 @@
 use crate::config::LlamaConfig;
 use crate::rope;
 use crate::weights::{Tensor, Weights};
-use cudnn_ops::reference::{attention, rms_norm, AttentionShape};
-use cudnn_ops::{Element, Mask};
+use cudnn_llm_ops::reference::{attention, rms_norm, AttentionShape};
+use cudnn_llm_ops::{Element, Mask};
 
 fn f64s<T: Element>(t: &Tensor<T>) -> Vec<f64> {
     t.data.iter().map(|v| v.to_f64()).collect()
@@ -104,7 +104,7 @@ pub fn logits<T: Element>(cfg: &LlamaConfig, w: &Weights<T>, hidden: &[f64]) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use cudnn_ops::half::bf16;
+    use cudnn_llm_ops::half::bf16;
 
     #[test]
     fn forward_is_deterministic_causal_and_batch_independent() {

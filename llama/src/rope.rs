@@ -4,13 +4,13 @@
 
 use crate::config::LlamaConfig;
 use crate::{Error, Result};
-use cudnn_ops::{Llama3Scaling, RopeFrequencies};
+use cudnn_llm_ops::{Llama3Scaling, RopeFrequencies};
 
-/// The model's RoPE frequencies ([`RopeFrequencies`] in `cudnn-ops`, where the math lives): base
+/// The model's RoPE frequencies ([`RopeFrequencies`] in `cudnn-llm-ops`, where the math lives): base
 /// `rope_theta`, Llama-3 scaled when the config says so. A theta or scaling that
 /// [`LlamaConfig::check`] refuses is an [`Error::Config`].
 pub fn frequencies(cfg: &LlamaConfig) -> Result<RopeFrequencies> {
-    let config = |e: cudnn_ops::Error| Error::Config(e.to_string());
+    let config = |e: cudnn_llm_ops::Error| Error::Config(e.to_string());
     let f = RopeFrequencies::new(cfg.head_dim, cfg.rope_theta).map_err(config)?;
     match cfg.rope_scaling {
         None => Ok(f),
@@ -36,7 +36,7 @@ pub fn tables(cfg: &LlamaConfig, start: usize, count: usize) -> Result<(Vec<f64>
 
 /// Rotates one head vector `x` (`head_dim` values) by the angles whose cos/sin are `cos`, `sin`
 /// (`head_dim / 2` each): `x · cos + rotate_half(x) · sin` with `rotate_half(x) = [-x₂, x₁]`.
-pub use cudnn_ops::ops::rope::rotate;
+pub use cudnn_llm_ops::ops::rope::rotate;
 
 #[cfg(test)]
 mod tests {

@@ -4,7 +4,7 @@
 
 use crate::modules::Observer;
 use crate::profile::RangeRecord;
-use cudnn_ops::cudarc::driver::{sys::CUevent_flags, CudaEvent, CudaStream, DriverError};
+use cudnn_llm_ops::cudarc::driver::{sys::CUevent_flags, CudaEvent, CudaStream, DriverError};
 use std::sync::Arc;
 
 /// One recorded module call.

@@ -10,9 +10,9 @@
 //! 3. `weights.save(&cfg, file, DataType::BF16)` writes one `safetensors` file with the same names.
 
 use crate::{Error, LlamaConfig, Result};
-use cudnn_ops::half::{bf16, f16};
-use cudnn_ops::reference::random_iter;
-use cudnn_ops::{DataType, Element};
+use cudnn_llm_ops::half::{bf16, f16};
+use cudnn_llm_ops::reference::random_iter;
+use cudnn_llm_ops::{DataType, Element};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -149,7 +149,7 @@ impl<T: Element> Weights<T> {
     }
 
     /// Seeded random weights, deterministic for a seed. Each tensor draws from
-    /// [`cudnn_ops::reference::random_values`] with its own seed, mixed from `seed` and its name: the embedding is uniform in
+    /// [`cudnn_llm_ops::reference::random_values`] with its own seed, mixed from `seed` and its name: the embedding is uniform in
     /// ±1, Linear weights in ±1/√in_features, and norm scales are `1 + 0.1·u`, never zero. Values are
     /// rounded to `T`. `cfg` must pass [`LlamaConfig::check`] (its sizes are what gets allocated).
     pub fn random(cfg: &LlamaConfig, seed: u64) -> Self {

@@ -1,8 +1,8 @@
 //! Command-line options of `speedup-report` (parsed with clap; checked without a GPU).
 
 use clap::Parser;
-use cudnn_ops::DataType;
-use llama::{Backends, LlamaConfig};
+use cudnn_llm_llama::{Backends, LlamaConfig};
+use cudnn_llm_ops::DataType;
 use std::path::PathBuf;
 
 /// What to run and where to write the report.
@@ -157,7 +157,7 @@ mod tests {
         let p = o.resolve().unwrap();
         assert_eq!(p.config.layers, 32);
         assert_eq!(p.dtype, DataType::BF16);
-        assert_eq!(p.fused, Backends::all(llama::Backend::Fused));
+        assert_eq!(p.fused, Backends::all(cudnn_llm_llama::Backend::Fused));
     }
 
     #[test]

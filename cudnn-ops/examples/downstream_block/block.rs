@@ -1,14 +1,14 @@
-// A Llama-3-style decoder block built on `cudnn-ops`' public API only, as a crate that depends on it
+// A Llama-3-style decoder block built on `cudnn-llm-ops`' public API only, as a crate that depends on it
 // would (cudarc and half through its re-exports). Shared by the `downstream_block` example, the GPU
 // test `tests/downstream_block.rs` (against an f64 reference) and the out-of-workspace crate
 // `tests/downstream` (which checks that it builds as a dependent's code).
 //
 // x += o_proj(attend(cache, rope(qkv_proj(rms_norm(x)))));  x += down(silu(gate(h)) * up(h)), h = rms_norm(x)
 
-use cudnn_ops::cudarc::driver::CudaSlice;
-use cudnn_ops::half::bf16;
-use cudnn_ops::reference::random_values;
-use cudnn_ops::{
+use cudnn_llm_ops::cudarc::driver::CudaSlice;
+use cudnn_llm_ops::half::bf16;
+use cudnn_llm_ops::reference::random_values;
+use cudnn_llm_ops::{
     matmul, rms_norm, AttendForm, Backend, Cudnn, Epilogue, KvCache, KvCacheShape, MatmulArgs,
     MatmulOperands, QkvRows, Result, RmsNormArgs, RmsNormOperands, RopeTables,
 };
@@ -122,7 +122,7 @@ impl Block {
     ) -> Result<AttendForm> {
         let s = self.shape;
         let seq = cache.step().ok_or_else(|| {
-            cudnn_ops::Error::InvalidArgument("block: begin a step on the cache first".into())
+            cudnn_llm_ops::Error::InvalidArgument("block: begin a step on the cache first".into())
         })?;
         let rows = cache.shape().batch * seq;
         let alloc = |n: usize| -> Result<CudaSlice<bf16>> { Ok(ctx.stream().alloc_zeros::<bf16>(rows * n)?) };

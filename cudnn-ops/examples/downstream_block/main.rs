@@ -1,13 +1,13 @@
-//! A Llama-3.2-1B-shaped decoder block on `cudnn-ops`' public API (`block.rs`), with random weights:
+//! A Llama-3.2-1B-shaped decoder block on `cudnn-llm-ops`' public API (`block.rs`), with random weights:
 //! a prefill of two prompts of different lengths into one KV cache, then decode steps with each
-//! sequence at its own position. `cargo run -p cudnn-ops --release --example downstream_block` on a
+//! sequence at its own position. `cargo run -p cudnn-llm-ops --release --example downstream_block` on a
 //! GPU machine; `tests/downstream_block.rs` checks the same block against an f64 reference.
 
 mod block;
 
 use block::{random_bf16, Block, HostWeights, Shape};
-use cudnn_ops::half::bf16;
-use cudnn_ops::{Backend, Cudnn, KvCache, Llama3Scaling, RopeFrequencies, RopeTables};
+use cudnn_llm_ops::half::bf16;
+use cudnn_llm_ops::{Backend, Cudnn, KvCache, Llama3Scaling, RopeFrequencies, RopeTables};
 use std::time::Instant;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -19,7 +19,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let rope = RopeTables::<bf16>::from_frequencies(&ctx, &freqs, max_seq)?;
     let block = Block::new(&ctx, shape, 0, &HostWeights::random(&shape, 1))?;
     let mut cache = KvCache::<bf16>::new(&ctx, shape.cache(batch, max_seq)?)?;
-    let upload = |seq: usize, seed: u64| -> Result<_, cudnn_ops::Error> {
+    let upload = |seq: usize, seed: u64| -> Result<_, cudnn_llm_ops::Error> {
         let x: Vec<bf16> =
             random_bf16(seed, batch * seq * shape.hidden, 1.0, 0.0).into_iter().map(bf16::from_f64).collect();
         Ok(ctx.stream().clone_htod(&x)?)

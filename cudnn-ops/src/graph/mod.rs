@@ -2,8 +2,8 @@
 //! [`Graph::validate`] (no GPU needed), then [`Graph::build`] into a [`Plan`].
 //!
 //! ```no_run
-//! # use cudnn_ops::{Cudnn, DataType, Graph, NormPhase, TensorSpec};
-//! # fn main() -> cudnn_ops::Result<()> {
+//! # use cudnn_llm_ops::{Cudnn, DataType, Graph, NormPhase, TensorSpec};
+//! # fn main() -> cudnn_llm_ops::Result<()> {
 //! let ctx = Cudnn::new(0)?;
 //! let mut g = Graph::new("rmsnorm");
 //! let x = g.tensor(TensorSpec::new("X", &[30, 2048, 1, 1], DataType::BF16));
@@ -36,7 +36,7 @@ use crate::dtype::DataType;
 use crate::plan::{Plan, Scalar};
 use crate::tensor::TensorSpec;
 use crate::{Cudnn, Error, Result};
-use cudnn_sys as sys;
+use cudnn_llm_sys as sys;
 use node::Node;
 use std::collections::HashMap;
 use sys::{cudnnBackendAttributeName_t as A, cudnnBackendDescriptorType_t as D};

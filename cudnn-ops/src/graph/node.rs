@@ -4,7 +4,7 @@ use super::{NormPhase, TensorId};
 use crate::descriptor::{Attr, Descriptor};
 use crate::dtype::DataType;
 use crate::Result;
-use cudnn_sys as sys;
+use cudnn_llm_sys as sys;
 use sys::{cudnnBackendAttributeName_t as A, cudnnBackendDescriptorType_t as D};
 
 /// Elementwise operations with one input.

@@ -17,10 +17,10 @@
 //! of a layer's K buffer starts at element `(b · max_seq + p) · h_kv · d`, its head `h` at `+ h · d`.
 //!
 //! ```no_run
-//! use cudnn_ops::cudarc::driver::CudaSlice;
-//! use cudnn_ops::half::bf16;
-//! use cudnn_ops::{Backend, Cudnn, KvCache, KvCacheShape, QkvRows, RopeFrequencies, RopeTables};
-//! # fn main() -> cudnn_ops::Result<()> {
+//! use cudnn_llm_ops::cudarc::driver::CudaSlice;
+//! use cudnn_llm_ops::half::bf16;
+//! use cudnn_llm_ops::{Backend, Cudnn, KvCache, KvCacheShape, QkvRows, RopeFrequencies, RopeTables};
+//! # fn main() -> cudnn_llm_ops::Result<()> {
 //! let ctx = Cudnn::new(0)?;
 //! // One layer of Llama-3.2-1B's attention (32 query heads, 8 K/V heads of 64), 2 sequences of 128.
 //! let shape = KvCacheShape::new(1, 2, 128, 8, 64)?;

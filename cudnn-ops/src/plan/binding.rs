@@ -9,7 +9,7 @@ use crate::exec::Exec;
 use crate::raw::driver::DeviceBytes;
 use crate::{Error, Result};
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
-use cudnn_sys as sys;
+use cudnn_llm_sys as sys;
 use std::ffi::c_void;
 use std::rc::Rc;
 use sys::{cudnnBackendAttributeName_t as A, cudnnBackendDescriptorType_t as D};

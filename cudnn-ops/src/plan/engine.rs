@@ -4,7 +4,7 @@
 
 use crate::descriptor::{Attr, Descriptor};
 use crate::{Error, Result};
-use cudnn_sys as sys;
+use cudnn_llm_sys as sys;
 use sys::{cudnnBackendAttributeName_t as A, cudnnBackendDescriptorType_t as D};
 
 /// Values a knob search tries per knob at most (the first ones of its range).

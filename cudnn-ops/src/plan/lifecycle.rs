@@ -8,7 +8,7 @@ use crate::descriptor::{Attr, Descriptor};
 use crate::exec::Exec;
 use crate::raw::HandleId;
 use crate::{Error, Result};
-use cudnn_sys as sys;
+use cudnn_llm_sys as sys;
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::time::{Duration, Instant};

@@ -10,7 +10,7 @@ pub(crate) mod driver;
 pub(crate) mod nvrtc;
 
 use crate::{Error, Result};
-use cudnn_sys as sys;
+use cudnn_llm_sys as sys;
 use std::ffi::{c_void, CStr};
 
 pub(crate) use sys::{

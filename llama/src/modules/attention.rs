@@ -4,8 +4,10 @@ use super::linear::{Linear, Then};
 use super::{Pass, Positions, Tokens};
 use crate::backends::Site;
 use crate::{Backend, Result};
-use cudnn_ops::cudarc::driver::CudaSlice;
-use cudnn_ops::{rope, sdpa, Element, Layout, Mask, RopeArgs, RopeOperands, SdpaArgs, SdpaOperands, SeqLens};
+use cudnn_llm_ops::cudarc::driver::CudaSlice;
+use cudnn_llm_ops::{
+    rope, sdpa, Element, Layout, Mask, RopeArgs, RopeOperands, SdpaArgs, SdpaOperands, SeqLens,
+};
 
 /// One layer's K and V caches (`[batch, max_seq, h_kv · d]` each) and the device values a decode step
 /// reads: per sequence, the keys it attends to and its query count (the run-time lengths of the padded
@@ -123,7 +125,7 @@ impl<T: Element> Attention<T> {
                 padded_args.seq_kv = max_seq;
                 let x = SdpaOperands::new(qkv, &*k, &*v, o).clamped_seq_lens(seq_lens);
                 match sdpa(ctx, padded_args, x, Backend::Fused) {
-                    Err(cudnn_ops::Error::NotSupported { .. }) => *padded = false,
+                    Err(cudnn_llm_ops::Error::NotSupported { .. }) => *padded = false,
                     done => return done,
                 }
             }

@@ -10,8 +10,8 @@ use crate::backends::Site;
 use crate::config::LlamaConfig;
 use crate::weights::LayerWeights;
 use crate::Result;
-use cudnn_ops::cudarc::driver::CudaSlice;
-use cudnn_ops::{Cudnn, Element};
+use cudnn_llm_ops::cudarc::driver::CudaSlice;
+use cudnn_llm_ops::{Cudnn, Element};
 
 /// The scratch buffers of a layer: the normed hidden state `h`, attention's and the MLP's.
 pub(crate) struct Scratch<T> {
@@ -32,7 +32,7 @@ impl<T: Element> Block<T> {
     /// Uploads layer `layer`'s weights; Q, K and V projections become one `[(h_q + 2·h_kv)·d, hidden]`
     /// weight.
     pub(crate) fn new(ctx: &Cudnn, cfg: &LlamaConfig, layer: usize, w: &LayerWeights<T>) -> Result<Self> {
-        let upload = |data: &[T]| ctx.stream().clone_htod(data).map_err(cudnn_ops::Error::from);
+        let upload = |data: &[T]| ctx.stream().clone_htod(data).map_err(cudnn_llm_ops::Error::from);
         let qkv: Vec<T> =
             [&w.q_proj, &w.k_proj, &w.v_proj].iter().flat_map(|t| t.data.iter().copied()).collect();
         let (hidden, eps) = (cfg.hidden, cfg.rms_eps as f32);

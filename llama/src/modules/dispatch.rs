@@ -75,7 +75,7 @@ impl<'a> Dispatch<'a> {
         site: Site,
         layer: Option<usize>,
         shape: &str,
-        mut launch: impl FnMut(Backend) -> cudnn_ops::Result<()>,
+        mut launch: impl FnMut(Backend) -> cudnn_llm_ops::Result<()>,
     ) -> Result<()> {
         let Site { range, kind } = site;
         self.obs.begin(range, layer);
@@ -121,7 +121,7 @@ mod tests {
         let backends = Backends::all(Backend::Fused);
         let mut tried = Vec::new();
         let not_supported =
-            || cudnn_ops::Error::NotSupported { op: "sdpa".into(), reason: "head_dim 264".into() };
+            || cudnn_llm_ops::Error::NotSupported { op: "sdpa".into(), reason: "head_dim 264".into() };
         for _ in 0..2 {
             let mut dispatch = Dispatch::new(&mut fallbacks, &backends, &mut log);
             dispatch
@@ -152,9 +152,10 @@ mod tests {
         );
         // Another error is not a fallback: it is returned, and the range still closes.
         let mut dispatch = Dispatch::new(&mut fallbacks, &backends, &mut log);
-        let e = dispatch
-            .run(Site::ROPE, Some(0), "8 tokens", |_| Err(cudnn_ops::Error::InvalidArgument("bad".into())));
-        assert!(matches!(e, Err(Error::Ops(cudnn_ops::Error::InvalidArgument(_)))));
+        let e = dispatch.run(Site::ROPE, Some(0), "8 tokens", |_| {
+            Err(cudnn_llm_ops::Error::InvalidArgument("bad".into()))
+        });
+        assert!(matches!(e, Err(Error::Ops(cudnn_llm_ops::Error::InvalidArgument(_)))));
         assert_eq!(log.0.last().unwrap(), "-fwd.layer.attn.rope@Some(0)");
         assert_eq!(fallbacks.list.len(), 1);
         // A naive selection never tries fused; the site's kind picks the backend.

@@ -3,8 +3,8 @@
 use super::linear::Linear;
 use super::Pass;
 use crate::Result;
-use cudnn_ops::cudarc::driver::CudaSlice;
-use cudnn_ops::{embedding, Element, EmbeddingArgs, EmbeddingOperands};
+use cudnn_llm_ops::cudarc::driver::CudaSlice;
+use cudnn_llm_ops::{embedding, Element, EmbeddingArgs, EmbeddingOperands};
 
 /// The range of the embedding lookup (one kernel on both backends).
 pub const EMBED_RANGE: &str = "fwd.embed";

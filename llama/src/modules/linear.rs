@@ -1,7 +1,7 @@
 //! A linear layer and what its epilogue adds.
 
-use cudnn_ops::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
-use cudnn_ops::{matmul, Backend, Cudnn, Element, Epilogue, MatmulArgs, MatmulOperands};
+use cudnn_llm_ops::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudnn_llm_ops::{matmul, Backend, Cudnn, Element, Epilogue, MatmulArgs, MatmulOperands};
 
 /// What a linear layer's epilogue does with `x · Wᵀ` (fused into the GEMM's graph, or one more naive
 /// kernel).
@@ -35,7 +35,7 @@ impl<T: Element> Linear<T> {
         x: &dyn DevicePtr<T>,
         then: Then<'_, T>,
         out: &mut dyn DevicePtrMut<T>,
-    ) -> cudnn_ops::Result<()> {
+    ) -> cudnn_llm_ops::Result<()> {
         let shape = MatmulArgs::linear(tokens, self.in_features, self.out_features);
         let operands = MatmulOperands::new(x, &self.weight, out);
         let (epilogue, operands) = match then {

@@ -4,8 +4,8 @@ use super::linear::{Linear, Then};
 use super::Pass;
 use crate::backends::Site;
 use crate::Result;
-use cudnn_ops::cudarc::driver::CudaSlice;
-use cudnn_ops::Element;
+use cudnn_llm_ops::cudarc::driver::CudaSlice;
+use cudnn_llm_ops::Element;
 
 /// The MLP's scratch: `up(h)` and `silu(gate(h)) · up(h)`, `[rows, ffn]` each.
 pub(crate) struct MlpBuffers<T> {

@@ -40,7 +40,7 @@ pub(crate) mod residual;
 pub use dispatch::{Fallback, NoObserver, Observer};
 pub use embedding::EMBED_RANGE;
 
-use cudnn_ops::{Cudnn, RopeTables};
+use cudnn_llm_ops::{Cudnn, RopeTables};
 use dispatch::Dispatch;
 
 /// The tokens of one pass: `batch` sequences of `seq` new tokens each, after `start` cached ones.
@@ -82,7 +82,7 @@ impl Positions {
 
 /// One forward pass's shared state, handed to every module's `forward`: the context, the dispatch,
 /// the tokens, the RoPE tables, and how positions are read.
-pub(crate) struct Pass<'a, T: cudnn_ops::Element> {
+pub(crate) struct Pass<'a, T: cudnn_llm_ops::Element> {
     pub(crate) ctx: &'a Cudnn,
     pub(crate) dispatch: Dispatch<'a>,
     pub(crate) tokens: Tokens,
@@ -92,7 +92,7 @@ pub(crate) struct Pass<'a, T: cudnn_ops::Element> {
     pub(crate) positions: Positions,
 }
 
-impl<'a, T: cudnn_ops::Element> Pass<'a, T> {
+impl<'a, T: cudnn_llm_ops::Element> Pass<'a, T> {
     /// A pass of `tokens`; `padded` as in [`Positions::new`].
     pub(crate) fn new(
         ctx: &'a Cudnn,

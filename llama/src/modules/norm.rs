@@ -3,8 +3,8 @@
 use super::Pass;
 use crate::backends::Site;
 use crate::Result;
-use cudnn_ops::cudarc::driver::CudaSlice;
-use cudnn_ops::{rms_norm, Element, RmsNormArgs, RmsNormOperands};
+use cudnn_llm_ops::cudarc::driver::CudaSlice;
+use cudnn_llm_ops::{rms_norm, Element, RmsNormArgs, RmsNormOperands};
 
 /// `x / rms(x) · weight` over each row of `hidden` values; a prenorm of one layer or the output norm.
 pub(crate) struct RmsNorm<T> {

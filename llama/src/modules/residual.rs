@@ -1,6 +1,6 @@
 //! The hidden state between residual adds.
 
-use cudnn_ops::cudarc::driver::CudaSlice;
+use cudnn_llm_ops::cudarc::driver::CudaSlice;
 
 /// The residual stream `x`: two buffers, one current. An add reads the current one, writes the sum
 /// into the other (the ops' residual epilogue reads and writes distinct buffers) and makes it current.

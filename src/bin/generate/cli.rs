@@ -1,8 +1,8 @@
 //! Command-line options of `generate` (parsed with clap; checked without a GPU).
 
 use clap::Parser;
-use cudnn_ops::DataType;
-use llama::{Backends, DecodeMode, SamplingParams};
+use cudnn_llm_llama::{Backends, DecodeMode, SamplingParams};
+use cudnn_llm_ops::DataType;
 use std::path::PathBuf;
 
 /// What to generate, from which checkpoint, on which backends.
@@ -118,7 +118,7 @@ mod tests {
         let o = parse(&[]).unwrap();
         assert_eq!((o.max_new_tokens, o.fuse.as_str(), o.no_warmup), (128, "fused=all", false));
         let p = o.resolve().unwrap();
-        assert_eq!(p.backends, Backends::all(llama::Backend::Fused));
+        assert_eq!(p.backends, Backends::all(cudnn_llm_llama::Backend::Fused));
         assert_eq!(p.dtype, DataType::BF16);
         assert!(p.sampling.is_greedy());
         assert_eq!(p.sampling, SamplingParams::greedy());

@@ -9,12 +9,12 @@
 
 use clap::Parser;
 use cudnn_llm::bench_util::copy_bandwidth_gbps;
-use cudnn_ops::{Cudnn, DataType, Element};
+use cudnn_llm_llama::generate::{eos_token_ids, Generation};
+use cudnn_llm_llama::roofline::DecodeRoofline;
+use cudnn_llm_llama::weights::Weights;
+use cudnn_llm_llama::{Generator, Llama, LlamaConfig, Sampler, Tokenizer};
+use cudnn_llm_ops::{Cudnn, DataType, Element};
 use half::{bf16, f16};
-use llama::generate::{eos_token_ids, Generation};
-use llama::roofline::DecodeRoofline;
-use llama::weights::Weights;
-use llama::{Generator, Llama, LlamaConfig, Sampler, Tokenizer};
 use std::io::Write;
 use std::ops::ControlFlow;
 use std::process::ExitCode;
@@ -169,7 +169,7 @@ fn warm_up<T: Element>(ctx: &Cudnn, g: &mut Generator<T>, prompt: &[u32]) -> Res
         if g.len() == g.capacity() {
             break;
         }
-        let id = llama::sampling::argmax(&logits)?;
+        let id = cudnn_llm_llama::sampling::argmax(&logits)?;
         logits = g.step(ctx, id)?;
     }
     g.reset();

@@ -1,16 +1,16 @@
 //! Kernel collection for the report: CUPTI when it loads and works, else nothing (event times only).
 
-use llama::profile::KernelRecord;
-use llama::trace::Tracer;
+use cudnn_llm_llama::profile::KernelRecord;
+use cudnn_llm_llama::trace::Tracer;
 
 /// Kernel collection: CUPTI when it loads and works, else nothing (event times only). A CUPTI error
 /// during the run turns collection off with a warning instead of ending the run.
-pub(crate) struct Kernels(std::cell::RefCell<Option<cupti::Cupti>>);
+pub(crate) struct Kernels(std::cell::RefCell<Option<cudnn_llm_cupti::Cupti>>);
 
 impl Kernels {
     /// Loads CUPTI and proves it can collect (a start/stop pair), or says why not.
     pub(crate) fn probe() -> Self {
-        let tried = cupti::Cupti::load().map_err(|e| e.to_string()).and_then(|c| {
+        let tried = cudnn_llm_cupti::Cupti::load().map_err(|e| e.to_string()).and_then(|c| {
             c.start().map_err(|e| e.to_string())?;
             c.stop_and_collect().map_err(|e| e.to_string())?;
             Ok(c)
@@ -37,7 +37,7 @@ impl Kernels {
 
     pub(crate) fn clock(&self) -> Box<dyn FnMut() -> u64> {
         match self.0.borrow().clone() {
-            Some(c) => Box::new(move || cupti::timestamp(&c).unwrap_or(0)),
+            Some(c) => Box::new(move || cudnn_llm_cupti::timestamp(&c).unwrap_or(0)),
             None => Tracer::host_clock(),
         }
     }

@@ -16,12 +16,12 @@ use cudnn_llm::bench_util::copy_bandwidth_gbps;
 use cudnn_llm::report::cli::{Options, Resolved};
 use cudnn_llm::report::{chart, FirstCall, Meta, ModuleRow, Report, Scenario, Side};
 use cudnn_llm::{reference, BUILD};
-use cudnn_ops::{Cudnn, DataType, Element};
+use cudnn_llm_llama::roofline::DecodeRoofline;
+use cudnn_llm_llama::weights::Weights;
+use cudnn_llm_llama::{Backend, Backends, Llama, NoObserver, Site};
+use cudnn_llm_ops::{Cudnn, DataType, Element};
 use half::{bf16, f16};
 use indicatif::{ProgressBar, ProgressStyle};
-use llama::roofline::DecodeRoofline;
-use llama::weights::Weights;
-use llama::{Backend, Backends, Llama, NoObserver, Site};
 use std::collections::BTreeMap;
 use std::process::ExitCode;
 
@@ -335,9 +335,9 @@ fn scenario<T: Element>(work: &Work, m: &[Measured], model: &Llama<T>) -> Scenar
     let (naive, fused) = (&m[0], &m[1]);
     let mut rows = Vec::new();
     // Forward order: embedding, the attention half, the MLP half, then the once-per-forward modules.
-    let names: Vec<&str> = std::iter::once(llama::model::EMBED_RANGE)
+    let names: Vec<&str> = std::iter::once(cudnn_llm_llama::model::EMBED_RANGE)
         .chain(Site::ALL.iter().map(|s| s.range))
-        .chain([llama::profile::UNATTRIBUTED])
+        .chain([cudnn_llm_llama::profile::UNATTRIBUTED])
         .collect();
     let empty = Sums::default();
     for &name in &names {

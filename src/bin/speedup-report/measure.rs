@@ -5,11 +5,11 @@ use crate::kernels::Kernels;
 use crate::Error;
 use cudnn_llm::bench_util::{gpu_and_wall_ms, median, wall_ms};
 use cudnn_llm::report::cli::Options;
-use cudnn_ops::{Cudnn, Element};
+use cudnn_llm_llama::profile::{attribute, KernelRecord, RangeRecord};
+use cudnn_llm_llama::trace::Tracer;
+use cudnn_llm_llama::{Backends, KvCache, Llama, NoObserver, Observer};
+use cudnn_llm_ops::{Cudnn, Element};
 use indicatif::ProgressBar;
-use llama::profile::{attribute, KernelRecord, RangeRecord};
-use llama::trace::Tracer;
-use llama::{Backends, KvCache, Llama, NoObserver, Observer};
 use std::collections::BTreeMap;
 
 /// Per range name: calls, kernels, kernel ms (CUPTI) and event ms, summed over the measured forwards.
@@ -185,7 +185,7 @@ pub(crate) fn graph_replay<T: Element>(
     for round in 0..repeat.max(3) + 1 {
         cache.clear();
         let p = wall_ms(ctx, || model.forward(ctx, prompt, cache, backends, &mut NoObserver).map(drop))?;
-        let r = wall_ms(ctx, || graph.launch().map_err(cudnn_ops::Error::from))?;
+        let r = wall_ms(ctx, || graph.launch().map_err(cudnn_llm_ops::Error::from))?;
         if round > 0 {
             plain.push(p);
             replay.push(r);

@@ -64,13 +64,13 @@ impl Llama3Scaling {
 /// second halves of each head are the pairs): `theta^(-2i/d)`, optionally with [`Llama3Scaling`].
 ///
 /// ```
-/// use cudnn_ops::{Llama3Scaling, RopeFrequencies};
+/// use cudnn_llm_ops::{Llama3Scaling, RopeFrequencies};
 /// // Llama-3.2-1B: head dim 64, theta 500000, factor 32.
 /// let f = RopeFrequencies::new(64, 500_000.0)?.llama3(Llama3Scaling::new(32.0, 1.0, 4.0, 8192))?;
 /// let (cos, sin) = f.tables(0, 16); // [16 positions, 32] each, f64
 /// assert_eq!((cos.len(), sin.len()), (16 * 32, 16 * 32));
 /// assert_eq!((cos[0], sin[0]), (1.0, 0.0)); // position 0 is the identity
-/// # Ok::<(), cudnn_ops::Error>(())
+/// # Ok::<(), cudnn_llm_ops::Error>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RopeFrequencies {
