@@ -61,12 +61,12 @@ impl<T> DevicePtrMut<T> for Alias {
     }
 }
 
-/// Executes `m`'s matmul plan on A, B and the output `d`, which is also bound as the residual when
-/// `m` accumulates.
 /// The plan key of an in-place accumulating matmul (see [`execute_matmul`]).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct InPlace(crate::ops::matmul::Key);
 
+/// Executes `m`'s matmul plan on A, B and the output `d`, which is also bound as the residual when
+/// `m` accumulates.
 fn execute_matmul<T: Element, O: Element>(
     ctx: &Cudnn,
     m: &MatmulArgs,
