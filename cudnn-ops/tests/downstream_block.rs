@@ -11,8 +11,8 @@ use block::{random_bf16, Block, HostWeights, Shape};
 use cudnn_llm_ops::half::bf16;
 use cudnn_llm_ops::reference::{self, AttentionShape, BF16_TOL};
 use cudnn_llm_ops::{
-    ops::rope::rotate, Activation, Backend, Cudnn, Epilogue, KvCache, Llama3Scaling, Mask, MatmulArgs,
-    RopeFrequencies, RopeTables,
+    ops::rope::rotate, Activation, AttendForm, Backend, Cudnn, Epilogue, KvCache, Llama3Scaling, Mask,
+    MatmulArgs, RopeFrequencies, RopeTables,
 };
 
 /// One sequence's cache in the reference: rotated K rows and V rows, `h_kv · d` each.
@@ -122,6 +122,11 @@ fn run(ctx: &Cudnn, backend: Backend) {
             form.name()
         );
         assert!(c.passes(BF16_TOL), "{} step {n}: {c}", backend.name());
+        // Fused decode steps take the one-plan padded form wherever cuDNN has run-time lengths: a
+        // silent fallback would pass the comparison above.
+        if backend == Backend::Fused && seq == 1 && ctx.features().sdpa_seq_lens() {
+            assert_eq!(form, AttendForm::Padded, "step {n}: {:?}", cache.padded_refusal());
+        }
         if n == 0 {
             // The second prompt is 3 tokens: its rows 3 and 4 are padding, overwritten by later steps.
             cache.truncate(&[prompt, 3]).unwrap();

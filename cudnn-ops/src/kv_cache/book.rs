@@ -151,6 +151,14 @@ impl Lens {
     /// Begins a step of `seq` new tokens per sequence, each written from its own length on; what to
     /// upload. An unfinished step is dropped (nothing of it was counted).
     pub(crate) fn begin(&mut self, seq: usize) -> Result<StepValues> {
+        let values = self.values(seq)?;
+        self.step = Some(seq);
+        Ok(values)
+    }
+
+    /// The device values of a step of `seq` tokens (an error where a sequence has no room), without
+    /// beginning it.
+    pub(crate) fn values(&self, seq: usize) -> Result<StepValues> {
         ensure!(seq > 0, "kv cache: a step of no tokens");
         for (b, &len) in self.lens.iter().enumerate() {
             let end = checked::add("kv cache: length + new tokens", len, seq)?;
@@ -167,7 +175,6 @@ impl Lens {
             kv_lens: self.lens.iter().map(|&l| i(l + seq)).collect(),
             q_lens: vec![i(seq); self.lens.len()],
         };
-        self.step = Some(seq);
         Ok(values)
     }
 

@@ -147,12 +147,15 @@ impl<T: Element> KvCache<T> {
     /// [`append_rotated`](KvCache::append_rotated), [`append`](KvCache::append) and
     /// [`attend`](KvCache::attend) read on the device. A step begun and not finished is dropped.
     pub fn begin(&mut self, ctx: &Cudnn, seq: usize) -> Result<()> {
-        let values = self.lens.begin(seq)?;
+        // Last step's clamped lengths are stale from here on, whatever happens below; the step counts
+        // as begun only once its values are on the device.
+        self.clamped = false;
+        let values = self.lens.values(seq)?;
         let s = ctx.stream();
         s.memcpy_htod(&values.positions, &mut self.positions)?;
         s.memcpy_htod(&values.kv_lens, &mut self.kv_lens)?;
         s.memcpy_htod(&values.q_lens, &mut self.q_lens)?;
-        self.clamped = false;
+        self.lens.begin(seq)?;
         Ok(())
     }
 
@@ -227,8 +230,14 @@ impl<T: Element> KvCache<T> {
             row_stride: rows.row_stride,
             start: 0,
         };
-        // The whole step's shape, checked before anything runs (the per-sequence calls are its parts).
+        // The whole step's shape, checked before anything runs (the per-sequence calls are its parts):
+        // Q and K, rows wide enough for V, and the K and V sources against the caches.
         args.check(qkv.len(), tables.positions(), tables.head_dim())?;
+        args.check_append_rows()?;
+        let write = args.cache_write(max_seq);
+        let (k_at, v_at) = (args.heads_q * head_dim, (args.heads_q + heads_kv) * head_dim);
+        write.check(qkv.len().saturating_sub(k_at), self.k[layer].len())?;
+        write.check(qkv.len().saturating_sub(v_at), self.v[layer].len())?;
         let (k, v) = (&mut self.k[layer], &mut self.v[layer]);
         if backend == Backend::Fused {
             let x = RopeOperands::new(tables, &mut qkv).append(k, v, max_seq).starts(&self.positions);

@@ -114,6 +114,21 @@ impl<T: Element> RopeTables<T> {
 }
 
 impl RopeArgs {
+    /// With a [`KvAppend`], each row must hold its V heads after Q and K (`row_stride >= (h_q +
+    /// 2·h_kv)·d`): a narrower stride would read the next row's Q heads as V while another block
+    /// rotates them.
+    pub fn check_append_rows(&self) -> Result<()> {
+        let kv = checked::mul("rope: 2 * heads_kv", 2, self.heads_kv)?;
+        let heads = checked::add("rope: heads_q + 2 * heads_kv", self.heads_q, kv)?;
+        let width = checked::mul("rope: (heads_q + 2 * heads_kv) * head_dim", heads, self.head_dim)?;
+        ensure!(
+            self.row_stride >= width,
+            "rope: a K/V append needs rows of Q, K and V ({width} elements), the row stride is {}",
+            self.row_stride
+        );
+        Ok(())
+    }
+
     /// The cache rows a [`KvAppend`] writes: the K (or V) heads of each row, `row_stride` apart, to
     /// rows `start..start + seq` of each sequence's `max_seq`.
     pub fn cache_write(&self, max_seq: usize) -> CacheWrite {
@@ -235,6 +250,7 @@ impl<T: Element> Op<T> for RopeArgs {
         };
         host.check(len, positions, dim)?;
         if let Some(KvAppend { k, v, max_seq }) = &x.append {
+            host.check_append_rows()?;
             let w = host.cache_write(*max_seq);
             let (k_at, v_at) = (self.heads_q * self.head_dim, (self.heads_q + self.heads_kv) * self.head_dim);
             w.check(len.saturating_sub(k_at), k.len())?;
@@ -289,6 +305,14 @@ mod tests {
             assert!(e.contains(expected), "{expected}: {e}");
         }
         assert!(suffix(DataType::F32).unwrap_err().is_not_supported());
+        // An append reads V after Q and K in each row: a stride that holds only Q and K is refused.
+        let mut qk_only = a;
+        qk_only.row_stride = (a.heads_q + a.heads_kv) * a.head_dim;
+        let e = qk_only.check_append_rows().unwrap_err().to_string();
+        assert!(e.contains("needs rows of Q, K and V"), "{e}");
+        let mut full = a;
+        full.row_stride = (a.heads_q + 2 * a.heads_kv) * a.head_dim;
+        full.check_append_rows().unwrap();
     }
 
     #[test]
