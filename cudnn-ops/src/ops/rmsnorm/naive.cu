@@ -17,10 +17,10 @@ ELEMENTWISE(mul_weight_f16, (const bits16* w, const bits16* x, long cols, bits16
 ELEMENTWISE(mul_weight_f32, (const float* w, const float* x, long cols, float* y, long n),
             y[i] = w[(unsigned)i % (unsigned)cols] * x[i])
 
-// x.mean(-1, keepdim=True): one block per row, f32 accumulation, tree reduction.
-extern "C" __global__ void mean_rows_f32(const float* x, long cols, float* y) {
+// The sum of the `cols` f32 values at `row` over one block (f32 accumulation, tree reduction); the
+// result is valid in thread 0.
+__device__ float block_row_sum_f32(const float* row, long cols) {
     __shared__ float partial[32];
-    const float* row = x + (long)blockIdx.x * cols;
     // Four independent accumulators keep four loads in flight per thread (PyTorch's reduce kernel also
     // unrolls its input loop).
     float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
@@ -39,8 +39,14 @@ extern "C" __global__ void mean_rows_f32(const float* x, long cols, float* y) {
     if (threadIdx.x < 32) {
         acc = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.f;
         for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, o);
-        if (threadIdx.x == 0) y[blockIdx.x] = acc / (float)cols;
     }
+    return acc;
+}
+
+// x.mean(-1, keepdim=True): one block per row.
+extern "C" __global__ void mean_rows_f32(const float* x, long cols, float* y) {
+    float sum = block_row_sum_f32(x + (long)blockIdx.x * cols, cols);
+    if (threadIdx.x == 0) y[blockIdx.x] = sum / (float)cols;
 }
 
 // ---- Naive RMSNorm backward: eager autograd of LlamaRMSNorm (naive.rs lists the sequence). ----
@@ -60,28 +66,10 @@ ELEMENTWISE(pow3_f32, (const float* x, float* y, long n), { float v = x[i]; y[i]
 ELEMENTWISE(expand_div_f32, (const float* g, long cols, float d, float* y, long n),
             y[i] = g[(unsigned)i / (unsigned)cols] / d)
 
-// x.sum(-1, keepdim=True): one block per row, f32 accumulation (mean_rows_f32 without the division).
+// x.sum(-1, keepdim=True): one block per row.
 extern "C" __global__ void sum_rows_f32(const float* x, long cols, float* y) {
-    __shared__ float partial[32];
-    const float* row = x + (long)blockIdx.x * cols;
-    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-    long j = threadIdx.x;
-    for (; j + 3 * (long)blockDim.x < cols; j += 4 * (long)blockDim.x) {
-        a0 += row[j];
-        a1 += row[j + blockDim.x];
-        a2 += row[j + 2 * blockDim.x];
-        a3 += row[j + 3 * blockDim.x];
-    }
-    for (; j < cols; j += blockDim.x) a0 += row[j];
-    float acc = (a0 + a1) + (a2 + a3);
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, o);
-    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = acc;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        acc = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.f;
-        for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, o);
-        if (threadIdx.x == 0) y[blockIdx.x] = acc;
-    }
+    float sum = block_row_sum_f32(x + (long)blockIdx.x * cols, cols);
+    if (threadIdx.x == 0) y[blockIdx.x] = sum;
 }
 
 // x.sum(0) of a row-major [rows, cols] matrix (the sum_to of a broadcast weight's gradient, a Linear

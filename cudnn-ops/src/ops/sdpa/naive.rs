@@ -200,24 +200,7 @@ fn run<T: Element>(ctx: &Cudnn, args: SdpaArgs, x: SdpaOperands<'_, T>) -> Resul
         )?;
     }
     let n = batch * per_batch_scores;
-    elementwise(
-        ctx,
-        kernels,
-        "mul_scalar_f32",
-        n,
-        &[Arg::Ptr(s_ptr), Arg::F32(args.scale()), Arg::Ptr(s_ptr)],
-    )?;
-    if args.mask != Mask::None {
-        let offset = if args.mask == Mask::CausalBottomRight { seq_kv - seq_q } else { 0 };
-        let a = [
-            Arg::Ptr(s_ptr),
-            Arg::I64(seq_kv as i64),
-            Arg::I64(seq_q as i64),
-            Arg::I64(offset as i64),
-            Arg::Ptr(s_ptr),
-        ];
-        elementwise(ctx, kernels, "causal_mask_f32", n, &a)?;
-    }
+    scale_and_mask(ctx, kernels, &args, s_ptr, n)?;
     let rows = batch * heads_q * seq_q;
     let grid = crate::checked::launch_dim("naive sdpa: softmax rows", rows)?;
     let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
@@ -463,18 +446,7 @@ fn backward<T: Element>(ctx: &Cudnn, args: SdpaArgs, x: SdpaGrads<'_, T>) -> Res
         let (x, y, c) = (at_batch(qq, b), at_batch(kk, b), at_batch(scores(p, DataType::F32), b));
         gemm_rows(ctx, [seq_q, seq_kv, d], x, false, y, true, c, heads_q)?;
     }
-    elementwise(ctx, kernels, "mul_scalar_f32", n, &[Arg::Ptr(p), Arg::F32(args.scale()), Arg::Ptr(p)])?;
-    if args.mask != Mask::None {
-        let offset = if args.mask == Mask::CausalBottomRight { seq_kv - seq_q } else { 0 };
-        let a = [
-            Arg::Ptr(p),
-            Arg::I64(seq_kv as i64),
-            Arg::I64(seq_q as i64),
-            Arg::I64(offset as i64),
-            Arg::Ptr(p),
-        ];
-        elementwise(ctx, kernels, "causal_mask_f32", n, &a)?;
-    }
+    scale_and_mask(ctx, kernels, &args, p, n)?;
     let a = [Arg::Ptr(p), Arg::Ptr(lse_ptr), Arg::I64(seq_kv as i64), Arg::Ptr(p)];
     elementwise(ctx, kernels, "exp_sub_rows_f32", n, &a)?;
     let p_io = f32_at(at.io);
@@ -529,6 +501,31 @@ fn backward<T: Element>(ctx: &Cudnn, args: SdpaArgs, x: SdpaGrads<'_, T>) -> Res
             a.extend([sb, sh, ss, Arg::Ptr(dst)]);
             elementwise(ctx, kernels, sum, n, &a)?;
         }
+    }
+    Ok(())
+}
+
+/// `S = S · scale`, then the causal mask (top-left, or bottom-right aligned), in place on the `n` f32
+/// scores at `scores` (`[.., seq_q, seq_kv]` packed): two eager kernels, the second only when masked.
+fn scale_and_mask(ctx: &Cudnn, kernels: &Kernels, args: &SdpaArgs, scores: u64, n: usize) -> Result<()> {
+    let (seq_q, seq_kv) = (args.seq_q, args.seq_kv);
+    elementwise(
+        ctx,
+        kernels,
+        "mul_scalar_f32",
+        n,
+        &[Arg::Ptr(scores), Arg::F32(args.scale()), Arg::Ptr(scores)],
+    )?;
+    if args.mask != Mask::None {
+        let offset = if args.mask == Mask::CausalBottomRight { seq_kv - seq_q } else { 0 };
+        let a = [
+            Arg::Ptr(scores),
+            Arg::I64(seq_kv as i64),
+            Arg::I64(seq_q as i64),
+            Arg::I64(offset as i64),
+            Arg::Ptr(scores),
+        ];
+        elementwise(ctx, kernels, "causal_mask_f32", n, &a)?;
     }
     Ok(())
 }
