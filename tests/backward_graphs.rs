@@ -275,6 +275,62 @@ fn accumulation_adds_rather_than_overwrites() {
     assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
 }
 
+/// In-place accumulation binds one buffer as the matmul's residual input and its output. At the 8B
+/// projection shapes the heuristics pick split-K and stream-K engines the small shapes above never
+/// see, so the fused accumulating gradients are checked there too: `acc - old` against a fresh naive
+/// (cuBLAS) gradient of the same inputs, in f32 accumulators of bf16 activations.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn accumulation_in_place_is_right_at_llama_8b_shapes() {
+    let ctx = gpu();
+    let mut failures = Vec::new();
+    // (tokens, in, out): gate_up at 16384 tokens, down at 2048, q at 16384 (wide in, narrow out).
+    for (tokens, inp, out) in [(16384, 4096, 28672), (2048, 14336, 4096), (16384, 4096, 4096)] {
+        let (x, _) = upload::<bf16>(&ctx, &reference::random_values(31, tokens * inp)).unwrap();
+        let (w, _) = upload::<bf16>(&ctx, &reference::random_values(32, out * inp)).unwrap();
+        let (dy, _) = upload::<bf16>(&ctx, &reference::random_values(33, tokens * out)).unwrap();
+        let old =
+            |seed, n| -> Vec<f64> { reference::random_values(seed, n).iter().map(|v| 3.0 + v).collect() };
+        let args = LinearGradArgs::new(tokens, inp, out);
+        let tag = format!("in-place {tokens}x{inp}->{out}");
+        let mut fresh_w = poisoned::<f32>(&ctx, out * inp).unwrap();
+        let mut fresh_x = poisoned::<f32>(&ctx, tokens * inp).unwrap();
+        let (mut acc_w, old_w) = upload::<f32>(&ctx, &old(34, out * inp)).unwrap();
+        let (mut acc_x, old_x) = upload::<f32>(&ctx, &old(35, tokens * inp)).unwrap();
+        let r = linear_backward_weight(&ctx, &args, WeightGrad::new(&dy, &x, &mut fresh_w), Backend::Naive)
+            .and_then(|()| {
+                linear_backward_data(&ctx, &args, DataGrad::new(&dy, &w, &mut fresh_x), Backend::Naive)
+            })
+            .and_then(|()| {
+                let acc = args.accumulating();
+                linear_backward_weight(&ctx, &acc, WeightGrad::new(&dy, &x, &mut acc_w), Backend::Fused)?;
+                linear_backward_data(&ctx, &acc, DataGrad::new(&dy, &w, &mut acc_x), Backend::Fused)
+            });
+        if let Err(e) = r {
+            failures.push(format!("{tag}: {e}"));
+            continue;
+        }
+        for (what, acc, fresh, old) in [("dW", &acc_w, &fresh_w, &old_w), ("dX", &acc_x, &fresh_x, &old_x)] {
+            let got: Vec<f32> = download(&ctx, acc)
+                .unwrap()
+                .iter()
+                .zip(old)
+                .map(|(a, o)| (f64::from(*a) - o) as f32)
+                .collect();
+            let want: Vec<f64> = download(&ctx, fresh).unwrap().iter().map(|v| f64::from(*v)).collect();
+            let c = reference::compare(&got, &want);
+            // Both sides are f32 sums of the same bf16 products in different orders; subtracting an
+            // old value near 3 from the accumulated one costs f32 rounding of ~3 * 2^-24 per element.
+            let ok = c.passes(Tolerance::rel_l2(1e-3));
+            println!("{} {tag} {what}: {c}", if ok { "ok  " } else { "FAIL" });
+            if !ok {
+                failures.push(format!("{tag} {what}: {c}"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn linear_backward_bad_inputs_are_typed_errors_outputs_untouched() {
