@@ -1,7 +1,8 @@
 // ---- Fused RoPE: one kernel, f32 math. ----
 
-// Fused RoPE: rotates Q and K heads in place, f32 math, one rounding. One block per row (token; row r
-// is position start + r % seq, rows `ss` elements apart), its threads over the row's (head, pair)s with
+// Fused RoPE: rotates Q and K heads in place, f32 math, one rounding. Blocks (r, y) per row (token; row r
+// is position start + r % seq, rows `ss` elements apart), the gridDim.y blocks of a row splitting its
+// (head, pair)s, one pair per thread (a decode step's single row in one block took 5 us), with
 // 32-bit index math (a 64-bit division per element made this kernel three times slower than its
 // memory traffic). The first `heads` heads of a row (Q, then K) start at element 0; cos/sin are f32
 // [positions, dim / 2]. With `starts` (device i32 [batch]; may be null) sequence b starts at
@@ -18,7 +19,8 @@ extern "C" __global__ void rope_fused_##sfx(T* x, long ss, long seq, long heads,
     const float* c = cos_t + pos * half;                                                                  \
     const float* s = sin_t + pos * half;                                                                  \
     T* row = x + r * ss;                                                                                  \
-    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {                                               \
+    int step = (int)(gridDim.y * blockDim.x);                                                             \
+    for (int p = blockIdx.y * blockDim.x + threadIdx.x; p < pairs; p += step) {                           \
         int h = p / half, j = p - h * half;                                                               \
         T* v = row + h * (int)dim;                                                                        \
         float a = load(v[j]), b = load(v[j + half]), cj = c[j], sj = sign * s[j];                         \
@@ -48,7 +50,8 @@ extern "C" __global__ void rope_append_##sfx(T* x, long ss, long seq, long heads
     T* row = x + r * ss;                                                                                  \
     T* krow = kc + (seqn * max_seq + pos) * kv_cols;                                                      \
     T* vrow = vc + (seqn * max_seq + pos) * kv_cols;                                                      \
-    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {                                               \
+    int step = (int)(gridDim.y * blockDim.x), first = (int)(blockIdx.y * blockDim.x + threadIdx.x);       \
+    for (int p = first; p < pairs; p += step) {                                                           \
         int h = p / half, j = p - h * half;                                                               \
         T* v = row + h * (int)dim;                                                                        \
         float a = load(v[j]), b = load(v[j + half]), cj = c[j], sj = s[j];                                \
@@ -62,7 +65,7 @@ extern "C" __global__ void rope_append_##sfx(T* x, long ss, long seq, long heads
         }                                                                                                 \
     }                                                                                                     \
     const T* vsrc = row + (heads_q + heads_kv) * dim;                                                     \
-    for (int e = threadIdx.x; e < kv_cols; e += blockDim.x) vrow[e] = vsrc[e];                            \
+    for (int e = first; e < kv_cols; e += step) vrow[e] = vsrc[e];                                        \
 }
 ROPE_APPEND(bits16, bf16, bf16_to_f32, f32_to_bf16)
 ROPE_APPEND(bits16, f16, f16_to_f32, f32_to_f16)

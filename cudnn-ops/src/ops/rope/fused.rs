@@ -1,4 +1,4 @@
-//! The fused half: one kernel (`fused.cu`), one block per row, rotating Q and K in f32 with one
+//! The fused half: one kernel (`fused.cu`), a few blocks per row, rotating Q and K in f32 with one
 //! rounding; positions from the arguments or, per sequence, from the device.
 
 use super::{suffix, KvAppend, RopeArgs, RopeOperands, RopeTables};
@@ -42,12 +42,18 @@ pub(super) enum Rotation {
     Backward,
 }
 
-/// One block per row; enough warps for the row's Q and K pairs (40 heads x 64 pairs: 256 threads).
+/// Per row, enough blocks of up to 128 threads for one thread per Q and K pair (40 heads x 64 pairs:
+/// 20 blocks), so that a decode step's one row is spread over the GPU instead of looping in one block.
 fn row_blocks(a: RopeArgs) -> Result<LaunchConfig> {
-    let threads = ((a.heads_q + a.heads_kv) * a.head_dim / 2).next_multiple_of(32).clamp(32, 256) as u32;
+    let pairs = (a.heads_q + a.heads_kv) * a.head_dim / 2;
+    let threads = pairs.next_multiple_of(32).clamp(32, 128);
     Ok(LaunchConfig {
-        grid_dim: (checked::launch_dim("rope: rows", a.batch * a.seq)?, 1, 1),
-        block_dim: (threads, 1, 1),
+        grid_dim: (
+            checked::launch_dim("rope: rows", a.batch * a.seq)?,
+            pairs.div_ceil(threads).min(65535) as u32, // the kernels stride over what a grid's y leaves
+            1,
+        ),
+        block_dim: (threads as u32, 1, 1),
         shared_mem_bytes: 0,
     })
 }
