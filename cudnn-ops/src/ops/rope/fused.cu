@@ -2,7 +2,7 @@
 
 // Fused RoPE: rotates Q and K heads in place, f32 math, one rounding. Blocks (r, y) per row (token; row r
 // is position start + r % seq, rows `ss` elements apart), the gridDim.y blocks of a row splitting its
-// (head, pair)s, one pair per thread (a decode step's single row in one block took 5 us), with
+// (head, pair)s, one pair per thread (a decode step: its single row in one block took 5 us), with
 // 32-bit index math (a 64-bit division per element made this kernel three times slower than its
 // memory traffic). The first `heads` heads of a row (Q, then K) start at element 0; cos/sin are f32
 // [positions, dim / 2]. With `starts` (device i32 [batch]; may be null) sequence b starts at
