@@ -116,11 +116,13 @@ fn run_sdpa(ctx: &Cudnn) -> Vec<u16> {
 /// Each op in a context that builds (and autotunes) its plans and saves them, then in a new context
 /// on the same directory that loads them: the disk-hit counter moves, no plan is built or timed, and
 /// the output has the same bits (where the engine is deterministic: two runs of the fresh plan agree).
+/// Plans come back through their JSON where cuDNN serializes the engine, else through their stored
+/// engine choice; at least one of the three must come through its JSON.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn plans_saved_by_one_context_load_in_the_next_with_the_same_bits() {
     let ops: [(&str, Op); 3] = [("matmul", run_matmul), ("rmsnorm", run_norm), ("sdpa", run_sdpa)];
-    let mut failures = Vec::new();
+    let (mut failures, mut origins, mut deserialized) = (Vec::new(), Vec::new(), false);
     for (name, op) in ops {
         let dir = TempDir::new(name);
         let (fresh, fresh_again, built) = {
@@ -153,9 +155,15 @@ fn plans_saved_by_one_context_load_in_the_next_with_the_same_bits() {
         println!("{name}: first call {built:?} building, {load:?} loading; {s:?}");
         assert_eq!(s.disk_hits, s.misses, "{name}: every miss loaded from disk: {s:?}");
         assert_eq!((s.disk_rejects, s.disk_writes), (0, 0), "{name}: {s:?}");
-        assert!(ctx.cache().disk_events().is_empty(), "{name}: {:?}", ctx.cache().disk_events());
+        // A plan JSON cuDNN gave but will not take back is noted (its engine choice stands in); nothing
+        // else may go wrong with a directory this test wrote.
+        let events = ctx.cache().disk_events();
+        println!("{name}: plan-file events: {events:?}");
+        assert!(events.iter().all(|e| e.kind == DiskEventKind::Unloadable), "{name}: {events:?}");
         for p in ctx.cache().plans() {
             println!("{name}: loaded {} as {:?} ({})", p.name(), p.origin(), p.engine());
+            origins.push(format!("{name} {}: {:?}", p.name(), p.origin()));
+            deserialized |= p.origin() == PlanOrigin::Deserialized;
             assert_ne!(p.origin(), PlanOrigin::Built, "{name}");
             assert!(p.timings().is_empty() && p.tune_time() == Duration::ZERO, "{name}: no autotuning");
             assert_eq!(p.candidates().len(), 1, "{name}");
@@ -177,6 +185,10 @@ fn plans_saved_by_one_context_load_in_the_next_with_the_same_bits() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert!(
+        deserialized,
+        "no plan came back through its JSON (all rebuilt from engine choices): {origins:?}"
+    );
 }
 
 /// A damaged plan file is rejected with an event, the plan rebuilt (right output) and the file

@@ -71,7 +71,9 @@ impl Persist {
                 }
                 Err(e) => format!("the plan JSON did not finalize: {e}"),
             };
-            self.slot.note(DiskEventKind::Unloadable, format!("{why}; rebuilding the stored engine choice"));
+            let next =
+                if record.engine.index >= 0 { "rebuilding the stored engine choice" } else { "rebuilding" };
+            self.slot.note(DiskEventKind::Unloadable, format!("{why}; {next}"));
             json_failed = true;
         }
         if record.engine.index < 0 {

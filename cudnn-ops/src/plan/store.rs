@@ -398,9 +398,13 @@ pub(crate) struct DiskLog {
 impl DiskLog {
     fn record(&self, path: &Path, kind: DiskEventKind, reason: String) {
         if !self.warned.replace(true) {
+            let outcome = match kind {
+                DiskEventKind::WriteFailed => "the plan runs but is not saved",
+                _ => "the plan is rebuilt",
+            };
             eprintln!(
-                "cudnn-llm: plan file {}: {kind:?}: {reason} (the plan is rebuilt; this context reports \
-                 further plan-file problems through PlanCache::disk_events only)",
+                "cudnn-llm: plan file {}: {kind:?}: {reason} ({outcome}; further plan-file problems of this \
+                 context are only recorded, see PlanCache::disk_events)",
                 path.display()
             );
         }
