@@ -512,8 +512,11 @@ fn generate_binary_streams_text_and_reports_rates() {
         binary().expect("a GPU run needs the generate binary (built by cargo, or staged beside the test)");
     let (dir, _) = model_dir("binary", &LlamaConfig::tiny(), 25);
     let dir_s = dir.to_str().unwrap();
+    // The binary keeps plans on disk by default: here in a directory of the test's, not the home's.
+    let plans = temp_dir("binary-plans");
     let run = |extra: &[&str]| {
         let out = Command::new(&bin)
+            .env(cudnn_llm::cudnn_ops::PLAN_DIR_ENV, &plans)
             .args(["--model", dir_s, "--prompt", "hello world", "--max-new-tokens", "12"])
             .args(extra)
             .output()
@@ -529,6 +532,10 @@ fn generate_binary_streams_text_and_reports_rates() {
     for want in ["prefill:", "tokens/s", "decode:", "roofline:", "% of the memory roofline"] {
         assert!(err.contains(want), "{want}: {err}");
     }
+    // The first run built and saved its plans; a second one of the same shapes loads them.
+    assert!(err.contains(" 0 loaded from") && !err.contains(" 0 saved"), "{err}");
+    let (_, err) = run(&[]);
+    assert!(!err.contains(" 0 loaded from") && err.contains("(0 rejected)"), "{err}");
     // With all-naive kernels (no autotuned engine choice, so the same bits in any process) the text
     // is what the tokenizer decodes from the library's greedy ids.
     let (text, _) = run(&["--fuse", ""]);
@@ -546,4 +553,5 @@ fn generate_binary_streams_text_and_reports_rates() {
     let (_, err) = run(&["--fuse", "", "--dtype", "f16"]);
     assert!(err.contains("f16") && err.contains("decode:"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::remove_dir_all(&plans).unwrap();
 }

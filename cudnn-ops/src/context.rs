@@ -8,11 +8,13 @@
 use crate::cache::PlanCache;
 use crate::exec::{open_device, Exec};
 use crate::kernels::Kernels;
+use crate::plan::store::{default_dir_from, dir_from_setting, Environment, PlanStore};
 use crate::plan::{L2Flush, Tuning};
 use crate::{Error, Result};
 use cudarc::driver::CudaStream;
 use once_cell::unsync::OnceCell;
 use std::cell::Cell;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// Engine configurations matmul plans time on first use unless [`Cudnn::set_autotune`] or
@@ -34,6 +36,17 @@ fn autotune_from(value: Option<&str>) -> usize {
 /// Environment variable that sets a new context's autotuning L2 flush: `read` (default), `write`
 /// or `off` ([`L2Flush`]).
 pub const TUNE_FLUSH_ENV: &str = "CUDNN_LLM_TUNE_FLUSH";
+
+/// Environment variable that sets a new context's plan directory ([`Cudnn::set_plan_dir`]): a path;
+/// `on` (or `1`, `default`) for [`default_plan_dir`]; `off` (or empty, `0`, `none`) for none. Unset,
+/// a context keeps no plans on disk.
+pub const PLAN_DIR_ENV: &str = "CUDNN_LLM_PLAN_DIR";
+
+/// Where plans persist when asked for without a path: `$XDG_CACHE_HOME/cudnn-llm/plans`, else
+/// `$HOME/.cache/cudnn-llm/plans`; `None` when neither variable is set.
+pub fn default_plan_dir() -> Option<PathBuf> {
+    default_dir_from(std::env::var_os("XDG_CACHE_HOME").as_deref(), std::env::var_os("HOME").as_deref())
+}
 
 /// The knob-search budget `value` of [`KNOB_SEARCH_ENV`] asks for, else 0.
 fn knob_search_from(value: Option<&str>) -> usize {
@@ -85,7 +98,7 @@ impl Cudnn {
     /// A context whose cuDNN work goes to `stream`.
     pub fn with_stream(stream: Arc<CudaStream>) -> Result<Self> {
         let exec = Exec::open(stream)?;
-        Ok(Cudnn {
+        let ctx = Cudnn {
             cache: PlanCache::default(),
             kernels: OnceCell::new(),
             autotune: Cell::new(autotune_from(std::env::var(AUTOTUNE_ENV).ok().as_deref())),
@@ -94,7 +107,10 @@ impl Cudnn {
                 std::env::var(TUNE_FLUSH_ENV).ok().and_then(|v| L2Flush::parse(&v)).unwrap_or(L2Flush::Read),
             ),
             exec,
-        })
+        };
+        let dir = dir_from_setting(std::env::var_os(PLAN_DIR_ENV).as_deref(), default_plan_dir);
+        ctx.set_plan_dir(dir.as_deref());
+        Ok(ctx)
     }
 
     /// Captures what `f` enqueues on this context's stream as a CUDA graph (thread-local capture
@@ -163,6 +179,51 @@ impl Cudnn {
     /// The plan cache.
     pub fn cache(&self) -> &PlanCache {
         &self.cache
+    }
+
+    /// Keeps finalized plans and autotuning choices in `dir` (`None`: nowhere), so that a later
+    /// process, or a later context, loads them instead of running heuristics and autotuning again.
+    /// Affects plans built afterwards; [`default_plan_dir`] is the conventional place. Off unless
+    /// [`PLAN_DIR_ENV`] or this says otherwise: a library does not write to the home directory
+    /// unasked, and a process that measures cold plan builds (the speedup report, the tests) must
+    /// not find them warm; a server or a command-line tool turns it on (`generate` does).
+    ///
+    /// One file per plan key, named by a stable hash of the key, holding the plan's JSON
+    /// (`CUDNN_ATTR_EXECUTION_PLAN_JSON_REPRESENTATION`) where cuDNN serializes the engine, and the
+    /// engine and knobs always (where it does not, a later process finalizes that one configuration,
+    /// skipping heuristics and autotuning but not the engine's compilation). A file is used only for
+    /// the very graph it was built from (the graph's whole description and tuning are stored and
+    /// compared) on the same GPU model and SM count, driver, cuDNN and crate version; anything else,
+    /// a damaged file, or one cuDNN refuses, is rebuilt and replaced, recorded in
+    /// [`PlanCache::disk_events`] and said once on stderr, never an error. Files are written to a
+    /// temporary name and renamed, so processes sharing the directory never read a partial one. The
+    /// directory is created on the first write; [`PlanCache::stats`] counts disk hits, misses,
+    /// rejections and writes.
+    pub fn set_plan_dir(&self, dir: Option<&Path>) {
+        let store = dir.map(|d| PlanStore::new(d.to_path_buf(), self.environment()));
+        self.cache.set_store(store);
+    }
+
+    /// The plan directory ([`Cudnn::set_plan_dir`]), if plans persist.
+    pub fn plan_dir(&self) -> Option<PathBuf> {
+        self.cache.store_dir()
+    }
+
+    /// What a stored plan must have been built on: this GPU (model and SM count), driver, cuDNN and
+    /// crate version.
+    fn environment(&self) -> Environment {
+        use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT as SMS;
+        let info = self.info();
+        let (major, minor) = info.compute_capability;
+        Environment {
+            gpu: info.name.clone(),
+            // 0 if the driver will not say: then it never matches a file that says otherwise.
+            sm_count: self.stream().context().attribute(SMS).map_or(0, |n| n.max(0) as u32),
+            compute_capability: (major.max(0) as u32, minor.max(0) as u32),
+            driver: info.driver_version as i64,
+            cudnn: info.cudnn_version as u64,
+            crate_version: env!("CARGO_PKG_VERSION").to_string(),
+        }
     }
 
     /// Changes whenever a buffer ops share through this context is reallocated to grow (the

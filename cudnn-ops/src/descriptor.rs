@@ -18,6 +18,8 @@ pub(crate) enum Attr<'a> {
     Descriptors(&'a [&'a Descriptor]),
     Handle(raw::RawHandle),
     VoidPtrs(&'a [*mut c_void]),
+    /// A `CUDNN_TYPE_CHAR` array (e.g. a plan's JSON), passed with its length.
+    Chars(&'a [u8]),
     NormMode(sys::cudnnBackendNormMode_t),
     NormPhase(sys::cudnnBackendNormFwdPhase_t),
     HeurMode(sys::cudnnBackendHeurMode_t),
@@ -60,6 +62,7 @@ impl Descriptor {
             }
             Attr::Handle(h) => (T::CUDNN_TYPE_HANDLE, 1, (h as *const raw::RawHandle).cast()),
             Attr::VoidPtrs(p) => (T::CUDNN_TYPE_VOID_PTR, p.len(), p.as_ptr().cast()),
+            Attr::Chars(c) => (T::CUDNN_TYPE_CHAR, c.len(), c.as_ptr().cast()),
             Attr::NormMode(m) => {
                 (T::CUDNN_TYPE_NORM_MODE, 1, (m as *const sys::cudnnBackendNormMode_t).cast())
             }
@@ -104,6 +107,19 @@ impl Descriptor {
             )?
         };
         Ok(v)
+    }
+
+    /// Reads a `CUDNN_TYPE_CHAR` array attribute (e.g. a plan's JSON): the count first, then the
+    /// values, exactly as cuDNN hands them (a trailing NUL included, if it gives one).
+    pub(crate) fn get_chars(&self, name: AttrName) -> Result<Vec<u8>> {
+        let ty = sys::cudnnBackendAttributeType_t::CUDNN_TYPE_CHAR;
+        // SAFETY: a count query: zero requested, null array; `self.raw` is live.
+        let n = unsafe { raw::get_attribute(self.raw, name, ty, 0, std::ptr::null_mut())? }.max(0) as usize;
+        let mut out = vec![0u8; n];
+        // SAFETY: `out` is writable for `n` one-byte chars; `self.raw` is live.
+        let got = unsafe { raw::get_attribute(self.raw, name, ty, n as i64, out.as_mut_ptr().cast())? };
+        out.truncate((got.max(0) as usize).min(n));
+        Ok(out)
     }
 
     /// Reads a single 32-bit enum attribute of C type `ty` (e.g. a knob type) as its raw value.

@@ -7,7 +7,7 @@
 //! | [`TensorSpec`], [`Graph`] | graph builder in the cuDNN frontend's shape: typed attributes in, named outputs out, `validate()` without a GPU |
 //! | [`Plan`], [`Bindings`] | heuristics (mode A, B when autotuning, then FALLBACK) and a plan finalized for one context's handle, optionally autotuned over engine configurations and knobs ([`Tuning`], [`KnobRange`]); execution checks the handle and every bound buffer |
 //! | [`Features`] | what the running cuDNN can do on this GPU, from its version ([`Exec::features`]) |
-//! | [`PlanCache`], [`PlanKey`] | plans by op-declared keys (shape/stride/dtype/flags), with hit and miss counters |
+//! | [`PlanCache`], [`PlanKey`] | plans by op-declared keys (shape/stride/dtype/flags), with hit and miss counters; optionally persistent in a plan directory ([`Cudnn::set_plan_dir`], [`PLAN_DIR_ENV`]), so a new process loads plans and autotuning choices instead of rebuilding them |
 //! | [`ops`] | one room per op: [`rms_norm`], [`sdpa`], [`matmul`], [`rope`], [`embedding`] and [`write_cache`], each with its arguments, operands, fused half and eager baseline; backward phases [`rms_norm_backward`], [`sdpa_backward`], [`linear_backward_data`], [`linear_backward_weight`], [`swiglu_down_backward`], [`rope_backward`], [`embedding_backward`]; the training side's custom kernels [`cross_entropy`], [`adamw`], [`grad_norm`] |
 //! | [`KvCache`], [`RopeFrequencies`] | what a decoder keeps between steps: per-layer K/V caches with per-sequence positions, appends (RoPE fused) and decode attention that picks the one-plan padded form and falls back by itself ([`kv_cache`]); RoPE tables for plain and Llama-3-scaled frequencies |
 //! | [`reference`](mod@reference) | f64 CPU references and the comparison used by tests and reports |
@@ -55,7 +55,9 @@ pub mod reference;
 mod tensor;
 
 pub use cache::{CacheStats, PlanCache, PlanKey};
-pub use context::{Cudnn, AUTOTUNE_ENV, DEFAULT_AUTOTUNE, KNOB_SEARCH_ENV, TUNE_FLUSH_ENV};
+pub use context::{
+    default_plan_dir, Cudnn, AUTOTUNE_ENV, DEFAULT_AUTOTUNE, KNOB_SEARCH_ENV, PLAN_DIR_ENV, TUNE_FLUSH_ENV,
+};
 pub use dtype::{DataType, Element};
 pub use error::{Error, Result};
 pub use exec::{open_device, DeviceInfo, Exec};
@@ -85,7 +87,10 @@ pub use ops::rows::{
 pub use ops::sdpa::{
     sdpa, sdpa_backward, DeviceSeqLens, Layout, SdpaArgs, SdpaGrads, SdpaLens, SdpaOperands, SeqLens,
 };
-pub use plan::{knob_name, Bindings, KnobRange, L2Flush, Plan, Prepared, Scalar, Tuning};
+pub use plan::{
+    knob_name, Bindings, DiskEvent, DiskEventKind, KnobRange, L2Flush, Plan, PlanOrigin, Prepared, Scalar,
+    Tuning,
+};
 pub use tensor::{packed_strides, TensorSpec, DEFAULT_ALIGNMENT, MAX_RANK};
 
 /// Which implementation a module runs on.

@@ -206,6 +206,37 @@ impl<T: Element> Generator<T> {
         self.tokens.clear();
     }
 
+    /// Builds the plans of prompts of each length in `prompt_lengths` and of a decode step after each
+    /// (autotuning those that tune), by running dummy prompts (id 0) through the model, so that the
+    /// first requests of those lengths find them in the context's plan cache; with a plan directory
+    /// ([`Cudnn::set_plan_dir`]) a later process loads them from disk instead of building them. The
+    /// sequence is reset afterwards (the cache memory is kept). A length must leave room for the
+    /// decode step (at most [`Generator::capacity`] − 1); lengths are checked before anything runs.
+    ///
+    /// Each length is a distinct set of plans (matmul rows, attention sequence lengths), so a server
+    /// prebuilds the lengths it pads prompts to. They are built one after another on the context's
+    /// stream: a context's cuDNN handle serves one thread at a time, a plan is finalized for the
+    /// handle that runs it, and autotuning times candidates on the GPU, where concurrent builds would
+    /// skew the timings and so the choices. To spread the building over threads or processes, give
+    /// each its own context on one shared plan directory (plans are saved when final, files are
+    /// replaced atomically), then let the serving context load them.
+    pub fn prebuild(&mut self, ctx: &Cudnn, prompt_lengths: &[usize]) -> Result<()> {
+        if let Some(&n) = prompt_lengths.iter().find(|&&n| n == 0 || n >= self.max_seq) {
+            return Err(Error::Generate(format!(
+                "prebuild: a prompt of {n} ids and a decode step do not fit a cache of {} (lengths 1 to {})",
+                self.max_seq,
+                self.max_seq.saturating_sub(1)
+            )));
+        }
+        for &n in prompt_lengths {
+            self.reset();
+            self.prefill(ctx, &vec![0; n])?;
+            self.step(ctx, 0)?;
+        }
+        self.reset();
+        Ok(())
+    }
+
     /// Runs `ids` after the cached ones (the prompt, or more of it) and returns the logits of the last
     /// of them, `vocab` values.
     pub fn prefill(&mut self, ctx: &Cudnn, ids: &[u32]) -> Result<Vec<f32>> {

@@ -287,6 +287,12 @@ impl Graph {
             .collect();
         let mut keep: Vec<Descriptor> = descs.into_iter().flatten().collect();
         keep.extend(ops);
+        // Built for the plan cache of a context with a plan directory: the stored plan must be of this
+        // very graph (its whole description) and tuning.
+        let persist = ctx
+            .cache()
+            .building()
+            .map(|slot| crate::plan::Persist::new(slot, format!("{self:?}\n{tuning:?}")));
         let parts = crate::plan::PlanParts {
             name: self.name.clone(),
             form: self.form.clone().unwrap_or_default(),
@@ -294,6 +300,7 @@ impl Graph {
             descriptors: keep,
             tensors: bound,
             constants,
+            persist,
         };
         Plan::from_graph(ctx, parts, started, tuning).map_err(|e| self.unsupported(e))
     }

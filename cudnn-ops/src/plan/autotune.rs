@@ -1,6 +1,8 @@
 //! Autotuning: a plan with several candidates, or a knob-search budget, times them on the first
 //! execution's buffers (each timed run after an L2 flush), may build more configurations one knob
-//! away from the fastest, and keeps the fastest.
+//! away from the fastest, and keeps the fastest (and saves it to the plan directory, if the plan
+//! has one). cuDNN plans are the only thing this crate tunes: cuBLAS serves only the L2 flush and
+//! the naive baselines, with cuBLAS's own heuristic choice.
 
 use super::engine::{knob_ranges, EngineChoice, KnobRange};
 use super::lifecycle::Candidate;
@@ -127,6 +129,8 @@ impl Plan {
         self.tuned.set(true);
         self.tune_time.set(started.elapsed());
         *self.timings.borrow_mut() = timings;
+        // The plan is final now: the plan directory, if any, keeps the fastest for later processes.
+        self.save();
         Ok(())
     }
 }

@@ -2,8 +2,9 @@
 //! context's handle, which the plan records and checks on every execution.
 
 use super::engine::EngineChoice;
+use super::persist::Loaded;
 use super::Tuning;
-use super::{Plan, PlanParts};
+use super::{Plan, PlanOrigin, PlanParts};
 use crate::descriptor::{Attr, Descriptor};
 use crate::exec::Exec;
 use crate::raw::HandleId;
@@ -38,66 +39,51 @@ impl Candidate {
         keep.extend(parts);
         Ok(Candidate { plan, workspace, choice, _config: keep })
     }
+
+    /// Deserializes a plan from `json` (its `CUDNN_ATTR_EXECUTION_PLAN_JSON_REPRESENTATION`) and
+    /// finalizes it for `ctx`'s handle, as the frontend's `loadFromJson` does. The engine
+    /// configuration is read back from the plan; `stored` stands in where cuDNN does not give it.
+    pub(super) fn from_json(ctx: &Exec, json: &[u8], stored: &EngineChoice) -> Result<Self> {
+        let mut plan = Descriptor::new(D::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR)?;
+        plan.set(A::CUDNN_ATTR_EXECUTION_PLAN_JSON_REPRESENTATION, Attr::Chars(json))?;
+        plan.set(A::CUDNN_ATTR_EXECUTION_PLAN_HANDLE, Attr::Handle(ctx.raw_handle()))?;
+        plan.finalize("execution plan (deserialized)")?;
+        let workspace = plan.get_i64(A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE)?.max(0) as usize;
+        let config = plan
+            .get_descriptors(
+                A::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG,
+                D::CUDNN_BACKEND_ENGINECFG_DESCRIPTOR,
+                Some(1),
+            )
+            .ok()
+            .and_then(|mut c| c.pop());
+        let choice =
+            config.as_ref().and_then(|c| EngineChoice::read(c).ok()).unwrap_or_else(|| stored.clone());
+        Ok(Candidate { plan, workspace, choice, _config: config.into_iter().collect() })
+    }
 }
 
 impl Plan {
     /// Finalizes engine configurations in heuristics order (mode A, then B when several candidates
     /// are wanted, then FALLBACK) until `tuning.candidates` succeed, for `ctx`'s handle, which the
-    /// plan records. [`Error::NotSupported`] if none does.
+    /// plan records. [`Error::NotSupported`] if none does. With a plan directory slot in `parts`,
+    /// the stored plan of this very graph is loaded instead when there is a usable one, and a plan
+    /// built here is saved once final (now, or after the autotuning of its first execution).
     pub(crate) fn from_graph(ctx: &Exec, parts: PlanParts, started: Instant, tuning: Tuning) -> Result<Plan> {
-        let max_candidates = tuning.candidates;
-        let PlanParts { name, form, graph, descriptors, tensors, constants } = parts;
-        let mut last_error = None;
-        let mut candidates: Vec<Rc<Candidate>> = Vec::new();
-        // Mode B (a costlier heuristic, with more configurations) only when several candidates are
-        // wanted; the frontend serializes its finalize process-wide, and so do we.
-        let modes: &[sys::cudnnBackendHeurMode_t] = if max_candidates > 1 {
-            &[
-                sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,
-                sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_B,
-                sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK,
-            ]
-        } else {
-            &[
-                sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,
-                sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK,
-            ]
+        let PlanParts { name, form, graph, descriptors, tensors, constants, persist } = parts;
+        let Loaded { plan: stored, save } = match persist {
+            Some(p) => p.load(ctx, &graph),
+            None => Loaded { plan: None, save: None },
         };
-        'modes: for &mode in modes {
-            let configs = match engine_configs(&graph, mode) {
-                Ok(c) => c,
-                Err(e) => {
-                    last_error = Some(e);
-                    continue;
-                }
-            };
-            for config in configs {
-                // An unreadable configuration still runs; it is only left out of the knob search.
-                let choice =
-                    EngineChoice::read(&config).unwrap_or(EngineChoice { index: -1, knobs: Vec::new() });
-                if choice.index >= 0 && candidates.iter().any(|c| c.choice.same(&choice)) {
-                    continue; // later modes repeat configurations earlier ones listed
-                }
-                match Candidate::new(ctx, config, choice, Vec::new()) {
-                    Ok(c) => {
-                        candidates.push(Rc::new(c));
-                        if candidates.len() >= max_candidates.max(1) {
-                            break 'modes;
-                        }
-                    }
-                    Err(e) => last_error = Some(e),
-                }
-            }
-        }
-        if candidates.is_empty() {
-            let reason = match last_error {
-                Some(e) => format!("no engine configuration finalized (last error: {e})"),
-                None => "heuristics returned no engine configuration".into(),
-            };
-            return Err(Error::NotSupported { op: name, reason });
-        }
-        Ok(Plan {
-            tuned: Cell::new(candidates.len() == 1 && tuning.knob_search == 0),
+        let (candidates, origin) = match stored {
+            Some((candidate, origin)) => (vec![Rc::new(candidate)], origin),
+            None => (heuristic_candidates(ctx, &name, &graph, tuning.candidates)?, PlanOrigin::Built),
+        };
+        let plan = Plan {
+            // A stored plan is final: it was tuned by the process that stored it.
+            tuned: Cell::new(
+                origin != PlanOrigin::Built || (candidates.len() == 1 && tuning.knob_search == 0),
+            ),
             knob_search: tuning.knob_search,
             flush: tuning.flush,
             candidates: RefCell::new(candidates),
@@ -112,7 +98,13 @@ impl Plan {
             build_time: started.elapsed(),
             tune_time: Cell::new(Duration::ZERO),
             handle: ctx.handle_id(),
-        })
+            origin,
+            persist: RefCell::new(save),
+        };
+        if plan.tuned.get() {
+            plan.save();
+        }
+        Ok(plan)
     }
 
     /// [`Error::WrongContext`] unless `ctx`'s handle is the one the plan was finalized for (its
@@ -130,6 +122,65 @@ fn same_handle(name: &str, plan: HandleId, ctx: HandleId) -> Result<()> {
     Err(Error::WrongContext(format!(
         "plan `{name}` was finalized for cuDNN handle {plan} and cannot run on handle {ctx} (another context)"
     )))
+}
+
+/// Finalizes `graph`'s engine configurations in heuristics order until `max_candidates` succeed
+/// ([`Plan::from_graph`]); `name` is the graph's, for errors.
+fn heuristic_candidates(
+    ctx: &Exec,
+    name: &str,
+    graph: &Descriptor,
+    max_candidates: usize,
+) -> Result<Vec<Rc<Candidate>>> {
+    let mut last_error = None;
+    let mut candidates: Vec<Rc<Candidate>> = Vec::new();
+    // Mode B (a costlier heuristic, with more configurations) only when several candidates are
+    // wanted; the frontend serializes its finalize process-wide, and so do we.
+    let modes: &[sys::cudnnBackendHeurMode_t] = if max_candidates > 1 {
+        &[
+            sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,
+            sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_B,
+            sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK,
+        ]
+    } else {
+        &[
+            sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,
+            sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK,
+        ]
+    };
+    'modes: for &mode in modes {
+        let configs = match engine_configs(graph, mode) {
+            Ok(c) => c,
+            Err(e) => {
+                last_error = Some(e);
+                continue;
+            }
+        };
+        for config in configs {
+            // An unreadable configuration still runs; it is only left out of the knob search.
+            let choice = EngineChoice::read(&config).unwrap_or(EngineChoice { index: -1, knobs: Vec::new() });
+            if choice.index >= 0 && candidates.iter().any(|c| c.choice.same(&choice)) {
+                continue; // later modes repeat configurations earlier ones listed
+            }
+            match Candidate::new(ctx, config, choice, Vec::new()) {
+                Ok(c) => {
+                    candidates.push(Rc::new(c));
+                    if candidates.len() >= max_candidates.max(1) {
+                        break 'modes;
+                    }
+                }
+                Err(e) => last_error = Some(e),
+            }
+        }
+    }
+    if candidates.is_empty() {
+        let reason = match last_error {
+            Some(e) => format!("no engine configuration finalized (last error: {e})"),
+            None => "heuristics returned no engine configuration".into(),
+        };
+        return Err(Error::NotSupported { op: name.to_string(), reason });
+    }
+    Ok(candidates)
 }
 
 /// Heuristics mode B's finalize is not thread-safe (the frontend holds a process-wide mutex around it).

@@ -1,7 +1,9 @@
 //! Execution plans: what a finalized graph is and what it reports. The rest of a plan's life is in
 //! the submodules: [`lifecycle`] (heuristics, finalization for one handle), [`binding`] (bindings,
 //! their checks, the variant pack, execution), [`autotune`] (timing candidates, the knob search, the
-//! L2 flush) and [`engine`] (engine configurations and knobs).
+//! L2 flush), [`engine`] (engine configurations and knobs), [`persist`] (a plan to and from the plan
+//! directory: the plan's JSON, else its engine choice) and [`store`] (that directory's files, without
+//! a GPU).
 
 use crate::descriptor::Descriptor;
 use crate::exec::Exec;
@@ -18,10 +20,14 @@ mod autotune;
 mod binding;
 mod engine;
 mod lifecycle;
+mod persist;
+pub(crate) mod store;
 
 pub use autotune::{L2Flush, Tuning};
 pub use binding::{Bindings, Prepared, Scalar};
 pub use engine::{knob_name, KnobRange};
+pub(crate) use persist::Persist;
+pub use store::{DiskEvent, DiskEventKind};
 
 /// What a graph hands over to become a plan.
 pub(crate) struct PlanParts {
@@ -33,6 +39,23 @@ pub(crate) struct PlanParts {
     pub(crate) tensors: Vec<TensorSpec>,
     /// By-value tensors the plan binds itself (uid, value).
     pub(crate) constants: Vec<(i64, Scalar)>,
+    /// The plan directory's slot for this graph's plan key, when the graph is built for the plan
+    /// cache of a context with a plan directory.
+    pub(crate) persist: Option<Persist>,
+}
+
+/// Where a plan's engine configuration came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PlanOrigin {
+    /// Heuristics (and autotuning, if the plan tunes) in this process.
+    Built,
+    /// Deserialized from the plan directory: the finalized plan an earlier process built and tuned,
+    /// without heuristics or autotuning.
+    Deserialized,
+    /// Rebuilt from the engine and knobs stored in the plan directory (the engine's plan could not be
+    /// serialized, or its JSON did not finalize): finalized here, without heuristics or autotuning.
+    StoredChoice,
 }
 
 /// A finalized execution plan and what it needs bound at execute time.
@@ -60,6 +83,9 @@ pub struct Plan {
     tune_time: Cell<Duration>,
     /// The handle the plan was finalized for: executions on another are refused ([`Plan::check_context`]).
     handle: HandleId,
+    origin: PlanOrigin,
+    /// Where the plan is saved once final (built, and tuned if it tunes); taken when saved.
+    persist: RefCell<Option<Persist>>,
 }
 
 impl std::fmt::Debug for Plan {
@@ -71,6 +97,7 @@ impl std::fmt::Debug for Plan {
             .field("candidates", &self.candidates.borrow().len())
             .field("workspace", &self.workspace_size())
             .field("build_time", &self.build_time)
+            .field("origin", &self.origin)
             .finish()
     }
 }
@@ -125,9 +152,16 @@ impl Plan {
         self.chosen().workspace
     }
 
-    /// Wall time from validation to the finalized plan (the cold cost a cache hit avoids).
+    /// Wall time from validation to the finalized plan (the cold cost a cache hit avoids; for a plan
+    /// from the plan directory, the cost of loading it).
     pub fn build_time(&self) -> Duration {
         self.build_time
+    }
+
+    /// Whether the plan was built here or came from the plan directory
+    /// ([`Cudnn::set_plan_dir`](crate::Cudnn::set_plan_dir)).
+    pub fn origin(&self) -> PlanOrigin {
+        self.origin
     }
 
     /// Wall time the first execution spent autotuning (timing candidates, building and timing those

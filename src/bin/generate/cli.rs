@@ -48,6 +48,11 @@ pub struct Options {
     /// and attention fused, cuDNN 9.15+), `launch` launches every kernel from the host.
     #[arg(long, value_enum, default_value_t = Decode::Graph)]
     pub decode: Decode,
+    /// Where finalized plans and autotuning choices persist between runs: a directory, `on` for the
+    /// default ($XDG_CACHE_HOME/cudnn-llm/plans, else ~/.cache/cudnn-llm/plans), `off` for nowhere.
+    /// Unset: CUDNN_LLM_PLAN_DIR if set (same values), else the default.
+    #[arg(long, value_name = "DIR|on|off")]
+    pub plan_dir: Option<String>,
 }
 
 /// How decode steps run (`--decode`).
@@ -70,6 +75,21 @@ pub struct Plan {
     pub sampling: SamplingParams,
     /// How decode steps run.
     pub decode: DecodeMode,
+    /// Where plans persist.
+    pub plan_dir: PlanDir,
+}
+
+/// Where plans persist (`--plan-dir`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PlanDir {
+    /// `CUDNN_LLM_PLAN_DIR` if set (the library reads it), else the default directory.
+    EnvOrDefault,
+    /// The default directory (`on`).
+    Default,
+    /// Nowhere (`off`).
+    Off,
+    /// This directory.
+    Dir(PathBuf),
 }
 
 impl Options {
@@ -101,7 +121,14 @@ impl Options {
             Decode::Graph => DecodeMode::Graph,
             Decode::Launch => DecodeMode::Launch,
         };
-        Ok(Plan { backends, dtype, sampling, decode })
+        let plan_dir = match self.plan_dir.as_deref().map(str::trim) {
+            None => PlanDir::EnvOrDefault,
+            Some("on" | "default") => PlanDir::Default,
+            Some("off" | "none") => PlanDir::Off,
+            Some("") => return Err("--plan-dir: give a directory, `on` or `off`".into()),
+            Some(dir) => PlanDir::Dir(PathBuf::from(dir)),
+        };
+        Ok(Plan { backends, dtype, sampling, decode, plan_dir })
     }
 }
 
@@ -123,8 +150,18 @@ mod tests {
         assert!(p.sampling.is_greedy());
         assert_eq!(p.sampling, SamplingParams::greedy());
         assert_eq!(p.decode, DecodeMode::Graph);
+        assert_eq!(p.plan_dir, PlanDir::EnvOrDefault);
         assert_eq!(parse(&["--decode", "launch"]).unwrap().resolve().unwrap().decode, DecodeMode::Launch);
         assert!(parse(&["--decode", "replay"]).is_err());
+    }
+
+    #[test]
+    fn plan_dir_takes_a_directory_on_or_off() {
+        let dir = |arg: &str| parse(&["--plan-dir", arg]).unwrap().resolve().map(|p| p.plan_dir);
+        assert_eq!(dir("on"), Ok(PlanDir::Default));
+        assert_eq!(dir("off"), Ok(PlanDir::Off));
+        assert_eq!(dir("/srv/plans"), Ok(PlanDir::Dir(PathBuf::from("/srv/plans"))));
+        assert!(dir("").unwrap_err().contains("--plan-dir"));
     }
 
     #[test]

@@ -13,7 +13,7 @@ use cudnn_llm_llama::generate::{eos_token_ids, Generation};
 use cudnn_llm_llama::roofline::DecodeRoofline;
 use cudnn_llm_llama::weights::Weights;
 use cudnn_llm_llama::{Generator, Llama, LlamaConfig, Sampler, Tokenizer};
-use cudnn_llm_ops::{Cudnn, DataType, Element};
+use cudnn_llm_ops::{default_plan_dir, Cudnn, DataType, Element, PLAN_DIR_ENV};
 use half::{bf16, f16};
 use std::io::Write;
 use std::ops::ControlFlow;
@@ -21,7 +21,7 @@ use std::process::ExitCode;
 
 mod cli;
 
-use cli::{Options, Plan};
+use cli::{Options, Plan, PlanDir};
 
 type Error = Box<dyn std::error::Error>;
 
@@ -54,6 +54,13 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    // A command-line tool wants warm plans: on by default here, unlike the library.
+    match &plan.plan_dir {
+        PlanDir::EnvOrDefault if std::env::var_os(PLAN_DIR_ENV).is_some() => {} // applied by Cudnn::new
+        PlanDir::EnvOrDefault | PlanDir::Default => ctx.set_plan_dir(default_plan_dir().as_deref()),
+        PlanDir::Off => ctx.set_plan_dir(None),
+        PlanDir::Dir(dir) => ctx.set_plan_dir(Some(dir)),
+    }
     let result = match plan.dtype {
         DataType::F16 => run::<f16>(&ctx, &opts, &plan, &input),
         _ => run::<bf16>(&ctx, &opts, &plan, &input),
@@ -158,7 +165,28 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> R
         eprintln!("generate: {} (layer {:?}, {}) ran naive: {}", f.range, f.layer, f.shape, f.reason);
     }
     report(cfg, std::mem::size_of::<T>(), &generation, bandwidth);
+    report_plans(ctx);
     Ok(())
+}
+
+/// How many plans were built here and how many came from the plan directory, on stderr.
+fn report_plans(ctx: &Cudnn) {
+    let s = ctx.cache().stats();
+    let Some(dir) = ctx.plan_dir() else {
+        eprintln!("generate: plans: {} built (no plan directory)", s.misses);
+        return;
+    };
+    eprintln!(
+        "generate: plans: {} built, {} loaded from {} ({} rejected), {} saved",
+        s.misses - s.disk_hits,
+        s.disk_hits,
+        dir.display(),
+        s.disk_rejects,
+        s.disk_writes
+    );
+    for e in ctx.cache().disk_events() {
+        eprintln!("generate: plan file {}: {:?}: {}", e.path.display(), e.kind, e.reason);
+    }
 }
 
 /// An untimed prefill and two decode steps (fused plans are built, autotuned and cached by the first
