@@ -16,7 +16,8 @@ use cudnn_llm::bench_util::{
     bench_main, csv_and_markdown, environment, gpu_time_ms, median_call_ms, round, upload, write_results,
 };
 use cudnn_llm::cudnn_ops::{
-    reference, sdpa, Backend, Cudnn, DataType, Error, Layout, Mask, Result, SdpaArgs, SdpaForm, SdpaOperands,
+    reference, sdpa, Backend, Cudnn, DataType, Error, Layout, Mask, Result, SdpaArgs, SdpaForm, SdpaKernel,
+    SdpaOperands,
 };
 use half::bf16;
 use serde::{Deserialize, Serialize};
@@ -66,6 +67,8 @@ fn cases(ctx: &Cudnn) -> Result<Vec<Case>> {
         }
         let decode = SdpaArgs::new(1, 32, 8, 1, 4096, d, Layout::Bshd).with_mask(Mask::CausalBottomRight);
         out.push(Case::new(ctx, model, decode, "")?);
+        // The fused decode runs the split-KV kernel; cuDNN's graph beside it.
+        out.push(Case::new(ctx, model, decode.with_form(SdpaForm::Unified), "unified")?);
     }
     for form in [SdpaForm::Unified, SdpaForm::Composite] {
         let a = SdpaArgs::new(1, 32, 8, 2048, 2048, 128, Layout::Bshd).with_form(form);
@@ -206,8 +209,14 @@ fn run(ctx: &Cudnn) -> Result<()> {
             mask: c.args.mask.name(),
             seq_q: c.args.seq_q,
             seq_kv: c.args.seq_kv,
-            form: plan.form().to_string(),
-            engine: plan.engine().to_string(),
+            form: match c.args.fused_kernel(ctx.features(), false) {
+                SdpaKernel::SplitKv => SdpaKernel::SplitKv.name().to_string(),
+                _ => plan.form().to_string(),
+            },
+            engine: match c.args.fused_kernel(ctx.features(), false) {
+                SdpaKernel::SplitKv => "custom kernel".to_string(),
+                _ => plan.engine().to_string(),
+            },
             fused_ms: round(fused, 4),
             fused_tflops: tflops(fused),
             naive_ms: naive.map(|n| round(n, 3)),

@@ -358,7 +358,9 @@ fn bad_inputs_touch_nothing_and_naive_reports_out_of_memory() {
     println!("{e}");
 }
 
-/// One padded plan for decode steps of any length: per-sequence lengths from device buffers.
+/// One padded cuDNN plan for decode steps of any length: per-sequence lengths from device buffers.
+/// (The fused backend runs such a decode on the split-KV kernel unless a graph form is asked for;
+/// `tests/sdpa_decode.rs` tests that kernel and compares the two.)
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn padded_decode_matches_exact_lengths() {
@@ -371,7 +373,8 @@ fn padded_decode_matches_exact_lengths() {
         return;
     }
     let (b, hq, hkv, cap, d) = (2, 8, 2, 256, 64);
-    let args = SdpaArgs::new(b, hq, hkv, 1, cap, d, Layout::Bshd).with_seq_lens();
+    let args =
+        SdpaArgs::new(b, hq, hkv, 1, cap, d, Layout::Bshd).with_seq_lens().with_form(SdpaForm::Unified);
     let x = inputs::<bf16>(&ctx, &args, 21);
     let [q, k, v] = &x.logical;
     for lens in [[100usize, 200], [1, 256], [37, 64]] {

@@ -24,6 +24,9 @@ pub struct DeviceInfo {
     pub name: String,
     /// Compute capability (major, minor).
     pub compute_capability: (i32, i32),
+    /// Streaming multiprocessors (what custom kernels size their grids by, e.g. the split-KV decode
+    /// attention's splits).
+    pub sm_count: usize,
     /// CUDA driver API version (e.g. 13000).
     pub driver_version: i32,
     /// `cudnnGetVersion()`, e.g. 91900.
@@ -78,6 +81,7 @@ impl Exec {
             ordinal: ctx.ordinal(),
             name: ctx.name()?,
             compute_capability: ctx.compute_capability()?,
+            sm_count: sm_count(&ctx)?,
             driver_version: raw::driver::driver_version(),
             cudnn_version,
             cudnn_cudart_version: raw::cudart_version()?,
@@ -193,6 +197,13 @@ impl Exec {
     pub fn workspace_bytes(&self) -> usize {
         self.workspace.borrow().as_ref().map_or(0, |w| w.len())
     }
+}
+
+/// The device's multiprocessor count.
+fn sm_count(ctx: &CudaContext) -> Result<usize> {
+    use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
+    let n = ctx.attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+    usize::try_from(n).map_err(|_| Error::NoGpu(format!("the driver reports {n} multiprocessors")))
 }
 
 /// Checks for the driver library before cudarc could panic on it, then opens the device.

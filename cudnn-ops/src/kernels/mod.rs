@@ -20,6 +20,7 @@ const SOURCE: &str = concat!(
     include_str!("common.cu"),
     include_str!("../ops/rmsnorm/naive.cu"),
     include_str!("../ops/sdpa/fused.cu"),
+    include_str!("../ops/sdpa/decode.cu"),
     include_str!("../ops/sdpa/naive.cu"),
     include_str!("../ops/matmul/naive.cu"),
     include_str!("../ops/matmul/backward/naive.cu"),
@@ -46,6 +47,10 @@ pub struct Kernels {
     /// The fused attention backward's f32 row sums and dQ accumulator (see
     /// [`crate::ops::sdpa::sdpa_backward`]).
     sdpa_backward: RefCell<Option<CudaSlice<f32>>>,
+    /// The split-KV decode attention's f32 partials and its i32 counters of finished CTAs (see
+    /// `ops/sdpa/decode.rs`).
+    sdpa_decode: RefCell<Option<CudaSlice<f32>>>,
+    sdpa_decode_counters: RefCell<Option<CudaSlice<i32>>>,
 }
 
 impl Kernels {
@@ -59,37 +64,37 @@ impl Kernels {
             scratch: RefCell::new(None),
             seq_lens: RefCell::new(None),
             sdpa_backward: RefCell::new(None),
+            sdpa_decode: RefCell::new(None),
+            sdpa_decode_counters: RefCell::new(None),
         }
     }
 
     /// An op-owned f32 buffer of at least `len` elements (grown, never shrunk; zeroed when allocated)
     /// for the fused attention backward's row sums and dQ accumulator; only this context's stream
     /// uses it, so stream order alone keeps it safe.
-    pub(crate) fn sdpa_backward(
+    pub(crate) fn sdpa_backward(&self, ctx: &Exec, len: usize) -> Result<Grown<'_, f32>> {
+        grown(&self.sdpa_backward, ctx, len)
+    }
+
+    /// The split-KV decode attention's op-owned buffers, grown (never shrunk; zeroed when allocated)
+    /// to at least `partials` f32 and `counters` i32 elements: the partial results its CTAs write and
+    /// the last CTA of each group reads, and the per-group counters of finished CTAs, which that last
+    /// CTA sets back to zero (so they are zero between launches). Only this context's stream uses
+    /// them. Allocated by the first call of a shape, so a CUDA graph captured after one plain call
+    /// allocates nothing.
+    pub(crate) fn sdpa_decode(
         &self,
         ctx: &Exec,
-        len: usize,
-    ) -> Result<std::cell::RefMut<'_, CudaSlice<f32>>> {
-        let mut s = self.sdpa_backward.borrow_mut();
-        if s.as_ref().is_none_or(|s| s.len() < len) {
-            *s = None;
-            *s = Some(ctx.stream().alloc_zeros::<f32>(len.max(1))?);
-            ctx.bump_epoch();
-        }
-        Ok(std::cell::RefMut::map(s, |s| s.as_mut().expect("just allocated")))
+        partials: usize,
+        counters: usize,
+    ) -> Result<(Grown<'_, f32>, Grown<'_, i32>)> {
+        Ok((grown(&self.sdpa_decode, ctx, partials)?, grown(&self.sdpa_decode_counters, ctx, counters)?))
     }
 
     /// An op-owned i32 buffer of at least `len` elements (grown, never shrunk) for clamped sequence
     /// lengths; only this context's stream uses it, so stream order alone keeps it safe.
     pub(crate) fn seq_lens(&self, ctx: &Exec, len: usize) -> Result<std::cell::Ref<'_, CudaSlice<i32>>> {
-        {
-            let mut s = self.seq_lens.borrow_mut();
-            if s.as_ref().is_none_or(|s| s.len() < len) {
-                *s = None;
-                *s = Some(ctx.stream().alloc_zeros::<i32>(len.max(1))?);
-                ctx.bump_epoch();
-            }
-        }
+        drop(grown(&self.seq_lens, ctx, len)?);
         Ok(std::cell::Ref::map(self.seq_lens.borrow(), |s| s.as_ref().expect("just allocated")))
     }
 
@@ -111,6 +116,25 @@ impl Kernels {
         self.functions.borrow_mut().insert(name.to_string(), f.clone());
         Ok(f)
     }
+}
+
+/// An op-owned buffer, borrowed for one call.
+pub(crate) type Grown<'a, T> = std::cell::RefMut<'a, CudaSlice<T>>;
+
+/// The buffer in `cell`, reallocated (zeroed) when it holds fewer than `len` elements; a reallocation
+/// moves the buffer epoch (a captured graph holding the old address is stale).
+fn grown<'a, T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    cell: &'a RefCell<Option<CudaSlice<T>>>,
+    ctx: &Exec,
+    len: usize,
+) -> Result<Grown<'a, T>> {
+    let mut s = cell.borrow_mut();
+    if s.as_ref().is_none_or(|s| s.len() < len) {
+        *s = None;
+        *s = Some(ctx.stream().alloc_zeros::<T>(len.max(1))?);
+        ctx.bump_epoch();
+    }
+    Ok(std::cell::RefMut::map(s, |s| s.as_mut().expect("just allocated")))
 }
 
 /// Compiles the kernel source for a compute capability (no GPU needed, only libnvrtc).

@@ -1,9 +1,10 @@
-//! Attention of a step's queries over the cache, in the cheapest form that runs: one padded plan for
-//! every decode step where cuDNN takes run-time lengths, else a plan per length, else per sequence.
+//! Attention of a step's queries over the cache, in the cheapest form that runs: one padded launch
+//! for every decode step (the split-KV kernel, or cuDNN's padded plan where it takes run-time lengths
+//! and the kernel does not take the shape), else a plan per length, else per sequence.
 
 use super::{within, KvCache, QkvRows};
 use crate::dtype::Element;
-use crate::ops::sdpa::{sdpa, SdpaArgs, SdpaLens, SdpaOperands};
+use crate::ops::sdpa::{sdpa, SdpaArgs, SdpaKernel, SdpaLens, SdpaOperands};
 use crate::{Backend, Cudnn, Mask, Result};
 use cudarc::driver::{CudaView, CudaViewMut};
 
@@ -11,8 +12,12 @@ use cudarc::driver::{CudaView, CudaViewMut};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum AttendForm {
-    /// One plan for every decode step: the whole cache as key capacity, each sequence's lengths read
-    /// on the device (cuDNN 9.15+; fused decode steps, one query per sequence).
+    /// One launch for every decode step on the split-KV kernel ([`SdpaKernel::SplitKv`]): the whole
+    /// cache as key capacity, each sequence's length read on the device (fused decode steps, one query
+    /// per sequence, a head dim the kernel takes; any cuDNN).
+    SplitKv,
+    /// One cuDNN plan for every decode step: the whole cache as key capacity, each sequence's lengths
+    /// read on the device (cuDNN 9.15+; fused decode steps the split-KV kernel does not take).
     Padded,
     /// One call over the first `len + seq` keys, all sequences at the same length: a plan per length.
     PerLength,
@@ -21,9 +26,10 @@ pub enum AttendForm {
 }
 
 impl AttendForm {
-    /// `padded`, `per-length` or `per-sequence`.
+    /// `split-kv`, `padded`, `per-length` or `per-sequence`.
     pub fn name(self) -> &'static str {
         match self {
+            AttendForm::SplitKv => "split-kv",
             AttendForm::Padded => "padded",
             AttendForm::PerLength => "per-length",
             AttendForm::PerSequence => "per-sequence",
@@ -35,10 +41,12 @@ impl<T: Element> KvCache<T> {
     /// Attention of the step's queries (`q`: rows as `rows` says, Q heads first; append the step's K and
     /// V first) over layer `layer`'s cache, each sequence over its own `len + seq` keys, causal; O
     /// packed `[batch · seq, heads_q · d]`. Picks the form itself and returns it ([`AttendForm`]):
-    /// a fused decode step (one query per sequence) runs the one padded plan (the step's first such
-    /// call clamps the lengths for all layers); when cuDNN refuses that plan (`NotSupported`) the
-    /// cache records why ([`KvCache::padded_refusal`]) and runs, now and after, a plan per length
-    /// (per sequence where lengths differ). Other errors are returned.
+    /// a fused decode step (one query per sequence) runs the one padded launch, on the split-KV kernel
+    /// where it takes the shape, else on cuDNN's padded plan (the step's first such call clamps the
+    /// lengths for all layers); when that is refused (`NotSupported`: cuDNN < 9.15 or a refused plan
+    /// for a shape the kernel does not take) the cache records why ([`KvCache::padded_refusal`]) and
+    /// runs, now and after, a plan per length (per sequence where lengths differ). Other errors are
+    /// returned.
     pub fn attend(
         &mut self,
         ctx: &Cudnn,
@@ -57,14 +65,20 @@ impl<T: Element> KvCache<T> {
         let (q_len, o_len) = (q.len(), o.len());
         capacity.check(SdpaLens { q: q_len, k: k.len(), v: v.len(), o: o_len, stats: None })?;
         let form = if seq == 1 && backend == Backend::Fused && self.padded_refusal.is_none() {
-            if !self.clamped {
-                self.seq_lens.clamp(ctx, &self.q_lens, &self.kv_lens)?;
-                self.clamped = true;
-            }
             let padded = capacity.with_mask(Mask::None).with_seq_lens();
-            let x = SdpaOperands::new(&q, k, v, &mut o).clamped_seq_lens(&self.seq_lens);
+            let x = SdpaOperands::new(&q, k, v, &mut o);
+            // The split-KV kernel clamps the lengths as it reads them; cuDNN reads a clamped copy.
+            let (ran, x) = if padded.fused_kernel(ctx.features(), false) == SdpaKernel::SplitKv {
+                (AttendForm::SplitKv, x.seq_lens(&self.q_lens, &self.kv_lens))
+            } else {
+                if !self.clamped {
+                    self.seq_lens.clamp(ctx, &self.q_lens, &self.kv_lens)?;
+                    self.clamped = true;
+                }
+                (AttendForm::Padded, x.clamped_seq_lens(&self.seq_lens))
+            };
             match sdpa(ctx, padded, x, backend) {
-                Ok(()) => Some(AttendForm::Padded),
+                Ok(()) => Some(ran),
                 Err(e) if e.is_not_supported() => {
                     self.padded_refusal = Some(e.to_string());
                     None

@@ -9,8 +9,8 @@
 //! 2. per layer, after the QKV projection: [`KvCache::append_rotated`] (RoPE on Q and K in place, and
 //!    the rotated K and the V rows into the cache, one kernel fused) or [`KvCache::append`] (K and V rows
 //!    as they are);
-//! 3. per layer, [`KvCache::attend`]: the step's queries over the cache, on the one padded plan when
-//!    it can ([`AttendForm`]);
+//! 3. per layer, [`KvCache::attend`]: the step's queries over the cache, on the one padded launch
+//!    (split-KV kernel or cuDNN plan) when it can ([`AttendForm`]);
 //! 4. `cache.finish()?`: the step's tokens count.
 //!
 //! K and V are read in place through strides ([`KvCacheShape::kv_strides`]): row `p` of sequence `b`
@@ -68,10 +68,12 @@ pub struct KvCache<T> {
     /// Per sequence, the keys the step's queries attend to (`len + seq`) and its queries (`seq`).
     kv_lens: CudaSlice<i32>,
     q_lens: CudaSlice<i32>,
-    /// `q_lens` and `kv_lens` clamped into `(1, max_seq)` by the step's first padded attention.
+    /// `q_lens` and `kv_lens` clamped into `(1, max_seq)` by the step's first padded attention on
+    /// cuDNN's plan (the split-KV kernel clamps as it reads).
     seq_lens: SeqLens,
     clamped: bool,
-    /// Why padded attention does not run here (cuDNN < 9.15, or cuDNN refused it); `None` while it may.
+    /// Why padded attention does not run here (the split-KV kernel does not take the shape and cuDNN
+    /// is older than 9.15 or refused its padded plan); `None` while it may.
     padded_refusal: Option<String>,
     last_form: Option<AttendForm>,
 }
@@ -93,13 +95,6 @@ impl<T: Element> KvCache<T> {
             k.push(s.alloc_zeros::<T>(shape.layer_len())?);
             v.push(s.alloc_zeros::<T>(shape.layer_len())?);
         }
-        let features = ctx.features();
-        let padded_refusal = (!features.sdpa_seq_lens()).then(|| {
-            format!(
-                "attention with run-time sequence lengths needs cuDNN 9.15, this is {}",
-                crate::version_string(features.cudnn_version())
-            )
-        });
         Ok(KvCache {
             shape,
             k,
@@ -110,7 +105,7 @@ impl<T: Element> KvCache<T> {
             q_lens: s.alloc_zeros::<i32>(batch)?,
             seq_lens: SeqLens::new(ctx, batch, 1, max_seq)?,
             clamped: false,
-            padded_refusal,
+            padded_refusal: None,
             last_form: None,
         })
     }
@@ -182,8 +177,9 @@ impl<T: Element> KvCache<T> {
         &self.positions
     }
 
-    /// Why attention here runs a plan per length instead of the one padded plan: cuDNN < 9.15, or
-    /// cuDNN refused the padded graph (recorded by the first [`attend`](KvCache::attend) it failed).
+    /// Why attention here runs a plan per length instead of the one padded launch: the split-KV
+    /// kernel does not take the shape, and cuDNN is older than 9.15 or refused its padded graph
+    /// (recorded by the first [`attend`](KvCache::attend) it failed).
     pub fn padded_refusal(&self) -> Option<&str> {
         self.padded_refusal.as_deref()
     }

@@ -1,11 +1,12 @@
 //! The fused half: one cuDNN attention graph per shape, strides, dtype, mask and mode, in the unified
 //! or the composite form ([`SdpaForm`]), bound by the uids the graph gives its tensors by name
-//! ([`uid`]). Padded attention reads its device sequence lengths clamped (`seq_lens.rs`). The backward
-//! is the composite graph of [`Graph::sdpa_backward`], bound by the uids of [`bwd_uid`], with its two
-//! f32 buffers (row sums, dQ accumulator) in one op-owned buffer.
+//! ([`uid`]); a decode the split-KV kernel takes runs that instead (`decode.rs`,
+//! [`SdpaArgs::fused_kernel`]). Padded attention reads its device sequence lengths clamped
+//! (`seq_lens.rs`). The backward is the composite graph of [`Graph::sdpa_backward`], bound by the uids
+//! of [`bwd_uid`], with its two f32 buffers (row sums, dQ accumulator) in one op-owned buffer.
 
 use super::seq_lens::{kv_offset, launch_clamp};
-use super::{Backward, DeviceSeqLens, SdpaArgs, SdpaGrads, SdpaOperands};
+use super::{Backward, DeviceSeqLens, SdpaArgs, SdpaGrads, SdpaKernel, SdpaOperands};
 use crate::dtype::{DataType, Element};
 use crate::graph::{Graph, SdpaBackwardOptions, SdpaForm, SdpaOptions};
 use crate::kernels::Kernels;
@@ -87,11 +88,34 @@ impl SdpaArgs {
         g
     }
 
+    /// What the fused backend runs for these arguments (training mode when `stats`): the form asked
+    /// for ([`SdpaArgs::with_form`]), else the split-KV kernel where it takes the call (one query per
+    /// sequence, unmasked once [`SdpaArgs::normalized`], inference, a head dim and strides it reads),
+    /// else the graph form [`SdpaForm::select`] picks for `features` (a unified graph the running cuDNN
+    /// rejects is rebuilt as the composite graph; [`Plan::form`] says which one runs).
+    pub fn fused_kernel(&self, features: Features, stats: bool) -> SdpaKernel {
+        let a = self.normalized();
+        match a.form {
+            Some(kernel) => kernel,
+            None if a.split_kv_refusal(stats).is_none() => SdpaKernel::SplitKv,
+            None => SdpaKernel::Graph(SdpaForm::select(features, a.mask)),
+        }
+    }
+
     /// The cached plan (for the [`SdpaArgs::normalized`] attention), built on first use. With an
     /// automatic form, a unified graph the running cuDNN rejects is rebuilt as the composite graph;
-    /// [`Plan::form`] says which one runs.
+    /// [`Plan::form`] says which one runs. Arguments that ask for the split-KV kernel have no plan
+    /// ([`Error::InvalidArgument`]); a decode with an automatic form has one (the graph that would run
+    /// without the split-KV kernel), which the fused call does not use.
     pub fn plan(&self, ctx: &Cudnn, dtype: DataType, stats: bool) -> Result<Rc<Plan>> {
         let a = self.normalized();
+        let asked = match a.form {
+            Some(SdpaKernel::SplitKv) => {
+                return Err(Error::invalid("sdpa: the split-KV kernel runs no cuDNN plan"));
+            }
+            Some(SdpaKernel::Graph(form)) => Some(form),
+            None => None,
+        };
         let (version, features) = (ctx.info().cudnn_version, ctx.features());
         if a.padded && !features.sdpa_seq_lens() {
             return Err(Error::NotSupported {
@@ -103,10 +127,10 @@ impl SdpaArgs {
             });
         }
         ctx.cache().get_or_build(&a.key(dtype, stats), || {
-            let form = a.form.unwrap_or_else(|| SdpaForm::select(features, a.mask));
+            let form = asked.unwrap_or_else(|| SdpaForm::select(features, a.mask));
             match a.graph(dtype, stats, form, features).build(ctx) {
                 Err(e)
-                    if e.is_not_supported() && a.form.is_none() && form == SdpaForm::Unified && !a.padded =>
+                    if e.is_not_supported() && asked.is_none() && form == SdpaForm::Unified && !a.padded =>
                 {
                     a.graph(dtype, stats, SdpaForm::Composite, features).build(ctx)
                 }
@@ -118,6 +142,9 @@ impl SdpaArgs {
 
 impl<T: Element> Fused<T> for SdpaArgs {
     fn fused(self, ctx: &Cudnn, x: SdpaOperands<'_, T>) -> Result<()> {
+        if self.fused_kernel(ctx.features(), x.stats.is_some()) == SdpaKernel::SplitKv {
+            return super::decode::split_kv(ctx, self, x);
+        }
         let info = ctx.info();
         let limit = ctx.features().max_sdpa_head_dim();
         if self.head_dim > limit {

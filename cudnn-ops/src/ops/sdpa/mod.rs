@@ -5,7 +5,13 @@
 //! Q is `[b, h_q, s_q, d]`, K and V `[b, h_kv, s_kv, d]`, O like Q: logical dims over strided storage.
 //! [`Layout::Bshd`] is what a QKV projection produces (`[b, s, h, d]` in memory), [`Layout::Bhsd`] the
 //! head-major layout; Q, K and V views into one fused QKV buffer are just other strides.
+//!
+//! The fused backend runs a cuDNN graph ([`SdpaForm`]), except for a decode (one query per
+//! sequence, nothing masked, inference), which takes the split-KV kernel (`decode.rs`): cuDNN's SDPA
+//! walks all keys of a (sequence, head) in one CTA, while a decode step reads little and needs the
+//! whole GPU. [`SdpaArgs::fused_kernel`] says which runs; [`SdpaArgs::with_form`] forces one.
 
+mod decode;
 mod fused;
 pub mod naive;
 mod seq_lens;
@@ -50,6 +56,45 @@ impl Layout {
     }
 }
 
+/// What the fused backend runs for an attention call ([`SdpaArgs::fused_kernel`]; forced with
+/// [`SdpaArgs::with_form`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum SdpaKernel {
+    /// The cuDNN attention graph in this form.
+    Graph(SdpaForm),
+    /// The split-KV ("flash-decoding") kernel for one query per sequence: a CTA per (sequence, K/V
+    /// head, split of the keys) for all query heads of the K/V head, the last of them to finish merging
+    /// the splits into O (one launch). Unmasked inference, f16/bf16, head dims 8 to 256 in powers of
+    /// two, K/V batch, head and key strides and Q batch and head strides multiples of 8 elements, Q, K
+    /// and V 16-byte aligned; lengths from the device (padded) or `seq_kv` keys each. Any cuDNN version.
+    SplitKv,
+}
+
+impl SdpaKernel {
+    /// `composite`, `unified` or `split-kv`.
+    pub fn name(self) -> &'static str {
+        match self {
+            SdpaKernel::Graph(form) => form.name(),
+            SdpaKernel::SplitKv => "split-kv",
+        }
+    }
+
+    /// The graph form, `None` for the split-KV kernel.
+    pub fn graph_form(self) -> Option<SdpaForm> {
+        match self {
+            SdpaKernel::Graph(form) => Some(form),
+            SdpaKernel::SplitKv => None,
+        }
+    }
+}
+
+impl From<SdpaForm> for SdpaKernel {
+    fn from(form: SdpaForm) -> Self {
+        SdpaKernel::Graph(form)
+    }
+}
+
 /// Shape, strides and options of an attention call.
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[non_exhaustive]
@@ -78,9 +123,10 @@ pub struct SdpaArgs {
     pub v_strides: [usize; 4],
     /// Element strides of O over `[b, h_q, s_q, d]`.
     pub o_strides: [usize; 4],
-    /// Graph form for the fused backend; `None` lets the running cuDNN version decide
-    /// ([`SdpaForm::select`]), falling back to the composite graph if the unified one is rejected.
-    pub form: Option<SdpaForm>,
+    /// What the fused backend runs; `None` chooses ([`SdpaArgs::fused_kernel`]): the split-KV kernel for
+    /// a decode it takes, else the graph form the running cuDNN version selects ([`SdpaForm::select`]),
+    /// falling back to the composite graph if the unified one is rejected.
+    pub form: Option<SdpaKernel>,
     /// `seq_q` and `seq_kv` are capacities and each sequence's lengths come from device tensors at run
     /// time ([`SdpaOperands::seq_lens`]): one plan for every length up to the capacity (e.g. every decode
     /// step).
@@ -148,9 +194,11 @@ impl SdpaArgs {
         SdpaArgs { padded: true, ..self }
     }
 
-    /// With a fixed graph form.
-    pub fn with_form(self, form: SdpaForm) -> Self {
-        SdpaArgs { form: Some(form), ..self }
+    /// With a fixed form: a graph form ([`SdpaForm`], e.g. to compare cuDNN's padded decode with the
+    /// split-KV kernel) or [`SdpaKernel::SplitKv`] (an error, [`Error::NotSupported`], where that kernel
+    /// does not take the call).
+    pub fn with_form(self, form: impl Into<SdpaKernel>) -> Self {
+        SdpaArgs { form: Some(form.into()), ..self }
     }
 
     /// The same attention with a mask that hides nothing dropped: a single query aligned bottom-right
@@ -264,7 +312,7 @@ impl SdpaArgs {
             dtype,
             mask: self.mask,
             stats,
-            form: self.form,
+            form: self.form.and_then(SdpaKernel::graph_form),
             padded: self.padded,
         }
     }
@@ -284,7 +332,7 @@ pub struct Key {
     pub mask: Mask,
     /// Training mode (stats written).
     pub stats: bool,
-    /// The form asked for (`None`: chosen by version).
+    /// The graph form asked for (`None`: chosen by version).
     pub form: Option<SdpaForm>,
     /// Sequence lengths bound at run time (seq dims are capacities).
     pub padded: bool,
@@ -319,12 +367,15 @@ pub struct SdpaOperands<'a, T: Element> {
     /// [`SdpaArgs::with_seq_lens`] (and only for those), whose seq dims are then capacities (buffers
     /// are sized by them); keys past `seq_len_kv[b]` and queries past `seq_len_q[b]` are masked out
     /// (their output rows are unspecified). One plan serves every length, e.g. every step of a decode
-    /// over a growing cache. Fused only; needs cuDNN 9.15+ and no causal mask (a single decode query
-    /// needs none).
+    /// over a growing cache. Fused only, with no causal mask (a single decode query needs none); a
+    /// decode (`seq_q` 1) runs the split-KV kernel ([`SdpaKernel::SplitKv`], any cuDNN), other calls
+    /// need cuDNN 9.15+.
     ///
     /// The lengths are device values the host cannot check, and cuDNN bounds them by nothing: a length
     /// past the capacity would read K/V (and write O) past the buffers. So a launch-only kernel first
     /// copies them, clamped into `0..=capacity`, into an op-owned buffer, and cuDNN reads that copy.
+    /// The split-KV kernel clamps as it reads (no copy) and reads only `seq_len_kv`: a sequence with
+    /// no keys (length 0 or less) gets a zero output row, as the reference's empty sum gives.
     pub seq_lens: Option<DeviceSeqLens<'a>>,
 }
 
@@ -513,7 +564,7 @@ impl SdpaArgs {
                 reason: "run-time sequence lengths (padded attention) have no backward here".into(),
             });
         }
-        if self.form == Some(SdpaForm::Unified) {
+        if self.form == Some(SdpaKernel::Graph(SdpaForm::Unified)) {
             return Err(Error::NotSupported {
                 op: "sdpa backward".into(),
                 reason: "the unified SDPA backward operation does not finalize on this cuDNN (9.19 and \

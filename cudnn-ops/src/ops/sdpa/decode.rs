@@ -1,0 +1,278 @@
+//! The split-KV ("flash-decoding") kernel of fused attention, for a decode: one query per sequence
+//! over a K/V cache, in one launch (`decode.cu`). cuDNN's SDPA gives a (sequence, head) one CTA that
+//! walks every key, so a decode step, which reads only a few MB of K/V, is latency bound there. Here
+//! the keys of each (sequence, K/V head) are split over enough CTAs to fill the GPU. A CTA per
+//! (sequence, K/V head, chunk of its query heads, split of the keys) holds all query heads of the
+//! chunk (the whole GQA group up to 8 heads, so each K/V element is read once per step) over the
+//! split's keys (16-byte loads, f32 online softmax) and writes each head's f32 partial (unnormalized
+//! output, running max, sum) to a buffer the op owns on the context; the last CTA of a (sequence, K/V
+//! head, chunk) to finish, found by a counter it sets back to zero, merges the splits' partials into
+//! O in split order (deterministic whichever CTA is last).
+//!
+//! The launch is fixed per shape and device (splits from the key capacity and the SM count), never per
+//! length: each sequence's key count is read on the device and divided among the splits there (so the
+//! work follows the length, not the capacity), and one launch serves every decode step, as a CUDA
+//! graph needs. Lengths are clamped into `0..=seq_kv` as they are read; a sequence with no keys gets a
+//! zero output row (the reference's empty sum). Only `seq_len_kv` is read: a decode has one query.
+
+use super::{DeviceSeqLens, SdpaArgs, SdpaOperands};
+use crate::dtype::{DataType, Element};
+use crate::graph::Mask;
+use crate::kernels::{launch, Arg, Kernels};
+use crate::{checked, Cudnn, Error, Result};
+use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
+
+/// Threads of a split CTA (`DECODE_WARPS` warps in `decode.cu`).
+const THREADS: u32 = 128;
+/// Most query heads a split CTA holds (the largest `sdpa_decode_*_h*` instance).
+const MAX_HEADS: usize = 8;
+/// Split CTAs per SM the split count aims for.
+const CTAS_PER_SM: usize = 2;
+/// Most splits of one (sequence, K/V head, chunk)'s keys (`DECODE_MAX_SPLITS` in `decode.cu`).
+const MAX_SPLITS: usize = 64;
+/// Fewest keys of the capacity per split, so a short cache is not cut into slivers.
+const MIN_KEYS: usize = 32;
+/// Head dims the kernel reads: `d / 8` lanes per key, a power of two up to a warp.
+const HEAD_DIMS: [usize; 6] = [8, 16, 32, 64, 128, 256];
+
+/// How a decode attention is spread over the GPU: fixed per shape and device, not per length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct SplitKvLaunch {
+    /// Query heads a split CTA holds: the GQA group rounded up to 1, 2, 4 or 8 (a kernel instance each).
+    heads: usize,
+    /// CTAs per K/V head for its group: `ceil(group / heads)` (1 unless the group exceeds 8 heads).
+    chunks: usize,
+    /// CTAs over the keys of one (sequence, K/V head, chunk).
+    splits: usize,
+}
+
+impl SplitKvLaunch {
+    /// About [`CTAS_PER_SM`] split CTAs per SM, at most [`MAX_SPLITS`] splits and one per
+    /// [`MIN_KEYS`] keys of the capacity.
+    fn new(a: &SdpaArgs, sm_count: usize) -> Self {
+        let group = a.heads_q / a.heads_kv;
+        let heads = group.min(MAX_HEADS).next_power_of_two();
+        let chunks = group.div_ceil(heads);
+        let ctas = a.batch.saturating_mul(a.heads_kv).saturating_mul(chunks);
+        let want = (CTAS_PER_SM * sm_count.max(1)).div_ceil(ctas);
+        let splits = want.min(MAX_SPLITS).min(a.seq_kv.div_ceil(MIN_KEYS)).max(1);
+        SplitKvLaunch { heads, chunks, splits }
+    }
+
+    /// Elements of the f32 partials: the outputs (`rows · d`, rows = `b · h_q · splits`), then a
+    /// (max, sum) pair per row; returns where the pairs start and the total.
+    fn partials(&self, a: &SdpaArgs) -> Result<(usize, usize)> {
+        let what = "sdpa split-KV: partial results";
+        let rows = checked::product(what, &[a.batch, a.heads_q, self.splits])?;
+        let acc = checked::mul(what, rows, a.head_dim)?;
+        Ok((acc, checked::add(what, acc, checked::mul(what, rows, 2)?)?))
+    }
+
+    /// CTA groups that combine their splits: `b · h_kv · chunks` (one counter each).
+    fn groups(&self, a: &SdpaArgs) -> Result<usize> {
+        checked::product("sdpa split-KV: CTA groups", &[a.batch, a.heads_kv, self.chunks])
+    }
+}
+
+impl SdpaArgs {
+    /// Why the split-KV kernel does not take these ([`SdpaArgs::normalized`]) arguments (training mode
+    /// when `stats`), `None` where it does.
+    pub(super) fn split_kv_refusal(&self, stats: bool) -> Option<String> {
+        let a = self.normalized();
+        if a.seq_q != 1 {
+            return Some(format!("seq_q = {}: it takes one query per sequence", a.seq_q));
+        }
+        if a.mask != Mask::None {
+            return Some(format!(
+                "the {} mask (one query sees every key or it is not a decode)",
+                a.mask.name()
+            ));
+        }
+        if stats {
+            return Some("training stats (it writes no log-sum-exp)".into());
+        }
+        if !HEAD_DIMS.contains(&a.head_dim) {
+            return Some(format!("head_dim {} (it takes {HEAD_DIMS:?})", a.head_dim));
+        }
+        for (name, strides) in [("Q", &a.q_strides[..2]), ("K", &a.k_strides[..3]), ("V", &a.v_strides[..3])]
+        {
+            if strides.iter().any(|s| s % 8 != 0) {
+                return Some(format!(
+                    "{name} strides {strides:?}: its batch, head (and key) strides must be multiples of 8 \
+                     elements (16-byte loads)"
+                ));
+            }
+        }
+        None
+    }
+}
+
+/// Launches the split-KV kernel on `ctx`'s stream (arguments already checked).
+pub(super) fn split_kv<T: Element>(ctx: &Cudnn, a: SdpaArgs, x: SdpaOperands<'_, T>) -> Result<()> {
+    let refused = |reason: String| Error::NotSupported { op: "sdpa split-KV".into(), reason };
+    if let Some(reason) = a.split_kv_refusal(x.stats.is_some()) {
+        return Err(refused(reason));
+    }
+    let sfx = match T::DTYPE {
+        DataType::BF16 => "bf16",
+        DataType::F16 => "f16",
+        other => return Err(refused(format!("{other} I/O (it takes f16 and bf16)"))),
+    };
+    let l = SplitKvLaunch::new(&a, ctx.info().sm_count);
+    let (ml_at, total) = l.partials(&a)?;
+    let groups = l.groups(&a)?;
+    let ctas = checked::mul("sdpa split-KV: CTAs", groups, l.splits)?;
+    let cfg = LaunchConfig {
+        grid_dim: (checked::launch_dim("sdpa split-KV: CTAs", ctas)?, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let SdpaOperands { q, k, v, o, seq_lens, .. } = x;
+    let s = ctx.stream();
+    let (qp, _gq) = q.device_ptr(s);
+    let (kp, _gk) = k.device_ptr(s);
+    let (vp, _gv) = v.device_ptr(s);
+    for (name, p) in [("Q", qp), ("K", kp), ("V", vp)] {
+        if p % 16 != 0 {
+            return Err(Error::invalid(format!(
+                "sdpa split-KV: {name} pointer {p:#x} is not 16-byte aligned"
+            )));
+        }
+    }
+    let clamped;
+    let (lens, _gl) = match seq_lens {
+        Some(DeviceSeqLens::Raw(_, kv)) => {
+            let (p, g) = kv.device_ptr(s);
+            (p, Some(g))
+        }
+        Some(DeviceSeqLens::Clamped(lens)) => {
+            clamped = lens.halves(a.batch).1;
+            let (p, g) = clamped.device_ptr(s);
+            (p, Some(g))
+        }
+        None => (0, None),
+    };
+    let kernels = Kernels::get(ctx)?;
+    let (mut part, mut counters) = kernels.sdpa_decode(ctx, total, groups)?;
+    let (pp, _gp) = part.device_ptr_mut(s);
+    let (cp, _gc) = counters.device_ptr_mut(s);
+    let (op, _go) = o.device_ptr_mut(s);
+    let i = |v: usize| Arg::I64(v as i64); // every value below is a checked dim, stride or count
+    let [q_b, q_h, ..] = a.q_strides;
+    let [k_b, k_h, k_s, _] = a.k_strides;
+    let [v_b, v_h, v_s, _] = a.v_strides;
+    let [o_b, o_h, ..] = a.o_strides;
+    let group = a.heads_q / a.heads_kv;
+    let args = [
+        [Arg::Ptr(qp), Arg::Ptr(kp), Arg::Ptr(vp), i(q_b), i(q_h)].as_slice(),
+        &[i(k_b), i(k_h), i(k_s), i(v_b), i(v_h), i(v_s), Arg::Ptr(lens), i(a.seq_kv), i(a.head_dim)],
+        &[i(a.heads_kv), i(group), i(l.chunks), i(l.splits), Arg::F32(a.scale() * std::f32::consts::LOG2_E)],
+        &[Arg::Ptr(pp), Arg::Ptr(pp + 4 * ml_at as u64), Arg::Ptr(cp), Arg::Ptr(op), i(o_b), i(o_h)],
+    ]
+    .concat();
+    launch(ctx, kernels, &format!("sdpa_decode_{sfx}_h{}", l.heads), cfg, &args)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::graph::SdpaForm;
+    use crate::ops::sdpa::{Layout, SdpaKernel};
+    use crate::Features;
+
+    /// Llama-3.1-8B's decode attention as its model calls it: Q a view into the fused QKV rows, K/V
+    /// the cache `[b, max_seq, h_kv · d]`, lengths on the device.
+    fn llama_decode(batch: usize, capacity: usize) -> SdpaArgs {
+        let (hq, hkv, d) = (32, 8, 128);
+        let w = (hq + 2 * hkv) * d;
+        let mut a = SdpaArgs::new(batch, hq, hkv, 1, capacity, d, Layout::Bshd).with_seq_lens();
+        a.q_strides = [w, d, w, 1];
+        let kv = [capacity * hkv * d, d, hkv * d, 1];
+        (a.k_strides, a.v_strides) = (kv, kv);
+        a
+    }
+
+    #[test]
+    fn splits_fill_the_gpu_and_follow_the_capacity() {
+        let a = llama_decode(1, 4096);
+        // 8 K/V heads x 33 splits: 264 CTAs, 2 per SM of an H100.
+        assert_eq!(SplitKvLaunch::new(&a, 132), SplitKvLaunch { heads: 4, chunks: 1, splits: 33 });
+        assert_eq!(SplitKvLaunch::new(&llama_decode(3, 4096), 132).splits, 11);
+        // A short cache is not cut finer than 32 keys a split; a huge batch takes one split.
+        assert_eq!(SplitKvLaunch::new(&llama_decode(1, 642), 132).splits, 21);
+        assert_eq!(SplitKvLaunch::new(&llama_decode(1, 20), 132).splits, 1);
+        assert_eq!(SplitKvLaunch::new(&llama_decode(64, 4096), 132).splits, 1);
+        // Few K/V heads: at most 64 splits.
+        let mqa = SdpaArgs { heads_kv: 1, ..a };
+        assert_eq!(SplitKvLaunch::new(&mqa, 132), SplitKvLaunch { heads: 8, chunks: 4, splits: 64 });
+        let one = SdpaArgs { heads_q: 1, heads_kv: 1, ..a };
+        assert_eq!(SplitKvLaunch::new(&one, 132), SplitKvLaunch { heads: 1, chunks: 1, splits: 64 });
+        // Groups round up to a kernel instance: 3 -> 4, 6 -> 8, 12 -> two chunks of 8.
+        for (group, heads, chunks) in [(1, 1, 1), (2, 2, 1), (3, 4, 1), (6, 8, 1), (8, 8, 1), (12, 8, 2)] {
+            let g = SdpaArgs { heads_q: 8 * group, ..a };
+            let l = SplitKvLaunch::new(&g, 132);
+            assert_eq!((l.heads, l.chunks), (heads, chunks), "group {group}");
+        }
+        // The same launch for every length: it depends on the shape and the device alone.
+        assert_eq!(SplitKvLaunch::new(&a, 0).splits, 1);
+        let (ml_at, total) = SplitKvLaunch::new(&a, 132).partials(&a).unwrap();
+        assert_eq!((ml_at, total), (32 * 33 * 128, 32 * 33 * 130));
+        assert_eq!(ml_at % 4, 0, "the (max, sum) pairs start 16-byte aligned");
+        // One counter per (sequence, K/V head, chunk): 8 here, 3 x 1 x 4 for a batch-3 MQA.
+        assert_eq!(SplitKvLaunch::new(&a, 132).groups(&a).unwrap(), 8);
+        let mqa3 = SdpaArgs { batch: 3, ..mqa };
+        assert_eq!(SplitKvLaunch::new(&mqa3, 132).groups(&mqa3).unwrap(), 12);
+    }
+
+    #[test]
+    fn decodes_take_the_split_kv_kernel_and_the_rest_a_graph() {
+        let f = Features::for_version(91900, (9, 0));
+        let a = llama_decode(1, 4096);
+        assert_eq!(a.fused_kernel(f, false), SdpaKernel::SplitKv);
+        assert_eq!(SdpaArgs { padded: false, ..a }.fused_kernel(f, false), SdpaKernel::SplitKv);
+        // A bottom-right mask hides nothing from one query; on any cuDNN, the split-KV kernel runs.
+        let masked = a.with_mask(Mask::CausalBottomRight);
+        assert_eq!(masked.fused_kernel(Features::for_version(90100, (8, 0)), false), SdpaKernel::SplitKv);
+        // A cuDNN form asked for keeps cuDNN (benches compare the two); so does the split-KV kernel.
+        let unified = a.with_form(SdpaForm::Unified);
+        assert_eq!(unified.fused_kernel(f, false), SdpaKernel::Graph(SdpaForm::Unified));
+        assert_eq!(a.with_form(SdpaKernel::SplitKv).fused_kernel(f, false), SdpaKernel::SplitKv);
+        // Otherwise the graph the version selects.
+        let graph = |b: SdpaArgs, stats| b.fused_kernel(f, stats);
+        assert_eq!(graph(a, true), SdpaKernel::Graph(SdpaForm::Unified));
+        assert_eq!(graph(SdpaArgs { seq_q: 2, ..a }, false), SdpaKernel::Graph(SdpaForm::Unified));
+        let top_left = a.with_mask(Mask::CausalTopLeft);
+        assert_eq!(graph(top_left, false), SdpaKernel::Graph(SdpaForm::Composite));
+        assert_eq!(graph(SdpaArgs { head_dim: 96, ..a }, false), SdpaKernel::Graph(SdpaForm::Unified));
+        assert_eq!(SdpaKernel::SplitKv.name(), "split-kv");
+        assert_eq!(SdpaKernel::from(SdpaForm::Composite).name(), "composite");
+    }
+
+    #[test]
+    fn refusals_name_what_the_kernel_does_not_take() {
+        let a = llama_decode(2, 642);
+        assert_eq!(a.split_kv_refusal(false), None);
+        for d in HEAD_DIMS {
+            let b = SdpaArgs { head_dim: d, q_strides: [8 * d, d, 8 * d, 1], ..a };
+            assert_eq!(b.split_kv_refusal(false), None, "head_dim {d}");
+        }
+        let cases = [
+            (SdpaArgs { head_dim: 96, ..a }, false, "head_dim 96"),
+            (SdpaArgs { head_dim: 512, ..a }, false, "head_dim 512"),
+            (SdpaArgs { head_dim: 24, ..a }, false, "head_dim 24"),
+            (SdpaArgs { seq_q: 4, ..a }, false, "seq_q = 4"),
+            (a.with_mask(Mask::CausalTopLeft), false, "the causal mask"),
+            (a, true, "training stats"),
+            (SdpaArgs { q_strides: [6148, 128, 6148, 1], ..a }, false, "Q strides [6148, 128]"),
+            (SdpaArgs { k_strides: [8, 8, 1028, 1], ..a }, false, "K strides [8, 8, 1028]"),
+            (SdpaArgs { v_strides: [8, 4, 8, 1], ..a }, false, "V strides"),
+        ];
+        for (b, stats, expected) in cases {
+            let reason = b.split_kv_refusal(stats).unwrap_or_else(|| panic!("{expected}: taken"));
+            assert!(reason.contains(expected), "{expected}: {reason}");
+        }
+        // Q's sequence stride and O's strides do not matter.
+        let loose = SdpaArgs { q_strides: [6144, 128, 3, 1], o_strides: [4099, 129, 1, 1], ..a };
+        assert_eq!(loose.split_kv_refusal(false), None);
+    }
+}
