@@ -90,14 +90,21 @@ impl SdpaArgs {
 
     /// What the fused backend runs for these arguments (training mode when `stats`): the form asked
     /// for ([`SdpaArgs::with_form`]), else the split-KV kernel where it takes the call (one query per
-    /// sequence, unmasked once [`SdpaArgs::normalized`], inference, a head dim and strides it reads),
+    /// sequence, unmasked once [`SdpaArgs::normalized`], inference, a head dim and strides it reads)
+    /// and cuDNN's one-plan padded graph does not (host lengths, or device lengths before cuDNN 9.15),
     /// else the graph form [`SdpaForm::select`] picks for `features` (a unified graph the running cuDNN
     /// rejects is rebuilt as the composite graph; [`Plan::form`] says which one runs).
     pub fn fused_kernel(&self, features: Features, stats: bool) -> SdpaKernel {
         let a = self.normalized();
         match a.form {
             Some(kernel) => kernel,
-            None if a.split_kv_refusal(stats).is_none() => SdpaKernel::SplitKv,
+            // Measured (H200, cuDNN 9.19, `examples/06-decode-attention`): cuDNN's one-plan padded
+            // graph takes 8.3 us per Llama-3.1-8B decode attention replayed in a CUDA graph, the
+            // split-KV kernel 15.7 us; so the kernel runs by itself only where that graph is not
+            // there: host lengths (a graph would be a plan per length) or cuDNN < 9.15.
+            None if a.split_kv_refusal(stats).is_none() && !(a.padded && features.sdpa_seq_lens()) => {
+                SdpaKernel::SplitKv
+            }
             None => SdpaKernel::Graph(SdpaForm::select(features, a.mask)),
         }
     }
