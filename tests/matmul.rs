@@ -817,6 +817,8 @@ fn a_captured_decode_gemv_replays() {
     let args = MatmulArgs::linear(1, 4096, 6144).with_epilogue(Epilogue::RESIDUAL);
     let mut dev = Device::<bf16, bf16>::new(&ctx, &Host::new(1400, &args));
     let mut d = poisoned::<bf16>(&ctx, args.d_len()).unwrap();
+    // The kernels load outside the capture, as plans are built outside one.
+    matmul(&ctx, &args, dev.operands(Epilogue::RESIDUAL, &mut d), Backend::Fused).unwrap();
     // SAFETY: one thread, nothing else on this context's CUDA context meanwhile.
     let ((), graph) = unsafe {
         ctx.capture(|| matmul(&ctx, &args, dev.operands(Epilogue::RESIDUAL, &mut d), Backend::Fused))
