@@ -12,8 +12,8 @@ use cudnn_llm::llama::roofline::DecodeRoofline;
 use cudnn_llm::llama::weights::Weights;
 use cudnn_llm::llama::{Backends, Llama, LlamaConfig, NoObserver};
 use cudnn_llm::{
-    matmul, reference, Backend, Cudnn, Epilogue, Layout, MatmulArgs, MatmulForm, MatmulOperands, SdpaArgs,
-    DECODE_GEMV_MAX_TOKENS,
+    matmul, reference, Backend, Cudnn, DataType, Epilogue, Layout, MatmulArgs, MatmulKernel, MatmulOperands,
+    SdpaArgs, DECODE_GEMV_MAX_TOKENS,
 };
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -56,6 +56,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with_seq_lens()
         .fused_kernel(ctx.features(), false);
     println!("decode attention: {} (one query over the {max_seq}-position cache)", attention.name());
+    let qkv = MatmulArgs::linear(1, cfg.hidden, cfg.qkv_width()).fused_kernel(DataType::BF16, DataType::BF16);
+    println!("decode projections: {} (qkv_proj; o_proj, the MLP and lm_head alike)", qkv.name());
     println!(
         "copy bandwidth {copy:.0} GB/s; floor {:.3} ms ({:.2} GB)",
         roof.floor_ms(copy),
@@ -85,7 +87,7 @@ fn projections(ctx: &Cudnn, copy: f64) -> Result<(), Box<dyn std::error::Error>>
     let flush_w = filled(ctx, flush_rows * 4096, 1)?;
     let flush_x = filled(ctx, 4096, 2)?;
     let mut flush_y = ctx.stream().alloc_zeros::<bf16>(flush_rows)?;
-    let flush_args = MatmulArgs::linear(1, 4096, flush_rows).with_form(MatmulForm::DecodeGemv);
+    let flush_args = MatmulArgs::linear(1, 4096, flush_rows).with_form(MatmulKernel::DecodeGemv);
     let mut flush =
         || matmul(ctx, &flush_args, MatmulOperands::new(&flush_x, &flush_w, &mut flush_y), Backend::Fused);
     let (start, end) = (
@@ -118,7 +120,7 @@ fn projections(ctx: &Cudnn, copy: f64) -> Result<(), Box<dyn std::error::Error>>
             let inputs = (e.gate as usize + e.residual as usize) * m * n;
             let bytes = 2.0 * (n * k + m * k + m * n + inputs) as f64;
             let mut ms = Vec::new();
-            for form in [MatmulForm::Graph, MatmulForm::DecodeGemv] {
+            for form in [MatmulKernel::Graph, MatmulKernel::DecodeGemv] {
                 let a = args.with_form(form);
                 let mut call = || {
                     let mut ops = MatmulOperands::new(&x, &w, &mut y);

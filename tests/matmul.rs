@@ -7,7 +7,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use cudnn_llm::bench_util::{self, download, expect_untouched, poisoned, upload};
 use cudnn_llm::cudnn_ops::{
     knob_name, matmul, reference, Activation, Backend, Cudnn, DataType, Element, Epilogue, Error, L2Flush,
-    MatmulArgs, MatmulForm, MatmulOperands, MatrixLayout, DECODE_GEMV_MAX_TOKENS,
+    MatmulArgs, MatmulKernel, MatmulOperands, MatrixLayout, DECODE_GEMV_MAX_TOKENS,
 };
 use half::{bf16, f16};
 
@@ -626,7 +626,7 @@ fn check_gemv<T: Element>(
 ) -> (String, bool) {
     let rows: Vec<usize> = (0..args.m()).collect();
     let mut d = poisoned::<T>(ctx, args.d_len() + 64).unwrap();
-    let gemv = args.with_form(MatmulForm::DecodeGemv);
+    let gemv = args.with_form(MatmulKernel::DecodeGemv);
     let (line, ok) = check(ctx, &gemv, e, Backend::Fused, dev, &rows, product, &mut d);
     let guard = download(ctx, &d).unwrap().split_off(args.d_len());
     let written = guard.iter().filter(|v| !v.to_f64().is_nan()).count();
@@ -723,7 +723,7 @@ fn decode_gemv_agrees_with_the_cudnn_graph_on_llama_8b() {
             let args = MatmulArgs::linear(m, k, n).with_epilogue(e);
             let dev = Device::<bf16, bf16>::new(&ctx, &Host::new(1200 + k as u64 + m as u64, &args));
             let mut out = Vec::new();
-            for form in [MatmulForm::Graph, MatmulForm::DecodeGemv] {
+            for form in [MatmulKernel::Graph, MatmulKernel::DecodeGemv] {
                 let mut y = poisoned::<bf16>(&ctx, args.d_len()).unwrap();
                 matmul(&ctx, &args.with_form(form), dev.operands(e, &mut y), Backend::Fused).unwrap();
                 out.push(download(&ctx, &y).unwrap());
@@ -772,7 +772,7 @@ fn the_fused_backend_takes_the_gemv_where_it_applies_and_says_so() {
         "{runs:?}"
     );
     // The graph form, and 9 tokens: a plan each, no GEMV.
-    let graph = MatmulArgs::linear(1, k, n).with_form(MatmulForm::Graph);
+    let graph = MatmulArgs::linear(1, k, n).with_form(MatmulKernel::Graph);
     matmul(&ctx, &graph, dev.operands(Epilogue::NONE, &mut d), Backend::Fused).unwrap();
     let nine = MatmulArgs::linear(8 + 1, k, n);
     let (a9, _) = upload::<bf16>(&ctx, &reference::random_values(1301, 9 * k)).unwrap();
@@ -780,7 +780,7 @@ fn the_fused_backend_takes_the_gemv_where_it_applies_and_says_so() {
     matmul(&ctx, &nine, MatmulOperands::new(&a9, &dev.b, &mut d9), Backend::Fused).unwrap();
     assert_eq!((calls(&ctx) - runs0, ctx.cache().stats().misses - plans0), (2, 2));
     // The naive backend ignores the form.
-    let forced = MatmulArgs::linear(1, k, n).with_form(MatmulForm::DecodeGemv);
+    let forced = MatmulArgs::linear(1, k, n).with_form(MatmulKernel::DecodeGemv);
     matmul(&ctx, &forced, dev.operands(Epilogue::NONE, &mut d), Backend::Naive).unwrap();
     assert_eq!(calls(&ctx) - runs0, 2);
     // An x one element in: no GEMV (16-byte chunks); the graph refuses it too, the forced GEMV says why,
@@ -800,7 +800,7 @@ fn the_fused_backend_takes_the_gemv_where_it_applies_and_says_so() {
     let err = expect_untouched(&ctx, &mut d9, "9 rows of A (tokens)", |d| {
         matmul(
             &ctx,
-            &nine.with_form(MatmulForm::DecodeGemv),
+            &nine.with_form(MatmulKernel::DecodeGemv),
             MatmulOperands::new(&a9, &dev.b, d),
             Backend::Fused,
         )

@@ -71,7 +71,7 @@ pub use kv_cache::{AttendForm, KvCache, KvCacheShape, QkvRows};
 pub use ops::loss::{cross_entropy, CrossEntropyArgs, CrossEntropyOperands, Logits};
 pub use ops::matmul::{
     linear_backward_data, linear_backward_weight, matmul, swiglu_down_backward, Activation, BufferLens,
-    DataGrad, Epilogue, LinearGradArgs, MatmulArgs, MatmulForm, MatmulOperands, MatrixLayout, SwigluForm,
+    DataGrad, Epilogue, LinearGradArgs, MatmulArgs, MatmulKernel, MatmulOperands, MatrixLayout, SwigluForm,
     SwigluGrads, WeightGrad, DECODE_GEMV_MAX_TOKENS,
 };
 pub use ops::optim::{

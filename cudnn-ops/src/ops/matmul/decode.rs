@@ -217,7 +217,7 @@ pub(super) fn launch_gemv<T: Element, O: Element>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::matmul::MatrixLayout;
+    use crate::ops::matmul::{MatmulKernel, MatrixLayout};
 
     const BF: DataType = DataType::BF16;
 
@@ -304,9 +304,15 @@ mod tests {
             MatrixLayout::strided([1, 64, 1], [0, 1, 5]),
         );
         assert_eq!(one.gemv(BF, BF).unwrap().m, 1);
-        // The public check agrees.
+        // The public check agrees, and so does what the fused backend says it runs.
         assert!(lin.decode_gemv(BF, BF).is_ok());
         assert!(MatmulArgs::linear(9, 64, 64).decode_gemv(BF, BF).unwrap_err().is_not_supported());
+        assert_eq!(lin.fused_kernel(BF, BF), MatmulKernel::DecodeGemv);
+        assert_eq!(lin.fused_kernel(DataType::F32, DataType::F32), MatmulKernel::Graph);
+        assert_eq!(MatmulArgs::linear(9, 64, 64).fused_kernel(BF, BF), MatmulKernel::Graph);
+        assert_eq!(lin.with_form(MatmulKernel::Graph).fused_kernel(BF, BF), MatmulKernel::Graph);
+        let forced = MatmulArgs::linear(9, 64, 64).with_form(MatmulKernel::DecodeGemv);
+        assert_eq!(forced.fused_kernel(BF, BF), MatmulKernel::DecodeGemv);
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! uids the graph gives its tensors by name ([`uid`]). [`MatmulArgs::form`] fixes the choice.
 
 use super::decode::launch_gemv;
-use super::{MatmulArgs, MatmulForm, MatmulOperands, MatrixLayout};
+use super::{MatmulArgs, MatmulKernel, MatmulOperands, MatrixLayout};
 use crate::dtype::{DataType, Element};
 use crate::graph::{Binary, Graph};
 use crate::ops::Fused;
@@ -111,12 +111,25 @@ impl MatmulArgs {
     }
 }
 
+impl MatmulArgs {
+    /// What the fused backend runs for these arguments (given x and W 16-byte aligned): the kernel
+    /// asked for ([`MatmulArgs::with_form`]), else the decode GEMV where it takes the call
+    /// ([`MatmulArgs::decode_gemv`]), else the graph.
+    pub fn fused_kernel(&self, dtype: DataType, out: DataType) -> MatmulKernel {
+        match self.form {
+            Some(kernel) => kernel,
+            None if self.gemv(dtype, out).is_ok() => MatmulKernel::DecodeGemv,
+            None => MatmulKernel::Graph,
+        }
+    }
+}
+
 impl<T: Element, O: Element> Fused<(T, O)> for MatmulArgs {
     fn fused(self, ctx: &Cudnn, mut x: MatmulOperands<'_, T, O>) -> Result<()> {
         let (dtype, out) = (T::DTYPE, O::DTYPE);
         match self.form {
-            Some(MatmulForm::Graph) => {}
-            Some(MatmulForm::DecodeGemv) => {
+            Some(MatmulKernel::Graph) => {}
+            Some(MatmulKernel::DecodeGemv) => {
                 if launch_gemv(ctx, &self.gemv(dtype, out)?, &mut x)? {
                     return Ok(());
                 }

@@ -25,11 +25,11 @@
 //! logits from bf16 weights); bias, U and R have the output dtype.
 //!
 //! The fused backend runs a Linear layer over at most [`DECODE_GEMV_MAX_TOKENS`] tokens (a decode
-//! step) with its own kernel, the decode GEMV ([`MatmulForm::DecodeGemv`]), which streams the weight
+//! step) with its own kernel, the decode GEMV ([`MatmulKernel::DecodeGemv`]), which streams the weight
 //! once at close to copy bandwidth, every epilogue fused the same way (f32, one rounding); everything
-//! else runs the cuDNN graph. [`MatmulArgs::form`] fixes the choice ([`MatmulForm`]), [`MatmulArgs::decode_gemv`] says
-//! whether and why (not) the GEMV takes a call, and [`Cudnn::kernel_runs`] lists the GEMV shapes a
-//! context ran (the plan cache lists the graphs).
+//! else runs the cuDNN graph. [`MatmulArgs::fused_kernel`] says which runs, [`MatmulArgs::with_form`]
+//! forces one, [`MatmulArgs::decode_gemv`] says why the GEMV does not take a call, and
+//! [`Cudnn::kernel_runs`] lists the GEMV shapes a context ran (the plan cache lists the graphs).
 
 pub mod backward;
 mod decode;
@@ -174,10 +174,11 @@ pub struct BufferLens {
     pub d: usize,
 }
 
-/// How the fused backend runs a matmul.
+/// What the fused backend runs for a matmul ([`MatmulArgs::fused_kernel`]; forced with
+/// [`MatmulArgs::with_form`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
-pub enum MatmulForm {
+pub enum MatmulKernel {
     /// The cuDNN graph ([`MatmulArgs::graph`]): every shape, layout and dtype.
     Graph,
     /// The decode GEMV (`decode.rs`, `decode.cu`): a Linear layer over at most [`DECODE_GEMV_MAX_TOKENS`] tokens, bf16
@@ -185,18 +186,18 @@ pub enum MatmulForm {
     DecodeGemv,
 }
 
-impl MatmulForm {
+impl MatmulKernel {
     /// `graph` or `decode gemv`.
     pub fn name(self) -> &'static str {
         match self {
-            MatmulForm::Graph => "graph",
-            MatmulForm::DecodeGemv => "decode gemv",
+            MatmulKernel::Graph => "graph",
+            MatmulKernel::DecodeGemv => "decode gemv",
         }
     }
 }
 
 /// Shapes and layouts of a matmul, `A [batch, m, k] · B [batch or 1, k, n]`, its epilogue and, for the
-/// fused backend, its form.
+/// fused backend, the kernel asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub struct MatmulArgs {
@@ -206,9 +207,9 @@ pub struct MatmulArgs {
     pub b: MatrixLayout,
     /// The steps after the matmul; the operands carry the inputs it needs.
     pub epilogue: Epilogue,
-    /// The fused backend's form; `None` runs the decode GEMV where it applies
-    /// ([`MatmulArgs::decode_gemv`]) and the cuDNN graph otherwise. The naive backend ignores it.
-    pub form: Option<MatmulForm>,
+    /// What the fused backend runs; `None` chooses ([`MatmulArgs::fused_kernel`]): the decode GEMV where
+    /// it applies ([`MatmulArgs::decode_gemv`]), the cuDNN graph otherwise. The naive backend ignores it.
+    pub form: Option<MatmulKernel>,
 }
 
 impl MatmulArgs {
@@ -236,9 +237,10 @@ impl MatmulArgs {
         MatmulArgs { epilogue, ..self }
     }
 
-    /// The same product in a fixed form on the fused backend (e.g. [`MatmulForm::Graph`] to compare
-    /// the cuDNN graph with the decode GEMV).
-    pub fn with_form(self, form: MatmulForm) -> Self {
+    /// The same product with the fused backend's kernel fixed (e.g. [`MatmulKernel::Graph`] to compare
+    /// the cuDNN graph with the decode GEMV); a GEMV that does not take the call is
+    /// [`Error::NotSupported`].
+    pub fn with_form(self, form: MatmulKernel) -> Self {
         MatmulArgs { form: Some(form), ..self }
     }
 
@@ -347,7 +349,7 @@ impl MatmulArgs {
         format!("{} x {}", self.a.describe(), self.b.describe())
     }
 
-    /// The plan-cache key (the form is not part of it: the graph is the same whichever form chose it).
+    /// The plan-cache key (the form is not part of it: the graph is the same whichever way it was chosen).
     pub fn key(&self, dtype: DataType, out: DataType) -> Key {
         Key { args: MatmulArgs { form: None, ..*self }, dtype, out_dtype: out }
     }
@@ -664,12 +666,15 @@ mod tests {
         let distinct: HashSet<Key> = Epilogue::all().map(|e| args.with_epilogue(e).key(bf, bf)).collect();
         assert_eq!(distinct.len(), 40);
         // The form picks between the graph and the GEMV; the graph is one plan whichever form asked.
-        for form in [MatmulForm::Graph, MatmulForm::DecodeGemv] {
+        for form in [MatmulKernel::Graph, MatmulKernel::DecodeGemv] {
             let k = args.with_epilogue(Epilogue::SWIGLU).with_form(form).key(bf, bf);
             assert_eq!((k, hash(&k)), (base, hash(&base)));
         }
-        assert_eq!(MatmulArgs::linear(1, 64, 64).with_form(MatmulForm::Graph).form, Some(MatmulForm::Graph));
+        assert_eq!(
+            MatmulArgs::linear(1, 64, 64).with_form(MatmulKernel::Graph).form,
+            Some(MatmulKernel::Graph)
+        );
         assert_eq!(MatmulArgs::linear(1, 64, 64).form, None);
-        assert_eq!(MatmulForm::DecodeGemv.name(), "decode gemv");
+        assert_eq!(MatmulKernel::DecodeGemv.name(), "decode gemv");
     }
 }
