@@ -7,7 +7,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use cudnn_llm::bench_util::{self, download, expect_untouched, poisoned, upload};
 use cudnn_llm::cudnn_ops::{
     knob_name, matmul, reference, Activation, Backend, Cudnn, DataType, Element, Epilogue, Error, L2Flush,
-    MatmulArgs, MatmulOperands, MatrixLayout,
+    MatmulArgs, MatmulKernel, MatmulOperands, MatrixLayout, DECODE_GEMV_MAX_TOKENS,
 };
 use half::{bf16, f16};
 
@@ -207,8 +207,12 @@ fn check<T: Element, O: Element>(
     product: &[f64],
     d: &mut CudaSlice<O>,
 ) -> (String, bool) {
+    let form = match (backend, args.form) {
+        (Backend::Fused, Some(f)) => format!(" ({})", f.name()),
+        _ => String::new(),
+    };
     let tag = format!(
-        "{} {}->{} m={} k={} n={} batch={} {}",
+        "{}{form} {}->{} m={} k={} n={} batch={} {}",
         backend.name(),
         T::DTYPE,
         O::DTYPE,
@@ -604,5 +608,237 @@ fn tuning_times_every_candidate_and_stays_correct_under_each_l2_flush() {
         assert!(timings.iter().all(|t| t.1.is_finite() && t.1 > 0.0), "flush {}: {timings:?}", flush.name());
         let fastest = timings.iter().min_by(|a, b| a.1.total_cmp(&b.1)).unwrap();
         assert_eq!(plan.engine(), fastest.0, "flush {}", flush.name());
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The decode GEMV: the fused backend's form for a Linear layer over at most 8 tokens.
+
+/// Runs `e` in the GEMV form (forced, so that a silent fall back to the graph cannot pass) into a
+/// NaN-poisoned D followed by 64 poisoned guard elements, and compares every row with the reference
+/// and the guard with NaN. Returns the line to print and whether it passed.
+fn check_gemv<T: Element>(
+    ctx: &Cudnn,
+    args: &MatmulArgs,
+    e: Epilogue,
+    dev: &Device<T, T>,
+    product: &[f64],
+) -> (String, bool) {
+    let rows: Vec<usize> = (0..args.m()).collect();
+    let mut d = poisoned::<T>(ctx, args.d_len() + 64).unwrap();
+    let gemv = args.with_form(MatmulKernel::DecodeGemv);
+    let (line, ok) = check(ctx, &gemv, e, Backend::Fused, dev, &rows, product, &mut d);
+    let guard = download(ctx, &d).unwrap().split_off(args.d_len());
+    let written = guard.iter().filter(|v| !v.to_f64().is_nan()).count();
+    if written > 0 {
+        return (format!("{line}; {written} of the 64 elements after D were written"), false);
+    }
+    (line, ok)
+}
+
+/// Every epilogue in `epilogues` on one shape in the GEMV form, against the f64 reference of all rows.
+fn check_gemv_shape<T: Element>(
+    ctx: &Cudnn,
+    args: &MatmulArgs,
+    epilogues: &[Epilogue],
+    seed: u64,
+    failures: &mut Vec<String>,
+) {
+    let dev = Device::<T, T>::new(ctx, &Host::new(seed, args));
+    let rows: Vec<usize> = (0..args.m()).collect();
+    let product = reference::matmul_rows(args, &dev.rounded.a, &dev.rounded.b, &rows);
+    for &e in epilogues {
+        let (line, ok) = check_gemv(ctx, args, e, &dev, &product);
+        println!("{} {line}", if ok { "ok  " } else { "FAIL" });
+        if !ok {
+            failures.push(line);
+        }
+    }
+}
+
+/// Llama-3.1-8B's decode projections `(name, k, n, epilogue)`.
+const LLAMA_8B_DECODE: [(&str, usize, usize, Epilogue); 5] = [
+    ("qkv", 4096, 6144, Epilogue::NONE),
+    ("o", 4096, 4096, Epilogue::RESIDUAL),
+    ("up", 4096, 14336, Epilogue::NONE),
+    ("gate", 4096, 14336, Epilogue::SWIGLU),
+    ("down", 14336, 4096, Epilogue::RESIDUAL),
+];
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_gemv_matches_the_reference() {
+    let ctx = gpu();
+    println!("{} cuDNN {}", ctx.info().name, ctx.info().cudnn_version_string());
+    let mut failures = Vec::new();
+    let used = [Epilogue::NONE, Epilogue::RESIDUAL, Epilogue::SWIGLU];
+    for m in [1, 3, DECODE_GEMV_MAX_TOKENS] {
+        // Llama-3.1-8B's shapes, the epilogues a decoder uses, bf16 and f16.
+        for (i, (_, k, n, _)) in LLAMA_8B_DECODE.iter().enumerate() {
+            let args = MatmulArgs::linear(m, *k, *n);
+            let seed = 700 + 10 * i as u64 + m as u64;
+            check_gemv_shape::<bf16>(&ctx, &args, &used, seed, &mut failures);
+            check_gemv_shape::<f16>(&ctx, &args, &used, seed + 100, &mut failures);
+        }
+        // Small and odd shapes, every epilogue (k and n are multiples of 8 on every backend, the shared
+        // check's 16-byte rows): k = 8 (one chunk: one lane works), n = 8, n an odd number of 8s (the last
+        // block has idle warps at 5 to 8 tokens), k = 4104 (513 chunks: the remainder loop), a
+        // vocabulary-sized n.
+        for (i, (k, n)) in
+            [(8, 8), (8, 24), (64, 40), (4104, 56), (64, 4104), (256, 50264)].iter().enumerate()
+        {
+            let args = MatmulArgs::linear(m, *k, *n);
+            let seed = 900 + 10 * i as u64 + m as u64;
+            check_gemv_shape::<bf16>(&ctx, &args, &epilogues(), seed, &mut failures);
+            check_gemv_shape::<f16>(&ctx, &args, &epilogues(), seed + 100, &mut failures);
+        }
+    }
+    // Every m up to the bound (each tile, and the tokens a tile repeats), one shape.
+    for m in 1..=DECODE_GEMV_MAX_TOKENS {
+        let args = MatmulArgs::linear(m, 1024, 520);
+        check_gemv_shape::<bf16>(
+            &ctx,
+            &args,
+            &[Epilogue::SWIGLU.with_residual()],
+            1000 + m as u64,
+            &mut failures,
+        );
+    }
+    // A padded x (rows 4160 elements apart) and a padded weight (rows 4112 apart), as strided views.
+    let padded = MatmulArgs::new(
+        MatrixLayout::strided([1, 3, 4096], [3 * 4160, 4160, 1]),
+        MatrixLayout::strided([1, 4096, 1000], [1000 * 4112, 1, 4112]),
+    );
+    check_gemv_shape::<bf16>(&ctx, &padded, &used, 1100, &mut failures);
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_gemv_agrees_with_the_cudnn_graph_on_llama_8b() {
+    let ctx = gpu();
+    let mut failures = Vec::new();
+    for m in [1, 3, DECODE_GEMV_MAX_TOKENS] {
+        for (proj, k, n, e) in LLAMA_8B_DECODE {
+            let args = MatmulArgs::linear(m, k, n).with_epilogue(e);
+            let dev = Device::<bf16, bf16>::new(&ctx, &Host::new(1200 + k as u64 + m as u64, &args));
+            let mut out = Vec::new();
+            for form in [MatmulKernel::Graph, MatmulKernel::DecodeGemv] {
+                let mut y = poisoned::<bf16>(&ctx, args.d_len()).unwrap();
+                matmul(&ctx, &args.with_form(form), dev.operands(e, &mut y), Backend::Fused).unwrap();
+                out.push(download(&ctx, &y).unwrap());
+            }
+            let graph: Vec<f64> = out[0].iter().map(|v| v.to_f64()).collect();
+            let c = reference::compare(&out[1], &graph);
+            let same = out[0].iter().zip(&out[1]).filter(|(a, b)| a.to_bits() == b.to_bits()).count();
+            let ok = c.passes(reference::BF16_TOL);
+            let line = format!(
+                "8B {proj} m={m} {k}->{n} {e}: gemv vs graph {c}; {same} of {} bit-identical",
+                args.d_len()
+            );
+            println!("{} {line}", if ok { "ok  " } else { "FAIL" });
+            if !ok {
+                failures.push(line);
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_fused_backend_takes_the_gemv_where_it_applies_and_says_so() {
+    let ctx = gpu();
+    let (k, n) = (1024, 2048);
+    let args = MatmulArgs::linear(8, k, n);
+    let dev = Device::<bf16, bf16>::new(&ctx, &Host::new(1300, &args));
+    let mut d = poisoned::<bf16>(&ctx, args.d_len() + 8).unwrap();
+    let calls = |ctx: &Cudnn| -> u64 {
+        ctx.kernel_runs().iter().filter(|r| r.name.starts_with("decode gemv")).map(|r| r.calls).sum()
+    };
+    ctx.cache().clear();
+    let (runs0, plans0) = (calls(&ctx), ctx.cache().stats().misses);
+    // No form at 1 and 8 tokens: the GEMV, no plan.
+    for m in [1, 8] {
+        let a = MatmulArgs::linear(m, k, n).with_epilogue(Epilogue::RESIDUAL);
+        matmul(&ctx, &a, dev.operands(Epilogue::RESIDUAL, &mut d), Backend::Fused).unwrap();
+    }
+    assert_eq!((calls(&ctx) - runs0, ctx.cache().stats().misses - plans0), (2, 0), "{:?}", ctx.kernel_runs());
+    let runs = ctx.kernel_runs();
+    println!("kernel runs: {runs:?}");
+    assert!(
+        runs.iter()
+            .any(|r| r.name == "decode gemv [1, 1024] x [1024, 2048] bf16 epilogue residual (gemv_bf16_m1)"),
+        "{runs:?}"
+    );
+    // The graph form, and 9 tokens: a plan each, no GEMV.
+    let graph = MatmulArgs::linear(1, k, n).with_form(MatmulKernel::Graph);
+    matmul(&ctx, &graph, dev.operands(Epilogue::NONE, &mut d), Backend::Fused).unwrap();
+    let nine = MatmulArgs::linear(8 + 1, k, n);
+    let (a9, _) = upload::<bf16>(&ctx, &reference::random_values(1301, 9 * k)).unwrap();
+    let mut d9 = poisoned::<bf16>(&ctx, 9 * n).unwrap();
+    matmul(&ctx, &nine, MatmulOperands::new(&a9, &dev.b, &mut d9), Backend::Fused).unwrap();
+    assert_eq!((calls(&ctx) - runs0, ctx.cache().stats().misses - plans0), (2, 2));
+    // The naive backend ignores the form.
+    let forced = MatmulArgs::linear(1, k, n).with_form(MatmulKernel::DecodeGemv);
+    matmul(&ctx, &forced, dev.operands(Epilogue::NONE, &mut d), Backend::Naive).unwrap();
+    assert_eq!(calls(&ctx) - runs0, 2);
+    // An x one element in: no GEMV (16-byte chunks); the graph refuses it too, the forced GEMV says why,
+    // and neither writes anything.
+    let (wide, _) = upload::<bf16>(&ctx, &reference::random_values(1302, k + 8)).unwrap();
+    let off = wide.slice(1..);
+    let one = MatmulArgs::linear(1, k, n);
+    let err = expect_untouched(&ctx, &mut d, "is not 16-byte aligned", |d| {
+        matmul(&ctx, &one, MatmulOperands::new(&off, &dev.b, d), Backend::Fused)
+    });
+    assert!(!err.to_string().contains("decode gemv"), "the graph's error, not the GEMV's: {err}");
+    let err = expect_untouched(&ctx, &mut d, "A or B is not 16-byte aligned", |d| {
+        matmul(&ctx, &forced, MatmulOperands::new(&off, &dev.b, d), Backend::Fused)
+    });
+    assert!(err.is_not_supported() && err.to_string().contains("decode gemv"), "{err}");
+    // A forced GEMV that does not apply is NotSupported naming the reason, and touches nothing.
+    let err = expect_untouched(&ctx, &mut d9, "9 rows of A (tokens)", |d| {
+        matmul(
+            &ctx,
+            &nine.with_form(MatmulKernel::DecodeGemv),
+            MatmulOperands::new(&a9, &dev.b, d),
+            Backend::Fused,
+        )
+    });
+    assert!(err.is_not_supported(), "{err}");
+    assert_eq!(calls(&ctx) - runs0, 2);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_captured_decode_gemv_replays() {
+    // The launch depends on the shape only: a CUDA graph of it replays on new inputs.
+    let ctx = gpu();
+    let args = MatmulArgs::linear(1, 4096, 6144).with_epilogue(Epilogue::RESIDUAL);
+    let mut dev = Device::<bf16, bf16>::new(&ctx, &Host::new(1400, &args));
+    let mut d = poisoned::<bf16>(&ctx, args.d_len()).unwrap();
+    // The kernels load outside the capture, as plans are built outside one.
+    matmul(&ctx, &args, dev.operands(Epilogue::RESIDUAL, &mut d), Backend::Fused).unwrap();
+    // SAFETY: one thread, nothing else on this context's CUDA context meanwhile.
+    let ((), graph) = unsafe {
+        ctx.capture(|| matmul(&ctx, &args, dev.operands(Epilogue::RESIDUAL, &mut d), Backend::Fused))
+    }
+    .unwrap();
+    let rows = [0];
+    for seed in [1401, 1402] {
+        // New x and residual in place, a poisoned D, then the replay.
+        let h = Host::new(seed, &args);
+        let (a, ar) = upload::<bf16>(&ctx, &h.a).unwrap();
+        let (r, rr) = upload::<bf16>(&ctx, &h.r).unwrap();
+        ctx.stream().memcpy_dtod(&a, &mut dev.a).unwrap();
+        ctx.stream().memcpy_dtod(&r, &mut dev.r).unwrap();
+        ctx.stream().memcpy_htod(&vec![bf16::NAN; d.len()], &mut d).unwrap();
+        graph.launch().unwrap();
+        let product = reference::matmul_rows(&args, &ar, &dev.rounded.b, &rows);
+        let expected =
+            reference::matmul_epilogue(Epilogue::RESIDUAL, &product, args.n(), &rows, None, None, Some(&rr));
+        let c = reference::compare(&download(&ctx, &d).unwrap(), &expected);
+        println!("replay with seed {seed}: {c}");
+        assert!(c.passes(reference::BF16_TOL), "replay with seed {seed}: {c}");
     }
 }

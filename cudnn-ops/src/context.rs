@@ -7,7 +7,7 @@
 
 use crate::cache::PlanCache;
 use crate::exec::{open_device, Exec};
-use crate::kernels::Kernels;
+use crate::kernels::{KernelRun, Kernels};
 use crate::plan::store::{default_dir_from, dir_from_setting, Environment, PlanStore};
 use crate::plan::{L2Flush, Tuning};
 use crate::{Error, Result};
@@ -224,6 +224,13 @@ impl Cudnn {
             cudnn: info.cudnn_version as u64,
             crate_version: env!("CARGO_PKG_VERSION").to_string(),
         }
+    }
+
+    /// The custom kernels fused ops ran in place of a cuDNN plan (the decode GEMV of
+    /// [`matmul`](crate::matmul)), one entry per configuration with its call count, sorted by name;
+    /// [`Cudnn::cache`] lists the plans.
+    pub fn kernel_runs(&self) -> Vec<KernelRun> {
+        self.kernels.get().map(Kernels::runs).unwrap_or_default()
     }
 
     /// Changes whenever a buffer ops share through this context is reallocated to grow (the

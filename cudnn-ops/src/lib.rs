@@ -66,12 +66,13 @@ pub use graph::{
     Binary, Graph, Mask, NormPhase, Reduce, RmsNormGradOutputs, RmsNormOutputs, SdpaBackwardOptions,
     SdpaForm, SdpaGradients, SdpaOptions, SdpaOutputs, TensorId, Unary,
 };
+pub use kernels::KernelRun;
 pub use kv_cache::{AttendForm, KvCache, KvCacheShape, QkvRows};
 pub use ops::loss::{cross_entropy, CrossEntropyArgs, CrossEntropyOperands, Logits};
 pub use ops::matmul::{
     linear_backward_data, linear_backward_weight, matmul, swiglu_down_backward, Activation, BufferLens,
-    DataGrad, Epilogue, LinearGradArgs, MatmulArgs, MatmulOperands, MatrixLayout, SwigluForm, SwigluGrads,
-    WeightGrad,
+    DataGrad, Epilogue, LinearGradArgs, MatmulArgs, MatmulKernel, MatmulOperands, MatrixLayout, SwigluForm,
+    SwigluGrads, WeightGrad, DECODE_GEMV_MAX_TOKENS,
 };
 pub use ops::optim::{
     adamw, grad_norm, AdamWArgs, AdamWOperands, AdamWTensor, GradNormArgs, GradNormOperands, Grads,

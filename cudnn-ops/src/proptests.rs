@@ -4,7 +4,7 @@
 //! past a buffer.
 
 use crate::graph::{Graph, NormPhase, SdpaForm};
-use crate::ops::matmul::{BufferLens, Epilogue, MatmulArgs, MatrixLayout};
+use crate::ops::matmul::{BufferLens, MatmulArgs, MatrixLayout};
 use crate::ops::rmsnorm::RmsNormArgs;
 use crate::ops::rope::RopeArgs;
 use crate::ops::rows::{CacheWrite, EmbeddingArgs};
@@ -138,13 +138,14 @@ proptest! {
         let scale = |d: [usize; 3]| [d[0], d[1].saturating_mul(8), d[2].saturating_mul(8)];
         let (ad, bd) = (scale(a_dims), scale(b_dims));
         let args = match layouts {
-            0 => MatmulArgs { a: MatrixLayout::row_major(ad[0], ad[1], ad[2]), b: MatrixLayout::column_major(bd[0], ad[2], bd[2]) , epilogue: Epilogue::NONE },
-            1 => MatmulArgs { a: MatrixLayout::row_major(ad[0], ad[1], ad[2]), b: MatrixLayout::row_major(1, ad[2], bd[2]) , epilogue: Epilogue::NONE },
-            2 => MatmulArgs { a: MatrixLayout { dims: ad, strides: a_strides }, b: MatrixLayout { dims: bd, strides: b_strides } , epilogue: Epilogue::NONE },
-            _ => MatmulArgs { a: MatrixLayout { dims: ad, strides: [a_strides[0], a_strides[1], 1] }, b: MatrixLayout::row_major(1, ad[2], bd[2]) , epilogue: Epilogue::NONE },
+            0 => MatmulArgs::new(MatrixLayout::row_major(ad[0], ad[1], ad[2]), MatrixLayout::column_major(bd[0], ad[2], bd[2])),
+            1 => MatmulArgs::new(MatrixLayout::row_major(ad[0], ad[1], ad[2]), MatrixLayout::row_major(1, ad[2], bd[2])),
+            2 => MatmulArgs::new(MatrixLayout { dims: ad, strides: a_strides }, MatrixLayout { dims: bd, strides: b_strides }),
+            _ => MatmulArgs::new(MatrixLayout { dims: ad, strides: [a_strides[0], a_strides[1], 1] }, MatrixLayout::row_major(1, ad[2], bd[2])),
         };
         let _ = args.folded();
         let _ = args.d_len();
+        let _ = args.decode_gemv(DataType::BF16, DataType::BF16);
         let lens = BufferLens { a: l[0], b: l[1], d: l[2], ..BufferLens::default() };
         if typed(args.check(DataType::BF16, DataType::BF16, &lens))? {
             let g = args.graph(DataType::BF16, DataType::BF16);

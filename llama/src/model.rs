@@ -14,7 +14,7 @@
 //! | range | fused | naive |
 //! |---|---|---|
 //! | `fwd.layer.attn.prenorm`, `fwd.layer.mlp.prenorm`, `fwd.output_norm` | RMSNorm graph | 8 eager kernels |
-//! | `fwd.layer.attn.qkv_proj` | matmul graph | cuBLAS GEMM |
+//! | `fwd.layer.attn.qkv_proj` | matmul graph (the decode GEMV at up to 8 tokens, as for every projection) | cuBLAS GEMM |
 //! | `fwd.layer.attn.rope` | 1 kernel (RoPE and the K/V cache append) | 10 eager kernels, 2 row copies |
 //! | `fwd.layer.attn.gqa` | SDPA graph (a decode step's first layer also clamps the lengths) | math-path attention |
 //! | `fwd.layer.attn.o_proj` | matmul + residual graph | GEMM, add |

@@ -23,6 +23,7 @@ const SOURCE: &str = concat!(
     include_str!("../ops/sdpa/decode.cu"),
     include_str!("../ops/sdpa/naive.cu"),
     include_str!("../ops/matmul/naive.cu"),
+    include_str!("../ops/matmul/decode.cu"),
     include_str!("../ops/matmul/backward/naive.cu"),
     include_str!("../ops/rope/fused.cu"),
     include_str!("../ops/rope/naive.cu"),
@@ -51,6 +52,20 @@ pub struct Kernels {
     /// `ops/sdpa/decode.rs`).
     sdpa_decode: RefCell<Option<CudaSlice<f32>>>,
     sdpa_decode_counters: RefCell<Option<CudaSlice<i32>>>,
+    /// Custom kernels that ran where a cuDNN plan could have (the decode GEMV), by a hash of their
+    /// configuration.
+    runs: RefCell<HashMap<u64, KernelRun>>,
+}
+
+/// A custom kernel's configuration that a fused op ran in place of a cuDNN plan (the decode GEMV), and
+/// how many calls enqueued it: the plan cache lists the plans, this the rest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct KernelRun {
+    /// What ran, e.g. `decode gemv [1, 4096] x [4096, 6144] bf16 epilogue none (gemv_bf16_m1)`.
+    pub name: String,
+    /// Calls that enqueued it (a captured call counts once, not per replay).
+    pub calls: u64,
 }
 
 impl Kernels {
@@ -66,7 +81,21 @@ impl Kernels {
             sdpa_backward: RefCell::new(None),
             sdpa_decode: RefCell::new(None),
             sdpa_decode_counters: RefCell::new(None),
+            runs: RefCell::new(HashMap::new()),
         }
+    }
+
+    /// Counts a call of the configuration hashed to `key`, described by `name` (asked on its first).
+    pub(crate) fn count_run(&self, key: u64, name: impl FnOnce() -> String) {
+        let mut runs = self.runs.borrow_mut();
+        runs.entry(key).or_insert_with(|| KernelRun { name: name(), calls: 0 }).calls += 1;
+    }
+
+    /// Every configuration counted, sorted by name.
+    pub(crate) fn runs(&self) -> Vec<KernelRun> {
+        let mut v: Vec<KernelRun> = self.runs.borrow().values().cloned().collect();
+        v.sort_by(|a, b| a.name.cmp(&b.name));
+        v
     }
 
     /// An op-owned f32 buffer of at least `len` elements (grown, never shrunk; zeroed when allocated)

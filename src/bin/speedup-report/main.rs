@@ -265,6 +265,11 @@ fn metadata<T: Element>(
     for (i, p) in plan_lines(ctx).into_iter().enumerate() {
         extra.push((format!("plan {}", i + 1), p));
     }
+    // Custom kernels that ran where a plan could have (the decode GEMV), e.g. `decode gemv [1, 4096] x
+    // [4096, 6144] bf16 epilogue none (gemv_bf16_m1), 96 calls`.
+    for (i, r) in ctx.kernel_runs().into_iter().enumerate() {
+        extra.push((format!("kernel {}", i + 1), format!("{}, {} calls", r.name, r.calls)));
+    }
     for f in model.fallbacks() {
         extra.push((format!("fallback {} layer {:?} ({})", f.range, f.layer, f.shape), f.reason.clone()));
     }

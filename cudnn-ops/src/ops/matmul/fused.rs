@@ -1,7 +1,9 @@
-//! The fused half: one cuDNN graph per layouts, dtypes and epilogue, the epilogue's steps fused after
-//! the matmul, bound by the uids the graph gives its tensors by name ([`uid`]).
+//! The fused half: the decode GEMV (`decode.rs`) for a Linear layer over a few tokens, else one cuDNN
+//! graph per layouts, dtypes and epilogue, the epilogue's steps fused after the matmul, bound by the
+//! uids the graph gives its tensors by name ([`uid`]). [`MatmulArgs::form`] fixes the choice.
 
-use super::{MatmulArgs, MatmulOperands, MatrixLayout};
+use super::decode::launch_gemv;
+use super::{MatmulArgs, MatmulKernel, MatmulOperands, MatrixLayout};
 use crate::dtype::{DataType, Element};
 use crate::graph::{Binary, Graph};
 use crate::ops::Fused;
@@ -109,8 +111,48 @@ impl MatmulArgs {
     }
 }
 
+impl MatmulArgs {
+    /// What the fused backend runs for these arguments (given x and W 16-byte aligned): the kernel
+    /// asked for ([`MatmulArgs::with_form`]), else the decode GEMV where it takes the call
+    /// ([`MatmulArgs::decode_gemv`]), else the graph.
+    pub fn fused_kernel(&self, dtype: DataType, out: DataType) -> MatmulKernel {
+        match self.form {
+            Some(kernel) => kernel,
+            None if self.gemv(dtype, out).is_ok() => MatmulKernel::DecodeGemv,
+            None => MatmulKernel::Graph,
+        }
+    }
+}
+
 impl<T: Element, O: Element> Fused<(T, O)> for MatmulArgs {
-    fn fused(self, ctx: &Cudnn, x: MatmulOperands<'_, T, O>) -> Result<()> {
+    fn fused(self, ctx: &Cudnn, mut x: MatmulOperands<'_, T, O>) -> Result<()> {
+        let (dtype, out) = (T::DTYPE, O::DTYPE);
+        match self.form {
+            Some(MatmulKernel::Graph) => {}
+            Some(MatmulKernel::DecodeGemv) => {
+                if launch_gemv(ctx, &self.gemv(dtype, out)?, &mut x)? {
+                    return Ok(());
+                }
+                return Err(Error::NotSupported {
+                    op: format!("decode gemv {} {dtype}->{out}", self.describe()),
+                    reason: "A or B is not 16-byte aligned (the GEMV reads 16-byte chunks)".into(),
+                });
+            }
+            None => {
+                if let Ok(g) = self.gemv(dtype, out) {
+                    if launch_gemv(ctx, &g, &mut x)? {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+        self.run_graph(ctx, x)
+    }
+}
+
+impl MatmulArgs {
+    /// Executes the cached graph on `x`.
+    fn run_graph<T: Element, O: Element>(&self, ctx: &Cudnn, x: MatmulOperands<'_, T, O>) -> Result<()> {
         let plan = self.plan(ctx, T::DTYPE, O::DTYPE)?;
         let mut b = Bindings::new(ctx.stream());
         b.input(uid::A, x.a).input(uid::B, x.b);
@@ -160,7 +202,7 @@ mod tests {
             MatrixLayout { dims: [1 << 20, 1 << 40, 64], strides: [1 << 46, 64, 1] },
             MatrixLayout { dims: [usize::MAX, usize::MAX, 64], strides: [usize::MAX, 64, 1] },
         ] {
-            let args = MatmulArgs { a, b, epilogue: Epilogue::NONE };
+            let args = MatmulArgs::new(a, b);
             assert!(args.folded().is_none(), "{a:?}");
             let lens = BufferLens { a: usize::MAX, b: usize::MAX, d: usize::MAX, ..Default::default() };
             let e =
@@ -174,7 +216,7 @@ mod tests {
         // A batch stride past i64::MAX would reach cuDNN as a negative stride.
         let a = MatrixLayout { dims: [1, 16, 64], strides: [1 << 63, 64, 1] };
         let lens = BufferLens { a: usize::MAX, b: usize::MAX, d: usize::MAX, ..Default::default() };
-        let e = MatmulArgs { a, b, epilogue: Epilogue::NONE }
+        let e = MatmulArgs::new(a, b)
             .with_epilogue(Epilogue::NONE)
             .check(DataType::BF16, DataType::BF16, &lens)
             .unwrap_err();

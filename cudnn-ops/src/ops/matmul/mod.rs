@@ -23,8 +23,16 @@
 //!
 //! D, U and R are packed row-major `[batch, m, n]`. The output dtype is the input dtype or f32 (e.g.
 //! logits from bf16 weights); bias, U and R have the output dtype.
+//!
+//! The fused backend runs a Linear layer over at most [`DECODE_GEMV_MAX_TOKENS`] tokens (a decode
+//! step) with its own kernel, the decode GEMV ([`MatmulKernel::DecodeGemv`]), which streams the weight
+//! once at close to copy bandwidth, every epilogue fused the same way (f32, one rounding); everything
+//! else runs the cuDNN graph. [`MatmulArgs::fused_kernel`] says which runs, [`MatmulArgs::with_form`]
+//! forces one, [`MatmulArgs::decode_gemv`] says why the GEMV does not take a call, and
+//! [`Cudnn::kernel_runs`] lists the GEMV shapes a context ran (the plan cache lists the graphs).
 
 pub mod backward;
+mod decode;
 pub mod epilogue;
 mod fused;
 pub mod naive;
@@ -33,6 +41,7 @@ pub use backward::{
     linear_backward_data, linear_backward_weight, swiglu_down_backward, DataGrad, LinearGradArgs, SwigluForm,
     SwigluGrads, WeightGrad,
 };
+pub use decode::DECODE_GEMV_MAX_TOKENS;
 pub use epilogue::{Activation, Epilogue};
 
 use crate::dtype::{DataType, Element};
@@ -165,7 +174,30 @@ pub struct BufferLens {
     pub d: usize,
 }
 
-/// Shapes and layouts of a matmul, `A [batch, m, k] · B [batch or 1, k, n]`, and its epilogue.
+/// What the fused backend runs for a matmul ([`MatmulArgs::fused_kernel`]; forced with
+/// [`MatmulArgs::with_form`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum MatmulKernel {
+    /// The cuDNN graph ([`MatmulArgs::graph`]): every shape, layout and dtype.
+    Graph,
+    /// The decode GEMV (`decode.rs`, `decode.cu`): a Linear layer over at most [`DECODE_GEMV_MAX_TOKENS`] tokens, bf16
+    /// or f16 in and out, x and W 16-byte aligned; anything else is [`Error::NotSupported`] naming why.
+    DecodeGemv,
+}
+
+impl MatmulKernel {
+    /// `graph` or `decode gemv`.
+    pub fn name(self) -> &'static str {
+        match self {
+            MatmulKernel::Graph => "graph",
+            MatmulKernel::DecodeGemv => "decode gemv",
+        }
+    }
+}
+
+/// Shapes and layouts of a matmul, `A [batch, m, k] · B [batch or 1, k, n]`, its epilogue and, for the
+/// fused backend, the kernel asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub struct MatmulArgs {
@@ -175,36 +207,41 @@ pub struct MatmulArgs {
     pub b: MatrixLayout,
     /// The steps after the matmul; the operands carry the inputs it needs.
     pub epilogue: Epilogue,
+    /// What the fused backend runs; `None` chooses ([`MatmulArgs::fused_kernel`]): the decode GEMV where
+    /// it applies ([`MatmulArgs::decode_gemv`]), the cuDNN graph otherwise. The naive backend ignores it.
+    pub form: Option<MatmulKernel>,
 }
 
 impl MatmulArgs {
     /// A `[batch, m, k]` and B `[batch or 1, k, n]` in any layouts (strided views), no epilogue.
     pub fn new(a: MatrixLayout, b: MatrixLayout) -> Self {
-        MatmulArgs { a, b, epilogue: Epilogue::NONE }
+        MatmulArgs { a, b, epilogue: Epilogue::NONE, form: None }
     }
 
     /// Row-major A `[batch, m, k]` and B `[batch, k, n]`, no epilogue.
     pub fn packed(batch: usize, m: usize, k: usize, n: usize) -> Self {
-        MatmulArgs {
-            a: MatrixLayout::row_major(batch, m, k),
-            b: MatrixLayout::row_major(batch, k, n),
-            epilogue: Epilogue::NONE,
-        }
+        MatmulArgs::new(MatrixLayout::row_major(batch, m, k), MatrixLayout::row_major(batch, k, n))
     }
 
     /// A Linear layer `y[tokens, out] = x[tokens, in] · W[out, in]ᵀ`: A `[1, tokens, in]` row-major, B the
     /// `[1, in, out]` transposed view of the row-major weight; no epilogue.
     pub fn linear(tokens: usize, in_features: usize, out_features: usize) -> Self {
-        MatmulArgs {
-            a: MatrixLayout::row_major(1, tokens, in_features),
-            b: MatrixLayout::column_major(1, in_features, out_features),
-            epilogue: Epilogue::NONE,
-        }
+        MatmulArgs::new(
+            MatrixLayout::row_major(1, tokens, in_features),
+            MatrixLayout::column_major(1, in_features, out_features),
+        )
     }
 
     /// The same product followed by `epilogue`.
     pub fn with_epilogue(self, epilogue: Epilogue) -> Self {
         MatmulArgs { epilogue, ..self }
+    }
+
+    /// The same product with the fused backend's kernel fixed (e.g. [`MatmulKernel::Graph`] to compare
+    /// the cuDNN graph with the decode GEMV); a GEMV that does not take the call is
+    /// [`Error::NotSupported`].
+    pub fn with_form(self, form: MatmulKernel) -> Self {
+        MatmulArgs { form: Some(form), ..self }
     }
 
     /// Batch of A and D.
@@ -312,9 +349,9 @@ impl MatmulArgs {
         format!("{} x {}", self.a.describe(), self.b.describe())
     }
 
-    /// The plan-cache key.
+    /// The plan-cache key (the form is not part of it: the graph is the same whichever way it was chosen).
     pub fn key(&self, dtype: DataType, out: DataType) -> Key {
-        Key { args: *self, dtype, out_dtype: out }
+        Key { args: MatmulArgs { form: None, ..*self }, dtype, out_dtype: out }
     }
 }
 
@@ -322,7 +359,7 @@ impl MatmulArgs {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub struct Key {
-    /// Layouts of A and B, and the epilogue.
+    /// Layouts of A and B, and the epilogue (the form is always `None`).
     pub args: MatmulArgs,
     /// Dtype of A and B.
     pub dtype: DataType,
@@ -628,5 +665,16 @@ mod tests {
         }
         let distinct: HashSet<Key> = Epilogue::all().map(|e| args.with_epilogue(e).key(bf, bf)).collect();
         assert_eq!(distinct.len(), 40);
+        // The form picks between the graph and the GEMV; the graph is one plan whichever form asked.
+        for form in [MatmulKernel::Graph, MatmulKernel::DecodeGemv] {
+            let k = args.with_epilogue(Epilogue::SWIGLU).with_form(form).key(bf, bf);
+            assert_eq!((k, hash(&k)), (base, hash(&base)));
+        }
+        assert_eq!(
+            MatmulArgs::linear(1, 64, 64).with_form(MatmulKernel::Graph).form,
+            Some(MatmulKernel::Graph)
+        );
+        assert_eq!(MatmulArgs::linear(1, 64, 64).form, None);
+        assert_eq!(MatmulKernel::DecodeGemv.name(), "decode gemv");
     }
 }

@@ -74,11 +74,8 @@ impl LinearGradArgs {
     /// row-major; with the residual epilogue (R = D = dX) when accumulating.
     pub fn data_grad(&self) -> MatmulArgs {
         let (t, i, o) = (self.tokens, self.in_features, self.out_features);
-        MatmulArgs {
-            a: MatrixLayout::row_major(1, t, o),
-            b: MatrixLayout::row_major(1, o, i),
-            epilogue: self.epilogue(),
-        }
+        MatmulArgs::new(MatrixLayout::row_major(1, t, o), MatrixLayout::row_major(1, o, i))
+            .with_epilogue(self.epilogue())
     }
 
     /// `dW = dYᵀ · X` as a matmul: dY read through its transposed view `[1, out, tokens]` (column-major,
@@ -86,11 +83,8 @@ impl LinearGradArgs {
     /// own layout. With the residual epilogue (R = D = dW) when accumulating.
     pub fn weight_grad(&self) -> MatmulArgs {
         let (t, i, o) = (self.tokens, self.in_features, self.out_features);
-        MatmulArgs {
-            a: MatrixLayout::column_major(1, o, t),
-            b: MatrixLayout::row_major(1, t, i),
-            epilogue: self.epilogue(),
-        }
+        MatmulArgs::new(MatrixLayout::column_major(1, o, t), MatrixLayout::row_major(1, t, i))
+            .with_epilogue(self.epilogue())
     }
 
     /// `2 · tokens · in · out`, the floating-point operations of either gradient.

@@ -1,0 +1,332 @@
+//! The decode GEMV (`decode.cu`): the fused backend's form for a Linear layer over a few tokens,
+//! `y[m, n] = epilogue(x[m, k] · W[n, k]ᵀ)` with m at most [`DECODE_GEMV_MAX_TOKENS`].
+//!
+//! A decode step's matmul reads every weight once and does 2·m flops per weight element: it is memory
+//! bound, and its floor is the weight's bytes over the copy bandwidth. cuDNN's matmul engines reached
+//! 67-90% of that floor on an H200 at one token (issue 12). This kernel streams the weight: each warp
+//! owns a few rows of W (output features), each lane keeps 8 loads of 16 bytes of them in flight,
+//! bypassing L1; x is read through L1, which the warps of an SM share, once per chunk for all the
+//! warp's rows; f32 accumulation and a warp-shuffle sum; the epilogue runs on the lane that writes, in
+//! f32 with one rounding, as the fused graph's does.
+//!
+//! Tokens come in tiles of 1, 2, 4 or 8 ([`TILES`]: the kernel `gemv_<dtype>_m<tile>` for the
+//! smallest tile that holds m; a tile's extra tokens repeat the last one and are not written). The
+//! bound is 8: each token adds 8 FMAs per 16 bytes of W (and an x read from L1 per chunk, shared by a
+//! warp's rows); by our count the FMAs at 8 tokens take about half of an H100/H200 SM's f32 rate while
+//! the weight streams at copy bandwidth, so the kernel should stay memory bound up to there (the
+//! `05-decode` example times m = 1, 4 and 8). Beyond, a tensor-core GEMM that reuses each weight across
+//! tokens is the right kernel, and cuDNN's is.
+//!
+//! It takes exactly the Linear case ([`MatmulArgs::linear`], or a batch of A that folds into its rows
+//! over a shared B): A row-major `[1, m, k]`, B the column-major view of a row-major weight `[n, k]`,
+//! bf16 or f16 in and out (bias, U, R in the same dtype), every epilogue, k and both row strides
+//! multiples of 8 elements, x and W 16-byte aligned. The launch shape depends on the shape only (no
+//! host sync, no allocation), so CUDA-graph capture works. [`MatmulArgs::decode_gemv`] says why a call
+//! does not qualify; [`Cudnn::kernel_runs`] lists the shapes a context ran.
+
+use super::{Activation, Epilogue, MatmulArgs, MatmulOperands};
+use crate::checked;
+use crate::dtype::{DataType, Element};
+use crate::kernels::{launch, optional_ptr, Arg, Kernels};
+use crate::{Cudnn, Error, Result};
+use cudarc::driver::LaunchConfig;
+use std::hash::{DefaultHasher, Hash, Hasher};
+
+/// The most rows of A (tokens) the decode GEMV takes; more run the cuDNN graph.
+pub const DECODE_GEMV_MAX_TOKENS: usize = 8;
+
+/// The kernels' token tiles and the rows of W each warp owns at that tile (`GEMV_TILES` in
+/// `decode.cu`; a mismatch costs speed, not correctness: warps stride over the rows).
+const TILES: [(usize, usize); 4] = [(1, 1), (2, 2), (4, 2), (8, 4)];
+
+/// Threads per block (the kernels' `__launch_bounds__`).
+const BLOCK: usize = 128;
+
+/// One decode GEMV launch: the shapes and strides the kernel reads, its tile, and what the call does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) struct Gemv {
+    /// Tokens (rows of x and D).
+    m: usize,
+    /// Inner dimension.
+    k: usize,
+    /// Output features (rows of W, columns of D).
+    n: usize,
+    /// Elements between the rows of x.
+    ldx: usize,
+    /// Elements between the rows of W.
+    ldw: usize,
+    /// The token tile of the kernel (m or more).
+    tile: usize,
+    /// Rows of W per warp.
+    rows_per_warp: usize,
+    /// Dtype of x, W, D and the epilogue's inputs.
+    dtype: DataType,
+    /// The epilogue.
+    epilogue: Epilogue,
+}
+
+impl Gemv {
+    /// The kernel's name, `gemv_<dtype>_m<tile>`.
+    fn kernel(&self) -> String {
+        let sfx = if self.dtype == DataType::F16 { "f16" } else { "bf16" };
+        format!("gemv_{sfx}_m{}", self.tile)
+    }
+
+    /// Blocks of [`BLOCK`] threads, one warp per `rows_per_warp` rows.
+    fn config(&self) -> Result<LaunchConfig> {
+        let warps = self.n.div_ceil(self.rows_per_warp);
+        let blocks = warps.div_ceil(BLOCK / 32);
+        Ok(LaunchConfig {
+            grid_dim: (checked::launch_dim("decode gemv: blocks", blocks)?, 1, 1),
+            block_dim: (BLOCK as u32, 1, 1),
+            shared_mem_bytes: 0,
+        })
+    }
+
+    /// `decode gemv [m, k] x [k, n] bf16 epilogue residual (gemv_bf16_m1)`, for reports.
+    fn describe(&self) -> String {
+        format!(
+            "decode gemv [{}, {}] x [{}, {}] {} epilogue {} ({})",
+            self.m,
+            self.k,
+            self.k,
+            self.n,
+            self.dtype,
+            self.epilogue,
+            self.kernel()
+        )
+    }
+}
+
+/// The kernels' activation codes (`gemv_activation` in `decode.cu`).
+fn activation_code(a: Option<Activation>) -> i64 {
+    match a {
+        None => 0,
+        Some(Activation::Silu) => 1,
+        Some(Activation::Gelu) => 2,
+        Some(Activation::GeluTanh) => 3,
+        Some(Activation::Relu) => 4,
+    }
+}
+
+impl MatmulArgs {
+    /// Whether the fused backend's decode GEMV runs this matmul (its own choice when
+    /// [`MatmulArgs::form`] is `None`, provided x and W are 16-byte aligned): `Ok`, or
+    /// [`Error::NotSupported`] naming what keeps it on the cuDNN graph. Needs no GPU.
+    pub fn decode_gemv(&self, dtype: DataType, out: DataType) -> Result<()> {
+        self.gemv(dtype, out).map(drop)
+    }
+
+    /// The GEMV launch for these arguments (already checked), or why there is none.
+    pub(super) fn gemv(&self, dtype: DataType, out: DataType) -> Result<Gemv> {
+        let args = self.folded().unwrap_or(*self);
+        let refuse = |reason: String| Error::NotSupported {
+            op: format!("decode gemv {} {dtype}->{out}", args.describe()),
+            reason,
+        };
+        let (m, k, n) = (args.m(), args.k(), args.n());
+        if args.batch() != 1 || args.b.dims[0] != 1 {
+            return Err(refuse(format!(
+                "a batch of {} products that does not fold into rows of one (the GEMV takes a Linear layer)",
+                args.batch()
+            )));
+        }
+        if m > DECODE_GEMV_MAX_TOKENS {
+            return Err(refuse(format!(
+                "{m} rows of A (tokens): the GEMV takes at most {DECODE_GEMV_MAX_TOKENS}, more reuse each \
+                 weight enough for a tensor-core GEMM"
+            )));
+        }
+        if dtype != DataType::BF16 && dtype != DataType::F16 {
+            return Err(refuse(format!("{dtype} inputs: the GEMV takes bf16 or f16")));
+        }
+        if out != dtype {
+            return Err(refuse(format!("a {out} output: the GEMV writes its input dtype {dtype}")));
+        }
+        if args.a.strides[2] != 1 {
+            return Err(refuse(format!("A strides {:?}: A must be row-major", args.a.strides)));
+        }
+        if args.b.strides[1] != 1 {
+            return Err(refuse(format!(
+                "B strides {:?}: B must be the transposed view of a row-major [n, k] weight \
+                 (MatmulArgs::linear)",
+                args.b.strides
+            )));
+        }
+        let (ldx, ldw) = (args.a.strides[1], args.b.strides[2]);
+        for (what, v, used) in
+            [("k", k, true), ("A's row stride", ldx, m > 1), ("the weight's row stride", ldw, n > 1)]
+        {
+            if used && !v.is_multiple_of(8) {
+                return Err(refuse(format!(
+                    "{what} {v} is not a multiple of 8 elements (the GEMV reads 16-byte chunks)"
+                )));
+            }
+        }
+        if k > i32::MAX as usize || n > i32::MAX as usize {
+            return Err(refuse(format!("k = {k}, n = {n}: the GEMV indexes rows and chunks with 32 bits")));
+        }
+        let (tile, rows_per_warp) = TILES
+            .into_iter()
+            .find(|&(tile, _)| tile >= m)
+            .expect("m <= DECODE_GEMV_MAX_TOKENS, the last tile");
+        Ok(Gemv { m, k, n, ldx, ldw, tile, rows_per_warp, dtype, epilogue: args.epilogue })
+    }
+}
+
+/// Launches `g` on the buffers of `x` (checked against the arguments `g` came from), and counts it in
+/// [`Cudnn::kernel_runs`]. Returns false, having launched nothing, when x or W is not 16-byte aligned.
+pub(super) fn launch_gemv<T: Element, O: Element>(
+    ctx: &Cudnn,
+    g: &Gemv,
+    x: &mut MatmulOperands<'_, T, O>,
+) -> Result<bool> {
+    let (kernels, cfg, kernel) = (Kernels::get(ctx)?, g.config()?, g.kernel());
+    let stream = ctx.stream();
+    let (a, _ga) = x.a.device_ptr(stream);
+    let (b, _gb) = x.b.device_ptr(stream);
+    if !a.is_multiple_of(16) || !b.is_multiple_of(16) {
+        return Ok(false);
+    }
+    let (bias, _g1) = optional_ptr(x.bias, stream);
+    let (up, _g2) = optional_ptr(x.up, stream);
+    let (residual, _g3) = optional_ptr(x.residual, stream);
+    let (d, _gd) = x.d.device_ptr_mut(stream);
+    let i = |v: usize| Arg::I64(v as i64);
+    let args = [
+        Arg::Ptr(a),
+        i(g.ldx),
+        Arg::Ptr(b),
+        i(g.ldw),
+        i(g.m),
+        i(g.k),
+        i(g.n),
+        Arg::Ptr(bias),
+        Arg::I64(activation_code(g.epilogue.activation)),
+        Arg::Ptr(up),
+        Arg::Ptr(residual),
+        Arg::Ptr(d),
+    ];
+    launch(ctx, kernels, &kernel, cfg, &args)?;
+    let mut h = DefaultHasher::new();
+    g.hash(&mut h);
+    kernels.count_run(h.finish(), || g.describe());
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::matmul::{MatmulKernel, MatrixLayout};
+
+    const BF: DataType = DataType::BF16;
+
+    fn refused(r: Result<Gemv>, expected: &str) {
+        let e = r.expect_err(expected);
+        assert!(e.is_not_supported(), "{expected}: {e:?}");
+        let msg = e.to_string();
+        assert!(msg.contains("decode gemv") && msg.contains(expected), "expected `{expected}` in: {msg}");
+    }
+
+    #[test]
+    fn llama_decode_shapes_take_the_gemv() {
+        for (k, n) in [(4096, 6144), (4096, 4096), (4096, 14336), (14336, 4096), (4096, 128256)] {
+            for m in 1..=DECODE_GEMV_MAX_TOKENS {
+                for e in [Epilogue::NONE, Epilogue::RESIDUAL, Epilogue::SWIGLU] {
+                    for dtype in [DataType::BF16, DataType::F16] {
+                        let g = MatmulArgs::linear(m, k, n).with_epilogue(e).gemv(dtype, dtype).unwrap();
+                        assert_eq!((g.m, g.k, g.n, g.ldx, g.ldw, g.epilogue), (m, k, n, k, k, e));
+                        assert!(g.tile >= m && g.tile < 2 * m, "m {m}: tile {}", g.tile);
+                    }
+                }
+            }
+        }
+        let g = MatmulArgs::linear(3, 4096, 4096).gemv(BF, BF).unwrap();
+        assert_eq!((g.tile, g.rows_per_warp, g.kernel()), (4, 2, "gemv_bf16_m4".to_string()));
+        assert_eq!(
+            MatmulArgs::linear(1, 64, 8).gemv(DataType::F16, DataType::F16).unwrap().kernel(),
+            "gemv_f16_m1"
+        );
+        assert_eq!(
+            MatmulArgs::linear(1, 4096, 6144)
+                .with_epilogue(Epilogue::RESIDUAL)
+                .gemv(BF, BF)
+                .unwrap()
+                .describe(),
+            "decode gemv [1, 4096] x [4096, 6144] bf16 epilogue residual (gemv_bf16_m1)"
+        );
+        // Small and odd: k = 8, n = 1, n not a multiple of a warp's rows.
+        for (m, k, n) in [(1, 8, 1), (3, 8, 5), (8, 16, 7), (5, 4104, 13)] {
+            let g = MatmulArgs::linear(m, k, n).gemv(BF, BF).unwrap();
+            let cfg = g.config().unwrap();
+            let warps = cfg.grid_dim.0 as usize * BLOCK / 32;
+            assert!(warps * g.rows_per_warp >= n && (warps - BLOCK / 32) * g.rows_per_warp < n, "{g:?}");
+        }
+        // A batch that folds into rows over a shared weight is a Linear layer of batch · m tokens.
+        let shared = MatmulArgs::new(MatrixLayout::row_major(2, 3, 64), MatmulArgs::linear(1, 64, 128).b);
+        assert_eq!(shared.gemv(BF, BF).unwrap().m, 6);
+        // The whole table is reachable.
+        let tiles: Vec<usize> =
+            (1..=8).map(|m| MatmulArgs::linear(m, 64, 64).gemv(BF, BF).unwrap().tile).collect();
+        assert_eq!(tiles, [1, 2, 4, 4, 8, 8, 8, 8]);
+    }
+
+    #[test]
+    fn everything_else_stays_on_the_graph_and_says_why() {
+        let lin = MatmulArgs::linear(1, 4096, 4096);
+        refused(
+            MatmulArgs::linear(9, 4096, 4096).gemv(BF, BF),
+            "9 rows of A (tokens): the GEMV takes at most 8",
+        );
+        refused(MatmulArgs::linear(2048, 4096, 4096).gemv(BF, BF), "2048 rows of A");
+        refused(lin.gemv(DataType::F32, DataType::F32), "f32 inputs");
+        refused(lin.gemv(BF, DataType::F32), "a f32 output: the GEMV writes its input dtype bf16");
+        refused(MatmulArgs::packed(1, 1, 4096, 4096).gemv(BF, BF), "B must be the transposed view");
+        let col_a = MatmulArgs::new(MatrixLayout::column_major(1, 2, 64), MatmulArgs::linear(2, 64, 64).b);
+        refused(col_a.gemv(BF, BF), "A must be row-major");
+        refused(MatmulArgs::packed(2, 1, 64, 64).gemv(BF, BF), "a batch of 2 products");
+        let per_batch_w =
+            MatmulArgs::new(MatrixLayout::row_major(2, 1, 64), MatrixLayout::column_major(2, 64, 64));
+        refused(per_batch_w.gemv(BF, BF), "a batch of 2 products that does not fold");
+        // Strides and k that are not whole 16-byte chunks (the shared check refuses these for bf16 too).
+        let padded = MatmulArgs::new(
+            MatrixLayout::strided([1, 2, 64], [2 * 68, 68, 1]),
+            MatmulArgs::linear(2, 64, 64).b,
+        );
+        refused(padded.gemv(BF, BF), "A's row stride 68 is not a multiple of 8");
+        refused(MatmulArgs::linear(1, 12, 64).gemv(BF, BF), "k 12 is not a multiple of 8");
+        let w_padded =
+            MatmulArgs::new(MatrixLayout::row_major(1, 1, 64), MatrixLayout::strided([1, 64, 4], [0, 1, 66]));
+        refused(w_padded.gemv(BF, BF), "the weight's row stride 66");
+        // One token or one output: its unused stride may be anything.
+        let one = MatmulArgs::new(
+            MatrixLayout::strided([1, 1, 64], [64, 3, 1]),
+            MatrixLayout::strided([1, 64, 1], [0, 1, 5]),
+        );
+        assert_eq!(one.gemv(BF, BF).unwrap().m, 1);
+        // The public check agrees, and so does what the fused backend says it runs.
+        assert!(lin.decode_gemv(BF, BF).is_ok());
+        assert!(MatmulArgs::linear(9, 64, 64).decode_gemv(BF, BF).unwrap_err().is_not_supported());
+        assert_eq!(lin.fused_kernel(BF, BF), MatmulKernel::DecodeGemv);
+        assert_eq!(lin.fused_kernel(DataType::F32, DataType::F32), MatmulKernel::Graph);
+        assert_eq!(MatmulArgs::linear(9, 64, 64).fused_kernel(BF, BF), MatmulKernel::Graph);
+        assert_eq!(lin.with_form(MatmulKernel::Graph).fused_kernel(BF, BF), MatmulKernel::Graph);
+        let forced = MatmulArgs::linear(9, 64, 64).with_form(MatmulKernel::DecodeGemv);
+        assert_eq!(forced.fused_kernel(BF, BF), MatmulKernel::DecodeGemv);
+    }
+
+    #[test]
+    fn activation_codes_match_the_kernel() {
+        let src = include_str!("decode.cu");
+        for a in Activation::ALL {
+            let case = format!("case {}: return epi_{}(v);", activation_code(Some(a)), a.name());
+            assert!(src.contains(&case), "decode.cu lacks `{case}`");
+        }
+        assert_eq!(activation_code(None), 0);
+        for (tile, rows) in TILES {
+            let line = format!("GEMV_KERNEL(sfx, D, {tile}, {rows}, ");
+            assert!(src.contains(&line), "decode.cu lacks the tile `{line}`");
+        }
+        assert!(src.contains(&format!("__launch_bounds__({BLOCK})")));
+    }
+}
