@@ -114,11 +114,11 @@ impl MatmulArgs {
 impl MatmulArgs {
     /// What the fused backend runs for these arguments (given x and W 16-byte aligned): the kernel
     /// asked for ([`MatmulArgs::with_form`]), else the decode GEMV where it takes the call
-    /// ([`MatmulArgs::decode_gemv`]), else the graph.
+    /// ([`MatmulArgs::decode_gemv`]) over at most [`DECODE_GEMV_AUTO_TOKENS`] tokens, else the graph.
     pub fn fused_kernel(&self, dtype: DataType, out: DataType) -> MatmulKernel {
         match self.form {
             Some(kernel) => kernel,
-            None if self.gemv(dtype, out).is_ok() => MatmulKernel::DecodeGemv,
+            None if self.auto_gemv(dtype, out).is_some() => MatmulKernel::DecodeGemv,
             None => MatmulKernel::Graph,
         }
     }
@@ -139,7 +139,7 @@ impl<T: Element, O: Element> Fused<(T, O)> for MatmulArgs {
                 });
             }
             None => {
-                if let Ok(g) = self.gemv(dtype, out) {
+                if let Some(g) = self.auto_gemv(dtype, out) {
                     if launch_gemv(ctx, &g, &mut x)? {
                         return Ok(());
                     }

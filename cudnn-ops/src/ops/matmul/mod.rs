@@ -24,10 +24,11 @@
 //! D, U and R are packed row-major `[batch, m, n]`. The output dtype is the input dtype or f32 (e.g.
 //! logits from bf16 weights); bias, U and R have the output dtype.
 //!
-//! The fused backend runs a Linear layer over at most [`DECODE_GEMV_MAX_TOKENS`] tokens (a decode
+//! The fused backend runs a Linear layer over [`DECODE_GEMV_AUTO_TOKENS`] token (a batch-1 decode
 //! step) with its own kernel, the decode GEMV ([`MatmulKernel::DecodeGemv`]), which streams the weight
-//! once at close to copy bandwidth, every epilogue fused the same way (f32, one rounding); everything
-//! else runs the cuDNN graph. [`MatmulArgs::fused_kernel`] says which runs, [`MatmulArgs::with_form`]
+//! once, every epilogue fused the same way (f32, one rounding); asked for, it takes up to
+//! [`DECODE_GEMV_MAX_TOKENS`] (measured slower than the graph there); everything else runs the cuDNN
+//! graph. [`MatmulArgs::fused_kernel`] says which runs, [`MatmulArgs::with_form`]
 //! forces one, [`MatmulArgs::decode_gemv`] says why the GEMV does not take a call, and
 //! [`Cudnn::kernel_runs`] lists the GEMV shapes a context ran (the plan cache lists the graphs).
 
@@ -41,7 +42,7 @@ pub use backward::{
     linear_backward_data, linear_backward_weight, swiglu_down_backward, DataGrad, LinearGradArgs, SwigluForm,
     SwigluGrads, WeightGrad,
 };
-pub use decode::DECODE_GEMV_MAX_TOKENS;
+pub use decode::{DECODE_GEMV_AUTO_TOKENS, DECODE_GEMV_MAX_TOKENS};
 pub use epilogue::{Activation, Epilogue};
 
 use crate::dtype::{DataType, Element};
