@@ -1,9 +1,11 @@
 //! Training on the GPU (tiny preset): the gradient of every weight tensor against the f64 reference
 //! `llama::reference::train::gradients` for all-naive, all-fused and a mixed selection, with
-//! micro-batches and tied embeddings; two AdamW steps against the f64 AdamW formula applied to the
+//! micro-batches, tied embeddings and activation checkpointing; fused against naive gradients on two
+//! layers of the 1B preset; two AdamW steps against the f64 AdamW formula applied to the
 //! GPU's own gradients; a short memorization run on both backends; a trained model written as a
-//! checkpoint and read back. GPU tests are ignored by default; run them with `--include-ignored` on
-//! a GPU machine. Each prints what it compares before it asserts.
+//! checkpoint and read back; the `train` binary's exit codes, and a short run of it. GPU tests are
+//! ignored by default; run them with `--include-ignored` on a GPU machine. Each prints what it
+//! compares before it asserts.
 
 use cudnn_llm::bench_util::gpu;
 use cudnn_llm::cudnn_ops::reference::backward::{self as rb, AdamWParams};
@@ -14,6 +16,8 @@ use cudnn_llm::llama::train::IGNORE_INDEX;
 use cudnn_llm::llama::weights::{Tensor, Weights};
 use cudnn_llm::llama::{Backends, Batch, LlamaConfig, NoObserver, TrainConfig, Trainer};
 use half::bf16;
+use std::path::PathBuf;
+use std::process::Command;
 
 /// Gradients of a bf16 model against f64. Activations and activation gradients are rounded to bf16
 /// at every op: the f64 reference with every stored tensor rounded so (a CPU emulation, without the
@@ -77,12 +81,13 @@ fn check_gradients(
     cfg: &LlamaConfig,
     w: &Weights<bf16>,
     (b, want_loss, want): (&Batch, f64, &Weights<f64>),
-    sel: &str,
-    micro: usize,
+    (sel, micro, checkpoint): (&str, usize, bool),
     failures: &mut Vec<String>,
 ) {
-    let tag = format!("{} tied {} `{sel}` micro {micro}", cfg.name, cfg.tie_embeddings);
-    let mut t = Trainer::new(ctx, cfg, w, train_config(sel, 1e-3).with_micro_batches(micro)).unwrap();
+    let tag =
+        format!("{} tied {} `{sel}` micro {micro} checkpoint {checkpoint}", cfg.name, cfg.tie_embeddings);
+    let tcfg = train_config(sel, 1e-3).with_micro_batches(micro).with_checkpointing(checkpoint);
+    let mut t = Trainer::new(ctx, cfg, w, tcfg).unwrap();
     t.backward(ctx, b, &mut NoObserver).unwrap();
     let loss = t.backward(ctx, b, &mut NoObserver).unwrap();
     let rel = ((loss - want_loss) / want_loss).abs();
@@ -124,11 +129,60 @@ fn train_gradients_match_the_f64_reference_on_every_backend_mix() {
         let (b4, b8) = (batch(&cfg, 4, 16, 5), batch(&cfg, 8, 16, 11));
         let (l4, g4) = rt::gradients(&cfg, &w64, b4.inputs(), &b4.targets());
         let (l8, g8) = rt::gradients(&cfg, &w64, b8.inputs(), &b8.targets());
-        let runs: &[(&str, usize)] =
-            if tied { &[("fused=all", 1), ("", 2)] } else { &[("", 1), ("fused=all", 2), (mixed, 1)] };
-        for &(sel, micro) in runs {
-            let want = if micro == 1 { (&b4, l4, &g4) } else { (&b8, l8, &g8) };
-            check_gradients(&ctx, &cfg, &w, want, sel, micro, &mut failures);
+        // (selection, micro-batches, activation checkpointing)
+        let runs: &[(&str, usize, bool)] = if tied {
+            &[("fused=all", 1, false), ("", 2, true)]
+        } else {
+            &[("", 1, false), ("fused=all", 2, false), (mixed, 1, true)]
+        };
+        for &run in runs {
+            let want = if run.1 == 1 { (&b4, l4, &g4) } else { (&b8, l8, &g8) };
+            check_gradients(&ctx, &cfg, &w, want, run, &mut failures);
+        }
+    }
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+}
+
+/// Fused against naive on real shapes, where the f64 reference would take minutes: two bf16 paths,
+/// each within `GRAD_TOL` of f64 on the tiny preset.
+const FUSED_VS_NAIVE_TOL: Tolerance = Tolerance::rel_l2(8e-2);
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fused_and_naive_gradients_agree_on_two_layers_of_the_1b_preset() {
+    // Llama-3.2-1B's shapes (GQA 32/8, head dim 64, MLP 8192, a 128256-token vocabulary tied to
+    // lm_head), two layers, with the embedding drawn at transformers' initializer range (0.02) rather
+    // than the random weights' ±1, so that the tied logits do not saturate.
+    let ctx = gpu();
+    let cfg = LlamaConfig::llama_3_2_1b().with_layers(2);
+    let mut w = Weights::<bf16>::random(&cfg, 8);
+    w.embed.data.iter_mut().for_each(|v| *v = bf16::from_f64(v.to_f64() * 0.02 * 3f64.sqrt()));
+    let b = batch(&cfg, 2, 64, 13);
+    let mut grads = Vec::new();
+    for sel in ["fused=all", ""] {
+        let mut t = Trainer::new(&ctx, &cfg, &w, train_config(sel, 1e-3)).unwrap();
+        let start = std::time::Instant::now();
+        let loss = t.backward(&ctx, &b, &mut NoObserver).unwrap();
+        println!("`{sel}`: loss {loss:.5} ({:.1} s with plan builds)", start.elapsed().as_secs_f64());
+        assert!(loss.is_finite() && loss > 5.0, "`{sel}`: loss {loss} (ln 128256 = 11.8 at random)");
+        assert!(t.fallbacks().is_empty(), "`{sel}`: {:?}", t.fallbacks());
+        grads.push((loss, t.gradients(&ctx).unwrap()));
+    }
+    let ((fused_loss, fused), (naive_loss, naive)) = (&grads[0], &grads[1]);
+    assert!(((fused_loss - naive_loss) / naive_loss).abs() < LOSS_TOL, "loss {fused_loss} vs {naive_loss}");
+    let mut failures = Vec::new();
+    for ((name, _), (f, n)) in
+        Weights::<bf16>::names(&cfg).iter().zip(tensors(fused).into_iter().zip(tensors(naive)))
+    {
+        // The embedding's 262M elements: every 61st (a stride prime to the row length).
+        let step = if f.len() > 100_000_000 { 61 } else { 1 };
+        let got: Vec<f32> = f.data.iter().step_by(step).copied().collect();
+        let want: Vec<f64> = n.data.iter().step_by(step).map(|&v| v as f64).collect();
+        let c = compare(&got, &want);
+        let ok = c.passes(FUSED_VS_NAIVE_TOL);
+        println!("{} {name}: {c}", if ok { "ok  " } else { "FAIL" });
+        if !ok {
+            failures.push(format!("{name}: {c}"));
         }
     }
     assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
@@ -294,5 +348,69 @@ fn trained_weights_save_as_a_checkpoint_that_loads_back() {
     assert_eq!(back_cfg, named);
     let back = Weights::<bf16>::load(&back_cfg, &dir).unwrap();
     assert_eq!(back, trained);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The `train` binary, where cargo built it or staged beside this test; `None` (said as SKIPPED)
+/// when neither.
+fn binary() -> Option<PathBuf> {
+    let found = cudnn_llm::bench_util::package_binary(env!("CARGO_BIN_EXE_train"), "train");
+    if found.is_none() {
+        eprintln!("SKIPPED: no train binary where cargo built it or staged beside this test");
+    }
+    found
+}
+
+#[test]
+fn the_binary_refuses_bad_options_with_exit_2_and_runs_without_a_gpu_only_to_say_so() {
+    let Some(bin) = binary() else { return };
+    for (args, expected) in [
+        (&["--preset", "gpt2"][..], "--preset gpt2: expected one of"),
+        (&["--batch", "3", "--seq", "5"], "the weight gradients need a multiple of 8"),
+        // The layer range is checked against the model (tiny: 2 layers) before any GPU work.
+        (&["--fuse", "fused=all;naive=mlp@2"], "--fuse: backends: `naive=mlp@2` reaches past layer 1"),
+        (&["--layers", "3"], "--layers 3: the model has 2 layers"),
+        (&["--symbols", "600"], "--symbols 600 exceeds the vocabulary of 512"),
+    ] {
+        let out = Command::new(&bin).args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(expected) && !err.contains("panicked"), "{args:?}: {err}");
+    }
+    if cudnn_llm::Cudnn::new(0).is_ok() {
+        eprintln!("SKIPPED the no-GPU case: this machine has a GPU");
+        return;
+    }
+    let csv = std::env::temp_dir().join(format!("train-no-gpu-{}.csv", std::process::id()));
+    let out = Command::new(&bin).args(["--steps", "1", "--csv", &csv.to_string_lossy()]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("cannot run without a usable GPU") && !err.contains("panicked"), "{err}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_binary_trains_writes_its_csv_and_saves_a_checkpoint() {
+    let Some(bin) = binary() else { panic!("the train binary was not built") };
+    let dir = std::env::temp_dir().join(format!("cudnn-llm-train-bin-{}", std::process::id()));
+    let (csv, out_dir) = (dir.join("loss.csv"), dir.join("model"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let args = "--steps 8 --batch 4 --seq 16 --micro-batches 2 --symbols 16 --clip 1 --checkpoint".split(' ');
+    let out = Command::new(&bin)
+        .args(args)
+        .args(["--csv", &csv.to_string_lossy(), "--save", &out_dir.to_string_lossy()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    println!("{err}");
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let text = std::fs::read_to_string(&csv).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 1 + 8, "a header and one row per step:\n{text}");
+    assert!(lines[0].starts_with("step,loss,grad_norm,"), "{}", lines[0]);
+    let loss = |line: &str| line.split(',').nth(1).unwrap().parse::<f64>().unwrap();
+    assert!(loss(lines[8]) < loss(lines[1]), "the loss falls over 8 steps:\n{text}");
+    let cfg = LlamaConfig::from_dir(&out_dir).unwrap();
+    Weights::<bf16>::load(&cfg, &out_dir).unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
 }

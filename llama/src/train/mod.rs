@@ -38,9 +38,9 @@
 //! the gradient norm and AdamW, which belong to no module kind, run on
 //! [`TrainConfig::standalone`].
 //!
-//! Activation checkpointing would recompute a layer's saved activations (its fields of the layer's
-//! `Saved` structs) from the stream's buffer at the layer's input before the layer's backward: the
-//! forward of a layer reads only that buffer and the layer's weights.
+//! With activation checkpointing ([`TrainConfig::checkpoint`]) the forward keeps only the stream at
+//! each layer's input; before a layer's backward its forward runs again from there (its `fwd.`
+//! ranges appear inside the backward), into one layer's worth of saved activations.
 
 mod attention;
 mod head;
@@ -130,6 +130,10 @@ pub struct TrainConfig {
     pub micro_batches: usize,
     /// f32 master weights that AdamW updates (the model's bf16 weights are their rounding).
     pub master_weights: bool,
+    /// Activation checkpointing: keep only each layer's input and recompute the layer's other
+    /// activations before its backward (one layer's activations in memory instead of all, for one
+    /// more forward of the layers).
+    pub checkpoint: bool,
     /// The backend of each module, forward and backward.
     pub backends: Backends,
     /// The backend of the ops outside the module kinds: the embedding's backward, the gradient norm
@@ -139,7 +143,7 @@ pub struct TrainConfig {
 
 impl TrainConfig {
     /// AdamW with learning rate `lr`, betas (0.9, 0.95), eps 1e-8, no weight decay, no clipping, one
-    /// micro-batch, no master weights, everything fused.
+    /// micro-batch, no master weights, no activation checkpointing, everything fused.
     pub fn new(lr: f64) -> Self {
         TrainConfig {
             lr,
@@ -149,6 +153,7 @@ impl TrainConfig {
             clip: None,
             micro_batches: 1,
             master_weights: false,
+            checkpoint: false,
             backends: Backends::all(Backend::Fused),
             standalone: Backend::Fused,
         }
@@ -182,6 +187,11 @@ impl TrainConfig {
     /// With (or without) f32 master weights.
     pub fn with_master_weights(self, master_weights: bool) -> Self {
         TrainConfig { master_weights, ..self }
+    }
+
+    /// With (or without) activation checkpointing.
+    pub fn with_checkpointing(self, checkpoint: bool) -> Self {
+        TrainConfig { checkpoint, ..self }
     }
 
     /// With the modules' backends.

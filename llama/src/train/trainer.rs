@@ -5,7 +5,7 @@ use super::attention::{self, Attention};
 use super::linear::identities;
 use super::mlp::{self, Mlp};
 use super::norm::{Norm, NormGrad};
-use super::params::{split, Ids, Params};
+use super::params::{split, Ids, Layer, Params};
 use super::{head, Batch, Pass, StepStats, TrainConfig, IGNORE_INDEX};
 use crate::backends::Site;
 use crate::config::LlamaConfig;
@@ -43,10 +43,13 @@ struct LayerActs<T> {
 struct Acts<T> {
     batch: usize,
     seq: usize,
+    /// Activation checkpointing: one layer's saved activations, recomputed in the backward.
+    checkpoint: bool,
     ids: CudaSlice<u32>,
     targets: CudaSlice<i32>,
     /// The residual stream at each layer's input, then after the last layer.
     xs: Vec<CudaSlice<T>>,
+    /// Each layer's saved activations, or one layer's with checkpointing.
     layers: Vec<LayerActs<T>>,
     /// The output norm's output and inverse RMS.
     y: CudaSlice<T>,
@@ -64,7 +67,7 @@ struct Acts<T> {
 }
 
 impl<T: Element> Acts<T> {
-    fn new(ctx: &Cudnn, cfg: &LlamaConfig, batch: usize, seq: usize) -> Result<Self> {
+    fn new(ctx: &Cudnn, cfg: &LlamaConfig, batch: usize, seq: usize, checkpoint: bool) -> Result<Self> {
         let rows = batch * seq;
         let s = ctx.stream();
         let t = |n: usize| s.alloc_zeros::<T>(n).map_err(ops_err);
@@ -86,10 +89,11 @@ impl<T: Element> Acts<T> {
         Ok(Acts {
             batch,
             seq,
+            checkpoint,
             ids: s.alloc_zeros::<u32>(rows).map_err(ops_err)?,
             targets: s.alloc_zeros::<i32>(rows).map_err(ops_err)?,
             xs: (0..=cfg.layers).map(|_| t(rows * h)).collect::<Result<_>>()?,
-            layers: (0..cfg.layers).map(|_| layer()).collect::<Result<_>>()?,
+            layers: (0..if checkpoint { 1 } else { cfg.layers }).map(|_| layer()).collect::<Result<_>>()?,
             y: t(rows * h)?,
             inv: f(rows)?,
             logits: t(rows * cfg.vocab)?,
@@ -341,7 +345,7 @@ impl<T: Element> Trainer<T> {
         }
         if self.acts.as_ref().is_none_or(|a| (a.batch, a.seq) != (per, seq)) {
             self.acts = None;
-            self.acts = Some(Acts::new(ctx, &self.cfg, per, seq)?);
+            self.acts = Some(Acts::new(ctx, &self.cfg, per, seq, self.tcfg.checkpoint)?);
         }
         let counted: usize = micro.iter().map(|m| m.counted).sum();
         let Trainer { cfg, tcfg, params, rope, acts, eye, losses, fallbacks, .. } = self;
@@ -477,8 +481,26 @@ fn check_shapes<T: Element>(cfg: &LlamaConfig, w: &Weights<T>) -> Result<()> {
     Ok(())
 }
 
+/// Layer `l`'s forward from `x`, saving into `s`, writing the next layer's input into `x_next`.
+fn layer_forward<T: Element>(
+    p: &mut Pass<'_, T>,
+    l: usize,
+    w: &Layer<&CudaSlice<T>>,
+    x: &CudaSlice<T>,
+    s: &mut LayerActs<T>,
+    x_next: &mut CudaSlice<T>,
+) -> Result<()> {
+    let attn_norm = Norm { site: Site::ATTN_PRENORM, layer: Some(l) };
+    attn_norm.forward(p, w.attn_norm, x, &mut s.attn.h, &mut s.attn.inv)?;
+    Attention { layer: l }.forward(p, w, x, &mut s.attn, &mut s.x_mid)?;
+    let mlp_norm = Norm { site: Site::MLP_PRENORM, layer: Some(l) };
+    mlp_norm.forward(p, w.mlp_norm, &s.x_mid, &mut s.mlp.h, &mut s.mlp.inv)?;
+    Mlp { layer: l }.forward(p, w, &s.x_mid, &mut s.mlp, x_next)
+}
+
 /// One micro-batch's forward, the loss and its gradient (into `loss[0]`, the gradient scaled by
-/// `grad_scale`).
+/// `grad_scale`). With activation checkpointing every layer saves into the one slot, which the
+/// backward refills layer by layer.
 fn forward<T: Element>(
     p: &mut Pass<'_, T>,
     ids: &Ids,
@@ -487,28 +509,12 @@ fn forward<T: Element>(
     loss: &mut dyn DevicePtrMut<f32>,
     grad_scale: f32,
 ) -> Result<()> {
-    let layers = a.layers.len();
+    let layers = a.xs.len() - 1;
     head::embed(p, &a.ids, &values[ids.embed()], &mut a.xs[0])?;
-    for (l, s) in a.layers.iter_mut().enumerate() {
-        let w = ids.layer(values, l);
+    for l in 0..layers {
+        let slot = if a.checkpoint { 0 } else { l };
         let (before, after) = a.xs.split_at_mut(l + 1);
-        let (x, x_next) = (&before[l], &mut after[0]);
-        Norm { site: Site::ATTN_PRENORM, layer: Some(l) }.forward(
-            p,
-            w.attn_norm,
-            x,
-            &mut s.attn.h,
-            &mut s.attn.inv,
-        )?;
-        Attention { layer: l }.forward(p, &w, x, &mut s.attn, &mut s.x_mid)?;
-        Norm { site: Site::MLP_PRENORM, layer: Some(l) }.forward(
-            p,
-            w.mlp_norm,
-            &s.x_mid,
-            &mut s.mlp.h,
-            &mut s.mlp.inv,
-        )?;
-        Mlp { layer: l }.forward(p, &w, &s.x_mid, &mut s.mlp, x_next)?;
+        layer_forward(p, l, &ids.layer(values, l), &before[l], &mut a.layers[slot], &mut after[0])?;
     }
     let output_norm = Norm { site: Site::OUTPUT_NORM, layer: None };
     output_norm.forward(p, &values[ids.norm()], &a.xs[layers], &mut a.y, &mut a.inv)?;
@@ -527,6 +533,7 @@ fn backward<T: Element>(
 ) -> Result<()> {
     let Acts {
         ids: tokens,
+        checkpoint,
         xs,
         layers,
         y,
@@ -542,12 +549,22 @@ fn backward<T: Element>(
     let (head_id, norm_id) = (ids.head(), ids.norm());
     head::lm_head_backward(p, &values[head_id], y, logits, dh, &mut grads[head_id])?;
     let output_norm = Norm { site: Site::OUTPUT_NORM, layer: None };
-    let x = &xs[layers.len()];
+    let count = xs.len() - 1;
     let (w, grad, dx) = (&values[norm_id], &mut grads[norm_id], g.first_mut());
-    let (inv, dy) = (&*inv, &*dh);
+    let (x, inv, dy) = (&xs[count], &*inv, &*dh);
     output_norm.backward(p, NormGrad { w, x, inv, dy, residual: None, dx, dweight: &mut *dweight, grad })?;
-    for (l, s) in layers.iter().enumerate().rev() {
+    for l in (0..count).rev() {
         let w = ids.layer(values, l);
+        let slot = if *checkpoint {
+            // Recompute the layer's activations from its input (rewriting the next layer's input,
+            // which the backward has read already).
+            let (before, after) = xs.split_at_mut(l + 1);
+            layer_forward(p, l, &w, &before[l], &mut layers[0], &mut after[0])?;
+            0
+        } else {
+            l
+        };
+        let s = &layers[slot];
         let mut gr = ids.layer_mut(grads, l);
         Mlp { layer: l }.backward(p, &w, &mut gr, &s.mlp, g.get(), mlp_scratch, dh)?;
         let mlp_norm = Norm { site: Site::MLP_PRENORM, layer: Some(l) };

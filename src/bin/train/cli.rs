@@ -73,6 +73,10 @@ pub struct Options {
     /// Keep f32 master weights for AdamW (the model runs their bf16 rounding).
     #[arg(long)]
     pub master_weights: bool,
+    /// Activation checkpointing: recompute each layer's activations in the backward (one layer's in
+    /// memory instead of all).
+    #[arg(long)]
+    pub checkpoint: bool,
     /// Modules to fuse, forward and backward, e.g. `fused=all`, `fused=all;naive=rope@0-3`, or `` for
     /// all naive.
     #[arg(long, default_value = "fused=all")]
@@ -156,6 +160,7 @@ impl Options {
             .with_weight_decay(self.weight_decay)
             .with_micro_batches(self.micro_batches)
             .with_master_weights(self.master_weights)
+            .with_checkpointing(self.checkpoint)
             .with_backends(backends)
             .with_standalone(standalone);
         if let Some(c) = self.clip {
@@ -183,11 +188,10 @@ mod tests {
         assert_eq!(p.start, Start::Random(LlamaConfig::tiny()));
         assert_eq!(p.train.backends, Backends::all(Backend::Fused));
         assert_eq!((p.train.lr, p.train.clip, p.train.standalone), (3e-3, None, Backend::Fused));
-        let p = parse(&["--fuse", "", "--standalone", "naive", "--clip", "1", "--micro-batches", "2"])
-            .unwrap()
-            .resolve()
-            .unwrap();
-        assert_eq!((p.train.clip, p.train.micro_batches), (Some(1.0), 2));
+        let args =
+            ["--fuse", "", "--standalone", "naive", "--clip", "1", "--micro-batches", "2", "--checkpoint"];
+        let p = parse(&args).unwrap().resolve().unwrap();
+        assert_eq!((p.train.clip, p.train.micro_batches, p.train.checkpoint), (Some(1.0), 2, true));
         assert_eq!(p.train.backends, Backends::all(Backend::Naive));
         let p = parse(&["--model", "dir"]).unwrap().resolve().unwrap();
         assert_eq!(p.start, Start::Checkpoint("dir".into()));

@@ -4,6 +4,9 @@
 //! tokens/s as it goes; writes each step to a CSV (`--csv`) and, with `--save DIR`, the trained
 //! model as a checkpoint.
 //!
+//! A preset starts from `Weights::random` with the embedding scaled to transformers' initializer range
+//! (std 0.02).
+//!
 //! Exit codes: 0 done; 2 bad options or unreadable inputs (checkpoint, text, tokenizer); 1 no usable
 //! GPU, or a failure while training.
 
@@ -21,6 +24,9 @@ mod cli;
 use cli::{Options, Plan, Start};
 
 type Error = Box<dyn std::error::Error>;
+
+/// The standard deviation of a random model's embedding (transformers' `initializer_range`).
+const EMBED_STD: f64 = 0.02;
 
 /// The model to train and the sequences to train it on.
 struct Input {
@@ -79,10 +85,18 @@ fn read_input(opts: &Options, plan: &Plan) -> Result<Input, String> {
         }
         config = config.with_layers(n);
     }
+    plan.train.backends.check_layers(config.layers).map_err(|e| format!("--fuse: {e}"))?;
     let weights = match checkpoint {
         // The config's layers: a checkpoint's later layers are not read.
         Some(dir) => Weights::<bf16>::load(&config, dir).map_err(|e| e.to_string())?,
-        None => Weights::<bf16>::random(&config, opts.seed),
+        None => {
+            // The random weights' embedding is uniform in ±1; transformers initializes it with std
+            // `initializer_range` 0.02, which keeps a tied lm_head's first logits from saturating.
+            let mut w = Weights::<bf16>::random(&config, opts.seed);
+            let scale = EMBED_STD * 3f64.sqrt();
+            w.embed.data.iter_mut().for_each(|v| *v = bf16::from_f64(v.to_f64() * scale));
+            w
+        }
     };
     let sequences = match (&opts.text, &opts.tokenizer) {
         (Some(text), Some(tok)) => {
