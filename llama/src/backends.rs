@@ -135,6 +135,29 @@ impl Site {
         Site::OUTPUT_NORM,
         Site::LM_HEAD,
     ];
+
+    /// The backward of each site of [`Site::ALL`], in the same order: the same kind (so a selection
+    /// picks one backend for a module's forward and backward) under the range `bwd.` + the forward's
+    /// name without `fwd.` (`bwd.layer.mlp.mlp`, ...).
+    pub const BACKWARD: [Site; 9] = [
+        Site { range: "bwd.layer.attn.prenorm", kind: ModuleKind::Prenorm },
+        Site { range: "bwd.layer.attn.qkv_proj", kind: ModuleKind::QkvProj },
+        Site { range: "bwd.layer.attn.rope", kind: ModuleKind::Rope },
+        Site { range: "bwd.layer.attn.gqa", kind: ModuleKind::Gqa },
+        Site { range: "bwd.layer.attn.o_proj", kind: ModuleKind::OProj },
+        Site { range: "bwd.layer.mlp.prenorm", kind: ModuleKind::Prenorm },
+        Site { range: "bwd.layer.mlp.mlp", kind: ModuleKind::Mlp },
+        Site { range: "bwd.output_norm", kind: ModuleKind::OutputNorm },
+        Site { range: "bwd.lm_head", kind: ModuleKind::LmHead },
+    ];
+
+    /// The backward of this forward site ([`Site::BACKWARD`]); a backward site is its own.
+    pub fn backward(self) -> Site {
+        match Site::ALL.iter().position(|s| *s == self) {
+            Some(i) => Site::BACKWARD[i],
+            None => self,
+        }
+    }
 }
 
 /// A backend per module kind, with per-layer overrides.
@@ -444,5 +467,15 @@ mod tests {
             }
         }
         assert_eq!(order, ModuleKind::ALL);
+    }
+
+    #[test]
+    fn backward_sites_mirror_the_forward_ones() {
+        for (f, b) in Site::ALL.iter().zip(Site::BACKWARD) {
+            assert_eq!(f.backward(), b);
+            assert_eq!(b.backward(), b);
+            assert_eq!(b.kind, f.kind);
+            assert_eq!(b.range.strip_prefix("bwd."), f.range.strip_prefix("fwd."), "{}", b.range);
+        }
     }
 }

@@ -310,6 +310,56 @@ impl LlamaConfig {
         Ok(cfg)
     }
 
+    /// A Hugging Face `config.json` of this model (transformers 4.x keys, as `save_pretrained` writes
+    /// them for a `LlamaForCausalLM`), which [`LlamaConfig::from_hf_json`] reads back as this config
+    /// (all but the name, which comes from the directory) and transformers loads beside a checkpoint
+    /// written by [`crate::weights::Weights::save`]. `dtype` is the checkpoint's (`torch_dtype`).
+    pub fn to_hf_json(&self, dtype: cudnn_llm_ops::DataType) -> String {
+        let rope_scaling = match self.rope_scaling {
+            None => Value::Null,
+            Some(s) => serde_json::json!({
+                "rope_type": "llama3",
+                "factor": s.factor,
+                "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position,
+            }),
+        };
+        let eos = match self.eos_token_ids.as_slice() {
+            [] => Value::Null,
+            [one] => Value::from(*one),
+            many => Value::from(many.to_vec()),
+        };
+        let torch_dtype = match dtype {
+            cudnn_llm_ops::DataType::BF16 => "bfloat16",
+            cudnn_llm_ops::DataType::F16 => "float16",
+            _ => "float32",
+        };
+        let json = serde_json::json!({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": self.hidden,
+            "intermediate_size": self.ffn,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab,
+            "rms_norm_eps": self.rms_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": rope_scaling,
+            "tie_word_embeddings": self.tie_embeddings,
+            "max_position_embeddings": self.max_positions,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos,
+            "hidden_act": "silu",
+            "attention_bias": false,
+            "mlp_bias": false,
+            "torch_dtype": torch_dtype,
+        });
+        serde_json::to_string_pretty(&json).expect("a JSON value serializes")
+    }
+
     /// Checks that the shape is one this crate runs: everything non-zero, heads divisible by KV heads,
     /// head dim a multiple of 8 (fused attention) and even (RoPE); sizes within [`MAX_LAYERS`],
     /// [`MAX_DIM`], [`MAX_VOCAB`], [`MAX_POSITIONS`] and [`MAX_TENSOR_ELEMENTS`], so that every derived
@@ -634,6 +684,19 @@ fn describe(s: Option<RopeScaling>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn configs_written_as_hf_json_read_back_equal() {
+        let untied = LlamaConfig { rope_scaling: None, eos_token_ids: vec![7], ..LlamaConfig::tiny() };
+        for cfg in [LlamaConfig::llama_3_2_1b(), LlamaConfig::llama_3_1_8b(), LlamaConfig::tiny(), untied] {
+            let json = cfg.to_hf_json(cudnn_llm_ops::DataType::BF16);
+            let back = LlamaConfig::from_hf_json(&cfg.name, &json).unwrap();
+            assert_eq!(back, cfg, "{json}");
+            let v: Value = serde_json::from_str(&json).unwrap();
+            assert_eq!(v["architectures"][0], "LlamaForCausalLM");
+            assert_eq!(v["torch_dtype"], "bfloat16");
+        }
+    }
 
     #[test]
     fn presets_have_the_published_shapes() {

@@ -14,7 +14,8 @@
 //! | [`rope`] | Llama-3 RoPE frequencies and the cos/sin tables |
 //! | [`roofline`] | the bytes a decode step reads, its memory floor |
 //! | [`trace`] | an observer recording NVTX ranges, CUDA events and host timestamps per module call |
-//! | [`reference`](mod@reference) | an f64 CPU forward of the whole model, for tests |
+//! | [`train`] | training: the forward that saves activations, the loss, the backward through every module, gradient accumulation, clipping, AdamW ([`Trainer`]) |
+//! | [`reference`](mod@reference) | an f64 CPU forward of the whole model, and the training loss with its gradients, for tests |
 #![deny(missing_docs, rustdoc::broken_intra_doc_links)]
 
 pub mod backends;
@@ -29,6 +30,7 @@ pub mod rope;
 pub mod sampling;
 pub mod tokenizer;
 pub mod trace;
+pub mod train;
 pub mod weights;
 
 pub use backends::{Backends, ModuleKind, Site};
@@ -38,6 +40,7 @@ pub use generate::{DecodeMode, Generation, Generator, StopReason};
 pub use model::{DecodeGraph, Fallback, KvCache, Llama, NoObserver, Observer};
 pub use sampling::{Sampler, SamplingParams};
 pub use tokenizer::Tokenizer;
+pub use train::{Batch, StepStats, TrainConfig, Trainer};
 
 /// Result alias of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -64,6 +67,9 @@ pub enum Error {
     /// A generation request that does not fit the generator (an empty prompt, a cache too small).
     #[error("generate: {0}")]
     Generate(String),
+    /// A training batch or configuration the trainer does not take (the message names what).
+    #[error("train: {0}")]
+    Train(String),
     /// A cuDNN, CUDA or argument error from the ops layer.
     #[error(transparent)]
     Ops(#[from] cudnn_llm_ops::Error),

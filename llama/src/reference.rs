@@ -1,5 +1,8 @@
 //! The whole model in f64 on the CPU, written the way Hugging Face's `LlamaForCausalLM` computes it, for
-//! checking GPU forwards on small configs (the tiny preset).
+//! checking GPU forwards on small configs (the tiny preset); [`train`] adds the training loss and its
+//! gradients.
+
+pub mod train;
 
 use crate::config::LlamaConfig;
 use crate::rope;

@@ -71,6 +71,22 @@ pub struct LayerWeights<T> {
 }
 
 impl<T> LayerWeights<T> {
+    /// The nine tensors in [`Weights::names`] order, mutably.
+    #[cfg(test)]
+    fn tensors_mut(&mut self) -> [&mut Tensor<T>; 9] {
+        [
+            &mut self.attn_norm,
+            &mut self.q_proj,
+            &mut self.k_proj,
+            &mut self.v_proj,
+            &mut self.o_proj,
+            &mut self.mlp_norm,
+            &mut self.gate_proj,
+            &mut self.up_proj,
+            &mut self.down_proj,
+        ]
+    }
+
     /// The nine tensors in [`Weights::names`] order.
     fn tensors(&self) -> [&Tensor<T>; 9] {
         [
@@ -226,8 +242,9 @@ impl<T: Element> Weights<T> {
         Ok(Self::from_tensors(cfg, tensors))
     }
 
-    /// Writes one `safetensors` file at `path` with Hugging Face names, in `dtype` (bf16, f16 or f32).
-    /// The weights must have the shapes [`Weights::names`] gives for `cfg`.
+    /// Writes one `safetensors` file at `path` with Hugging Face names, in `dtype` (bf16, f16 or f32),
+    /// with the metadata `{"format": "pt"}` that `save_pretrained` writes (transformers checks it). The
+    /// weights must have the shapes [`Weights::names`] gives for `cfg`.
     pub fn save(&self, cfg: &LlamaConfig, path: &Path, dtype: DataType) -> Result<()> {
         let names = Self::names(cfg);
         let tensors: Vec<&Tensor<T>> = self.tensors().collect();
@@ -255,7 +272,9 @@ impl<T: Element> Weights<T> {
                 Ok((name, TensorView::new(file_dtype, shape, b).map_err(st_fail(path))?))
             })
             .collect::<Result<Vec<_>>>()?;
-        safetensors::serialize_to_file(views, None, path).map_err(st_fail(path))
+        // transformers refuses a safetensors file whose metadata names another format than its own.
+        let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+        safetensors::serialize_to_file(views, Some(metadata), path).map_err(st_fail(path))
     }
 
     /// Total elements over all tensors.
@@ -267,17 +286,30 @@ impl<T: Element> Weights<T> {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
 
+/// What needs no arithmetic on the elements (so also host tensors of f64, as the CPU references
+/// compute them).
+impl<T> Weights<T> {
     /// Every tensor in [`Weights::names`] order.
-    fn tensors(&self) -> impl Iterator<Item = &Tensor<T>> {
+    pub(crate) fn tensors(&self) -> impl Iterator<Item = &Tensor<T>> {
         std::iter::once(&self.embed)
             .chain(self.layers.iter().flat_map(LayerWeights::tensors))
             .chain(std::iter::once(&self.norm))
             .chain(self.lm_head.as_ref())
     }
 
+    /// Every tensor in [`Weights::names`] order, mutably.
+    #[cfg(test)]
+    pub(crate) fn tensors_mut(&mut self) -> impl Iterator<Item = &mut Tensor<T>> {
+        std::iter::once(&mut self.embed)
+            .chain(self.layers.iter_mut().flat_map(LayerWeights::tensors_mut))
+            .chain(std::iter::once(&mut self.norm))
+            .chain(self.lm_head.as_mut())
+    }
+
     /// Assembles weights from tensors given in [`Weights::names`] order.
-    fn from_tensors(cfg: &LlamaConfig, tensors: impl IntoIterator<Item = Tensor<T>>) -> Self {
+    pub(crate) fn from_tensors(cfg: &LlamaConfig, tensors: impl IntoIterator<Item = Tensor<T>>) -> Self {
         let mut it = tensors.into_iter();
         let mut next = || it.next().expect("one tensor per name");
         let embed = next();
@@ -599,6 +631,10 @@ mod tests {
         for dtype in [DataType::BF16, DataType::F16, DataType::F32] {
             let file = dir.0.join(format!("{dtype}.safetensors"));
             w.save(&cfg, &file, dtype).unwrap();
+            let bytes = std::fs::read(&file).unwrap();
+            let (_, meta) = SafeTensors::read_metadata(&bytes).unwrap();
+            let format = meta.metadata().as_ref().and_then(|m| m.get("format")).map(String::as_str);
+            assert_eq!(format, Some("pt"), "transformers reads this metadata");
             let as_f32 = Weights::<f32>::load(&cfg, &file).unwrap();
             let in_file: Vec<f64> = all_f64(&w).iter().map(|&v| round(v, dtype)).collect();
             assert_eq!(all_f64(&as_f32), in_file, "{dtype} into f32");

@@ -96,6 +96,63 @@ impl<'a> Dispatch<'a> {
         self.obs.end(range, layer);
         Ok(result?)
     }
+
+    /// Runs a module call made of several op calls (a module's backward) at `site` of `layer`,
+    /// inside the site's range: `body` runs each op through [`Ops::run`], on the backend
+    /// [`Backends`] selects. A fused op that cuDNN cannot run runs naive on its own, and is recorded
+    /// as the module's fallback for `shape` (once); the module's later ops, and its later calls of
+    /// that shape, run naive. Unlike [`Dispatch::run`], nothing is run twice: an op refuses before it
+    /// writes, but the ops before it have run, and some add to gradient buffers.
+    pub(crate) fn run_each(
+        &mut self,
+        site: Site,
+        layer: Option<usize>,
+        shape: &str,
+        body: impl FnOnce(&mut Ops<'_>) -> Result<()>,
+    ) -> Result<()> {
+        let Site { range, kind } = site;
+        self.obs.begin(range, layer);
+        let mut backend = self.backends.get(layer, kind);
+        let key = (range, layer, shape.to_string());
+        if backend == Backend::Fused && self.fallbacks.unsupported.contains(&key) {
+            backend = Backend::Naive;
+        }
+        let mut ops = Ops { backend, fallbacks: &mut *self.fallbacks, key };
+        let result = body(&mut ops);
+        self.obs.end(range, layer);
+        result
+    }
+}
+
+/// The op calls of one module call ([`Dispatch::run_each`]): the backend they run on, and where a
+/// fused op that falls back is recorded.
+pub(crate) struct Ops<'a> {
+    backend: Backend,
+    fallbacks: &'a mut Fallbacks,
+    key: (&'static str, Option<usize>, String),
+}
+
+impl Ops<'_> {
+    /// The backend the module's next op runs on.
+    pub(crate) fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// Runs one op call on the module's backend; a fused `NotSupported` is recorded (the module's
+    /// first only) and the op, and every later one of the module, runs naive.
+    pub(crate) fn run(&mut self, mut launch: impl FnMut(Backend) -> cudnn_llm_ops::Result<()>) -> Result<()> {
+        match launch(self.backend) {
+            Err(e) if self.backend == Backend::Fused && e.is_not_supported() => {
+                let (range, layer, shape) = self.key.clone();
+                if self.fallbacks.unsupported.insert(self.key.clone()) {
+                    self.fallbacks.list.push(Fallback { range, layer, shape, reason: e.to_string() });
+                }
+                self.backend = Backend::Naive;
+                Ok(launch(Backend::Naive)?)
+            }
+            other => Ok(other?),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -180,5 +237,54 @@ mod tests {
         let mut dispatch = Dispatch::new(&mut fallbacks, &naive, &mut log);
         assert_eq!(dispatch.observe("fwd.embed", None, || 7), 7);
         assert_eq!(log.0[log.0.len() - 2..], ["+fwd.embed@None", "-fwd.embed@None"]);
+    }
+
+    #[test]
+    fn a_module_of_several_ops_falls_back_op_by_op_without_running_any_twice() {
+        let (mut fallbacks, mut log) = (Fallbacks::default(), Log::default());
+        let backends = Backends::all(Backend::Fused);
+        let not_supported = || cudnn_llm_ops::Error::NotSupported { op: "mlp".into(), reason: "no".into() };
+        let site = Site::MLP.backward();
+        // Op 0 runs fused, op 1 refuses fused and runs naive, op 2 runs naive: each op's work once.
+        let mut ran = Vec::new();
+        let mut dispatch = Dispatch::new(&mut fallbacks, &backends, &mut log);
+        dispatch
+            .run_each(site, Some(1), "64 tokens", |ops| {
+                for op in 0..3 {
+                    ops.run(|b| {
+                        if op == 1 && b == Backend::Fused {
+                            return Err(not_supported());
+                        }
+                        ran.push((op, b));
+                        Ok(())
+                    })?;
+                }
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(ran, vec![(0, Backend::Fused), (1, Backend::Naive), (2, Backend::Naive)]);
+        assert_eq!(fallbacks.list.len(), 1);
+        let f = &fallbacks.list[0];
+        assert_eq!((f.range, f.layer, f.shape.as_str()), ("bwd.layer.mlp.mlp", Some(1), "64 tokens"));
+        assert_eq!(log.0, ["+bwd.layer.mlp.mlp@Some(1)", "-bwd.layer.mlp.mlp@Some(1)"]);
+        // The next call of that shape starts naive; another layer starts fused; errors pass through
+        // and the range still closes.
+        let mut seen = Vec::new();
+        let mut dispatch = Dispatch::new(&mut fallbacks, &backends, &mut log);
+        for layer in [1, 2] {
+            dispatch
+                .run_each(site, Some(layer), "64 tokens", |ops| {
+                    seen.push(ops.backend());
+                    Ok(())
+                })
+                .unwrap();
+        }
+        assert_eq!(seen, vec![Backend::Naive, Backend::Fused]);
+        let e = dispatch.run_each(site, Some(0), "64 tokens", |ops| {
+            ops.run(|_| Err(cudnn_llm_ops::Error::InvalidArgument("bad".into())))
+        });
+        assert!(matches!(e, Err(Error::Ops(cudnn_llm_ops::Error::InvalidArgument(_)))));
+        assert_eq!(log.0.last().unwrap(), "-bwd.layer.mlp.mlp@Some(0)");
+        assert_eq!(fallbacks.list.len(), 1);
     }
 }

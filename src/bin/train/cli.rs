@@ -1,0 +1,222 @@
+//! Command-line options of `train` (parsed with clap; checked without a GPU).
+
+use clap::Parser;
+use cudnn_llm_llama::config::PRESETS;
+use cudnn_llm_llama::{Backend, Backends, LlamaConfig, TrainConfig};
+use std::path::PathBuf;
+
+/// What to train, on what, with which hyperparameters and backends.
+#[derive(Debug, Clone, PartialEq, Parser)]
+#[command(
+    name = "train",
+    about = "Train a Llama-3 model on fused cuDNN graphs or naive kernels, module by module"
+)]
+pub struct Options {
+    /// Checkpoint directory to start from (config.json, model.safetensors or an index and shards);
+    /// without it, a preset with seeded random weights.
+    #[arg(long, conflicts_with = "preset")]
+    pub model: Option<PathBuf>,
+    /// Preset of a randomly initialized model: tiny, llama-3.2-1b or llama-3.1-8b.
+    #[arg(long, default_value = "tiny")]
+    pub preset: String,
+    /// Keep only the first N decoder layers (of the preset or the checkpoint).
+    #[arg(long)]
+    pub layers: Option<usize>,
+    /// Seed of the random weights and of the synthetic sequences.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Train on this text file (tokenized with --tokenizer, cut into --seq-token sequences) instead of
+    /// synthetic sequences.
+    #[arg(long, requires = "tokenizer")]
+    pub text: Option<PathBuf>,
+    /// tokenizer.json for --text.
+    #[arg(long, requires = "text")]
+    pub tokenizer: Option<PathBuf>,
+    /// Synthetic data: this many fixed random sequences (seeded), cycled through batch by batch, to
+    /// memorize; default: one batch.
+    #[arg(long, conflicts_with = "text")]
+    pub sequences: Option<usize>,
+    /// Synthetic data: tokens drawn from the first N ids (fewer symbols need more context to
+    /// memorize); default: the whole vocabulary.
+    #[arg(long, conflicts_with = "text")]
+    pub symbols: Option<usize>,
+    /// Sequences per step.
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 32)]
+    pub seq: usize,
+    /// Micro-batches each step's sequences are split into (gradients accumulate over them).
+    #[arg(long, default_value_t = 1)]
+    pub micro_batches: usize,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 100)]
+    pub steps: usize,
+    /// AdamW learning rate.
+    #[arg(long, default_value_t = 3e-3, allow_negative_numbers = true)]
+    pub lr: f64,
+    /// AdamW beta1.
+    #[arg(long, default_value_t = 0.9)]
+    pub beta1: f64,
+    /// AdamW beta2.
+    #[arg(long, default_value_t = 0.95)]
+    pub beta2: f64,
+    /// AdamW epsilon.
+    #[arg(long, default_value_t = 1e-8)]
+    pub eps: f64,
+    /// Decoupled weight decay.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub weight_decay: f64,
+    /// Clip the global gradient norm to this (no clipping without it).
+    #[arg(long, allow_negative_numbers = true)]
+    pub clip: Option<f32>,
+    /// Keep f32 master weights for AdamW (the model runs their bf16 rounding).
+    #[arg(long)]
+    pub master_weights: bool,
+    /// Activation checkpointing: recompute each layer's activations in the backward (one layer's in
+    /// memory instead of all).
+    #[arg(long)]
+    pub checkpoint: bool,
+    /// Modules to fuse, forward and backward, e.g. `fused=all`, `fused=all;naive=rope@0-3`, or `` for
+    /// all naive.
+    #[arg(long, default_value = "fused=all")]
+    pub fuse: String,
+    /// Backend of the embedding's backward, the gradient norm and AdamW: fused or naive.
+    #[arg(long, default_value = "fused")]
+    pub standalone: String,
+    /// CSV of each step: loss, gradient norm, phase times, tokens/s.
+    #[arg(long, default_value = "train.csv")]
+    pub csv: PathBuf,
+    /// Write the trained model here as a checkpoint (config.json, model.safetensors).
+    #[arg(long)]
+    pub save: Option<PathBuf>,
+}
+
+/// Where the starting weights come from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Start {
+    /// A Hugging Face checkpoint directory.
+    Checkpoint(PathBuf),
+    /// A preset with seeded random weights.
+    Random(LlamaConfig),
+}
+
+/// The options, checked and resolved.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    /// The starting weights.
+    pub start: Start,
+    /// The trainer's hyperparameters and backends.
+    pub train: TrainConfig,
+}
+
+impl Options {
+    /// Checks the options that need no file and no GPU; errors name the option.
+    pub fn resolve(&self) -> Result<Plan, String> {
+        for (name, v) in [("--batch", self.batch), ("--seq", self.seq), ("--steps", self.steps)] {
+            if v == 0 {
+                return Err(format!("{name} must be at least 1"));
+            }
+        }
+        if self.seq < 2 {
+            return Err("--seq must be at least 2 (each token predicts the next)".into());
+        }
+        if self.micro_batches == 0 || !self.batch.is_multiple_of(self.micro_batches) {
+            return Err(format!(
+                "--micro-batches {} must divide --batch {} into equal micro-batches",
+                self.micro_batches, self.batch
+            ));
+        }
+        let per = self.batch / self.micro_batches * self.seq;
+        if !per.is_multiple_of(8) {
+            return Err(format!(
+                "a micro-batch of {} sequences × --seq {} = {per} tokens: the weight gradients need a \
+                 multiple of 8",
+                self.batch / self.micro_batches,
+                self.seq
+            ));
+        }
+        if self.sequences == Some(0) || self.symbols == Some(0) {
+            return Err("--sequences and --symbols must be at least 1".into());
+        }
+        let start = match &self.model {
+            Some(dir) => Start::Checkpoint(dir.clone()),
+            None => {
+                let cfg = LlamaConfig::preset(&self.preset).map_err(|_| {
+                    format!("--preset {}: expected one of {}", self.preset, PRESETS.join(", "))
+                })?;
+                Start::Random(cfg)
+            }
+        };
+        let backends = Backends::parse(&self.fuse).map_err(|e| format!("--fuse: {e}"))?;
+        let standalone = match self.standalone.as_str() {
+            "fused" => Backend::Fused,
+            "naive" => Backend::Naive,
+            other => return Err(format!("--standalone {other}: expected fused or naive")),
+        };
+        let mut train = TrainConfig::new(self.lr)
+            .with_betas(self.beta1, self.beta2)
+            .with_eps(self.eps)
+            .with_weight_decay(self.weight_decay)
+            .with_micro_batches(self.micro_batches)
+            .with_master_weights(self.master_weights)
+            .with_checkpointing(self.checkpoint)
+            .with_backends(backends)
+            .with_standalone(standalone);
+        if let Some(c) = self.clip {
+            train = train.with_clip(c);
+        }
+        // The layer ranges are checked once the model's layer count is known.
+        train.check(usize::MAX).map_err(|e| e.to_string().replace("train: ", "--"))?;
+        Ok(Plan { start, train })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Options, clap::Error> {
+        Options::try_parse_from([&["train"], args].concat())
+    }
+
+    #[test]
+    fn defaults_train_the_tiny_preset_all_fused() {
+        let o = parse(&[]).unwrap();
+        assert_eq!((o.batch, o.seq, o.steps, o.micro_batches), (8, 32, 100, 1));
+        let p = o.resolve().unwrap();
+        assert_eq!(p.start, Start::Random(LlamaConfig::tiny()));
+        assert_eq!(p.train.backends, Backends::all(Backend::Fused));
+        assert_eq!((p.train.lr, p.train.clip, p.train.standalone), (3e-3, None, Backend::Fused));
+        let args =
+            ["--fuse", "", "--standalone", "naive", "--clip", "1", "--micro-batches", "2", "--checkpoint"];
+        let p = parse(&args).unwrap().resolve().unwrap();
+        assert_eq!((p.train.clip, p.train.micro_batches, p.train.checkpoint), (Some(1.0), 2, true));
+        assert_eq!(p.train.backends, Backends::all(Backend::Naive));
+        let p = parse(&["--model", "dir"]).unwrap().resolve().unwrap();
+        assert_eq!(p.start, Start::Checkpoint("dir".into()));
+    }
+
+    #[test]
+    fn bad_options_are_errors_naming_the_option() {
+        for (args, expected) in [
+            (&["--batch", "0"][..], "--batch must be at least 1"),
+            (&["--seq", "1"], "--seq must be at least 2"),
+            (&["--batch", "6", "--micro-batches", "4"], "--micro-batches 4 must divide --batch 6"),
+            (&["--batch", "3", "--seq", "5"], "15 tokens"),
+            (&["--preset", "gpt2"], "--preset gpt2: expected one of"),
+            (&["--fuse", "fused=attention"], "--fuse"),
+            (&["--standalone", "cudnn"], "--standalone cudnn"),
+            (&["--lr", "-1"], "--lr -1"),
+            (&["--clip", "0"], "--clip 0"),
+            (&["--sequences", "0"], "--sequences"),
+        ] {
+            let e = parse(args).unwrap().resolve().unwrap_err();
+            assert!(e.contains(expected), "{args:?}: {e}");
+        }
+        // clap refuses what does not go together.
+        assert!(parse(&["--text", "a.txt"]).is_err(), "--text needs --tokenizer");
+        assert!(parse(&["--model", "m", "--preset", "tiny"]).is_err());
+        assert!(parse(&["--text", "a", "--tokenizer", "t", "--sequences", "3"]).is_err());
+    }
+}
