@@ -3,7 +3,7 @@
 //! rebuilt with an event; the plan directory chosen by the environment variable; and the time to a
 //! first fused forward with a cold and a warm plan directory. Every plan directory is a temporary one,
 //! never the user's cache. The file format, its checks and the atomic write are tested without a GPU
-//! in `cudnn-ops` (`plan::store`). GPU tests are ignored by default; run them with
+//! in `cudnn-llm-ops` (`plan::store`). GPU tests are ignored by default; run them with
 //! `--include-ignored` on a GPU machine.
 
 use cudnn_llm::bench_util::{download, gpu, poisoned, upload};
@@ -20,21 +20,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// A fresh directory under the system's temporary directory, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("cudnn-llm-plans-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+fn temp_dir(tag: &str) -> tempfile::TempDir {
+    tempfile::Builder::new().prefix(&format!("cudnn-llm-plans-{tag}-")).tempdir().unwrap()
 }
 
 /// A context keeping its plans in `dir`.
@@ -124,9 +111,9 @@ fn plans_saved_by_one_context_load_in_the_next_with_the_same_bits() {
     let ops: [(&str, Op); 3] = [("matmul", run_matmul), ("rmsnorm", run_norm), ("sdpa", run_sdpa)];
     let (mut failures, mut origins, mut deserialized) = (Vec::new(), Vec::new(), false);
     for (name, op) in ops {
-        let dir = TempDir::new(name);
+        let dir = temp_dir(name);
         let (fresh, fresh_again, built) = {
-            let ctx = context(&dir.0);
+            let ctx = context(dir.path());
             let t = Instant::now();
             let fresh = op(&ctx);
             let built = t.elapsed();
@@ -145,9 +132,9 @@ fn plans_saved_by_one_context_load_in_the_next_with_the_same_bits() {
             }
             (fresh, again, built)
         };
-        let files = plan_files(&dir.0);
-        assert!(!files.is_empty(), "{name}: no plan file in {}", dir.0.display());
-        let ctx = context(&dir.0);
+        let files = plan_files(dir.path());
+        assert!(!files.is_empty(), "{name}: no plan file in {}", dir.path().display());
+        let ctx = context(dir.path());
         let t = Instant::now();
         let loaded = op(&ctx);
         let load = t.elapsed();
@@ -196,16 +183,16 @@ fn plans_saved_by_one_context_load_in_the_next_with_the_same_bits() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_damaged_plan_file_is_rebuilt_with_an_event_and_replaced() {
-    let dir = TempDir::new("damaged");
-    let fresh = run_norm(&context(&dir.0));
-    let files = plan_files(&dir.0);
+    let dir = temp_dir("damaged");
+    let fresh = run_norm(&context(dir.path()));
+    let files = plan_files(dir.path());
     assert_eq!(files.len(), 1, "{files:?}");
     let mut bytes = std::fs::read(&files[0]).unwrap();
     let mid = bytes.len() / 2;
     bytes[mid] ^= 0x10;
     std::fs::write(&files[0], &bytes).unwrap();
 
-    let ctx = context(&dir.0);
+    let ctx = context(dir.path());
     let (x, w, y_ref) = norm_inputs(&ctx);
     let mut y = poisoned::<bf16>(&ctx, NORM.0 * NORM.1).unwrap();
     rms_norm(
@@ -228,7 +215,7 @@ fn a_damaged_plan_file_is_rebuilt_with_an_event_and_replaced() {
     assert!(events[0].reason.contains("checksum"), "{events:?}");
     drop(ctx);
 
-    let ctx = context(&dir.0);
+    let ctx = context(dir.path());
     assert_eq!(run_norm(&ctx), bits(&out), "the replaced file loads and gives the rebuilt plan's bits");
     let s = ctx.cache().stats();
     assert_eq!((s.disk_hits, s.disk_rejects), (1, 0), "{s:?}");
@@ -240,9 +227,9 @@ fn a_damaged_plan_file_is_rebuilt_with_an_event_and_replaced() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn the_plan_directory_follows_the_environment_variable_and_the_api() {
-    let dir = TempDir::new("env");
+    let dir = temp_dir("env");
     let exe = std::env::current_exe().unwrap();
-    for value in [Some(dir.0.to_str().unwrap()), Some("off"), None] {
+    for value in [Some(dir.path().to_str().unwrap()), Some("off"), None] {
         let mut child = std::process::Command::new(&exe);
         child.args(["--exact", "plan_dir_in_a_child_process", "--include-ignored", "--nocapture"]);
         match value {
@@ -255,13 +242,13 @@ fn the_plan_directory_follows_the_environment_variable_and_the_api() {
         assert!(out.status.success() && text.contains("1 passed"), "{value:?}: {text}");
     }
     let ctx = gpu();
-    ctx.set_plan_dir(Some(&dir.0));
-    assert_eq!(ctx.plan_dir(), Some(dir.0.clone()));
+    ctx.set_plan_dir(Some(dir.path()));
+    assert_eq!(ctx.plan_dir(), Some(dir.path().to_path_buf()));
     ctx.set_plan_dir(None);
     assert_eq!(ctx.plan_dir(), None);
     run_norm(&ctx);
     assert_eq!(ctx.cache().stats().disk_writes, 0);
-    assert!(plan_files(&dir.0).is_empty());
+    assert!(plan_files(dir.path()).is_empty());
 }
 
 /// The child of [`the_plan_directory_follows_the_environment_variable_and_the_api`]: the context's
@@ -285,13 +272,13 @@ fn plan_dir_in_a_child_process() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn first_forward_with_a_cold_and_a_warm_plan_directory() {
-    let dir = TempDir::new("forward");
+    let dir = temp_dir("forward");
     let cfg = LlamaConfig::llama_3_2_1b().with_layers(2);
     let weights = Weights::<bf16>::random(&cfg, 11);
     let n = 128;
     let prompt: Vec<u32> = (0..n as u32).map(|i| (i * 7919) % cfg.vocab as u32).collect();
     let first = |label: &str| -> (Duration, CacheStats, Vec<f32>) {
-        let ctx = context(&dir.0);
+        let ctx = context(dir.path());
         let model = Llama::new(&ctx, &cfg, &weights, n + 1).unwrap();
         let mut g = Generator::new(&ctx, model, Backends::all(Backend::Fused), n + 1).unwrap();
         ctx.synchronize().unwrap();
@@ -313,7 +300,7 @@ fn first_forward_with_a_cold_and_a_warm_plan_directory() {
         cold.as_secs_f64(),
         warm.as_secs_f64(),
         cold.as_secs_f64() / warm.as_secs_f64(),
-        plan_files(&dir.0).len()
+        plan_files(dir.path()).len()
     );
     assert!(cold_stats.misses > 0 && cold_stats.disk_hits == 0, "{cold_stats:?}");
     assert_eq!(cold_stats.disk_writes, cold_stats.misses, "{cold_stats:?}");

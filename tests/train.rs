@@ -1,5 +1,5 @@
 //! Training on the GPU (tiny preset): the gradient of every weight tensor against the f64 reference
-//! `llama::reference::train::gradients` for all-naive, all-fused and a mixed selection, with
+//! `cudnn_llm_llama::reference::train::gradients` for all-naive, all-fused and a mixed selection, with
 //! micro-batches, tied embeddings and activation checkpointing; fused against naive gradients on two
 //! layers of the 1B preset; two AdamW steps against the f64 AdamW formula applied to the
 //! GPU's own gradients; a short memorization run on both backends; a trained model written as a

@@ -233,9 +233,9 @@ mod tests {
     /// is no slot. The directory is named by the key, never by the user's home.
     #[test]
     fn misses_open_a_slot_for_the_build_and_count_what_it_found() {
-        use crate::plan::store::tests::{env, TempDir};
+        use crate::plan::store::tests::{env, temp_dir};
         use crate::plan::DiskEventKind;
-        let dir = TempDir::new("cache");
+        let dir = temp_dir("cache");
         let cache = PlanCache::default();
         let fail = || Err(crate::Error::invalid("no GPU here"));
         cache
@@ -245,13 +245,13 @@ mod tests {
             })
             .unwrap_err();
         assert_eq!(cache.stats().disk_misses, 0);
-        cache.set_store(Some(PlanStore::new(dir.0.clone(), env())));
-        assert_eq!(cache.store_dir(), Some(dir.0.clone()));
+        cache.set_store(Some(PlanStore::new(dir.path().to_path_buf(), env())));
+        assert_eq!(cache.store_dir(), Some(dir.path().to_path_buf()));
         let outer = |cache: &PlanCache| cache.building().unwrap().path();
         cache
             .get_or_build(&KeyA(1), || {
                 let a = outer(&cache);
-                assert!(a.starts_with(&dir.0), "{a:?}");
+                assert!(a.starts_with(dir.path()), "{a:?}");
                 cache.get_or_build(&KeyB(1), || {
                     assert_ne!(outer(&cache), a, "the inner miss has its own slot");
                     fail()

@@ -497,21 +497,8 @@ mod tests {
     use super::*;
 
     /// A fresh directory under the system temp dir, removed on drop.
-    struct TempDir(PathBuf);
-
-    impl TempDir {
-        fn new(tag: &str) -> Self {
-            let dir = std::env::temp_dir().join(format!("llama-weights-{}-{tag}", std::process::id()));
-            let _ = std::fs::remove_dir_all(&dir);
-            std::fs::create_dir_all(&dir).unwrap();
-            TempDir(dir)
-        }
-    }
-
-    impl Drop for TempDir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
+    fn temp_dir(tag: &str) -> tempfile::TempDir {
+        tempfile::Builder::new().prefix(&format!("llama-weights-{tag}-")).tempdir().unwrap()
     }
 
     fn tiny() -> LlamaConfig {
@@ -626,10 +613,10 @@ mod tests {
     #[test]
     fn weights_save_load_round_trips_every_dtype() {
         let cfg = tiny();
-        let dir = TempDir::new("round-trip");
+        let dir = temp_dir("round-trip");
         let w = Weights::<f32>::random(&cfg, 1);
         for dtype in [DataType::BF16, DataType::F16, DataType::F32] {
-            let file = dir.0.join(format!("{dtype}.safetensors"));
+            let file = dir.path().join(format!("{dtype}.safetensors"));
             w.save(&cfg, &file, dtype).unwrap();
             let bytes = std::fs::read(&file).unwrap();
             let (_, meta) = SafeTensors::read_metadata(&bytes).unwrap();
@@ -646,29 +633,29 @@ mod tests {
             }
             if dtype == DataType::BF16 {
                 // Same dtype both ways is exact, also through a directory holding model.safetensors.
-                let model_dir = dir.0.join("bf16-model");
+                let model_dir = dir.path().join("bf16-model");
                 std::fs::create_dir_all(&model_dir).unwrap();
                 as_bf16.save(&cfg, &model_dir.join(SINGLE_FILE), dtype).unwrap();
                 assert_eq!(Weights::<bf16>::load(&cfg, &model_dir).unwrap(), as_bf16);
             }
         }
-        let e = w.save(&cfg, &dir.0.join("x.safetensors"), DataType::I64).unwrap_err().to_string();
+        let e = w.save(&cfg, &dir.path().join("x.safetensors"), DataType::I64).unwrap_err().to_string();
         assert!(e.contains("i64"), "{e}");
         let e = w
-            .save(&LlamaConfig::tiny(), &dir.0.join("x.safetensors"), DataType::F32)
+            .save(&LlamaConfig::tiny(), &dir.path().join("x.safetensors"), DataType::F32)
             .unwrap_err()
             .to_string();
         assert!(e.contains("config `tiny` has 21 tensors, these weights 12"), "{e}");
         let mut bad = w.clone();
         bad.norm.shape = vec![127];
-        let e = bad.save(&cfg, &dir.0.join("x.safetensors"), DataType::F32).unwrap_err().to_string();
+        let e = bad.save(&cfg, &dir.path().join("x.safetensors"), DataType::F32).unwrap_err().to_string();
         assert!(e.contains("`model.norm.weight` has shape [127] (128 values), expected [128]"), "{e}");
     }
 
     #[test]
     fn weights_load_a_sharded_checkpoint() {
         let cfg = tiny();
-        let dir = TempDir::new("sharded");
+        let dir = temp_dir("sharded");
         let w = Weights::<f32>::random(&cfg, 2);
         let mut all = entries(&cfg, &w);
         // Checkpoints often carry buffers the model does not need.
@@ -679,31 +666,31 @@ mod tests {
             [("model-00001-of-00002.safetensors", all), ("model-00002-of-00002.safetensors", second)];
         let mut weight_map = serde_json::Map::new();
         for (file, tensors) in &shards {
-            write(&dir.0.join(file), tensors);
+            write(&dir.path().join(file), tensors);
             for (name, ..) in tensors {
                 weight_map.insert(name.clone(), (*file).into());
             }
         }
         let index =
             serde_json::json!({ "metadata": { "total_size": w.len() * 2 }, "weight_map": weight_map });
-        std::fs::write(dir.0.join(INDEX_FILE), index.to_string()).unwrap();
+        std::fs::write(dir.path().join(INDEX_FILE), index.to_string()).unwrap();
 
         let expected: Vec<f64> = all_f64(&w).iter().map(|&v| round(v, DataType::BF16)).collect();
-        let from_dir = Weights::<f32>::load(&cfg, &dir.0).unwrap();
+        let from_dir = Weights::<f32>::load(&cfg, &dir.path()).unwrap();
         assert_eq!(all_f64(&from_dir), expected);
-        assert_eq!(Weights::<f32>::load(&cfg, &dir.0.join(INDEX_FILE)).unwrap(), from_dir);
+        assert_eq!(Weights::<f32>::load(&cfg, &dir.path().join(INDEX_FILE)).unwrap(), from_dir);
 
         // A shard the index names but that is not there.
-        std::fs::remove_file(dir.0.join(shards[1].0)).unwrap();
-        let e = load_err(&cfg, &dir.0);
+        std::fs::remove_file(dir.path().join(shards[1].0)).unwrap();
+        let e = load_err(&cfg, &dir.path());
         assert!(e.contains("model-00002-of-00002.safetensors"), "{e}");
     }
 
     #[test]
     fn weights_load_reports_missing_and_mis_shaped_tensors() {
         let cfg = tiny();
-        let dir = TempDir::new("bad-tensors");
-        let file = dir.0.join("model.safetensors");
+        let dir = temp_dir("bad-tensors");
+        let file = dir.path().join("model.safetensors");
         let good = entries(&cfg, &Weights::random(&cfg, 3));
 
         let mut missing = good.clone();
@@ -740,21 +727,24 @@ mod tests {
     #[test]
     fn weights_load_reports_bad_files_and_indexes() {
         let cfg = tiny();
-        let dir = TempDir::new("bad-files");
-        let e = load_err(&cfg, &dir.0.join("nowhere.safetensors"));
+        let dir = temp_dir("bad-files");
+        let e = load_err(&cfg, &dir.path().join("nowhere.safetensors"));
         assert!(e.contains("nowhere.safetensors"), "{e}");
-        let e = load_err(&cfg, &dir.0);
+        let e = load_err(&cfg, &dir.path());
         assert!(e.contains("neither model.safetensors nor model.safetensors.index.json"), "{e}");
 
-        std::fs::write(dir.0.join(INDEX_FILE), "{\"weight_map\": [").unwrap();
-        let e = load_err(&cfg, &dir.0);
+        std::fs::write(dir.path().join(INDEX_FILE), "{\"weight_map\": [").unwrap();
+        let e = load_err(&cfg, &dir.path());
         assert!(e.contains("model.safetensors.index.json: bad index"), "{e}");
-        std::fs::write(dir.0.join(INDEX_FILE), r#"{"weight_map": {"model.norm.weight": "a.safetensors"}}"#)
-            .unwrap();
-        let e = load_err(&cfg, &dir.0);
+        std::fs::write(
+            dir.path().join(INDEX_FILE),
+            r#"{"weight_map": {"model.norm.weight": "a.safetensors"}}"#,
+        )
+        .unwrap();
+        let e = load_err(&cfg, &dir.path());
         assert!(e.contains("`model.embed_tokens.weight` is missing from") && e.contains("index.json"), "{e}");
 
-        let junk = dir.0.join("junk.safetensors");
+        let junk = dir.path().join("junk.safetensors");
         std::fs::write(&junk, b"not a safetensors file").unwrap();
         let e = load_err(&cfg, &junk);
         assert!(e.starts_with("weights: ") && e.contains("junk.safetensors"), "{e}");
@@ -763,8 +753,8 @@ mod tests {
     #[test]
     fn weights_load_refuses_a_tensor_named_twice_in_a_header() {
         let cfg = tiny();
-        let dir = TempDir::new("duplicate");
-        let file = dir.0.join("model.safetensors");
+        let dir = temp_dir("duplicate");
+        let file = dir.path().join("model.safetensors");
         Weights::<f32>::random(&cfg, 5).save(&cfg, &file, DataType::F32).unwrap();
         Weights::<f32>::load(&cfg, &file).unwrap();
         // Repeat the final norm's entry (same offsets, so that the `safetensors` crate, which keeps
@@ -787,12 +777,12 @@ mod tests {
     #[test]
     fn weights_index_shards_must_be_plain_file_names() {
         let cfg = tiny();
-        let dir = TempDir::new("escape");
-        let ckpt = dir.0.join("ckpt");
+        let dir = temp_dir("escape");
+        let ckpt = dir.path().join("ckpt");
         std::fs::create_dir_all(&ckpt).unwrap();
         // A complete checkpoint one level up, which `../` would reach.
         Weights::<f32>::random(&cfg, 6)
-            .save(&cfg, &dir.0.join("outside.safetensors"), DataType::F32)
+            .save(&cfg, &dir.path().join("outside.safetensors"), DataType::F32)
             .unwrap();
         let index = |shard: &str| {
             let map: serde_json::Map<String, serde_json::Value> =
@@ -800,7 +790,7 @@ mod tests {
             std::fs::write(ckpt.join(INDEX_FILE), serde_json::json!({ "weight_map": map }).to_string())
                 .unwrap();
         };
-        let outside = dir.0.join("outside.safetensors");
+        let outside = dir.path().join("outside.safetensors");
         for shard in ["../outside.safetensors", outside.to_str().unwrap(), "sub/x.safetensors", "..", ".", ""]
         {
             index(shard);
@@ -829,8 +819,8 @@ mod tests {
     fn weights_tied_config_ignores_lm_head_in_the_file() {
         let untied = tiny();
         let tied = LlamaConfig { tie_embeddings: true, ..tiny() };
-        let dir = TempDir::new("tied");
-        let file = dir.0.join("model.safetensors");
+        let dir = temp_dir("tied");
+        let file = dir.path().join("model.safetensors");
         let w = Weights::<f32>::random(&untied, 4);
         w.save(&untied, &file, DataType::F32).unwrap();
         let loaded = Weights::<f32>::load(&tied, &file).unwrap();

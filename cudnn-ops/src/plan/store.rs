@@ -574,23 +574,8 @@ pub(crate) mod tests {
 
     /// A fresh directory under the system's temporary directory, removed on drop (tests never touch
     /// the user's cache directory).
-    pub(crate) struct TempDir(pub(crate) PathBuf);
-
-    impl TempDir {
-        pub(crate) fn new(tag: &str) -> Self {
-            static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-            let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let dir = std::env::temp_dir().join(format!("cudnn-llm-test-{tag}-{}-{n}", std::process::id()));
-            let _ = std::fs::remove_dir_all(&dir);
-            std::fs::create_dir_all(&dir).unwrap();
-            TempDir(dir)
-        }
-    }
-
-    impl Drop for TempDir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
+    pub(crate) fn temp_dir(tag: &str) -> tempfile::TempDir {
+        tempfile::Builder::new().prefix(&format!("cudnn-llm-test-{tag}-")).tempdir().unwrap()
     }
 
     pub(crate) fn env() -> Environment {
@@ -694,7 +679,7 @@ pub(crate) mod tests {
 
     #[test]
     fn files_of_another_environment_are_rejected_as_stale() {
-        let dir = TempDir::new("stale");
+        let dir = temp_dir("stale");
         type Change = (&'static str, fn(&mut Environment));
         let changes: [Change; 6] = [
             ("GPU", |e| e.gpu = "NVIDIA H200".into()),
@@ -709,13 +694,13 @@ pub(crate) mod tests {
             change(&mut other);
             let log = Rc::new(DiskLog::default());
             let key = record().key;
-            PlanStore::new(dir.0.clone(), other).slot(key.clone(), log.clone()).save(
+            PlanStore::new(dir.path().to_path_buf(), other).slot(key.clone(), log.clone()).save(
                 "g".into(),
                 EngineChoice { index: 1, knobs: vec![] },
                 0,
                 None,
             );
-            let slot = PlanStore::new(dir.0.clone(), env()).slot(key, log.clone());
+            let slot = PlanStore::new(dir.path().to_path_buf(), env()).slot(key, log.clone());
             assert!(slot.record().is_none(), "{what}");
             slot.count();
             assert_eq!((log.hits.get(), log.misses.get(), log.rejects.get()), (0, 0, 1), "{what}");
@@ -726,8 +711,8 @@ pub(crate) mod tests {
 
     #[test]
     fn a_slot_finds_what_a_slot_of_the_same_key_saved() {
-        let dir = TempDir::new("roundtrip");
-        let store = PlanStore::new(dir.0.clone(), env());
+        let dir = temp_dir("roundtrip");
+        let store = PlanStore::new(dir.path().to_path_buf(), env());
         let log = Rc::new(DiskLog::default());
         let r = record();
         let first = store.slot(r.key.clone(), log.clone());
@@ -735,7 +720,7 @@ pub(crate) mod tests {
         first.count();
         first.save(r.graph.clone(), r.engine.clone(), r.workspace, r.json.clone());
         assert_eq!(log.writes.get(), 1);
-        assert!(first.path().starts_with(&dir.0));
+        assert!(first.path().starts_with(dir.path()));
         let second = store.slot(r.key.clone(), log.clone());
         assert_eq!(second.record().as_deref(), Some(&r));
         second.loaded();
@@ -747,7 +732,7 @@ pub(crate) mod tests {
         assert_eq!((log.hits.get(), log.misses.get(), log.rejects.get()), (1, 2, 0));
         assert!(log.events().is_empty(), "{:?}", log.events());
         // Only the finished file is left: the temporary one was renamed.
-        let names: Vec<String> = std::fs::read_dir(&dir.0)
+        let names: Vec<String> = std::fs::read_dir(dir.path())
             .unwrap()
             .map(|e| e.unwrap().file_name().into_string().unwrap())
             .collect();
@@ -756,10 +741,10 @@ pub(crate) mod tests {
 
     #[test]
     fn damaged_files_are_rejected_as_corrupt_and_replaced_by_the_next_save() {
-        let dir = TempDir::new("corrupt");
-        let store = PlanStore::new(dir.0.clone(), env());
+        let dir = temp_dir("corrupt");
+        let store = PlanStore::new(dir.path().to_path_buf(), env());
         let r = record();
-        let path = dir.0.join(file_name(&r.key));
+        let path = dir.path().join(file_name(&r.key));
         let whole = r.encode();
         let damages: [(&str, Vec<u8>); 4] = [
             ("truncated", whole[..whole.len() / 2].to_vec()),
@@ -787,8 +772,8 @@ pub(crate) mod tests {
 
     #[test]
     fn an_unwritable_directory_is_an_event_not_an_error() {
-        let dir = TempDir::new("unwritable");
-        let file = dir.0.join("a-file");
+        let dir = temp_dir("unwritable");
+        let file = dir.path().join("a-file");
         std::fs::write(&file, b"x").unwrap();
         // A directory below a regular file cannot be created.
         let store = PlanStore::new(file.join("plans"), env());
@@ -803,7 +788,7 @@ pub(crate) mod tests {
     /// reader reads: every read is a whole file of one writer, and the end leaves one whole file.
     #[test]
     fn concurrent_writers_of_one_key_leave_one_whole_file() {
-        let dir = TempDir::new("atomic");
+        let dir = temp_dir("atomic");
         let key = record().key;
         let name = file_name(&key);
         let encoded: Vec<Vec<u8>> = (0..4)
@@ -817,7 +802,7 @@ pub(crate) mod tests {
             let reader = s.spawn(|| {
                 let mut reads = 0;
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    if let Ok(bytes) = std::fs::read(dir.0.join(&name)) {
+                    if let Ok(bytes) = std::fs::read(dir.path().join(&name)) {
                         assert!(encoded.contains(&bytes), "a partial or mixed file of {} bytes", bytes.len());
                         reads += 1;
                     }
@@ -827,7 +812,7 @@ pub(crate) mod tests {
             let writers: Vec<_> = encoded
                 .iter()
                 .map(|bytes| {
-                    let (dir, name) = (&dir.0, &name);
+                    let (dir, name) = (dir.path(), &name);
                     s.spawn(move || {
                         for _ in 0..50 {
                             write_atomic(dir, name, bytes).unwrap();
@@ -841,12 +826,12 @@ pub(crate) mod tests {
             stop.store(true, std::sync::atomic::Ordering::Relaxed);
             println!("{} whole reads", reader.join().unwrap());
         });
-        let names: Vec<String> = std::fs::read_dir(&dir.0)
+        let names: Vec<String> = std::fs::read_dir(dir.path())
             .unwrap()
             .map(|e| e.unwrap().file_name().into_string().unwrap())
             .collect();
         assert_eq!(names, std::slice::from_ref(&name), "temporary files left behind");
-        let last = std::fs::read(dir.0.join(&name)).unwrap();
+        let last = std::fs::read(dir.path().join(&name)).unwrap();
         assert!(encoded.contains(&last));
         assert!(Record::decode(&last).is_ok());
     }
