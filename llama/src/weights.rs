@@ -676,13 +676,13 @@ mod tests {
         std::fs::write(dir.path().join(INDEX_FILE), index.to_string()).unwrap();
 
         let expected: Vec<f64> = all_f64(&w).iter().map(|&v| round(v, DataType::BF16)).collect();
-        let from_dir = Weights::<f32>::load(&cfg, &dir.path()).unwrap();
+        let from_dir = Weights::<f32>::load(&cfg, dir.path()).unwrap();
         assert_eq!(all_f64(&from_dir), expected);
         assert_eq!(Weights::<f32>::load(&cfg, &dir.path().join(INDEX_FILE)).unwrap(), from_dir);
 
         // A shard the index names but that is not there.
         std::fs::remove_file(dir.path().join(shards[1].0)).unwrap();
-        let e = load_err(&cfg, &dir.path());
+        let e = load_err(&cfg, dir.path());
         assert!(e.contains("model-00002-of-00002.safetensors"), "{e}");
     }
 
@@ -730,18 +730,18 @@ mod tests {
         let dir = temp_dir("bad-files");
         let e = load_err(&cfg, &dir.path().join("nowhere.safetensors"));
         assert!(e.contains("nowhere.safetensors"), "{e}");
-        let e = load_err(&cfg, &dir.path());
+        let e = load_err(&cfg, dir.path());
         assert!(e.contains("neither model.safetensors nor model.safetensors.index.json"), "{e}");
 
         std::fs::write(dir.path().join(INDEX_FILE), "{\"weight_map\": [").unwrap();
-        let e = load_err(&cfg, &dir.path());
+        let e = load_err(&cfg, dir.path());
         assert!(e.contains("model.safetensors.index.json: bad index"), "{e}");
         std::fs::write(
             dir.path().join(INDEX_FILE),
             r#"{"weight_map": {"model.norm.weight": "a.safetensors"}}"#,
         )
         .unwrap();
-        let e = load_err(&cfg, &dir.path());
+        let e = load_err(&cfg, dir.path());
         assert!(e.contains("`model.embed_tokens.weight` is missing from") && e.contains("index.json"), "{e}");
 
         let junk = dir.path().join("junk.safetensors");
