@@ -222,7 +222,7 @@ impl Cudnn {
             compute_capability: (major.max(0) as u32, minor.max(0) as u32),
             driver: info.driver_version as i64,
             cudnn: info.cudnn_version as u64,
-            crate_version: env!("CARGO_PKG_VERSION").to_string(),
+            crate_version: crate::plan::store::build_fingerprint(),
         }
     }
 

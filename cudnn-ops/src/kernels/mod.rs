@@ -151,7 +151,9 @@ impl Kernels {
 pub(crate) type Grown<'a, T> = std::cell::RefMut<'a, CudaSlice<T>>;
 
 /// The buffer in `cell`, reallocated (zeroed) when it holds fewer than `len` elements; a reallocation
-/// moves the buffer epoch (a captured graph holding the old address is stale).
+/// moves the buffer epoch (a captured graph holding the old address is stale). A reallocation while
+/// the stream captures a CUDA graph is refused (the allocation and its zeroing would be graph nodes
+/// that never ran, and the buffer kept afterwards would be unmapped), touching nothing.
 fn grown<'a, T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
     cell: &'a RefCell<Option<CudaSlice<T>>>,
     ctx: &Exec,
@@ -159,6 +161,13 @@ fn grown<'a, T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
 ) -> Result<Grown<'a, T>> {
     let mut s = cell.borrow_mut();
     if s.as_ref().is_none_or(|s| s.len() < len) {
+        let capturing = ctx.stream().capture_status()?;
+        if capturing != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+            return Err(crate::Error::invalid(format!(
+                "an op-owned buffer would grow to {len} elements while the stream captures a CUDA graph; \
+                 run the op once before capturing"
+            )));
+        }
         *s = None;
         *s = Some(ctx.stream().alloc_zeros::<T>(len.max(1))?);
         ctx.bump_epoch();

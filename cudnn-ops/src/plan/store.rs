@@ -37,6 +37,35 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
+/// The sources that decide what a graph lowers to (descriptors, attributes, plan finalization, the
+/// fused graphs): their hash joins the crate version in [`Environment`], so a build whose lowering
+/// changed does not load plans an older build stored under the same key and graph text.
+const LOWERING_SOURCES: [&str; 14] = [
+    include_str!("../descriptor.rs"),
+    include_str!("../graph/attention.rs"),
+    include_str!("../graph/builders.rs"),
+    include_str!("../graph/check.rs"),
+    include_str!("../graph/mod.rs"),
+    include_str!("../graph/node.rs"),
+    include_str!("binding.rs"),
+    include_str!("engine.rs"),
+    include_str!("lifecycle.rs"),
+    include_str!("mod.rs"),
+    include_str!("../ops/matmul/fused.rs"),
+    include_str!("../ops/rmsnorm/fused.rs"),
+    include_str!("../ops/sdpa/fused.rs"),
+    include_str!("../ops/matmul/backward/fused.rs"),
+];
+
+/// This build as stored plans know it: the crate version and [`LOWERING_SOURCES`]' FNV-1a hash.
+pub(crate) fn build_fingerprint() -> String {
+    let mut h = Vec::new();
+    for s in LOWERING_SOURCES {
+        h.extend_from_slice(&fnv1a64(s.as_bytes()).to_le_bytes());
+    }
+    format!("{} lowering {:016x}", env!("CARGO_PKG_VERSION"), fnv1a64(&h))
+}
+
 /// Version of the file layout; a file of another version is stale. Bump it when the layout changes,
 /// and when what a graph lowers to changes without its `Debug` text changing.
 pub(crate) const FORMAT_VERSION: u32 = 1;
@@ -88,7 +117,7 @@ pub(crate) struct Environment {
     pub(crate) driver: i64,
     /// `cudnnGetVersion()` of the loaded library.
     pub(crate) cudnn: u64,
-    /// This crate's version.
+    /// This crate's version and a hash of the sources that lower graphs ([`build_fingerprint`]).
     pub(crate) crate_version: String,
 }
 
@@ -334,6 +363,38 @@ pub(crate) fn file_name(key: &str) -> String {
     format!("{:016x}.plan", fnv1a64(key.as_bytes()))
 }
 
+/// Creates `dir` (and missing parents) readable and writable by this user only, on Unix.
+fn private_dir(dir: &Path) -> std::io::Result<()> {
+    let mut b = std::fs::DirBuilder::new();
+    b.recursive(true);
+    #[cfg(unix)]
+    std::os::unix::fs::DirBuilderExt::mode(&mut b, 0o700);
+    b.create(dir)
+}
+
+/// Creates (or truncates) `path` for writing, readable and writable by this user only, on Unix.
+fn private_file(path: &Path) -> std::io::Result<std::fs::File> {
+    let mut o = std::fs::OpenOptions::new();
+    o.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut o, 0o600);
+    o.open(path)
+}
+
+/// Whether other users may write `path` (group or world write permission, on Unix).
+fn writable_by_others(path: &Path) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(path).is_ok_and(|m| m.permissions().mode() & 0o022 != 0)
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = path;
+        false
+    }
+}
+
 /// Writes `bytes` to `dir/name` so that no reader ever sees a partial file: into a temporary file
 /// of the same directory (a name no other writer uses: the process id and a process-wide counter),
 /// then renamed over `name`, which replaces a file atomically on POSIX file systems. Two writers of
@@ -341,10 +402,10 @@ pub(crate) fn file_name(key: &str) -> String {
 /// fsync: after a crash a file may be short or empty, which its length and checksum reject.
 pub(crate) fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    std::fs::create_dir_all(dir)?;
+    private_dir(dir)?;
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let tmp = dir.join(format!(".{name}.{}.{n}.tmp", std::process::id()));
-    let written = std::fs::File::create(&tmp)
+    let written = private_file(&tmp)
         .and_then(|mut f| f.write_all(bytes))
         .and_then(|()| std::fs::rename(&tmp, dir.join(name)));
     if written.is_err() {
@@ -368,6 +429,9 @@ pub enum DiskEventKind {
     Unloadable,
     /// The plan could not be written (the plan itself works; the next process builds it again).
     WriteFailed,
+    /// Writable by other users (group or world write permission): not loaded, since a plan file
+    /// decides which kernels run on this process's buffers; rebuilt and replaced by this user's.
+    Untrusted,
 }
 
 /// One problem with the plan directory, kept by the context's plan cache: the file, what happened,
@@ -498,6 +562,13 @@ impl Slot {
 
     fn read_file(&self) -> Read {
         let path = self.path();
+        if writable_by_others(&path) {
+            self.reject(
+                DiskEventKind::Untrusted,
+                "writable by other users (group or world write permission)".into(),
+            );
+            return Read::Rejected;
+        }
         let bytes = match std::fs::read(&path) {
             Ok(b) => b,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Read::Missing,
@@ -767,6 +838,39 @@ pub(crate) mod tests {
             println!("{what}: {why}");
             slot.save(r.graph.clone(), r.engine.clone(), r.workspace, r.json.clone());
             assert_eq!(store.slot(r.key.clone(), log).record().as_deref(), Some(&r), "{what}");
+        }
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn files_are_private_and_a_file_others_may_write_is_not_loaded() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = temp_dir("untrusted");
+        let plans = dir.path().join("plans");
+        let store = PlanStore::new(plans.clone(), env());
+        let r = record();
+        let log = Rc::new(DiskLog::default());
+        store.slot(r.key.clone(), log.clone()).save(
+            r.graph.clone(),
+            r.engine.clone(),
+            r.workspace,
+            r.json.clone(),
+        );
+        let path = plans.join(file_name(&r.key));
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!((mode(&plans), mode(&path)), (0o700, 0o600));
+        assert_eq!(store.slot(r.key.clone(), log.clone()).record().as_deref(), Some(&r));
+        for loose in [0o620, 0o602] {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(loose)).unwrap();
+            let log = Rc::new(DiskLog::default());
+            let slot = store.slot(r.key.clone(), log.clone());
+            assert!(slot.record().is_none(), "mode {loose:o}");
+            slot.count();
+            println!("mode {loose:o}: {}", only_event(&log, DiskEventKind::Untrusted));
+            // The next save replaces it with a private file, which loads.
+            slot.save(r.graph.clone(), r.engine.clone(), r.workspace, r.json.clone());
+            assert_eq!(mode(&path), 0o600);
+            assert_eq!(store.slot(r.key.clone(), log).record().as_deref(), Some(&r), "mode {loose:o}");
         }
     }
 

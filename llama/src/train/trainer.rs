@@ -389,13 +389,14 @@ impl<T: Element> Trainer<T> {
         let done = grad_norm(ctx, args, GradNormOperands::new(&mut *opt, grads, &mut *norm), tcfg.standalone);
         obs.end(GRAD_NORM_RANGE, None);
         done?;
-        *steps += 1;
+        // The step AdamW runs as (bias correction); counted only once it ran.
+        let step = *steps + 1;
         let (b1, b2) = tcfg.betas;
         let hp = AdamWArgs::new(tcfg.lr)
             .with_betas(b1, b2)
             .with_eps(tcfg.eps)
             .with_weight_decay(tcfg.weight_decay)
-            .with_step(*steps);
+            .with_step(step);
         let Params { values, grads, m, v, master, .. } = params;
         let mut masters: Vec<Option<&mut CudaSlice<f32>>> = match master {
             Some(w) => w.iter_mut().map(Some).collect(),
@@ -421,7 +422,9 @@ impl<T: Element> Trainer<T> {
         obs.begin(ADAMW_RANGE, None);
         let done = adamw(ctx, hp, x, tcfg.standalone);
         obs.end(ADAMW_RANGE, None);
-        Ok(done?)
+        done?;
+        *steps = step;
+        Ok(())
     }
 
     /// The weights the model runs, as Hugging Face tensors (Q, K and V split again).

@@ -139,9 +139,8 @@ pub(super) fn split_kv<T: Element>(ctx: &Cudnn, a: SdpaArgs, x: SdpaOperands<'_,
     let (vp, _gv) = v.device_ptr(s);
     for (name, p) in [("Q", qp), ("K", kp), ("V", vp)] {
         if p % 16 != 0 {
-            return Err(Error::invalid(format!(
-                "sdpa split-KV: {name} pointer {p:#x} is not 16-byte aligned"
-            )));
+            // NotSupported, as the refusals above: KvCache::attend falls back on it.
+            return Err(refused(format!("{name} pointer {p:#x} is not 16-byte aligned (16-byte loads)")));
         }
     }
     let clamped;
