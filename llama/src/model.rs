@@ -47,6 +47,9 @@ use cudnn_llm_ops::{check_ids, Cudnn, Element, RopeTables, SeqLens};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use crate::modules::{Fallback, NoObserver, Observer, EMBED_RANGE};
+pub use paged::{PagedCache, PagedDecodeGraph};
+
+mod paged;
 
 /// Identities of caches and activation buffers, so that a captured decode graph (which holds their
 /// device addresses) refuses to run on others.

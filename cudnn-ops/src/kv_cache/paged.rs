@@ -141,6 +141,8 @@ pub struct PagedKvCache<T> {
     /// it may.
     paged_refusal: Option<String>,
     last_form: Option<PagedForm>,
+    /// Every append and attention of the step begun took positions and lengths from the device.
+    on_device: bool,
     /// The contiguous K and V copies of the fallback (`[max_batch, capacity, h_kv · d]`), allocated by
     /// its first use.
     gathered: Option<(CudaSlice<T>, CudaSlice<T>)>,
@@ -176,6 +178,7 @@ impl<T: Element> PagedKvCache<T> {
             clamped: false,
             paged_refusal: None,
             last_form: None,
+            on_device: true,
             gathered: None,
         })
     }
@@ -224,6 +227,7 @@ impl<T: Element> PagedKvCache<T> {
     /// pool has too few free pages ([`Error::OutOfPages`]). A step begun and not finished is dropped.
     pub fn begin(&mut self, ctx: &Cudnn, ids: &[SeqId], seq: usize, rows: usize) -> Result<()> {
         self.clamped = false;
+        self.on_device = true;
         let v = self.book.begin(ids, seq, rows)?;
         let s = ctx.stream();
         self.table.upload(ctx, &v.table)?;
@@ -236,6 +240,22 @@ impl<T: Element> PagedKvCache<T> {
     /// Counts the step's tokens; returns how many each of its sequences got.
     pub fn finish(&mut self) -> Result<usize> {
         self.book.finish()
+    }
+
+    /// Drops the step begun, if any: nothing of it counts (its pages stay with their sequences), and
+    /// its sequences may be removed.
+    pub fn cancel(&mut self) {
+        self.book.cancel();
+    }
+
+    /// The step begun: `(rows, seq)`, the rows of its launch and the new tokens of each sequence.
+    pub fn step(&self) -> Option<(usize, usize)> {
+        self.book.step().ok().map(|s| (s.rows, s.seq))
+    }
+
+    /// Positions a sequence may hold ([`PagedKvShape::capacity`]).
+    pub fn capacity(&self) -> usize {
+        self.shape.capacity()
     }
 
     /// Layer `layer`'s K and V pools (each of [`PagedKvShape::pages`]).
@@ -259,6 +279,14 @@ impl<T: Element> PagedKvCache<T> {
     /// The form the last [`attend`](PagedKvCache::attend) ran.
     pub fn last_form(&self) -> Option<PagedForm> {
         self.last_form
+    }
+
+    /// Whether every [`append_rotated`](PagedKvCache::append_rotated) and
+    /// [`attend`](PagedKvCache::attend) since the step began read its positions and lengths on the
+    /// device (fused appends, [`PagedForm::reads_device_lengths`] forms): a CUDA graph captured of the
+    /// step then serves every later step of as many rows.
+    pub fn step_on_device(&self) -> bool {
+        self.on_device
     }
 
     fn check_layer(&self, layer: usize) -> Result<()> {
@@ -307,6 +335,7 @@ impl<T: Element> PagedKvCache<T> {
         args.check(qkv.len(), tables.positions(), tables.head_dim())?;
         args.check_append_rows()?;
         let (k, v, table) = (&mut self.k[layer], &mut self.v[layer], &self.table);
+        self.on_device &= backend == Backend::Fused;
         if backend == Backend::Fused {
             let x = RopeOperands::new(tables, &mut qkv).append_paged(k, v, table).starts(&self.positions);
             return rope(ctx, args, x, backend);
@@ -379,6 +408,7 @@ impl<T: Element> PagedKvCache<T> {
             }
         };
         self.last_form = Some(form);
+        self.on_device &= form.reads_device_lengths();
         Ok(form)
     }
 

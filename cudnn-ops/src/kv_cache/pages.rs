@@ -252,6 +252,11 @@ impl PagedBook {
         v
     }
 
+    /// Drops the step begun, if any (nothing of it counts; its pages stay with their sequences).
+    pub(crate) fn cancel(&mut self) {
+        self.step = None;
+    }
+
     /// Counts the step's tokens; returns how many each of its sequences got.
     pub(crate) fn finish(&mut self) -> Result<usize> {
         let step = self.step.take().ok_or_else(|| Error::invalid("paged cache: no step begun"))?;
@@ -380,6 +385,9 @@ mod tests {
         let c = book.add();
         book.begin(&[c], 1, 1).unwrap();
         assert!(book.remove(c).unwrap_err().to_string().contains("finish it first"));
+        book.cancel();
+        assert_eq!(book.len(c).unwrap(), 0, "a cancelled step counts nothing");
+        book.begin(&[c], 1, 1).unwrap();
         book.finish().unwrap();
         book.remove(c).unwrap();
         book.remove(a).unwrap();
