@@ -223,8 +223,9 @@ impl<T: Element> BatchEngine<T> {
         self.refusal.as_deref()
     }
 
-    /// Why attention falls back to the contiguous form (the paged attention's refusal), if it does.
-    pub fn paged_refusal(&self) -> Option<&str> {
+    /// Why decode attention does not take the fused choice of paged attention (cuDNN's paged plan
+    /// refused: the split-KV kernel reads the pages; both refused: the contiguous fallback), if so.
+    pub fn paged_refusal(&self) -> Option<String> {
         self.cache.paged_refusal()
     }
 

@@ -1,24 +1,6 @@
-//! A paged KV cache: per layer, a K and a V page pool ([`PageShape`]); one page table for all layers
-//! (a sequence's page `i` holds the same positions in every layer's pools); sequences that come and
-//! go ([`PagedKvCache::add`], [`PagedKvCache::remove`]), each growing into pages as it needs them
-//! (host allocator: a full pool is [`Error::OutOfPages`], with nothing changed).
-//!
-//! Recipe for one step (a prefill of one sequence, or a decode step of several, each at its own
-//! length):
-//! 1. `cache.begin(&ctx, &ids, seq, rows)?`: `seq` new tokens for each sequence of `ids` (row `i` of
-//!    the launch is `ids[i]`; `rows >= ids.len()` rows, e.g. a CUDA graph's batch bucket, the rows past
-//!    `ids` write nothing); gives them pages and uploads the page table, positions and lengths;
-//! 2. per layer, after the QKV projection: [`PagedKvCache::append_rotated`] (RoPE on Q and K in
-//!    place, the rotated K and the V rows into the pools through the table, one kernel fused);
-//! 3. per layer, [`PagedKvCache::attend`]: decode attention reads K and V through the table
-//!    ([`PagedForm`]); a prefill from empty attends over the step's own K/V rows;
-//! 4. `cache.finish()?`: the step's tokens count.
-//!
-//! Where the paged attention is refused (`NotSupported`: cuDNN older than 9.15 and a shape the split-KV
-//! kernel does not take, or a paged plan cuDNN refuses), the cache records why
-//! ([`PagedKvCache::paged_refusal`]) and falls back to the contiguous form, explicitly
-//! ([`PagedForm::Gathered`]): each sequence's pages are copied into a contiguous buffer and attended to
-//! as the contiguous cache does, one call per sequence. The naive backend always takes that form.
+//! A paged KV cache ([`PagedKvCache`], whose docs hold the recipe): page pools per layer, one page
+//! table, sequences that come and go; decode attention through the table, with an explicit contiguous
+//! fallback.
 
 use super::pages::{PagedBook, SeqId};
 use super::{within, KvCacheShape, QkvRows};
@@ -67,6 +49,17 @@ impl PagedForm {
     pub fn reads_device_lengths(self) -> bool {
         matches!(self, PagedForm::Paged | PagedForm::SplitKv)
     }
+}
+
+/// How a paged cache's decode steps read the pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PagedPath {
+    /// The fused backend's choice: cuDNN's paged plan (9.15+), else the split-KV kernel.
+    Fused,
+    /// The split-KV kernel (cuDNN's paged plan was refused).
+    SplitKv,
+    /// The contiguous fallback (the split-KV kernel was refused too).
+    Gathered,
 }
 
 /// Shape of a [`PagedKvCache`]: `layers` pairs of page pools of `pages`, and a page table of
@@ -120,8 +113,28 @@ impl PagedKvShape {
     }
 }
 
-/// Per-layer K and V page pools, the page table, the sequences and the bookkeeping of steps (see the
-/// [module docs](self)).
+/// A paged KV cache: per layer, a K and a V page pool ([`PageShape`]); one page table for all layers
+/// (a sequence's page `i` holds the same positions in every layer's pools); sequences that come and
+/// go ([`PagedKvCache::add`], [`PagedKvCache::remove`]), each growing into pages as it needs them
+/// (host allocator: a full pool is [`Error::OutOfPages`], with nothing changed).
+///
+/// Recipe for one step (a prefill of one sequence, or a decode step of several, each at its own
+/// length):
+/// 1. `cache.begin(&ctx, &ids, seq, rows)?`: `seq` new tokens for each sequence of `ids` (row `i` of
+///    the launch is `ids[i]`; `rows >= ids.len()` rows, e.g. a CUDA graph's batch bucket, the rows past
+///    `ids` write nothing); gives them pages and uploads the page table, positions and lengths;
+/// 2. per layer, after the QKV projection: [`PagedKvCache::append_rotated`] (RoPE on Q and K in
+///    place, the rotated K and the V rows into the pools through the table, one kernel fused);
+/// 3. per layer, [`PagedKvCache::attend`]: decode attention reads K and V through the table
+///    ([`PagedForm`]); a prefill from empty attends over the step's own K/V rows;
+/// 4. `cache.finish()?`: the step's tokens count.
+///
+/// Where cuDNN refuses its paged plan (`NotSupported`, naming the page-table attributes and the
+/// version they need, or cuDNN's own reason) the cache records why ([`PagedKvCache::paged_refusal`])
+/// and reads the pages with the split-KV kernel instead; where that is refused too (a shape it does not
+/// take), it falls back to the contiguous form, explicitly ([`PagedForm::Gathered`]): each sequence's
+/// pages are copied into a contiguous buffer and attended to as the contiguous cache does, one call
+/// per sequence. Neither refusal is retried. The naive backend always takes the contiguous form.
 pub struct PagedKvCache<T> {
     shape: PagedKvShape,
     k: Vec<CudaSlice<T>>,
@@ -137,9 +150,11 @@ pub struct PagedKvCache<T> {
     /// (the split-KV kernel clamps as it reads).
     seq_lens: SeqLens,
     clamped: bool,
-    /// Why the paged attention does not run here (recorded by the first refused call); `None` while
-    /// it may.
-    paged_refusal: Option<String>,
+    /// How decode steps read the pages now: the refusals recorded move it from the fused choice to the
+    /// split-KV kernel, then to the contiguous fallback.
+    path: PagedPath,
+    /// The refusals, in order.
+    refusals: Vec<String>,
     last_form: Option<PagedForm>,
     /// Every append and attention of the step begun took positions and lengths from the device.
     on_device: bool,
@@ -176,7 +191,8 @@ impl<T: Element> PagedKvCache<T> {
             q_lens: s.alloc_zeros::<i32>(n)?,
             seq_lens: SeqLens::new(ctx, n, 1, shape.capacity())?,
             clamped: false,
-            paged_refusal: None,
+            path: PagedPath::Fused,
+            refusals: Vec::new(),
             last_form: None,
             on_device: true,
             gathered: None,
@@ -269,11 +285,12 @@ impl<T: Element> PagedKvCache<T> {
         &self.table
     }
 
-    /// Why attention here falls back to the contiguous form ([`PagedForm::Gathered`]) for decode steps:
-    /// the refusal of the paged attention, recorded by the first [`attend`](PagedKvCache::attend) that
-    /// met it (it names the attribute or version).
-    pub fn paged_refusal(&self) -> Option<&str> {
-        self.paged_refusal.as_deref()
+    /// Why decode steps here do not take the fused choice of paged attention: cuDNN's refusal of its
+    /// paged plan (it names the page-table attributes and the version, or gives cuDNN's reason), then
+    /// the split-KV kernel runs; and the split-KV kernel's refusal after it, then the contiguous
+    /// fallback ([`PagedForm::Gathered`]) runs. Joined by `"; then "`, in the order met.
+    pub fn paged_refusal(&self) -> Option<String> {
+        (!self.refusals.is_empty()).then(|| self.refusals.join("; then "))
     }
 
     /// The form the last [`attend`](PagedKvCache::attend) ran.
@@ -353,11 +370,11 @@ impl<T: Element> PagedKvCache<T> {
     /// and V appended first) over layer `layer`'s pages, each sequence over its own `len + seq` keys,
     /// causal; O packed `[rows · seq, heads_q · d]` (rows past the step's sequences hold values to
     /// ignore). Picks the form itself and returns it ([`PagedForm`]): a fused decode step reads K and V
-    /// through the page table (cuDNN's paged plan, or the split-KV kernel before cuDNN 9.15; the
-    /// step's first such call clamps the lengths for all layers); a step of sequences holding nothing
-    /// attends over its own K/V rows; the rest, and a paged attention refused (`NotSupported`, recorded
-    /// in [`PagedKvCache::paged_refusal`], not retried), take the contiguous fallback. Other errors
-    /// are returned.
+    /// through the page table (cuDNN's paged plan, or the split-KV kernel before cuDNN 9.15 or once
+    /// cuDNN refused its plan; the step's first cuDNN call clamps the lengths for all layers); a step
+    /// of sequences holding nothing attends over its own K/V rows; the rest, and a decode step whose
+    /// paged forms were both refused (`NotSupported`, recorded in [`PagedKvCache::paged_refusal`], not
+    /// retried), take the contiguous fallback. Other errors are returned.
     pub fn attend(
         &mut self,
         ctx: &Cudnn,
@@ -378,10 +395,14 @@ impl<T: Element> PagedKvCache<T> {
             own = own.with_scale(s);
         }
         let mut form = None;
-        if seq == 1 && backend == Backend::Fused && self.paged_refusal.is_none() {
-            match self.attend_paged(ctx, layer, own, &q, &mut o) {
+        while seq == 1 && backend == Backend::Fused && form.is_none() && self.path != PagedPath::Gathered {
+            let split_kv = self.path == PagedPath::SplitKv;
+            match self.attend_paged(ctx, layer, own, &q, &mut o, split_kv) {
                 Ok(f) => form = Some(f),
-                Err(e) if e.is_not_supported() => self.paged_refusal = Some(e.to_string()),
+                Err(e) if e.is_not_supported() => {
+                    self.refusals.push(e.to_string());
+                    self.path = if split_kv { PagedPath::Gathered } else { PagedPath::SplitKv };
+                }
                 Err(e) => return Err(e),
             }
         }
@@ -412,8 +433,8 @@ impl<T: Element> PagedKvCache<T> {
         Ok(form)
     }
 
-    /// The decode step through the page table: `own` is the launch's attention over its own rows
-    /// (shape, Q strides, scale).
+    /// The decode step through the page table (on the split-KV kernel when `split_kv`, else the
+    /// fused choice): `own` is the launch's attention over its own rows (shape, Q strides, scale).
     fn attend_paged(
         &mut self,
         ctx: &Cudnn,
@@ -421,8 +442,10 @@ impl<T: Element> PagedKvCache<T> {
         own: SdpaArgs,
         q: &CudaView<'_, T>,
         o: &mut CudaViewMut<'_, T>,
+        split_kv: bool,
     ) -> Result<PagedForm> {
         let a = own.with_pages(self.shape.table());
+        let a = if split_kv { a.with_form(SdpaKernel::SplitKv) } else { a };
         let (k, v, table) = (&self.k[layer], &self.v[layer], &self.table);
         let x = SdpaOperands::new(q, k, v, o).pages(table);
         // The split-KV kernel clamps the lengths as it reads them; cuDNN reads a clamped copy.

@@ -193,8 +193,10 @@ impl<T: Element> Llama<T> {
         }?;
         if !cache.step_on_device() {
             let why = match cache.paged_refusal() {
-                Some(r) => format!("the paged attention was refused: {r}"),
-                None => "a fallback to the naive backend".into(),
+                Some(r) if cache.last_form() == Some(cudnn_llm_ops::PagedForm::Gathered) => {
+                    format!("the paged attention was refused: {r}")
+                }
+                _ => "a fallback to the naive backend".into(),
             };
             return refuse(format!("the step's appends or attention take host positions or lengths ({why})"));
         }

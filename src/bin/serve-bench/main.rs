@@ -457,7 +457,7 @@ fn report<T: Element>(
         dist("inter-token latency (ms)", &itl),
         dist("end-to-end latency (ms)", &e2e),
         line("attention", form.to_string()),
-        line("paged refusal", engine.paged_refusal().unwrap_or("none").to_string()),
+        line("paged refusal", engine.paged_refusal().unwrap_or_else(|| "none".into())),
         line("graph refusal", engine.graph_refusal().unwrap_or("none").to_string()),
         line("fallbacks", engine.model().fallbacks().len().to_string()),
     ];

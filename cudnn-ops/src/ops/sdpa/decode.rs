@@ -14,6 +14,9 @@
 //! work follows the length, not the capacity), and one launch serves every decode step, as a CUDA
 //! graph needs. Lengths are clamped into `0..=seq_kv` as they are read; a sequence with no keys gets a
 //! zero output row (the reference's empty sum). Only `seq_len_kv` is read: a decode has one query.
+//! With paged K/V ([`SdpaArgs::with_pages`]) key `t` of sequence `b` is read at slot `t % page_size`
+//! of page `table[b][t / page_size]` (the batch strides are then the pools' page strides); the rest is
+//! the same.
 //!
 //! Measured on an H200 (cuDNN 9.19, `examples/06-decode-attention`, Llama-3.1-8B heads, replayed in
 //! a CUDA graph): 15.7 us at 545 keys and 21.6 us at 4096, against 8.3 and 9.2 us for cuDNN's padded

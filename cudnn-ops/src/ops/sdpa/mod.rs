@@ -12,6 +12,12 @@
 //! split-KV kernel (`decode.rs`). With device lengths on cuDNN 9.15+ the padded graph runs: it was
 //! the faster of the two on an H200 (8.3 vs 15.7 us per Llama-3.1-8B decode attention in a CUDA
 //! graph). [`SdpaArgs::fused_kernel`] says which runs; [`SdpaArgs::with_form`] forces one.
+//!
+//! Paged K/V ([`SdpaArgs::with_pages`], [`SdpaOperands::pages`]): K and V are page pools
+//! `[num_pages, h_kv, page_size, d]` (strides by [`PageOrder`](crate::PageOrder)) read through a page
+//! table, one row per sequence, lengths on the device: cuDNN's unified operation with its page-table
+//! attributes (`CUDNN_ATTR_OPERATION_SDPA_FWD_PAGE_TABLE_KDESC` / `_VDESC`, cuDNN 9.15+), or, for a
+//! decode on an older cuDNN, the split-KV kernel reading each key's row through the table.
 
 mod decode;
 mod fused;
