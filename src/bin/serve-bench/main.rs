@@ -371,17 +371,26 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
 }
 
 /// Runs every prompt length of the stream once (its prefill plans), then decode steps at every
-/// batch-size bucket (their plans, and their captured graphs in graph mode), before anything is timed.
+/// batch-size bucket, largest first (their plans, and their captured graphs in graph mode), before
+/// anything is timed.
 fn warm_up<T: Element>(ctx: &Cudnn, engine: &mut BatchEngine<T>, plan: &Plan) -> Result<(), Error> {
     let t = Instant::now();
     for &len in &plan.prompt_lengths {
         let (id, _) = engine.add(ctx, &vec![0; len], SamplingParams::greedy())?;
         engine.remove(id)?;
     }
+    // Largest bucket first: the shared buffers grow to their largest before any smaller bucket's graph
+    // is captured, so no capture goes stale later.
     let short = plan.prompt_lengths[0];
-    for &bucket in &plan.batch.buckets {
-        while engine.live() < bucket {
-            engine.add(ctx, &vec![0; short], SamplingParams::greedy())?;
+    // As many sequences as the pool holds at their longest here (3 steps per bucket).
+    let each = engine.pages_for(short + 3 * plan.batch.buckets.len());
+    let most = plan.batch.max_batch.min(plan.batch.num_pages / each);
+    while engine.live() < most {
+        engine.add(ctx, &vec![0; short], SamplingParams::greedy())?;
+    }
+    for &bucket in plan.batch.buckets.iter().rev().filter(|&&b| b <= most) {
+        while engine.live() > bucket {
+            engine.remove(engine.sequences()[0])?;
         }
         // Plain (plans), capture, replay; a sequence that would run out of room stops the warm-up.
         for _ in 0..3 {
