@@ -618,3 +618,79 @@ fn continuous_batching_equals_each_request_alone() {
     assert_eq!(engine.free_pages(), 3);
     assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
 }
+
+/// The serve-bench binary, where cargo built it or staged beside this test; `None` (said as SKIPPED)
+/// when neither.
+fn serve_bench() -> Option<std::path::PathBuf> {
+    let found = cudnn_llm::bench_util::package_binary(env!("CARGO_BIN_EXE_serve-bench"), "serve-bench");
+    if found.is_none() {
+        eprintln!("SKIPPED: no serve-bench binary where cargo built it or staged beside this test");
+    }
+    found
+}
+
+#[test]
+fn serve_bench_bad_options_exit_2_naming_them() {
+    let Some(bin) = serve_bench() else { return };
+    for (args, expected) in [
+        (&["--order", "diagonal"][..], "--order diagonal"),
+        (&["--rate=-2"], "--rate -2"),
+        (&["--prompt-len", "8:4"], "MIN <= MAX"),
+        (&["--pages", "1"], "--pages 1"),
+    ] {
+        let out = std::process::Command::new(&bin).args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(expected) && !err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
+/// A short serving run on the tiny preset: every request served, the summary's rows and the three
+/// files written.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn serve_bench_serves_a_tiny_stream_and_writes_its_report() {
+    let bin = serve_bench().expect("a GPU run needs the serve-bench binary");
+    let dir = std::env::temp_dir().join(format!("serve-bench-{}", std::process::id()));
+    let plans = dir.join("plans");
+    let args = [
+        "--preset",
+        "tiny",
+        "--requests",
+        "24",
+        "--rate",
+        "200",
+        "--prompt-len",
+        "16:64",
+        "--prompt-step",
+        "16",
+        "--output-len",
+        "4:24",
+        "--max-batch",
+        "8",
+        "--page-size",
+        "16",
+        "--out",
+    ];
+    let out = std::process::Command::new(&bin)
+        .env(cudnn_llm::cudnn_ops::PLAN_DIR_ENV, &plans)
+        .args(args)
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    println!("{stdout}\n{stderr}");
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    for want in [
+        "| requests | 24",
+        "throughput (generated tokens/s)",
+        "time to first token (ms)",
+        "inter-token latency (ms)",
+    ] {
+        assert!(stdout.contains(want), "{want}: {stdout}");
+    }
+    let requests = std::fs::read_to_string(dir.join("serve-requests.csv")).unwrap();
+    assert_eq!(requests.lines().count(), 25, "a header and a row per request: {requests}");
+    assert!(dir.join("serve.md").exists() && dir.join("serve-summary.csv").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
