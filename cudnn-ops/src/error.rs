@@ -72,6 +72,19 @@ pub enum Error {
         /// Bytes free on the device when checked.
         free: usize,
     },
+    /// A paged KV cache has fewer free pages than a step needs (its sequences grow into new pages).
+    /// Nothing was allocated; free pages (remove a finished sequence) or make a larger pool.
+    #[error("out of KV cache pages: {what} needs {needed} more pages, {free} of {total} are free")]
+    OutOfPages {
+        /// What needed the pages (the step and its sequences).
+        what: String,
+        /// Pages needed.
+        needed: usize,
+        /// Pages free.
+        free: usize,
+        /// Pages of the pool.
+        total: usize,
+    },
 }
 
 fn detail(message: &str) -> String {

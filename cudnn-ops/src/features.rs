@@ -17,6 +17,9 @@ const WIDE_HEADS_AFTER_HOPPER: usize = 91100;
 const UNIFIED_SDPA: usize = 91301;
 /// First version whose unified SDPA takes per-sequence lengths from device tensors.
 const SDPA_SEQ_LENS: usize = 91500;
+/// First version whose unified SDPA reads K and V through page tables
+/// (`CUDNN_ATTR_OPERATION_SDPA_FWD_PAGE_TABLE_KDESC` / `_VDESC`, with device sequence lengths).
+const SDPA_PAGED: usize = 91500;
 /// First version whose matmul engines we found right on a workspace that is not zeroed per call, and
 /// right for a B broadcast across batches.
 const MATMUL_FIXES: usize = 91900;
@@ -79,6 +82,13 @@ impl Features {
     /// for every length up to its capacity; paged K/V): cuDNN 9.15.
     pub fn sdpa_seq_lens(&self) -> bool {
         self.graph_version() >= SDPA_SEQ_LENS
+    }
+
+    /// K and V read through page tables on the unified SDPA operation
+    /// (`CUDNN_ATTR_OPERATION_SDPA_FWD_PAGE_TABLE_KDESC` / `_VDESC`; a paged KV cache): cuDNN 9.15
+    /// (library and headers).
+    pub fn sdpa_paged(&self) -> bool {
+        self.graph_version() >= SDPA_PAGED
     }
 
     /// Whether masked attention scores are filled with `-inf` (cuDNN 9.10) rather than the lowest
@@ -157,6 +167,8 @@ mod tests {
         assert!(!f(91900, 91200).unified_sdpa(), "old headers hold the unified node back");
         assert!(!f(91400, 91900).sdpa_seq_lens() && f(91500, 91900).sdpa_seq_lens());
         assert!(!f(91900, 91400).sdpa_seq_lens());
+        assert!(!f(91400, 91900).sdpa_paged() && f(91500, 91900).sdpa_paged());
+        assert!(!f(91900, 91400).sdpa_paged(), "the page-table attributes need 9.15 headers");
         // A 9.21 library through 9.19 headers: the mask attributes are not in the bindings.
         assert!(!f(92100, 91900).unified_sdpa_causal() && f(92100, 92100).unified_sdpa_causal());
     }

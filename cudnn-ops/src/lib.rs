@@ -9,7 +9,7 @@
 //! | [`Features`] | what the running cuDNN can do on this GPU, from its version ([`Exec::features`]) |
 //! | [`PlanCache`], [`PlanKey`] | plans by op-declared keys (shape/stride/dtype/flags), with hit and miss counters; optionally persistent in a plan directory ([`Cudnn::set_plan_dir`], [`PLAN_DIR_ENV`]), so a new process loads plans and autotuning choices instead of rebuilding them |
 //! | [`ops`] | one room per op: [`rms_norm`], [`sdpa`], [`matmul`], [`rope`], [`embedding`] and [`write_cache`], each with its arguments, operands, fused half and eager baseline; backward phases [`rms_norm_backward`], [`sdpa_backward`], [`linear_backward_data`], [`linear_backward_weight`], [`swiglu_down_backward`], [`rope_backward`], [`embedding_backward`]; the training side's custom kernels [`cross_entropy`], [`adamw`], [`grad_norm`] |
-//! | [`KvCache`], [`RopeFrequencies`] | what a decoder keeps between steps: per-layer K/V caches with per-sequence positions, appends (RoPE fused) and decode attention that picks the one-launch padded form (the split-KV kernel, or cuDNN's padded plan) and falls back by itself ([`kv_cache`]); RoPE tables for plain and Llama-3-scaled frequencies |
+//! | [`KvCache`], [`PagedKvCache`], [`RopeFrequencies`] | what a decoder keeps between steps: per-layer K/V caches with per-sequence positions, appends (RoPE fused) and decode attention that picks the one-launch padded form (the split-KV kernel, or cuDNN's padded plan) and falls back by itself ([`kv_cache`]); a paged cache of page pools and a page table for sequences that come and go (continuous batching), its decode attention reading K/V through the table; RoPE tables for plain and Llama-3-scaled frequencies |
 //! | [`reference`](mod@reference) | f64 CPU references and the comparison used by tests and reports |
 //!
 //! Recipe for an op call:
@@ -67,7 +67,9 @@ pub use graph::{
     SdpaForm, SdpaGradients, SdpaOptions, SdpaOutputs, TensorId, Unary,
 };
 pub use kernels::KernelRun;
-pub use kv_cache::{AttendForm, KvCache, KvCacheShape, QkvRows};
+pub use kv_cache::{
+    AttendForm, KvCache, KvCacheShape, PageAllocator, PagedForm, PagedKvCache, PagedKvShape, QkvRows, SeqId,
+};
 pub use ops::loss::{cross_entropy, CrossEntropyArgs, CrossEntropyOperands, Logits};
 pub use ops::matmul::{
     linear_backward_data, linear_backward_weight, matmul, swiglu_down_backward, Activation, BufferLens,
@@ -83,7 +85,9 @@ pub use ops::rope::backward::{rope_backward, RopeBackwardOperands};
 pub use ops::rope::{rope, KvAppend, Llama3Scaling, RopeArgs, RopeFrequencies, RopeOperands, RopeTables};
 pub use ops::rows::backward::{embedding_backward, EmbeddingBackwardOperands, EmbeddingGrad};
 pub use ops::rows::{
-    check_ids, embedding, write_cache, CacheWrite, CacheWriteOperands, EmbeddingArgs, EmbeddingOperands,
+    check_ids, embedding, gather_pages, write_cache, CacheRows, CacheWrite, CacheWriteOperands,
+    EmbeddingArgs, EmbeddingOperands, PageGather, PageGatherOperands, PageOrder, PageShape, PageTable,
+    TableShape,
 };
 pub use ops::sdpa::{
     sdpa, sdpa_backward, DeviceSeqLens, Layout, SdpaArgs, SdpaGrads, SdpaKernel, SdpaLens, SdpaOperands,

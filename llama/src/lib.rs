@@ -8,6 +8,7 @@
 //! | [`backends`] | which backend each module kind (and layer) runs on, and its string form |
 //! | [`model`] | the decoder on the GPU: layers of modules (norm, attention, MLP in `src/modules/`), per-module backends, KV cache, fallbacks, an observer hook |
 //! | [`generate`] | token generation: prefill, decode steps, last-position logits, stopping at EOS |
+//! | [`batching`] | continuous batching over a paged KV cache: add a request (its prefill), step every live sequence at its own length, remove a finished one and reuse its pages; a CUDA graph per batch-size bucket |
 //! | [`sampling`] | choosing the next token from host logits: greedy, temperature, top-k, top-p, seeded |
 //! | [`tokenizer`] | Hugging Face `tokenizer.json`: encoding, decoding, streaming text as tokens arrive |
 //! | [`profile`] | attributing kernels to module ranges (what an Nsight Systems NVTX projection shows) |
@@ -19,6 +20,7 @@
 #![deny(missing_docs, rustdoc::broken_intra_doc_links)]
 
 pub mod backends;
+pub mod batching;
 pub mod config;
 pub mod generate;
 pub mod model;
@@ -34,10 +36,11 @@ pub mod train;
 pub mod weights;
 
 pub use backends::{Backends, ModuleKind, Site};
+pub use batching::{BatchConfig, BatchEngine};
 pub use config::LlamaConfig;
 pub use cudnn_llm_ops::Backend;
 pub use generate::{DecodeMode, Generation, Generator, StopReason};
-pub use model::{DecodeGraph, Fallback, KvCache, Llama, NoObserver, Observer};
+pub use model::{DecodeGraph, Fallback, KvCache, Llama, NoObserver, Observer, PagedCache, PagedDecodeGraph};
 pub use sampling::{Sampler, SamplingParams};
 pub use tokenizer::Tokenizer;
 pub use train::{Batch, StepStats, TrainConfig, Trainer};

@@ -28,6 +28,11 @@
 //! capacity and the lengths are device values (cuDNN 9.15+), so a new cache length builds no plan.
 //! A fused module that cuDNN cannot run for a shape runs naive instead; [`Llama::fallbacks`] says
 //! which and why, and the shape is not retried.
+//!
+//! Over a paged KV cache ([`PagedCache`], `model/paged.rs`: [`Llama::forward_paged`],
+//! [`Llama::capture_paged_decode`], [`Llama::decode_paged`]) the same modules run with RoPE's K/V
+//! append and attention going through cudnn-ops' paged cache, each sequence at its own length: what
+//! continuous batching ([`crate::batching`]) drives.
 
 use crate::backends::{Backends, ModuleKind, Site};
 use crate::config::LlamaConfig;
@@ -47,6 +52,9 @@ use cudnn_llm_ops::{check_ids, Cudnn, Element, RopeTables, SeqLens};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use crate::modules::{Fallback, NoObserver, Observer, EMBED_RANGE};
+pub use paged::{PagedCache, PagedDecodeGraph};
+
+mod paged;
 
 /// Identities of caches and activation buffers, so that a captured decode graph (which holds their
 /// device addresses) refuses to run on others.

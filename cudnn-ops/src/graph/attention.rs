@@ -93,12 +93,18 @@ pub struct SdpaOptions {
     /// are then capacities and positions past a sequence's length are masked out (one plan serves every
     /// length up to the capacity). Unified form only (cuDNN 9.15+).
     pub seq_lens: Option<(TensorId, TensorId)>,
+    /// Page tables `(k, v)`, i32 `[b, 1, max_pages, 1]` device tensors: K and V are then page pools
+    /// (containers) `[num_pages, h_kv, page_size, d]` and sequence `b`'s key `p` is row `p % page_size`
+    /// of page `table[b][p / page_size]`; the seq dim of the attention is `max_pages · page_size`.
+    /// Needs [`SdpaOptions::seq_lens`]; unified form only (cuDNN 9.15+:
+    /// `CUDNN_ATTR_OPERATION_SDPA_FWD_PAGE_TABLE_KDESC` / `_VDESC`).
+    pub page_tables: Option<(TensorId, TensorId)>,
 }
 
 impl SdpaOptions {
     /// Inference (no stats) with `mask`, in `form`, for the cuDNN `features` describe; fixed lengths.
     pub fn new(mask: Mask, form: SdpaForm, features: Features) -> Self {
-        SdpaOptions { mask, stats: false, form, features, seq_lens: None }
+        SdpaOptions { mask, stats: false, form, features, seq_lens: None, page_tables: None }
     }
 
     /// The same, also outputting the log-sum-exp stats (training mode).
@@ -110,6 +116,12 @@ impl SdpaOptions {
     /// [`SdpaOptions::seq_lens`](#structfield.seq_lens)).
     pub fn with_seq_lens(self, q: TensorId, kv: TensorId) -> Self {
         SdpaOptions { seq_lens: Some((q, kv)), ..self }
+    }
+
+    /// The same reading K and V through the i32 `[b, 1, max_pages, 1]` page tables `k` and `v` (see
+    /// [`SdpaOptions::page_tables`](#structfield.page_tables)).
+    pub fn with_page_tables(self, k: TensorId, v: TensorId) -> Self {
+        SdpaOptions { page_tables: Some((k, v)), ..self }
     }
 }
 
@@ -160,6 +172,7 @@ impl Graph {
                 stats,
                 mask: opts.mask,
                 seq_lens: opts.seq_lens,
+                page_tables: opts.page_tables,
             });
             return SdpaOutputs { o, stats };
         }
@@ -167,6 +180,10 @@ impl Graph {
         if let Some((sq, _)) = opts.seq_lens {
             // The composite padding mask (and its matmul overrides) is not built here: refuse it.
             self.padded_composite = Some(sq);
+        }
+        if let Some((pk, _)) = opts.page_tables {
+            // The composite form reads pages through PAGED_CACHE_LOAD operations, not built here.
+            self.paged_composite = Some(pk);
         }
         // bmm1 against the transposed view of K.
         let kt = self.spec_mut(k);
@@ -439,6 +456,7 @@ mod tests {
             form: SdpaForm::Composite,
             features: Features::for_version(91900, (9, 0)),
             seq_lens: None,
+            page_tables: None,
         };
         let out = g.sdpa(q, k, v, scale, opts);
         g.output(out.o);
@@ -466,6 +484,55 @@ mod tests {
         let strided = |g: &mut Graph| g.spec_mut(TensorId(0)).strides = vec![8 * 16 * 128, 16 * 128, 128, 2];
         let (t, r) = invalid([1, 8, 16, 64], [1, 2, 16, 64], [1, 2, 16, 64], BF16, strided);
         assert!(t == "Q" && r.contains("stride 1"), "{t}: {r}");
+    }
+
+    #[test]
+    fn page_tables_are_validated_by_name() {
+        use crate::DataType::{BF16, I32};
+        let f = Features::for_version(91900, (9, 0));
+        let build = |tweak: &dyn Fn(&mut Graph, TensorId), with_lens: bool| {
+            let mut g = Graph::new("paged");
+            let q = g.tensor(crate::TensorSpec::new("Q", &[2, 8, 1, 64], BF16));
+            let k = g.tensor(crate::TensorSpec::new("K", &[32, 2, 16, 64], BF16));
+            let v = g.tensor(crate::TensorSpec::new("V", &[32, 2, 16, 64], BF16));
+            let scale = g.tensor(crate::TensorSpec::scalar("scale", crate::DataType::F32, 4));
+            let lens = |g: &mut Graph, name: &str| {
+                g.tensor(crate::TensorSpec::new(name, &[2, 1, 1, 1], I32).with_strides(&[1, 1, 1, 1]))
+            };
+            let (sq, skv) = (lens(&mut g, "seq_len_q"), lens(&mut g, "seq_len_kv"));
+            let table = |g: &mut Graph, name: &str| {
+                g.tensor(crate::TensorSpec::new(name, &[2, 1, 8, 1], I32).with_strides(&[8, 8, 1, 1]))
+            };
+            let (pk, pv) = (table(&mut g, "page_table_k"), table(&mut g, "page_table_v"));
+            let mut opts = SdpaOptions::new(Mask::None, SdpaForm::Unified, f).with_page_tables(pk, pv);
+            if with_lens {
+                opts = opts.with_seq_lens(sq, skv);
+            }
+            let out = g.sdpa(q, k, v, scale, opts);
+            g.output(out.o);
+            tweak(&mut g, pv);
+            g.validate()
+        };
+        build(&|_, _| {}, true).unwrap();
+        let fails = |r: crate::Result<()>, tensor: &str, reason: &str| match r {
+            Err(crate::Error::InvalidGraph { tensor: t, reason: why, .. }) => {
+                assert!(t == tensor && why.contains(reason), "{t}: {why}")
+            }
+            other => panic!("expected InvalidGraph for {tensor}, got {other:?}"),
+        };
+        fails(build(&|_, _| {}, false), "page_table_k", "need the sequence lengths");
+        fails(
+            build(&|g, pv| g.spec_mut(pv).dims = vec![3, 1, 8, 1], true),
+            "page_table_v",
+            "[2, 1, max_pages, 1]",
+        );
+        fails(build(&|g, pv| g.spec_mut(pv).dtype = BF16, true), "page_table_v", "i32");
+        // K and V pools of different page sizes.
+        fails(
+            build(&|g, _| g.spec_mut(TensorId(2)).dims = vec![32, 2, 8, 64], true),
+            "V",
+            "page sizes differ",
+        );
     }
 
     #[test]

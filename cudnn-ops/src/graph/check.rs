@@ -20,7 +20,10 @@ impl Graph {
             Node::Matmul { a, b, c } => self.check_matmul(a, b, c),
             Node::Reduction { x, y, .. } => self.check_reduction(x, y),
             Node::Reshape { x, y } => self.check_reshape(x, y),
-            Node::SdpaFwd { q, k, v, o, stats, mask, seq_lens, .. } => {
+            Node::SdpaFwd { q, k, v, o, stats, mask, seq_lens, page_tables, .. } => {
+                if let Some((pk, pv)) = page_tables {
+                    self.check_page_tables(q, [k, v], [pk, pv], seq_lens.is_some())?;
+                }
                 if let Some((sq, skv)) = seq_lens {
                     let b = self.spec(q).dims.first().copied().unwrap_or(0);
                     for t in [sq, skv] {
@@ -48,9 +51,46 @@ impl Graph {
                         ),
                     });
                 }
-                self.check_sdpa_tensors(q, k, v, o, stats, [false, false])
+                self.check_sdpa_tensors_paged(q, k, v, o, stats, [false, false], page_tables.is_some())
             }
         }
+    }
+
+    /// Page tables of an attention: i32 `[b, 1, max_pages, 1]` device tensors, one per pool (K and V
+    /// containers `[num_pages, h_kv, page_size, d]`), with the sequence lengths the paged engines need
+    /// (the frontend: "Paged caches can only be used in combination with padding mask and variable
+    /// sequence lengths for both Q and KV").
+    fn check_page_tables(
+        &self,
+        q: TensorId,
+        pools: [TensorId; 2],
+        tables: [TensorId; 2],
+        has_seq_lens: bool,
+    ) -> Result<()> {
+        let b = self.spec(q).dims.first().copied().unwrap_or(0);
+        if !has_seq_lens {
+            return Err(self.fail(tables[0], "page tables need the sequence lengths (seq_len_q, seq_len_kv)"));
+        }
+        for (t, pool) in tables.into_iter().zip(pools) {
+            let s = self.spec(t);
+            let ok = s.dtype == DataType::I32
+                && s.dims.len() == 4
+                && s.dims[0] == b
+                && s.dims[1] == 1
+                && s.dims[3] == 1
+                && s.dims[2] > 0
+                && !s.is_virtual
+                && !s.by_value;
+            if !ok {
+                return Err(
+                    self.fail(t, format!("a page table must be an i32 [{b}, 1, max_pages, 1] device tensor"))
+                );
+            }
+            if self.spec(pool).dims.iter().any(|&d| d <= 0) || self.spec(pool).dims.len() != 4 {
+                return Err(self.fail(pool, "a page pool is [num_pages, h_kv, page_size, d]"));
+            }
+        }
+        Ok(())
     }
 
     /// Every dim of `small` equals the one of `full` or is 1 (ranks equal).
@@ -188,6 +228,22 @@ impl Graph {
         stats: Option<TensorId>,
         transposed: [bool; 2],
     ) -> Result<()> {
+        self.check_sdpa_tensors_paged(q, k, v, o, stats, transposed, false)
+    }
+
+    /// [`Graph::check_sdpa_tensors`]; with `paged`, K and V are page pools `[num_pages, h_k, page_size,
+    /// d]` whose first dim is not the batch.
+    #[allow(clippy::too_many_arguments)]
+    fn check_sdpa_tensors_paged(
+        &self,
+        q: TensorId,
+        k: TensorId,
+        v: TensorId,
+        o: TensorId,
+        stats: Option<TensorId>,
+        transposed: [bool; 2],
+        paged: bool,
+    ) -> Result<()> {
         let [k_transposed, v_transposed] = transposed;
         for id in [q, k, v, o] {
             let s = self.spec(id);
@@ -213,7 +269,7 @@ impl Graph {
         if v_transposed {
             vd.swap(2, 3);
         }
-        if kd[0] != qd[0] || vd[0] != qd[0] {
+        if !paged && (kd[0] != qd[0] || vd[0] != qd[0]) {
             return Err(self.fail(k, format!("batch differs: Q {qd:?}, K {kd:?}, V {vd:?}")));
         }
         if kd[1] != vd[1] || qd[1] % kd[1] != 0 {
@@ -223,7 +279,8 @@ impl Graph {
             ));
         }
         if kd[2] != vd[2] {
-            return Err(self.fail(v, format!("K and V sequence lengths differ: {} vs {}", kd[2], vd[2])));
+            let what = if paged { "page sizes" } else { "sequence lengths" };
+            return Err(self.fail(v, format!("K and V {what} differ: {} vs {}", kd[2], vd[2])));
         }
         if kd[3] != qd[3] {
             return Err(self.fail(k, format!("Q and K head dims differ: {} vs {}", qd[3], kd[3])));

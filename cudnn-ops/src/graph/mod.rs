@@ -102,6 +102,8 @@ pub struct Graph {
     backward_attentions: Vec<attention::SdpaBackwardTensors>,
     /// A composite attention was asked for with sequence lengths (its padding mask is not built).
     padded_composite: Option<TensorId>,
+    /// A composite attention was asked for with page tables (its paged cache loads are not built).
+    paged_composite: Option<TensorId>,
     form: Option<String>,
 }
 
@@ -117,6 +119,7 @@ impl Graph {
             attentions: Vec::new(),
             backward_attentions: Vec::new(),
             padded_composite: None,
+            paged_composite: None,
             form: None,
         }
     }
@@ -213,6 +216,14 @@ impl Graph {
                 op: format!("{} (tensor `{}`)", self.name, self.spec(t).name),
                 reason: "attention with sequence lengths needs the unified SDPA operation (cuDNN 9.15+); \
                          the composite padding mask is not built"
+                    .into(),
+            });
+        }
+        if let Some(t) = self.paged_composite {
+            return Err(Error::NotSupported {
+                op: format!("{} (tensor `{}`)", self.name, self.spec(t).name),
+                reason: "paged K/V needs the unified SDPA operation (its PAGE_TABLE_KDESC/VDESC attributes, \
+                         cuDNN 9.15+); the composite form's PAGED_CACHE_LOAD operations are not built"
                     .into(),
             });
         }

@@ -199,6 +199,8 @@ pub(crate) enum Node {
         mask: super::Mask,
         /// Per-sequence lengths (q, kv), i32 `[b, 1, 1, 1]`: padded attention.
         seq_lens: Option<(TensorId, TensorId)>,
+        /// Page tables (k, v), i32 `[b, 1, max_pages, 1]`: K and V are page pools (paged attention).
+        page_tables: Option<(TensorId, TensorId)>,
     },
 }
 
@@ -210,9 +212,10 @@ impl Node {
             Node::Pointwise { x, b, t, .. } => [Some(x), b, t].into_iter().flatten().collect(),
             Node::Matmul { a, b, .. } => vec![a, b],
             Node::Reduction { x, .. } | Node::Reshape { x, .. } => vec![x],
-            Node::SdpaFwd { q, k, v, scale, seq_lens, .. } => {
+            Node::SdpaFwd { q, k, v, scale, seq_lens, page_tables, .. } => {
                 let mut v = vec![q, k, v, scale];
                 v.extend(seq_lens.into_iter().flat_map(|(a, b)| [a, b]));
+                v.extend(page_tables.into_iter().flat_map(|(a, b)| [a, b]));
                 v
             }
         }
@@ -341,7 +344,7 @@ impl Node {
                 op.finalize("reshape operation")?;
                 Ok(op)
             }
-            Node::SdpaFwd { q, k, v, scale, o, stats, seq_lens, .. } => {
+            Node::SdpaFwd { q, k, v, scale, o, stats, seq_lens, page_tables, .. } => {
                 let mut op = Descriptor::new(D::CUDNN_BACKEND_OPERATION_SDPA_FWD_DESCRIPTOR)?;
                 op.set(A::CUDNN_ATTR_OPERATION_SDPA_FWD_QDESC, Attr::Descriptors(&[t(q)]))?;
                 op.set(A::CUDNN_ATTR_OPERATION_SDPA_FWD_KDESC, Attr::Descriptors(&[t(k)]))?;
@@ -354,6 +357,10 @@ impl Node {
                 if let Some((sq, skv)) = seq_lens {
                     op.set(A::CUDNN_ATTR_OPERATION_SDPA_FWD_SEQ_LEN_QDESC, Attr::Descriptors(&[t(sq)]))?;
                     op.set(A::CUDNN_ATTR_OPERATION_SDPA_FWD_SEQ_LEN_KVDESC, Attr::Descriptors(&[t(skv)]))?;
+                }
+                if let Some((pk, pv)) = page_tables {
+                    op.set(A::CUDNN_ATTR_OPERATION_SDPA_FWD_PAGE_TABLE_KDESC, Attr::Descriptors(&[t(pk)]))?;
+                    op.set(A::CUDNN_ATTR_OPERATION_SDPA_FWD_PAGE_TABLE_VDESC, Attr::Descriptors(&[t(pv)]))?;
                 }
                 op.finalize("sdpa forward operation")?;
                 Ok(op)

@@ -34,3 +34,16 @@ ELEMENTWISE(cast_f16_f32, (const bits16* x, float* y, long n), y[i] = f16_to_f32
 // x.to(input_dtype)
 ELEMENTWISE(cast_f32_bf16, (const float* x, bits16* y, long n), y[i] = f32_to_bf16(x[i]))
 ELEMENTWISE(cast_f32_f16, (const float* x, bits16* y, long n), y[i] = f32_to_f16(x[i]))
+
+// The address of element (head h, column e) of position `pos` of sequence b in a page pool read
+// through `table` ([batch, max_pages] i32; ops/rows/pages.rs): page table[b][pos / page_size], slot
+// pos % page_size, with the pool's page, head and slot strides. -1 where the position is outside the
+// table or its entry outside the pool (the host checks entries; the kernels bound them once more).
+__device__ __forceinline__ long paged_at(const int* table, long b, long pos, long max_pages, long page_size,
+                                         long page_stride, long head_stride, long slot_stride, long num_pages,
+                                         long h, long e) {
+    if (pos < 0 || pos >= max_pages * page_size) return -1;
+    const long page = (long)table[b * max_pages + pos / page_size];
+    if (page < 0 || page >= num_pages) return -1;
+    return page * page_stride + h * head_stride + (pos % page_size) * slot_stride + e;
+}

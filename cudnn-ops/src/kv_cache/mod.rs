@@ -39,14 +39,21 @@
 //! # }
 //! ```
 //!
+//! A paged cache ([`PagedKvCache`], `paged.rs`) keeps K and V in page pools read through a page table,
+//! for sequences that come and go (continuous batching); its module docs have its recipe.
+//!
 //! `examples/downstream_block/` builds a whole Llama-3.2-1B-shaped decoder block on this (and
 //! `tests/downstream_block.rs` checks it against an f64 reference on a GPU).
 
 mod attend;
 mod book;
+mod paged;
+mod pages;
 
 pub use attend::AttendForm;
 pub use book::{KvCacheShape, QkvRows};
+pub use paged::{PagedForm, PagedKvCache, PagedKvShape};
+pub use pages::{PageAllocator, SeqId};
 
 use crate::dtype::Element;
 use crate::error::ensure;

@@ -6,12 +6,12 @@
 //! |---|---|---|---|
 //! | [`rmsnorm`] | [`rms_norm`](rmsnorm::rms_norm) | `NORM_FORWARD` graph | 8 eager kernels ([`rmsnorm::naive`]) |
 //! | | [`rms_norm_backward`](rmsnorm::rms_norm_backward) | `NORM_BACKWARD` graph (+ residual add, 9.21) | 19 eager autograd kernels |
-//! | [`sdpa`] | [`sdpa`](sdpa::sdpa) | SDPA graph (unified or composite); a decode: the split-KV kernel (one launch) | math-path attention ([`sdpa::naive`]) |
+//! | [`sdpa`] | [`sdpa`](sdpa::sdpa) | SDPA graph (unified or composite; paged K/V through page tables on the unified one); a decode: the split-KV kernel (one launch, contiguous or paged K/V) | math-path attention ([`sdpa::naive`]) |
 //! | | [`sdpa_backward`](sdpa::sdpa_backward) | composite backward graph | math-path autograd ([`sdpa::naive`]) |
 //! | [`matmul`] | [`matmul`](matmul::matmul) | matmul + epilogue graph; a custom GEMV for a Linear layer over at most 8 tokens ([`MatmulKernel`](matmul::MatmulKernel)) | cuBLAS GEMM + one kernel per step ([`matmul::naive`]) |
 //! | | [`linear_backward_data`](matmul::linear_backward_data), [`linear_backward_weight`](matmul::linear_backward_weight), [`swiglu_down_backward`](matmul::swiglu_down_backward) | matmul graphs over transposed views, reduction (bias), matmul + SwiGLU backward graph | cuBLAS GEMMs + eager kernels ([`matmul::backward::naive`]) |
 //! | [`rope`] | [`rope`](rope::rope) | one custom kernel | 10 eager kernels |
-//! | [`rows`] | [`embedding`](rows::embedding), [`write_cache`](rows::write_cache) | one kernel, the same on both backends | |
+//! | [`rows`] | [`embedding`](rows::embedding), [`write_cache`](rows::write_cache), [`gather_pages`](rows::gather_pages) (page pools and tables: [`PageTable`](rows::PageTable)) | one kernel, the same on both backends | |
 //! | [`rope::backward`] | [`rope_backward`](rope::backward::rope_backward) | one custom kernel (rotation by −θ) | 10 eager kernels |
 //! | [`rows::backward`] | [`embedding_backward`](rows::backward::embedding_backward) | atomic scatter-add or a deterministic tiled kernel | `embedding_dense_backward`: zeros, sort, segment sums |
 //! | [`loss`] | [`cross_entropy`](loss::cross_entropy) (loss, or loss and gradient) | 3 launches, no f32 logits | `.float()`, `log_softmax`, `nll_loss` and their backward |

@@ -70,4 +70,20 @@ impl<T: Element> Block<T> {
         self.mlp_norm.forward(p, x.get(), h)?;
         x.add(|x, sum| self.mlp.forward(p, h, mlp, x, sum))
     }
+
+    /// [`Block::forward`] over a paged KV cache's step begun (continuous batching;
+    /// `modules/paged.rs`).
+    pub(crate) fn forward_paged(
+        &self,
+        p: &mut Pass<'_, T>,
+        x: &mut Residual<T>,
+        s: &mut Scratch<T>,
+        cache: &mut cudnn_llm_ops::PagedKvCache<T>,
+    ) -> Result<()> {
+        let Scratch { h, attn, mlp } = s;
+        self.attn_norm.forward(p, x.get(), h)?;
+        x.add(|x, sum| self.attn.forward_paged(p, h, attn, cache, x, sum))?;
+        self.mlp_norm.forward(p, x.get(), h)?;
+        x.add(|x, sum| self.mlp.forward(p, h, mlp, x, sum))
+    }
 }

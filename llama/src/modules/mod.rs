@@ -35,6 +35,7 @@ pub(crate) mod embedding;
 pub(crate) mod linear;
 pub(crate) mod mlp;
 pub(crate) mod norm;
+pub(crate) mod paged;
 pub(crate) mod residual;
 
 pub use dispatch::{Fallback, NoObserver, Observer};

@@ -69,3 +69,49 @@ extern "C" __global__ void rope_append_##sfx(T* x, long ss, long seq, long heads
 }
 ROPE_APPEND(bits16, bf16, bf16_to_f32, f32_to_bf16)
 ROPE_APPEND(bits16, f16, f16_to_f32, f32_to_f16)
+
+// rope_append_* into page pools: the rotated K heads and the V heads of each row go to position `pos`
+// of their sequence through the page table (`paged_at`, common.cu; the pools' page, head and slot
+// strides, ops/rows/pages.rs). Rows whose position falls outside the tables or the page table are left
+// as they are and not appended.
+#define ROPE_APPEND_PAGED(T, sfx, load, store)                                                            \
+extern "C" __global__ void rope_append_paged_##sfx(T* x, long ss, long seq, long heads_q, long heads_kv,  \
+                                                   long dim, long start, const int* starts,               \
+                                                   long positions, const float* cos_t,                    \
+                                                   const float* sin_t, T* kc, T* vc, const int* table,    \
+                                                   long max_pages, long page_size, long page_stride,      \
+                                                   long head_stride, long slot_stride, long head_dim,     \
+                                                   long num_pages) {                                      \
+    long r = blockIdx.x, seqn = r / seq;                                                                  \
+    int half = (int)dim / 2, q_pairs = (int)heads_q * half;                                               \
+    int pairs = (int)(heads_q + heads_kv) * half, kv_cols = (int)(heads_kv * dim);                        \
+    long pos = (starts ? (long)starts[seqn] : start) + r % seq;                                           \
+    if (pos < 0 || pos >= positions) return;                                                              \
+    const long base = paged_at(table, seqn, pos, max_pages, page_size, page_stride, head_stride,          \
+                               slot_stride, num_pages, 0, 0);                                             \
+    if (base < 0) return;                                                                                 \
+    const float* c = cos_t + pos * half;                                                                  \
+    const float* s = sin_t + pos * half;                                                                  \
+    T* row = x + r * ss;                                                                                  \
+    int step = (int)(gridDim.y * blockDim.x), first = (int)(blockIdx.y * blockDim.x + threadIdx.x);       \
+    for (int p = first; p < pairs; p += step) {                                                           \
+        int h = p / half, j = p - h * half;                                                               \
+        T* v = row + h * (int)dim;                                                                        \
+        float a = load(v[j]), b = load(v[j + half]), cj = c[j], sj = s[j];                                \
+        T lo = store(a * cj - b * sj), hi = store(b * cj + a * sj);                                       \
+        v[j] = lo;                                                                                        \
+        v[j + half] = hi;                                                                                 \
+        if (p >= q_pairs) {                                                                               \
+            T* k = kc + base + (long)(h - (int)heads_q) * head_stride;                                    \
+            k[j] = lo;                                                                                    \
+            k[j + half] = hi;                                                                             \
+        }                                                                                                 \
+    }                                                                                                     \
+    const T* vsrc = row + (heads_q + heads_kv) * dim;                                                     \
+    for (int e = first; e < kv_cols; e += step) {                                                         \
+        const long h = e / head_dim, j = e - h * head_dim;                                                \
+        vc[base + h * head_stride + j] = vsrc[e];                                                         \
+    }                                                                                                     \
+}
+ROPE_APPEND_PAGED(bits16, bf16, bf16_to_f32, f32_to_bf16)
+ROPE_APPEND_PAGED(bits16, f16, f16_to_f32, f32_to_f16)

@@ -5,6 +5,7 @@ use super::{suffix, KvAppend, RopeArgs, RopeOperands, RopeTables};
 use crate::checked;
 use crate::dtype::Element;
 use crate::kernels::{launch, optional_ptr, Arg, Kernels};
+use crate::ops::rows::CacheRows;
 use crate::ops::Fused;
 use crate::{Cudnn, Result};
 use cudarc::driver::{DevicePtr, LaunchConfig};
@@ -14,7 +15,7 @@ impl<T: Element> Fused<T> for RopeArgs {
         let RopeOperands { tables, qkv, starts, append } = x;
         let (x, _gx) = qkv.device_ptr_mut(ctx.stream());
         let (p, _gp) = optional_ptr(starts, ctx.stream());
-        let Some(KvAppend { k, v, max_seq }) = append else {
+        let Some(KvAppend { k, v, rows }) = append else {
             return rotate(ctx, self, tables, x, p, Rotation::Forward);
         };
         let (kc, _gk) = k.device_ptr_mut(ctx.stream());
@@ -24,14 +25,30 @@ impl<T: Element> Fused<T> for RopeArgs {
         let (c, _gc) = tables.cos_half.device_ptr(ctx.stream());
         let (s, _gs) = tables.sin_half.device_ptr(ctx.stream());
         let a = [Arg::Ptr(x), i(row_stride), i(seq), i(heads_q), i(heads_kv), i(d), i(start), Arg::Ptr(p)];
-        let rest = [i(tables.positions), Arg::Ptr(c), Arg::Ptr(s), Arg::Ptr(kc), Arg::Ptr(vc), i(max_seq)];
-        launch(
-            ctx,
-            Kernels::get(ctx)?,
-            &format!("rope_append_{}", suffix(T::DTYPE)?),
-            row_blocks(self)?,
-            &[a.as_slice(), &rest].concat(),
-        )
+        let rest = [i(tables.positions), Arg::Ptr(c), Arg::Ptr(s), Arg::Ptr(kc), Arg::Ptr(vc)];
+        let sfx = suffix(T::DTYPE)?;
+        match rows {
+            CacheRows::Contiguous { max_seq } => launch(
+                ctx,
+                Kernels::get(ctx)?,
+                &format!("rope_append_{sfx}"),
+                row_blocks(self)?,
+                &[a.as_slice(), &rest, &[i(max_seq)]].concat(),
+            ),
+            CacheRows::Paged { table, first } => {
+                let view = table.rows(first, self.batch);
+                let (t, _gt) = view.device_ptr(ctx.stream());
+                let paged = [Arg::Ptr(t), i(table.shape().max_pages)];
+                let addressing = table.shape().pages.kernel_args();
+                launch(
+                    ctx,
+                    Kernels::get(ctx)?,
+                    &format!("rope_append_paged_{sfx}"),
+                    row_blocks(self)?,
+                    &[a.as_slice(), &rest, &paged, &addressing].concat(),
+                )
+            }
+        }
     }
 }
 

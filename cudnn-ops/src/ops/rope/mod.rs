@@ -17,7 +17,7 @@ pub use freqs::{rotate, Llama3Scaling, RopeFrequencies};
 use crate::checked;
 use crate::dtype::{DataType, Element};
 use crate::error::ensure;
-use crate::ops::rows::CacheWrite;
+use crate::ops::rows::{CacheRows, CacheWrite, PageTable};
 use crate::ops::Op;
 use crate::{Backend, Cudnn, Error, Result};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
@@ -200,19 +200,20 @@ pub struct RopeOperands<'a, T: Element> {
 }
 
 /// The caches a RoPE call appends the rotated K heads and the V heads of its tokens to, as a decoder
-/// does before attention: `[batch, max_seq, h_kv · d]` each, the token at position `p` of sequence `b`
-/// to row `p` of sequence `b` (positions from [`RopeArgs::start`] or the device starts). Fused: the
-/// same single kernel writes them; naive: the eager rotation, then one row copy per cache
-/// (`StaticCache.update`'s `index_copy_`, as [`write_cache`](crate::write_cache) does). With device
-/// starts, a row whose position falls outside the cache is skipped.
+/// does before attention: the token at position `p` of sequence `b` to the cache row of `(b, p)`
+/// ([`CacheRows`]: row `p` of sequence `b`'s `[max_seq, h_kv · d]`, or through a page table into a
+/// page pool), positions from [`RopeArgs::start`] or the device starts. Fused: the same single kernel
+/// writes them; naive: the eager rotation, then one row copy per cache (`StaticCache.update`'s
+/// `index_copy_`, as [`write_cache`](crate::write_cache) does). With device starts, a row whose
+/// position falls outside the cache is skipped.
 #[non_exhaustive]
 pub struct KvAppend<'a, T: Element> {
-    /// The K cache.
+    /// The K cache (or page pool).
     pub k: &'a mut dyn DevicePtrMut<T>,
-    /// The V cache.
+    /// The V cache (or page pool).
     pub v: &'a mut dyn DevicePtrMut<T>,
-    /// Rows per sequence of each cache.
-    pub max_seq: usize,
+    /// Where the rows go.
+    pub rows: CacheRows<'a>,
 }
 
 impl<'a, T: Element> RopeOperands<'a, T> {
@@ -221,14 +222,36 @@ impl<'a, T: Element> RopeOperands<'a, T> {
         RopeOperands { tables, qkv, starts: None, append: None }
     }
 
-    /// Also append the rotated K and the V rows to `k` and `v` (see [`KvAppend`]).
+    /// Also append the rotated K and the V rows to the contiguous `[batch, max_seq, h_kv · d]` caches
+    /// `k` and `v` (see [`KvAppend`]).
     pub fn append(
-        mut self,
+        self,
         k: &'a mut dyn DevicePtrMut<T>,
         v: &'a mut dyn DevicePtrMut<T>,
         max_seq: usize,
     ) -> Self {
-        self.append = Some(KvAppend { k, v, max_seq });
+        self.append_to(k, v, CacheRows::Contiguous { max_seq })
+    }
+
+    /// Also append the rotated K and the V rows to the page pools `k` and `v` through `table` (see
+    /// [`KvAppend`]).
+    pub fn append_paged(
+        self,
+        k: &'a mut dyn DevicePtrMut<T>,
+        v: &'a mut dyn DevicePtrMut<T>,
+        table: &'a PageTable,
+    ) -> Self {
+        self.append_to(k, v, CacheRows::Paged { table, first: 0 })
+    }
+
+    /// Also append the rotated K and the V rows to `k` and `v` where `rows` says (see [`KvAppend`]).
+    pub fn append_to(
+        mut self,
+        k: &'a mut dyn DevicePtrMut<T>,
+        v: &'a mut dyn DevicePtrMut<T>,
+        rows: CacheRows<'a>,
+    ) -> Self {
+        self.append = Some(KvAppend { k, v, rows });
         self
     }
 
@@ -249,12 +272,23 @@ impl<T: Element> Op<T> for RopeArgs {
             Some(_) => RopeArgs { start: 0, ..self },
         };
         host.check(len, positions, dim)?;
-        if let Some(KvAppend { k, v, max_seq }) = &x.append {
+        if let Some(KvAppend { k, v, rows }) = &x.append {
             host.check_append_rows()?;
-            let w = host.cache_write(*max_seq);
+            let w = host.cache_write(rows.max_seq());
             let (k_at, v_at) = (self.heads_q * self.head_dim, (self.heads_q + self.heads_kv) * self.head_dim);
-            w.check(len.saturating_sub(k_at), k.len())?;
-            w.check(len.saturating_sub(v_at), v.len())?;
+            let (k_len, v_len) = match rows {
+                CacheRows::Contiguous { .. } => (k.len(), v.len()),
+                CacheRows::Paged { table, first } => {
+                    let what = "rope: paged K/V append";
+                    let heads = (self.heads_kv, self.head_dim);
+                    table.shape().check_call(what, (*first, self.batch), heads, &[k.len(), v.len()])?;
+                    // The source rows and the positions against the table's capacity; the pools were
+                    // checked above.
+                    (usize::MAX, usize::MAX)
+                }
+            };
+            w.check(len.saturating_sub(k_at), k_len)?;
+            w.check(len.saturating_sub(v_at), v_len)?;
         }
         if let Some(starts) = x.starts {
             ensure!(

@@ -4,6 +4,7 @@
 use super::{suffix, KvAppend, RopeArgs, RopeOperands};
 use crate::dtype::Element;
 use crate::kernels::{elementwise, scratch, Arg, Kernels};
+use crate::ops::rows::CacheRows;
 use crate::ops::Naive;
 use crate::{Cudnn, Error, Result};
 use cudarc::driver::DevicePtr;
@@ -80,22 +81,41 @@ impl<T: Element> Naive<T> for RopeArgs {
         }
         // The K/V append: one row copy per cache, as `StaticCache.update`'s `index_copy_` (the rows
         // room's kernel; the shapes were checked by `CacheWrite::check`).
-        if let Some(KvAppend { k, v, max_seq }) = append {
+        if let Some(KvAppend { k, v, rows: target }) = append {
             let cols = heads_kv * d;
+            let table = match target {
+                CacheRows::Paged { table, first } => Some(table.rows(first, batch)),
+                CacheRows::Contiguous { .. } => None,
+            };
+            let (t, _gt) = match &table {
+                Some(view) => {
+                    let (p, g) = view.device_ptr(ctx.stream());
+                    (p, Some(g))
+                }
+                None => (0, None),
+            };
             for (offset, cache) in [(heads_q * d, k), ((heads_q + heads_kv) * d, v)] {
                 let (dst, _gd) = cache.device_ptr_mut(ctx.stream());
                 let src = x + elem * offset as u64;
-                let a = [
-                    Arg::Ptr(src),
-                    i(row_stride),
-                    i(seq),
-                    i(cols),
-                    i(max_seq),
-                    i(start),
-                    Arg::Ptr(0),
-                    Arg::Ptr(dst),
-                ];
-                elementwise(ctx, kernels, "cache_rows_16", rows * cols, &a)?;
+                let head = [Arg::Ptr(src), i(row_stride), i(seq), i(cols)];
+                match target {
+                    CacheRows::Contiguous { max_seq } => {
+                        let a = [i(max_seq), i(start), Arg::Ptr(0), Arg::Ptr(dst)];
+                        elementwise(
+                            ctx,
+                            kernels,
+                            "cache_rows_16",
+                            rows * cols,
+                            &[head.as_slice(), &a].concat(),
+                        )?;
+                    }
+                    CacheRows::Paged { table, .. } => {
+                        let a = [i(start), Arg::Ptr(0), Arg::Ptr(t), i(table.shape().max_pages)];
+                        let addressing = table.shape().pages.kernel_args();
+                        let all = [head.as_slice(), &a, &addressing, &[Arg::Ptr(dst)]].concat();
+                        elementwise(ctx, kernels, "cache_rows_paged_16", rows * cols, &all)?;
+                    }
+                }
             }
         }
         Ok(())

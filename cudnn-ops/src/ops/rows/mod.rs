@@ -1,8 +1,14 @@
-//! Row moves a decoder needs on both backends (one kernel each, as in eager, so neither call takes a
-//! [`Backend`](crate::Backend)): the embedding lookup and writing K/V rows into a preallocated cache.
-//! Their kernels are in `rows.cu`.
+//! Row moves a decoder needs on both backends (one kernel each, as in eager, so no call takes a
+//! [`Backend`](crate::Backend)): the embedding lookup, writing K/V rows into a preallocated cache, and
+//! a paged cache's pages and page tables with the copy of its rows into a contiguous buffer
+//! ([`gather_pages`]). Their kernels are in `rows.cu`.
 
 pub mod backward;
+mod pages;
+
+pub use pages::{
+    gather_pages, CacheRows, PageGather, PageGatherOperands, PageOrder, PageShape, PageTable, TableShape,
+};
 
 use crate::checked;
 use crate::dtype::Element;

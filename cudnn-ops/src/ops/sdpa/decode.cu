@@ -39,6 +39,9 @@ __device__ __forceinline__ uint4 decode_load16(const bits16* p) { return *reinte
 // (b, kvh, chunk) to finish (a counter per group, counters[(b * heads_kv + kvh) * chunks + chunk], which
 // that CTA sets back to 0 for the next launch) merges the splits' partials in split order and writes
 // O[b, h] at o + b * o_b + h * o_h: acc / sum, or zeros where the sequence has no keys.
+// With `table` (paged K/V; may be null) K and V are page pools: key t of sequence b is slot t % page_size
+// of page table[b * max_pages + t / page_size] (clamped into the pool's num_pages), at page * k_b +
+// slot * k_s (k_b the page stride); without, at b * k_b + t * k_s.
 template <bool BF16, int NH>
 __device__ __forceinline__ void decode_attention(const bits16* __restrict__ q, const bits16* __restrict__ k,
                                                  const bits16* __restrict__ v, long q_b, long q_h, long k_b,
@@ -47,7 +50,9 @@ __device__ __forceinline__ void decode_attention(const bits16* __restrict__ q, c
                                                  long heads_kv, long group, long chunks, long splits,
                                                  float scale_log2, float* __restrict__ part_acc,
                                                  float* __restrict__ part_ml, int* __restrict__ counters,
-                                                 bits16* __restrict__ o, long o_b, long o_h) {
+                                                 bits16* __restrict__ o, long o_b, long o_h,
+                                                 const int* __restrict__ table, long max_pages,
+                                                 long page_size, long num_pages) {
     // Lane groups x dim = DECODE_WARPS * 256 for every head dim; at most 128 lane groups (dim 8).
     __shared__ float sm_m[DECODE_WARPS * 32 * NH];
     __shared__ float sm_l[DECODE_WARPS * 32 * NH];
@@ -94,8 +99,13 @@ __device__ __forceinline__ void decode_attention(const bits16* __restrict__ q, c
         m[j] = DECODE_NEG_INF;
         l[j] = 0.f;
     }
-    const bits16* kp = k + b * k_b + kvh * k_h + col;
-    const bits16* vp = v + b * v_b + kvh * v_h + col;
+    const bits16* kp = k + kvh * k_h + col;
+    const bits16* vp = v + kvh * v_h + col;
+    if (!table) {
+        kp += b * k_b;
+        vp += b * v_b;
+    }
+    const int* row_pages = table ? table + b * max_pages : nullptr;
     // Trip counts are the same for the whole CTA, so every lane reaches the shuffles.
     for (long base = start; base < end; base += trip) {
         uint4 kr[DECODE_UNROLL], vr[DECODE_UNROLL];
@@ -103,8 +113,16 @@ __device__ __forceinline__ void decode_attention(const bits16* __restrict__ q, c
         for (int u = 0; u < DECODE_UNROLL; ++u) {
             const long t = base + u * groups + grp;
             if (t < end) {
-                kr[u] = decode_load16(kp + t * k_s);
-                vr[u] = decode_load16(vp + t * v_s);
+                long ko = t * k_s, vo = t * v_s;
+                if (row_pages) {
+                    long page = (long)row_pages[t / page_size];
+                    page = page < 0 ? 0 : page >= num_pages ? num_pages - 1 : page;
+                    const long slot = t % page_size;
+                    ko = page * k_b + slot * k_s;
+                    vo = page * v_b + slot * v_s;
+                }
+                kr[u] = decode_load16(kp + ko);
+                vr[u] = decode_load16(vp + vo);
             } else {
                 kr[u] = uint4{0u, 0u, 0u, 0u};
                 vr[u] = kr[u];
@@ -219,10 +237,11 @@ sdpa_decode_##sfx##_h##NH(const bits16* q, const bits16* k, const bits16* v, lon
                           long k_b, long k_h, long k_s, long v_b, long v_h, long v_s, const int* lens,  \
                           long cap, long dim, long heads_kv, long group, long chunks, long splits,      \
                           float scale_log2, float* part_acc, float* part_ml, int* counters, bits16* o,  \
-                          long o_b, long o_h) {                                                         \
+                          long o_b, long o_h, const int* table, long max_pages, long page_size,         \
+                          long num_pages) {                                                             \
     decode_attention<BF16, NH>(q, k, v, q_b, q_h, k_b, k_h, k_s, v_b, v_h, v_s, lens, cap, dim,         \
                                heads_kv, group, chunks, splits, scale_log2, part_acc, part_ml,          \
-                               counters, o, o_b, o_h);                                                  \
+                               counters, o, o_b, o_h, table, max_pages, page_size, num_pages);          \
 }
 SDPA_DECODE(bf16, true, 1)
 SDPA_DECODE(bf16, true, 2)

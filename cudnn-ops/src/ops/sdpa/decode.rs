@@ -14,6 +14,9 @@
 //! work follows the length, not the capacity), and one launch serves every decode step, as a CUDA
 //! graph needs. Lengths are clamped into `0..=seq_kv` as they are read; a sequence with no keys gets a
 //! zero output row (the reference's empty sum). Only `seq_len_kv` is read: a decode has one query.
+//! With paged K/V ([`SdpaArgs::with_pages`]) key `t` of sequence `b` is read at slot `t % page_size`
+//! of page `table[b][t / page_size]` (the batch strides are then the pools' page strides); the rest is
+//! the same.
 //!
 //! Measured on an H200 (cuDNN 9.19, `examples/06-decode-attention`, Llama-3.1-8B heads, replayed in
 //! a CUDA graph): 15.7 us at 545 keys and 21.6 us at 4096, against 8.3 and 9.2 us for cuDNN's padded
@@ -132,7 +135,7 @@ pub(super) fn split_kv<T: Element>(ctx: &Cudnn, a: SdpaArgs, x: SdpaOperands<'_,
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let SdpaOperands { q, k, v, o, seq_lens, .. } = x;
+    let SdpaOperands { q, k, v, o, seq_lens, pages, .. } = x;
     let s = ctx.stream();
     let (qp, _gq) = q.device_ptr(s);
     let (kp, _gk) = k.device_ptr(s);
@@ -156,6 +159,20 @@ pub(super) fn split_kv<T: Element>(ctx: &Cudnn, a: SdpaArgs, x: SdpaOperands<'_,
         }
         None => (0, None),
     };
+    // Paged K/V: the table's first rows (checked against the arguments by the op), the pools' page
+    // stride in the batch-stride slots.
+    let table = pages.map(|t| t.rows(0, a.batch));
+    let (tp, _gt) = match &table {
+        Some(view) => {
+            let (p, g) = view.device_ptr(s);
+            (p, Some(g))
+        }
+        None => (0, None),
+    };
+    let (max_pages, page_size, num_pages) = match a.pages {
+        Some(p) => (a.seq_kv / p.page_size, p.page_size, p.num_pages),
+        None => (0, 1, 0),
+    };
     let kernels = Kernels::get(ctx)?;
     let (mut part, mut counters) = kernels.sdpa_decode(ctx, total, groups)?;
     let (pp, _gp) = part.device_ptr_mut(s);
@@ -172,6 +189,7 @@ pub(super) fn split_kv<T: Element>(ctx: &Cudnn, a: SdpaArgs, x: SdpaOperands<'_,
         &[i(k_b), i(k_h), i(k_s), i(v_b), i(v_h), i(v_s), Arg::Ptr(lens), i(a.seq_kv), i(a.head_dim)],
         &[i(a.heads_kv), i(group), i(l.chunks), i(l.splits), Arg::F32(a.scale() * std::f32::consts::LOG2_E)],
         &[Arg::Ptr(pp), Arg::Ptr(pp + 4 * ml_at as u64), Arg::Ptr(cp), Arg::Ptr(op), i(o_b), i(o_h)],
+        &[Arg::Ptr(tp), i(max_pages), i(page_size), i(num_pages)],
     ]
     .concat();
     launch(ctx, kernels, &format!("sdpa_decode_{sfx}_h{}", l.heads), cfg, &args)

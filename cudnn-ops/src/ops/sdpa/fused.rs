@@ -17,7 +17,8 @@ use crate::{Cudnn, Error, Features, Result};
 use std::rc::Rc;
 
 /// The uids [`SdpaArgs::graph`] gives the tensors a call binds. O and stats are node outputs created
-/// after the graph's intermediates (numbered from 5, or 7 with sequence lengths), hence far above them.
+/// after the graph's intermediates (numbered from 5, 7 with sequence lengths, 9 with page tables),
+/// hence far above them.
 mod uid {
     pub const Q: i64 = 1;
     pub const K: i64 = 2;
@@ -25,6 +26,8 @@ mod uid {
     pub const SCALE: i64 = 4;
     pub const SEQ_LEN_Q: i64 = 5;
     pub const SEQ_LEN_KV: i64 = 6;
+    pub const PAGE_TABLE_K: i64 = 7;
+    pub const PAGE_TABLE_V: i64 = 8;
     pub const O: i64 = 100;
     pub const STATS: i64 = 101;
 }
@@ -52,8 +55,11 @@ impl SdpaArgs {
     /// bound tensor carries its named uid.
     pub fn graph(&self, dtype: DataType, stats: bool, form: SdpaForm, features: Features) -> Graph {
         let i = |v: [usize; 4]| v.map(|x| x as i64);
+        let paged = self
+            .pages
+            .map_or(String::new(), |p| format!(" paged {}x{} {}", p.num_pages, p.page_size, p.order.name()));
         let mut g = Graph::new(format!(
-            "sdpa b{} hq{} hkv{} sq{} skv{} d{} {dtype} {} {}",
+            "sdpa b{} hq{} hkv{} sq{} skv{} d{} {dtype} {} {}{paged}",
             self.batch,
             self.heads_q,
             self.heads_kv,
@@ -77,7 +83,18 @@ impl SdpaArgs {
             };
             (g.tensor(lens("seq_len_q", uid::SEQ_LEN_Q)), g.tensor(lens("seq_len_kv", uid::SEQ_LEN_KV)))
         });
-        let out = g.sdpa(q, k, v, scale, SdpaOptions { mask: self.mask, stats, form, features, seq_lens });
+        let page_tables = self.pages.map(|p| {
+            let (b, n) = (self.batch as i64, (self.seq_kv / p.page_size) as i64);
+            let table = |name: &str, uid: i64| {
+                TensorSpec::new(name, &[b, 1, n, 1], DataType::I32).with_strides(&[n, n, 1, 1]).with_uid(uid)
+            };
+            (
+                g.tensor(table("page_table_k", uid::PAGE_TABLE_K)),
+                g.tensor(table("page_table_v", uid::PAGE_TABLE_V)),
+            )
+        });
+        let opts = SdpaOptions { mask: self.mask, stats, form, features, seq_lens, page_tables };
+        let out = g.sdpa(q, k, v, scale, opts);
         let o = g.output(out.o);
         (o.name, o.uid) = ("O".into(), uid::O);
         o.strides = i(self.o_strides).to_vec();
@@ -98,6 +115,15 @@ impl SdpaArgs {
         let a = self.normalized();
         match a.form {
             Some(kernel) => kernel,
+            // Paged K/V: cuDNN's paged graph where the version has it (the padded graph's speed is
+            // what to expect), else the split-KV kernel reading through the table.
+            None if a.pages.is_some() => {
+                if !features.sdpa_paged() && a.split_kv_refusal(stats).is_none() {
+                    SdpaKernel::SplitKv
+                } else {
+                    SdpaKernel::Graph(SdpaForm::Unified)
+                }
+            }
             // Measured (H200, cuDNN 9.19, `examples/06-decode-attention`): cuDNN's one-plan padded
             // graph takes 8.3 us per Llama-3.1-8B decode attention replayed in a CUDA graph, the
             // split-KV kernel 15.7 us; so the kernel runs by itself only where that graph is not
@@ -124,6 +150,17 @@ impl SdpaArgs {
             None => None,
         };
         let (version, features) = (ctx.info().cudnn_version, ctx.features());
+        if a.pages.is_some() && !features.sdpa_paged() {
+            return Err(Error::NotSupported {
+                op: "sdpa".into(),
+                reason: format!(
+                    "paged K/V (the unified operation's CUDNN_ATTR_OPERATION_SDPA_FWD_PAGE_TABLE_KDESC and \
+                     _VDESC) needs cuDNN 9.15 (library and headers), this is {} with {} headers",
+                    crate::version_string(version),
+                    crate::version_string(crate::HEADER_VERSION)
+                ),
+            });
+        }
         if a.padded && !features.sdpa_seq_lens() {
             return Err(Error::NotSupported {
                 op: "sdpa".into(),
@@ -166,7 +203,7 @@ impl<T: Element> Fused<T> for SdpaArgs {
             });
         }
         let plan = self.plan(ctx, T::DTYPE, x.stats.is_some())?;
-        let SdpaOperands { q, k, v, o, stats, seq_lens } = x;
+        let SdpaOperands { q, k, v, o, stats, seq_lens, pages } = x;
         let batch = self.batch;
         let owned; // the context's buffer, for lengths clamped by this call
         let lens = match seq_lens {
@@ -187,10 +224,14 @@ impl<T: Element> Fused<T> for SdpaArgs {
             Some(DeviceSeqLens::Clamped(l)) => Some(l.halves(batch)),
             None => None,
         };
+        let table = pages.map(|t| t.rows(0, batch));
         let mut b = Bindings::new(ctx.stream());
         b.input(uid::Q, q).input(uid::K, k).input(uid::V, v).scalar_f32(uid::SCALE, self.scale());
         if let Some((lens_q, lens_kv)) = &lens {
             b.input_i32(uid::SEQ_LEN_Q, lens_q).input_i32(uid::SEQ_LEN_KV, lens_kv);
+        }
+        if let Some(t) = &table {
+            b.input_i32(uid::PAGE_TABLE_K, t).input_i32(uid::PAGE_TABLE_V, t);
         }
         b.output(uid::O, o);
         if let Some(s) = stats {
@@ -358,6 +399,78 @@ mod tests {
             .validate()
             .unwrap_err()
             .is_not_supported());
+    }
+
+    /// A paged decode at Llama-3.1-8B heads: Q a view into fused QKV rows, a pool of 64 pages of 16.
+    fn paged(order: crate::PageOrder) -> (SdpaArgs, crate::TableShape) {
+        let (hq, hkv, d) = (32, 8, 128);
+        let pages = crate::PageShape::new(64, 16, hkv, d, order).unwrap();
+        let table = crate::TableShape::new(4, 8, pages).unwrap();
+        let w = (hq + 2 * hkv) * d;
+        let mut a = SdpaArgs::new(3, hq, hkv, 1, 1, d, Layout::Bshd).with_pages(table);
+        a.q_strides = [w, d, w, 1];
+        (a, table)
+    }
+
+    #[test]
+    fn paged_graphs_bind_page_tables_on_the_unified_form_only() {
+        let f = Features::for_version(91900, (9, 0));
+        for order in [crate::PageOrder::HeadMajor, crate::PageOrder::TokenMajor] {
+            let (a, table) = paged(order);
+            assert_eq!((a.seq_kv, a.padded, a.k_strides), (128, true, table.pages.strides()));
+            let g = a.graph(DataType::BF16, false, SdpaForm::Unified, f);
+            g.validate().unwrap_or_else(|e| panic!("{order:?}: {e}"));
+            let bound: Vec<(&str, i64)> = g
+                .tensors()
+                .iter()
+                .filter(|t| !t.is_virtual && !t.by_value)
+                .map(|t| (t.name.as_str(), t.uid))
+                .collect();
+            assert_eq!(
+                &bound[3..7],
+                &[
+                    ("seq_len_q", uid::SEQ_LEN_Q),
+                    ("seq_len_kv", uid::SEQ_LEN_KV),
+                    ("page_table_k", uid::PAGE_TABLE_K),
+                    ("page_table_v", uid::PAGE_TABLE_V)
+                ]
+            );
+            let spec = |name: &str| g.tensors().iter().find(|t| t.name == name).unwrap().clone();
+            let pt = spec("page_table_v");
+            assert_eq!((pt.dtype, pt.dims, pt.strides), (DataType::I32, vec![3, 1, 8, 1], vec![8, 8, 1, 1]));
+            // K and V are the pools: [num_pages, h_kv, page_size, d] over the order's strides.
+            let k = spec("K");
+            let strides: Vec<i64> = table.pages.strides().iter().map(|&x| x as i64).collect();
+            assert_eq!((k.dims, k.strides), (vec![64, 8, 16, 128], strides));
+            assert!(g.name().contains("paged 64x16"), "{}", g.name());
+            // The composite form's paged cache loads are not built: refused by name.
+            let e = a.graph(DataType::BF16, false, SdpaForm::Composite, f).validate().unwrap_err();
+            assert!(e.is_not_supported(), "{e}");
+        }
+        // The plan key follows the pool's shape (order included).
+        let (h, _) = paged(crate::PageOrder::HeadMajor);
+        let (t, _) = paged(crate::PageOrder::TokenMajor);
+        assert_ne!(h.key(DataType::BF16, false), t.key(DataType::BF16, false));
+        let plain = SdpaArgs { pages: None, k_strides: [128 * 1024, 128, 1024, 1], ..h };
+        assert_ne!(h.key(DataType::BF16, false), plain.key(DataType::BF16, false));
+    }
+
+    #[test]
+    fn paged_decodes_take_cudnn_from_9_15_and_the_split_kv_kernel_before() {
+        let (a, _) = paged(crate::PageOrder::HeadMajor);
+        let at = |v| a.fused_kernel(Features::for_version(v, (9, 0)), false);
+        assert_eq!(at(91900), SdpaKernel::Graph(SdpaForm::Unified));
+        assert_eq!(at(91500), SdpaKernel::Graph(SdpaForm::Unified));
+        assert_eq!(at(91400), SdpaKernel::SplitKv);
+        // A head dim the kernel does not take: the graph, whose plan names the version it needs.
+        let wide = SdpaArgs { head_dim: 96, ..a };
+        assert_eq!(
+            wide.fused_kernel(Features::for_version(91400, (9, 0)), false),
+            SdpaKernel::Graph(SdpaForm::Unified)
+        );
+        // A form asked for wins (benches compare the two).
+        let forced = a.with_form(SdpaKernel::SplitKv);
+        assert_eq!(forced.fused_kernel(Features::for_version(91900, (9, 0)), false), SdpaKernel::SplitKv);
     }
 
     #[test]

@@ -12,6 +12,12 @@
 //! split-KV kernel (`decode.rs`). With device lengths on cuDNN 9.15+ the padded graph runs: it was
 //! the faster of the two on an H200 (8.3 vs 15.7 us per Llama-3.1-8B decode attention in a CUDA
 //! graph). [`SdpaArgs::fused_kernel`] says which runs; [`SdpaArgs::with_form`] forces one.
+//!
+//! Paged K/V ([`SdpaArgs::with_pages`], [`SdpaOperands::pages`]): K and V are page pools
+//! `[num_pages, h_kv, page_size, d]` (strides by [`PageOrder`](crate::PageOrder)) read through a page
+//! table, one row per sequence, lengths on the device: cuDNN's unified operation with its page-table
+//! attributes (`CUDNN_ATTR_OPERATION_SDPA_FWD_PAGE_TABLE_KDESC` / `_VDESC`, cuDNN 9.15+), or, for a
+//! decode on an older cuDNN, the split-KV kernel reading each key's row through the table.
 
 mod decode;
 mod fused;
@@ -24,6 +30,7 @@ use crate::checked;
 use crate::dtype::{DataType, Element};
 use crate::error::ensure;
 use crate::graph::{Mask, SdpaForm};
+use crate::ops::rows::{PageShape, PageTable, TableShape};
 use crate::ops::Op;
 use crate::{Backend, Cudnn, Error, Result};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
@@ -133,6 +140,11 @@ pub struct SdpaArgs {
     /// time ([`SdpaOperands::seq_lens`]): one plan for every length up to the capacity (e.g. every decode
     /// step).
     pub padded: bool,
+    /// K and V are page pools of this shape, read through a page table ([`SdpaOperands::pages`]):
+    /// their dims are `[num_pages, h_kv, page_size, d]` (strides over those), `seq_kv` is a table row's
+    /// capacity (`max_pages · page_size`) and the lengths come from the device
+    /// ([`SdpaArgs::with_pages`]).
+    pub pages: Option<PageShape>,
 }
 
 /// Buffer lengths (elements) of an attention call, checked before anything runs.
@@ -178,6 +190,7 @@ impl SdpaArgs {
             o_strides: q,
             form: None,
             padded: false,
+            pages: None,
         }
     }
 
@@ -194,6 +207,23 @@ impl SdpaArgs {
     /// With per-sequence lengths bound at run time (see [`SdpaArgs::padded`]).
     pub fn with_seq_lens(self) -> Self {
         SdpaArgs { padded: true, ..self }
+    }
+
+    /// Paged K/V: K and V are page pools read through a page table of `table`'s shape (the call's
+    /// sequences its first rows), bound strided as the pool's [`PageOrder`](crate::PageOrder) says;
+    /// `seq_kv` becomes a row's capacity and the lengths come from the device (as
+    /// [`SdpaArgs::with_seq_lens`]). Fused only: cuDNN's unified operation with page tables (9.15+),
+    /// or the split-KV kernel reading through the table for a decode on an older cuDNN.
+    pub fn with_pages(self, table: TableShape) -> Self {
+        let strides = table.pages.strides();
+        SdpaArgs {
+            seq_kv: table.capacity(),
+            k_strides: strides,
+            v_strides: strides,
+            pages: Some(table.pages),
+            padded: true,
+            ..self
+        }
     }
 
     /// With a fixed form: a graph form ([`SdpaForm`], e.g. to compare cuDNN's padded decode with the
@@ -247,9 +277,10 @@ impl SdpaArgs {
     }
 
     fn dims(&self, tensor: char) -> [usize; 4] {
-        match tensor {
-            'q' | 'o' => [self.batch, self.heads_q, self.seq_q, self.head_dim],
-            _ => [self.batch, self.heads_kv, self.seq_kv, self.head_dim],
+        match (tensor, self.pages) {
+            ('q' | 'o', _) => [self.batch, self.heads_q, self.seq_q, self.head_dim],
+            (_, Some(p)) => [p.num_pages, self.heads_kv, p.page_size, self.head_dim],
+            (_, None) => [self.batch, self.heads_kv, self.seq_kv, self.head_dim],
         }
     }
 
@@ -284,6 +315,26 @@ impl SdpaArgs {
         if let Some(s) = a.scale {
             ensure!(s.is_finite(), "sdpa: scale {s} is not finite");
         }
+        if let Some(p) = a.pages {
+            ensure!(
+                a.padded,
+                "sdpa: paged K/V needs run-time sequence lengths (SdpaArgs::with_pages sets them)"
+            );
+            ensure!(
+                (p.heads_kv, p.head_dim) == (a.heads_kv, a.head_dim),
+                "sdpa: pages of {} heads of {}, the attention has {} K/V heads of {}",
+                p.heads_kv,
+                p.head_dim,
+                a.heads_kv,
+                a.head_dim
+            );
+            ensure!(
+                a.seq_kv.is_multiple_of(p.page_size),
+                "sdpa: seq_kv {} of paged K/V is not a whole number of {}-row pages",
+                a.seq_kv,
+                p.page_size
+            );
+        }
         let tensors = [('q', "Q", a.q_strides, lens.q), ('k', "K", a.k_strides, lens.k)];
         let more = [('v', "V", a.v_strides, lens.v), ('o', "O", a.o_strides, lens.o)];
         for (t, name, strides, len) in tensors.into_iter().chain(more) {
@@ -316,6 +367,7 @@ impl SdpaArgs {
             stats,
             form: self.form.and_then(SdpaKernel::graph_form),
             padded: self.padded,
+            pages: self.pages,
         }
     }
 }
@@ -338,6 +390,8 @@ pub struct Key {
     pub form: Option<SdpaForm>,
     /// Sequence lengths bound at run time (seq dims are capacities).
     pub padded: bool,
+    /// Paged K/V: the pools' shape.
+    pub pages: Option<PageShape>,
 }
 
 /// Rejects what no backend runs: f32 I/O (both backends take f16/bf16).
@@ -379,6 +433,11 @@ pub struct SdpaOperands<'a, T: Element> {
     /// The split-KV kernel clamps as it reads (no copy) and reads only `seq_len_kv`: a sequence with
     /// no keys (length 0 or less) gets a zero output row, as the reference's empty sum gives.
     pub seq_lens: Option<DeviceSeqLens<'a>>,
+    /// The page table K and V are read through, for arguments made with [`SdpaArgs::with_pages`] (and
+    /// only for those): the call's sequence `b` is its row `b`. cuDNN binds it as both the K and the V
+    /// table. Its entries are pages of the pool by construction ([`PageTable`]); a sequence's length
+    /// is clamped into the row's capacity as the lengths above are.
+    pub pages: Option<&'a PageTable>,
 }
 
 impl<'a, T: Element> SdpaOperands<'a, T> {
@@ -389,7 +448,7 @@ impl<'a, T: Element> SdpaOperands<'a, T> {
         v: &'a dyn DevicePtr<T>,
         o: &'a mut dyn DevicePtrMut<T>,
     ) -> Self {
-        SdpaOperands { q, k, v, o, stats: None, seq_lens: None }
+        SdpaOperands { q, k, v, o, stats: None, seq_lens: None, pages: None }
     }
 
     /// Training: also writes the f32 log-sum-exp of each score row.
@@ -410,6 +469,12 @@ impl<'a, T: Element> SdpaOperands<'a, T> {
         self
     }
 
+    /// K and V are page pools read through `table` (see [`SdpaOperands::pages`](#structfield.pages)).
+    pub fn pages(mut self, table: &'a PageTable) -> Self {
+        self.pages = Some(table);
+        self
+    }
+
     /// The buffer lengths.
     pub fn lens(&self) -> SdpaLens {
         let (q, k, v, o) = (self.q.len(), self.k.len(), self.v.len(), self.o.len());
@@ -423,6 +488,39 @@ impl<T: Element> Op<T> for SdpaArgs {
     /// [`check_dtype`], the sequence-length operands against [`SdpaArgs::padded`], [`SdpaArgs::check`],
     /// then [`SdpaArgs::normalized`].
     fn checked(self, x: &SdpaOperands<'_, T>) -> Result<Self> {
+        match (self.pages, x.pages) {
+            (None, None) => {}
+            (Some(p), Some(table)) => {
+                let t = table.shape();
+                ensure!(
+                    t.pages == p,
+                    "sdpa: a page table of pages {:?}, the arguments were made for {p:?}",
+                    t.pages
+                );
+                ensure!(
+                    t.capacity() == self.seq_kv,
+                    "sdpa: a page table of {} positions per sequence, the arguments' seq_kv is {}",
+                    t.capacity(),
+                    self.seq_kv
+                );
+                ensure!(
+                    t.batch >= self.batch,
+                    "sdpa: a page table of {} sequences, batch is {}",
+                    t.batch,
+                    self.batch
+                );
+            }
+            (Some(_), None) => {
+                return Err(Error::invalid(
+                    "sdpa: arguments made with SdpaArgs::with_pages need the page table (SdpaOperands::pages)",
+                ));
+            }
+            (None, Some(_)) => {
+                return Err(Error::invalid(
+                    "sdpa: a page table needs arguments made with SdpaArgs::with_pages",
+                ));
+            }
+        }
         if let Some(lens) = x.seq_lens {
             ensure!(self.padded, "sdpa: sequence lengths need arguments made with SdpaArgs::with_seq_lens");
             match lens {
@@ -692,6 +790,41 @@ mod tests {
         let fused_qkv = SdpaArgs { q_strides: [16 * 12 * 64, 64, 12 * 64, 1], ..a };
         assert!(fused_qkv.check(lens(&fused_qkv)).is_err());
         fused_qkv.check(SdpaLens { q: 2 * 16 * 12 * 64, ..lens(&fused_qkv) }).unwrap();
+    }
+
+    #[test]
+    fn paged_argument_errors() {
+        use crate::{PageOrder, PageShape, TableShape};
+        let pages = PageShape::new(32, 16, 2, 64, PageOrder::HeadMajor).unwrap();
+        let table = TableShape::new(4, 8, pages).unwrap();
+        let a = SdpaArgs::new(2, 8, 2, 1, 1, 64, Layout::Bshd).with_pages(table);
+        let pool = pages.pool_len();
+        let l = SdpaLens { q: 2 * 8 * 64, k: pool, v: pool, o: 2 * 8 * 64, stats: None };
+        a.check(l).unwrap();
+        assert_eq!(a.dims('k'), [32, 2, 16, 64], "K and V are the pools");
+        let cases = [
+            (SdpaArgs { seq_kv: 120, ..a }, "not a whole number of 16-row pages"),
+            (SdpaArgs { padded: false, ..a }, "needs run-time sequence lengths"),
+            (SdpaArgs { heads_kv: 1, heads_q: 8, ..a }, "pages of 2 heads of 64"),
+            (
+                SdpaArgs {
+                    head_dim: 128,
+                    q_strides: [8 * 128, 128, 8 * 128, 1],
+                    o_strides: [8 * 128, 128, 8 * 128, 1],
+                    ..a
+                },
+                "heads of 64",
+            ),
+        ];
+        for (bad, expected) in cases {
+            let e = err(bad, SdpaLens { q: usize::MAX / 16, o: usize::MAX / 16, ..l });
+            assert!(e.contains(expected), "{expected}: {e}");
+        }
+        let e = err(a, SdpaLens { k: pool - 1, ..l });
+        assert!(e.contains("K has"), "{e}");
+        // The backward refuses paged attention (it has run-time lengths).
+        let e = a.validated_backward(DataType::BF16, SdpaLens { stats: Some(16), ..l }, l).unwrap_err();
+        assert!(e.is_not_supported(), "{e}");
     }
 
     #[test]

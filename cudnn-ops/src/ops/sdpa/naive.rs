@@ -82,6 +82,14 @@ fn layout(args: &SdpaArgs, dtype: DataType) -> Result<(usize, [usize; 4])> {
 
 impl<T: Element> Naive<T> for SdpaArgs {
     fn naive(self, ctx: &Cudnn, x: SdpaOperands<'_, T>) -> Result<()> {
+        if self.pages.is_some() {
+            return Err(Error::NotSupported {
+                op: "sdpa".into(),
+                reason: "paged K/V is fused only (the naive attention reads contiguous K/V; a paged cache \
+                         gathers its pages for it)"
+                    .into(),
+            });
+        }
         if x.seq_lens.is_some() {
             return Err(Error::NotSupported {
                 op: "sdpa".into(),

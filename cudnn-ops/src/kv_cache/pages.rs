@@ -1,0 +1,397 @@
+//! The host side of a paged cache: the page allocator, and the sequences with their pages and
+//! lengths, from which each step's page-table rows and device lengths are made. Everything here is
+//! checked without a GPU.
+
+use crate::error::ensure;
+use crate::{checked, Error, Result};
+use std::collections::BTreeMap;
+
+/// Pages of a pool handed out and taken back: a free list (the lowest pages first) and a mark per
+/// page, so that a page is never handed out twice and never freed twice.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PageAllocator {
+    /// Free pages, the next one to hand out last.
+    free: Vec<u32>,
+    used: Vec<bool>,
+}
+
+impl PageAllocator {
+    /// All `total` pages free (at most `u32::MAX`).
+    pub fn new(total: usize) -> Result<Self> {
+        ensure!(total > 0, "page allocator: a pool of no pages");
+        ensure!(total <= u32::MAX as usize, "page allocator: {total} pages exceed u32");
+        Ok(PageAllocator { free: (0..total as u32).rev().collect(), used: vec![false; total] })
+    }
+
+    /// Pages of the pool.
+    pub fn total(&self) -> usize {
+        self.used.len()
+    }
+
+    /// Pages free.
+    pub fn free(&self) -> usize {
+        self.free.len()
+    }
+
+    /// `n` pages, or [`Error::OutOfPages`] (naming `what`) with nothing handed out.
+    pub fn alloc(&mut self, n: usize, what: impl FnOnce() -> String) -> Result<Vec<u32>> {
+        if n > self.free.len() {
+            return Err(Error::OutOfPages {
+                what: what(),
+                needed: n,
+                free: self.free.len(),
+                total: self.total(),
+            });
+        }
+        let pages = self.free.split_off(self.free.len() - n);
+        for &p in &pages {
+            self.used[p as usize] = true;
+        }
+        Ok(pages.into_iter().rev().collect())
+    }
+
+    /// Takes `pages` back. A page outside the pool or not handed out is an error, and then none of
+    /// them is taken back.
+    pub fn release(&mut self, pages: &[u32]) -> Result<()> {
+        let mut seen = std::collections::HashSet::new();
+        for &p in pages {
+            ensure!(
+                (p as usize) < self.used.len() && self.used[p as usize] && seen.insert(p),
+                "page allocator: page {p} is not handed out (outside the pool, free, or given twice)"
+            );
+        }
+        for &p in pages.iter().rev() {
+            self.used[p as usize] = false;
+            self.free.push(p);
+        }
+        Ok(())
+    }
+}
+
+/// A sequence of a [`PagedKvCache`](super::PagedKvCache), handed out by
+/// [`add`](super::PagedKvCache::add) and valid until [`remove`](super::PagedKvCache::remove).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SeqId(u64);
+
+impl SeqId {
+    /// The handle's number (unique for the cache's life).
+    pub fn get(self) -> u64 {
+        self.0
+    }
+}
+
+/// One sequence: its pages in position order and the positions it holds.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Seq {
+    pages: Vec<u32>,
+    len: usize,
+}
+
+/// The step begun: the sequences in row order, their new tokens each, the rows of the launch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Step {
+    pub(crate) order: Vec<SeqId>,
+    pub(crate) seq: usize,
+    pub(crate) rows: usize,
+}
+
+/// What a step uploads: the page table (`batch · max_pages` entries, row `i` the pages of the
+/// step's sequence `i`, page 0 elsewhere), and per row the first position it writes (-1 for rows past
+/// the sequences: nothing is written there), the keys it attends to (1 past the sequences, so that
+/// every row reads one valid key) and its query count.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PagedStep {
+    pub(crate) table: Vec<u32>,
+    pub(crate) positions: Vec<i32>,
+    pub(crate) kv_lens: Vec<i32>,
+    pub(crate) q_lens: Vec<i32>,
+}
+
+/// The sequences of a paged cache: pages and lengths, the allocator, and the step begun.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PagedBook {
+    alloc: PageAllocator,
+    seqs: BTreeMap<SeqId, Seq>,
+    next: u64,
+    page_size: usize,
+    max_pages: usize,
+    /// Table rows (the most sequences one step runs).
+    batch: usize,
+    step: Option<Step>,
+}
+
+impl PagedBook {
+    pub(crate) fn new(num_pages: usize, page_size: usize, max_pages: usize, batch: usize) -> Result<Self> {
+        ensure!(page_size > 0 && max_pages > 0 && batch > 0, "paged cache: empty geometry");
+        Ok(PagedBook {
+            alloc: PageAllocator::new(num_pages)?,
+            seqs: BTreeMap::new(),
+            next: 0,
+            page_size,
+            max_pages,
+            batch,
+            step: None,
+        })
+    }
+
+    /// Positions a sequence may hold.
+    pub(crate) fn capacity(&self) -> usize {
+        self.max_pages * self.page_size
+    }
+
+    pub(crate) fn allocator(&self) -> &PageAllocator {
+        &self.alloc
+    }
+
+    /// A new empty sequence (no pages yet).
+    pub(crate) fn add(&mut self) -> SeqId {
+        let id = SeqId(self.next);
+        self.next += 1;
+        self.seqs.insert(id, Seq::default());
+        id
+    }
+
+    fn get(&self, id: SeqId) -> Result<&Seq> {
+        self.seqs.get(&id).ok_or_else(|| Error::invalid(format!("paged cache: no sequence {}", id.0)))
+    }
+
+    /// Removes a sequence and frees its pages; an error for an unknown one or one in the step begun.
+    pub(crate) fn remove(&mut self, id: SeqId) -> Result<()> {
+        self.get(id)?;
+        if self.step.as_ref().is_some_and(|s| s.order.contains(&id)) {
+            return Err(Error::invalid(format!(
+                "paged cache: sequence {} is in the step begun; finish it first",
+                id.0
+            )));
+        }
+        let seq = self.seqs.remove(&id).expect("checked above");
+        self.alloc.release(&seq.pages)
+    }
+
+    /// Positions sequence `id` holds.
+    pub(crate) fn len(&self, id: SeqId) -> Result<usize> {
+        Ok(self.get(id)?.len)
+    }
+
+    /// Pages sequence `id` holds, in position order.
+    pub(crate) fn pages(&self, id: SeqId) -> Result<&[u32]> {
+        Ok(&self.get(id)?.pages)
+    }
+
+    /// The live sequences, oldest first.
+    pub(crate) fn ids(&self) -> Vec<SeqId> {
+        self.seqs.keys().copied().collect()
+    }
+
+    pub(crate) fn step(&self) -> Result<&Step> {
+        self.step
+            .as_ref()
+            .ok_or_else(|| Error::invalid("paged cache: no step begun (call PagedKvCache::begin first)"))
+    }
+
+    /// Lengths of the step's sequences, in row order.
+    pub(crate) fn step_lens(&self) -> Result<Vec<usize>> {
+        let step = self.step()?;
+        step.order.iter().map(|&id| self.len(id)).collect()
+    }
+
+    /// Begins a step of `seq` new tokens for each of `order` (distinct live sequences, row `i` the
+    /// sequence `order[i]`) in a launch of `rows >= order.len()` rows (at most the table's batch):
+    /// gives each the pages its new positions need, and returns what to upload. An error, with nothing
+    /// changed (no page handed out), where a sequence has no room or the pool has too few free pages.
+    /// A step begun and not finished is dropped (its pages stay with their sequences).
+    pub(crate) fn begin(&mut self, order: &[SeqId], seq: usize, rows: usize) -> Result<PagedStep> {
+        ensure!(seq > 0, "paged cache: a step of no tokens");
+        ensure!(!order.is_empty(), "paged cache: a step of no sequences");
+        ensure!(
+            order.len() <= rows && rows <= self.batch,
+            "paged cache: {} sequences in a launch of {rows} rows, the table has {}",
+            order.len(),
+            self.batch
+        );
+        let mut seen = std::collections::HashSet::new();
+        let mut need = Vec::with_capacity(order.len());
+        for &id in order {
+            ensure!(seen.insert(id), "paged cache: sequence {} twice in one step", id.0);
+            let s = self.get(id)?;
+            let end = checked::add("paged cache: length + new tokens", s.len, seq)?;
+            ensure!(
+                end <= self.capacity(),
+                "paged cache: sequence {} holds {} of {} positions, no room for {seq} more",
+                id.0,
+                s.len,
+                self.capacity()
+            );
+            need.push(end.div_ceil(self.page_size).saturating_sub(s.pages.len()));
+        }
+        let total: usize = need.iter().sum();
+        let what = || format!("a step of {seq} tokens for {} sequences", order.len());
+        let mut fresh = self.alloc.alloc(total, what)?.into_iter();
+        for (&id, &n) in order.iter().zip(&need) {
+            let s = self.seqs.get_mut(&id).expect("checked above");
+            s.pages.extend(fresh.by_ref().take(n));
+        }
+        self.step = Some(Step { order: order.to_vec(), seq, rows });
+        Ok(self.values(order, seq))
+    }
+
+    fn values(&self, order: &[SeqId], seq: usize) -> PagedStep {
+        let (batch, max_pages) = (self.batch, self.max_pages);
+        let mut v = PagedStep {
+            table: vec![0; batch * max_pages],
+            positions: vec![-1; batch],
+            kv_lens: vec![1; batch],
+            q_lens: vec![seq as i32; batch], // seq <= capacity, which fits i32 (TableShape)
+        };
+        for (i, id) in order.iter().enumerate() {
+            let s = &self.seqs[id];
+            v.table[i * max_pages..][..s.pages.len()].copy_from_slice(&s.pages);
+            v.positions[i] = s.len as i32;
+            v.kv_lens[i] = (s.len + seq) as i32;
+        }
+        v
+    }
+
+    /// Drops the step begun, if any (nothing of it counts; its pages stay with their sequences).
+    pub(crate) fn cancel(&mut self) {
+        self.step = None;
+    }
+
+    /// Counts the step's tokens; returns how many each of its sequences got.
+    pub(crate) fn finish(&mut self) -> Result<usize> {
+        let step = self.step.take().ok_or_else(|| Error::invalid("paged cache: no step begun"))?;
+        for id in &step.order {
+            if let Some(s) = self.seqs.get_mut(id) {
+                s.len += step.seq; // begin checked len + seq <= capacity
+            }
+        }
+        Ok(step.seq)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_allocator_hands_out_each_page_once_and_takes_only_its_own_back() {
+        let mut a = PageAllocator::new(4).unwrap();
+        assert_eq!(a.alloc(3, String::new).unwrap(), vec![0, 1, 2]);
+        assert_eq!(a.free(), 1);
+        match a.alloc(2, || "two more".into()).unwrap_err() {
+            Error::OutOfPages { what, needed, free, total } => {
+                assert_eq!((what.as_str(), needed, free, total), ("two more", 2, 1, 4))
+            }
+            other => panic!("expected OutOfPages, got {other:?}"),
+        }
+        assert_eq!(a.free(), 1, "a refused allocation hands out nothing");
+        a.release(&[1]).unwrap();
+        for bad in [&[1][..], &[7], &[0, 0], &[3]] {
+            let before = a.clone();
+            assert!(a.release(bad).is_err(), "{bad:?}");
+            assert_eq!(a, before, "a refused release takes nothing back");
+        }
+        assert_eq!(a.alloc(2, String::new).unwrap(), vec![1, 3]);
+        assert!(PageAllocator::new(0).is_err());
+    }
+
+    #[test]
+    fn add_remove_cycles_leak_no_page() {
+        let mut book = PagedBook::new(10, 16, 4, 3).unwrap();
+        let fresh = book.allocator().clone();
+        for cycle in 0..50usize {
+            let ids: Vec<SeqId> = (0..3).map(|_| book.add()).collect();
+            // Prompts of different lengths, one sequence at a time, then decode steps together.
+            for (i, &id) in ids.iter().enumerate() {
+                book.begin(&[id], 1 + (cycle * 7 + i * 13) % 20, 1).unwrap();
+                book.finish().unwrap();
+            }
+            for _ in 0..(cycle % 5) {
+                book.begin(&ids, 1, 3).unwrap();
+                book.finish().unwrap();
+            }
+            let held: usize = ids.iter().map(|&id| book.pages(id).unwrap().len()).sum();
+            assert_eq!(held + book.allocator().free(), 10, "cycle {cycle}");
+            for (&id, want) in ids.iter().zip(0..) {
+                let len = book.len(id).unwrap();
+                assert_eq!(book.pages(id).unwrap().len(), len.div_ceil(16), "cycle {cycle} sequence {want}");
+            }
+            for id in ids {
+                book.remove(id).unwrap();
+            }
+            assert_eq!(book.allocator().free(), 10, "cycle {cycle}: every page back");
+        }
+        let mut a = book.allocator().clone();
+        let mut b = fresh;
+        assert_eq!(a.alloc(10, String::new).unwrap().len(), b.alloc(10, String::new).unwrap().len());
+    }
+
+    #[test]
+    fn steps_build_page_table_rows_and_device_lengths() {
+        let mut book = PagedBook::new(8, 4, 3, 4).unwrap();
+        let (a, b) = (book.add(), book.add());
+        let v = book.begin(&[a], 5, 1).unwrap();
+        assert_eq!(&v.table[..3], &[0, 1, 0], "5 positions take 2 pages, the rest of the row page 0");
+        assert_eq!((v.positions[0], v.kv_lens[0], v.q_lens[0]), (0, 5, 5));
+        assert_eq!(&v.positions[1..], &[-1, -1, -1], "rows past the step's sequences write nothing");
+        book.finish().unwrap();
+        book.begin(&[b], 3, 1).unwrap();
+        book.finish().unwrap();
+        // A decode step of both in a launch of 4 rows: b first, then a.
+        let v = book.begin(&[b, a], 1, 4).unwrap();
+        assert_eq!(v.table, vec![2, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(v.positions, vec![3, 5, -1, -1]);
+        assert_eq!(v.kv_lens, vec![4, 6, 1, 1], "rows past the sequences read one key");
+        assert_eq!(v.q_lens, vec![1; 4]);
+        book.finish().unwrap();
+        assert_eq!((book.len(a).unwrap(), book.len(b).unwrap()), (6, 4));
+        // b grows into a new page at position 4.
+        let v = book.begin(&[b], 1, 1).unwrap();
+        assert_eq!(&v.table[..3], &[2, 3, 0]);
+        book.finish().unwrap();
+    }
+
+    #[test]
+    fn refused_steps_change_nothing() {
+        let mut book = PagedBook::new(3, 4, 2, 2).unwrap();
+        let (a, b) = (book.add(), book.add());
+        book.begin(&[a], 8, 1).unwrap();
+        book.finish().unwrap();
+        let before = book.clone();
+        let cases: Vec<(Vec<SeqId>, usize, usize, &str)> = vec![
+            (vec![a], 1, 1, "sequence 0 holds 8 of 8 positions, no room for 1"),
+            (vec![b, b], 1, 2, "sequence 1 twice"),
+            (vec![a, b], 1, 1, "2 sequences in a launch of 1 rows"),
+            (vec![b], 1, 3, "the table has 2"),
+            (vec![b], 0, 1, "no tokens"),
+            (vec![], 1, 1, "no sequences"),
+        ];
+        for (order, seq, rows, expected) in cases {
+            let e = book.begin(&order, seq, rows).unwrap_err();
+            assert!(
+                matches!(e, Error::InvalidArgument(_)) && e.to_string().contains(expected),
+                "{expected}: {e}"
+            );
+            assert_eq!(book, before, "{expected}: nothing changed");
+        }
+        // b needs 2 pages, 1 is free: out of pages, typed, nothing handed out.
+        let e = book.begin(&[b], 5, 1).unwrap_err();
+        assert!(matches!(e, Error::OutOfPages { needed: 2, free: 1, total: 3, .. }), "{e:?}");
+        assert_eq!(book, before);
+        // Unknown and removed sequences; a sequence in a step begun cannot be removed.
+        book.remove(b).unwrap();
+        assert!(book.begin(&[b], 1, 1).unwrap_err().to_string().contains("no sequence 1"));
+        assert!(book.remove(b).is_err());
+        let c = book.add();
+        book.begin(&[c], 1, 1).unwrap();
+        assert!(book.remove(c).unwrap_err().to_string().contains("finish it first"));
+        book.cancel();
+        assert_eq!(book.len(c).unwrap(), 0, "a cancelled step counts nothing");
+        book.begin(&[c], 1, 1).unwrap();
+        book.finish().unwrap();
+        book.remove(c).unwrap();
+        book.remove(a).unwrap();
+        assert_eq!(book.allocator().free(), 3);
+        assert!(book.finish().is_err(), "no step begun");
+    }
+}

@@ -1,0 +1,166 @@
+//! Paged against contiguous decode attention at Llama-3.1-8B heads (32 query heads over 8 K/V heads of
+//! 128, bf16): a batch of 64 sequences of seeded lengths from 128 to 4096 (mixed), one query each, the
+//! lengths on the device. The contiguous cache is `[64, 4096, 8 · 128]` (what `KvCache` keeps); the paged
+//! one a pool of just the pages the lengths need, in a seeded shuffle, read through a page table, for
+//! page sizes 16, 32, 64 and 128 and both page orders. The contiguous keys are gathered out of the pages,
+//! so both read the same values: outputs are compared before anything is timed. Each form is timed
+//! replaying a CUDA graph of 32 calls (as a captured decode step runs them), CUDA-event medians after
+//! warm-up, with the ratio contiguous / paged (the target: the paged form at 95% of the
+//! contiguous one or better, a ratio >= 0.95):
+//! `cargo run --release --features app --example 07-paged-decode [batch] [min_len] [max_len]`.
+use cudnn_llm::bench_util::{environment, median_call_ms};
+use cudnn_llm::cudarc::driver::CudaSlice;
+use cudnn_llm::half::bf16;
+use cudnn_llm::{
+    gather_pages, reference, sdpa, Backend, Cudnn, Error, Layout, PageGather, PageGatherOperands, PageOrder,
+    PageShape, PageTable, SdpaArgs, SdpaKernel, SdpaOperands, SeqLens, TableShape,
+};
+
+/// Calls per captured graph.
+const CALLS: usize = 32;
+/// Llama-3.1-8B's attention heads.
+const HEADS: (usize, usize, usize) = (32, 8, 128);
+
+fn arg(i: usize, default: usize) -> Result<usize, Box<dyn std::error::Error>> {
+    match std::env::args().nth(i) {
+        Some(a) => Ok(a.parse().map_err(|e| format!("argument {i} ({a}): {e}"))?),
+        None => Ok(default),
+    }
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let (batch, min, max) = (arg(1, 64)?, arg(2, 128)?, arg(3, 4096)?);
+    if batch == 0 || min == 0 || max < min {
+        return Err("give batch >= 1 and 1 <= min_len <= max_len".into());
+    }
+    let ctx = Cudnn::new(0)?;
+    let (hq, hkv, d) = HEADS;
+    let w = (hq + 2 * hkv) * d;
+    let cap = max.next_multiple_of(128);
+    let mut r = reference::random_iter(7);
+    let lens: Vec<usize> = (0..batch)
+        .map(|_| min + ((r.next().unwrap() * 0.5 + 0.5) * (max - min + 1) as f64) as usize)
+        .collect();
+    let lens: Vec<usize> = lens.into_iter().map(|l| l.min(max)).collect();
+    println!("{}", environment(ctx.info()));
+    println!(
+        "decode attention b{batch} h{hq}/{hkv} d{d} bf16, lengths {min}..={max} (mean {:.0}), contiguous capacity {cap}",
+        lens.iter().sum::<usize>() as f64 / batch as f64
+    );
+    let s = ctx.stream();
+    let qkv = s.clone_htod(&reference::to_elements::<bf16>(&reference::random_values(1, batch * w)))?;
+    let mut o_c = s.alloc_zeros::<bf16>(batch * hq * d)?;
+    let mut o_p = s.alloc_zeros::<bf16>(batch * hq * d)?;
+    let lq = s.clone_htod(&vec![1i32; batch])?;
+    let lkv = s.clone_htod(&lens.iter().map(|&l| l as i32).collect::<Vec<_>>())?;
+    let mut clamped = SeqLens::new(&ctx, batch, 1, cap)?;
+    clamped.clamp(&ctx, &lq, &lkv)?;
+    let mut kc = s.alloc_zeros::<bf16>(batch * cap * hkv * d)?;
+    let mut vc = s.alloc_zeros::<bf16>(batch * cap * hkv * d)?;
+    let mut contiguous = SdpaArgs::new(batch, hq, hkv, 1, cap, d, Layout::Bshd).with_seq_lens();
+    contiguous.q_strides = [w, d, w, 1];
+    let kv = [cap * hkv * d, d, hkv * d, 1];
+    (contiguous.k_strides, contiguous.v_strides) = (kv, kv);
+    // One random pool's worth of values, reused by every configuration.
+    let rows = |ps: usize| (lens.iter().map(|l| l.div_ceil(ps)).sum::<usize>() + 8) * ps;
+    let most_rows = [16, 32, 64, 128].into_iter().map(rows).max().unwrap_or(0);
+    let values: Vec<bf16> = reference::random_iter(2).take(most_rows * hkv * d).map(bf16::from_f64).collect();
+    println!(
+        "{:>5} {:>11} {:>9} {:>14} {:>18} {:>16} {:>8}",
+        "page", "order", "pages", "contiguous us", "paged us (form)", "paged split-kv us", "ratio"
+    );
+    for page_size in [16, 32, 64, 128] {
+        for order in [PageOrder::HeadMajor, PageOrder::TokenMajor] {
+            let need: usize = lens.iter().map(|l| l.div_ceil(page_size)).sum();
+            let pages = PageShape::new(need + 8, page_size, hkv, d, order)?;
+            let max_pages = cap / page_size;
+            let mut table = PageTable::new(&ctx, TableShape::new(batch, max_pages, pages)?)?;
+            // Pages handed out in a seeded shuffle, as a pool looks after sequences came and went.
+            let mut free: Vec<u32> = (0..pages.num_pages as u32).collect();
+            let mut shuffle = reference::random_iter(page_size as u64);
+            for i in (1..free.len()).rev() {
+                let j = ((shuffle.next().unwrap() * 0.5 + 0.5) * (i + 1) as f64) as usize;
+                free.swap(i, j.min(i));
+            }
+            let mut entries = vec![0u32; batch * max_pages];
+            let mut next = free.into_iter();
+            for (b, &len) in lens.iter().enumerate() {
+                for slot in &mut entries[b * max_pages..][..len.div_ceil(page_size)] {
+                    *slot = next.next().expect("the pool holds every sequence's pages");
+                }
+            }
+            table.upload(&ctx, &entries)?;
+            let kp = s.clone_htod(&values[..pages.pool_len()])?;
+            let vp = s.clone_htod(&values[values.len() - pages.pool_len()..])?;
+            // The contiguous cache holds the same keys: gathered out of the pages.
+            gather_pages(
+                &ctx,
+                PageGather::new(batch, cap, cap),
+                PageGatherOperands::new(&kp, &table, &mut kc),
+            )?;
+            gather_pages(
+                &ctx,
+                PageGather::new(batch, cap, cap),
+                PageGatherOperands::new(&vp, &table, &mut vc),
+            )?;
+            let mut paged = SdpaArgs::new(batch, hq, hkv, 1, 1, d, Layout::Bshd).with_pages(table.shape());
+            paged.q_strides = [w, d, w, 1];
+            let run_c = |o: &mut CudaSlice<bf16>| {
+                sdpa(
+                    &ctx,
+                    contiguous,
+                    SdpaOperands::new(&qkv, &kc, &vc, o).clamped_seq_lens(&clamped),
+                    Backend::Fused,
+                )
+            };
+            let run_p = |a: SdpaArgs, o: &mut CudaSlice<bf16>| {
+                let x = SdpaOperands::new(&qkv, &kp, &vp, o).pages(&table);
+                let x = if a.fused_kernel(ctx.features(), false) == SdpaKernel::SplitKv {
+                    x.seq_lens(&lq, &lkv)
+                } else {
+                    x.clamped_seq_lens(&clamped)
+                };
+                sdpa(&ctx, a, x, Backend::Fused)
+            };
+            let form = paged.fused_kernel(ctx.features(), false).name();
+            let tag = format!("{page_size:>5} {:>11} {:>9}", order.name(), pages.num_pages);
+            // Validate before timing: the same keys give the same outputs.
+            if let Err(e) = run_c(&mut o_c).and_then(|()| run_p(paged, &mut o_p)) {
+                println!("{tag}: {e}");
+                continue;
+            }
+            let (c, p) = (s.clone_dtoh(&o_c)?, s.clone_dtoh(&o_p)?);
+            let cmp = reference::compare(&p, &c.iter().map(|v| v.to_f64()).collect::<Vec<_>>());
+            if !cmp.passes(reference::Tolerance::rel_l2(2e-2)) {
+                println!("{tag}: paged and contiguous outputs differ ({cmp}); not timed");
+                continue;
+            }
+            let time = |f: &mut dyn FnMut() -> cudnn_llm::Result<()>| -> Result<f64, Error> {
+                // SAFETY: one thread, no other stream of this context.
+                let ((), graph) = unsafe {
+                    ctx.capture(|| {
+                        for _ in 0..CALLS {
+                            f()?;
+                        }
+                        Ok::<_, Error>(())
+                    })
+                }?;
+                Ok(median_call_ms(&ctx, 3, 21, 1, || Ok(graph.launch()?))? / CALLS as f64 * 1e3)
+            };
+            let contiguous_us = time(&mut || run_c(&mut o_c))?;
+            let paged_us = time(&mut || run_p(paged, &mut o_p))?;
+            let split = paged.with_form(SdpaKernel::SplitKv);
+            let split_us = match run_p(split, &mut o_p) {
+                Ok(()) => format!("{:.2}", time(&mut || run_p(split, &mut o_p))?),
+                Err(e) => format!("({e})"),
+            };
+            println!(
+                "{tag} {contiguous_us:>14.2} {:>18} {split_us:>16} {:>8.3}",
+                format!("{paged_us:.2} ({form})"),
+                contiguous_us / paged_us
+            );
+        }
+    }
+    println!("ratio = contiguous us / paged us (cuDNN's paged plan on 9.15+); the target is >= 0.95");
+    Ok(())
+}

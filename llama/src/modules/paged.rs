@@ -1,0 +1,48 @@
+//! Attention over a paged KV cache (continuous batching): the same projections as
+//! [`Attention::forward`](super::attention::Attention), with RoPE's K/V append and the attention
+//! going through cudnn-ops' [`PagedKvCache`] (page pools read through a page table, each sequence at
+//! its own length, positions and lengths on the device).
+
+use super::attention::{Attention, AttnBuffers};
+use super::linear::Then;
+use super::Pass;
+use crate::backends::Site;
+use crate::Result;
+use cudnn_llm_ops::cudarc::driver::CudaSlice;
+use cudnn_llm_ops::{Element, PagedKvCache, QkvRows};
+
+impl<T: Element> Attention<T> {
+    /// `sum = x + attn(h)` over the step begun on `cache` (its rows are the pass's batch, its new
+    /// tokens the pass's seq): RoPE with the append into the pages ([`PagedKvCache::append_rotated`]),
+    /// then attention through the page table or, for a prefill from empty, over the step's own rows
+    /// ([`PagedKvCache::attend`]).
+    pub(crate) fn forward_paged(
+        &self,
+        p: &mut Pass<'_, T>,
+        h: &CudaSlice<T>,
+        bufs: &mut AttnBuffers<T>,
+        cache: &mut PagedKvCache<T>,
+        x: &CudaSlice<T>,
+        sum: &mut CudaSlice<T>,
+    ) -> Result<()> {
+        let (ctx, rows, at) = (p.ctx, p.tokens.rows(), Some(self.layer));
+        let AttnBuffers { qkv, o } = bufs;
+        p.dispatch.run(Site::QKV_PROJ, at, &p.shape, |b| {
+            self.qkv_proj.forward(b, ctx, rows, h, Then::Nothing, qkv)
+        })?;
+        let qkv_rows = QkvRows::new(self.heads, (self.heads + 2 * self.kv_heads) * self.head_dim);
+        let (layer, tables) = (self.layer, p.rope);
+        // Its own fallback key: the paged append is another kernel than the contiguous one.
+        let rope_shape = format!("{} paged", p.shape);
+        p.dispatch.run(Site::ROPE, at, &rope_shape, |b| {
+            cache.append_rotated(ctx, layer, tables, qkv_rows, qkv.as_view_mut(), b)
+        })?;
+        // The fallback key leaves the lengths out, so later steps do not retry a shape that failed.
+        let attn_shape = format!("{}x{} paged", p.tokens.batch, p.tokens.seq);
+        p.dispatch.run(Site::GQA, at, &attn_shape, |b| {
+            cache.attend(ctx, layer, qkv_rows, qkv.as_view(), o.as_view_mut(), b).map(drop)
+        })?;
+        p.dispatch
+            .run(Site::O_PROJ, at, &p.shape, |b| self.o_proj.forward(b, ctx, rows, o, Then::AddTo(x), sum))
+    }
+}

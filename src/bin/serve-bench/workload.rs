@@ -1,0 +1,128 @@
+//! The synthetic request stream and the latency statistics (no GPU): arrivals of a Poisson process
+//! (exponential gaps at `rate` requests/s, or all at once), prompt and output lengths uniform in their
+//! ranges, prompt ids uniform over the vocabulary; all drawn from SplitMix64 streams seeded by `--seed`
+//! (`cudnn_llm::reference::random_iter`), so that a seed gives the same requests on every machine.
+
+use cudnn_llm::reference::random_iter;
+
+/// An inclusive range of lengths, written `MIN:MAX` (or one number).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Span {
+    /// Smallest.
+    pub min: usize,
+    /// Largest.
+    pub max: usize,
+}
+
+impl std::str::FromStr for Span {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let num = |t: &str| t.trim().parse::<usize>().map_err(|e| format!("`{t}`: {e}"));
+        let (min, max) = match s.split_once(':') {
+            Some((a, b)) => (num(a)?, num(b)?),
+            None => (num(s)?, num(s)?),
+        };
+        if min == 0 || max < min {
+            return Err(format!("`{s}`: give MIN:MAX with 1 <= MIN <= MAX"));
+        }
+        Ok(Span { min, max })
+    }
+}
+
+/// One request of the stream.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    /// Seconds after the start.
+    pub arrival: f64,
+    /// Prompt ids.
+    pub prompt: Vec<u32>,
+    /// New ids it asks for (at least 1).
+    pub output: usize,
+}
+
+/// `n` requests arriving at `rate` per second (`f64::INFINITY`: all at 0), prompts of `prompt`
+/// lengths, outputs of `output` lengths, ids below `vocab`; deterministic for `seed`.
+pub fn requests(n: usize, rate: f64, prompt: Span, output: Span, vocab: usize, seed: u64) -> Vec<Request> {
+    // Independent streams for gaps, lengths and ids, so that one change leaves the others as they were.
+    let mut gaps = random_iter(seed ^ 0xA11);
+    let mut lens = random_iter(seed ^ 0x1E4);
+    let mut ids = random_iter(seed ^ 0x1D5);
+    let unit = |r: &mut dyn Iterator<Item = f64>| r.next().map_or(0.5, |v| v * 0.5 + 0.5); // [0, 1)
+    let pick = |r: &mut dyn Iterator<Item = f64>, s: Span| {
+        s.min + ((unit(r) * (s.max - s.min + 1) as f64) as usize).min(s.max - s.min)
+    };
+    let mut t = 0.0;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        if rate.is_finite() {
+            // Exponential gap: -ln(1 - u) / rate, u in [0, 1).
+            t += -(1.0 - unit(&mut gaps)).ln() / rate;
+        }
+        let p = pick(&mut lens, prompt);
+        let o = pick(&mut lens, output);
+        let prompt =
+            (0..p).map(|_| ((unit(&mut ids) * vocab as f64) as usize).min(vocab - 1) as u32).collect();
+        out.push(Request { arrival: t, prompt, output: o });
+    }
+    out
+}
+
+/// The `q`-quantile (0..=1) of `values` by nearest rank; `None` when empty.
+pub fn percentile(values: &[f64], q: f64) -> Option<f64> {
+    if values.is_empty() {
+        return None;
+    }
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
+    Some(v[rank - 1])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spans_parse_and_refuse_what_is_empty() {
+        assert_eq!("128:1024".parse::<Span>().unwrap(), Span { min: 128, max: 1024 });
+        assert_eq!("7".parse::<Span>().unwrap(), Span { min: 7, max: 7 });
+        for bad in ["0:4", "9:3", "a:3", "", "3:"] {
+            assert!(bad.parse::<Span>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn streams_are_seeded_and_follow_their_distributions() {
+        let (p, o) = (Span { min: 16, max: 64 }, Span { min: 1, max: 8 });
+        let a = requests(2000, 10.0, p, o, 500, 3);
+        assert_eq!(a, requests(2000, 10.0, p, o, 500, 3), "the same seed, the same stream");
+        assert_ne!(a, requests(2000, 10.0, p, o, 500, 4));
+        assert!(a.windows(2).all(|w| w[0].arrival <= w[1].arrival), "arrivals in order");
+        // Poisson at 10/s: the mean gap is 0.1 s (2000 gaps: within a few percent).
+        let mean_gap = a.last().unwrap().arrival / 2000.0;
+        assert!((mean_gap - 0.1).abs() < 0.01, "mean gap {mean_gap}");
+        for r in &a {
+            assert!((16..=64).contains(&r.prompt.len()) && (1..=8).contains(&r.output));
+            assert!(r.prompt.iter().all(|&id| id < 500));
+        }
+        // Every length of the span comes up, the mean near the middle.
+        let mean = a.iter().map(|r| r.prompt.len()).sum::<usize>() as f64 / 2000.0;
+        assert!((mean - 40.0).abs() < 2.0, "mean prompt {mean}");
+        assert!([16, 64].iter().all(|n| a.iter().any(|r| r.prompt.len() == *n)));
+        assert!([1, 8].iter().all(|n| a.iter().any(|r| r.output == *n)));
+        // An infinite rate: everything at once.
+        assert!(requests(10, f64::INFINITY, p, o, 500, 3).iter().all(|r| r.arrival == 0.0));
+    }
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(
+            (percentile(&v, 0.5), percentile(&v, 0.9), percentile(&v, 0.99)),
+            (Some(50.0), Some(90.0), Some(99.0))
+        );
+        assert_eq!(percentile(&[3.0, 1.0, 2.0], 0.5), Some(2.0));
+        assert_eq!(percentile(&[5.0], 0.99), Some(5.0));
+        assert_eq!(percentile(&[], 0.5), None);
+    }
+}
