@@ -37,6 +37,7 @@ pub(crate) mod mlp;
 pub(crate) mod norm;
 pub(crate) mod residual;
 
+pub use block::{ATTN_ALLREDUCE_RANGE, MLP_ALLREDUCE_RANGE};
 pub use dispatch::{Fallback, NoObserver, Observer};
 pub use embedding::EMBED_RANGE;
 

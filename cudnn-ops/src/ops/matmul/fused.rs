@@ -114,7 +114,8 @@ impl MatmulArgs {
 impl MatmulArgs {
     /// What the fused backend runs for these arguments (given x and W 16-byte aligned): the kernel
     /// asked for ([`MatmulArgs::with_form`]), else the decode GEMV where it takes the call
-    /// ([`MatmulArgs::decode_gemv`]) over at most [`DECODE_GEMV_AUTO_TOKENS`] tokens, else the graph.
+    /// ([`MatmulArgs::decode_gemv`]) over at most
+    /// [`DECODE_GEMV_AUTO_TOKENS`](super::DECODE_GEMV_AUTO_TOKENS) tokens, else the graph.
     pub fn fused_kernel(&self, dtype: DataType, out: DataType) -> MatmulKernel {
         match self.form {
             Some(kernel) => kernel,
