@@ -16,6 +16,9 @@ use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+/// Stack of a rank's thread: a main thread's (8 MiB), not a spawned thread's 2 MiB default.
+const RANK_STACK: usize = 8 << 20;
+
 /// How long the other ranks get to finish once one failed or timed out (their collectives were
 /// aborted, so they return promptly unless a rank hangs outside NCCL).
 const GRACE: Duration = Duration::from_secs(30);
@@ -189,7 +192,12 @@ impl<T: Element> TpLlama<T> {
                     job(&mut state);
                 }
             };
-            let spawned = std::thread::Builder::new().name(format!("tp-rank-{rank}")).spawn(body);
+            // The caller's thread runs the model on one GPU with a main thread's stack; so do these
+            // (NVRTC compiles the naive kernels on first use, cuDNN builds plans).
+            let spawned = std::thread::Builder::new()
+                .name(format!("tp-rank-{rank}"))
+                .stack_size(RANK_STACK)
+                .spawn(body);
             let thread = spawned.map_err(|e| {
                 team.tear_down(&format!("rank {rank}'s thread did not start"));
                 Error::Tp(format!("cannot start rank {rank}'s thread: {e}"))
