@@ -41,10 +41,11 @@
 //! the others' pending collectives return), the call returns the first error and the team refuses
 //! later calls.
 //!
-//! **Memory.** Llama-3.1-70B in bf16 is 141.1 GB of weights (70.55 B parameters): on one H200
-//! (143771 MiB, about 139 GiB usable) it fits with some 7 GiB to spare for the KV cache, activations
-//! and workspaces, too little for long prompts. Over two, each rank holds 68.5 GB of layers, the
-//! 2.1 GB embedding and half of `lm_head` (1.05 GB): 71.6 GB, leaving some 65 GiB per GPU.
+//! **Memory.** Llama-3.1-70B in bf16 is 141.1 GB (131.4 GiB) of weights (70.55 B parameters): one
+//! H200 (143771 MiB, about 139 GiB usable) holds them with some 7 GiB to spare for the CUDA context,
+//! NCCL and cuDNN workspaces, activations and the KV cache (320 KiB per token over 80 layers), too
+//! little to be worth it. Over two, each rank holds half the layers (68.5 GB), the whole 2.1 GB
+//! embedding and half of `lm_head` (1.05 GB): 71.6 GB (66.7 GiB), leaving about 70 GiB per GPU.
 
 mod load;
 mod shard;
