@@ -206,8 +206,9 @@ fn sm_count(ctx: &CudaContext) -> Result<usize> {
     usize::try_from(n).map_err(|_| Error::NoGpu(format!("the driver reports {n} multiprocessors")))
 }
 
-/// Checks for the driver library before cudarc could panic on it, then opens the device.
-pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>> {
+/// CUDA devices the driver sees (honouring `CUDA_VISIBLE_DEVICES`); [`Error::NoGpu`] without a
+/// driver library or when the driver does not start (never a panic), `Ok(0)` for none.
+pub fn device_count() -> Result<usize> {
     if !raw::driver::library_present() {
         return Err(Error::NoGpu(
             "the CUDA driver library (libcuda.so.1) was not found: install an NVIDIA driver".into(),
@@ -215,10 +216,16 @@ pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>> {
     }
     let count = CudaContext::device_count()
         .map_err(|e| Error::NoGpu(format!("the CUDA driver did not start: {e}")))?;
+    Ok(usize::try_from(count).unwrap_or(0))
+}
+
+/// Checks for the driver library before cudarc could panic on it, then opens the device.
+pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>> {
+    let count = device_count()?;
     if count == 0 {
         return Err(Error::NoGpu("the driver reports no CUDA device".into()));
     }
-    if ordinal >= count as usize {
+    if ordinal >= count {
         return Err(Error::NoGpu(format!("device {ordinal} requested, but only {count} present")));
     }
     Ok(CudaContext::new(ordinal)?)

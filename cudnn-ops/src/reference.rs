@@ -193,7 +193,13 @@ pub fn random_values(seed: u64, n: usize) -> Vec<f64> {
 
 /// The endless sequence [`random_values`] takes its values from (no buffer of f64s for large tensors).
 pub fn random_iter(seed: u64) -> impl Iterator<Item = f64> {
-    let mut state = seed;
+    random_iter_from(seed, 0)
+}
+
+/// [`random_iter`] from its value `skip` on, without drawing the ones before (SplitMix64's state after
+/// `skip` draws is `seed + skip·γ`): a shard of a large random tensor is drawn alone.
+pub fn random_iter_from(seed: u64, skip: u64) -> impl Iterator<Item = f64> {
+    let mut state = seed.wrapping_add(skip.wrapping_mul(0x9E37_79B9_7F4A_7C15));
     std::iter::repeat_with(move || {
         state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = state;
@@ -434,5 +440,10 @@ mod tests {
         assert!(a.iter().all(|v| *v != 0.0 && (-1.0..1.0).contains(v)));
         let mean = a.iter().sum::<f64>() / a.len() as f64;
         assert!(mean.abs() < 0.05, "{mean}");
+        // Skipping ahead lands on the same values as drawing through.
+        for skip in [0, 1, 4095, 9_999] {
+            let tail: Vec<f64> = random_iter_from(7, skip as u64).take(10_000 - skip).collect();
+            assert_eq!(tail, a[skip..], "skip {skip}");
+        }
     }
 }

@@ -1,4 +1,4 @@
-//! Model shapes: the Llama-3.2-1B and Llama-3.1-8B presets, a tiny one for tests, and Hugging Face's
+//! Model shapes: the Llama-3.2-1B, Llama-3.1-8B and Llama-3.1-70B presets, a tiny one for tests, and Hugging Face's
 //! `config.json` as transformers 4.x and 5.x write it.
 
 use crate::{Error, Result};
@@ -73,7 +73,7 @@ pub struct LlamaConfig {
 }
 
 /// Names [`LlamaConfig::preset`] accepts.
-pub const PRESETS: [&str; 3] = ["llama-3.2-1b", "llama-3.1-8b", "tiny"];
+pub const PRESETS: [&str; 4] = ["llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b", "tiny"];
 
 /// Most decoder layers [`LlamaConfig::check`] accepts (Llama-3.1-405B has 126).
 pub const MAX_LAYERS: usize = 1 << 12;
@@ -158,6 +158,22 @@ impl LlamaConfig {
         }
     }
 
+    /// Llama-3.1-70B: hidden 8192, 80 layers, 64 heads, 8 KV heads, head dim 128, FFN 28672, the
+    /// vocabulary, RoPE scaling and special tokens of [`LlamaConfig::llama_3_1_8b`]. Its bf16 weights
+    /// (141 GB) need two or more GPUs ([`crate::tp`]), or a few layers of it (`with_layers`) on one.
+    pub fn llama_3_1_70b() -> Self {
+        LlamaConfig {
+            name: "llama-3.1-70b".into(),
+            hidden: 8192,
+            layers: 80,
+            heads: 64,
+            kv_heads: 8,
+            head_dim: 128,
+            ffn: 28672,
+            ..LlamaConfig::llama_3_1_8b()
+        }
+    }
+
     /// A model small enough for an f64 CPU reference: hidden 128, 2 layers, 4 heads, 2 KV heads, head
     /// dim 32, FFN 256, vocabulary 512, Llama-3 RoPE scaling. Its vocabulary has no special tokens:
     /// no bos, no eos (generation runs to its length limit).
@@ -183,6 +199,7 @@ impl LlamaConfig {
         match name {
             "llama-3.2-1b" => Ok(Self::llama_3_2_1b()),
             "llama-3.1-8b" => Ok(Self::llama_3_1_8b()),
+            "llama-3.1-70b" => Ok(Self::llama_3_1_70b()),
             "tiny" => Ok(Self::tiny()),
             other => Err(Error::Config(format!(
                 "unknown preset `{other}`: expected one of {}",
@@ -717,12 +734,26 @@ mod tests {
         assert_eq!((b8.vocab, b8.rms_eps, b8.rope_theta), (128256, 1e-5, 500000.0));
         assert_eq!(b8.rope_scaling.unwrap().factor, 8.0);
         assert_eq!(b8.qkv_width(), 6144);
+        let b70 = LlamaConfig::preset("llama-3.1-70b").unwrap();
+        assert_eq!(
+            (b70.hidden, b70.layers, b70.heads, b70.kv_heads, b70.head_dim, b70.ffn, b70.vocab),
+            (8192, 80, 64, 8, 128, 28672, 128256)
+        );
+        // 70.55 billion parameters (Hugging Face's count for Llama-3.1-70B): 141.1 GB in bf16.
+        assert_eq!(b70.parameters(), 70_553_706_496);
+        assert_eq!(
+            (b70.rope_scaling, b70.tie_embeddings, b70.rope_theta),
+            (b8.rope_scaling, false, 500000.0)
+        );
         for name in PRESETS {
             LlamaConfig::preset(name).unwrap().check().unwrap();
         }
         assert_eq!(LlamaConfig::llama_3_1_8b().with_layers(4).layers, 4);
         let e = LlamaConfig::preset("llama-2-7b").unwrap_err().to_string();
-        assert!(e.contains("llama-2-7b") && e.contains("llama-3.2-1b, llama-3.1-8b, tiny"), "{e}");
+        assert!(
+            e.contains("llama-2-7b") && e.contains("llama-3.2-1b, llama-3.1-8b, llama-3.1-70b, tiny"),
+            "{e}"
+        );
     }
 
     /// Llama-3.2-1B's `config.json` as transformers 4.x writes it.

@@ -3,7 +3,7 @@
 //!
 //! | module | what it holds |
 //! |---|---|
-//! | [`config`] | the Llama-3.2-1B / Llama-3.1-8B presets, a tiny test preset, Hugging Face `config.json` |
+//! | [`config`] | the Llama-3.2-1B / Llama-3.1-8B / Llama-3.1-70B presets, a tiny test preset, Hugging Face `config.json` |
 //! | [`weights`] | host weights: seeded random init, Hugging Face safetensors checkpoints (single or sharded) |
 //! | [`backends`] | which backend each module kind (and layer) runs on, and its string form |
 //! | [`model`] | the decoder on the GPU: layers of modules (norm, attention, MLP in `src/modules/`), per-module backends, KV cache, fallbacks, an observer hook |
@@ -15,6 +15,8 @@
 //! | [`rope`] | Llama-3 RoPE frequencies and the cos/sin tables |
 //! | [`roofline`] | the bytes a decode step reads, its memory floor |
 //! | [`trace`] | an observer recording NVTX ranges, CUDA events and host timestamps per module call |
+//! | [`tp`] | tensor parallelism over the GPUs of one host: the sharding math, sharded loading, one thread per rank ([`tp::TpLlama`]) |
+//! | [`nccl`] | NCCL opened at run time: communicators, in-place all-reduce and all-gather on a rank's stream, aborts |
 //! | [`train`] | training: the forward that saves activations, the loss, the backward through every module, gradient accumulation, clipping, AdamW ([`Trainer`]) |
 //! | [`reference`](mod@reference) | an f64 CPU forward of the whole model, and the training loss with its gradients, for tests |
 #![deny(missing_docs, rustdoc::broken_intra_doc_links)]
@@ -25,12 +27,14 @@ pub mod config;
 pub mod generate;
 pub mod model;
 mod modules;
+pub mod nccl;
 pub mod profile;
 pub mod reference;
 pub mod roofline;
 pub mod rope;
 pub mod sampling;
 pub mod tokenizer;
+pub mod tp;
 pub mod trace;
 pub mod train;
 pub mod weights;
@@ -76,4 +80,19 @@ pub enum Error {
     /// A cuDNN, CUDA or argument error from the ops layer.
     #[error(transparent)]
     Ops(#[from] cudnn_llm_ops::Error),
+    /// NCCL missing, too old or refusing a call, or a communicator torn down.
+    #[error("nccl: {0}")]
+    Nccl(#[from] nccl::NcclError),
+    /// A tensor-parallel setup this crate does not run (the message names what: more ranks than
+    /// GPUs, heads or sizes that do not split over the ranks, a team torn down by a failed rank).
+    #[error("tensor parallel: {0}")]
+    Tp(String),
+    /// One rank of a tensor-parallel model failed; the others were torn down.
+    #[error("rank {rank}: {error}")]
+    Rank {
+        /// The rank that failed first.
+        rank: usize,
+        /// Its error.
+        error: Box<Error>,
+    },
 }

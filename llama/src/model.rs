@@ -45,16 +45,22 @@ use crate::modules::mlp::MlpBuffers;
 use crate::modules::norm::RmsNorm;
 use crate::modules::residual::Residual;
 use crate::modules::{Pass, Tokens};
-use crate::weights::{Tensor, Weights};
+use crate::nccl::Comm;
+use crate::weights::{LayerWeights, Tensor, Weights};
 use crate::{Backend, Error, Result};
 use cudnn_llm_ops::cudarc::driver::{CudaSlice, DevicePtrMut};
 use cudnn_llm_ops::{check_ids, Cudnn, Element, RopeTables, SeqLens};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-pub use crate::modules::{Fallback, NoObserver, Observer, EMBED_RANGE};
+pub use crate::modules::{
+    Fallback, NoObserver, Observer, ATTN_ALLREDUCE_RANGE, EMBED_RANGE, MLP_ALLREDUCE_RANGE,
+};
 pub use paged::{PagedCache, PagedDecodeGraph};
 
 mod paged;
+
+/// The range of the all-gather of a tensor-parallel rank's logits (after `fwd.lm_head`).
+pub const LM_HEAD_GATHER_RANGE: &str = "fwd.lm_head.allgather";
 
 /// Identities of caches and activation buffers, so that a captured decode graph (which holds their
 /// device addresses) refuses to run on others.
@@ -148,7 +154,7 @@ impl<T> std::fmt::Debug for DecodeGraph<T> {
     }
 }
 
-/// A Llama-3 decoder on one GPU.
+/// A Llama-3 decoder on one GPU (or one rank's shard of a tensor-parallel one, see [`crate::tp`]).
 pub struct Llama<T: Element> {
     cfg: LlamaConfig,
     embed: Embedding<T>,
@@ -162,19 +168,16 @@ pub struct Llama<T: Element> {
     /// Fused decode steps share one attention plan with run-time sequence lengths (cuDNN 9.15+);
     /// false once cuDNN refused it, and decode builds a plan per cache length instead.
     padded_decode: bool,
+    /// A tensor-parallel rank's communicator: layers all-reduce their residual sums and `lm_head`
+    /// (the rank's rows of the vocabulary) all-gathers its logits.
+    comm: Option<Comm>,
 }
 
 impl<T: Element> Llama<T> {
     /// Uploads `weights` (the Q, K and V projections concatenated into one matrix) and RoPE tables for
     /// positions `0..max_positions`.
     pub fn new(ctx: &Cudnn, cfg: &LlamaConfig, weights: &Weights<T>, max_positions: usize) -> Result<Self> {
-        cfg.check()?;
-        if max_positions > crate::config::MAX_POSITIONS {
-            return Err(Error::Config(format!(
-                "{max_positions} RoPE positions asked, more than the {} this crate builds tables for",
-                crate::config::MAX_POSITIONS
-            )));
-        }
+        check_model(cfg, max_positions)?;
         if weights.layers.len() != cfg.layers {
             return Err(Error::Weights(format!(
                 "{} layers of weights for a {}-layer config",
@@ -182,35 +185,79 @@ impl<T: Element> Llama<T> {
                 cfg.layers
             )));
         }
-        let up = |t: &Tensor<T>| ctx.stream().clone_htod(&t.data).map_err(cudnn_llm_ops::Error::from);
         let blocks = weights
             .layers
             .iter()
             .enumerate()
-            .map(|(l, w)| Block::new(ctx, cfg, l, w))
+            .map(|(l, w)| Block::new(ctx, cfg, l, w, true))
             .collect::<Result<_>>()?;
-        let embed = Embedding::new(up(&weights.embed)?, cfg.vocab, cfg.hidden);
+        let (embed, norm) = (&weights.embed, &weights.norm);
+        Self::assemble(ctx, cfg, blocks, [embed, norm], weights.lm_head.as_ref(), max_positions, None)
+    }
+
+    /// One rank's shard of a tensor-parallel model ([`crate::tp`] computes the shapes and slices):
+    /// `cfg` holds the rank's shapes (its query and K/V heads, its MLP rows; hidden size and
+    /// vocabulary whole), `layer(l)` gives layer `l`'s weights in those shapes (uploaded and dropped
+    /// one at a time), `embed` is the whole table, `lm_head` the rank's `[vocab / ranks, hidden]`
+    /// rows (`None`, tied to the embedding, on a single rank only). With `comm`, the first rank adds
+    /// the residuals and [`Llama::logits`] returns every rank's vocabulary slice in rank order
+    /// (`[ranks, rows, vocab / ranks]`, which is `[rows, vocab]` for one row); without it, the model
+    /// is [`Llama::new`]'s.
+    pub(crate) fn shard(
+        ctx: &Cudnn,
+        cfg: &LlamaConfig,
+        layer: &mut dyn FnMut(usize) -> Result<LayerWeights<T>>,
+        [embed, norm]: [&Tensor<T>; 2],
+        lm_head: Option<&Tensor<T>>,
+        max_positions: usize,
+        comm: Option<Comm>,
+    ) -> Result<Self> {
+        check_model(cfg, max_positions)?;
+        if comm.is_some() && lm_head.is_none() {
+            return Err(Error::Tp("a rank of several needs its own lm_head rows".into()));
+        }
+        let first = comm.as_ref().is_none_or(|c| c.rank() == 0);
+        let blocks =
+            (0..cfg.layers).map(|l| Block::new(ctx, cfg, l, &layer(l)?, first)).collect::<Result<_>>()?;
+        Self::assemble(ctx, cfg, blocks, [embed, norm], lm_head, max_positions, comm)
+    }
+
+    /// A tensor-parallel rank's communicator (`None` on a model of one GPU).
+    pub fn comm(&self) -> Option<&Comm> {
+        self.comm.as_ref()
+    }
+
+    /// The model around uploaded `blocks`: uploads the embedding, output norm and `lm_head` (`None`:
+    /// tied), and RoPE tables for positions `0..max_positions`.
+    fn assemble(
+        ctx: &Cudnn,
+        cfg: &LlamaConfig,
+        blocks: Vec<Block<T>>,
+        [embed, norm]: [&Tensor<T>; 2],
+        lm_head: Option<&Tensor<T>>,
+        max_positions: usize,
+        comm: Option<Comm>,
+    ) -> Result<Self> {
+        let up = |t: &Tensor<T>| ctx.stream().clone_htod(&t.data).map_err(cudnn_llm_ops::Error::from);
+        let head_rows = cfg.vocab / comm.as_ref().map_or(1, Comm::ranks);
         let eps = cfg.rms_eps as f32;
-        let norm = RmsNorm::new(up(&weights.norm)?, cfg.hidden, eps, Site::OUTPUT_NORM, None);
-        let lm_head = match &weights.lm_head {
-            Some(w) => Some(Linear::new(up(w)?, cfg.hidden, cfg.vocab)),
-            None => None,
-        };
-        let rope = RopeTables::from_frequencies(ctx, &crate::rope::frequencies(cfg)?, max_positions)?;
         Ok(Llama {
             cfg: cfg.clone(),
-            embed,
+            embed: Embedding::new(up(embed)?, cfg.vocab, cfg.hidden),
             blocks,
-            norm,
-            lm_head,
-            rope,
+            norm: RmsNorm::new(up(norm)?, cfg.hidden, eps, Site::OUTPUT_NORM, None),
+            lm_head: lm_head
+                .map(|w| Ok::<_, Error>(Linear::new(up(w)?, cfg.hidden, head_rows)))
+                .transpose()?,
+            rope: RopeTables::from_frequencies(ctx, &crate::rope::frequencies(cfg)?, max_positions)?,
             acts: None,
             fallbacks: Fallbacks::default(),
             padded_decode: ctx.features().sdpa_seq_lens(),
+            comm,
         })
     }
 
-    /// The configuration.
+    /// The configuration (a tensor-parallel rank's shapes on a rank, see [`crate::tp::ShardPlan::local`]).
     pub fn config(&self) -> &LlamaConfig {
         &self.cfg
     }
@@ -494,7 +541,7 @@ impl<T: Element> Llama<T> {
         let acts = self.acts.as_mut().expect("allocated by upload");
         self.embed.forward(&mut p, &acts.ids, acts.x.first_mut())?;
         for (l, block) in self.blocks.iter().enumerate() {
-            block.forward(&mut p, &mut acts.x, &mut acts.scratch, cache.layer(l))?;
+            block.forward(&mut p, &mut acts.x, &mut acts.scratch, cache.layer(l), self.comm.as_ref())?;
         }
         self.norm.forward(&mut p, acts.x.get(), &mut acts.out)?;
         self.padded_decode = p.positions.padded;
@@ -536,9 +583,21 @@ impl<T: Element> Llama<T> {
         let x = acts.out.slice(rows.start * hidden..rows.end * hidden);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed.table);
         let mut dispatch = Dispatch::new(&mut self.fallbacks, backends, obs);
-        dispatch.run(Site::LM_HEAD, None, &format!("{n} tokens"), |b| {
-            head.forward(b, ctx, n, &x, Then::Nothing, out)
-        })
+        let shape = format!("{n} tokens");
+        let Some(comm) = &self.comm else {
+            return dispatch
+                .run(Site::LM_HEAD, None, &shape, |b| head.forward(b, ctx, n, &x, Then::Nothing, out));
+        };
+        // This rank's vocabulary slice into its part of `out`, then every rank's part gathered.
+        let part = n * head.out_features;
+        let own = comm.rank() * part..(comm.rank() + 1) * part;
+        dispatch.run(Site::LM_HEAD, None, &shape, |b| {
+            head.forward(b, ctx, n, &x, Then::Nothing, &mut out.slice_mut(own.clone()))
+        })?;
+        let gathered = dispatch.observe(LM_HEAD_GATHER_RANGE, None, || {
+            comm.all_gather_in_place(ctx.stream(), &mut out.slice_mut(..part * comm.ranks()))
+        });
+        Ok(gathered?)
     }
 
     /// Logits `[rows.len(), vocab]` of the last forward's output rows `rows` only, e.g. the last
@@ -556,4 +615,17 @@ impl<T: Element> Llama<T> {
         self.head(ctx, rows, backends, obs, &mut out)?;
         Ok(out)
     }
+}
+
+/// Checks what every model needs before any upload: a config [`LlamaConfig::check`] accepts and
+/// RoPE tables this crate builds.
+fn check_model(cfg: &LlamaConfig, max_positions: usize) -> Result<()> {
+    cfg.check()?;
+    if max_positions > crate::config::MAX_POSITIONS {
+        return Err(Error::Config(format!(
+            "{max_positions} RoPE positions asked, more than the {} this crate builds tables for",
+            crate::config::MAX_POSITIONS
+        )));
+    }
+    Ok(())
 }

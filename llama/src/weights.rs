@@ -129,7 +129,7 @@ const LAYER_TENSORS: [&str; 9] = [
     "mlp.down_proj",
 ];
 
-const EMBED: &str = "model.embed_tokens.weight";
+pub(crate) const EMBED: &str = "model.embed_tokens.weight";
 const SINGLE_FILE: &str = "model.safetensors";
 const INDEX_FILE: &str = "model.safetensors.index.json";
 
@@ -172,16 +172,8 @@ impl<T: Element> Weights<T> {
         let names = Self::names(cfg);
         let make = |name: &str, shape: &[usize]| -> Tensor<T> {
             let n = shape.iter().product();
-            let u = random_iter(tensor_seed(seed, name)).take(n);
-            let data = match shape[..] {
-                [_] => u.map(|u| T::from_f64(1.0 + 0.1 * u)).collect(),
-                _ if name == EMBED => u.map(T::from_f64).collect(),
-                [_, fan_in] => {
-                    let bound = 1.0 / (fan_in as f64).sqrt();
-                    u.map(|u| T::from_f64(bound * u)).collect()
-                }
-                _ => unreachable!("weights are 1-D or 2-D"),
-            };
+            let value = random_init(name, shape);
+            let data = random_iter(tensor_seed(seed, name)).take(n).map(|u| T::from_f64(value(u))).collect();
             Tensor { shape: shape.to_vec(), data }
         };
         // Tensors are independent streams: fill them on every core (an 8B model is 8e9 draws).
@@ -332,8 +324,20 @@ impl<T> Weights<T> {
     }
 }
 
+/// How [`Weights::random`] turns a draw `u` in [-1, 1) into a value of the tensor `name` of `shape`:
+/// norm scales `1 + 0.1·u`, the embedding `u`, Linear weights `u / √in_features`.
+pub(crate) fn random_init(name: &str, shape: &[usize]) -> impl Fn(f64) -> f64 {
+    let (offset, scale) = match shape {
+        [_] => (1.0, 0.1),
+        _ if name == EMBED => (0.0, 1.0),
+        [_, fan_in] => (0.0, 1.0 / (*fan_in as f64).sqrt()),
+        _ => unreachable!("weights are 1-D or 2-D"),
+    };
+    move |u| offset + scale * u
+}
+
 /// A per-tensor seed: FNV-1a over the model seed and the tensor name.
-fn tensor_seed(seed: u64, name: &str) -> u64 {
+pub(crate) fn tensor_seed(seed: u64, name: &str) -> u64 {
     seed.to_le_bytes()
         .iter()
         .chain(name.as_bytes())
@@ -341,7 +345,7 @@ fn tensor_seed(seed: u64, name: &str) -> u64 {
 }
 
 /// The file holding each wanted tensor, in `wanted` order.
-fn locate(path: &Path, wanted: &[(String, Vec<usize>)]) -> Result<Vec<PathBuf>> {
+pub(crate) fn locate(path: &Path, wanted: &[(String, Vec<usize>)]) -> Result<Vec<PathBuf>> {
     let index = if path.is_dir() {
         if path.join(SINGLE_FILE).is_file() {
             return Ok(vec![path.join(SINGLE_FILE); wanted.len()]);
@@ -419,7 +423,7 @@ impl<'de, V: serde::Deserialize<'de>> serde::Deserialize<'de> for UniqueMap<V> {
 /// Refuses a `safetensors` header listing a tensor name twice (the `safetensors` crate keeps the
 /// last entry). A header too short or malformed to read is left to `SafeTensors::deserialize` to
 /// report.
-fn unique_header_names(path: &Path, bytes: &[u8]) -> Result<()> {
+pub(crate) fn unique_header_names(path: &Path, bytes: &[u8]) -> Result<()> {
     let Some((len, rest)) = bytes.split_first_chunk::<8>() else { return Ok(()) };
     let Some(header) = usize::try_from(u64::from_le_bytes(*len)).ok().and_then(|n| rest.get(..n)) else {
         return Ok(());
@@ -431,7 +435,7 @@ fn unique_header_names(path: &Path, bytes: &[u8]) -> Result<()> {
 }
 
 /// Memory-maps a whole file read-only.
-fn map_file(path: &Path) -> Result<memmap2::Mmap> {
+pub(crate) fn map_file(path: &Path) -> Result<memmap2::Mmap> {
     let file = std::fs::File::open(path).map_err(|e| fail(format!("{}: {e}", path.display())))?;
     // SAFETY: the map is read-only and lives only for this load; as with every memory-mapped
     // checkpoint reader, the file must not be truncated or rewritten by another process meanwhile.
@@ -450,26 +454,33 @@ fn read<T: Element>(table: &SafeTensors, name: String, shape: Vec<usize>, file: 
             view.shape()
         )));
     }
-    let b = view.data();
-    let data = match view.dtype() {
+    let mut data = Vec::with_capacity(shape.iter().product());
+    if !decode_into(view.dtype(), view.data(), &mut data) {
+        return Err(fail(format!(
+            "tensor `{name}` in {} has dtype {:?}, expected BF16, F16 or F32",
+            file.display(),
+            view.dtype()
+        )));
+    }
+    Ok(Tensor { shape, data })
+}
+
+/// Appends the little-endian `dtype` values of `bytes` to `out`, converted to `T`; false (and nothing
+/// appended) for a dtype other than bf16, f16 or f32.
+pub(crate) fn decode_into<T: Element>(dtype: Dtype, bytes: &[u8], out: &mut Vec<T>) -> bool {
+    match dtype {
         Dtype::BF16 => {
-            b.chunks_exact(2).map(|c| T::from_f64(bf16::from_le_bytes([c[0], c[1]]).to_f64())).collect()
+            out.extend(bytes.chunks_exact(2).map(|c| T::from_f64(bf16::from_le_bytes([c[0], c[1]]).to_f64())))
         }
         Dtype::F16 => {
-            b.chunks_exact(2).map(|c| T::from_f64(f16::from_le_bytes([c[0], c[1]]).to_f64())).collect()
+            out.extend(bytes.chunks_exact(2).map(|c| T::from_f64(f16::from_le_bytes([c[0], c[1]]).to_f64())))
         }
-        Dtype::F32 => b
-            .chunks_exact(4)
-            .map(|c| T::from_f64(f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64))
-            .collect(),
-        other => {
-            return Err(fail(format!(
-                "tensor `{name}` in {} has dtype {other:?}, expected BF16, F16 or F32",
-                file.display()
-            )))
-        }
-    };
-    Ok(Tensor { shape, data })
+        Dtype::F32 => out.extend(
+            bytes.chunks_exact(4).map(|c| T::from_f64(f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64)),
+        ),
+        _ => return false,
+    }
+    true
 }
 
 /// Little-endian bytes of `data` rounded to `dtype` (bf16, f16 or f32).
@@ -483,12 +494,12 @@ fn encode<T: Element>(data: &[T], dtype: DataType) -> Vec<u8> {
 }
 
 /// An [`Error::Weights`].
-fn fail(message: String) -> Error {
+pub(crate) fn fail(message: String) -> Error {
     Error::Weights(message)
 }
 
 /// Maps a `safetensors` error to one naming `path`.
-fn st_fail(path: &Path) -> impl Fn(safetensors::SafeTensorError) -> Error + '_ {
+pub(crate) fn st_fail(path: &Path) -> impl Fn(safetensors::SafeTensorError) -> Error + '_ {
     move |e| fail(format!("{}: {e}", path.display()))
 }
 

@@ -37,10 +37,14 @@ pub(crate) struct Attention<T> {
     pub(crate) kv_heads: usize,
     pub(crate) head_dim: usize,
     pub(crate) layer: usize,
+    /// `o_proj`'s epilogue adds the residual `x`; false on the tensor-parallel ranks but the first,
+    /// whose partial sums the all-reduce adds to the first rank's `x + o_proj(o)`.
+    pub(crate) adds_residual: bool,
 }
 
 impl<T: Element> Attention<T> {
-    /// `sum = x + attn(h)`, appending the pass's K and V to `cache`.
+    /// `sum = x + attn(h)` (`attn(h)` alone without [`Attention::adds_residual`]), appending the
+    /// pass's K and V to `cache`.
     pub(crate) fn forward(
         &self,
         p: &mut Pass<'_, T>,
@@ -57,8 +61,10 @@ impl<T: Element> Attention<T> {
         })?;
         self.rope(p, qkv, &mut cache)?;
         self.gqa(p, qkv, cache, o)?;
-        p.dispatch
-            .run(Site::O_PROJ, at, &p.shape, |b| self.o_proj.forward(b, ctx, rows, o, Then::AddTo(x), sum))
+        p.dispatch.run(Site::O_PROJ, at, &p.shape, |b| {
+            let then = if self.adds_residual { Then::AddTo(x) } else { Then::Nothing };
+            self.o_proj.forward(b, ctx, rows, o, then, sum)
+        })
     }
 
     /// Elements of a Q/K/V row: `(h_q + 2·h_kv)·d`.

@@ -8,10 +8,16 @@ use super::residual::Residual;
 use super::Pass;
 use crate::backends::Site;
 use crate::config::LlamaConfig;
+use crate::nccl::Comm;
 use crate::weights::LayerWeights;
 use crate::Result;
 use cudnn_llm_ops::cudarc::driver::CudaSlice;
 use cudnn_llm_ops::{Cudnn, Element};
+
+/// The range of the all-reduce after attention on a tensor-parallel rank.
+pub const ATTN_ALLREDUCE_RANGE: &str = "fwd.layer.attn.allreduce";
+/// The range of the all-reduce after the MLP on a tensor-parallel rank.
+pub const MLP_ALLREDUCE_RANGE: &str = "fwd.layer.mlp.allreduce";
 
 /// The scratch buffers of a layer: the normed hidden state `h`, attention's and the MLP's.
 pub(crate) struct Scratch<T> {
@@ -20,18 +26,29 @@ pub(crate) struct Scratch<T> {
     pub(crate) mlp: MlpBuffers<T>,
 }
 
-/// A pre-norm decoder layer: `x += attn(attn_norm(x)); x += mlp(mlp_norm(x))`.
+/// A pre-norm decoder layer: `x += attn(attn_norm(x)); x += mlp(mlp_norm(x))`. On a tensor-parallel
+/// rank each `+=` is the rank's partial sum (the residual on the first rank only) followed by an
+/// all-reduce.
 pub(crate) struct Block<T> {
     attn_norm: RmsNorm<T>,
     attn: Attention<T>,
     mlp_norm: RmsNorm<T>,
     mlp: Mlp<T>,
+    hidden: usize,
 }
 
 impl<T: Element> Block<T> {
     /// Uploads layer `layer`'s weights; Q, K and V projections become one `[(h_q + 2·h_kv)·d, hidden]`
-    /// weight.
-    pub(crate) fn new(ctx: &Cudnn, cfg: &LlamaConfig, layer: usize, w: &LayerWeights<T>) -> Result<Self> {
+    /// weight. `cfg` gives the shapes of `w` (a tensor-parallel rank's: its heads, its MLP rows);
+    /// `adds_residual`: the two projections whose output is summed into `x` add `x` in their
+    /// epilogue (every rank but the first of a tensor-parallel model leaves it out).
+    pub(crate) fn new(
+        ctx: &Cudnn,
+        cfg: &LlamaConfig,
+        layer: usize,
+        w: &LayerWeights<T>,
+        adds_residual: bool,
+    ) -> Result<Self> {
         let upload = |data: &[T]| ctx.stream().clone_htod(data).map_err(cudnn_llm_ops::Error::from);
         let qkv: Vec<T> =
             [&w.q_proj, &w.k_proj, &w.v_proj].iter().flat_map(|t| t.data.iter().copied()).collect();
@@ -45,6 +62,7 @@ impl<T: Element> Block<T> {
                 kv_heads: cfg.kv_heads,
                 head_dim: cfg.head_dim,
                 layer,
+                adds_residual,
             },
             mlp_norm: RmsNorm::new(upload(&w.mlp_norm.data)?, hidden, eps, Site::MLP_PRENORM, Some(layer)),
             mlp: Mlp {
@@ -52,23 +70,49 @@ impl<T: Element> Block<T> {
                 up: Linear::new(upload(&w.up_proj.data)?, hidden, cfg.ffn),
                 down: Linear::new(upload(&w.down_proj.data)?, cfg.ffn, hidden),
                 layer,
+                adds_residual,
             },
+            hidden,
         })
     }
 
-    /// The layer over the pass's tokens, appending their K and V to `cache`.
+    /// The layer over the pass's tokens, appending their K and V to `cache`; with `comm` (a
+    /// tensor-parallel rank), each residual sum is all-reduced over the ranks.
     pub(crate) fn forward(
         &self,
         p: &mut Pass<'_, T>,
         x: &mut Residual<T>,
         s: &mut Scratch<T>,
         cache: LayerCache<'_, T>,
+        comm: Option<&Comm>,
     ) -> Result<()> {
         let Scratch { h, attn, mlp } = s;
         self.attn_norm.forward(p, x.get(), h)?;
-        x.add(|x, sum| self.attn.forward(p, h, attn, cache, x, sum))?;
+        x.add(|x, sum| {
+            self.attn.forward(p, h, attn, cache, x, sum)?;
+            self.all_reduce(p, comm, ATTN_ALLREDUCE_RANGE, sum)
+        })?;
         self.mlp_norm.forward(p, x.get(), h)?;
-        x.add(|x, sum| self.mlp.forward(p, h, mlp, x, sum))
+        x.add(|x, sum| {
+            self.mlp.forward(p, h, mlp, x, sum)?;
+            self.all_reduce(p, comm, MLP_ALLREDUCE_RANGE, sum)
+        })
+    }
+
+    /// Sums the pass's rows of `sum` over the ranks in place, inside `range` (nothing without `comm`).
+    fn all_reduce(
+        &self,
+        p: &mut Pass<'_, T>,
+        comm: Option<&Comm>,
+        range: &'static str,
+        sum: &mut CudaSlice<T>,
+    ) -> Result<()> {
+        let Some(comm) = comm else { return Ok(()) };
+        let (stream, n) = (p.ctx.stream(), p.tokens.rows() * self.hidden);
+        let reduced = p
+            .dispatch
+            .observe(range, Some(self.attn.layer), || comm.all_reduce_sum(stream, &mut sum.slice_mut(..n)));
+        Ok(reduced?)
     }
 
     /// [`Block::forward`] over a paged KV cache's step begun (continuous batching;

@@ -19,10 +19,13 @@ pub(crate) struct Mlp<T> {
     pub(crate) up: Linear<T>,
     pub(crate) down: Linear<T>,
     pub(crate) layer: usize,
+    /// `down`'s epilogue adds the residual `x` (as [`Attention::adds_residual`](super::attention::Attention::adds_residual)).
+    pub(crate) adds_residual: bool,
 }
 
 impl<T: Element> Mlp<T> {
-    /// `sum = x + mlp(h)`: three GEMMs, the SwiGLU and the residual add in their epilogues.
+    /// `sum = x + mlp(h)` (`mlp(h)` alone without [`Mlp::adds_residual`]): three GEMMs, the SwiGLU
+    /// and the residual add in their epilogues.
     pub(crate) fn forward(
         &self,
         p: &mut Pass<'_, T>,
@@ -36,7 +39,8 @@ impl<T: Element> Mlp<T> {
         p.dispatch.run(Site::MLP, Some(self.layer), &p.shape, |b| {
             self.up.forward(b, ctx, rows, h, Then::Nothing, up)?;
             self.gate.forward(b, ctx, rows, h, Then::SwiGlu(up), act)?;
-            self.down.forward(b, ctx, rows, act, Then::AddTo(x), sum)
+            let then = if self.adds_residual { Then::AddTo(x) } else { Then::Nothing };
+            self.down.forward(b, ctx, rows, act, then, sum)
         })
     }
 }

@@ -38,6 +38,7 @@ pub(crate) mod norm;
 pub(crate) mod paged;
 pub(crate) mod residual;
 
+pub use block::{ATTN_ALLREDUCE_RANGE, MLP_ALLREDUCE_RANGE};
 pub use dispatch::{Fallback, NoObserver, Observer};
 pub use embedding::EMBED_RANGE;
 

@@ -1,0 +1,556 @@
+//! The ranks of a tensor-parallel model: one thread per GPU, each owning its `Cudnn` context, its
+//! shard, its KV cache and its captured decode step, driven from the caller's thread by jobs that
+//! every rank runs (the collectives in them meet on the GPUs).
+
+use super::load::{RankSource, WeightSource};
+use super::shard::ShardPlan;
+use crate::backends::Backends;
+use crate::config::LlamaConfig;
+use crate::model::{DecodeGraph, KvCache, Llama, NoObserver};
+use crate::nccl::{AbortHandle, Comm};
+use crate::{Error, Result};
+use cudnn_llm_ops::cudarc::driver::sys::CUevent_flags;
+use cudnn_llm_ops::{Cudnn, DeviceInfo, Element};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Stack of a rank's thread: a main thread's (8 MiB), not a spawned thread's 2 MiB default.
+const RANK_STACK: usize = 8 << 20;
+
+/// How long the other ranks get to finish once one failed or timed out (their collectives were
+/// aborted, so they return promptly unless a rank hangs outside NCCL).
+const GRACE: Duration = Duration::from_secs(30);
+
+/// Settings of a [`TpLlama`].
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct TpOptions {
+    /// GPU ordinals of the ranks, rank i on `devices[i]`; `None`: GPUs `0..ranks`.
+    pub devices: Option<Vec<usize>>,
+    /// How long a call waits for every rank (loading included) before it aborts the communicators
+    /// and fails.
+    pub timeout: Duration,
+}
+
+impl Default for TpOptions {
+    /// GPUs `0..ranks`, ten minutes per call.
+    fn default() -> Self {
+        TpOptions { devices: None, timeout: Duration::from_secs(600) }
+    }
+}
+
+impl TpOptions {
+    /// These options with each call waiting at most `timeout`.
+    pub fn with_timeout(self, timeout: Duration) -> Self {
+        TpOptions { timeout, ..self }
+    }
+
+    /// These options with the ranks on `devices`.
+    pub fn with_devices(self, devices: Vec<usize>) -> Self {
+        TpOptions { devices: Some(devices), ..self }
+    }
+}
+
+/// One rank, as a job sees it on the rank's thread: its shard, its cache and captured decode step,
+/// its context (its GPU and stream). Fields drop in order, the context last.
+#[non_exhaustive]
+pub struct Rank<T: Element> {
+    /// The decode step [`TpLlama::capture_decode`] captured.
+    pub graph: Option<DecodeGraph<T>>,
+    /// The cache [`TpLlama::reset_cache`] made.
+    pub cache: Option<KvCache<T>>,
+    /// This rank's shard: the decoder at the rank's shapes ([`ShardPlan::local`]).
+    pub model: Llama<T>,
+    /// This rank's context.
+    pub ctx: Cudnn,
+    /// This rank's index.
+    pub index: usize,
+}
+
+impl<T: Element> Rank<T> {
+    /// The context, model and cache, or an error before [`TpLlama::reset_cache`].
+    pub fn parts(&mut self) -> Result<(&Cudnn, &mut Llama<T>, &mut KvCache<T>)> {
+        let cache =
+            self.cache.as_mut().ok_or_else(|| Error::Tp("no cache: call reset_cache first".into()))?;
+        Ok((&self.ctx, &mut self.model, cache))
+    }
+
+    /// Runs `f` between two CUDA events on the rank's stream and waits for it: `f`'s value and the
+    /// GPU milliseconds between the events.
+    pub fn timed<R>(&mut self, f: impl FnOnce(&mut Self) -> Result<R>) -> Result<(R, f64)> {
+        let cuda = self.ctx.stream().context().clone();
+        let event =
+            || cuda.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(cudnn_llm_ops::Error::from);
+        let (start, end) = (event()?, event()?);
+        start.record(self.ctx.stream()).map_err(cudnn_llm_ops::Error::from)?;
+        let value = f(self)?;
+        end.record(self.ctx.stream()).map_err(cudnn_llm_ops::Error::from)?;
+        end.synchronize().map_err(cudnn_llm_ops::Error::from)?;
+        Ok((value, start.elapsed_ms(&end).map_err(cudnn_llm_ops::Error::from)? as f64))
+    }
+}
+
+/// A job for every rank, run on its thread.
+type Job<T> = Box<dyn FnOnce(&mut Rank<T>) + Send>;
+
+struct Worker<T: Element> {
+    jobs: Option<mpsc::Sender<Job<T>>>,
+    thread: Option<JoinHandle<()>>,
+    /// Set when the thread has ended (its rank state dropped).
+    ended: Arc<AtomicBool>,
+}
+
+/// Sets its flag when dropped (a rank thread's end, however it ends).
+struct SetOnDrop(Arc<AtomicBool>);
+impl Drop for SetOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
+/// A Llama-3 decoder split over the GPUs of this host, Megatron style ([`crate::tp`]): one thread
+/// per rank, NCCL between them. Calls run on every rank and wait for all of them; a rank that fails
+/// or does not answer within the timeout aborts every communicator (so no rank stays blocked in a
+/// collective), the call returns the first error, and the team refuses further calls.
+pub struct TpLlama<T: Element> {
+    cfg: LlamaConfig,
+    plan: ShardPlan,
+    devices: Vec<usize>,
+    workers: Vec<Worker<T>>,
+    aborts: Vec<AbortHandle>,
+    timeout: Duration,
+    torn_down: Option<String>,
+}
+
+impl<T: Element> TpLlama<T> {
+    /// Splits `cfg` over `ranks` GPUs and loads each rank's slices from `source`, with RoPE tables
+    /// for `max_positions` positions. Before any allocation, in this order: [`ShardPlan::new`]'s
+    /// errors; an [`Error::Tp`] for a device list of another length or naming a GPU twice; for more
+    /// than one rank, NCCL missing or too old ([`Error::Nccl`]); the driver's errors, and an
+    /// [`Error::Tp`] for more ranks than GPUs. Then NCCL's communicators, and each rank opens its GPU
+    /// and uploads its shard layer by layer on its thread.
+    pub fn new(
+        cfg: &LlamaConfig,
+        ranks: usize,
+        source: &WeightSource,
+        max_positions: usize,
+        options: TpOptions,
+    ) -> Result<Self> {
+        let plan = ShardPlan::new(cfg, ranks)?;
+        let devices = options.devices.unwrap_or_else(|| (0..ranks).collect());
+        let mut distinct = devices.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        if devices.len() != ranks || distinct.len() != ranks {
+            return Err(Error::Tp(format!("{ranks} ranks need {ranks} distinct GPUs, given {devices:?}")));
+        }
+        if ranks > 1 {
+            crate::nccl::library()?;
+        }
+        let present = cudnn_llm_ops::device_count()?;
+        if let Some(d) = devices.iter().find(|&&d| d >= present) {
+            return Err(Error::Tp(format!(
+                "{ranks} ranks on GPUs {devices:?}, but GPU {d} is not there ({present} present)"
+            )));
+        }
+        let comms: Vec<Option<Comm>> =
+            if ranks > 1 { Comm::init_all(&devices)?.into_iter().map(Some).collect() } else { vec![None] };
+        let mut team = TpLlama {
+            cfg: cfg.clone(),
+            plan,
+            devices: devices.clone(),
+            workers: Vec::with_capacity(ranks),
+            aborts: comms.iter().flatten().map(Comm::abort_handle).collect(),
+            timeout: options.timeout,
+            torn_down: None,
+        };
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).div_ceil(ranks);
+        let (ready, answers) = mpsc::channel();
+        for (rank, (device, comm)) in devices.into_iter().zip(comms).enumerate() {
+            let (jobs, queue) = mpsc::channel::<Job<T>>();
+            let (cfg, source, ready) = (cfg.clone(), source.clone(), ready.clone());
+            let ended = Arc::new(AtomicBool::new(false));
+            let flag = SetOnDrop(ended.clone());
+            let body = move || {
+                let _ended = flag;
+                let built = catch(|| {
+                    let rs = RankSource::new(&cfg, &plan, rank, &source, threads);
+                    build_rank(&cfg, &plan, &rs, device, max_positions, comm)
+                });
+                let mut state = match built {
+                    Ok(state) => state,
+                    Err(e) => {
+                        let _ = ready.send((rank, Err(e)));
+                        return;
+                    }
+                };
+                let _ = ready.send((rank, Ok(())));
+                drop(ready);
+                while let Ok(job) = queue.recv() {
+                    job(&mut state);
+                }
+            };
+            // The caller's thread runs the model on one GPU with a main thread's stack; so do these
+            // (NVRTC compiles the naive kernels on first use, cuDNN builds plans).
+            let spawned = std::thread::Builder::new()
+                .name(format!("tp-rank-{rank}"))
+                .stack_size(RANK_STACK)
+                .spawn(body);
+            let thread = spawned.map_err(|e| {
+                team.tear_down(&format!("rank {rank}'s thread did not start"));
+                Error::Tp(format!("cannot start rank {rank}'s thread: {e}"))
+            })?;
+            team.workers.push(Worker { jobs: Some(jobs), thread: Some(thread), ended });
+        }
+        drop(ready);
+        team.collect(answers, "loading")?;
+        Ok(team)
+    }
+
+    /// The whole model's config.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    /// How the model is split.
+    pub fn plan(&self) -> &ShardPlan {
+        &self.plan
+    }
+
+    /// The ranks' GPU ordinals.
+    pub fn devices(&self) -> &[usize] {
+        &self.devices
+    }
+
+    /// Why the team was torn down, if it was (then every call fails).
+    pub fn torn_down(&self) -> Option<&str> {
+        self.torn_down.as_deref()
+    }
+
+    /// Runs `f` on every rank, on the ranks' threads, and returns the ranks' values in rank order.
+    /// The ranks must call the same collectives in the same order (every model call does). A rank
+    /// that returns an error (or panics), or a call that exceeds the timeout, aborts every rank's
+    /// communicator, waits a grace period for the others, tears the team down and returns the first
+    /// error ([`Error::Rank`], or [`Error::Tp`] for a timeout). `what` names the call in errors.
+    pub fn each<R, F>(&mut self, what: &str, f: F) -> Result<Vec<R>>
+    where
+        R: Send + 'static,
+        F: Fn(&mut Rank<T>) -> Result<R> + Send + Sync + 'static,
+    {
+        if let Some(why) = &self.torn_down {
+            return Err(Error::Tp(format!("{what}: the ranks were torn down ({why})")));
+        }
+        let f = Arc::new(f);
+        let (reply, answers) = mpsc::channel();
+        for (rank, worker) in self.workers.iter().enumerate() {
+            let (f, to_main) = (f.clone(), reply.clone());
+            let job: Job<T> = Box::new(move |state| {
+                let _ = to_main.send((rank, catch(|| f(state))));
+            });
+            let sent = worker.jobs.as_ref().is_some_and(|jobs| jobs.send(job).is_ok());
+            if !sent {
+                let _ = reply.send((rank, Err(Error::Tp("its thread has ended".into()))));
+            }
+        }
+        drop(reply);
+        self.collect(answers, what)
+    }
+
+    /// Waits for every rank's answer (see [`TpLlama::each`]).
+    fn collect<R>(&mut self, answers: mpsc::Receiver<(usize, Result<R>)>, what: &str) -> Result<Vec<R>> {
+        let n = self.workers.len();
+        let mut values: Vec<Option<R>> = (0..n).map(|_| None).collect();
+        let mut answered = vec![false; n];
+        let mut failure: Option<Error> = None;
+        let mut deadline = Instant::now() + self.timeout;
+        while answered.iter().any(|a| !a) {
+            match answers.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok((rank, answer)) => {
+                    answered[rank] = true;
+                    match answer {
+                        Ok(v) => values[rank] = Some(v),
+                        Err(e) if failure.is_none() => {
+                            self.tear_down(&format!("rank {rank} failed in {what}: {e}"));
+                            failure = Some(Error::Rank { rank, error: Box::new(e) });
+                            deadline = Instant::now() + GRACE;
+                        }
+                        Err(_) => {} // torn down already: the first error is the cause
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) if failure.is_none() => {
+                    let silent: Vec<usize> = (0..n).filter(|&r| !answered[r]).collect();
+                    let why = format!("ranks {silent:?} did not finish {what} within {:?}", self.timeout);
+                    self.tear_down(&why);
+                    failure = Some(Error::Tp(why));
+                    deadline = Instant::now() + GRACE;
+                }
+                // Grace over, or every rank's reply gone: leave the silent ranks.
+                Err(_) => break,
+            }
+        }
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        let values: Vec<R> = values.into_iter().flatten().collect();
+        if values.len() != n {
+            let why = format!("a rank's thread ended without answering {what}");
+            self.tear_down(&why);
+            return Err(Error::Tp(why));
+        }
+        Ok(values)
+    }
+
+    /// Refuses later calls, has every rank drop its captured decode step (after the job it runs, if
+    /// any) and aborts every communicator on a helper thread (NCCL's last abort waits for those
+    /// graphs to go, see [`crate::nccl`]).
+    fn tear_down(&mut self, why: &str) {
+        if self.torn_down.is_some() {
+            return;
+        }
+        self.torn_down = Some(why.to_string());
+        for w in &self.workers {
+            if let Some(jobs) = &w.jobs {
+                let _ = jobs.send(Box::new(|state: &mut Rank<T>| state.graph = None));
+            }
+        }
+        crate::nccl::abort_all(&self.aborts, why);
+    }
+
+    /// Each rank's GPU, cuDNN and driver, in rank order.
+    pub fn device_info(&mut self) -> Result<Vec<DeviceInfo>> {
+        self.each("device_info", |r| Ok(r.ctx.info().clone()))
+    }
+
+    /// A new, empty KV cache on every rank (its K/V heads) for `batch` sequences of up to `max_seq`
+    /// tokens; a captured decode step is dropped.
+    pub fn reset_cache(&mut self, batch: usize, max_seq: usize) -> Result<()> {
+        self.each("reset_cache", move |r| {
+            r.graph = None;
+            r.cache = None;
+            r.cache = Some(r.model.cache(&r.ctx, batch, max_seq)?);
+            Ok(())
+        })
+        .map(drop)
+    }
+
+    /// Tokens cached per sequence (the same on every rank).
+    pub fn cache_len(&mut self) -> Result<usize> {
+        let lens = self.each("cache_len", |r| Ok(r.parts()?.2.len()))?;
+        match lens.windows(2).find(|w| w[0] != w[1]) {
+            Some(w) => Err(Error::Tp(format!("the ranks' caches disagree: {} and {} tokens", w[0], w[1]))),
+            None => Ok(lens[0]),
+        }
+    }
+
+    /// Keeps the first `len` cached tokens of each sequence on every rank.
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        self.each("truncate", move |r| {
+            r.parts()?.2.truncate(len);
+            Ok(())
+        })
+        .map(drop)
+    }
+
+    /// Runs the next `tokens` of every sequence through every rank ([`Llama::forward`]) and waits for
+    /// the work to finish.
+    pub fn forward(&mut self, tokens: &[Vec<u32>], backends: &Backends) -> Result<()> {
+        let (tokens, backends) = (Arc::new(tokens.to_vec()), Arc::new(backends.clone()));
+        self.each("forward", move |r| {
+            let (ctx, model, cache) = r.parts()?;
+            model.forward(ctx, &tokens, cache, &backends, &mut NoObserver)?;
+            Ok(ctx.synchronize()?)
+        })
+        .map(drop)
+    }
+
+    /// Logits `[rows.len(), vocab]` of the last forward's output rows `rows`, on the host: every rank
+    /// its vocabulary slice, all-gathered on the GPUs, rank 0's copy downloaded.
+    pub fn logits(&mut self, rows: std::ops::Range<usize>, backends: &Backends) -> Result<Vec<f32>> {
+        let (n, backends) = (rows.len(), Arc::new(backends.clone()));
+        let per_rank = self.each("logits", move |r| {
+            let dev = r.model.logits_rows(&r.ctx, rows.clone(), &backends, &mut NoObserver)?;
+            first_rank_host(r, &dev)
+        })?;
+        Ok(gathered_to_rows(&per_rank[0], self.plan.ranks, n, self.cfg.vocab))
+    }
+
+    /// Captures one decode step and its logits on every rank as a CUDA graph, NCCL's collectives
+    /// included ([`Llama::capture_decode`]'s conditions: run a plain decode step and its logits with
+    /// the same `backends` first). Replay it with [`TpLlama::decode`].
+    pub fn capture_decode(&mut self, backends: &Backends) -> Result<()> {
+        let backends = Arc::new(backends.clone());
+        self.each("capture_decode", move |r| {
+            r.graph = None;
+            let (ctx, model, cache) = r.parts()?;
+            // SAFETY: `ctx`'s CUDA context object was made on this rank's thread and never leaves it
+            // (jobs run here), so no other thread can use its buffers or streams meanwhile; the other
+            // ranks' threads work on their own GPUs' contexts.
+            let graph = unsafe { model.capture_decode(ctx, cache, &backends) }?;
+            r.graph = Some(graph);
+            Ok(())
+        })
+        .map(drop)
+    }
+
+    /// Replays the captured decode step for `tokens` (one per sequence) on every rank and returns
+    /// their logits `[batch, vocab]` on the host.
+    pub fn decode(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let (batch, step) = (tokens.len(), Arc::new(tokens.to_vec()));
+        let per_rank = self.each("decode", move |r| {
+            let Rank { graph, cache, model, ctx, index } = r;
+            let graph = graph.as_mut().ok_or_else(|| Error::Tp("decode: capture_decode first".into()))?;
+            let cache = cache.as_mut().ok_or_else(|| Error::Tp("decode: call reset_cache first".into()))?;
+            let dev = model.decode(ctx, graph, &step, cache)?;
+            if *index == 0 {
+                Ok(ctx.stream().clone_dtoh(dev).map_err(cudnn_llm_ops::Error::from)?)
+            } else {
+                ctx.synchronize()?;
+                Ok(Vec::new())
+            }
+        })?;
+        let host: Vec<f32> = per_rank[0].iter().map(|v| v.to_f64() as f32).collect();
+        Ok(gathered_to_rows(&host, self.plan.ranks, batch, self.cfg.vocab))
+    }
+}
+
+impl<T: Element> Drop for TpLlama<T> {
+    /// Ends the rank threads (each drops its shard and destroys its communicator); threads of a
+    /// torn-down team that do not end within the grace period are left behind rather than waited for.
+    fn drop(&mut self) {
+        for w in &mut self.workers {
+            w.jobs = None;
+        }
+        let deadline = Instant::now() + GRACE;
+        for w in &mut self.workers {
+            let Some(thread) = w.thread.take() else { continue };
+            if self.torn_down.is_some() {
+                while !w.ended.load(Ordering::Acquire) && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                if !w.ended.load(Ordering::Acquire) {
+                    continue; // detached: it is stuck outside anything an abort reaches
+                }
+            }
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Builds rank `rs.rank`'s shard on GPU `device`.
+fn build_rank<T: Element>(
+    cfg: &LlamaConfig,
+    plan: &ShardPlan,
+    rs: &RankSource<'_>,
+    device: usize,
+    max_positions: usize,
+    comm: Option<Comm>,
+) -> Result<Rank<T>> {
+    let ctx = Cudnn::new(device)?;
+    let (embed, norm) = (rs.embed::<T>()?, rs.norm::<T>()?);
+    // One rank of a tied model reads the embedding as lm_head (no second copy).
+    let head = if plan.ranks == 1 && cfg.tie_embeddings { None } else { Some(rs.lm_head::<T>()?) };
+    let local = plan.local(cfg);
+    let model = Llama::shard(
+        &ctx,
+        &local,
+        &mut |l| rs.layer::<T>(l),
+        [&embed, &norm],
+        head.as_ref(),
+        max_positions,
+        comm,
+    )?;
+    Ok(Rank { graph: None, cache: None, model, ctx, index: rs.rank })
+}
+
+/// Rank 0's copy of a gathered device buffer as f32 (empty on the other ranks, which wait for their
+/// work instead).
+fn first_rank_host<T: Element>(
+    r: &mut Rank<T>,
+    dev: &cudnn_llm_ops::cudarc::driver::CudaSlice<T>,
+) -> Result<Vec<f32>> {
+    if r.index != 0 {
+        r.ctx.synchronize()?;
+        return Ok(Vec::new());
+    }
+    let host = r.ctx.stream().clone_dtoh(dev).map_err(cudnn_llm_ops::Error::from)?;
+    Ok(host.iter().map(|v| v.to_f64() as f32).collect())
+}
+
+/// `f`'s result, a panic turned into an [`Error::Tp`].
+fn catch<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        let text = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic".into());
+        Err(Error::Tp(format!("panicked: {text}")))
+    })
+}
+
+/// Logits gathered over `ranks` ranks, every rank's `[rows, vocab / ranks]` slice in rank order
+/// (`[ranks, rows, vocab / ranks]`), as `[rows, vocab]`.
+pub fn gathered_to_rows<V: Copy>(gathered: &[V], ranks: usize, rows: usize, vocab: usize) -> Vec<V> {
+    let part = vocab / ranks.max(1);
+    let mut out = Vec::with_capacity(rows * vocab);
+    for row in 0..rows {
+        for r in 0..ranks {
+            let at = (r * rows + row) * part;
+            out.extend_from_slice(&gathered[at..at + part]);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gathered_logits_come_back_in_vocabulary_order() {
+        // 3 ranks, 2 rows, vocabulary 6: each rank holds 2 entries of each row.
+        let (ranks, rows, vocab) = (3, 2, 6);
+        let rows_major: Vec<usize> = (0..rows * vocab).collect();
+        let mut gathered = Vec::new();
+        for r in 0..ranks {
+            for row in 0..rows {
+                gathered.extend_from_slice(&rows_major[row * vocab + r * 2..row * vocab + r * 2 + 2]);
+            }
+        }
+        assert_eq!(gathered, [0, 1, 6, 7, 2, 3, 8, 9, 4, 5, 10, 11]);
+        assert_eq!(gathered_to_rows(&gathered, ranks, rows, vocab), rows_major);
+        // One row, or one rank: the layout is already row-major.
+        assert_eq!(gathered_to_rows(&[1, 2, 3, 4], 2, 1, 4), [1, 2, 3, 4]);
+        assert_eq!(gathered_to_rows(&[1, 2, 3, 4], 1, 2, 2), [1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn setups_that_cannot_run_fail_before_touching_a_gpu() {
+        let cfg = LlamaConfig::llama_3_1_8b().with_layers(2);
+        let random = WeightSource::Random { seed: 0 };
+        let new = |ranks, options| TpLlama::<f32>::new(&cfg, ranks, &random, 64, options).map(drop);
+        let e = new(3, TpOptions::default()).unwrap_err().to_string();
+        assert!(e.contains("32 query heads do not split over 3 ranks"), "{e}");
+        let e = new(2, TpOptions::default().with_devices(vec![0])).unwrap_err().to_string();
+        assert!(e.contains("2 ranks need 2 distinct GPUs, given [0]"), "{e}");
+        let e = new(2, TpOptions::default().with_devices(vec![1, 1])).unwrap_err().to_string();
+        assert!(e.contains("given [1, 1]"), "{e}");
+        // NCCL missing is a typed error before the GPUs are counted; with NCCL, more ranks than GPUs
+        // names the missing GPU (or the driver's absence). Either way nothing was opened.
+        let e = new(8, TpOptions::default().with_devices((100..108).collect())).unwrap_err();
+        match (&e, crate::nccl::library()) {
+            (Error::Nccl(crate::nccl::NcclError::NotFound { tried }), Err(_)) => {
+                assert!(!tried.is_empty());
+                assert!(e.to_string().contains("NCCL_LIBRARY"), "{e}");
+            }
+            (Error::Tp(m), Ok(_)) => assert!(m.contains("GPU 100 is not there"), "{m}"),
+            (Error::Ops(cudnn_llm_ops::Error::NoGpu(_)), Ok(_)) => {}
+            (other, nccl) => panic!("{other:?} (NCCL: {nccl:?})"),
+        }
+        // One rank needs no NCCL: the driver's error or the missing GPU.
+        let e = new(1, TpOptions::default().with_devices(vec![100])).unwrap_err();
+        assert!(matches!(e, Error::Tp(_) | Error::Ops(cudnn_llm_ops::Error::NoGpu(_))), "{e:?}");
+    }
+}

@@ -1,0 +1,287 @@
+//! Tensor parallelism on two GPUs (the `nvidia-h200-x2` kind, with NCCL: the `nvidia-nccl-cu13`
+//! wheel's `nvidia/nccl/lib` on LD_LIBRARY_PATH, or NCCL_LIBRARY naming its `libnccl.so.2`): two-rank
+//! logits against one-GPU logits of the same weights (tiny, 1B and 8B shapes; prefill, plain decode
+//! steps and replayed decode graphs), the collectives alone, and a failing or silent rank ending the
+//! call with an error instead of a hang. GPU tests are ignored by default; run them with
+//! `--include-ignored` on a machine with two GPUs.
+
+use cudnn_llm::cudnn_ops::reference::{compare, Tolerance};
+use cudnn_llm::cudnn_ops::Backend;
+use cudnn_llm::llama::sampling::argmax;
+use cudnn_llm::llama::tp::{TpLlama, TpOptions, WeightSource};
+use cudnn_llm::llama::weights::Weights;
+use cudnn_llm::llama::{reference, Backends, Error, LlamaConfig, ModuleKind};
+use half::bf16;
+use std::time::{Duration, Instant};
+
+/// Logits of the same bf16 weights on two ranks against one GPU: the ranks round their partial sums
+/// to bf16 before the all-reduce adds them, so the two differ by bf16 roundings per layer.
+const TP_TOL: Tolerance = Tolerance::rel_l2(2e-2);
+/// Logits of a bf16 model against the f64 reference (as tests/llama.rs).
+const MODEL_TOL: Tolerance = Tolerance::rel_l2(3e-2);
+
+/// `ranks` ranks on GPUs `0..ranks`, or a failure saying what the test needs.
+fn team(cfg: &LlamaConfig, ranks: usize, seed: u64, max_seq: usize, options: TpOptions) -> TpLlama<bf16> {
+    TpLlama::new(cfg, ranks, &WeightSource::Random { seed }, max_seq, options).unwrap_or_else(|e| {
+        panic!(
+            "this test needs {ranks} CUDA GPUs with cuDNN and, for 2, NCCL (the nvidia-h200-x2 kind; NCCL from \
+             the nvidia-nccl-cu13 wheel's nvidia/nccl/lib on LD_LIBRARY_PATH, or NCCL_LIBRARY): {e}"
+        )
+    })
+}
+
+fn tokens(batch: usize, seq: usize, vocab: usize, seed: u32) -> Vec<Vec<u32>> {
+    (0..batch)
+        .map(|b| (0..seq).map(|s| (seed + 7919 * b as u32 + 104729 * s as u32) % vocab as u32).collect())
+        .collect()
+}
+
+/// Logits of one run: the prompt's last row per sequence, then each decode step's rows.
+struct Run {
+    /// `[calls][batch · vocab]`: the prefill's last rows, then one entry per step.
+    logits: Vec<Vec<f32>>,
+}
+
+/// Whether decode steps on `backends` can be captured: RoPE and attention fused in every layer.
+fn graphable(backends: &Backends, layers: usize) -> bool {
+    (0..layers).all(|l| {
+        [ModuleKind::Rope, ModuleKind::Gqa].iter().all(|&k| backends.get(Some(l), k) == Backend::Fused)
+    })
+}
+
+/// Prefills `prompt` (batch × len), then runs `steps` decode steps feeding `feed[step]` (one id per
+/// sequence): the first `plain` steps as plain forwards, the rest replaying a captured graph (all of
+/// them plain when the backends cannot be captured).
+fn run(
+    tp: &mut TpLlama<bf16>,
+    prompt: &[Vec<u32>],
+    feed: &[Vec<u32>],
+    plain: usize,
+    backends: &Backends,
+) -> Run {
+    let (batch, len) = (prompt.len(), prompt[0].len());
+    tp.reset_cache(batch, len + feed.len() + 1).unwrap();
+    tp.forward(prompt, backends).unwrap();
+    // Each sequence's last row: rows len-1, 2·len-1, ...
+    let all = tp.logits(0..batch * len, backends).unwrap();
+    let vocab = tp.config().vocab;
+    let last: Vec<f32> =
+        (0..batch).flat_map(|b| all[((b + 1) * len - 1) * vocab..][..vocab].iter().copied()).collect();
+    let mut logits = vec![last];
+    let plain = if graphable(backends, tp.config().layers) { plain } else { feed.len() };
+    for (s, ids) in feed.iter().enumerate() {
+        if s < plain {
+            let step: Vec<Vec<u32>> = ids.iter().map(|&t| vec![t]).collect();
+            tp.forward(&step, backends).unwrap();
+            logits.push(tp.logits(0..batch, backends).unwrap());
+            if s + 1 == plain && plain < feed.len() {
+                tp.capture_decode(backends).unwrap();
+            }
+        } else {
+            logits.push(tp.decode(ids).unwrap());
+        }
+    }
+    assert_eq!(tp.cache_len().unwrap(), len + feed.len());
+    Run { logits }
+}
+
+/// Ids a one-GPU greedy decode would feed: the argmax of each sequence's logits, step after step
+/// (from a one-rank run, so both runs see the same ids).
+fn greedy_feed(
+    tp: &mut TpLlama<bf16>,
+    prompt: &[Vec<u32>],
+    steps: usize,
+    backends: &Backends,
+) -> Vec<Vec<u32>> {
+    let (batch, len) = (prompt.len(), prompt[0].len());
+    let vocab = tp.config().vocab;
+    tp.reset_cache(batch, len + steps + 1).unwrap();
+    tp.forward(prompt, backends).unwrap();
+    let all = tp.logits(0..batch * len, backends).unwrap();
+    let mut ids: Vec<u32> =
+        (0..batch).map(|b| argmax(&all[((b + 1) * len - 1) * vocab..][..vocab]).unwrap()).collect();
+    let mut feed = Vec::new();
+    for _ in 0..steps {
+        feed.push(ids.clone());
+        let step: Vec<Vec<u32>> = ids.iter().map(|&t| vec![t]).collect();
+        tp.forward(&step, backends).unwrap();
+        let l = tp.logits(0..batch, backends).unwrap();
+        ids = (0..batch).map(|b| argmax(&l[b * vocab..][..vocab]).unwrap()).collect();
+    }
+    feed
+}
+
+/// Compares two runs call by call (logits within [`TP_TOL`]) and their greedy choices: the same id
+/// wherever the one-GPU logits' top two are further apart than the two runs differ there.
+fn assert_runs_agree(what: &str, one: &Run, two: &Run, vocab: usize) {
+    let mut failures = Vec::new();
+    for (call, (a, b)) in one.logits.iter().zip(&two.logits).enumerate() {
+        let reference: Vec<f64> = a.iter().map(|&v| v as f64).collect();
+        let c = compare(b, &reference);
+        println!("{what}: call {call} (0 = prefill), 2 ranks vs 1 GPU: {c}");
+        if !c.passes(TP_TOL) {
+            failures.push(format!("call {call}: {c}"));
+        }
+        for (seq, (ra, rb)) in a.chunks(vocab).zip(b.chunks(vocab)).enumerate() {
+            let (ia, ib) = (argmax(ra).unwrap() as usize, argmax(rb).unwrap() as usize);
+            let mut sorted = ra.to_vec();
+            sorted.sort_by(|x, y| y.total_cmp(x));
+            let margin = (sorted[0] - sorted[1]) as f64;
+            let diff = ra.iter().zip(rb).map(|(x, y)| (x - y).abs() as f64).fold(0.0, f64::max);
+            if ia != ib && margin > 2.0 * diff {
+                failures.push(format!(
+                    "call {call} sequence {seq}: greedy id {ib} on 2 ranks, {ia} on 1 GPU (margin {margin:.4}, max |diff| {diff:.4})"
+                ));
+            } else if ia != ib {
+                println!("{what}: call {call} sequence {seq}: near tie ({ia} vs {ib}, margin {margin:.4} within {diff:.4})");
+            }
+        }
+    }
+    assert_eq!(one.logits.len(), two.logits.len());
+    assert!(failures.is_empty(), "{what}: {failures:#?}");
+}
+
+/// One rank and two ranks of `cfg` on the same random weights: prefill, `plain` plain decode steps,
+/// then replayed graphs, on each backend selection.
+fn one_vs_two(cfg: &LlamaConfig, batch: usize, len: usize, steps: usize, plain: usize, selections: &[&str]) {
+    let prompt = tokens(batch, len, cfg.vocab, 5);
+    let max_seq = len + steps + 1;
+    let mut runs = Vec::new();
+    let mut one = team(cfg, 1, 7, max_seq, TpOptions::default());
+    let feed = greedy_feed(&mut one, &prompt, steps, &Backends::all(Backend::Fused));
+    for sel in selections {
+        runs.push(run(&mut one, &prompt, &feed, plain, &Backends::parse(sel).unwrap()));
+    }
+    drop(one);
+    let mut two = team(cfg, 2, 7, max_seq, TpOptions::default());
+    for (sel, single) in selections.iter().zip(&runs) {
+        let split = run(&mut two, &prompt, &feed, plain, &Backends::parse(sel).unwrap());
+        assert_runs_agree(&format!("{} `{sel}`", cfg.name), single, &split, cfg.vocab);
+    }
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs and NCCL"]
+fn two_ranks_match_one_gpu_on_the_tiny_config() {
+    let cfg = LlamaConfig::tiny();
+    // One GPU against the f64 reference first, so that agreement below means both are right.
+    let (batch, len) = (2, 9);
+    let prompt = tokens(batch, len, cfg.vocab, 5);
+    let w = Weights::<bf16>::random(&cfg, 7);
+    let hidden = reference::forward(&cfg, &w, &prompt, 0);
+    let expected = reference::logits(&cfg, &w, &hidden);
+    for ranks in [1, 2] {
+        let mut tp = team(&cfg, ranks, 7, 32, TpOptions::default());
+        for sel in ["", "fused=all"] {
+            let b = Backends::parse(sel).unwrap();
+            tp.reset_cache(batch, 32).unwrap();
+            tp.forward(&prompt, &b).unwrap();
+            let c = compare(&tp.logits(0..batch * len, &b).unwrap(), &expected);
+            println!("tiny, {ranks} rank(s), `{sel}`: prefill logits vs f64 reference: {c}");
+            assert!(c.passes(MODEL_TOL), "{ranks} rank(s) `{sel}`: {c}");
+        }
+    }
+    // Naive, fused and a mix; 3 plain decode steps, then 5 replayed graphs (fused RoPE and attention,
+    // which captured steps need).
+    one_vs_two(&cfg, batch, len, 8, 3, &["fused=all", "fused=all;naive=mlp@1,o_proj", "fused=rope,gqa"]);
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs and NCCL"]
+fn two_ranks_match_one_gpu_on_the_1b_config_with_tied_embeddings() {
+    // Tied: each rank's lm_head is its rows of the embedding.
+    let cfg = LlamaConfig::llama_3_2_1b().with_layers(2);
+    one_vs_two(&cfg, 1, 40, 6, 2, &["fused=all"]);
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs and NCCL"]
+fn two_ranks_match_one_gpu_on_8b_shapes_with_2_layers() {
+    let cfg = LlamaConfig::llama_3_1_8b().with_layers(2);
+    one_vs_two(&cfg, 1, 64, 6, 2, &["fused=all", ""]);
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs and NCCL"]
+fn all_reduce_and_all_gather_across_two_gpus() {
+    let mut tp = team(&LlamaConfig::tiny(), 2, 1, 16, TpOptions::default());
+    let out = tp
+        .each("collectives", |r| {
+            let comm = r.model.comm().ok_or_else(|| Error::Tp("no communicator".into()))?;
+            let stream = r.ctx.stream();
+            // Rank r holds r + 1 + i: the sum over two ranks is 2i + 3.
+            let values: Vec<bf16> =
+                (0..1000).map(|i| bf16::from_f32((r.index + 1 + i % 50) as f32)).collect();
+            let mut buf = stream.clone_htod(&values).map_err(cudnn_llm::Error::from)?;
+            comm.all_reduce_sum(stream, &mut buf)?;
+            let summed = stream.clone_dtoh(&buf).map_err(cudnn_llm::Error::from)?;
+            // All-gather: rank r writes 10·(r+1) in its half.
+            let mut g = stream.clone_htod(&vec![bf16::ZERO; 8]).map_err(cudnn_llm::Error::from)?;
+            let own = vec![bf16::from_f32(10.0 * (r.index + 1) as f32); 4];
+            stream
+                .memcpy_htod(&own, &mut g.slice_mut(r.index * 4..r.index * 4 + 4))
+                .map_err(cudnn_llm::Error::from)?;
+            comm.all_gather_in_place(stream, &mut g)?;
+            let gathered = stream.clone_dtoh(&g).map_err(cudnn_llm::Error::from)?;
+            Ok((summed, gathered))
+        })
+        .unwrap();
+    for (rank, (summed, gathered)) in out.iter().enumerate() {
+        let want: Vec<f32> = (0..1000).map(|i| (2 * (i % 50) + 3) as f32).collect();
+        assert_eq!(summed.iter().map(|v| v.to_f32()).collect::<Vec<_>>(), want, "rank {rank} all-reduce");
+        assert_eq!(
+            gathered.iter().map(|v| v.to_f32()).collect::<Vec<_>>(),
+            [10.0, 10.0, 10.0, 10.0, 20.0, 20.0, 20.0, 20.0]
+        );
+        println!("rank {rank}: all-reduce and all-gather exact");
+    }
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs and NCCL"]
+fn a_failing_or_silent_rank_ends_the_call_with_an_error_not_a_hang() {
+    let cfg = LlamaConfig::tiny();
+    // Rank 1 fails before its all-reduce while rank 0 waits in one on the GPU.
+    let mut tp = team(&cfg, 2, 1, 16, TpOptions::default().with_timeout(Duration::from_secs(120)));
+    let t = Instant::now();
+    let e = tp
+        .each("injected failure", |r| {
+            if r.index == 1 {
+                return Err(Error::Tp("injected failure".into()));
+            }
+            let comm = r.model.comm().ok_or_else(|| Error::Tp("no communicator".into()))?;
+            let mut buf = r.ctx.stream().alloc_zeros::<bf16>(1 << 20).map_err(cudnn_llm::Error::from)?;
+            comm.all_reduce_sum(r.ctx.stream(), &mut buf)?;
+            Ok(r.ctx.synchronize()?)
+        })
+        .unwrap_err();
+    println!("failure: {e} after {:?}", t.elapsed());
+    assert!(matches!(&e, Error::Rank { rank: 1, .. }), "{e:?}");
+    assert!(t.elapsed() < Duration::from_secs(60), "took {:?}", t.elapsed());
+    let later = tp.forward(&tokens(1, 4, cfg.vocab, 1), &Backends::all(Backend::Fused)).unwrap_err();
+    assert!(
+        later.to_string().contains("torn down") && later.to_string().contains("injected failure"),
+        "{later}"
+    );
+    let t = Instant::now();
+    drop(tp);
+    println!("teardown after a failure: {:?}", t.elapsed());
+
+    // Rank 1 stays silent past the timeout while rank 0 waits in an all-reduce.
+    let mut tp = team(&cfg, 2, 1, 16, TpOptions::default().with_timeout(Duration::from_secs(5)));
+    let t = Instant::now();
+    let e = tp
+        .each("silent rank", |r| {
+            if r.index == 1 {
+                std::thread::sleep(Duration::from_secs(8));
+            }
+            let comm = r.model.comm().ok_or_else(|| Error::Tp("no communicator".into()))?;
+            let mut buf = r.ctx.stream().alloc_zeros::<bf16>(1 << 20).map_err(cudnn_llm::Error::from)?;
+            comm.all_reduce_sum(r.ctx.stream(), &mut buf)?;
+            Ok(r.ctx.synchronize()?)
+        })
+        .unwrap_err();
+    println!("timeout: {e} after {:?}", t.elapsed());
+    assert!(matches!(&e, Error::Tp(m) if m.contains("did not finish silent rank")), "{e:?}");
+    assert!(t.elapsed() < Duration::from_secs(45), "took {:?}", t.elapsed());
+}
