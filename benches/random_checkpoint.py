@@ -26,19 +26,25 @@ SHAPES = {
 BOS, EOS = 128000, [128001, 128008, 128009]
 
 
-def build(shape, path, seed, layers=None):
-    """A random-init LlamaForCausalLM of `shape` (a key of SHAPES) saved to `path` in bf16."""
+def llama_config(shape, layers=None):
+    """The LlamaConfig of `shape` (a key of SHAPES): the model's RoPE (llama3 scaling), vocabulary and
+    norms, optionally with fewer layers."""
     s = dict(SHAPES[shape])
     factor = s.pop("factor")
     if layers is not None:
         s["num_hidden_layers"] = layers
-    cfg = LlamaConfig(
+    return LlamaConfig(
         vocab_size=128256, rms_norm_eps=1e-5, max_position_embeddings=131072,
         bos_token_id=BOS, eos_token_id=EOS,
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": factor,
                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 8192},
         **s)
+
+
+def build(shape, path, seed, layers=None):
+    """A random-init LlamaForCausalLM of `shape` (a key of SHAPES) saved to `path` in bf16."""
+    cfg = llama_config(shape, layers)
     torch.manual_seed(seed)
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg)

@@ -53,6 +53,9 @@ fn bad_model_dirs_sizes_and_layer_ranges_exit_2_naming_the_option() {
         (vec!["--batch", max.as_str()], "--batch 18446744073709551615 x".to_string()),
         // Once expanded layer by layer (hanging the binary); now refused against the model's 32 layers.
         (vec!["--fuse", "fused=gqa@0-18446744073709551615"], "reaches past layer 31".to_string()),
+        // A training report takes bf16 and a step of a multiple of 8 tokens.
+        (vec!["--train", "--dtype", "f16"], "--train takes --dtype bf16".to_string()),
+        (vec!["--train", "--batch", "3", "--seq", "5"], "= 15 tokens: the weight gradients need".to_string()),
     ] {
         let out = Command::new(&bin).args(&args).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);

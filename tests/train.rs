@@ -377,6 +377,20 @@ fn the_binary_refuses_bad_options_with_exit_2_and_runs_without_a_gpu_only_to_say
         assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
         assert!(err.contains(expected) && !err.contains("panicked"), "{args:?}: {err}");
     }
+    // A --tokens file is read and checked against the model (tiny: 512 ids) before any GPU work.
+    let dir = tempfile::tempdir().unwrap();
+    for (text, expected) in [
+        ("[[1, 2, 3, 4], [5, 6, 7, 512]]", "token id 512 is outside the vocabulary of 512"),
+        ("[[1, 2, 3], [4, 5, 6]]", "6 tokens: the weight gradients need a multiple of 8"),
+        ("[[1, 2", "not a JSON array of token id arrays"),
+    ] {
+        let path = dir.path().join("tokens.json");
+        std::fs::write(&path, text).unwrap();
+        let out = Command::new(&bin).args(["--tokens", &path.to_string_lossy()]).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{text}: {err}");
+        assert!(err.contains(expected) && !err.contains("panicked"), "{text}: {err}");
+    }
     if cudnn_llm::Cudnn::new(0).is_ok() {
         eprintln!("SKIPPED the no-GPU case: this machine has a GPU");
         return;
@@ -413,4 +427,101 @@ fn the_binary_trains_writes_its_csv_and_saves_a_checkpoint() {
     let cfg = LlamaConfig::from_dir(&out_dir).unwrap();
     Weights::<bf16>::load(&cfg, &out_dir).unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_binary_takes_a_batch_from_a_tokens_file_and_times_the_whole_step() {
+    let Some(bin) = binary() else { panic!("the train binary was not built") };
+    let dir = tempfile::tempdir().unwrap();
+    let (tokens, csv) = (dir.path().join("tokens.json"), dir.path().join("steps.csv"));
+    // 3 sequences of 8 tokens: not the default --batch 8 x --seq 32.
+    std::fs::write(
+        &tokens,
+        "[[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [7, 7, 7, 7, 1, 1, 1, 1]]",
+    )
+    .unwrap();
+    let args = ["--tokens", &tokens.to_string_lossy(), "--steps", "2", "--csv", &csv.to_string_lossy()];
+    let out = Command::new(&bin).args(args).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    println!("{err}");
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(err.contains("3 sequences of 8 tokens, batch 3"), "{err}");
+    let mut reader = csv::Reader::from_path(&csv).unwrap();
+    let header = reader.headers().unwrap().clone();
+    let rows: Vec<csv::StringRecord> = reader.records().map(Result::unwrap).collect();
+    assert_eq!(rows.len(), 2, "one row per step");
+    let col = |r: &csv::StringRecord, name: &str| -> f64 {
+        r[header.iter().position(|h| h == name).unwrap_or_else(|| panic!("no column {name}"))]
+            .parse()
+            .unwrap()
+    };
+    for r in &rows {
+        // 3 x 8 token rows, 3 x 7 targets; the whole step's GPU time holds its three phases.
+        assert_eq!(col(r, "tokens"), 24.0);
+        let phases = col(r, "forward_ms") + col(r, "backward_ms") + col(r, "optimizer_ms");
+        let whole = col(r, "gpu_step_ms");
+        println!(
+            "phases {phases:.3} ms, whole step {whole:.3} ms (events), {:.3} ms (host)",
+            col(r, "step_ms")
+        );
+        assert!(phases > 0.0 && whole >= 0.999 * phases && whole <= col(r, "step_ms") * 1.001, "{r:?}");
+    }
+}
+
+/// A phase's kernels can run no longer than the phase (one stream); 10% over allows for clock
+/// reads and rounding.
+const KERNELS_WITHIN_EVENTS: f64 = 1.1;
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_report_train_mode_writes_forward_backward_and_optimizer_rows_and_phases() {
+    let Some(bin) =
+        cudnn_llm::bench_util::package_binary(env!("CARGO_BIN_EXE_speedup-report"), "speedup-report")
+    else {
+        panic!("the speedup-report binary was not built")
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(&bin)
+        .args([
+            "--train", "--config", "tiny", "--batch", "4", "--seq", "32", "--warmup", "1", "--repeat", "3",
+        ])
+        .args(["--out", &dir.path().to_string_lossy()])
+        .output()
+        .unwrap();
+    let (stdout, err) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    println!("{stdout}\n{err}");
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let json = std::fs::read_to_string(dir.path().join("report-train.json")).unwrap();
+    let report = cudnn_llm::report::Report::from_json(&json).unwrap();
+    for ext in ["md", "csv", "svg"] {
+        assert!(dir.path().join(format!("report-train.{ext}")).exists(), "report-train.{ext}");
+    }
+    let s = &report.scenarios[0];
+    let ranges: Vec<&str> = s.rows.iter().map(|r| r.range.as_str()).collect();
+    for want in
+        ["fwd.embed", "fwd.layer.attn.gqa", "fwd.loss", "bwd.lm_head", "bwd.layer.mlp.mlp", "bwd.embed"]
+    {
+        assert!(ranges.contains(&want), "no {want} row: {ranges:?}");
+    }
+    assert!(ranges.contains(&"opt.grad_norm") && ranges.contains(&"opt.adamw"), "{ranges:?}");
+    let gqa = s.rows.iter().find(|r| r.range == "bwd.layer.attn.gqa").unwrap();
+    assert_eq!(gqa.calls, 2, "one backward attention per layer of the tiny preset");
+    let phases: Vec<&str> = s.phases.iter().map(|p| p.phase.as_str()).collect();
+    assert_eq!(phases, ["forward", "backward", "optimizer", "step"]);
+    for p in &s.phases {
+        println!("{p:?}");
+        for (kernels, kernel_ms, event_ms) in [
+            (p.naive_kernels, p.naive_kernel_ms, p.naive_event_ms),
+            (p.fused_kernels, p.fused_kernel_ms, p.fused_event_ms),
+        ] {
+            assert!(kernels > 0 && kernel_ms > 0.0 && event_ms > 0.0, "{p:?}");
+            assert!(kernel_ms <= KERNELS_WITHIN_EVENTS * event_ms, "{p:?}");
+        }
+    }
+    assert!(
+        report.meta.extra.iter().any(|(k, _)| k == "first-step loss, fused vs naive"),
+        "{:?}",
+        report.meta.extra
+    );
 }

@@ -20,13 +20,19 @@ const COLORS: [RGBColor; 10] = [
 static BACKENDS: [&str; 2] = ["naive", "fused"];
 
 /// Axis and legend names: `fwd.layer.attn.qkv_proj` is `qkv_proj`, the two prenorms `attn.norm` and
-/// `mlp.norm`.
-fn short(range: &str) -> &str {
-    match range {
-        "fwd.layer.attn.prenorm" => "attn.norm",
-        "fwd.layer.mlp.prenorm" => "mlp.norm",
-        "fwd.layer.mlp.mlp" => "mlp",
+/// `mlp.norm`; a backward range (`bwd.`) gets a `'` (`qkv_proj'`), the optimizer's keep their name.
+fn short(range: &str) -> String {
+    let (phase, rest) = range.split_once('.').unwrap_or(("", range));
+    let name = match rest {
+        "layer.attn.prenorm" => "attn.norm",
+        "layer.mlp.prenorm" => "mlp.norm",
+        "layer.mlp.mlp" => "mlp",
         other => other.rsplit('.').next().unwrap_or(other),
+    };
+    match phase {
+        "bwd" => format!("{name}'"),
+        "fwd" | "opt" => name.to_string(),
+        _ => range.to_string(),
     }
 }
 
@@ -38,7 +44,7 @@ pub fn svg(report: &Report) -> Result<String, String> {
         let root = SVGBackend::with_string(&mut out, (1200, 420 * rows as u32)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| e.to_string())?;
         for (s, area) in report.scenarios.iter().zip(root.split_evenly((rows, 2)).chunks(2)) {
-            let names: Vec<&str> = s.rows.iter().map(|r| short(&r.range)).collect();
+            let names: Vec<String> = s.rows.iter().map(|r| short(&r.range)).collect();
             let speedups: Vec<f64> = s.rows.iter().map(|r| r.speedup.unwrap_or(0.0)).collect();
             let top = speedups.iter().copied().fold(1.0, f64::max) * 1.15;
             let mut chart = ChartBuilder::on(&area[0])
@@ -55,7 +61,7 @@ pub fn svg(report: &Report) -> Result<String, String> {
                 .x_labels(names.len())
                 .x_label_style(("sans-serif", 11))
                 .x_label_formatter(&|x| match x {
-                    SegmentValue::CenterOf(i) => names.get(*i).unwrap_or(&"").to_string(),
+                    SegmentValue::CenterOf(i) => names.get(*i).cloned().unwrap_or_default(),
                     _ => String::new(),
                 })
                 .draw()
@@ -102,7 +108,7 @@ pub fn svg(report: &Report) -> Result<String, String> {
                     bar.set_margin(0, 0, 30, 30);
                     let series = stack.draw_series(std::iter::once(bar)).map_err(|e| e.to_string())?;
                     if col == 0 {
-                        series.label(names[i]).legend(move |(x, y)| {
+                        series.label(names[i].as_str()).legend(move |(x, y)| {
                             Rectangle::new([(x, y - 5), (x + 10, y + 5)], COLORS[i % COLORS.len()].filled())
                         });
                     }
@@ -145,6 +151,7 @@ mod tests {
                 rows,
                 forward_ms: vec![],
                 first_calls: vec![],
+                phases: vec![],
             }],
         };
         let svg = svg(&report).unwrap();
@@ -156,5 +163,15 @@ mod tests {
         for label in ["attn.norm", "gqa", "output_norm", "fused speedup per module", "naive", "fused"] {
             assert!(svg.contains(label), "missing {label}");
         }
+    }
+
+    #[test]
+    fn short_names_mark_the_backward() {
+        assert_eq!(short("fwd.layer.attn.prenorm"), "attn.norm");
+        assert_eq!(short("bwd.layer.attn.prenorm"), "attn.norm'");
+        assert_eq!(short("bwd.lm_head"), "lm_head'");
+        assert_eq!(short("opt.adamw"), "adamw");
+        assert_eq!(short("fwd.embed"), "embed");
+        assert_eq!(short(crate::llama::profile::UNATTRIBUTED), crate::llama::profile::UNATTRIBUTED);
     }
 }

@@ -42,9 +42,16 @@ pub struct Options {
     /// Timed forwards (medians are reported).
     #[arg(long, default_value_t = 10)]
     pub repeat: usize,
-    /// Directory for report.md, report.csv, report.json and report.svg.
+    /// Directory for report.md, report.csv, report.json and report.svg (report-train.* with
+    /// --train).
     #[arg(long, default_value = "benches/results")]
     pub out: PathBuf,
+    /// Report a training step instead of inference: --batch sequences of --seq tokens through the
+    /// forward, the loss, the backward (`bwd.` rows) and AdamW (`opt.` rows), each phase's kernel
+    /// total against its CUDA-event time; bf16; --decode-steps does not apply. --warmup and
+    /// --repeat count steps.
+    #[arg(long)]
+    pub train: bool,
 }
 
 /// The options, checked and resolved.
@@ -54,10 +61,12 @@ pub struct Resolved {
     pub config: LlamaConfig,
     /// The checkpoint directory to load weights from (`--model`); `None`: random weights.
     pub model_dir: Option<PathBuf>,
-    /// `--seq + --decode-steps`: the positions the KV cache and RoPE tables hold.
+    /// `--seq + --decode-steps`: the positions the KV cache and RoPE tables hold (`--seq` with
+    /// `--train`).
     pub max_seq: usize,
     /// Forwards the progress bar counts: per scenario and selection, two checks plus warm-up and
-    /// measured forwards.
+    /// measured forwards. With `--train`, steps: per selection a cold and a warm one, the warm-up,
+    /// and the measured steps twice (traced, then untraced).
     pub forwards: usize,
     /// The fused selection.
     pub fused: Backends,
@@ -92,6 +101,9 @@ impl Options {
         }
         if self.repeat == 0 {
             return Err("--repeat must be at least 1".into());
+        }
+        if self.train {
+            return self.resolve_train(config);
         }
         let max_seq =
             self.seq.checked_add(self.decode_steps).filter(|&n| n <= config.max_positions).ok_or_else(
@@ -136,6 +148,57 @@ impl Options {
             _ => return Err(format!("--dtype {} is not supported: use bf16 or f16", self.dtype)),
         };
         Ok(Resolved { config, model_dir: self.model.clone(), max_seq, forwards, fused, dtype })
+    }
+
+    /// The rest of [`Options::resolve`] for `--train`: bf16, a step of a multiple of 8 tokens (the
+    /// weight gradients' GEMMs) within the model's positions.
+    fn resolve_train(&self, config: LlamaConfig) -> Result<Resolved, String> {
+        if DataType::parse(&self.dtype) != Some(DataType::BF16) {
+            return Err(format!("--train takes --dtype bf16 (the trainer's weights), not {}", self.dtype));
+        }
+        if self.seq < 2 {
+            return Err("--train: --seq must be at least 2 (each token predicts the next)".into());
+        }
+        if self.seq > config.max_positions {
+            return Err(format!(
+                "--train: --seq {} is more than the model's {} positions",
+                self.seq, config.max_positions
+            ));
+        }
+        let widest =
+            [config.hidden, config.ffn, config.qkv_width(), config.vocab].into_iter().max().unwrap_or(0);
+        let tokens = self.batch.checked_mul(self.seq);
+        if tokens.and_then(|t| t.checked_mul(widest)).is_none_or(|n| i64::try_from(n).is_err()) {
+            return Err(format!(
+                "--batch {} x --seq {} tokens x width {widest} overflows",
+                self.batch, self.seq
+            ));
+        }
+        let tokens = tokens.unwrap_or(0);
+        if !tokens.is_multiple_of(8) {
+            return Err(format!(
+                "--train: --batch {} x --seq {} = {tokens} tokens: the weight gradients need a multiple of 8",
+                self.batch, self.seq
+            ));
+        }
+        let forwards = self
+            .repeat
+            .checked_mul(2)
+            .and_then(|n| n.checked_add(self.warmup))
+            .and_then(|n| n.checked_add(2))
+            .and_then(|n| n.checked_mul(2))
+            .ok_or_else(|| {
+                format!("--warmup {} and --repeat {} overflow the step count", self.warmup, self.repeat)
+            })?;
+        let fused = Backends::parse_for(&self.fuse, config.layers).map_err(|e| format!("--fuse: {e}"))?;
+        Ok(Resolved {
+            config,
+            model_dir: self.model.clone(),
+            max_seq: self.seq,
+            forwards,
+            fused,
+            dtype: DataType::BF16,
+        })
     }
 }
 
@@ -269,5 +332,31 @@ mod tests {
             let e = parse(&args).unwrap().resolve().unwrap_err();
             assert!(e.contains(expected), "{args:?}: {e}");
         }
+    }
+
+    #[test]
+    fn train_mode_takes_the_step_shape_and_bf16() {
+        let o =
+            parse(&["--train", "--config", "llama-3.2-1b", "--layers", "2", "--batch", "2", "--seq", "1024"])
+                .unwrap();
+        assert!(o.train && !parse(&[]).unwrap().train);
+        let p = o.resolve().unwrap();
+        // --decode-steps (default 16) does not apply; steps: 2 x (2 + 3 warm-up + 2 x 10).
+        assert_eq!((p.config.layers, p.max_seq, p.forwards, p.dtype), (2, 1024, 50, DataType::BF16));
+        for (args, expected) in [
+            (vec!["--train", "--dtype", "f16"], "--train takes --dtype bf16"),
+            (vec!["--train", "--seq", "1"], "--seq must be at least 2"),
+            (vec!["--train", "--batch", "3", "--seq", "5"], "3 x --seq 5 = 15 tokens"),
+            (vec!["--train", "--seq", "131073"], "more than the model's 131072 positions"),
+            (vec!["--train", "--batch", "100000000000", "--seq", "100000"], "overflows"),
+            (vec!["--train", "--repeat", "18446744073709551615"], "overflow the step count"),
+            (vec!["--train", "--config", "tiny", "--fuse", "fused=all;naive=mlp@2"], "reaches past layer 1"),
+        ] {
+            let e = parse(&args).unwrap().resolve().unwrap_err();
+            assert!(e.contains(expected), "{args:?}: {e}");
+        }
+        // The inference checks of --decode-steps do not hold a training report back.
+        let max = usize::MAX.to_string();
+        assert!(parse(&["--train", "--decode-steps", &max]).unwrap().resolve().is_ok());
     }
 }

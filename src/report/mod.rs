@@ -1,12 +1,16 @@
 //! The per-module speedup report: rows per module range and scenario, with the run's metadata, as a
 //! terminal/markdown table, CSV (the same rows, one line each) and JSON (everything); [`chart`] draws it
-//! as SVG, and [`cli`] holds the `speedup-report` binary's options.
+//! as SVG, [`cli`] holds the `speedup-report` binary's options, and [`train`] the training step's
+//! phase totals and the `train_step` bench's rows.
 
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
 
 pub mod chart;
 pub mod cli;
+pub mod train;
+
+use train::PhaseRow;
 
 /// What one module range did on each backend in one scenario.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -100,6 +104,10 @@ pub struct Scenario {
     pub forward_ms: Vec<(String, f64)>,
     /// First (cold) vs warm call host times per range.
     pub first_calls: Vec<FirstCall>,
+    /// A training step's phases (forward, backward, optimizer, step): kernel totals against the
+    /// phases' CUDA-event times; empty for inference.
+    #[serde(default)]
+    pub phases: Vec<PhaseRow>,
 }
 
 /// How and where the report was made.
@@ -255,6 +263,11 @@ impl Report {
             let _ = writeln!(md, "\n### {}\n", s.name);
             md += &self.table(s, true);
             let _ = writeln!(md, "\n{}", Self::gpu_bound_summary(s));
+            if !s.phases.is_empty() {
+                md += "\nPer step, the module rows summed by phase (`fwd.`, `bwd.`, `opt.`; `step`: every row) \
+                       against the phase's CUDA-event time (`StepStats`, untraced steps):\n\n";
+                md += &train::phase_table(&s.phases);
+            }
             for (what, t) in &s.forward_ms {
                 let _ = writeln!(md, "- forward, {what}: {} ms", ms(*t));
             }
@@ -411,6 +424,7 @@ mod tests {
                     fused_first_ms: 619.6,
                     fused_warm_ms: 0.062,
                 }],
+                phases: vec![],
             }],
         }
     }
@@ -458,5 +472,34 @@ mod tests {
         // Columns line up: every line puts the calls column at the same place.
         let at = lines[0].find("calls").unwrap() + "calls".len();
         assert!(lines[1..].iter().all(|l| l[..at].ends_with("32")), "{term}");
+    }
+
+    #[test]
+    fn a_training_scenario_shows_its_phases_and_older_json_reads_without_them() {
+        let mut r = sample();
+        let before = r.to_json();
+        let phase = |name: &str, fused_event_ms| PhaseRow {
+            phase: name.into(),
+            naive_kernels: 576,
+            naive_kernel_ms: 1.478,
+            naive_event_ms: 1.53,
+            fused_kernels: 64,
+            fused_kernel_ms: 0.227,
+            fused_event_ms,
+        };
+        r.scenarios[0].phases = vec![phase("forward", 0.35), phase("step", 0.24)];
+        assert_eq!(Report::from_json(&r.to_json()).unwrap(), r);
+        let md = r.to_markdown();
+        assert!(md.contains("against the phase's CUDA-event time (`StepStats`, untraced steps)"), "{md}");
+        assert!(
+            md.contains("| forward | 576 | 1.478 | 1.530 | 96.6% | 64 | 0.227 | 0.350 | **64.9%** |"),
+            "{md}"
+        );
+        assert!(md.contains("all but forward fused."), "{md}");
+        // A report written before the phases existed reads back with none.
+        let old = Report::from_json(&before.replace(",\n      \"phases\": []", "")).unwrap();
+        assert!(!before.replace(",\n      \"phases\": []", "").contains("phases"));
+        assert_eq!(old, sample());
+        assert!(!sample().to_markdown().contains("CUDA-event time (`StepStats`"));
     }
 }

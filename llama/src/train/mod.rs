@@ -254,6 +254,9 @@ pub struct StepStats {
     pub backward_ms: f64,
     /// See [`StepStats::forward_ms`].
     pub optimizer_ms: f64,
+    /// GPU milliseconds of the whole step, from the first micro-batch's forward to the end of the
+    /// optimizer: the three phases and what runs between them (later micro-batches' token uploads).
+    pub step_ms: f64,
 }
 
 /// One micro-batch's shared state, handed to every training module: the context, the dispatch, the

@@ -259,6 +259,10 @@ impl<T: Element> Trainer<T> {
             forward_ms: 0.0,
             backward_ms: 0.0,
             optimizer_ms: elapsed(&before, &after)?,
+            step_ms: match acc.marks.first() {
+                Some(m) => elapsed(&m.start, &after)?,
+                None => 0.0,
+            },
         };
         for m in &acc.marks {
             stats.forward_ms += elapsed(&m.start, &m.forward)?;

@@ -10,6 +10,9 @@
 //!
 //! The model is a preset with random weights (`--config`), or a Hugging Face checkpoint directory
 //! (`--model DIR`: its config.json and safetensors), which the report's metadata names.
+//!
+//! `--train` reports a training step instead (forward, loss, backward, AdamW; see [`train`]) and
+//! writes report-train.{md,csv,json,svg}.
 
 use clap::Parser;
 use cudnn_llm::bench_util::copy_bandwidth_gbps;
@@ -27,6 +30,7 @@ use std::process::ExitCode;
 
 mod kernels;
 mod measure;
+mod train;
 
 use kernels::Kernels;
 use measure::{decode_graph, graph_replay, measure, Measured, Sums, Work};
@@ -50,6 +54,7 @@ fn main() -> ExitCode {
         }
     };
     let result = match plan.dtype {
+        _ if opts.train => train::run(&ctx, &opts, &plan),
         DataType::F16 => run::<f16>(&ctx, &opts, &plan),
         _ => run::<bf16>(&ctx, &opts, &plan),
     };
@@ -85,7 +90,7 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Resolved) -> Result<(), E
     let (agreement, disagree) = check(&measured.hidden, plan);
     let meta = metadata(ctx, opts, plan, &model, &kernels, &measured, agreement, clocks_start);
     let report = Report { meta, scenarios: measured.scenarios };
-    write(&report, opts)?;
+    write(&report, opts, "report")?;
     match disagree {
         Some(e) => Err(e.into()),
         None => Ok(()),
@@ -318,20 +323,24 @@ fn plan_lines(ctx: &Cudnn) -> Vec<String> {
     plans
 }
 
-/// Prints each scenario's table and forward times, and writes report.{md,csv,json,svg} to `--out`.
-fn write(report: &Report, opts: &Options) -> Result<(), Error> {
+/// Prints each scenario's table, forward times and phase totals, and writes
+/// `{stem}.{md,csv,json,svg}` to `--out`.
+fn write(report: &Report, opts: &Options, stem: &str) -> Result<(), Error> {
     for s in &report.scenarios {
         println!("\n{}\n{}", s.name, report.table(s, false));
         for (what, ms) in &s.forward_ms {
             println!("forward, {what}: {ms:.3} ms");
         }
+        if !s.phases.is_empty() {
+            println!("\n{}", cudnn_llm::report::train::phase_table(&s.phases));
+        }
     }
     std::fs::create_dir_all(&opts.out)?;
-    std::fs::write(opts.out.join("report.md"), report.to_markdown())?;
-    std::fs::write(opts.out.join("report.csv"), report.to_csv()?)?;
-    std::fs::write(opts.out.join("report.json"), report.to_json())?;
-    std::fs::write(opts.out.join("report.svg"), chart::svg(report)?)?;
-    println!("\nwrote report.{{md,csv,json,svg}} to {}", opts.out.display());
+    std::fs::write(opts.out.join(format!("{stem}.md")), report.to_markdown())?;
+    std::fs::write(opts.out.join(format!("{stem}.csv")), report.to_csv()?)?;
+    std::fs::write(opts.out.join(format!("{stem}.json")), report.to_json())?;
+    std::fs::write(opts.out.join(format!("{stem}.svg")), chart::svg(report)?)?;
+    println!("\nwrote {stem}.{{md,csv,json,svg}} to {}", opts.out.display());
     Ok(())
 }
 
@@ -392,7 +401,7 @@ fn scenario<T: Element>(work: &Work, m: &[Measured], model: &Llama<T>) -> Scenar
             })
         })
         .collect();
-    Scenario { name: work.name.clone(), rows, forward_ms, first_calls }
+    Scenario { name: work.name.clone(), rows, forward_ms, first_calls, phases: Vec::new() }
 }
 
 fn gpu_query(field: &str) -> String {

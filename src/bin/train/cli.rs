@@ -32,6 +32,11 @@ pub struct Options {
     /// tokenizer.json for --text.
     #[arg(long, requires = "text")]
     pub tokenizer: Option<PathBuf>,
+    /// Train on these token ids: a JSON array of sequences of equal length (`[[1, 2, ...], ...]`),
+    /// all of them one batch each step (labels: the inputs), e.g. a batch a parity check shares with
+    /// PyTorch; instead of --text or synthetic sequences, and of --batch and --seq.
+    #[arg(long, value_name = "FILE.json", conflicts_with_all = ["text", "sequences", "symbols", "batch", "seq"])]
+    pub tokens: Option<PathBuf>,
     /// Synthetic data: this many fixed random sequences (seeded), cycled through batch by batch, to
     /// memorize; default: one batch.
     #[arg(long, conflicts_with = "text")]
@@ -113,28 +118,12 @@ pub struct Plan {
 impl Options {
     /// Checks the options that need no file and no GPU; errors name the option.
     pub fn resolve(&self) -> Result<Plan, String> {
-        for (name, v) in [("--batch", self.batch), ("--seq", self.seq), ("--steps", self.steps)] {
-            if v == 0 {
-                return Err(format!("{name} must be at least 1"));
-            }
+        if self.steps == 0 {
+            return Err("--steps must be at least 1".into());
         }
-        if self.seq < 2 {
-            return Err("--seq must be at least 2 (each token predicts the next)".into());
-        }
-        if self.micro_batches == 0 || !self.batch.is_multiple_of(self.micro_batches) {
-            return Err(format!(
-                "--micro-batches {} must divide --batch {} into equal micro-batches",
-                self.micro_batches, self.batch
-            ));
-        }
-        let per = self.batch / self.micro_batches * self.seq;
-        if !per.is_multiple_of(8) {
-            return Err(format!(
-                "a micro-batch of {} sequences × --seq {} = {per} tokens: the weight gradients need a \
-                 multiple of 8",
-                self.batch / self.micro_batches,
-                self.seq
-            ));
+        // With --tokens the batch is the file's, checked when it is read.
+        if self.tokens.is_none() {
+            check_step_shape(self.batch, self.seq, self.micro_batches, ("--batch", "--seq"))?;
         }
         if self.sequences == Some(0) || self.symbols == Some(0) {
             return Err("--sequences and --symbols must be at least 1".into());
@@ -170,6 +159,60 @@ impl Options {
         train.check(usize::MAX).map_err(|e| e.to_string().replace("train: ", "--"))?;
         Ok(Plan { start, train })
     }
+}
+
+/// Checks one step's shape: `batch` sequences of `seq` tokens split into `micro` micro-batches, each
+/// of a multiple of 8 tokens; `names` are what the errors call the batch and the sequence length.
+pub fn check_step_shape(batch: usize, seq: usize, micro: usize, names: (&str, &str)) -> Result<(), String> {
+    let (b, s) = names;
+    if batch == 0 {
+        return Err(format!("{b} must be at least 1"));
+    }
+    if seq < 2 {
+        return Err(format!("{s} must be at least 2 (each token predicts the next)"));
+    }
+    if micro == 0 || !batch.is_multiple_of(micro) {
+        return Err(format!("--micro-batches {micro} must divide {b} {batch} into equal micro-batches"));
+    }
+    let per = batch / micro * seq;
+    if !per.is_multiple_of(8) {
+        return Err(format!(
+            "a micro-batch of {} sequences × {s} {seq} = {per} tokens: the weight gradients need a multiple of 8",
+            batch / micro
+        ));
+    }
+    Ok(())
+}
+
+/// Reads `--tokens`: a JSON array of equal-length sequences of token ids below `vocab`, whose shape
+/// [`check_step_shape`] takes with `micro` micro-batches.
+pub fn read_tokens(path: &std::path::Path, vocab: usize, micro: usize) -> Result<Vec<Vec<u32>>, String> {
+    let at = format!("--tokens {}", path.display());
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{at}: {e}"))?;
+    let seqs: Vec<Vec<i64>> =
+        serde_json::from_str(&text).map_err(|e| format!("{at}: not a JSON array of token id arrays: {e}"))?;
+    let seq = seqs.first().map_or(0, Vec::len);
+    if seqs.iter().any(|s| s.len() != seq) {
+        return Err(format!("{at}: sequences of different lengths (the first has {seq})"));
+    }
+    check_step_shape(
+        seqs.len(),
+        seq,
+        micro,
+        (&format!("{at}'s sequence count"), &format!("{at}'s sequence length")),
+    )?;
+    seqs.into_iter()
+        .map(|s| {
+            s.into_iter()
+                .map(|id| {
+                    u32::try_from(id)
+                        .ok()
+                        .filter(|&v| (v as usize) < vocab)
+                        .ok_or_else(|| format!("{at}: token id {id} is outside the vocabulary of {vocab}"))
+                })
+                .collect()
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -210,13 +253,67 @@ mod tests {
             (&["--lr", "-1"], "--lr -1"),
             (&["--clip", "0"], "--clip 0"),
             (&["--sequences", "0"], "--sequences"),
+            (&["--steps", "0"], "--steps must be at least 1"),
         ] {
             let e = parse(args).unwrap().resolve().unwrap_err();
             assert!(e.contains(expected), "{args:?}: {e}");
         }
         // clap refuses what does not go together.
+        assert!(parse(&["--tokens", "t.json", "--batch", "2"]).is_err(), "--tokens gives the batch");
+        assert!(parse(&["--tokens", "t.json", "--text", "a", "--tokenizer", "t"]).is_err());
         assert!(parse(&["--text", "a.txt"]).is_err(), "--text needs --tokenizer");
         assert!(parse(&["--model", "m", "--preset", "tiny"]).is_err());
         assert!(parse(&["--text", "a", "--tokenizer", "t", "--sequences", "3"]).is_err());
+    }
+
+    #[test]
+    fn tokens_files_give_the_batch_and_are_checked() {
+        // The default --batch 8 would not split into 3 micro-batches; a --tokens file of 6 does.
+        let o = parse(&["--tokens", "t.json", "--micro-batches", "3"]).unwrap();
+        assert_eq!(o.tokens, Some(PathBuf::from("t.json")));
+        o.resolve().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let file = |name: &str, text: &str| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, text).unwrap();
+            p
+        };
+        let good = file("good.json", "[[1, 2, 3, 4], [5, 6, 7, 8]]");
+        assert_eq!(read_tokens(&good, 16, 1).unwrap(), vec![vec![1, 2, 3, 4], vec![5, 6, 7, 8]]);
+        assert_eq!(
+            read_tokens(&good, 16, 2).unwrap_err(),
+            format!(
+            "a micro-batch of 1 sequences × --tokens {}'s sequence length 4 = 4 tokens: the weight gradients \
+             need a multiple of 8",
+            good.display()
+        )
+        );
+        for (name, text, vocab, expected) in [
+            ("ragged.json", "[[1, 2, 3, 4], [5, 6]]", 16, "sequences of different lengths (the first has 4)"),
+            ("empty.json", "[]", 16, "sequence count must be at least 1"),
+            (
+                "short.json",
+                "[[1], [2], [3], [4], [5], [6], [7], [8]]",
+                16,
+                "sequence length must be at least 2",
+            ),
+            (
+                "vocab.json",
+                "[[1, 2, 3, 4], [5, 6, 7, 16]]",
+                16,
+                "token id 16 is outside the vocabulary of 16",
+            ),
+            ("negative.json", "[[1, 2, 3, 4], [5, 6, 7, -1]]", 16, "token id -1 is outside"),
+            ("object.json", "{\"ids\": [1]}", 16, "not a JSON array of token id arrays"),
+        ] {
+            let p = file(name, text);
+            let e = read_tokens(&p, vocab, 1).unwrap_err();
+            assert!(
+                e.starts_with(&format!("--tokens {}", p.display())) && e.contains(expected),
+                "{name}: {e}"
+            );
+        }
+        let e = read_tokens(&dir.path().join("missing.json"), 16, 1).unwrap_err();
+        assert!(e.contains("missing.json"), "{e}");
     }
 }

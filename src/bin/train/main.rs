@@ -1,14 +1,14 @@
 //! `cargo run --release --features app --bin train -- [options]`: trains a Llama-3 model (a preset
-//! with seeded random weights, or a Hugging Face checkpoint) on synthetic sequences to memorize or on
-//! a tokenized text file, with every module fused or naive as `--fuse` says, showing the loss and
-//! tokens/s as it goes; writes each step to a CSV (`--csv`) and, with `--save DIR`, the trained
-//! model as a checkpoint.
+//! with seeded random weights, or a Hugging Face checkpoint) on synthetic sequences to memorize, on
+//! a tokenized text file or on a batch of token ids given as JSON (`--tokens`), with every module
+//! fused or naive as `--fuse` says, showing the loss and tokens/s as it goes; writes each step to a
+//! CSV (`--csv`) and, with `--save DIR`, the trained model as a checkpoint.
 //!
 //! A preset starts from `Weights::random` with the embedding scaled to transformers' initializer range
 //! (std 0.02).
 //!
-//! Exit codes: 0 done; 2 bad options or unreadable inputs (checkpoint, text, tokenizer); 1 no usable
-//! GPU, or a failure while training.
+//! Exit codes: 0 done; 2 bad options or unreadable inputs (checkpoint, text, tokenizer, tokens); 1
+//! no usable GPU, or a failure while training.
 
 use clap::Parser;
 use cudnn_llm_llama::weights::Weights;
@@ -32,8 +32,11 @@ const EMBED_STD: f64 = 0.02;
 struct Input {
     config: LlamaConfig,
     weights: Weights<bf16>,
-    /// Sequences of `--seq` tokens, taken `--batch` at a time, cyclically.
+    /// Sequences of `--seq` tokens, taken `--batch` at a time, cyclically (or `--tokens`' sequences,
+    /// all of them each step).
     sequences: Vec<Vec<u32>>,
+    /// Sequences per step.
+    batch: usize,
 }
 
 fn main() -> ExitCode {
@@ -86,6 +89,11 @@ fn read_input(opts: &Options, plan: &Plan) -> Result<Input, String> {
         config = config.with_layers(n);
     }
     plan.train.backends.check_layers(config.layers).map_err(|e| format!("--fuse: {e}"))?;
+    // A given batch is checked before the weights are read.
+    let given = match &opts.tokens {
+        Some(path) => Some(cli::read_tokens(path, config.vocab, opts.micro_batches)?),
+        None => None,
+    };
     let weights = match checkpoint {
         // The config's layers: a checkpoint's later layers are not read.
         Some(dir) => Weights::<bf16>::load(&config, dir).map_err(|e| e.to_string())?,
@@ -98,6 +106,10 @@ fn read_input(opts: &Options, plan: &Plan) -> Result<Input, String> {
             w
         }
     };
+    if let Some(sequences) = given {
+        let batch = sequences.len();
+        return Ok(Input { config, weights, sequences, batch });
+    }
     let sequences = match (&opts.text, &opts.tokenizer) {
         (Some(text), Some(tok)) => {
             let tokenizer = Tokenizer::from_file(tok).map_err(|e| e.to_string())?;
@@ -131,7 +143,7 @@ fn read_input(opts: &Options, plan: &Plan) -> Result<Input, String> {
             (0..count).map(|_| (0..opts.seq).map(|_| (next() % symbols as u64) as u32).collect()).collect()
         }
     };
-    Ok(Input { config, weights, sequences })
+    Ok(Input { config, weights, sequences, batch: opts.batch })
 }
 
 /// The `step`-th batch: the next `batch` sequences, cyclically.
@@ -151,12 +163,14 @@ struct Row {
     forward_ms: f64,
     backward_ms: f64,
     optimizer_ms: f64,
+    /// GPU ms of the whole step (events), against `step_ms`, the host's.
+    gpu_step_ms: f64,
     step_ms: f64,
     tokens_per_s: f64,
 }
 
 fn run(ctx: &Cudnn, opts: &Options, plan: Plan, input: Input) -> Result<(), Error> {
-    let Input { config: cfg, weights, sequences } = input;
+    let Input { config: cfg, weights, sequences, batch: per_step } = input;
     let info = ctx.info();
     eprintln!(
         "train: {} ({} layers, {:.1}M parameters, bf16) on {}, cuDNN {}, backends `{}`, {} sequences of {} \
@@ -168,8 +182,8 @@ fn run(ctx: &Cudnn, opts: &Options, plan: Plan, input: Input) -> Result<(), Erro
         info.cudnn_version_string(),
         plan.train.backends.to_selection(),
         sequences.len(),
-        opts.seq,
-        opts.batch,
+        sequences.first().map_or(0, Vec::len),
+        per_step,
         opts.micro_batches
     );
     let mut trainer = Trainer::new(ctx, &cfg, &weights, plan.train)?;
@@ -184,7 +198,7 @@ fn run(ctx: &Cudnn, opts: &Options, plan: Plan, input: Input) -> Result<(), Erro
     let mut timed = (0usize, 0.0f64);
     for step in 0..opts.steps {
         let t0 = Instant::now();
-        let s: StepStats = trainer.step(ctx, &batch(&sequences, opts.batch, step))?;
+        let s: StepStats = trainer.step(ctx, &batch(&sequences, per_step, step))?;
         let wall = t0.elapsed().as_secs_f64();
         let rate = s.tokens as f64 / wall;
         // The first step builds the fused plans: the rate leaves it out.
@@ -202,6 +216,7 @@ fn run(ctx: &Cudnn, opts: &Options, plan: Plan, input: Input) -> Result<(), Erro
             forward_ms: s.forward_ms,
             backward_ms: s.backward_ms,
             optimizer_ms: s.optimizer_ms,
+            gpu_step_ms: s.step_ms,
             step_ms: wall * 1e3,
             tokens_per_s: rate,
         })?;
