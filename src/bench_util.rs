@@ -1,9 +1,11 @@
-//! Helpers shared by benches, GPU tests and reports: opening the GPU without panicking, timing with
-//! CUDA events, medians, random device data and poisoning.
+//! Helpers shared by benches, GPU tests, reports and the binaries: opening the GPU without panicking,
+//! timing with CUDA events, medians, random device data and poisoning.
 
 use cudarc::driver::{sys::CUevent_flags, CudaSlice};
 use cudnn_llm_ops::{reference, Cudnn, Element, Result};
+use std::fmt::Display;
 use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 use std::time::Instant;
 
 /// Opens GPU 0, or prints why not (`SKIPPED: ...`) and returns `None`.
@@ -37,7 +39,7 @@ pub fn package_binary(cargo_path: &str, name: &str) -> Option<PathBuf> {
 
 /// The body of a bench's `main`: opens GPU 0 and runs `run`; without a GPU it says so and returns
 /// (exit 0, so `cargo bench` on a machine without one is not a failure); an error exits 1.
-pub fn bench_main<E: std::fmt::Display>(name: &str, run: impl FnOnce(&Cudnn) -> std::result::Result<(), E>) {
+pub fn bench_main<E: Display>(name: &str, run: impl FnOnce(&Cudnn) -> std::result::Result<(), E>) {
     let Some(ctx) = gpu_or_skip(name) else {
         println!("{name}: no usable GPU, nothing measured");
         return;
@@ -45,6 +47,37 @@ pub fn bench_main<E: std::fmt::Display>(name: &str, run: impl FnOnce(&Cudnn) -> 
     if let Err(e) = run(&ctx) {
         eprintln!("{name} failed: {e}");
         std::process::exit(1);
+    }
+}
+
+/// The body of a binary's `main`: `setup` (the options resolved, input read), its error a usage error
+/// (exit 2); GPU 0 opened, else why not (exit 1); then `run` on both, its error exiting 1. Each message
+/// starts with `name: `.
+pub fn tool_main<P, E: Display, F: Display>(
+    name: &str,
+    setup: impl FnOnce() -> std::result::Result<P, E>,
+    run: impl FnOnce(&Cudnn, P) -> std::result::Result<(), F>,
+) -> ExitCode {
+    let plan = match setup() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("{name}: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let ctx = match Cudnn::new(0) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("{name}: cannot run without a usable GPU: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match run(&ctx, plan) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{name}: {e}");
+            ExitCode::from(1)
+        }
     }
 }
 

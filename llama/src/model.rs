@@ -422,13 +422,7 @@ impl<T: Element> Llama<T> {
                 tokens.len()
             )));
         }
-        if !self.is_current(ctx, graph) {
-            return Err(Error::Config(
-                "decode: a longer forward (or a larger op on this context) reallocated buffers the graph \
-                 holds since the capture; capture again"
-                    .into(),
-            ));
-        }
+        self.check_current("decode", ctx, graph.acts_id, graph.epoch)?;
         if cache.is_empty() {
             return Err(Error::Config("decode: the cache holds no prefill".into()));
         }
@@ -447,7 +441,24 @@ impl<T: Element> Llama<T> {
     /// False once `graph` is stale: a longer forward reallocated the activations it holds, or the
     /// context's shared buffers grew ([`Cudnn::buffer_epoch`]). Capture again then.
     pub fn is_current(&self, ctx: &Cudnn, graph: &DecodeGraph<T>) -> bool {
-        self.acts.as_ref().map(|a| a.id) == Some(graph.acts_id) && ctx.buffer_epoch() == graph.epoch
+        self.holds(ctx, graph.acts_id, graph.epoch)
+    }
+
+    /// Whether a graph captured with activations `acts_id` at buffer epoch `epoch` still holds the
+    /// model's and the context's buffers.
+    fn holds(&self, ctx: &Cudnn, acts_id: u64, epoch: u64) -> bool {
+        self.acts.as_ref().map(|a| a.id) == Some(acts_id) && ctx.buffer_epoch() == epoch
+    }
+
+    /// [`Llama::holds`], else an error saying to capture again (`what` names the call).
+    fn check_current(&self, what: &str, ctx: &Cudnn, acts_id: u64, epoch: u64) -> Result<()> {
+        if self.holds(ctx, acts_id, epoch) {
+            return Ok(());
+        }
+        Err(Error::Config(format!(
+            "{what}: a longer forward (or a larger op on this context) reallocated buffers the graph holds \
+             since the capture; capture again"
+        )))
     }
 
     /// Captures the forward of `tokens` as a CUDA graph (run [`Llama::forward`] with the same shapes

@@ -2,6 +2,7 @@
 //! here is checked without a GPU.
 
 use crate::error::ensure;
+use crate::ops::rope::RopeArgs;
 use crate::ops::sdpa::{Layout, SdpaArgs};
 use crate::{checked, Mask, Result};
 
@@ -114,6 +115,13 @@ impl QkvRows {
     /// With an explicit attention scale.
     pub fn with_scale(self, scale: f32) -> Self {
         QkvRows { scale: Some(scale), ..self }
+    }
+
+    /// RoPE's arguments for `seq` of these rows per sequence of `batch`, with `heads_kv` K/V heads of
+    /// `head_dim` after the Q heads, each sequence from position 0.
+    pub(crate) fn rope_args(&self, batch: usize, seq: usize, heads_kv: usize, head_dim: usize) -> RopeArgs {
+        let QkvRows { heads_q, row_stride, .. } = *self;
+        RopeArgs { batch, seq, heads_q, heads_kv, head_dim, row_stride, start: 0 }
     }
 
     /// Strides of Q over `[b, h_q, seq, d]`.

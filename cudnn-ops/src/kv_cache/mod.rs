@@ -218,25 +218,9 @@ impl<T: Element> KvCache<T> {
         self.check_layer(layer)?;
         let seq = self.lens.step()?;
         let KvCacheShape { batch, max_seq, heads_kv, head_dim, .. } = self.shape;
-        let end = self.lens.get().iter().max().copied().unwrap_or(0) + seq;
-        ensure!(
-            end <= tables.positions(),
-            "kv cache: positions up to {end} exceed the RoPE tables' {}",
-            tables.positions()
-        );
-        let args = RopeArgs {
-            batch,
-            seq,
-            heads_q: rows.heads_q,
-            heads_kv,
-            head_dim,
-            row_stride: rows.row_stride,
-            start: 0,
-        };
-        // The whole step's shape, checked before anything runs (the per-sequence calls are its parts):
-        // Q and K, rows wide enough for V, and the K and V sources against the caches.
-        args.check(qkv.len(), tables.positions(), tables.head_dim())?;
-        args.check_append_rows()?;
+        let args = rows.rope_args(batch, seq, heads_kv, head_dim);
+        check_append("kv cache", &args, self.lens.get(), tables, qkv.len())?;
+        // And the K and V sources against the caches.
         let write = args.cache_write(max_seq);
         let (k_at, v_at) = (args.heads_q * head_dim, (args.heads_q + heads_kv) * head_dim);
         write.check(qkv.len().saturating_sub(k_at), self.k[layer].len())?;
@@ -290,6 +274,26 @@ impl<T: Element> KvCache<T> {
 
 /// A sub-view, or an error (never a panic) where its range was outside the buffer (the whole step's
 /// checks rule that out).
+/// A step's append (`args`, each sequence from its `lens` on), checked as a whole before anything
+/// runs (per-sequence calls are its parts): positions up to the longest sequence's `len + seq` within
+/// `tables`, Q and K within `qkv_len` elements, and rows wide enough for V. `what` names the cache.
+fn check_append<T: Element>(
+    what: &str,
+    args: &RopeArgs,
+    lens: &[usize],
+    tables: &RopeTables<T>,
+    qkv_len: usize,
+) -> Result<()> {
+    let end = lens.iter().max().copied().unwrap_or(0) + args.seq;
+    ensure!(
+        end <= tables.positions(),
+        "{what}: positions up to {end} exceed the RoPE tables' {}",
+        tables.positions()
+    );
+    args.check(qkv_len, tables.positions(), tables.head_dim())?;
+    args.check_append_rows()
+}
+
 pub(crate) fn within<V>(view: Option<V>) -> Result<V> {
     view.ok_or_else(|| Error::invalid("kv cache: a sequence's rows fall outside the buffer"))
 }

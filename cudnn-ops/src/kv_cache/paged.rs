@@ -3,7 +3,7 @@
 //! fallback.
 
 use super::pages::{PagedBook, SeqId};
-use super::{within, KvCacheShape, QkvRows};
+use super::{check_append, within, KvCacheShape, QkvRows};
 use crate::dtype::Element;
 use crate::error::ensure;
 use crate::ops::rope::{rope, RopeArgs, RopeOperands, RopeTables};
@@ -332,25 +332,9 @@ impl<T: Element> PagedKvCache<T> {
         self.check_layer(layer)?;
         let (batch, seq) = (self.book.step()?.rows, self.book.step()?.seq);
         let lens = self.book.step_lens()?;
-        let end = lens.iter().max().copied().unwrap_or(0) + seq;
-        ensure!(
-            end <= tables.positions(),
-            "paged cache: positions up to {end} exceed the RoPE tables' {}",
-            tables.positions()
-        );
         let PageShape { heads_kv, head_dim, .. } = self.shape.pages;
-        let args = RopeArgs {
-            batch,
-            seq,
-            heads_q: rows.heads_q,
-            heads_kv,
-            head_dim,
-            row_stride: rows.row_stride,
-            start: 0,
-        };
-        // The whole step's shape, checked before anything runs (the per-sequence calls are its parts).
-        args.check(qkv.len(), tables.positions(), tables.head_dim())?;
-        args.check_append_rows()?;
+        let args = rows.rope_args(batch, seq, heads_kv, head_dim);
+        check_append("paged cache", &args, &lens, tables, qkv.len())?;
         let (k, v, table) = (&mut self.k[layer], &mut self.v[layer], &self.table);
         self.on_device &= backend == Backend::Fused;
         if backend == Backend::Fused {

@@ -224,13 +224,7 @@ impl<T: Element> Llama<T> {
                 graph.rows
             )));
         }
-        if !self.is_current_paged(ctx, graph) {
-            return Err(Error::Config(
-                "decode_paged: a longer forward (or a larger op on this context) reallocated buffers the \
-                 graph holds since the capture; capture again"
-                    .into(),
-            ));
-        }
+        self.check_current("decode_paged", ctx, graph.acts_id, graph.epoch)?;
         self.upload_ids(ctx, ids, rows)?;
         graph.graph.launch().map_err(cudnn_llm_ops::Error::from)?;
         // The replay records no events: mark the logits written on this stream.
@@ -241,7 +235,7 @@ impl<T: Element> Llama<T> {
     /// False once `graph` is stale: a longer forward reallocated the activations it holds, or the
     /// context's shared buffers grew ([`Cudnn::buffer_epoch`]). Capture again then.
     pub fn is_current_paged(&self, ctx: &Cudnn, graph: &PagedDecodeGraph<T>) -> bool {
-        self.acts.as_ref().map(|a| a.id) == Some(graph.acts_id) && ctx.buffer_epoch() == graph.epoch
+        self.holds(ctx, graph.acts_id, graph.epoch)
     }
 
     /// The step begun on `cache`, checked against the model (`what` names the call in errors).

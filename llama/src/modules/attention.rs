@@ -54,21 +54,43 @@ impl<T: Element> Attention<T> {
         x: &CudaSlice<T>,
         sum: &mut CudaSlice<T>,
     ) -> Result<()> {
-        let (ctx, rows, at) = (p.ctx, p.tokens.rows(), Some(self.layer));
         let AttnBuffers { qkv, o } = bufs;
-        p.dispatch.run(Site::QKV_PROJ, at, &p.shape, |b| {
-            self.qkv_proj.forward(b, ctx, rows, h, Then::Nothing, qkv)
-        })?;
+        self.project_qkv(p, h, qkv)?;
         self.rope(p, qkv, &mut cache)?;
         self.gqa(p, qkv, cache, o)?;
-        p.dispatch.run(Site::O_PROJ, at, &p.shape, |b| {
+        self.project_o(p, o, x, sum)
+    }
+
+    /// The QKV projection of the pass's rows of `h` into `qkv`.
+    pub(super) fn project_qkv(
+        &self,
+        p: &mut Pass<'_, T>,
+        h: &CudaSlice<T>,
+        qkv: &mut CudaSlice<T>,
+    ) -> Result<()> {
+        let (ctx, rows) = (p.ctx, p.tokens.rows());
+        p.dispatch.run(Site::QKV_PROJ, Some(self.layer), &p.shape, |b| {
+            self.qkv_proj.forward(b, ctx, rows, h, Then::Nothing, qkv)
+        })
+    }
+
+    /// `sum = x + o_proj(o)` (`o_proj(o)` alone without [`Attention::adds_residual`]).
+    pub(super) fn project_o(
+        &self,
+        p: &mut Pass<'_, T>,
+        o: &CudaSlice<T>,
+        x: &CudaSlice<T>,
+        sum: &mut CudaSlice<T>,
+    ) -> Result<()> {
+        let (ctx, rows) = (p.ctx, p.tokens.rows());
+        p.dispatch.run(Site::O_PROJ, Some(self.layer), &p.shape, |b| {
             let then = if self.adds_residual { Then::AddTo(x) } else { Then::Nothing };
             self.o_proj.forward(b, ctx, rows, o, then, sum)
         })
     }
 
     /// Elements of a Q/K/V row: `(h_q + 2·h_kv)·d`.
-    fn width(&self) -> usize {
+    pub(super) fn width(&self) -> usize {
         (self.heads + 2 * self.kv_heads) * self.head_dim
     }
 

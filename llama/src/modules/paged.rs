@@ -4,7 +4,6 @@
 //! its own length, positions and lengths on the device).
 
 use super::attention::{Attention, AttnBuffers};
-use super::linear::Then;
 use super::Pass;
 use crate::backends::Site;
 use crate::Result;
@@ -12,10 +11,10 @@ use cudnn_llm_ops::cudarc::driver::CudaSlice;
 use cudnn_llm_ops::{Element, PagedKvCache, QkvRows};
 
 impl<T: Element> Attention<T> {
-    /// `sum = x + attn(h)` over the step begun on `cache` (its rows are the pass's batch, its new
-    /// tokens the pass's seq): RoPE with the append into the pages ([`PagedKvCache::append_rotated`]),
-    /// then attention through the page table or, for a prefill from empty, over the step's own rows
-    /// ([`PagedKvCache::attend`]).
+    /// `sum = x + attn(h)` (as [`Attention::forward`]) over the step begun on `cache` (its rows are the
+    /// pass's batch, its new tokens the pass's seq): RoPE with the append into the pages
+    /// ([`PagedKvCache::append_rotated`]), then attention through the page table or, for a prefill from
+    /// empty, over the step's own rows ([`PagedKvCache::attend`]).
     pub(crate) fn forward_paged(
         &self,
         p: &mut Pass<'_, T>,
@@ -25,13 +24,10 @@ impl<T: Element> Attention<T> {
         x: &CudaSlice<T>,
         sum: &mut CudaSlice<T>,
     ) -> Result<()> {
-        let (ctx, rows, at) = (p.ctx, p.tokens.rows(), Some(self.layer));
         let AttnBuffers { qkv, o } = bufs;
-        p.dispatch.run(Site::QKV_PROJ, at, &p.shape, |b| {
-            self.qkv_proj.forward(b, ctx, rows, h, Then::Nothing, qkv)
-        })?;
-        let qkv_rows = QkvRows::new(self.heads, (self.heads + 2 * self.kv_heads) * self.head_dim);
-        let (layer, tables) = (self.layer, p.rope);
+        self.project_qkv(p, h, qkv)?;
+        let qkv_rows = QkvRows::new(self.heads, self.width());
+        let (ctx, at, layer, tables) = (p.ctx, Some(self.layer), self.layer, p.rope);
         // Its own fallback key: the paged append is another kernel than the contiguous one.
         let rope_shape = format!("{} paged", p.shape);
         p.dispatch.run(Site::ROPE, at, &rope_shape, |b| {
@@ -42,7 +38,6 @@ impl<T: Element> Attention<T> {
         p.dispatch.run(Site::GQA, at, &attn_shape, |b| {
             cache.attend(ctx, layer, qkv_rows, qkv.as_view(), o.as_view_mut(), b).map(drop)
         })?;
-        p.dispatch
-            .run(Site::O_PROJ, at, &p.shape, |b| self.o_proj.forward(b, ctx, rows, o, Then::AddTo(x), sum))
+        self.project_o(p, o, x, sum)
     }
 }

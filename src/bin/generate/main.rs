@@ -8,7 +8,7 @@
 //! generating.
 
 use clap::Parser;
-use cudnn_llm::bench_util::copy_bandwidth_gbps;
+use cudnn_llm::bench_util::{copy_bandwidth_gbps, tool_main};
 use cudnn_llm_llama::generate::{eos_token_ids, Generation};
 use cudnn_llm_llama::roofline::DecodeRoofline;
 use cudnn_llm_llama::weights::Weights;
@@ -40,38 +40,20 @@ struct Input {
 
 fn main() -> ExitCode {
     let opts = Options::parse();
-    let (plan, input) = match opts.resolve().and_then(|plan| Ok((plan, read_input(&opts)?))) {
-        Ok(p) => p,
-        Err(e) => {
-            eprintln!("generate: {e}");
-            return ExitCode::from(2);
+    let setup = || opts.resolve().and_then(|plan| Ok((plan, read_input(&opts)?)));
+    tool_main("generate", setup, |ctx, (plan, input)| {
+        // A command-line tool wants warm plans: on by default here, unlike the library.
+        match &plan.plan_dir {
+            PlanDir::EnvOrDefault if std::env::var_os(PLAN_DIR_ENV).is_some() => {} // applied by Cudnn::new
+            PlanDir::EnvOrDefault | PlanDir::Default => ctx.set_plan_dir(default_plan_dir().as_deref()),
+            PlanDir::Off => ctx.set_plan_dir(None),
+            PlanDir::Dir(dir) => ctx.set_plan_dir(Some(dir)),
         }
-    };
-    let ctx = match Cudnn::new(0) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("generate: cannot run without a usable GPU: {e}");
-            return ExitCode::from(1);
+        match plan.dtype {
+            DataType::F16 => run::<f16>(ctx, &opts, &plan, &input),
+            _ => run::<bf16>(ctx, &opts, &plan, &input),
         }
-    };
-    // A command-line tool wants warm plans: on by default here, unlike the library.
-    match &plan.plan_dir {
-        PlanDir::EnvOrDefault if std::env::var_os(PLAN_DIR_ENV).is_some() => {} // applied by Cudnn::new
-        PlanDir::EnvOrDefault | PlanDir::Default => ctx.set_plan_dir(default_plan_dir().as_deref()),
-        PlanDir::Off => ctx.set_plan_dir(None),
-        PlanDir::Dir(dir) => ctx.set_plan_dir(Some(dir)),
-    }
-    let result = match plan.dtype {
-        DataType::F16 => run::<f16>(&ctx, &opts, &plan, &input),
-        _ => run::<bf16>(&ctx, &opts, &plan, &input),
-    };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("generate: {e}");
-            ExitCode::from(1)
-        }
-    }
+    })
 }
 
 /// Reads config.json, tokenizer.json and the end-of-sequence ids, and encodes the prompt.

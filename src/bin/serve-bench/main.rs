@@ -18,7 +18,7 @@
 //! Exit codes: 0 done; 2 bad options; 1 no usable GPU, or a failure while serving.
 
 use clap::Parser;
-use cudnn_llm::bench_util::{csv_and_markdown, environment};
+use cudnn_llm::bench_util::{csv_and_markdown, environment, tool_main};
 use cudnn_llm_llama::generate::DecodeMode;
 use cudnn_llm_llama::sampling::SamplingParams;
 use cudnn_llm_llama::weights::Weights;
@@ -188,35 +188,21 @@ impl Options {
 
 fn main() -> ExitCode {
     let opts = Options::parse();
-    let plan = match opts.resolve() {
-        Ok(p) => p,
-        Err(e) => {
-            eprintln!("serve-bench: {e}");
-            return ExitCode::from(2);
-        }
-    };
-    let ctx = match Cudnn::new(0) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("serve-bench: cannot run without a usable GPU: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    // Warm plans across runs, as the other tools: the plan directory from the environment or the default.
-    if std::env::var_os(PLAN_DIR_ENV).is_none() {
-        ctx.set_plan_dir(default_plan_dir().as_deref());
-    }
-    let result = match plan.dtype {
-        DataType::F16 => run::<f16>(&ctx, &opts, &plan),
-        _ => run::<bf16>(&ctx, &opts, &plan),
-    };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("serve-bench: {e}");
-            ExitCode::from(1)
-        }
-    }
+    tool_main(
+        "serve-bench",
+        || opts.resolve(),
+        |ctx, plan| {
+            // Warm plans across runs, as the other tools: the plan directory from the environment or the
+            // default.
+            if std::env::var_os(PLAN_DIR_ENV).is_none() {
+                ctx.set_plan_dir(default_plan_dir().as_deref());
+            }
+            match plan.dtype {
+                DataType::F16 => run::<f16>(ctx, &opts, &plan),
+                _ => run::<bf16>(ctx, &opts, &plan),
+            }
+        },
+    )
 }
 
 /// One request's timings.

@@ -15,13 +15,13 @@
 //! writes report-train.{md,csv,json,svg}.
 
 use clap::Parser;
-use cudnn_llm::bench_util::copy_bandwidth_gbps;
+use cudnn_llm::bench_util::{copy_bandwidth_gbps, tool_main};
 use cudnn_llm::report::cli::{Options, Resolved};
 use cudnn_llm::report::{chart, FirstCall, Meta, ModuleRow, Report, Scenario, Side};
 use cudnn_llm::{reference, BUILD};
 use cudnn_llm_llama::roofline::DecodeRoofline;
 use cudnn_llm_llama::weights::Weights;
-use cudnn_llm_llama::{Backend, Backends, Llama, NoObserver, Site};
+use cudnn_llm_llama::{Backend, Backends, Fallback, Llama, NoObserver, Site};
 use cudnn_llm_ops::{Cudnn, DataType, Element};
 use half::{bf16, f16};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -39,32 +39,15 @@ type Error = Box<dyn std::error::Error>;
 
 fn main() -> ExitCode {
     let opts = Options::parse();
-    let plan = match opts.resolve() {
-        Ok(p) => p,
-        Err(e) => {
-            eprintln!("speedup-report: {e}");
-            return ExitCode::from(2);
-        }
-    };
-    let ctx = match Cudnn::new(0) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("speedup-report: cannot run without a usable GPU: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    let result = match plan.dtype {
-        _ if opts.train => train::run(&ctx, &opts, &plan),
-        DataType::F16 => run::<f16>(&ctx, &opts, &plan),
-        _ => run::<bf16>(&ctx, &opts, &plan),
-    };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("speedup-report: {e}");
-            ExitCode::from(1)
-        }
-    }
+    tool_main(
+        "speedup-report",
+        || opts.resolve(),
+        |ctx, plan| match plan.dtype {
+            _ if opts.train => train::run(ctx, &opts, &plan),
+            DataType::F16 => run::<f16>(ctx, &opts, &plan),
+            _ => run::<bf16>(ctx, &opts, &plan),
+        },
+    )
 }
 
 /// The report's steps: load the model, measure every scenario, check that fused and naive agree,
@@ -238,7 +221,6 @@ fn metadata<T: Element>(
     clocks_start: String,
 ) -> Meta {
     let cfg = &plan.config;
-    let info = ctx.info();
     let mut extra: Vec<(String, String)> = agreement.into_iter().collect();
     extra.extend(measured.extra.iter().cloned());
     let gib = |b: u64| format!("{:.3} GiB", b as f64 / (1u64 << 30) as f64);
@@ -257,28 +239,30 @@ fn metadata<T: Element>(
             None => "random (seed 0)".into(),
         },
     ));
-    extra.push(("GPU clocks at start".into(), clocks_start));
-    extra.push(("GPU clocks at end".into(), gpu_clocks()));
-    extra.push((
-        "kernel attribution".into(),
-        if kernels.active() {
-            "CUPTI activity records".into()
-        } else {
-            "unavailable: CUDA-event times only".into()
-        },
-    ));
-    for (i, p) in plan_lines(ctx).into_iter().enumerate() {
-        extra.push((format!("plan {}", i + 1), p));
-    }
+    extra.extend(run_lines(ctx, kernels, clocks_start));
     // Custom kernels that ran where a plan could have (the decode GEMV), e.g. `decode gemv [1, 4096] x
     // [4096, 6144] bf16 epilogue none (gemv_bf16_m1), 96 calls`.
     for (i, r) in ctx.kernel_runs().into_iter().enumerate() {
         extra.push((format!("kernel {}", i + 1), format!("{}, {} calls", r.name, r.calls)));
     }
-    for f in model.fallbacks() {
+    let shape = format!("{} layers, batch {}, seq {}", cfg.layers, opts.batch, opts.seq);
+    meta(ctx, plan, &shape, plan.dtype.to_string(), extra, model.fallbacks())
+}
+
+/// Both reports' metadata: the GPU, driver, cuDNN, build, the model (`shape` after its name) and
+/// selection, then `extra` and a line per fallback.
+fn meta<'a>(
+    ctx: &Cudnn,
+    plan: &Resolved,
+    shape: &str,
+    dtype: String,
+    mut extra: Vec<(String, String)>,
+    fallbacks: impl IntoIterator<Item = &'a Fallback>,
+) -> Meta {
+    for f in fallbacks {
         extra.push((format!("fallback {} layer {:?} ({})", f.range, f.layer, f.shape), f.reason.clone()));
     }
-    let shape = format!("{} layers, batch {}, seq {}", cfg.layers, opts.batch, opts.seq);
+    let (cfg, info) = (&plan.config, ctx.info());
     Meta {
         gpu: info.name.clone(),
         driver: gpu_query("driver_version"),
@@ -289,10 +273,26 @@ fn metadata<T: Element>(
             Some(dir) => format!("{} ({}) x {shape}", cfg.name, dir.display()),
             None => format!("{} x {shape}", cfg.name),
         },
-        dtype: plan.dtype.to_string(),
+        dtype,
         fused: plan.fused.to_selection(),
         extra,
     }
+}
+
+/// The lines both reports end their metadata with: the GPU clocks at start and now, how kernel times
+/// were attributed, and which engine each fused plan ran ([`plan_lines`]).
+fn run_lines(ctx: &Cudnn, kernels: &Kernels, clocks_start: String) -> Vec<(String, String)> {
+    let attribution =
+        if kernels.active() { "CUPTI activity records" } else { "unavailable: CUDA-event times only" };
+    let mut lines = vec![
+        ("GPU clocks at start".into(), clocks_start),
+        ("GPU clocks at end".into(), gpu_clocks()),
+        ("kernel attribution".into(), attribution.into()),
+    ];
+    for (i, p) in plan_lines(ctx).into_iter().enumerate() {
+        lines.push((format!("plan {}", i + 1), p));
+    }
+    lines
 }
 
 /// Which engine each fused plan runs (and, for autotuned plans, the best and worst candidate), sorted.

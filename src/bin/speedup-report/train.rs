@@ -8,12 +8,11 @@
 //! belongs to the forward.
 
 use crate::kernels::Kernels;
-use crate::{gpu_clocks, gpu_query, plan_lines, write, Error};
+use crate::{gpu_clocks, meta, run_lines, write, Error};
 use cudnn_llm::bench_util::{median, wall_ms};
 use cudnn_llm::report::cli::{Options, Resolved};
 use cudnn_llm::report::train::{phase_rows, PhaseTimes};
 use cudnn_llm::report::{FirstCall, Meta, ModuleRow, Report, Scenario, Side};
-use cudnn_llm::BUILD;
 use cudnn_llm_llama::model::EMBED_RANGE;
 use cudnn_llm_llama::profile::{attribute, KernelRecord, RangeRecord, UNATTRIBUTED};
 use cudnn_llm_llama::trace::Tracer;
@@ -290,7 +289,6 @@ fn metadata(
     clocks_start: String,
 ) -> Meta {
     let cfg = &plan.config;
-    let info = ctx.info();
     let gib = |b: u64| format!("{:.3} GiB", b as f64 / (1u64 << 30) as f64);
     let (naive_wall, fused_wall) = (median(m[0].wall.clone()), median(m[1].wall.clone()));
     let mut extra = vec![
@@ -322,35 +320,7 @@ fn metadata(
             None => format!("random (seed 0, embedding std {EMBED_STD})"),
         },
     ));
-    extra.push(("GPU clocks at start".into(), clocks_start));
-    extra.push(("GPU clocks at end".into(), gpu_clocks()));
-    extra.push((
-        "kernel attribution".into(),
-        if kernels.active() {
-            "CUPTI activity records".into()
-        } else {
-            "unavailable: CUDA-event times only".into()
-        },
-    ));
-    for (i, p) in plan_lines(ctx).into_iter().enumerate() {
-        extra.push((format!("plan {}", i + 1), p));
-    }
-    for f in trainers.iter().flat_map(|t| t.fallbacks()) {
-        extra.push((format!("fallback {} layer {:?} ({})", f.range, f.layer, f.shape), f.reason.clone()));
-    }
+    extra.extend(run_lines(ctx, kernels, clocks_start));
     let shape = format!("{} layers, batch {}, seq {}, training step", cfg.layers, opts.batch, opts.seq);
-    Meta {
-        gpu: info.name.clone(),
-        driver: gpu_query("driver_version"),
-        cuda: info.driver_version.to_string(),
-        cudnn: info.cudnn_version_string(),
-        git_revision: BUILD.git_revision.into(),
-        model: match &plan.model_dir {
-            Some(dir) => format!("{} ({}) x {shape}", cfg.name, dir.display()),
-            None => format!("{} x {shape}", cfg.name),
-        },
-        dtype: "bf16".into(),
-        fused: plan.fused.to_selection(),
-        extra,
-    }
+    meta(ctx, plan, &shape, "bf16".into(), extra, trainers.iter().flat_map(|t| t.fallbacks()))
 }

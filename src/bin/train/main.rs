@@ -11,6 +11,7 @@
 //! no usable GPU, or a failure while training.
 
 use clap::Parser;
+use cudnn_llm::bench_util::tool_main;
 use cudnn_llm_llama::weights::Weights;
 use cudnn_llm_llama::{Batch, LlamaConfig, StepStats, Tokenizer, Trainer};
 use cudnn_llm_ops::Cudnn;
@@ -41,27 +42,8 @@ struct Input {
 
 fn main() -> ExitCode {
     let opts = Options::parse();
-    let (plan, input) = match opts.resolve().and_then(|plan| Ok((plan.clone(), read_input(&opts, &plan)?))) {
-        Ok(p) => p,
-        Err(e) => {
-            eprintln!("train: {e}");
-            return ExitCode::from(2);
-        }
-    };
-    let ctx = match Cudnn::new(0) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("train: cannot run without a usable GPU: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    match run(&ctx, &opts, plan, input) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("train: {e}");
-            ExitCode::from(1)
-        }
-    }
+    let setup = || opts.resolve().and_then(|plan| Ok((plan.clone(), read_input(&opts, &plan)?)));
+    tool_main("train", setup, |ctx, (plan, input)| run(ctx, &opts, plan, input))
 }
 
 /// A splitmix64 stream: the synthetic sequences of a seed are the same everywhere.
