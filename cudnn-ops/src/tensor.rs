@@ -34,6 +34,11 @@ pub struct TensorSpec {
     pub by_value: bool,
     /// Byte alignment the bound pointer is guaranteed to have.
     pub alignment: i64,
+    /// The uid of this tensor's ragged-offset tensor (`CUDNN_ATTR_TENSOR_RAGGED_OFFSET_DESC`): an i32
+    /// `[b + 1, 1, 1, 1]` device tensor whose entry `i` is the element offset of sequence `i` in a
+    /// packed (THD) buffer, so the batch stride is not used. Only the Q, K, V and O of a unified SDPA
+    /// operation with sequence lengths take one ([`Graph::validate`](crate::Graph::validate)).
+    pub ragged_offset: Option<i64>,
 }
 
 impl TensorSpec {
@@ -48,6 +53,7 @@ impl TensorSpec {
             is_virtual: false,
             by_value: false,
             alignment: DEFAULT_ALIGNMENT,
+            ragged_offset: None,
         }
     }
 
@@ -66,6 +72,13 @@ impl TensorSpec {
     /// Sets the unique id.
     pub fn with_uid(mut self, uid: i64) -> Self {
         self.uid = uid;
+        self
+    }
+
+    /// Packed without padding: the sequences' offsets come from the tensor of uid `offsets` (see
+    /// [`TensorSpec::ragged_offset`](#structfield.ragged_offset)).
+    pub fn with_ragged_offset(mut self, offsets: i64) -> Self {
+        self.ragged_offset = Some(offsets);
         self
     }
 
@@ -129,8 +142,9 @@ impl TensorSpec {
         Ok(())
     }
 
-    /// Creates and finalizes the backend tensor descriptor.
-    pub(crate) fn descriptor(&self) -> Result<Descriptor> {
+    /// Creates and finalizes the backend tensor descriptor; `ragged` is the finalized descriptor of the
+    /// tensor [`TensorSpec::ragged_offset`](#structfield.ragged_offset) names (the graph passes it).
+    pub(crate) fn descriptor(&self, ragged: Option<&Descriptor>) -> Result<Descriptor> {
         let mut d = Descriptor::new(D::CUDNN_BACKEND_TENSOR_DESCRIPTOR)?;
         d.set(A::CUDNN_ATTR_TENSOR_DATA_TYPE, Attr::DataType(self.dtype))?;
         d.set(A::CUDNN_ATTR_TENSOR_DIMENSIONS, Attr::I64(&self.dims))?;
@@ -142,6 +156,9 @@ impl TensorSpec {
         }
         if self.by_value {
             d.set(A::CUDNN_ATTR_TENSOR_IS_BY_VALUE, Attr::Bool(true))?;
+        }
+        if let Some(offsets) = ragged {
+            d.set(A::CUDNN_ATTR_TENSOR_RAGGED_OFFSET_DESC, Attr::Descriptors(&[offsets]))?;
         }
         d.finalize(&format!("tensor `{}`", self.name))?;
         Ok(d)

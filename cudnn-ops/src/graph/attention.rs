@@ -535,6 +535,96 @@ mod tests {
         );
     }
 
+    /// A unified THD attention over 4 sequences in a 256 bucket: Q, K, V, O ragged through two offset
+    /// tensors, `tweak` applied before validation.
+    fn ragged(form: SdpaForm, with_lens: bool, tweak: &dyn Fn(&mut Graph)) -> crate::Result<()> {
+        use crate::DataType::{BF16, I32};
+        let f = Features::for_version(91900, (9, 0));
+        let mut g = Graph::new("ragged");
+        let thd = |h: i64| [256 * h * 64, 64, h * 64, 1];
+        let q = g.tensor(crate::TensorSpec::new("Q", &[4, 8, 256, 64], BF16).with_strides(&thd(8)));
+        let k = g.tensor(crate::TensorSpec::new("K", &[4, 2, 256, 64], BF16).with_strides(&thd(2)));
+        let v = g.tensor(crate::TensorSpec::new("V", &[4, 2, 256, 64], BF16).with_strides(&thd(2)));
+        let scale = g.tensor(crate::TensorSpec::scalar("scale", crate::DataType::F32, 4));
+        let i32_col = |g: &mut Graph, name: &str, n: i64| {
+            g.tensor(crate::TensorSpec::new(name, &[n, 1, 1, 1], I32).with_strides(&[1, 1, 1, 1]))
+        };
+        let (sq, skv) = (i32_col(&mut g, "seq_len_q", 4), i32_col(&mut g, "seq_len_kv", 4));
+        let q_off = i32_col(&mut g, "q_offsets", 5);
+        let kv_off = i32_col(&mut g, "kv_offsets", 5);
+        let (q_uid, kv_uid) = (g.spec(q_off).uid, g.spec(kv_off).uid);
+        g.spec_mut(q).ragged_offset = Some(q_uid);
+        g.spec_mut(k).ragged_offset = Some(kv_uid);
+        g.spec_mut(v).ragged_offset = Some(kv_uid);
+        let mut opts = SdpaOptions::new(Mask::None, form, f);
+        if with_lens {
+            opts = opts.with_seq_lens(sq, skv);
+        }
+        let out = g.sdpa(q, k, v, scale, opts);
+        let o = g.output(out.o);
+        o.strides = thd(8).to_vec();
+        o.ragged_offset = Some(q_uid);
+        tweak(&mut g);
+        g.validate()
+    }
+
+    #[test]
+    fn ragged_offsets_are_validated_by_name() {
+        use crate::DataType::{BF16, I32};
+        let find = |g: &Graph, name: &str| TensorId(g.tensors().iter().position(|t| t.name == name).unwrap());
+        ragged(SdpaForm::Unified, true, &|_| {}).unwrap();
+        let fails = |r: crate::Result<()>, tensor: &str, reason: &str| match r {
+            Err(crate::Error::InvalidGraph { tensor: t, reason: why, .. }) => {
+                assert!(t == tensor && why.contains(reason), "{tensor}: {t}: {why}")
+            }
+            other => panic!("expected InvalidGraph for {tensor}, got {other:?}"),
+        };
+        fails(ragged(SdpaForm::Unified, false, &|_| {}), "Q", "need the sequence lengths");
+        fails(
+            ragged(SdpaForm::Unified, true, &|g| g.spec_mut(find(g, "Q")).ragged_offset = Some(99)),
+            "Q",
+            "uid 99 is no tensor",
+        );
+        // B + 1 entries, i32, on the device, not ragged itself.
+        let tweaks: [(&dyn Fn(&mut Graph), &str); 4] = [
+            (&|g| g.spec_mut(find(g, "kv_offsets")).dims = vec![4, 1, 1, 1], "[5, 1, 1, 1]"),
+            (&|g| g.spec_mut(find(g, "kv_offsets")).dtype = BF16, "i32"),
+            (&|g| g.spec_mut(find(g, "kv_offsets")).by_value = true, "device tensor"),
+            (
+                &|g| {
+                    let uid = g.spec(find(g, "q_offsets")).uid;
+                    g.spec_mut(find(g, "kv_offsets")).ragged_offset = Some(uid);
+                },
+                "device tensor",
+            ),
+        ];
+        for (tweak, reason) in tweaks {
+            fails(ragged(SdpaForm::Unified, true, tweak), "kv_offsets", reason);
+        }
+        // Only the attention's Q, K, V and O take offsets: not its sequence lengths.
+        fails(
+            ragged(SdpaForm::Unified, true, &|g| {
+                let uid = g.spec(find(g, "q_offsets")).uid;
+                g.spec_mut(find(g, "seq_len_q")).ragged_offset = Some(uid);
+            }),
+            "seq_len_q",
+            "only taken by the Q, K, V or O",
+        );
+        // The composite form builds no padding mask: not supported, naming the tensor.
+        let e = ragged(SdpaForm::Composite, false, &|_| {}).unwrap_err();
+        assert!(e.is_not_supported() && e.to_string().contains("THD"), "{e}");
+        // A ragged tensor outside attention.
+        let mut g = Graph::new("norm");
+        let off = g.tensor(crate::TensorSpec::new("offsets", &[31, 1, 1, 1], I32));
+        let uid = g.spec(off).uid;
+        let x = g.tensor(crate::TensorSpec::new("X", &[30, 2048, 1, 1], BF16).with_ragged_offset(uid));
+        let w = g.tensor(crate::TensorSpec::new("scale", &[1, 2048, 1, 1], BF16));
+        let e = g.tensor(crate::TensorSpec::scalar("epsilon", crate::DataType::F32, 4));
+        let y = g.rmsnorm(x, w, e, super::super::NormPhase::Inference).y;
+        g.output(y);
+        fails(g.validate(), "X", "only taken by the Q, K, V or O");
+    }
+
     #[test]
     fn masks_keep_the_right_keys() {
         assert!(Mask::None.keeps(0, 9, 4, 10));

@@ -56,6 +56,65 @@ impl Graph {
         }
     }
 
+    /// Ragged (THD) tensors: a tensor's ragged offsets name an i32 `[b + 1, 1, 1, 1]` device tensor of
+    /// the graph (with no offsets of its own), and only the Q, K, V and O of a unified SDPA operation
+    /// with sequence lengths (and K/V not paged) take them, as the frontend's padded THD attention.
+    pub(super) fn check_ragged_offsets(&self) -> Result<()> {
+        for (i, t) in self.tensors.iter().enumerate() {
+            let Some(uid) = t.ragged_offset else { continue };
+            let id = TensorId(i);
+            let Some(j) = self.tensors.iter().position(|o| o.uid == uid) else {
+                return Err(self.fail(id, format!("its ragged offsets uid {uid} is no tensor of this graph")));
+            };
+            let b = t.dims.first().copied().unwrap_or(0);
+            let o = &self.tensors[j];
+            let ok = o.dtype == DataType::I32
+                && o.dims[..] == [b + 1, 1, 1, 1]
+                && !o.is_virtual
+                && !o.by_value
+                && o.ragged_offset.is_none();
+            if !ok {
+                return Err(self.fail(
+                    TensorId(j),
+                    format!("ragged offsets must be an i32 [{}, 1, 1, 1] device tensor (batch + 1)", b + 1),
+                ));
+            }
+            let composite = self.attentions.iter().any(|([q, k, v, o], _)| [q, k, v, o].contains(&&id));
+            if composite {
+                return Err(crate::Error::NotSupported {
+                    op: format!("{} (tensor `{}`)", self.name, t.name),
+                    reason: "ragged (THD) attention needs the unified SDPA operation (cuDNN 9.15+); the \
+                             composite padding mask is not built"
+                        .into(),
+                });
+            }
+            let node = self.nodes.iter().find_map(|n| match *n {
+                Node::SdpaFwd { q, k, v, o, seq_lens, page_tables, .. } if [q, k, v, o].contains(&id) => {
+                    Some((seq_lens.is_some(), page_tables.is_some() && (id == k || id == v)))
+                }
+                _ => None,
+            });
+            match node {
+                None => {
+                    return Err(self.fail(
+                        id,
+                        "ragged offsets are only taken by the Q, K, V or O of a unified SDPA operation",
+                    ))
+                }
+                Some((false, _)) => {
+                    return Err(
+                        self.fail(id, "ragged offsets need the sequence lengths (seq_len_q, seq_len_kv)")
+                    )
+                }
+                Some((_, true)) => {
+                    return Err(self.fail(id, "paged K/V are read through page tables, not ragged offsets"))
+                }
+                Some((true, false)) => {}
+            }
+        }
+        Ok(())
+    }
+
     /// Page tables of an attention: i32 `[b, 1, max_pages, 1]` device tensors, one per pool (K and V
     /// containers `[num_pages, h_kv, page_size, d]`), with the sequence lengths the paged engines need
     /// (the frontend: "Paged caches can only be used in combination with padding mask and variable

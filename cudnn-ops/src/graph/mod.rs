@@ -227,6 +227,7 @@ impl Graph {
                     .into(),
             });
         }
+        self.check_ragged_offsets()?;
         for &([q, k, v, o], stats) in &self.attentions {
             self.check_sdpa_tensors(q, k, v, o, stats, [true, false])?;
         }
@@ -275,9 +276,21 @@ impl Graph {
                 self.name
             )));
         }
+        // Ragged-offset tensors first: a packed tensor's descriptor points at its offsets' (validation
+        // made sure those exist and carry no offsets of their own).
         let mut descs: Vec<Option<Descriptor>> = Vec::with_capacity(self.tensors.len());
         for t in &self.tensors {
-            descs.push(Some(t.descriptor()?));
+            descs.push(if t.ragged_offset.is_none() { Some(t.descriptor(None)?) } else { None });
+        }
+        for (i, t) in self.tensors.iter().enumerate() {
+            if let Some(uid) = t.ragged_offset {
+                let offsets = self.tensors.iter().position(|o| o.uid == uid).and_then(|j| descs[j].as_ref());
+                let Some(offsets) = offsets else {
+                    return Err(self.fail(TensorId(i), format!("ragged offsets uid {uid} has no descriptor")));
+                };
+                let d = t.descriptor(Some(offsets))?;
+                descs[i] = Some(d);
+            }
         }
         let tensor = |id: TensorId| descs[id.0].as_ref().expect("every tensor has a descriptor");
         let mut ops = Vec::new();
