@@ -22,8 +22,10 @@
 mod decode;
 mod fused;
 pub mod naive;
+mod ragged;
 mod seq_lens;
 
+pub use ragged::RaggedBatch;
 pub use seq_lens::{DeviceSeqLens, SeqLens};
 
 use crate::checked;
