@@ -586,7 +586,8 @@ mod tests {
             "uid 99 is no tensor",
         );
         // B + 1 entries, i32, on the device, not ragged itself.
-        let tweaks: [(&dyn Fn(&mut Graph), &str); 4] = [
+        type Tweak<'a> = &'a dyn Fn(&mut Graph);
+        let tweaks: [(Tweak, &str); 4] = [
             (&|g| g.spec_mut(find(g, "kv_offsets")).dims = vec![4, 1, 1, 1], "[5, 1, 1, 1]"),
             (&|g| g.spec_mut(find(g, "kv_offsets")).dtype = BF16, "i32"),
             (&|g| g.spec_mut(find(g, "kv_offsets")).by_value = true, "device tensor"),
