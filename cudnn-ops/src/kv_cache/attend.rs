@@ -41,9 +41,9 @@ impl<T: Element> KvCache<T> {
     /// Attention of the step's queries (`q`: rows as `rows` says, Q heads first; append the step's K and
     /// V first) over layer `layer`'s cache, each sequence over its own `len + seq` keys, causal; O
     /// packed `[batch · seq, heads_q · d]`. Picks the form itself and returns it ([`AttendForm`]):
-    /// a fused decode step (one query per sequence) runs the one padded launch, on the split-KV kernel
-    /// where it takes the shape, else on cuDNN's padded plan (the step's first such call clamps the
-    /// lengths for all layers); when that is refused (`NotSupported`: cuDNN < 9.15 or a refused plan
+    /// a fused decode step (one query per sequence) runs the one padded launch, on cuDNN's padded plan
+    /// where the running cuDNN has it (9.15+; the step's first such call clamps the lengths for all
+    /// layers), else on the split-KV kernel where it takes the shape; when that is refused (`NotSupported`: cuDNN < 9.15 or a refused plan
     /// for a shape the kernel does not take) the cache records why ([`KvCache::padded_refusal`]) and
     /// runs, now and after, a plan per length (per sequence where lengths differ). Other errors are
     /// returned.

@@ -330,7 +330,8 @@ impl<T: Element> PagedKvCache<T> {
         backend: Backend,
     ) -> Result<()> {
         self.check_layer(layer)?;
-        let (batch, seq) = (self.book.step()?.rows, self.book.step()?.seq);
+        let step = self.book.step()?;
+        let (batch, seq) = (step.rows, step.seq);
         let lens = self.book.step_lens()?;
         let PageShape { heads_kv, head_dim, .. } = self.shape.pages;
         let args = rows.rope_args(batch, seq, heads_kv, head_dim);
@@ -369,7 +370,8 @@ impl<T: Element> PagedKvCache<T> {
         backend: Backend,
     ) -> Result<PagedForm> {
         self.check_layer(layer)?;
-        let (batch, seq) = (self.book.step()?.rows, self.book.step()?.seq);
+        let step = self.book.step()?;
+        let (batch, seq) = (step.rows, step.seq);
         let lens = self.book.step_lens()?;
         let PageShape { heads_kv, head_dim: d, .. } = self.shape.pages;
         // Q and O of the whole launch, checked for every form below.

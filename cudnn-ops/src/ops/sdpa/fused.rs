@@ -184,24 +184,29 @@ impl SdpaArgs {
     }
 }
 
+/// `NotSupported` for `op` where `head_dim` exceeds `limit`, the largest head dim `what` takes on this
+/// GPU and cuDNN.
+fn head_dim_within(ctx: &Cudnn, op: &str, what: &str, head_dim: usize, limit: usize) -> Result<()> {
+    if head_dim <= limit {
+        return Ok(());
+    }
+    let info = ctx.info();
+    let (major, minor) = info.compute_capability;
+    Err(Error::NotSupported {
+        op: op.into(),
+        reason: format!(
+            "head_dim {head_dim} exceeds {limit}, the largest {what} takes on sm_{major}{minor} with cuDNN {}",
+            info.cudnn_version_string()
+        ),
+    })
+}
+
 impl<T: Element> Fused<T> for SdpaArgs {
     fn fused(self, ctx: &Cudnn, x: SdpaOperands<'_, T>) -> Result<()> {
         if self.fused_kernel(ctx.features(), x.stats.is_some()) == SdpaKernel::SplitKv {
             return super::decode::split_kv(ctx, self, x);
         }
-        let info = ctx.info();
-        let limit = ctx.features().max_sdpa_head_dim();
-        if self.head_dim > limit {
-            let (major, minor) = info.compute_capability;
-            return Err(Error::NotSupported {
-                op: "sdpa".into(),
-                reason: format!(
-                    "head_dim {} exceeds {limit}, the largest fused attention takes on sm_{major}{minor} with cuDNN {}",
-                    self.head_dim,
-                    info.cudnn_version_string()
-                ),
-            });
-        }
+        head_dim_within(ctx, "sdpa", "fused attention", self.head_dim, ctx.features().max_sdpa_head_dim())?;
         let plan = self.plan(ctx, T::DTYPE, x.stats.is_some())?;
         let SdpaOperands { q, k, v, o, stats, seq_lens, pages } = x;
         let batch = self.batch;
@@ -317,17 +322,7 @@ impl<T: Element> Fused<T> for Backward {
         let a = self.0;
         let info = ctx.info();
         let limit = ctx.features().max_sdpa_backward_head_dim();
-        if a.head_dim > limit {
-            let (major, minor) = info.compute_capability;
-            return Err(Error::NotSupported {
-                op: "sdpa backward".into(),
-                reason: format!(
-                    "head_dim {} exceeds {limit}, the largest fused attention backward takes on sm_{major}{minor} with cuDNN {}",
-                    a.head_dim,
-                    info.cudnn_version_string()
-                ),
-            });
-        }
+        head_dim_within(ctx, "sdpa backward", "fused attention backward", a.head_dim, limit)?;
         if a.seq_q == 1 && a.seq_kv == 1 {
             return Err(Error::NotSupported {
                 op: "sdpa backward".into(),
