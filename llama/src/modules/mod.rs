@@ -69,8 +69,15 @@ pub struct DecodeFusion {
 impl DecodeFusion {
     /// Nothing folded: every module as in prefill.
     pub const NONE: DecodeFusion = DecodeFusion { norm_into_projection: false, gate_up: false };
+    /// The prenorms folded into the projections only.
+    pub const NORM: DecodeFusion = DecodeFusion { norm_into_projection: true, gate_up: false };
+    /// Gate and up in one GEMV only.
+    pub const GATE_UP: DecodeFusion = DecodeFusion { norm_into_projection: false, gate_up: true };
     /// Everything folded (the default).
     pub const ALL: DecodeFusion = DecodeFusion { norm_into_projection: true, gate_up: true };
+    /// Each choice, nothing folded first, for A/B tables.
+    pub const EVERY: [DecodeFusion; 4] =
+        [DecodeFusion::NONE, DecodeFusion::NORM, DecodeFusion::GATE_UP, DecodeFusion::ALL];
 
     /// `none`, `norm`, `gate_up` or `norm+gate_up`, for tables.
     pub fn name(self) -> &'static str {
