@@ -2,7 +2,9 @@
 //! unless `LAYERS` is given), a 512-token prompt, then fused decode steps launched plainly and replayed
 //! as one CUDA graph per step, beside the floor (weight + KV bytes over the measured copy bandwidth),
 //! and which attention the fused decode runs (`examples/06-decode-attention.rs` times it alone); then
-//! each decode projection alone at 1, 4 and 8 tokens, the cuDNN graph against the decode GEMV:
+//! each decode projection alone at 1, 4 and 8 tokens, the cuDNN graph against the decode GEMV, and the
+//! GEMV's one-token fused forms (prenorm folded in, gate and up in one launch) against their unfused
+//! launches. The step is timed with each [`DecodeFusion`] (none, norm, gate_up, norm+gate_up) in turn:
 //! `cargo run --release --features app --example 05-decode [-- LAYERS]` on a GPU machine.
 use cudnn_llm::bench_util::{copy_bandwidth_gbps, median, wall_ms};
 use cudnn_llm::cudarc::driver::sys::{CUdevice_attribute, CUevent_flags};
@@ -10,10 +12,10 @@ use cudnn_llm::cudarc::driver::CudaSlice;
 use cudnn_llm::half::bf16;
 use cudnn_llm::llama::roofline::DecodeRoofline;
 use cudnn_llm::llama::weights::Weights;
-use cudnn_llm::llama::{Backends, Llama, LlamaConfig, NoObserver};
+use cudnn_llm::llama::{Backends, DecodeFusion, Llama, LlamaConfig, NoObserver};
 use cudnn_llm::{
-    matmul, reference, Backend, Cudnn, DataType, Epilogue, Layout, MatmulArgs, MatmulKernel, MatmulOperands,
-    SdpaArgs, DECODE_GEMV_MAX_TOKENS,
+    matmul, reference, rms_norm, Backend, Cudnn, DataType, Epilogue, Layout, MatmulArgs, MatmulKernel,
+    MatmulOperands, Prologue, RmsNormArgs, RmsNormOperands, SdpaArgs, DECODE_GEMV_MAX_TOKENS,
 };
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -27,28 +29,34 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let prompt = vec![(0..prompt_len as u32).map(|t| (t * 7919) % cfg.vocab as u32).collect::<Vec<_>>()];
     let mut cache = model.cache(&ctx, 1, max_seq)?;
     model.forward(&ctx, &prompt, &mut cache, &fused, &mut NoObserver)?;
-    // A plain step first: plans are built and kernels loaded outside the capture.
-    model.forward(&ctx, &[vec![1]], &mut cache, &fused, &mut NoObserver)?;
-    model.logits(&ctx, 1, &fused, &mut NoObserver)?;
-    // SAFETY: one thread, no other stream of this context.
-    let mut graph = unsafe { model.capture_decode(&ctx, &mut cache, &fused) }?;
-    let at = cache.len();
-    let (mut plain, mut replay) = (Vec::new(), Vec::new());
-    for step in 0..steps {
-        // Both at the same cache lengths, alternating.
-        let token = 100 + step as u32;
-        cache.truncate(at + step);
-        plain.push(wall_ms(&ctx, || -> Result<(), cudnn_llm::llama::Error> {
-            model.forward(&ctx, &[vec![token]], &mut cache, &fused, &mut NoObserver)?;
-            model.logits(&ctx, 1, &fused, &mut NoObserver)?;
-            Ok(())
-        })?);
-        cache.truncate(at + step);
-        replay.push(wall_ms(&ctx, || model.decode(&ctx, &mut graph, &[token], &mut cache).map(drop))?);
+    let at = cache.len() + 1;
+    let mut timed = Vec::new();
+    for fusion in DecodeFusion::EVERY {
+        model.set_decode_fusion(fusion);
+        cache.truncate(at - 1);
+        // A plain step first: plans are built and kernels loaded outside the capture.
+        model.forward(&ctx, &[vec![1]], &mut cache, &fused, &mut NoObserver)?;
+        model.logits(&ctx, 1, &fused, &mut NoObserver)?;
+        // SAFETY: one thread, no other stream of this context.
+        let mut graph = unsafe { model.capture_decode(&ctx, &mut cache, &fused) }?;
+        let (mut plain, mut replay) = (Vec::new(), Vec::new());
+        for step in 0..steps {
+            // Both at the same cache lengths, alternating.
+            let token = 100 + step as u32;
+            cache.truncate(at + step);
+            plain.push(wall_ms(&ctx, || -> Result<(), cudnn_llm::llama::Error> {
+                model.forward(&ctx, &[vec![token]], &mut cache, &fused, &mut NoObserver)?;
+                model.logits(&ctx, 1, &fused, &mut NoObserver)?;
+                Ok(())
+            })?);
+            cache.truncate(at + step);
+            replay.push(wall_ms(&ctx, || model.decode(&ctx, &mut graph, &[token], &mut cache).map(drop))?);
+        }
+        timed.push((fusion, median(plain), median(replay)));
     }
     let copy = copy_bandwidth_gbps(&ctx, 1 << 30, 20)?;
     let roof = DecodeRoofline::new(&cfg, 1, at + steps / 2, 2);
-    let (plain, replay) = (median(plain), median(replay));
+    let (_, plain, replay) = *timed.last().expect("four fusions");
     println!("{}: {} layers, batch 1, {} cached tokens, bf16, fused", cfg.name, layers, at + steps / 2);
     // What the fused backend runs for a decode step's attention (one query over the whole cache, the
     // lengths on the device, as the model calls it).
@@ -65,15 +73,142 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     for (what, ms) in [("plain launches", plain), ("graph replay", replay)] {
         println!(
-            "{what:>15}: {ms:.3} ms per step (with logits), {:.1}% of the roofline",
-            100.0 * roof.fraction(ms, copy)
+            "{what:>15}: {ms:.3} ms per step (with logits), {:.1}% of the roofline (decode fusion {})",
+            100.0 * roof.fraction(ms, copy),
+            DecodeFusion::ALL.name()
+        );
+    }
+    println!("\nthe step with each decode fusion (same run, same cache lengths):");
+    println!("{:<14} {:>13} {:>6} {:>11} {:>6}", "fusion", "graph ms", "%roof", "plain ms", "%roof");
+    for (fusion, plain, replay) in &timed {
+        println!(
+            "{:<14} {replay:>13.3} {:>5.1}% {plain:>11.3} {:>5.1}%",
+            fusion.name(),
+            100.0 * roof.fraction(*replay, copy),
+            100.0 * roof.fraction(*plain, copy)
         );
     }
     for run in ctx.kernel_runs() {
         println!("in place of a plan: {}, {} calls", run.name, run.calls);
     }
-    drop((graph, cache, model));
-    projections(&ctx, copy)
+    drop((cache, model));
+    projections(&ctx, copy)?;
+    fused_forms(&ctx, copy)
+}
+
+/// The decode GEMV's one-token fused forms against the launches they replace, on Llama-3.1-8B's
+/// shapes (CUDA-event median of 30, each after an L2 flush): the prenorm (RMSNorm graph) then the
+/// qkv GEMV vs the qkv GEMV with the norm folded in; the up GEMV then the gate GEMV with SwiGLU vs
+/// one gate-up GEMV; and the prenorm, up and gate vs one gate-up GEMV with the norm folded in.
+fn fused_forms(ctx: &Cudnn, copy: f64) -> Result<(), Box<dyn std::error::Error>> {
+    let (hidden, qkv_n, ffn, eps) = (4096, 6144, 14336, 1e-5f32);
+    let x = filled(ctx, hidden, 10)?;
+    let norm_w = filled(ctx, hidden, 11)?;
+    let w_qkv = filled(ctx, qkv_n * hidden, 12)?;
+    let w_gate = filled(ctx, ffn * hidden, 13)?;
+    let w_up = filled(ctx, ffn * hidden, 14)?;
+    let mut h = ctx.stream().alloc_zeros::<bf16>(hidden)?;
+    let mut y = ctx.stream().alloc_zeros::<bf16>(ffn)?;
+    let mut up = ctx.stream().alloc_zeros::<bf16>(ffn)?;
+    let mut timer = Timer::new(ctx)?;
+    let norm = Prologue::rms_norm(eps);
+    let gemv = |n: usize| MatmulArgs::linear(1, hidden, n).with_form(MatmulKernel::DecodeGemv);
+    let norm_args = RmsNormArgs::new(1, hidden, eps);
+    println!("\none-token fused forms, bf16, median of 30 after an L2 flush; copy {copy:.0} GB/s");
+    println!("{:<18} {:>11} {:>9} {:>6} {:>7}", "form", "unfused ms", "fused ms", "%copy", "speedup");
+    let row = |name: &str, bytes: usize, unfused: f64, fused: f64| {
+        let pct = 100.0 * bytes as f64 / (fused * 1e-3) / 1e9 / copy;
+        println!("{name:<18} {unfused:>11.4} {fused:>9.4} {pct:>5.1}% {:>6.2}x", unfused / fused);
+    };
+    let unfused = timer.time(ctx, &mut || {
+        rms_norm(ctx, norm_args, RmsNormOperands::new(&x, &norm_w, &mut h), Backend::Fused)?;
+        matmul(ctx, &gemv(qkv_n), MatmulOperands::new(&h, &w_qkv, &mut y), Backend::Fused)
+    })?;
+    let fused = timer.time(ctx, &mut || {
+        let ops = MatmulOperands::new(&x, &w_qkv, &mut y).norm_weight(&norm_w);
+        matmul(ctx, &gemv(qkv_n).with_prologue(norm), ops, Backend::Fused)
+    })?;
+    row("norm + qkv", 2 * qkv_n * hidden, unfused, fused);
+    let swiglu = gemv(ffn).with_epilogue(Epilogue::SWIGLU);
+    let mut unfused_mlp = |x: &CudaSlice<bf16>, h: &mut CudaSlice<bf16>, with_norm: bool| {
+        if with_norm {
+            rms_norm(ctx, norm_args, RmsNormOperands::new(x, &norm_w, &mut *h), Backend::Fused)?;
+        }
+        let input: &CudaSlice<bf16> = if with_norm { h } else { x };
+        matmul(ctx, &gemv(ffn), MatmulOperands::new(input, &w_up, &mut up), Backend::Fused)?;
+        matmul(ctx, &swiglu, MatmulOperands::new(input, &w_gate, &mut y).up(&up), Backend::Fused)
+    };
+    let mut unfused = Vec::new();
+    for with_norm in [false, true] {
+        let mut h2 = ctx.stream().alloc_zeros::<bf16>(hidden)?;
+        unfused.push(timer.time(ctx, &mut || unfused_mlp(&x, &mut h2, with_norm))?);
+    }
+    let mut y2 = ctx.stream().alloc_zeros::<bf16>(ffn)?;
+    for (i, name) in ["up + gate", "norm + up + gate"].into_iter().enumerate() {
+        let args =
+            if i == 1 { swiglu.with_up_product().with_prologue(norm) } else { swiglu.with_up_product() };
+        let fused = timer.time(ctx, &mut || {
+            let mut ops = MatmulOperands::new(&x, &w_gate, &mut y2).up_weight(&w_up);
+            if i == 1 {
+                ops = ops.norm_weight(&norm_w);
+            }
+            matmul(ctx, &args, ops, Backend::Fused)
+        })?;
+        row(name, 4 * ffn * hidden, unfused[i], fused);
+    }
+    for run in ctx.kernel_runs().iter().filter(|r| r.name.contains("_m1_")) {
+        println!("fused form: {}, {} calls", run.name, run.calls);
+    }
+    Ok(())
+}
+
+/// CUDA-event timings of a call after an L2 flush (a GEMV reading twice the L2 size).
+struct Timer {
+    flush_x: CudaSlice<bf16>,
+    flush_w: CudaSlice<bf16>,
+    flush_y: CudaSlice<bf16>,
+    rows: usize,
+}
+
+impl Timer {
+    fn new(ctx: &Cudnn) -> Result<Self, Box<dyn std::error::Error>> {
+        let cuda = ctx.stream().context();
+        let l2 = cuda.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?.max(1) as usize;
+        let rows = (2 * l2).div_ceil(2 * 4096).next_multiple_of(8);
+        Ok(Timer {
+            flush_x: filled(ctx, 4096, 2)?,
+            flush_w: filled(ctx, rows * 4096, 1)?,
+            flush_y: ctx.stream().alloc_zeros::<bf16>(rows)?,
+            rows,
+        })
+    }
+
+    /// Median ms of 30 timed calls (after 3 untimed ones), each after a flush.
+    fn time(
+        &mut self,
+        ctx: &Cudnn,
+        call: &mut dyn FnMut() -> cudnn_llm::Result<()>,
+    ) -> Result<f64, Box<dyn std::error::Error>> {
+        let cuda = ctx.stream().context();
+        let (start, end) = (
+            cuda.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?,
+            cuda.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?,
+        );
+        let flush_args = MatmulArgs::linear(1, 4096, self.rows).with_form(MatmulKernel::DecodeGemv);
+        for _ in 0..3 {
+            call()?;
+        }
+        let mut samples = Vec::with_capacity(30);
+        for _ in 0..30 {
+            let flush = MatmulOperands::new(&self.flush_x, &self.flush_w, &mut self.flush_y);
+            matmul(ctx, &flush_args, flush, Backend::Fused)?;
+            start.record(ctx.stream())?;
+            call()?;
+            end.record(ctx.stream())?;
+            samples.push(start.elapsed_ms(&end)? as f64);
+        }
+        Ok(median(samples))
+    }
 }
 
 /// Each decode projection of Llama-3.1-8B (and its `lm_head`) alone, at 1, 4 and 8 tokens, in the cuDNN

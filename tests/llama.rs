@@ -6,7 +6,7 @@ use cudnn_llm::bench_util::gpu;
 use cudnn_llm::cudnn_ops::reference::{compare, Tolerance};
 use cudnn_llm::cudnn_ops::{Backend, Cudnn};
 use cudnn_llm::llama::weights::Weights;
-use cudnn_llm::llama::{reference, Backends, Llama, LlamaConfig, ModuleKind, NoObserver};
+use cudnn_llm::llama::{reference, Backends, DecodeFusion, Llama, LlamaConfig, ModuleKind, NoObserver};
 use half::bf16;
 
 /// Hidden states through a whole bf16 model, against f64.
@@ -249,4 +249,59 @@ fn captured_decode_steps_replay_at_every_position() {
     model.forward(&ctx, &head, &mut other, &naive, &mut NoObserver).unwrap();
     let e = unsafe { model.capture_decode(&ctx, &mut other, &naive) }.unwrap_err().to_string();
     assert!(e.contains("position from the host"), "{e}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_fusion_folds_launches_and_keeps_the_hidden_states() {
+    // Batch 1, one-token fused steps with each DecodeFusion: the hidden states match the f64 forward
+    // and the unfused steps', and the folded forms did run (the decode GEMV's kernel list names them).
+    let ctx = gpu();
+    let cfg = LlamaConfig::tiny();
+    let w = Weights::<bf16>::random(&cfg, 9);
+    let mut model = Llama::new(&ctx, &cfg, &w, 64).unwrap();
+    let (prompt, steps, h) = (7, 5, cfg.hidden);
+    let all = tokens(1, prompt + steps, cfg.vocab, 23);
+    let expected = reference::forward(&cfg, &w, &all, 0);
+    let fused = Backends::all(Backend::Fused);
+    let runs = |ctx: &Cudnn, form: &str| -> u64 {
+        ctx.kernel_runs().iter().filter(|r| r.name.contains(form)).map(|r| r.calls).sum()
+    };
+    let mut unfused: Vec<Vec<bf16>> = Vec::new();
+    for fusion in DecodeFusion::EVERY {
+        model.set_decode_fusion(fusion);
+        let before: Vec<u64> =
+            ["_m1_norm)", "_m1_dual)", "_m1_norm_dual)"].iter().map(|f| runs(&ctx, f)).collect();
+        let mut cache = model.cache(&ctx, 1, prompt + steps).unwrap();
+        model.forward(&ctx, &[all[0][..prompt].to_vec()], &mut cache, &fused, &mut NoObserver).unwrap();
+        for s in prompt..prompt + steps {
+            let out = model.forward(&ctx, &[vec![all[0][s]]], &mut cache, &fused, &mut NoObserver).unwrap();
+            let mut got = ctx.stream().clone_dtoh(out).unwrap();
+            got.truncate(h);
+            let c = compare(&got, &expected[s * h..(s + 1) * h]);
+            println!("{} position {s}: vs f64 forward {c}", fusion.name());
+            assert!(c.passes(MODEL_TOL), "{} position {s}: {c}", fusion.name());
+            if fusion == DecodeFusion::NONE {
+                unfused.push(got);
+            } else {
+                let base: Vec<f64> = unfused[s - prompt].iter().map(|v| v.to_f64()).collect();
+                let c = compare(&got, &base);
+                println!("{} position {s}: vs unfused steps {c}", fusion.name());
+                assert!(c.passes(MODEL_TOL), "{} position {s} vs unfused: {c}", fusion.name());
+            }
+        }
+        let after: Vec<u64> =
+            ["_m1_norm)", "_m1_dual)", "_m1_norm_dual)"].iter().map(|f| runs(&ctx, f)).collect();
+        let ran: Vec<u64> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
+        println!("{}: fused-form launches (norm, dual, norm_dual) {ran:?}", fusion.name());
+        let layer_steps = (cfg.layers * steps) as u64;
+        let want = match (fusion.norm_into_projection, fusion.gate_up) {
+            (false, false) => vec![0, 0, 0],
+            // qkv, up and gate each with the norm.
+            (true, false) => vec![3 * layer_steps, 0, 0],
+            (false, true) => vec![0, layer_steps, 0],
+            (true, true) => vec![layer_steps, 0, layer_steps],
+        };
+        assert_eq!(ran, want, "{}: fused-form launches (norm, dual, norm_dual)", fusion.name());
+    }
 }

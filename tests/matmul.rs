@@ -6,8 +6,9 @@
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use cudnn_llm::bench_util::{self, download, expect_untouched, poisoned, upload};
 use cudnn_llm::cudnn_ops::{
-    knob_name, matmul, reference, Activation, Backend, Cudnn, DataType, Element, Epilogue, Error, L2Flush,
-    MatmulArgs, MatmulKernel, MatmulOperands, MatrixLayout, DECODE_GEMV_MAX_TOKENS,
+    knob_name, matmul, reference, rms_norm, Activation, Backend, Cudnn, DataType, Element, Epilogue, Error,
+    L2Flush, MatmulArgs, MatmulKernel, MatmulOperands, MatrixLayout, Prologue, RmsNormArgs, RmsNormOperands,
+    DECODE_GEMV_MAX_TOKENS,
 };
 use half::{bf16, f16};
 
@@ -808,6 +809,220 @@ fn the_fused_backend_takes_the_gemv_where_it_applies_and_says_so() {
     });
     assert!(err.is_not_supported(), "{err}");
     assert_eq!(calls(&ctx) - runs0, 1);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The decode GEMV's one-token fused forms: the RMSNorm prologue, the up product, both.
+
+#[test]
+fn fused_decode_reference_by_hand() {
+    // x = [1, 1, 1, 1]: mean square 1, ε 0, so the normalized x is the norm weight [1, 2, 0.5, -1].
+    let x = [1.0; 4];
+    let norm = [1.0, 2.0, 0.5, -1.0];
+    let w = [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0];
+    let w_up = [2.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0];
+    let plain = reference::decode_fused::<bf16>(Epilogue::NONE, &x, &w, None, None, None, None);
+    assert_eq!(plain, vec![1.0, 3.0]);
+    let normed =
+        reference::decode_fused::<bf16>(Epilogue::NONE, &x, &w, Some((&norm, 0.0)), None, None, None);
+    assert_eq!(normed, vec![1.0, 1.5]);
+    // RMSNorm is scale invariant: 2·x gives the same rows.
+    let x2 = [2.0; 4];
+    assert_eq!(
+        reference::decode_fused::<bf16>(Epilogue::NONE, &x2, &w, Some((&norm, 0.0)), None, None, None),
+        normed
+    );
+    // Gate and up: silu(x·W) · (x·W_up), U = [2, 2.5]; then + R.
+    let r = [0.25, -0.5];
+    let e = Epilogue::SWIGLU.with_residual();
+    let d = reference::decode_fused::<bf16>(e, &x, &w, Some((&norm, 0.0)), Some(&w_up), None, Some(&r));
+    let silu = |v: f64| v / (1.0 + (-v).exp());
+    let expected = [silu(1.0) * 2.0 + 0.25, silu(1.5) * 2.5 - 0.5];
+    assert!(d.iter().zip(expected).all(|(a, b)| (a - b).abs() < 1e-12), "{d:?} vs {expected:?}");
+    // The rounding to the I/O dtype: x·W_up = 1 + 2^-9 is 1 in bf16 (8 mantissa bits), itself in f16.
+    let up_row = [1.0 + 1.0 / 512.0];
+    let bf =
+        reference::decode_fused::<bf16>(Epilogue::SWIGLU, &[1.0], &[1.0], None, Some(&up_row), None, None);
+    let hf =
+        reference::decode_fused::<f16>(Epilogue::SWIGLU, &[1.0], &[1.0], None, Some(&up_row), None, None);
+    assert_eq!((bf[0], hf[0]), (silu(1.0), silu(1.0) * up_row[0]));
+}
+
+/// One fused-form case at one token: x, W, W_up and the norm weight (`[k]` around 1, as trained norm
+/// weights are), the residual.
+struct FusedCase<T: Element> {
+    x: CudaSlice<T>,
+    w: CudaSlice<T>,
+    w_up: CudaSlice<T>,
+    norm: CudaSlice<T>,
+    r: CudaSlice<T>,
+    rounded: [Vec<f64>; 5],
+}
+
+const NORM_EPS: f32 = 1e-5;
+
+impl<T: Element> FusedCase<T> {
+    fn new(ctx: &Cudnn, k: usize, n: usize, seed: u64) -> Self {
+        let scale = 3.0 / (k as f64).sqrt();
+        let x: Vec<f64> = reference::random_values(seed, k).iter().map(|v| 4.0 * v).collect();
+        let w: Vec<f64> = reference::random_values(seed + 1, n * k).iter().map(|v| v * scale).collect();
+        let w_up: Vec<f64> = reference::random_values(seed + 2, n * k).iter().map(|v| v * scale).collect();
+        let norm: Vec<f64> = reference::random_values(seed + 3, k).iter().map(|v| 1.0 + 0.5 * v).collect();
+        let r = reference::random_values(seed + 4, n);
+        let (x, xr) = upload::<T>(ctx, &x).unwrap();
+        let (w, wr) = upload::<T>(ctx, &w).unwrap();
+        let (w_up, ur) = upload::<T>(ctx, &w_up).unwrap();
+        let (norm, nr) = upload::<T>(ctx, &norm).unwrap();
+        let (r, rr) = upload::<T>(ctx, &r).unwrap();
+        FusedCase { x, w, w_up, norm, r, rounded: [xr, wr, ur, nr, rr] }
+    }
+
+    /// `args`'s fused form (prologue and up product as it says) into a poisoned D with 64 guard
+    /// elements: D, and how many guard elements were written.
+    fn fused(&self, ctx: &Cudnn, args: &MatmulArgs) -> (Vec<T>, usize) {
+        let n = args.n();
+        let mut d = poisoned::<T>(ctx, n + 64).unwrap();
+        let mut x = MatmulOperands::new(&self.x, &self.w, &mut d);
+        if args.prologue.is_some() {
+            x = x.norm_weight(&self.norm);
+        }
+        if args.up_product {
+            x = x.up_weight(&self.w_up);
+        }
+        if args.epilogue.residual {
+            x = x.residual(&self.r);
+        }
+        matmul(ctx, &args.with_form(MatmulKernel::DecodeGemv), x, Backend::Fused).unwrap();
+        let mut out = download(ctx, &d).unwrap();
+        let guard = out.split_off(n);
+        (out, guard.iter().filter(|v| !v.to_f64().is_nan()).count())
+    }
+
+    /// The unfused fused-backend path a decoder runs without the forms: the RMSNorm graph into a
+    /// poisoned buffer, the up projection's GEMV, the gate's GEMV with the epilogue.
+    fn unfused(&self, ctx: &Cudnn, args: &MatmulArgs) -> Vec<T> {
+        let (k, n) = (args.k(), args.n());
+        let mut xn = poisoned::<T>(ctx, k).unwrap();
+        let x: &CudaSlice<T> = if args.prologue.is_some() {
+            let norm = RmsNormArgs::new(1, k, NORM_EPS);
+            rms_norm(ctx, norm, RmsNormOperands::new(&self.x, &self.norm, &mut xn), Backend::Fused).unwrap();
+            &xn
+        } else {
+            &self.x
+        };
+        let gemv = MatmulArgs::linear(1, k, n).with_form(MatmulKernel::DecodeGemv);
+        let mut up = poisoned::<T>(ctx, n).unwrap();
+        if args.up_product {
+            matmul(ctx, &gemv, MatmulOperands::new(x, &self.w_up, &mut up), Backend::Fused).unwrap();
+        }
+        let mut d = poisoned::<T>(ctx, n).unwrap();
+        let mut ops = MatmulOperands::new(x, &self.w, &mut d);
+        if args.up_product {
+            ops = ops.up(&up);
+        }
+        if args.epilogue.residual {
+            ops = ops.residual(&self.r);
+        }
+        matmul(ctx, &gemv.with_epilogue(args.epilogue), ops, Backend::Fused).unwrap();
+        download(ctx, &d).unwrap()
+    }
+
+    fn reference(&self, args: &MatmulArgs) -> Vec<f64> {
+        let [x, w, w_up, norm, r] = &self.rounded;
+        let e = args.epilogue;
+        reference::decode_fused::<T>(
+            e,
+            x,
+            w,
+            args.prologue.map(|_| (&norm[..], NORM_EPS as f64)),
+            args.up_product.then_some(&w_up[..]),
+            None,
+            e.residual.then_some(&r[..]),
+        )
+    }
+}
+
+/// The fused forms against the f64 reference (the dtype's tolerance) and against the unfused
+/// fused-backend path (the same tolerance; the count of bit-identical outputs is printed: the up
+/// product rounds as the up projection does, so without the prologue they should all be identical).
+fn check_fused_forms<T: Element>(ctx: &Cudnn, k: usize, n: usize, seed: u64, failures: &mut Vec<String>) {
+    let case = FusedCase::<T>::new(ctx, k, n, seed);
+    let norm = Prologue::rms_norm(NORM_EPS);
+    let base = MatmulArgs::linear(1, k, n);
+    let swiglu = base.with_epilogue(Epilogue::SWIGLU).with_up_product();
+    let forms = [
+        ("norm", base.with_prologue(norm)),
+        ("norm+residual", base.with_epilogue(Epilogue::RESIDUAL).with_prologue(norm)),
+        ("dual", swiglu),
+        ("norm+dual", swiglu.with_prologue(norm)),
+        (
+            "norm+dual+residual",
+            base.with_epilogue(Epilogue::SWIGLU.with_residual()).with_up_product().with_prologue(norm),
+        ),
+    ];
+    let tol = reference::tolerance(T::DTYPE);
+    for (name, args) in forms {
+        let (out, guard) = case.fused(ctx, &args);
+        let vs_ref = reference::compare(&out, &case.reference(&args));
+        let unfused = case.unfused(ctx, &args);
+        let unfused_f64: Vec<f64> = unfused.iter().map(|v| v.to_f64()).collect();
+        let vs_unfused = reference::compare(&out, &unfused_f64);
+        let same =
+            out.iter().zip(&unfused).filter(|(a, b)| a.to_f64().to_bits() == b.to_f64().to_bits()).count();
+        let ok = vs_ref.passes(tol) && vs_unfused.passes(tol) && guard == 0;
+        let line = format!(
+            "{} {name} [1, {k}] x [{k}, {n}]: vs reference {vs_ref}; vs unfused {vs_unfused}, {same} of {n} \
+             bit-identical; {guard} of 64 guard elements written",
+            T::DTYPE
+        );
+        println!("{} {line}", if ok { "ok  " } else { "FAIL" });
+        if !ok {
+            failures.push(line);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_gemv_fused_forms_match_the_reference_and_the_unfused_path() {
+    let ctx = gpu();
+    println!("{} cuDNN {}", ctx.info().name, ctx.info().cudnn_version_string());
+    let mut failures = Vec::new();
+    // Llama-3.1-8B's qkv and gate/up shapes; small and odd ones: k = 8 (one chunk), k = 4104 (the
+    // remainder loop), n not a multiple of a block's warps, a vocabulary-sized n, a long row (k = 16384,
+    // 32 KiB of shared memory).
+    for (i, (k, n)) in [(4096, 6144), (4096, 14336), (8, 8), (64, 40), (4104, 56), (256, 50264), (16384, 136)]
+        .iter()
+        .enumerate()
+    {
+        check_fused_forms::<bf16>(&ctx, *k, *n, 1500 + 10 * i as u64, &mut failures);
+        check_fused_forms::<f16>(&ctx, *k, *n, 1600 + 10 * i as u64, &mut failures);
+    }
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_graph_and_the_naive_backend_refuse_the_fused_forms() {
+    let ctx = gpu();
+    let case = FusedCase::<bf16>::new(&ctx, 64, 64, 1700);
+    let args = MatmulArgs::linear(1, 64, 64).with_prologue(Prologue::rms_norm(NORM_EPS));
+    for (backend, form, expected) in [
+        (Backend::Fused, Some(MatmulKernel::Graph), "the cuDNN graph has no prologue"),
+        (Backend::Naive, None, "forms of the fused backend's decode GEMV"),
+    ] {
+        let a = match form {
+            Some(f) => args.with_form(f),
+            None => args,
+        };
+        let mut d = poisoned::<bf16>(&ctx, 64).unwrap();
+        let err =
+            matmul(&ctx, &a, MatmulOperands::new(&case.x, &case.w, &mut d).norm_weight(&case.norm), backend)
+                .unwrap_err();
+        assert!(err.is_not_supported() && err.to_string().contains(expected), "{err}");
+        let untouched = download(&ctx, &d).unwrap().iter().all(|v| v.to_f64().is_nan());
+        assert!(untouched, "{backend:?}: D was written by a refused call");
+    }
 }
 
 #[test]

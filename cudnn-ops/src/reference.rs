@@ -346,6 +346,33 @@ pub fn matmul(
     matmul_epilogue(epilogue, &product, args.n(), &rows, bias, gate, residual)
 }
 
+/// The decode GEMV's one-token fused forms in f64, as their unfused composition computes them: x
+/// (`[k]`) normalized by [`rms_norm`] with `norm = (weight [k], ε)` and rounded to `T` (the RMSNorm's
+/// output), then the product with W (row-major `[n, k]`, a Linear weight); with `w_up` (`[n, k]`) the
+/// gate step's multiplier is `x · W_upᵀ` rounded to `T` (the up projection's output); then the
+/// epilogue (`bias` `[n]`, `residual` `[n]`).
+pub fn decode_fused<T: Element>(
+    epilogue: crate::Epilogue,
+    x: &[f64],
+    w: &[f64],
+    norm: Option<(&[f64], f64)>,
+    w_up: Option<&[f64]>,
+    bias: Option<&[f64]>,
+    residual: Option<&[f64]>,
+) -> Vec<f64> {
+    let k = x.len();
+    let n = w.len() / k;
+    let round = |v: Vec<f64>| -> Vec<f64> { to_elements::<T>(&v).iter().map(|e| e.to_f64()).collect() };
+    let x = match norm {
+        Some((weight, eps)) => round(rms_norm(x, weight, 1, k, eps).0),
+        None => x.to_vec(),
+    };
+    let args = crate::MatmulArgs::linear(1, k, n);
+    let product = |w: &[f64]| matmul_rows(&args, &x, w, &[0]);
+    let up = w_up.map(|w| round(product(w)));
+    matmul_epilogue(epilogue, &product(w), n, &[0], bias, up.as_deref(), residual)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

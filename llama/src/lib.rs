@@ -44,7 +44,9 @@ pub use batching::{BatchConfig, BatchEngine};
 pub use config::LlamaConfig;
 pub use cudnn_llm_ops::Backend;
 pub use generate::{DecodeMode, Generation, Generator, StopReason};
-pub use model::{DecodeGraph, Fallback, KvCache, Llama, NoObserver, Observer, PagedCache, PagedDecodeGraph};
+pub use model::{
+    DecodeFusion, DecodeGraph, Fallback, KvCache, Llama, NoObserver, Observer, PagedCache, PagedDecodeGraph,
+};
 pub use sampling::{Sampler, SamplingParams};
 pub use tokenizer::Tokenizer;
 pub use train::{Batch, StepStats, TrainConfig, Trainer};

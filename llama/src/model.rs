@@ -53,7 +53,7 @@ use cudnn_llm_ops::{check_ids, Cudnn, Element, RopeTables, SeqLens};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use crate::modules::{
-    Fallback, NoObserver, Observer, ATTN_ALLREDUCE_RANGE, EMBED_RANGE, MLP_ALLREDUCE_RANGE,
+    DecodeFusion, Fallback, NoObserver, Observer, ATTN_ALLREDUCE_RANGE, EMBED_RANGE, MLP_ALLREDUCE_RANGE,
 };
 pub use paged::{PagedCache, PagedDecodeGraph};
 
@@ -171,6 +171,8 @@ pub struct Llama<T: Element> {
     /// A tensor-parallel rank's communicator: layers all-reduce their residual sums and `lm_head`
     /// (the rank's rows of the vocabulary) all-gathers its logits.
     comm: Option<Comm>,
+    /// What fused one-token steps fold together.
+    decode_fusion: DecodeFusion,
 }
 
 impl<T: Element> Llama<T> {
@@ -254,7 +256,19 @@ impl<T: Element> Llama<T> {
             fallbacks: Fallbacks::default(),
             padded_decode: ctx.features().sdpa_seq_lens(),
             comm,
+            decode_fusion: DecodeFusion::default(),
         })
+    }
+
+    /// What fused one-token steps fold together from now on ([`DecodeFusion::ALL`] unless set): a
+    /// decode graph captured before keeps what it captured.
+    pub fn set_decode_fusion(&mut self, fusion: DecodeFusion) {
+        self.decode_fusion = fusion;
+    }
+
+    /// What fused one-token steps fold together.
+    pub fn decode_fusion(&self) -> DecodeFusion {
+        self.decode_fusion
     }
 
     /// The configuration (a tensor-parallel rank's shapes on a rank, see [`crate::tp::ShardPlan::local`]).
@@ -549,6 +563,7 @@ impl<T: Element> Llama<T> {
         let tokens = Tokens { batch, seq, start: cache.len };
         let dispatch = Dispatch::new(&mut self.fallbacks, backends, obs);
         let mut p = Pass::new(ctx, dispatch, tokens, &self.rope, self.padded_decode);
+        p.fusion = self.decode_fusion;
         let acts = self.acts.as_mut().expect("allocated by upload");
         self.embed.forward(&mut p, &acts.ids, acts.x.first_mut())?;
         for (l, block) in self.blocks.iter().enumerate() {

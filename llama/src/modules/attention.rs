@@ -1,6 +1,7 @@
 //! Grouped-query attention with RoPE and a KV cache.
 
 use super::linear::{Linear, Then};
+use super::norm::Normed;
 use super::{Pass, Positions, Tokens};
 use crate::backends::Site;
 use crate::{Backend, Result};
@@ -48,7 +49,7 @@ impl<T: Element> Attention<T> {
     pub(crate) fn forward(
         &self,
         p: &mut Pass<'_, T>,
-        h: &CudaSlice<T>,
+        h: Normed<'_, T>,
         bufs: &mut AttnBuffers<T>,
         mut cache: LayerCache<'_, T>,
         x: &CudaSlice<T>,
@@ -61,17 +62,23 @@ impl<T: Element> Attention<T> {
         self.project_o(p, o, x, sum)
     }
 
-    /// The QKV projection of the pass's rows of `h` into `qkv`.
+    /// The QKV projection of the pass's rows of `h` into `qkv` (`h` may be x with the prenorm
+    /// folded into the projection).
     pub(super) fn project_qkv(
         &self,
         p: &mut Pass<'_, T>,
-        h: &CudaSlice<T>,
+        mut h: Normed<'_, T>,
         qkv: &mut CudaSlice<T>,
     ) -> Result<()> {
         let (ctx, rows) = (p.ctx, p.tokens.rows());
         p.dispatch.run(Site::QKV_PROJ, Some(self.layer), &p.shape, |b| {
-            self.qkv_proj.forward(b, ctx, rows, h, Then::Nothing, qkv)
+            self.qkv_proj.forward_normed(b, ctx, rows, &mut h, Then::Nothing, qkv)
         })
+    }
+
+    /// Whether the fused decode GEMV takes `qkv_proj` at one token with the prenorm folded in.
+    pub(crate) fn takes_folded_norm(&self) -> bool {
+        self.qkv_proj.takes_decode_form(true, false)
     }
 
     /// `sum = x + o_proj(o)` (`o_proj(o)` alone without [`Attention::adds_residual`]).

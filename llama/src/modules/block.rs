@@ -3,13 +3,14 @@
 use super::attention::{Attention, AttnBuffers, LayerCache};
 use super::linear::Linear;
 use super::mlp::{Mlp, MlpBuffers};
-use super::norm::RmsNorm;
+use super::norm::{Normed, RmsNorm};
 use super::residual::Residual;
 use super::Pass;
 use crate::backends::Site;
 use crate::config::LlamaConfig;
 use crate::nccl::Comm;
 use crate::weights::LayerWeights;
+use crate::Backend;
 use crate::Result;
 use cudnn_llm_ops::cudarc::driver::CudaSlice;
 use cudnn_llm_ops::{Cudnn, Element};
@@ -77,7 +78,8 @@ impl<T: Element> Block<T> {
     }
 
     /// The layer over the pass's tokens, appending their K and V to `cache`; with `comm` (a
-    /// tensor-parallel rank), each residual sum is all-reduced over the ranks.
+    /// tensor-parallel rank), each residual sum is all-reduced over the ranks. A fused one-token step
+    /// folds what the pass's [`DecodeFusion`](super::DecodeFusion) asks for ([`Block::folds`]).
     pub(crate) fn forward(
         &self,
         p: &mut Pass<'_, T>,
@@ -87,16 +89,50 @@ impl<T: Element> Block<T> {
         comm: Option<&Comm>,
     ) -> Result<()> {
         let Scratch { h, attn, mlp } = s;
-        self.attn_norm.forward(p, x.get(), h)?;
+        let (fold_attn, fold_mlp, gate_up) = self.folds(p);
+        if fold_attn {
+            self.attn_norm.folded(p);
+        } else {
+            self.attn_norm.forward(p, x.get(), h)?;
+        }
         x.add(|x, sum| {
-            self.attn.forward(p, h, attn, cache, x, sum)?;
+            let input =
+                if fold_attn { Normed::Folded { x, norm: &self.attn_norm, h } } else { Normed::Done(h) };
+            self.attn.forward(p, input, attn, cache, x, sum)?;
             self.all_reduce(p, comm, ATTN_ALLREDUCE_RANGE, sum)
         })?;
-        self.mlp_norm.forward(p, x.get(), h)?;
+        if fold_mlp {
+            self.mlp_norm.folded(p);
+        } else {
+            self.mlp_norm.forward(p, x.get(), h)?;
+        }
         x.add(|x, sum| {
-            self.mlp.forward(p, h, mlp, x, sum)?;
+            let input =
+                if fold_mlp { Normed::Folded { x, norm: &self.mlp_norm, h } } else { Normed::Done(h) };
+            self.mlp.forward(p, input, mlp, x, sum, gate_up)?;
             self.all_reduce(p, comm, MLP_ALLREDUCE_RANGE, sum)
         })
+    }
+
+    /// What this layer folds in this pass: `(attention's prenorm into qkv_proj, the MLP's prenorm
+    /// into gate and up, gate and up in one GEMV)`. Only a one-token pass whose modules involved all
+    /// run fused, with the decode GEMV taking the form, and as the pass's
+    /// [`DecodeFusion`](super::DecodeFusion) asks.
+    fn folds(&self, p: &Pass<'_, T>) -> (bool, bool, bool) {
+        let f = p.fusion;
+        if p.tokens.rows() != 1 {
+            return (false, false, false);
+        }
+        let layer = Some(self.attn.layer);
+        let fused = |site: Site| p.dispatch.backend(site, layer) == Backend::Fused;
+        let norm = f.norm_into_projection;
+        let fold_attn =
+            norm && fused(Site::ATTN_PRENORM) && fused(Site::QKV_PROJ) && self.attn.takes_folded_norm();
+        let gate_up = f.gate_up && fused(Site::MLP) && self.mlp.takes_gate_up(false);
+        // Without gate_up, the up and the gate GEMV each normalize x.
+        let fold_mlp =
+            norm && fused(Site::MLP_PRENORM) && fused(Site::MLP) && self.mlp.takes_folded_norm(gate_up);
+        (fold_attn, fold_mlp, gate_up)
     }
 
     /// Sums the pass's rows of `sum` over the ranks in place, inside `range` (nothing without `comm`).
@@ -128,6 +164,6 @@ impl<T: Element> Block<T> {
         self.attn_norm.forward(p, x.get(), h)?;
         x.add(|x, sum| self.attn.forward_paged(p, h, attn, cache, x, sum))?;
         self.mlp_norm.forward(p, x.get(), h)?;
-        x.add(|x, sum| self.mlp.forward(p, h, mlp, x, sum))
+        x.add(|x, sum| self.mlp.forward(p, Normed::Done(h), mlp, x, sum, false))
     }
 }

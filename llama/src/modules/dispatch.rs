@@ -54,6 +54,11 @@ impl<'a> Dispatch<'a> {
         Dispatch { fallbacks, backends, obs }
     }
 
+    /// The backend [`Backends`] selects for `site` of `layer` (before any fallback).
+    pub(crate) fn backend(&self, site: Site, layer: Option<usize>) -> Backend {
+        self.backends.get(layer, site.kind)
+    }
+
     /// Runs `launch` inside `range`'s observer range (for a module with one backend: the embedding).
     pub(crate) fn observe<R>(
         &mut self,

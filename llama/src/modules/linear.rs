@@ -1,7 +1,8 @@
 //! A linear layer and what its epilogue adds.
 
+use super::norm::Normed;
 use cudnn_llm_ops::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
-use cudnn_llm_ops::{matmul, Backend, Cudnn, Element, Epilogue, MatmulArgs, MatmulOperands};
+use cudnn_llm_ops::{matmul, Backend, Cudnn, Element, Epilogue, MatmulArgs, MatmulOperands, Prologue};
 
 /// What a linear layer's epilogue does with `x · Wᵀ` (fused into the GEMM's graph, or one more naive
 /// kernel).
@@ -12,6 +13,9 @@ pub(crate) enum Then<'a, T: Element> {
     SwiGlu(&'a dyn DevicePtr<T>),
     /// `residual + x · Wᵀ`.
     AddTo(&'a dyn DevicePtr<T>),
+    /// `silu(x · Wᵀ) · (x · W_upᵀ)`, both products in one decode GEMV (the up product; fused, one
+    /// token).
+    SwiGluOf(&'a Linear<T>),
 }
 
 /// A weight `[out_features, in_features]` (row-major, as checkpoints store it) applied as `x · Wᵀ`.
@@ -36,13 +40,71 @@ impl<T: Element> Linear<T> {
         then: Then<'_, T>,
         out: &mut dyn DevicePtrMut<T>,
     ) -> cudnn_llm_ops::Result<()> {
-        let shape = MatmulArgs::linear(tokens, self.in_features, self.out_features);
-        let operands = MatmulOperands::new(x, &self.weight, out);
+        self.call(backend, ctx, tokens, x, None, then, out)
+    }
+
+    /// `out = then(input · Wᵀ)`: a folded norm runs in the fused GEMV (or, naive, first into its `h`).
+    pub(crate) fn forward_normed(
+        &self,
+        backend: Backend,
+        ctx: &Cudnn,
+        tokens: usize,
+        input: &mut Normed<'_, T>,
+        then: Then<'_, T>,
+        out: &mut dyn DevicePtrMut<T>,
+    ) -> cudnn_llm_ops::Result<()> {
+        match input {
+            Normed::Done(h) => self.call(backend, ctx, tokens, *h, None, then, out),
+            Normed::Folded { x, norm, .. } if backend == Backend::Fused => {
+                self.call(backend, ctx, tokens, *x, Some((norm.weight(), norm.epsilon())), then, out)
+            }
+            Normed::Folded { x, norm, h } => {
+                norm.apply(ctx, tokens, x, h, backend)?;
+                self.call(backend, ctx, tokens, &**h, None, then, out)
+            }
+        }
+    }
+
+    /// The one matmul call: the prologue's norm weight and ε when given.
+    #[allow(clippy::too_many_arguments)]
+    fn call(
+        &self,
+        backend: Backend,
+        ctx: &Cudnn,
+        tokens: usize,
+        x: &dyn DevicePtr<T>,
+        norm: Option<(&CudaSlice<T>, f32)>,
+        then: Then<'_, T>,
+        out: &mut dyn DevicePtrMut<T>,
+    ) -> cudnn_llm_ops::Result<()> {
+        let mut shape = MatmulArgs::linear(tokens, self.in_features, self.out_features);
+        let mut operands = MatmulOperands::new(x, &self.weight, out);
+        if let Some((weight, eps)) = norm {
+            shape = shape.with_prologue(Prologue::rms_norm(eps));
+            operands = operands.norm_weight(weight);
+        }
         let (epilogue, operands) = match then {
             Then::Nothing => (Epilogue::NONE, operands),
             Then::SwiGlu(up) => (Epilogue::SWIGLU, operands.up(up)),
             Then::AddTo(residual) => (Epilogue::RESIDUAL, operands.residual(residual)),
+            Then::SwiGluOf(up) => {
+                shape = shape.with_up_product();
+                (Epilogue::SWIGLU, operands.up_weight(&up.weight))
+            }
         };
         matmul(ctx, &shape.with_epilogue(epilogue), operands, backend)
+    }
+
+    /// Whether the fused decode GEMV takes this layer at one token in the given form (with the
+    /// RMSNorm prologue, with `up` as the up product).
+    pub(crate) fn takes_decode_form(&self, norm: bool, up: bool) -> bool {
+        let mut shape = MatmulArgs::linear(1, self.in_features, self.out_features);
+        if norm {
+            shape = shape.with_prologue(Prologue::rms_norm(1e-5));
+        }
+        if up {
+            shape = shape.with_epilogue(Epilogue::SWIGLU).with_up_product();
+        }
+        shape.decode_gemv(T::DTYPE, T::DTYPE).is_ok()
     }
 }

@@ -1,9 +1,10 @@
 //! The SwiGLU MLP.
 
 use super::linear::{Linear, Then};
+use super::norm::Normed;
 use super::Pass;
 use crate::backends::Site;
-use crate::Result;
+use crate::{Backend, Result};
 use cudnn_llm_ops::cudarc::driver::CudaSlice;
 use cudnn_llm_ops::Element;
 
@@ -25,22 +26,43 @@ pub(crate) struct Mlp<T> {
 
 impl<T: Element> Mlp<T> {
     /// `sum = x + mlp(h)` (`mlp(h)` alone without [`Mlp::adds_residual`]): three GEMMs, the SwiGLU
-    /// and the residual add in their epilogues.
+    /// and the residual add in their epilogues; with `gate_up` (a fused one-token step), gate and up
+    /// in one GEMV. `h` may be x with the prenorm folded into the gate and up projections.
     pub(crate) fn forward(
         &self,
         p: &mut Pass<'_, T>,
-        h: &CudaSlice<T>,
+        mut h: Normed<'_, T>,
         bufs: &mut MlpBuffers<T>,
         x: &CudaSlice<T>,
         sum: &mut CudaSlice<T>,
+        gate_up: bool,
     ) -> Result<()> {
         let (ctx, rows) = (p.ctx, p.tokens.rows());
         let MlpBuffers { up, act } = bufs;
         p.dispatch.run(Site::MLP, Some(self.layer), &p.shape, |b| {
-            self.up.forward(b, ctx, rows, h, Then::Nothing, up)?;
-            self.gate.forward(b, ctx, rows, h, Then::SwiGlu(up), act)?;
+            if gate_up && b == Backend::Fused {
+                self.gate.forward_normed(b, ctx, rows, &mut h, Then::SwiGluOf(&self.up), act)?;
+            } else {
+                self.up.forward_normed(b, ctx, rows, &mut h, Then::Nothing, up)?;
+                self.gate.forward_normed(b, ctx, rows, &mut h, Then::SwiGlu(up), act)?;
+            }
             let then = if self.adds_residual { Then::AddTo(x) } else { Then::Nothing };
             self.down.forward(b, ctx, rows, act, then, sum)
         })
+    }
+
+    /// Whether the fused decode GEMV takes gate and up in one launch at one token.
+    pub(crate) fn takes_gate_up(&self, norm: bool) -> bool {
+        self.gate.takes_decode_form(norm, true)
+    }
+
+    /// Whether the fused decode GEMV takes the prenorm folded in at one token: into the one gate-up
+    /// launch, or into each of up and gate.
+    pub(crate) fn takes_folded_norm(&self, gate_up: bool) -> bool {
+        if gate_up {
+            self.takes_gate_up(true)
+        } else {
+            self.up.takes_decode_form(true, false) && self.gate.takes_decode_form(true, false)
+        }
     }
 }

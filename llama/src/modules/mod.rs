@@ -24,6 +24,13 @@
 //! RoPE with the K/V append and SDPA in [`Attention`](attention::Attention), `embedding` in
 //! [`Embedding::forward`](embedding::Embedding::forward).
 //!
+//! A fused decode step of one token can fold launches together ([`DecodeFusion`], on by default):
+//! each prenorm into the projection after it (`qkv_proj`, and the MLP's gate and up), whose decode
+//! GEMV normalizes x itself; the prenorm's range then stays open but empty (its work is counted in
+//! `fwd.layer.attn.qkv_proj` and `fwd.layer.mlp.mlp`); and the MLP's gate and up in one GEMV that
+//! streams both weights. Prefill, batches, the naive backend, and a prenorm and projection on
+//! different backends run the modules as drawn above.
+//!
 //! Q, K and V live in one `[tokens, (h_q + 2·h_kv)·d]` buffer (one GEMM against the concatenated
 //! weight, as gpt-fast's `wqkv`); RoPE rotates Q and K there, K and V rows are copied into a
 //! preallocated cache, and attention reads Q and the cache through strides.
@@ -40,10 +47,54 @@ pub(crate) mod residual;
 
 pub use block::{ATTN_ALLREDUCE_RANGE, MLP_ALLREDUCE_RANGE};
 pub use dispatch::{Fallback, NoObserver, Observer};
+
 pub use embedding::EMBED_RANGE;
 
 use cudnn_llm_ops::{Cudnn, RopeTables};
 use dispatch::Dispatch;
+
+/// Which launches a fused one-token decode step folds together (`Llama::set_decode_fusion`); each
+/// is measured against the unfused step by `examples/05-decode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct DecodeFusion {
+    /// Each prenorm runs inside the projection after it (the decode GEMV's RMSNorm prologue): one
+    /// launch less before `qkv_proj` and before the MLP, per layer.
+    pub norm_into_projection: bool,
+    /// The MLP's gate and up projections run as one GEMV that streams both weights and writes
+    /// `silu(gate) · up` (the up product): one launch less per layer.
+    pub gate_up: bool,
+}
+
+impl DecodeFusion {
+    /// Nothing folded: every module as in prefill.
+    pub const NONE: DecodeFusion = DecodeFusion { norm_into_projection: false, gate_up: false };
+    /// The prenorms folded into the projections only.
+    pub const NORM: DecodeFusion = DecodeFusion { norm_into_projection: true, gate_up: false };
+    /// Gate and up in one GEMV only.
+    pub const GATE_UP: DecodeFusion = DecodeFusion { norm_into_projection: false, gate_up: true };
+    /// Everything folded (the default).
+    pub const ALL: DecodeFusion = DecodeFusion { norm_into_projection: true, gate_up: true };
+    /// Each choice, nothing folded first, for A/B tables.
+    pub const EVERY: [DecodeFusion; 4] =
+        [DecodeFusion::NONE, DecodeFusion::NORM, DecodeFusion::GATE_UP, DecodeFusion::ALL];
+
+    /// `none`, `norm`, `gate_up` or `norm+gate_up`, for tables.
+    pub fn name(self) -> &'static str {
+        match (self.norm_into_projection, self.gate_up) {
+            (false, false) => "none",
+            (true, false) => "norm",
+            (false, true) => "gate_up",
+            (true, true) => "norm+gate_up",
+        }
+    }
+}
+
+impl Default for DecodeFusion {
+    fn default() -> Self {
+        DecodeFusion::ALL
+    }
+}
 
 /// The tokens of one pass: `batch` sequences of `seq` new tokens each, after `start` cached ones.
 #[derive(Debug, Clone, Copy)]
@@ -92,6 +143,8 @@ pub(crate) struct Pass<'a, T: cudnn_llm_ops::Element> {
     pub(crate) shape: String,
     pub(crate) rope: &'a RopeTables<T>,
     pub(crate) positions: Positions,
+    /// What a fused one-token step folds ([`DecodeFusion::NONE`] unless the model sets it).
+    pub(crate) fusion: DecodeFusion,
 }
 
 impl<'a, T: cudnn_llm_ops::Element> Pass<'a, T> {
@@ -104,6 +157,7 @@ impl<'a, T: cudnn_llm_ops::Element> Pass<'a, T> {
         padded: bool,
     ) -> Self {
         let shape = format!("{} tokens", tokens.rows());
-        Pass { ctx, dispatch, tokens, shape, rope, positions: Positions::new(tokens, padded) }
+        let positions = Positions::new(tokens, padded);
+        Pass { ctx, dispatch, tokens, shape, rope, positions, fusion: DecodeFusion::NONE }
     }
 }

@@ -4,6 +4,7 @@
 //! its own length, positions and lengths on the device).
 
 use super::attention::{Attention, AttnBuffers};
+use super::norm::Normed;
 use super::Pass;
 use crate::backends::Site;
 use crate::Result;
@@ -25,7 +26,7 @@ impl<T: Element> Attention<T> {
         sum: &mut CudaSlice<T>,
     ) -> Result<()> {
         let AttnBuffers { qkv, o } = bufs;
-        self.project_qkv(p, h, qkv)?;
+        self.project_qkv(p, Normed::Done(h), qkv)?;
         let qkv_rows = QkvRows::new(self.heads, self.width());
         let (ctx, at, layer, tables) = (p.ctx, Some(self.layer), self.layer, p.rope);
         // Its own fallback key: the paged append is another kernel than the contiguous one.

@@ -31,12 +31,16 @@ impl Linear {
         then: Then<'_, T>,
         y: &mut dyn DevicePtrMut<T>,
     ) -> Result<()> {
-        let shape = MatmulArgs::linear(self.rows, self.inp, self.out);
+        let mut shape = MatmulArgs::linear(self.rows, self.inp, self.out);
         let operands = MatmulOperands::new(x, w, y);
         let (epilogue, operands) = match then {
             Then::Nothing => (Epilogue::NONE, operands),
             Then::SwiGlu(up) => (Epilogue::SWIGLU, operands.up(up)),
             Then::AddTo(residual) => (Epilogue::RESIDUAL, operands.residual(residual)),
+            Then::SwiGluOf(up) => {
+                shape = shape.with_up_product();
+                (Epilogue::SWIGLU, operands.up_weight(&up.weight))
+            }
         };
         matmul(ctx, &shape.with_epilogue(epilogue), operands, b)
     }

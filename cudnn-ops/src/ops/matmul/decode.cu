@@ -67,9 +67,10 @@ __device__ __forceinline__ float gemv_activation(int act, float v) {
 }
 
 // Chunks c, c + 32, ..., c + 32 (V - 1) of the R rows ws against the M tokens xs: every load of W
-// first, then per chunk one load of each token's x and the R·M dot products of 8, each added to its
-// accumulator (V·R·M independent chains).
-template <class D, int M, int R, int V>
+// first, then per chunk one load of each token's x (from global memory through L1, or with SX from
+// the block's shared memory) and the R·M dot products of 8, each added to its accumulator (V·R·M
+// independent chains).
+template <class D, int M, int R, int V, bool SX = false>
 __device__ __forceinline__ void gemv_step(const uint4* const (&ws)[R], const uint4* const (&xs)[M], int c,
                                           float (&acc)[R][M]) {
     uint4 wv[V][R];
@@ -85,7 +86,7 @@ __device__ __forceinline__ void gemv_step(const uint4* const (&ws)[R], const uin
 #pragma unroll
         for (int t = 0; t < M; ++t) {
             float xf[8];
-            gemv_unpack8<D>(gemv_cached16(xs[t] + c + 32 * v), xf);
+            gemv_unpack8<D>(SX ? xs[t][c + 32 * v] : gemv_cached16(xs[t] + c + 32 * v), xf);
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 float dot = wf[r][0] * xf[0];
@@ -156,3 +157,124 @@ extern "C" __global__ void __launch_bounds__(128) gemv_##sfx##_m##M(            
     GEMV_KERNEL(sfx, D, 8, 4, 2)
 GEMV_TILES(bf16, GemvBf16)
 GEMV_TILES(f16, GemvF16)
+
+// ---- The one-token GEMV with its input's RMSNorm and/or the SwiGLU's up projection fused. ----
+
+// Two forms of a decode step's projections in one launch each (decode.rs `Gemv::norm`, `Gemv::dual`):
+// - NORM (the prenorm before qkv_proj, or before the MLP's gate and up): every block computes the
+//   inverse RMS of x's k elements itself (f32 sum of squares, a block reduction; redundant across
+//   blocks, x is in L2) and writes xn = round(x · inv_rms · norm_w) (f32, one rounding to the I/O
+//   dtype, as the RMSNorm graph writes its output) to shared memory, which the dot products then read.
+//   Before that, each warp prefetches the first chunks of its rows into L2, so the weight's latency
+//   overlaps the normalization.
+// - DUAL (the SwiGLU's gate and up): each warp streams the rows `row` of both W (the gate) and W_up
+//   (the same layout), and the epilogue's gate multiplier is U = round(x · W_upᵀ) (rounded to the I/O
+//   dtype as the up projection's output would be) instead of a buffer.
+// One token; warps own R rows of W (and of W_up), U chunks of each in flight; blocks of 128 threads.
+
+// L2 prefetch of 16 bytes (no register, no wait).
+__device__ __forceinline__ void gemv_prefetch(const uint4* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// The sum of v over the block (every thread gets it); blockDim.x is a multiple of 32, at most 1024.
+__device__ __forceinline__ float gemv_block_sum(float v) {
+    __shared__ float partial[32];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float sum = 0.0f;
+    for (int i = 0; i < (int)(blockDim.x >> 5); ++i) sum += partial[i];
+    return sum;
+}
+
+template <class D, int R, int U, bool NORM, bool DUAL>
+__device__ __forceinline__ void gemv_fused(const bits16* x, const bits16* norm_w, float eps, const bits16* w,
+                                           const bits16* w_up, long ldw, int k, int n, const bits16* bias,
+                                           int act, const bits16* up, const bits16* res, bits16* y) {
+    extern __shared__ uint4 gemv_xn[];  // NORM: the normalized x, k / 8 chunks
+    constexpr int RW = DUAL ? 2 * R : R;  // rows streamed per warp: W's, then W_up's
+    const int lane = threadIdx.x & 31, chunks = k >> 3;
+    const long warps = ((long)gridDim.x * blockDim.x) >> 5;
+    const long first = (((long)blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
+    if (NORM) {
+        if (first < n) {
+#pragma unroll
+            for (int r = 0; r < RW; ++r) {
+                const long row = min(first + (r % R), (long)n - 1);
+                const uint4* p = (const uint4*)((DUAL && r >= R ? w_up : w) + row * ldw);
+                for (int c = lane; c < chunks && c < 32 * U; c += 32) gemv_prefetch(p + c);
+            }
+        }
+        const uint4* xg = (const uint4*)x;
+        const uint4* wg = (const uint4*)norm_w;
+        float ss = 0.0f;
+        for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+            float f[8];
+            gemv_unpack8<D>(gemv_cached16(xg + c), f);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) ss = fmaf(f[e], f[e], ss);
+        }
+        const float inv = rsqrtf(gemv_block_sum(ss) / (float)k + eps);
+        for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+            float f[8], g[8];
+            gemv_unpack8<D>(gemv_cached16(xg + c), f);
+            gemv_unpack8<D>(gemv_cached16(wg + c), g);
+            unsigned h[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) h[e] = D::store(f[e] * inv * g[e]);
+            gemv_xn[c] = make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16),
+                                    h[6] | (h[7] << 16));
+        }
+        __syncthreads();
+    }
+    const uint4* const xs[1] = {NORM ? (const uint4*)gemv_xn : (const uint4*)x};
+    for (long row0 = first; row0 < n; row0 += warps * R) {
+        const uint4* ws[RW];
+#pragma unroll
+        for (int r = 0; r < RW; ++r) {
+            const long row = row0 + (r % R) < n ? row0 + (r % R) : n - 1;
+            ws[r] = (const uint4*)((DUAL && r >= R ? w_up : w) + row * ldw);
+        }
+        float acc[RW][1];
+#pragma unroll
+        for (int r = 0; r < RW; ++r) acc[r][0] = 0.0f;
+        int c = lane;
+        for (; c + 32 * (U - 1) < chunks; c += 32 * U) gemv_step<D, 1, RW, U, NORM>(ws, xs, c, acc);
+        for (; c < chunks; c += 32) gemv_step<D, 1, RW, 1, NORM>(ws, xs, c, acc);
+        float v = 0.0f, u = 0.0f;
+#pragma unroll
+        for (int r = 0; r < RW; ++r) {
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) acc[r][0] += __shfl_xor_sync(0xffffffffu, acc[r][0], o);
+            if (lane == r) v = acc[r][0];
+            if (DUAL && lane == r - R) u = acc[r][0];
+        }
+        const long row = row0 + lane;
+        if (lane < R && row < n) {
+            if (bias) v += D::load(bias[row]);
+            v = gemv_activation(act, v);
+            if (DUAL) v *= D::load(D::store(u));
+            else if (up) v *= D::load(up[row]);
+            if (res) v += D::load(res[row]);
+            y[row] = D::store(v);
+        }
+    }
+}
+
+// gemv_<dtype>_m1_<form>: form norm, dual or norm_dual; R rows of W (and of W_up) per warp, U chunks
+// of each in flight (decode.rs `FUSED_TILES`); dynamic shared memory of 2·k bytes with NORM.
+#define GEMV_FUSED_KERNEL(sfx, D, form, R, U, NORM, DUAL)                                                  \
+extern "C" __global__ void __launch_bounds__(128) gemv_##sfx##_m1_##form(                                  \
+        const bits16* x, const bits16* norm_w, float eps, const bits16* w, const bits16* w_up, long ldw,   \
+        long k, long n, const bits16* bias, long act, const bits16* up, const bits16* res, bits16* y) {    \
+    gemv_fused<D, R, U, NORM, DUAL>(x, norm_w, eps, w, w_up, ldw, (int)k, (int)n, bias, (int)act, up, res, \
+                                    y);                                                                    \
+}
+#define GEMV_FUSED(sfx, D)                                                                                \
+    GEMV_FUSED_KERNEL(sfx, D, norm, 1, 8, true, false)                                                    \
+    GEMV_FUSED_KERNEL(sfx, D, dual, 1, 4, false, true)                                                    \
+    GEMV_FUSED_KERNEL(sfx, D, norm_dual, 1, 4, true, true)
+GEMV_FUSED(bf16, GemvBf16)
+GEMV_FUSED(f16, GemvF16)

@@ -23,8 +23,15 @@
 //! multiples of 8 elements, x and W 16-byte aligned. The launch shape depends on the shape only (no
 //! host sync, no allocation), so CUDA-graph capture works. [`MatmulArgs::decode_gemv`] says why a call
 //! does not qualify; [`Cudnn::kernel_runs`] lists the shapes a context ran.
+//!
+//! At one token it also runs the forms only it has ([`MatmulArgs::with_prologue`],
+//! [`MatmulArgs::with_up_product`]): `gemv_<dtype>_m1_norm` (the input's RMSNorm in the projection's
+//! launch: each block normalizes x into shared memory, the weight's first chunks prefetched into L2
+//! meanwhile), `gemv_<dtype>_m1_dual` (SwiGLU's gate and up: each warp streams the same rows of both
+//! weights) and `gemv_<dtype>_m1_norm_dual` (both). What they save in a decode step is launches and
+//! the gaps between them (`examples/05-decode` times the step with and without them).
 
-use super::{Activation, Epilogue, MatmulArgs, MatmulOperands};
+use super::{Activation, Epilogue, MatmulArgs, MatmulOperands, Prologue};
 use crate::checked;
 use crate::dtype::{DataType, Element};
 use crate::kernels::{launch, optional_ptr, Arg, Kernels};
@@ -46,8 +53,16 @@ pub const DECODE_GEMV_AUTO_TOKENS: usize = 1;
 /// `decode.cu`; a mismatch costs speed, not correctness: warps stride over the rows).
 const TILES: [(usize, usize); 4] = [(1, 1), (2, 2), (4, 2), (8, 4)];
 
+/// The rows of W per warp and the chunks of each row in flight of the one-token fused forms
+/// (`GEMV_FUSED` in `decode.cu`): `(norm, dual, norm_dual)`.
+const FUSED_TILES: [(&str, usize, usize); 3] = [("norm", 1, 8), ("dual", 1, 4), ("norm_dual", 1, 4)];
+
 /// Threads per block (the kernels' `__launch_bounds__`).
 const BLOCK: usize = 128;
+
+/// The most shared memory a block takes without opting in: the RMSNorm prologue keeps the normalized
+/// x there (2 bytes per element).
+const SHARED_BYTES: usize = 48 << 10;
 
 /// One decode GEMV launch: the shapes and strides the kernel reads, its tile, and what the call does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -70,30 +85,53 @@ pub(super) struct Gemv {
     dtype: DataType,
     /// The epilogue.
     epilogue: Epilogue,
+    /// The prologue on x (one token).
+    prologue: Option<Prologue>,
+    /// The gate's multiplier is x · W_upᵀ (one token).
+    dual: bool,
 }
 
 impl Gemv {
-    /// The kernel's name, `gemv_<dtype>_m<tile>`.
-    fn kernel(&self) -> String {
-        let sfx = if self.dtype == DataType::F16 { "f16" } else { "bf16" };
-        format!("gemv_{sfx}_m{}", self.tile)
+    /// The fused form's name (`norm`, `dual` or `norm_dual`), `None` for the plain GEMV.
+    fn fused_form(&self) -> Option<&'static str> {
+        match (self.prologue.is_some(), self.dual) {
+            (false, false) => None,
+            (true, false) => Some("norm"),
+            (false, true) => Some("dual"),
+            (true, true) => Some("norm_dual"),
+        }
     }
 
-    /// Blocks of [`BLOCK`] threads, one warp per `rows_per_warp` rows.
+    /// The kernel's name, `gemv_<dtype>_m<tile>`, or `gemv_<dtype>_m1_<form>` for a fused form.
+    fn kernel(&self) -> String {
+        let sfx = if self.dtype == DataType::F16 { "f16" } else { "bf16" };
+        match self.fused_form() {
+            Some(form) => format!("gemv_{sfx}_m1_{form}"),
+            None => format!("gemv_{sfx}_m{}", self.tile),
+        }
+    }
+
+    /// Blocks of [`BLOCK`] threads, one warp per `rows_per_warp` rows; the prologue's normalized x in
+    /// dynamic shared memory.
     fn config(&self) -> Result<LaunchConfig> {
         let warps = self.n.div_ceil(self.rows_per_warp);
         let blocks = warps.div_ceil(BLOCK / 32);
+        let shared = if self.prologue.is_some() { 2 * self.k } else { 0 };
         Ok(LaunchConfig {
             grid_dim: (checked::launch_dim("decode gemv: blocks", blocks)?, 1, 1),
             block_dim: (BLOCK as u32, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: shared as u32,
         })
     }
 
     /// `decode gemv [m, k] x [k, n] bf16 epilogue residual (gemv_bf16_m1)`, for reports.
+    /// With a prologue or the up product: `decode gemv rms_norm(1e-5) [1, k] x [k, n] bf16 epilogue
+    /// silu+gate up-product (gemv_bf16_m1_norm_dual)`.
     fn describe(&self) -> String {
+        let prologue = self.prologue.map(|p| format!("{} ", p.name())).unwrap_or_default();
+        let up = if self.dual { " up-product" } else { "" };
         format!(
-            "decode gemv [{}, {}] x [{}, {}] {} epilogue {} ({})",
+            "decode gemv {prologue}[{}, {}] x [{}, {}] {} epilogue {}{up} ({})",
             self.m,
             self.k,
             self.k,
@@ -133,8 +171,9 @@ impl MatmulArgs {
     /// The GEMV launch for these arguments (already checked), or why there is none.
     pub(super) fn gemv(&self, dtype: DataType, out: DataType) -> Result<Gemv> {
         let args = self.folded().unwrap_or(*self);
+        let forms = args.forms().map(|f| format!(" {f}")).unwrap_or_default();
         let refuse = |reason: String| Error::NotSupported {
-            op: format!("decode gemv {} {dtype}->{out}", args.describe()),
+            op: format!("decode gemv {}{forms} {dtype}->{out}", args.describe()),
             reason,
         };
         let (m, k, n) = (args.m(), args.k(), args.n());
@@ -179,11 +218,45 @@ impl MatmulArgs {
         if k > i32::MAX as usize || n > i32::MAX as usize {
             return Err(refuse(format!("k = {k}, n = {n}: the GEMV indexes rows and chunks with 32 bits")));
         }
-        let (tile, rows_per_warp) = TILES
+        let (mut tile, mut rows_per_warp) = TILES
             .into_iter()
             .find(|&(tile, _)| tile >= m)
             .expect("m <= DECODE_GEMV_MAX_TOKENS, the last tile");
-        Ok(Gemv { m, k, n, ldx, ldw, tile, rows_per_warp, dtype, epilogue: args.epilogue })
+        let (prologue, dual) = (args.prologue, args.up_product);
+        if prologue.is_some() || dual {
+            if m != 1 {
+                return Err(refuse(format!(
+                    "{m} rows of A (tokens): the prologue and the up product run at one token (a decode step)"
+                )));
+            }
+            if prologue.is_some() && 2 * k > SHARED_BYTES {
+                return Err(refuse(format!(
+                    "k = {k}: the RMSNorm prologue keeps the normalized row in shared memory, {} bytes, at most \
+                     {SHARED_BYTES}",
+                    2 * k
+                )));
+            }
+            let form = Gemv {
+                m,
+                k,
+                n,
+                ldx,
+                ldw,
+                tile,
+                rows_per_warp,
+                dtype,
+                epilogue: args.epilogue,
+                prologue,
+                dual,
+            };
+            let name = form.fused_form().expect("a prologue or the up product");
+            (tile, rows_per_warp) = FUSED_TILES
+                .iter()
+                .find(|t| t.0 == name)
+                .map(|t| (1, t.1))
+                .expect("every fused form has a tile");
+        }
+        Ok(Gemv { m, k, n, ldx, ldw, tile, rows_per_warp, dtype, epilogue: args.epilogue, prologue, dual })
     }
 }
 
@@ -201,25 +274,39 @@ pub(super) fn launch_gemv<T: Element, O: Element>(
     if !a.is_multiple_of(16) || !b.is_multiple_of(16) {
         return Ok(false);
     }
+    let (norm_w, _gn) = optional_ptr(x.norm_weight, stream);
+    let (b_up, _gu) = optional_ptr(x.up_weight, stream);
+    if (g.dual && !b_up.is_multiple_of(16)) || (g.prologue.is_some() && !norm_w.is_multiple_of(16)) {
+        return Ok(false);
+    }
     let (bias, _g1) = optional_ptr(x.bias, stream);
     let (up, _g2) = optional_ptr(x.up, stream);
     let (residual, _g3) = optional_ptr(x.residual, stream);
     let (d, _gd) = x.d.device_ptr_mut(stream);
     let i = |v: usize| Arg::I64(v as i64);
-    let args = [
-        Arg::Ptr(a),
-        i(g.ldx),
-        Arg::Ptr(b),
-        i(g.ldw),
-        i(g.m),
-        i(g.k),
-        i(g.n),
+    let epilogue = [
         Arg::Ptr(bias),
         Arg::I64(activation_code(g.epilogue.activation)),
         Arg::Ptr(up),
         Arg::Ptr(residual),
         Arg::Ptr(d),
     ];
+    let head: Vec<Arg> = if g.fused_form().is_some() {
+        let eps = g.prologue.map_or(0.0, Prologue::epsilon);
+        vec![
+            Arg::Ptr(a),
+            Arg::Ptr(norm_w),
+            Arg::F32(eps),
+            Arg::Ptr(b),
+            Arg::Ptr(b_up),
+            i(g.ldw),
+            i(g.k),
+            i(g.n),
+        ]
+    } else {
+        vec![Arg::Ptr(a), i(g.ldx), Arg::Ptr(b), i(g.ldw), i(g.m), i(g.k), i(g.n)]
+    };
+    let args: Vec<Arg> = head.into_iter().chain(epilogue).collect();
     launch(ctx, kernels, &kernel, cfg, &args)?;
     let mut h = DefaultHasher::new();
     g.hash(&mut h);
@@ -329,6 +416,48 @@ mod tests {
     }
 
     #[test]
+    fn one_token_takes_the_norm_and_dual_forms() {
+        let norm = Prologue::rms_norm(1e-5);
+        let qkv = MatmulArgs::linear(1, 4096, 6144).with_prologue(norm);
+        let g = qkv.gemv(BF, BF).unwrap();
+        assert_eq!((g.kernel(), g.rows_per_warp, g.tile), ("gemv_bf16_m1_norm".to_string(), 1, 1));
+        assert_eq!(g.config().unwrap().shared_mem_bytes, 2 * 4096);
+        assert_eq!(
+            g.describe(),
+            "decode gemv rms_norm(1e-5) [1, 4096] x [4096, 6144] bf16 epilogue none (gemv_bf16_m1_norm)"
+        );
+        let gate = MatmulArgs::linear(1, 4096, 14336).with_epilogue(Epilogue::SWIGLU).with_up_product();
+        let g = gate.gemv(DataType::F16, DataType::F16).unwrap();
+        assert_eq!((g.kernel(), g.config().unwrap().shared_mem_bytes), ("gemv_f16_m1_dual".to_string(), 0));
+        let g = gate.with_prologue(norm).gemv(BF, BF).unwrap();
+        assert_eq!(g.kernel(), "gemv_bf16_m1_norm_dual");
+        assert!(
+            g.describe().ends_with("epilogue silu+gate up-product (gemv_bf16_m1_norm_dual)"),
+            "{}",
+            g.describe()
+        );
+        // The fused backend takes them by itself at one token.
+        assert_eq!(qkv.fused_kernel(BF, BF), MatmulKernel::DecodeGemv);
+        assert_eq!(gate.auto_gemv(BF, BF).map(|g| g.dual), Some(true));
+        // More tokens, or a row too long for shared memory: refused, named.
+        refused(
+            MatmulArgs::linear(2, 4096, 6144).with_prologue(norm).gemv(BF, BF),
+            "2 rows of A (tokens): the prologue and the up product run at one token",
+        );
+        refused(
+            MatmulArgs::linear(2, 64, 64).with_epilogue(Epilogue::SWIGLU).with_up_product().gemv(BF, BF),
+            "run at one token",
+        );
+        refused(
+            MatmulArgs::linear(1, 24584, 64).with_prologue(norm).gemv(BF, BF),
+            "k = 24584: the RMSNorm prologue",
+        );
+        MatmulArgs::linear(1, 24576, 64).with_prologue(norm).gemv(BF, BF).unwrap();
+        let e = MatmulArgs::linear(2, 64, 64).with_prologue(norm).gemv(BF, BF).unwrap_err().to_string();
+        assert!(e.contains("rms_norm(1e-5)"), "{e}");
+    }
+
+    #[test]
     fn activation_codes_match_the_kernel() {
         let src = include_str!("decode.cu");
         for a in Activation::ALL {
@@ -341,5 +470,9 @@ mod tests {
             assert!(src.contains(&line), "decode.cu lacks the tile `{line}`");
         }
         assert!(src.contains(&format!("__launch_bounds__({BLOCK})")));
+        for (form, rows, chunks) in FUSED_TILES {
+            let line = format!("GEMV_FUSED_KERNEL(sfx, D, {form}, {rows}, {chunks}, ");
+            assert!(src.contains(&line), "decode.cu lacks the fused form `{line}`");
+        }
     }
 }

@@ -95,6 +95,14 @@ impl MatmulArgs {
     /// has no engine for them.
     pub fn plan(&self, ctx: &Cudnn, dtype: DataType, out: DataType) -> Result<Rc<Plan>> {
         let epilogue = self.epilogue;
+        if let Some(forms) = self.forms() {
+            return Err(Error::NotSupported {
+                op: format!("matmul {} {forms} {dtype}->{out} epilogue {epilogue}", self.describe()),
+                reason: "the cuDNN graph has no prologue and no up product: they run in the decode GEMV, at \
+                         one token (run rms_norm and separate matmuls for more)"
+                    .into(),
+            });
+        }
         let broadcast_ok = ctx.features().batch_broadcast_matmul();
         if self.b.dims[0] == 1 && self.batch() > 1 && self.folded().is_none() && !broadcast_ok {
             return Err(Error::NotSupported {

@@ -31,6 +31,18 @@
 //! graph. [`MatmulArgs::fused_kernel`] says which runs, [`MatmulArgs::with_form`]
 //! forces one, [`MatmulArgs::decode_gemv`] says why the GEMV does not take a call, and
 //! [`Cudnn::kernel_runs`] lists the GEMV shapes a context ran (the plan cache lists the graphs).
+//!
+//! Two forms belong to the decode GEMV alone, for a one-token decode step (the cuDNN graph and the
+//! naive backend refuse them as [`Error::NotSupported`]; a decoder composes [`rms_norm`](crate::rms_norm)
+//! and separate matmuls there):
+//! - a [`Prologue`] before the product: [`Prologue::rms_norm`] normalizes A's row over its k elements
+//!   with a weight `[k]` ([`MatmulOperands::norm_weight`]) and rounds it to the input dtype, as an
+//!   RMSNorm would write it, then multiplies ([`MatmulArgs::with_prologue`]): the prenorm before
+//!   `qkv_proj`, or before the MLP's gate and up, in the projection's launch;
+//! - the gate step's multiplier as a second product ([`MatmulArgs::with_up_product`]): `U = A · B_up`
+//!   for a second weight of B's layout ([`MatmulOperands::up_weight`]), rounded to the output dtype as
+//!   an up projection's output would be, instead of an input buffer: SwiGLU's gate and up in one
+//!   launch that streams both weights.
 
 pub mod backward;
 mod decode;
@@ -169,6 +181,10 @@ pub struct BufferLens {
     pub bias: Option<usize>,
     /// The multiplier U of the gate step, when given.
     pub up: Option<usize>,
+    /// The prologue's norm weight, when given.
+    pub norm_weight: Option<usize>,
+    /// The second weight `B_up` of the up product, when given.
+    pub up_weight: Option<usize>,
     /// The residual R, when given.
     pub residual: Option<usize>,
     /// The output D.
@@ -211,12 +227,51 @@ pub struct MatmulArgs {
     /// What the fused backend runs; `None` chooses ([`MatmulArgs::fused_kernel`]): the decode GEMV where
     /// it applies ([`MatmulArgs::decode_gemv`]), the cuDNN graph otherwise. The naive backend ignores it.
     pub form: Option<MatmulKernel>,
+    /// A step on A's rows before the product (the decode GEMV only; the operands carry its weight).
+    pub prologue: Option<Prologue>,
+    /// The gate step's multiplier U is `A · B_up`, a second weight of B's layout
+    /// ([`MatmulOperands::up_weight`]), computed in the same kernel (the decode GEMV only).
+    pub up_product: bool,
+}
+
+/// A step on each row of A before the product ([`MatmulArgs::with_prologue`]); the decode GEMV
+/// runs it at one token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Prologue {
+    /// RMSNorm over the row's k elements with a weight `[k]` in the input dtype:
+    /// `a ← round(a / sqrt(mean(a²) + ε) · w)`, f32 compute, one rounding to the input dtype (the
+    /// RMSNorm graph's output), then the product. ε is kept as its bits (so the arguments hash);
+    /// [`Prologue::rms_norm`] builds it, [`Prologue::epsilon`] reads it.
+    RmsNorm {
+        /// `f32::to_bits` of ε.
+        epsilon_bits: u32,
+    },
+}
+
+impl Prologue {
+    /// RMSNorm with `epsilon` added to the mean square.
+    pub fn rms_norm(epsilon: f32) -> Self {
+        Prologue::RmsNorm { epsilon_bits: epsilon.to_bits() }
+    }
+
+    /// ε of the RMSNorm.
+    pub fn epsilon(self) -> f32 {
+        match self {
+            Prologue::RmsNorm { epsilon_bits } => f32::from_bits(epsilon_bits),
+        }
+    }
+
+    /// `rms_norm(eps)`, for names and errors.
+    pub fn name(self) -> String {
+        format!("rms_norm({:e})", self.epsilon())
+    }
 }
 
 impl MatmulArgs {
     /// A `[batch, m, k]` and B `[batch or 1, k, n]` in any layouts (strided views), no epilogue.
     pub fn new(a: MatrixLayout, b: MatrixLayout) -> Self {
-        MatmulArgs { a, b, epilogue: Epilogue::NONE, form: None }
+        MatmulArgs { a, b, epilogue: Epilogue::NONE, form: None, prologue: None, up_product: false }
     }
 
     /// Row-major A `[batch, m, k]` and B `[batch, k, n]`, no epilogue.
@@ -243,6 +298,30 @@ impl MatmulArgs {
     /// [`Error::NotSupported`].
     pub fn with_form(self, form: MatmulKernel) -> Self {
         MatmulArgs { form: Some(form), ..self }
+    }
+
+    /// The same product after `prologue` on A's rows (the decode GEMV's form: the graph and the naive
+    /// backend refuse it); the operands carry its weight ([`MatmulOperands::norm_weight`]).
+    pub fn with_prologue(self, prologue: Prologue) -> Self {
+        MatmulArgs { prologue: Some(prologue), ..self }
+    }
+
+    /// The same product whose gate step multiplies by `A · B_up` computed in the same kernel (the
+    /// decode GEMV's form) instead of an input U; the epilogue must have the gate step, the operands
+    /// carry `B_up` ([`MatmulOperands::up_weight`]) and no U.
+    pub fn with_up_product(self) -> Self {
+        MatmulArgs { up_product: true, ..self }
+    }
+
+    /// The prologue and the up product, when there are any: `rms_norm(1e-5) up-product`, for names.
+    pub(crate) fn forms(&self) -> Option<String> {
+        let parts: Vec<String> = self
+            .prologue
+            .map(Prologue::name)
+            .into_iter()
+            .chain(self.up_product.then(|| "up-product".to_string()))
+            .collect();
+        (!parts.is_empty()).then(|| parts.join(" "))
     }
 
     /// Batch of A and D.
@@ -320,9 +399,52 @@ impl MatmulArgs {
         };
         ensure!(d_len <= i64::MAX as usize, "matmul: {} overflows", self.describe());
         let name = epilogue.name();
+        ensure!(
+            !self.up_product || epilogue.gate,
+            "matmul: the up product is the gate step's multiplier, epilogue `{name}` has no gate step"
+        );
+        let u_buffer = epilogue.gate && !self.up_product;
+        ensure!(
+            !(self.up_product && lens.up.is_some()),
+            "matmul: a multiplier U was given, but the up product computes it (A · B_up)"
+        );
+        ensure!(
+            self.up_product || lens.up_weight.is_none(),
+            "matmul: an up weight B_up was given without the up product (MatmulArgs::with_up_product)"
+        );
+        ensure!(
+            !self.up_product || lens.up_weight.is_some(),
+            "matmul: the up product needs a second weight B_up (MatmulOperands::up_weight), none was given"
+        );
+        ensure!(
+            self.prologue.is_some() || lens.norm_weight.is_none(),
+            "matmul: a norm weight was given without a prologue (MatmulArgs::with_prologue)"
+        );
+        if let Some(p) = self.prologue {
+            let eps = p.epsilon();
+            ensure!(
+                eps.is_finite() && eps >= 0.0,
+                "matmul: prologue {}: epsilon must be finite and >= 0",
+                p.name()
+            );
+            let Some(len) = lens.norm_weight else {
+                return Err(Error::invalid(format!(
+                    "matmul: prologue {} needs a norm weight [k] (MatmulOperands::norm_weight), none was given",
+                    p.name()
+                )));
+            };
+            ensure!(len == k, "matmul: prologue {}: norm weight has {len} elements, k is {k}", p.name());
+        }
+        if let Some(len) = lens.up_weight {
+            ensure!(
+                len >= b_need,
+                "matmul: B_up has {len} elements, needs {b_need} for {} (B's layout)",
+                b.describe()
+            );
+        }
         for (step, wanted, given, what) in [
             ("bias", epilogue.bias, lens.bias, "a bias"),
-            ("gate", epilogue.gate, lens.up, "a multiplier U (the up projection)"),
+            ("gate", u_buffer, lens.up, "a multiplier U (the up projection)"),
             ("residual", epilogue.residual, lens.residual, "a residual R"),
         ] {
             ensure!(!wanted || given.is_some(), "matmul: epilogue `{name}` needs {what}, none was given");
@@ -350,7 +472,8 @@ impl MatmulArgs {
         format!("{} x {}", self.a.describe(), self.b.describe())
     }
 
-    /// The plan-cache key (the form is not part of it: the graph is the same whichever way it was chosen).
+    /// The plan-cache key (the form is not part of it: the graph is the same whichever way it was chosen;
+    /// the graph refuses a prologue and the up product, so no key of a plan carries them).
     pub fn key(&self, dtype: DataType, out: DataType) -> Key {
         Key { args: MatmulArgs { form: None, ..*self }, dtype, out_dtype: out }
     }
@@ -396,6 +519,10 @@ pub struct MatmulOperands<'a, T: Element, O: Element = T> {
     pub up: Option<&'a dyn DevicePtr<O>>,
     /// The residual R, packed `[batch, m, n]`.
     pub residual: Option<&'a dyn DevicePtr<O>>,
+    /// The weight `[k]` of the RMSNorm prologue ([`MatmulArgs::with_prologue`]).
+    pub norm_weight: Option<&'a dyn DevicePtr<T>>,
+    /// The second weight `B_up` of the up product ([`MatmulArgs::with_up_product`]), laid out as B.
+    pub up_weight: Option<&'a dyn DevicePtr<T>>,
     /// The output D, packed `[batch, m, n]`.
     pub d: &'a mut dyn DevicePtrMut<O>,
 }
@@ -403,7 +530,7 @@ pub struct MatmulOperands<'a, T: Element, O: Element = T> {
 impl<'a, T: Element, O: Element> MatmulOperands<'a, T, O> {
     /// A and B in, D out, no epilogue inputs.
     pub fn new(a: &'a dyn DevicePtr<T>, b: &'a dyn DevicePtr<T>, d: &'a mut dyn DevicePtrMut<O>) -> Self {
-        MatmulOperands { a, b, bias: None, up: None, residual: None, d }
+        MatmulOperands { a, b, bias: None, up: None, residual: None, norm_weight: None, up_weight: None, d }
     }
 
     /// Adds the bias.
@@ -425,6 +552,19 @@ impl<'a, T: Element, O: Element> MatmulOperands<'a, T, O> {
         self
     }
 
+    /// Adds the weight `[k]` of the RMSNorm prologue.
+    pub fn norm_weight(mut self, w: &'a dyn DevicePtr<T>) -> Self {
+        self.norm_weight = Some(w);
+        self
+    }
+
+    /// Adds the second weight `B_up` of the up product (B's layout): the gate step multiplies by
+    /// `A · B_up` instead of a U.
+    pub fn up_weight(mut self, w: &'a dyn DevicePtr<T>) -> Self {
+        self.up_weight = Some(w);
+        self
+    }
+
     /// The buffer lengths.
     pub fn lens(&self) -> BufferLens {
         BufferLens {
@@ -432,6 +572,8 @@ impl<'a, T: Element, O: Element> MatmulOperands<'a, T, O> {
             b: self.b.len(),
             bias: self.bias.map(|x| x.len()),
             up: self.up.map(|x| x.len()),
+            norm_weight: self.norm_weight.map(|x| x.len()),
+            up_weight: self.up_weight.map(|x| x.len()),
             residual: self.residual.map(|x| x.len()),
             d: self.d.len(),
         }
@@ -476,7 +618,65 @@ mod tests {
             up: e.gate.then_some(d),
             residual: e.residual.then_some(d),
             d,
+            ..Default::default()
         }
+    }
+
+    #[test]
+    fn prologue_and_up_product_need_their_weights_and_nothing_else() {
+        let bf = DataType::BF16;
+        let args = MatmulArgs::linear(1, 64, 128);
+        let plain = lens(&args, Epilogue::NONE);
+        let norm = args.with_prologue(Prologue::rms_norm(1e-5));
+        assert_eq!(Prologue::rms_norm(1e-5).epsilon(), 1e-5);
+        norm.check(bf, bf, &BufferLens { norm_weight: Some(64), ..plain }).unwrap();
+        invalid(norm.check(bf, bf, &plain), "prologue rms_norm(1e-5) needs a norm weight [k]");
+        invalid(
+            norm.check(bf, bf, &BufferLens { norm_weight: Some(63), ..plain }),
+            "norm weight has 63 elements, k is 64",
+        );
+        invalid(
+            args.check(bf, bf, &BufferLens { norm_weight: Some(64), ..plain }),
+            "a norm weight was given without a prologue",
+        );
+        invalid(
+            args.with_prologue(Prologue::rms_norm(f32::NAN)).check(
+                bf,
+                bf,
+                &BufferLens { norm_weight: Some(64), ..plain },
+            ),
+            "epsilon must be finite",
+        );
+        // The up product replaces U: the gate step without a U buffer, with B_up in B's layout.
+        let swiglu = args.with_epilogue(Epilogue::SWIGLU).with_up_product();
+        let dual = BufferLens { up_weight: Some(64 * 128), ..plain };
+        swiglu.check(bf, bf, &dual).unwrap();
+        swiglu
+            .with_prologue(Prologue::rms_norm(1e-6))
+            .check(bf, bf, &BufferLens { norm_weight: Some(64), ..dual })
+            .unwrap();
+        invalid(swiglu.check(bf, bf, &plain), "the up product needs a second weight B_up");
+        invalid(
+            swiglu.check(bf, bf, &BufferLens { up_weight: Some(100), ..plain }),
+            "B_up has 100 elements, needs 8192",
+        );
+        invalid(
+            swiglu.check(bf, bf, &BufferLens { up: Some(128), ..dual }),
+            "a multiplier U was given, but the up product computes it",
+        );
+        invalid(
+            args.with_up_product().check(bf, bf, &dual),
+            "the up product is the gate step's multiplier, epilogue `none` has no gate step",
+        );
+        invalid(
+            args.with_epilogue(Epilogue::SWIGLU).check(bf, bf, &BufferLens { up: Some(128), ..dual }),
+            "an up weight B_up was given without the up product",
+        );
+        assert_eq!(
+            swiglu.with_prologue(Prologue::rms_norm(1e-5)).forms().unwrap(),
+            "rms_norm(1e-5) up-product"
+        );
+        assert_eq!(args.forms(), None);
     }
 
     fn invalid(r: Result<()>, expected: &str) {

@@ -64,6 +64,15 @@ pub(super) fn gemm_config(args: &MatmulArgs, a: u64, b: u64, d: u64, dtype: Data
 
 impl<T: Element, O: Element> Naive<(T, O)> for MatmulArgs {
     fn naive(self, ctx: &Cudnn, x: MatmulOperands<'_, T, O>) -> Result<()> {
+        if let Some(forms) = self.forms() {
+            return Err(crate::Error::NotSupported {
+                op: format!("naive matmul {forms}"),
+                reason:
+                    "the prologue and the up product are forms of the fused backend's decode GEMV; eager \
+                         runs rms_norm and separate matmuls (as the decoder's naive modules do)"
+                        .into(),
+            });
+        }
         run(ctx, &self, x)
     }
 }
