@@ -211,9 +211,13 @@ fn run(ctx: &Cudnn, opts: &Options, plan: Plan, input: Input) -> Result<(), Erro
     }
     bar.finish();
     csv.flush()?;
-    let rate = if timed.1 > 0.0 { timed.0 as f64 / timed.1 } else { f64::NAN };
+    let rate = if timed.1 > 0.0 {
+        format!("{:.0} tokens/s after the first step", timed.0 as f64 / timed.1)
+    } else {
+        "one step: no warm rate".to_string()
+    };
     eprintln!(
-        "train: loss {:.4} -> {:.4} in {} steps ({:.1} s, {rate:.0} tokens/s after the first step); steps in {}",
+        "train: loss {:.4} -> {:.4} in {} steps ({:.1} s, {rate}); steps in {}",
         first.unwrap_or(f64::NAN),
         last.unwrap_or(f64::NAN),
         opts.steps,
