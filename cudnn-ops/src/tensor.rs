@@ -36,8 +36,9 @@ pub struct TensorSpec {
     pub alignment: i64,
     /// The uid of this tensor's ragged-offset tensor (`CUDNN_ATTR_TENSOR_RAGGED_OFFSET_DESC`): an i32
     /// `[b + 1, 1, 1, 1]` device tensor whose entry `i` is the element offset of sequence `i` in a
-    /// packed (THD) buffer, so the batch stride is not used. Only the Q, K, V and O of a unified SDPA
-    /// operation with sequence lengths take one ([`Graph::validate`](crate::Graph::validate)).
+    /// packed (THD) buffer, so the batch stride is not used. Only the Q, K, V and O of an SDPA with
+    /// sequence lengths take one (the unified operation, or the composite graph with its padding mask,
+    /// where an output stats tensor may take one too; [`Graph::validate`](crate::Graph::validate)).
     pub ragged_offset: Option<i64>,
 }
 

@@ -425,9 +425,10 @@ pub struct SdpaOperands<'a, T: Element> {
     /// [`SdpaArgs::with_seq_lens`] (and only for those), whose seq dims are then capacities (buffers
     /// are sized by them); keys past `seq_len_kv[b]` and queries past `seq_len_q[b]` are masked out
     /// (their output rows are unspecified). One plan serves every length, e.g. every step of a decode
-    /// over a growing cache. Fused only, with no causal mask (a single decode query needs none); a
-    /// decode (`seq_q` 1) runs the split-KV kernel ([`SdpaKernel::SplitKv`], any cuDNN), other calls
-    /// need cuDNN 9.15+.
+    /// over a growing cache. Fused only. A decode (`seq_q` 1) may run the split-KV kernel
+    /// ([`SdpaKernel::SplitKv`], any cuDNN); unmasked calls run the unified operation with its length
+    /// inputs (cuDNN 9.15+), causal ones (and unmasked ones before 9.15) the composite graph with the
+    /// frontend's padding mask and per-sequence matmul sizes (any cuDNN 9).
     ///
     /// The lengths are device values the host cannot check, and cuDNN bounds them by nothing: a length
     /// past the capacity would read K/V (and write O) past the buffers. So a launch-only kernel first
