@@ -96,8 +96,16 @@ impl TensorSpec {
         if self.dims.iter().any(|&d| d <= 0) {
             return Some(0);
         }
+        // A ragged tensor's sequences start at device offsets and end at device lengths: the host's
+        // bound is one token (the batch dim and the token dim, the widest stride of the others,
+        // count once; ops check the real bound, which they know).
+        let token_dim = match self.ragged_offset {
+            Some(_) => (1..self.dims.len()).max_by_key(|&i| (self.strides[i], self.dims[i])),
+            None => None,
+        };
         let mut last = 0i64;
-        for (&d, &s) in self.dims.iter().zip(&self.strides) {
+        for (i, (&d, &s)) in self.dims.iter().zip(&self.strides).enumerate() {
+            let d = if token_dim.is_some() && (i == 0 || Some(i) == token_dim) { 1 } else { d };
             if s < 0 {
                 return None;
             }

@@ -202,7 +202,13 @@ impl SdpaArgs {
 
 /// `NotSupported` for `op` where `head_dim` exceeds `limit`, the largest head dim `what` takes on this
 /// GPU and cuDNN.
-fn head_dim_within(ctx: &Cudnn, op: &str, what: &str, head_dim: usize, limit: usize) -> Result<()> {
+pub(super) fn head_dim_within(
+    ctx: &Cudnn,
+    op: &str,
+    what: &str,
+    head_dim: usize,
+    limit: usize,
+) -> Result<()> {
     if head_dim <= limit {
         return Ok(());
     }

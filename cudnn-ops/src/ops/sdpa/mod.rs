@@ -13,6 +13,10 @@
 //! the faster of the two on an H200 (8.3 vs 15.7 us per Llama-3.1-8B decode attention in a CUDA
 //! graph). [`SdpaArgs::fused_kernel`] says which runs; [`SdpaArgs::with_form`] forces one.
 //!
+//! Ragged (THD) prefill ([`sdpa_ragged`], `ragged/`): sequences of different lengths packed without
+//! padding, one plan per batch size and length bucket (the composite graph with ragged offsets and
+//! the frontend's padding mask).
+//!
 //! Paged K/V ([`SdpaArgs::with_pages`], [`SdpaOperands::pages`]): K and V are page pools
 //! `[num_pages, h_kv, page_size, d]` (strides by [`PageOrder`](crate::PageOrder)) read through a page
 //! table, one row per sequence, lengths on the device: cuDNN's unified operation with its page-table
@@ -25,7 +29,7 @@ pub mod naive;
 mod ragged;
 mod seq_lens;
 
-pub use ragged::RaggedBatch;
+pub use ragged::{sdpa_ragged, DeviceRagged, RaggedArgs, RaggedBatch, RaggedKey, RaggedOperands};
 pub use seq_lens::{DeviceSeqLens, SeqLens};
 
 use crate::checked;
