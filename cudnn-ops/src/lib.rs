@@ -90,8 +90,8 @@ pub use ops::rows::{
     TableShape,
 };
 pub use ops::sdpa::{
-    sdpa, sdpa_backward, DeviceSeqLens, Layout, RaggedBatch, SdpaArgs, SdpaGrads, SdpaKernel, SdpaLens,
-    SdpaOperands, SeqLens,
+    sdpa, sdpa_backward, sdpa_ragged, DeviceRagged, DeviceSeqLens, Layout, RaggedArgs, RaggedBatch,
+    RaggedKey, RaggedOperands, SdpaArgs, SdpaGrads, SdpaKernel, SdpaLens, SdpaOperands, SeqLens,
 };
 pub use plan::{
     knob_name, Bindings, DiskEvent, DiskEventKind, KnobRange, L2Flush, Plan, PlanOrigin, Prepared, Scalar,

@@ -100,6 +100,39 @@ pub fn attention(
     (o, stats)
 }
 
+/// Ragged (THD) attention in f64: Q `[total, heads_q, dim]`, K and V `[total, heads_kv, dim]` packed
+/// token-major, sequence `i` the `lens[i]` tokens after those of the sequences before it, attending to
+/// its own keys only ([`attention`] per sequence). Returns O `[total, heads_q, dim]`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_ragged(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    lens: &[usize],
+    (heads_q, heads_kv, dim): (usize, usize, usize),
+    scale: f64,
+    mask: crate::Mask,
+) -> Vec<f64> {
+    use crate::ops::sdpa::Layout;
+    let total: usize = lens.iter().sum();
+    assert_eq!(q.len(), total * heads_q * dim, "reference ragged attention: q length");
+    assert_eq!(k.len(), total * heads_kv * dim, "reference ragged attention: k length");
+    assert_eq!(v.len(), k.len(), "reference ragged attention: v length");
+    let mut o = Vec::with_capacity(q.len());
+    let mut start = 0;
+    for &n in lens {
+        let slice = |x: &[f64], h: usize| {
+            backward::to_bhsd(&x[start * h * dim..(start + n) * h * dim], Layout::Bshd, 1, h, n, dim)
+        };
+        let shape = AttentionShape { batch: 1, heads_q, heads_kv, seq_q: n, seq_kv: n, dim };
+        let (seq_o, _) =
+            attention(&slice(q, heads_q), &slice(k, heads_kv), &slice(v, heads_kv), shape, scale, mask);
+        o.extend(backward::from_bhsd(&seq_o, Layout::Bshd, 1, heads_q, n, dim));
+        start += n;
+    }
+    o
+}
+
 /// Named tolerances per dtype: relative L2 error `‖out − ref‖ / ‖ref‖`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[non_exhaustive]
@@ -377,6 +410,36 @@ pub fn decode_fused<T: Element>(
 mod tests {
     use super::*;
     use half::bf16;
+
+    #[test]
+    fn ragged_attention_is_each_sequence_alone() {
+        // Two sequences (3 and 1 tokens), 4/2 heads of 8: each sequence's output is its own padded
+        // attention's, and the single token sees only itself (its output is its V head).
+        let (hq, hkv, d, lens) = (4, 2, 8, [3usize, 1]);
+        let q = random_values(1, 4 * hq * d);
+        let k = random_values(2, 4 * hkv * d);
+        let v = random_values(3, 4 * hkv * d);
+        let o = attention_ragged(&q, &k, &v, &lens, (hq, hkv, d), 0.3, crate::Mask::CausalTopLeft);
+        let shape = AttentionShape { batch: 1, heads_q: hq, heads_kv: hkv, seq_q: 3, seq_kv: 3, dim: d };
+        let bhsd = |x: &[f64], h| backward::to_bhsd(x, crate::Layout::Bshd, 1, h, 3, d);
+        let (first, _) = attention(
+            &bhsd(&q[..3 * hq * d], hq),
+            &bhsd(&k[..3 * hkv * d], hkv),
+            &bhsd(&v[..3 * hkv * d], hkv),
+            shape,
+            0.3,
+            crate::Mask::CausalTopLeft,
+        );
+        let first = backward::from_bhsd(&first, crate::Layout::Bshd, 1, hq, 3, d);
+        assert_eq!(&o[..3 * hq * d], &first[..]);
+        let last_v = &v[3 * hkv * d..];
+        for h in 0..hq {
+            let kv_head = h / (hq / hkv);
+            for (a, b) in o[3 * hq * d + h * d..][..d].iter().zip(&last_v[kv_head * d..][..d]) {
+                assert!((a - b).abs() < 1e-15);
+            }
+        }
+    }
 
     #[test]
     fn rms_norm_by_hand() {

@@ -36,8 +36,9 @@ pub struct TensorSpec {
     pub alignment: i64,
     /// The uid of this tensor's ragged-offset tensor (`CUDNN_ATTR_TENSOR_RAGGED_OFFSET_DESC`): an i32
     /// `[b + 1, 1, 1, 1]` device tensor whose entry `i` is the element offset of sequence `i` in a
-    /// packed (THD) buffer, so the batch stride is not used. Only the Q, K, V and O of a unified SDPA
-    /// operation with sequence lengths take one ([`Graph::validate`](crate::Graph::validate)).
+    /// packed (THD) buffer, so the batch stride is not used. Only the Q, K, V and O of an SDPA with
+    /// sequence lengths take one (the unified operation, or the composite graph with its padding mask,
+    /// where an output stats tensor may take one too; [`Graph::validate`](crate::Graph::validate)).
     pub ragged_offset: Option<i64>,
 }
 
@@ -95,8 +96,16 @@ impl TensorSpec {
         if self.dims.iter().any(|&d| d <= 0) {
             return Some(0);
         }
+        // A ragged tensor's sequences start at device offsets and end at device lengths: the host's
+        // bound is one token (the batch dim and the token dim, the widest stride of the others,
+        // count once; ops check the real bound, which they know).
+        let token_dim = match self.ragged_offset {
+            Some(_) => (1..self.dims.len()).max_by_key(|&i| (self.strides[i], self.dims[i])),
+            None => None,
+        };
         let mut last = 0i64;
-        for (&d, &s) in self.dims.iter().zip(&self.strides) {
+        for (i, (&d, &s)) in self.dims.iter().zip(&self.strides).enumerate() {
+            let d = if token_dim.is_some() && (i == 0 || Some(i) == token_dim) { 1 } else { d };
             if s < 0 {
                 return None;
             }

@@ -1,7 +1,7 @@
 //! Scaled dot-product attention as a graph: the composite pattern cuDNN's fused attention engines
 //! recognize (what the C++ frontend's `CompositeSDPANode` expands to), or the single SDPA operation.
 
-use super::node::{Binary, Node, Reduce, Unary};
+use super::node::{Binary, MatmulOverrides, Node, Reduce, Unary};
 use super::{Graph, TensorId};
 use crate::plan::Scalar;
 use crate::Features;
@@ -91,7 +91,10 @@ pub struct SdpaOptions {
     pub features: Features,
     /// Per-sequence lengths `(seq_len_q, seq_len_kv)`, i32 `[b, 1, 1, 1]` device tensors: the seq dims
     /// are then capacities and positions past a sequence's length are masked out (one plan serves every
-    /// length up to the capacity). Unified form only (cuDNN 9.15+).
+    /// length up to the capacity). The unified form takes them as its `SEQ_LEN_QDESC`/`_KVDESC`
+    /// (cuDNN 9.15+); the composite form builds the frontend's padding mask from them and overrides
+    /// the matmuls' M, N, K by them (every cuDNN 9). They are also what ragged (THD) Q, K, V and O
+    /// need ([`TensorSpec::ragged_offset`](crate::TensorSpec::ragged_offset)).
     pub seq_lens: Option<(TensorId, TensorId)>,
     /// Page tables `(k, v)`, i32 `[b, 1, max_pages, 1]` device tensors: K and V are then page pools
     /// (containers) `[num_pages, h_kv, page_size, d]` and sequence `b`'s key `p` is row `p % page_size`
@@ -177,21 +180,27 @@ impl Graph {
             return SdpaOutputs { o, stats };
         }
 
-        if let Some((sq, _)) = opts.seq_lens {
-            // The composite padding mask (and its matmul overrides) is not built here: refuse it.
-            self.padded_composite = Some(sq);
-        }
         if let Some((pk, _)) = opts.page_tables {
             // The composite form reads pages through PAGED_CACHE_LOAD operations, not built here.
             self.paged_composite = Some(pk);
         }
-        // bmm1 against the transposed view of K.
+        let lens = opts.seq_lens;
+        // bmm1 against the transposed view of K; with lengths, its M and N are each sequence's.
         let kt = self.spec_mut(k);
         kt.dims.swap(2, 3);
         kt.strides.swap(2, 3);
-        let s = self.matmul(q, k);
+        let s = self.matmul_overridden(
+            q,
+            k,
+            MatmulOverrides { m: lens.map(|l| l.0), n: lens.map(|l| l.1), k: None },
+        );
         let s = self.binary(Binary::Mul, s, scale);
-        let s = self.causal_mask(s, opts.mask, opts.features);
+        // The frontend's order: the padding mask, then the causal band.
+        let s = match lens {
+            Some((sq, skv)) => self.padding_mask(s, sq, skv, opts.features),
+            None => s,
+        };
+        let s = self.causal_mask(s, opts.mask, opts.features, lens);
         // Softmax with its statistics: max, exp(s − max), sum, stats = max + ln(sum), p = e / sum.
         let max = self.reduce(Reduce::Max, s, &stats_dims);
         let z = self.binary(Binary::Sub, s, max);
@@ -207,35 +216,79 @@ impl Graph {
         let p = self.binary(Binary::Div, e, sum);
         // cuDNN requires bmm2's A operand in the I/O type.
         self.spec_mut(p).dtype = io;
-        let o = self.matmul(p, v);
+        // bmm2: M the sequence's queries, K its keys.
+        let o = self.matmul_overridden(
+            p,
+            v,
+            MatmulOverrides { m: lens.map(|l| l.0), n: None, k: lens.map(|l| l.1) },
+        );
         let name = format!("{}::O", self.name);
         let spec = self.spec_mut(o);
         spec.dtype = io;
         spec.name = name;
-        self.attentions.push(([q, k, v, o], opts.stats.then_some(stats)));
-        SdpaOutputs { o, stats: opts.stats.then_some(stats) }
+        let stats = opts.stats.then_some(stats);
+        self.attentions.push(SdpaTensors { qkvo: [q, k, v, o], stats, seq_lens: lens });
+        SdpaOutputs { o, stats }
     }
 
     /// The scores `s` (`[b, h, s_q, s_kv]`) with the keys `mask` hides filled with `-inf` (the lowest
     /// float before cuDNN 9.10): the frontend's right-bound diagonal band, GEN_INDEX row and column,
-    /// CMP_GE, BINARY_SELECT; bottom-right alignment shifts the row by `s_kv − s_q` first.
-    fn causal_mask(&mut self, s: TensorId, mask: Mask, features: Features) -> TensorId {
+    /// CMP_GE, BINARY_SELECT; bottom-right alignment shifts the row by `s_kv − s_q` first (each
+    /// sequence's lengths where `lens` gives them, the capacities otherwise).
+    fn causal_mask(
+        &mut self,
+        s: TensorId,
+        mask: Mask,
+        features: Features,
+        lens: Option<(TensorId, TensorId)>,
+    ) -> TensorId {
         if mask == Mask::None {
             return s;
         }
         let mut row = self.gen_index(s, 2);
         let col = self.gen_index(s, 3);
         if mask == Mask::CausalBottomRight {
-            // row + s_kv − s_q ≥ col, with both lengths as i32 constants (no padding).
-            let sdims = self.spec(s).dims.clone();
-            let skv = self.constant("seq_len_kv", Scalar::I32(sdims[3] as i32), 4);
-            let sq = self.constant("seq_len_q", Scalar::I32(sdims[2] as i32), 4);
+            // row + s_kv − s_q ≥ col: per sequence from the length tensors, else i32 constants.
+            let (sq, skv) = match lens {
+                Some(l) => l,
+                None => {
+                    let sdims = self.spec(s).dims.clone();
+                    let skv = self.constant("seq_len_kv", Scalar::I32(sdims[3] as i32), 4);
+                    let sq = self.constant("seq_len_q", Scalar::I32(sdims[2] as i32), 4);
+                    (sq, skv)
+                }
+            };
             row = self.index_arith(Binary::Add, row, skv);
             row = self.index_arith(Binary::Sub, row, sq);
         }
         let keep = self.binary(Binary::CmpGe, row, col);
+        let fill = self.mask_fill(features);
+        self.select(keep, s, fill)
+    }
+
+    /// The by-value fill of masked scores: `-inf` from cuDNN 9.10, the lowest float before.
+    fn mask_fill(&mut self, features: Features) -> TensorId {
         let fill = if features.neg_infinity_mask_fill() { f32::NEG_INFINITY } else { f32::MIN };
-        let fill = self.constant("mask_fill", Scalar::F32(fill), 4);
+        self.constant("mask_fill", Scalar::F32(fill), 4)
+    }
+
+    /// The scores `s` with every position past a sequence's lengths filled (the frontend's
+    /// `padding_mask`): GEN_INDEX row and column (i32), row CMP_LT `seq_len_q`, column CMP_LT
+    /// `seq_len_kv` (the `[b, 1, 1, 1]` lengths broadcast over heads and positions), LOGICAL_AND,
+    /// BINARY_SELECT.
+    fn padding_mask(
+        &mut self,
+        s: TensorId,
+        seq_q: TensorId,
+        seq_kv: TensorId,
+        features: Features,
+    ) -> TensorId {
+        let row = self.index_of(s, 2);
+        let col = self.index_of(s, 3);
+        let row_in = self.binary(Binary::CmpLt, row, seq_q);
+        let col_in = self.binary(Binary::CmpLt, col, seq_kv);
+        let keep = self.binary(Binary::LogicalAnd, row_in, col_in);
+        let fill = self.mask_fill(features);
         self.select(keep, s, fill)
     }
 
@@ -308,7 +361,7 @@ impl Graph {
         let s = self.matmul(q, k);
         let s = self.binary(Binary::Mul, s, scale);
         let s = self.binary(Binary::Sub, s, stats);
-        let s = self.causal_mask(s, opts.mask, opts.features);
+        let s = self.causal_mask(s, opts.mask, opts.features, None);
         let p = self.unary(Unary::Exp, s);
 
         // The `[b, h_q, s_kv, s_q]` transposed view of a score-shaped tensor, in the I/O dtype.
@@ -403,6 +456,17 @@ pub struct SdpaGradients {
     pub dq_accum: TensorId,
 }
 
+/// The tensors of one composite attention forward, checked as a whole by [`Graph::validate`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct SdpaTensors {
+    /// Q, K (its transposed view), V, O.
+    pub qkvo: [TensorId; 4],
+    /// The stats, when they are an output.
+    pub stats: Option<TensorId>,
+    /// `(seq_len_q, seq_len_kv)` of a padded (or ragged) attention.
+    pub seq_lens: Option<(TensorId, TensorId)>,
+}
+
 /// The tensors of one attention backward, checked as a whole by [`Graph::validate`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(super) struct SdpaBackwardTensors {
@@ -419,6 +483,7 @@ pub(super) struct SdpaBackwardTensors {
 
 #[cfg(test)]
 mod tests {
+    use super::super::node::MatmulOverrides;
     use super::*;
 
     #[test]
@@ -611,9 +676,9 @@ mod tests {
             "seq_len_q",
             "only taken by the Q, K, V or O",
         );
-        // The composite form builds no padding mask: not supported, naming the tensor.
-        let e = ragged(SdpaForm::Composite, false, &|_| {}).unwrap_err();
-        assert!(e.is_not_supported() && e.to_string().contains("THD"), "{e}");
+        // The composite form takes them with its padding mask, and names Q without lengths.
+        ragged(SdpaForm::Composite, true, &|_| {}).unwrap();
+        fails(ragged(SdpaForm::Composite, false, &|_| {}), "Q", "need the sequence lengths");
         // A ragged tensor outside attention.
         let mut g = Graph::new("norm");
         let off = g.tensor(crate::TensorSpec::new("offsets", &[31, 1, 1, 1], I32));
@@ -624,6 +689,195 @@ mod tests {
         let y = g.rmsnorm(x, w, e, super::super::NormPhase::Inference).y;
         g.output(y);
         fails(g.validate(), "X", "only taken by the Q, K, V or O");
+    }
+
+    #[test]
+    fn composite_ragged_attention_follows_the_frontend_padding_mask() {
+        // A causal ragged (THD) attention on the composite form, as the frontend expands
+        // `padding_mask=true` with ragged offsets and a top-left right bound of 0.
+        let f = Features::for_version(91900, (9, 0));
+        let thd_graph = |mask: Mask| {
+            let mut g = Graph::new("thd");
+            let thd = |h: i64| [256 * h * 64, 64, h * 64, 1];
+            use crate::DataType::{BF16, I32};
+            let q = g.tensor(crate::TensorSpec::new("Q", &[4, 8, 256, 64], BF16).with_strides(&thd(8)));
+            let k = g.tensor(crate::TensorSpec::new("K", &[4, 2, 256, 64], BF16).with_strides(&thd(2)));
+            let v = g.tensor(crate::TensorSpec::new("V", &[4, 2, 256, 64], BF16).with_strides(&thd(2)));
+            let scale = g.tensor(crate::TensorSpec::scalar("scale", crate::DataType::F32, 4));
+            let col = |g: &mut Graph, name: &str, n: i64| {
+                g.tensor(crate::TensorSpec::new(name, &[n, 1, 1, 1], I32).with_strides(&[1, 1, 1, 1]))
+            };
+            let (sq, skv) = (col(&mut g, "seq_len_q", 4), col(&mut g, "seq_len_kv", 4));
+            let (q_off, kv_off) = (col(&mut g, "q_offsets", 5), col(&mut g, "kv_offsets", 5));
+            let (qu, kvu) = (g.spec(q_off).uid, g.spec(kv_off).uid);
+            g.spec_mut(q).ragged_offset = Some(qu);
+            g.spec_mut(k).ragged_offset = Some(kvu);
+            g.spec_mut(v).ragged_offset = Some(kvu);
+            let opts = SdpaOptions::new(mask, SdpaForm::Composite, f).with_seq_lens(sq, skv);
+            let out = g.sdpa(q, k, v, scale, opts);
+            let o = g.output(out.o);
+            o.strides = thd(8).to_vec();
+            o.ragged_offset = Some(qu);
+            (g, sq, skv)
+        };
+        let (g, sq, skv) = thd_graph(Mask::CausalTopLeft);
+        g.validate().unwrap();
+        assert_eq!(g.form(), Some("composite"));
+        let expected = [
+            "matmul",
+            "mul",
+            // padding: row < seq_len_q and col < seq_len_kv, else -inf
+            "gen_index",
+            "gen_index",
+            "cmp_lt",
+            "cmp_lt",
+            "logical_and",
+            "select",
+            // causal band: row >= col, else -inf
+            "gen_index",
+            "gen_index",
+            "cmp_ge",
+            "select",
+            // softmax with its (virtual) stats
+            "reduce_max",
+            "sub",
+            "exp",
+            "reduce_sum",
+            "log",
+            "add",
+            "div",
+            "matmul",
+        ];
+        assert_eq!(pattern(&g), expected);
+        // bmm1 runs M = seq_len_q by N = seq_len_kv, bmm2 M = seq_len_q with K = seq_len_kv.
+        let overrides: Vec<MatmulOverrides> = g
+            .nodes
+            .iter()
+            .filter_map(|n| if let Node::Matmul { overrides, .. } = n { Some(*overrides) } else { None })
+            .collect();
+        assert_eq!(
+            overrides,
+            [
+                MatmulOverrides { m: Some(sq), n: Some(skv), k: None },
+                MatmulOverrides { m: Some(sq), n: None, k: Some(skv) }
+            ]
+        );
+        // The padding compares read the length tensors; its index is i32 and its mask boolean.
+        let reads: Vec<TensorId> = g
+            .nodes
+            .iter()
+            .filter_map(|n| match n {
+                Node::Pointwise { op: super::super::node::Pointwise::Binary(Binary::CmpLt), b, .. } => *b,
+                _ => None,
+            })
+            .collect();
+        assert_eq!(reads, [sq, skv]);
+        // Bottom-right alignment shifts the row by each sequence's lengths, not the capacities.
+        let (br, sq, skv) = thd_graph(Mask::CausalBottomRight);
+        br.validate().unwrap();
+        let shifts: Vec<TensorId> = br
+            .nodes
+            .iter()
+            .filter_map(|n| match n {
+                Node::Pointwise {
+                    op: super::super::node::Pointwise::Binary(Binary::Add | Binary::Sub),
+                    b,
+                    axis: Some(3),
+                    ..
+                } => *b,
+                _ => None,
+            })
+            .collect();
+        assert_eq!(shifts, [skv, sq]);
+        // Without lengths the composite matmuls have no overrides.
+        let (plain, ..) = backward([1, 8, 2, 16, 16, 64], Mask::CausalTopLeft, crate::DataType::BF16);
+        assert!(plain.nodes.iter().all(|n| match n {
+            Node::Matmul { overrides, .. } => overrides.present().next().is_none(),
+            _ => true,
+        }));
+    }
+
+    #[test]
+    fn padded_composite_validation_names_the_tensor() {
+        use crate::DataType::{BF16, I32};
+        let fails = |r: crate::Result<()>, tensor: &str, reason: &str| match r {
+            Err(crate::Error::InvalidGraph { tensor: t, reason: why, .. }) => {
+                assert!(t == tensor && why.contains(reason), "{tensor}: {t}: {why}")
+            }
+            other => panic!("expected InvalidGraph for {tensor}, got {other:?}"),
+        };
+        let find = |g: &Graph, name: &str| TensorId(g.tensors().iter().position(|t| t.name == name).unwrap());
+        // Lengths of the wrong batch or dtype, named.
+        fails(
+            ragged(SdpaForm::Composite, true, &|g| g.spec_mut(find(g, "seq_len_kv")).dims = vec![3, 1, 1, 1]),
+            "seq_len_kv",
+            "sequence lengths must be an i32 [4, 1, 1, 1]",
+        );
+        fails(
+            ragged(SdpaForm::Composite, true, &|g| g.spec_mut(find(g, "seq_len_q")).dtype = BF16),
+            "seq_len_q",
+            "i32",
+        );
+        fails(
+            ragged(SdpaForm::Composite, true, &|g| g.spec_mut(find(g, "seq_len_q")).by_value = true),
+            "seq_len_q",
+            "device tensor",
+        );
+        // Offsets on the virtual stats of an inference attention, or on the scale: refused by name.
+        fails(
+            ragged(SdpaForm::Composite, true, &|g| {
+                let uid = g.spec(find(g, "q_offsets")).uid;
+                g.spec_mut(find(g, "ragged::stats")).ragged_offset = Some(uid);
+            }),
+            "ragged::stats",
+            "device tensors",
+        );
+        fails(
+            ragged(SdpaForm::Composite, true, &|g| {
+                let uid = g.spec(find(g, "q_offsets")).uid;
+                let s = find(g, "scale");
+                g.spec_mut(s).ragged_offset = Some(uid);
+                g.spec_mut(s).by_value = false;
+                g.spec_mut(s).dims = vec![4, 1, 1, 1];
+            }),
+            "scale",
+            "only taken by the Q, K, V or O",
+        );
+        // A matmul override must be i32 with the output's batch dims and 1s for the matrix dims.
+        for (dims, dtype, ok) in [
+            (vec![2, 1, 1], I32, true),
+            (vec![1, 1, 1], I32, true),
+            (vec![2, 4, 1], I32, false),
+            (vec![2, 1, 1], BF16, false),
+        ] {
+            let mut g = Graph::new("mm");
+            let a = g.tensor(crate::TensorSpec::new("A", &[2, 4, 8], BF16));
+            let b = g.tensor(crate::TensorSpec::new("B", &[2, 8, 16], BF16));
+            let m = g.tensor(crate::TensorSpec::new("m", &dims, dtype));
+            let c = g.matmul_overridden(a, b, MatmulOverrides { m: Some(m), ..Default::default() });
+            g.output(c);
+            match ok {
+                true => g.validate().unwrap(),
+                false => fails(g.validate(), "m", "M override must be an i32 [2, 1, 1]"),
+            }
+        }
+        // A padded (not ragged) composite attention validates too: BSHD with per-sequence lengths.
+        let mut g = Graph::new("padded");
+        let q = g.tensor(crate::TensorSpec::new("Q", &[2, 8, 64, 64], BF16));
+        let k = g.tensor(crate::TensorSpec::new("K", &[2, 2, 64, 64], BF16));
+        let v = g.tensor(crate::TensorSpec::new("V", &[2, 2, 64, 64], BF16));
+        let scale = g.tensor(crate::TensorSpec::scalar("scale", crate::DataType::F32, 4));
+        let lens = |g: &mut Graph, name: &str| {
+            g.tensor(crate::TensorSpec::new(name, &[2, 1, 1, 1], I32).with_strides(&[1, 1, 1, 1]))
+        };
+        let (sq, skv) = (lens(&mut g, "seq_len_q"), lens(&mut g, "seq_len_kv"));
+        let f = Features::for_version(91900, (9, 0));
+        let opts =
+            SdpaOptions::new(Mask::CausalTopLeft, SdpaForm::Composite, f).with_seq_lens(sq, skv).with_stats();
+        let out = g.sdpa(q, k, v, scale, opts);
+        g.output(out.o);
+        g.output(out.stats.unwrap());
+        g.validate().unwrap();
     }
 
     #[test]

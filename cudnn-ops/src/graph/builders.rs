@@ -1,6 +1,6 @@
 //! Builder methods: each records a node and returns its (virtual) outputs.
 
-use super::node::{Binary, Node, Pointwise, Reduce, Unary};
+use super::node::{Binary, MatmulOverrides, Node, Pointwise, Reduce, Unary};
 use super::{Graph, NormPhase, RmsNormGradOutputs, RmsNormOutputs, TensorId};
 use crate::dtype::DataType;
 use crate::tensor::packed_strides;
@@ -63,13 +63,13 @@ impl Graph {
         self.pointwise(Pointwise::Unary(op), DataType::F32, DataType::F32, x, None, None, &dims, None)
     }
 
-    /// `a op b` elementwise, with dims of size 1 broadcast (ranks must match). Comparisons give
-    /// booleans; integer inputs give integer arithmetic; everything else is f32.
+    /// `a op b` elementwise, with dims of size 1 broadcast (ranks must match). Comparisons and logic
+    /// give booleans; integer inputs give integer arithmetic; everything else is f32.
     pub fn binary(&mut self, op: Binary, a: TensorId, b: TensorId) -> TensorId {
         let dims = self.broadcast(a, b);
         let ints = self.spec(a).dtype == DataType::I32 && self.spec(b).dtype == DataType::I32;
         let (compute, out) = match op {
-            Binary::CmpGe => (DataType::Bool, DataType::Bool),
+            _ if op.is_boolean() => (DataType::Bool, DataType::Bool),
             _ if ints => (DataType::I32, DataType::I32),
             _ => (DataType::F32, DataType::F32),
         };
@@ -121,6 +121,22 @@ impl Graph {
         )
     }
 
+    /// The index of every element of `like` along `axis`, computed in i32 (the frontend's padding
+    /// mask; [`Graph::gen_index`] keeps the causal band's f32 compute).
+    pub(crate) fn index_of(&mut self, like: TensorId, axis: usize) -> TensorId {
+        let dims = self.spec(like).dims.clone();
+        self.pointwise(
+            Pointwise::GenIndex,
+            DataType::I32,
+            DataType::I32,
+            like,
+            None,
+            None,
+            &dims,
+            Some(axis as i64),
+        )
+    }
+
     /// Reduces `x` to `dims` (each equal to x's or 1), f32.
     pub fn reduce(&mut self, op: Reduce, x: TensorId, dims: &[i64]) -> TensorId {
         let name =
@@ -133,6 +149,16 @@ impl Graph {
     /// `a · b` over the last two dims (`[.., m, k] × [.., k, n]`), f32 accumulation; batch dims of `b`
     /// may divide those of `a` (grouped-query heads). The output is f32, packed.
     pub fn matmul(&mut self, a: TensorId, b: TensorId) -> TensorId {
+        self.matmul_overridden(a, b, MatmulOverrides::default())
+    }
+
+    /// [`Graph::matmul`] whose M, N or K come per batch from i32 device tensors.
+    pub(crate) fn matmul_overridden(
+        &mut self,
+        a: TensorId,
+        b: TensorId,
+        overrides: MatmulOverrides,
+    ) -> TensorId {
         let (ad, bd) = (&self.spec(a).dims, &self.spec(b).dims);
         let mut dims: Vec<i64> = ad.iter().zip(bd.iter()).map(|(&x, &y)| x.max(y)).collect();
         let r = dims.len();
@@ -142,7 +168,7 @@ impl Graph {
         }
         let name = format!("{}::matmul{}", self.name, self.nodes.len());
         let c = self.intermediate(name, &dims, &packed_strides(&dims), DataType::F32);
-        self.nodes.push(Node::Matmul { a, b, c });
+        self.nodes.push(Node::Matmul { a, b, c, overrides });
         c
     }
 

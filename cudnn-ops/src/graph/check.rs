@@ -1,6 +1,6 @@
 //! Per-node validation: shapes, dtypes and flags cuDNN would otherwise reject with a bare status.
 
-use super::node::{Binary, Node, Pointwise};
+use super::node::{Binary, MatmulOverrides, Node, Pointwise};
 use super::{Graph, TensorId};
 use crate::dtype::DataType;
 use crate::Result;
@@ -17,28 +17,18 @@ impl Graph {
                 self.check_rmsnorm_backward(dy, x, scale, inv_rms, dx, dscale)
             }
             Node::Pointwise { op, x, b, t, y, .. } => self.check_pointwise(op, x, b, t, y),
-            Node::Matmul { a, b, c } => self.check_matmul(a, b, c),
+            Node::Matmul { a, b, c, overrides } => {
+                self.check_matmul(a, b, c)?;
+                self.check_matmul_overrides(c, overrides)
+            }
             Node::Reduction { x, y, .. } => self.check_reduction(x, y),
             Node::Reshape { x, y } => self.check_reshape(x, y),
             Node::SdpaFwd { q, k, v, o, stats, mask, seq_lens, page_tables, .. } => {
                 if let Some((pk, pv)) = page_tables {
                     self.check_page_tables(q, [k, v], [pk, pv], seq_lens.is_some())?;
                 }
-                if let Some((sq, skv)) = seq_lens {
-                    let b = self.spec(q).dims.first().copied().unwrap_or(0);
-                    for t in [sq, skv] {
-                        let s = self.spec(t);
-                        if s.dtype != DataType::I32
-                            || s.dims[..] != [b, 1, 1, 1]
-                            || s.is_virtual
-                            || s.by_value
-                        {
-                            return Err(self.fail(
-                                t,
-                                format!("sequence lengths must be an i32 [{b}, 1, 1, 1] device tensor"),
-                            ));
-                        }
-                    }
+                if let Some(lens) = seq_lens {
+                    self.check_seq_lens(q, lens)?;
                 }
                 if mask != super::Mask::None {
                     return Err(crate::Error::NotSupported {
@@ -56,9 +46,49 @@ impl Graph {
         }
     }
 
+    /// Per-sequence lengths of an attention over Q: i32 `[b, 1, 1, 1]` device tensors.
+    pub(super) fn check_seq_lens(&self, q: TensorId, (sq, skv): (TensorId, TensorId)) -> Result<()> {
+        let b = self.spec(q).dims.first().copied().unwrap_or(0);
+        for t in [sq, skv] {
+            let s = self.spec(t);
+            if s.dtype != DataType::I32 || s.dims[..] != [b, 1, 1, 1] || s.is_virtual || s.by_value {
+                return Err(
+                    self.fail(t, format!("sequence lengths must be an i32 [{b}, 1, 1, 1] device tensor"))
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// A matmul's M/N/K overrides: i32 device tensors with the output's batch dims and 1 for the two
+    /// matrix dims (one size per matrix of the batch).
+    fn check_matmul_overrides(&self, c: TensorId, overrides: MatmulOverrides) -> Result<()> {
+        let cd = &self.spec(c).dims;
+        let r = cd.len();
+        for (dim, t) in overrides.present() {
+            let s = self.spec(t);
+            let ok = s.dtype == DataType::I32
+                && s.dims.len() == r
+                && s.dims[..r - 2].iter().zip(&cd[..r - 2]).all(|(&a, &b)| a == b || a == 1)
+                && s.dims[r - 2..].iter().all(|&d| d == 1)
+                && !s.is_virtual
+                && !s.by_value;
+            if !ok {
+                let mut want = cd.clone();
+                want[r - 2..].fill(1);
+                return Err(
+                    self.fail(t, format!("a matmul {dim} override must be an i32 {want:?} device tensor"))
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// Ragged (THD) tensors: a tensor's ragged offsets name an i32 `[b + 1, 1, 1, 1]` device tensor of
-    /// the graph (with no offsets of its own), and only the Q, K, V and O of a unified SDPA operation
-    /// with sequence lengths (and K/V not paged) take them, as the frontend's padded THD attention.
+    /// the graph (with no offsets of its own); only the Q, K, V and O of an attention with sequence
+    /// lengths take them (the unified operation's, or the composite graph's with its padding mask;
+    /// there also its stats, when they are an output), K and V not paged, as the frontend's THD
+    /// attention ("Ragged offsets are only supported with padding mask").
     pub(super) fn check_ragged_offsets(&self) -> Result<()> {
         for (i, t) in self.tensors.iter().enumerate() {
             let Some(uid) = t.ragged_offset else { continue };
@@ -79,33 +109,34 @@ impl Graph {
                     format!("ragged offsets must be an i32 [{}, 1, 1, 1] device tensor (batch + 1)", b + 1),
                 ));
             }
-            let composite = self.attentions.iter().any(|([q, k, v, o], _)| [q, k, v, o].contains(&&id));
-            if composite {
-                return Err(crate::Error::NotSupported {
-                    op: format!("{} (tensor `{}`)", self.name, t.name),
-                    reason: "ragged (THD) attention needs the unified SDPA operation (cuDNN 9.15+); the \
-                             composite padding mask is not built"
-                        .into(),
-                });
+            if t.is_virtual || t.by_value {
+                return Err(self
+                    .fail(id, "ragged offsets are only taken by device tensors (graph inputs and outputs)"));
             }
-            let node = self.nodes.iter().find_map(|n| match *n {
-                Node::SdpaFwd { q, k, v, o, seq_lens, page_tables, .. } if [q, k, v, o].contains(&id) => {
-                    Some((seq_lens.is_some(), page_tables.is_some() && (id == k || id == v)))
-                }
-                _ => None,
+            // (has sequence lengths, is a paged K or V) of the attention the tensor belongs to.
+            let composite = self.attentions.iter().find_map(|a| {
+                (a.qkvo.contains(&id) || a.stats == Some(id)).then_some((a.seq_lens.is_some(), false))
             });
-            match node {
+            let unified = || {
+                self.nodes.iter().find_map(|n| match *n {
+                    Node::SdpaFwd { q, k, v, o, seq_lens, page_tables, .. } if [q, k, v, o].contains(&id) => {
+                        Some((seq_lens.is_some(), page_tables.is_some() && (id == k || id == v)))
+                    }
+                    _ => None,
+                })
+            };
+            match composite.or_else(unified) {
                 None => {
                     return Err(self.fail(
                         id,
-                        "ragged offsets are only taken by the Q, K, V or O of a unified SDPA operation",
+                        "ragged offsets are only taken by the Q, K, V or O of an SDPA with sequence lengths",
                     ))
                 }
-                Some((false, _)) => {
-                    return Err(
-                        self.fail(id, "ragged offsets need the sequence lengths (seq_len_q, seq_len_kv)")
-                    )
-                }
+                Some((false, _)) => return Err(self.fail(
+                    id,
+                    "ragged offsets need the sequence lengths (seq_len_q, seq_len_kv): the frontend takes \
+                         THD tensors only with its padding mask",
+                )),
                 Some((_, true)) => {
                     return Err(self.fail(id, "paged K/V are read through page tables, not ragged offsets"))
                 }
@@ -231,8 +262,17 @@ impl Graph {
                 );
             }
         }
-        if op == Pointwise::Binary(Binary::CmpGe) && self.spec(y).dtype != DataType::Bool {
-            return Err(self.fail(y, "a comparison gives booleans"));
+        if let Pointwise::Binary(op) = op {
+            if op.is_boolean() && self.spec(y).dtype != DataType::Bool {
+                return Err(self.fail(y, "a comparison gives booleans"));
+            }
+            if op == Binary::LogicalAnd {
+                for id in [Some(x), b].into_iter().flatten() {
+                    if self.spec(id).dtype != DataType::Bool {
+                        return Err(self.fail(id, "a logical and takes booleans"));
+                    }
+                }
+            }
         }
         Ok(())
     }

@@ -96,12 +96,10 @@ pub struct Graph {
     constants: Vec<(TensorId, Scalar)>,
     /// Virtual outputs a pattern computes and nobody reads (the stats of inference attention).
     discarded: Vec<TensorId>,
-    /// Composite attentions, checked as a whole before their nodes: `[q, k (transposed), v, o]`, stats.
-    attentions: Vec<([TensorId; 4], Option<TensorId>)>,
+    /// Composite attentions, checked as a whole before their nodes.
+    attentions: Vec<attention::SdpaTensors>,
     /// Composite attention backwards, checked as a whole before their nodes.
     backward_attentions: Vec<attention::SdpaBackwardTensors>,
-    /// A composite attention was asked for with sequence lengths (its padding mask is not built).
-    padded_composite: Option<TensorId>,
     /// A composite attention was asked for with page tables (its paged cache loads are not built).
     paged_composite: Option<TensorId>,
     form: Option<String>,
@@ -118,7 +116,6 @@ impl Graph {
             discarded: Vec::new(),
             attentions: Vec::new(),
             backward_attentions: Vec::new(),
-            padded_composite: None,
             paged_composite: None,
             form: None,
         }
@@ -211,14 +208,6 @@ impl Graph {
                 reason: "no operations".into(),
             });
         }
-        if let Some(t) = self.padded_composite {
-            return Err(Error::NotSupported {
-                op: format!("{} (tensor `{}`)", self.name, self.spec(t).name),
-                reason: "attention with sequence lengths needs the unified SDPA operation (cuDNN 9.15+); \
-                         the composite padding mask is not built"
-                    .into(),
-            });
-        }
         if let Some(t) = self.paged_composite {
             return Err(Error::NotSupported {
                 op: format!("{} (tensor `{}`)", self.name, self.spec(t).name),
@@ -228,8 +217,12 @@ impl Graph {
             });
         }
         self.check_ragged_offsets()?;
-        for &([q, k, v, o], stats) in &self.attentions {
-            self.check_sdpa_tensors(q, k, v, o, stats, [true, false])?;
+        for a in &self.attentions {
+            let [q, k, v, o] = a.qkvo;
+            self.check_sdpa_tensors(q, k, v, o, a.stats, [true, false])?;
+            if let Some(lens) = a.seq_lens {
+                self.check_seq_lens(q, lens)?;
+            }
         }
         for t in &self.backward_attentions {
             self.check_sdpa_backward_tensors(t)?;

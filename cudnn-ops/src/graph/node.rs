@@ -43,6 +43,17 @@ pub enum Binary {
     Div,
     /// `a ≥ b`, a boolean.
     CmpGe,
+    /// `a < b`, a boolean.
+    CmpLt,
+    /// `a ∧ b` of two booleans.
+    LogicalAnd,
+}
+
+impl Binary {
+    /// Whether the result is a boolean (comparisons and logic).
+    pub fn is_boolean(self) -> bool {
+        matches!(self, Binary::CmpGe | Binary::CmpLt | Binary::LogicalAnd)
+    }
 }
 
 /// Reductions over the dims where the output has size 1.
@@ -88,6 +99,8 @@ impl Pointwise {
                 Binary::Mul => "mul",
                 Binary::Div => "div",
                 Binary::CmpGe => "cmp_ge",
+                Binary::CmpLt => "cmp_lt",
+                Binary::LogicalAnd => "logical_and",
             },
             Pointwise::GenIndex => "gen_index",
             Pointwise::Select => "select",
@@ -126,6 +139,8 @@ impl Pointwise {
                 Binary::Mul => M::CUDNN_POINTWISE_MUL,
                 Binary::Div => M::CUDNN_POINTWISE_DIV,
                 Binary::CmpGe => M::CUDNN_POINTWISE_CMP_GE,
+                Binary::CmpLt => M::CUDNN_POINTWISE_CMP_LT,
+                Binary::LogicalAnd => M::CUDNN_POINTWISE_LOGICAL_AND,
             },
             Pointwise::GenIndex => M::CUDNN_POINTWISE_GEN_INDEX,
             Pointwise::Select => M::CUDNN_POINTWISE_BINARY_SELECT,
@@ -138,6 +153,24 @@ impl Pointwise {
                 _ => M::CUDNN_POINTWISE_SWISH_BWD,
             },
         }
+    }
+}
+
+/// Per-batch sizes a matmul takes from device tensors instead of its dims (the frontend's
+/// `set_m_override` etc., `CUDNN_ATTR_OPERATION_MATMUL_GEMM_{M,N,K}_OVERRIDE_DESC`): i32 tensors with
+/// the output's batch dims and 1s for the matrix dims, each entry at most the dim it overrides. Padded
+/// attention's matmuls run each sequence's lengths this way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub(crate) struct MatmulOverrides {
+    pub m: Option<TensorId>,
+    pub n: Option<TensorId>,
+    pub k: Option<TensorId>,
+}
+
+impl MatmulOverrides {
+    /// The override tensors present, with the dim each overrides.
+    pub(crate) fn present(&self) -> impl Iterator<Item = (char, TensorId)> {
+        [('M', self.m), ('N', self.n), ('K', self.k)].into_iter().filter_map(|(c, t)| t.map(|t| (c, t)))
     }
 }
 
@@ -175,6 +208,7 @@ pub(crate) enum Node {
         a: TensorId,
         b: TensorId,
         c: TensorId,
+        overrides: MatmulOverrides,
     },
     Reduction {
         op: Reduce,
@@ -210,7 +244,11 @@ impl Node {
             Node::RmsNorm { x, scale, epsilon, .. } => vec![x, scale, epsilon],
             Node::RmsNormBackward { dy, x, scale, inv_rms, .. } => vec![dy, x, scale, inv_rms],
             Node::Pointwise { x, b, t, .. } => [Some(x), b, t].into_iter().flatten().collect(),
-            Node::Matmul { a, b, .. } => vec![a, b],
+            Node::Matmul { a, b, overrides, .. } => {
+                let mut v = vec![a, b];
+                v.extend(overrides.present().map(|(_, t)| t));
+                v
+            }
             Node::Reduction { x, .. } | Node::Reshape { x, .. } => vec![x],
             Node::SdpaFwd { q, k, v, scale, seq_lens, page_tables, .. } => {
                 let mut v = vec![q, k, v, scale];
@@ -308,15 +346,25 @@ impl Node {
                 op.finalize(&format!("pointwise {} operation", mode.name()))?;
                 Ok(op)
             }
-            Node::Matmul { a, b, c } => {
+            Node::Matmul { a, b, c, overrides } => {
                 let mut mm = Descriptor::new(D::CUDNN_BACKEND_MATMUL_DESCRIPTOR)?;
                 mm.set(A::CUDNN_ATTR_MATMUL_COMP_TYPE, Attr::DataType(DataType::F32))?;
+                // The frontend's padded bmm1 also sets a padding value of 0.0, which it lowers only
+                // when non-zero (`CUDNN_ATTR_MATMUL_PADDING_VALUE`): the default, so nothing to set.
                 mm.finalize("matmul descriptor")?;
                 let mut op = Descriptor::new(D::CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR)?;
                 op.set(A::CUDNN_ATTR_OPERATION_MATMUL_ADESC, Attr::Descriptors(&[t(a)]))?;
                 op.set(A::CUDNN_ATTR_OPERATION_MATMUL_BDESC, Attr::Descriptors(&[t(b)]))?;
                 op.set(A::CUDNN_ATTR_OPERATION_MATMUL_CDESC, Attr::Descriptors(&[t(c)]))?;
                 op.set(A::CUDNN_ATTR_OPERATION_MATMUL_DESC, Attr::Descriptors(&[&mm]))?;
+                for (dim, tensor) in overrides.present() {
+                    let name = match dim {
+                        'M' => A::CUDNN_ATTR_OPERATION_MATMUL_GEMM_M_OVERRIDE_DESC,
+                        'N' => A::CUDNN_ATTR_OPERATION_MATMUL_GEMM_N_OVERRIDE_DESC,
+                        _ => A::CUDNN_ATTR_OPERATION_MATMUL_GEMM_K_OVERRIDE_DESC,
+                    };
+                    op.set(name, Attr::Descriptors(&[t(tensor)]))?;
+                }
                 op.finalize("matmul operation")?;
                 Ok(op)
             }

@@ -131,7 +131,19 @@ impl SdpaArgs {
             None if a.split_kv_refusal(stats).is_none() && !(a.padded && features.sdpa_seq_lens()) => {
                 SdpaKernel::SplitKv
             }
-            None => SdpaKernel::Graph(SdpaForm::select(features, a.mask)),
+            None => SdpaKernel::Graph(a.auto_form(features)),
+        }
+    }
+
+    /// The graph form an automatic choice builds: [`SdpaForm::select`]'s, except that run-time lengths
+    /// on a cuDNN whose unified operation lacks them (before 9.15) take the composite graph and its
+    /// padding mask (paged K/V has no composite form here).
+    fn auto_form(&self, features: Features) -> SdpaForm {
+        let form = SdpaForm::select(features, self.mask);
+        if form == SdpaForm::Unified && self.padded && self.pages.is_none() && !features.sdpa_seq_lens() {
+            SdpaForm::Composite
+        } else {
+            form
         }
     }
 
@@ -161,20 +173,24 @@ impl SdpaArgs {
                 ),
             });
         }
-        if a.padded && !features.sdpa_seq_lens() {
+        let form = asked.unwrap_or_else(|| a.auto_form(features));
+        if a.padded && form == SdpaForm::Unified && !features.sdpa_seq_lens() {
             return Err(Error::NotSupported {
                 op: "sdpa".into(),
                 reason: format!(
-                    "attention with run-time sequence lengths needs cuDNN 9.15 (the unified operation), this is {}",
+                    "run-time sequence lengths on the unified SDPA operation need cuDNN 9.15, this is {} \
+                     (the composite form takes them on any cuDNN 9)",
                     crate::version_string(version)
                 ),
             });
         }
         ctx.cache().get_or_build(&a.key(dtype, stats), || {
-            let form = asked.unwrap_or_else(|| SdpaForm::select(features, a.mask));
             match a.graph(dtype, stats, form, features).build(ctx) {
                 Err(e)
-                    if e.is_not_supported() && asked.is_none() && form == SdpaForm::Unified && !a.padded =>
+                    if e.is_not_supported()
+                        && asked.is_none()
+                        && form == SdpaForm::Unified
+                        && a.pages.is_none() =>
                 {
                     a.graph(dtype, stats, SdpaForm::Composite, features).build(ctx)
                 }
@@ -186,7 +202,13 @@ impl SdpaArgs {
 
 /// `NotSupported` for `op` where `head_dim` exceeds `limit`, the largest head dim `what` takes on this
 /// GPU and cuDNN.
-fn head_dim_within(ctx: &Cudnn, op: &str, what: &str, head_dim: usize, limit: usize) -> Result<()> {
+pub(super) fn head_dim_within(
+    ctx: &Cudnn,
+    op: &str,
+    what: &str,
+    head_dim: usize,
+    limit: usize,
+) -> Result<()> {
     if head_dim <= limit {
         return Ok(());
     }
@@ -382,18 +404,31 @@ mod tests {
         assert_eq!(&bound[3..5], &[("seq_len_q", uid::SEQ_LEN_Q), ("seq_len_kv", uid::SEQ_LEN_KV)]);
         let lens = g.tensors().iter().find(|t| t.name == "seq_len_kv").unwrap();
         assert_eq!((lens.dtype, lens.dims.clone()), (DataType::I32, vec![2, 1, 1, 1]));
-        // The composite graph has no padding mask here; a causal mask cannot go on the unified node.
-        let e = a
-            .graph(DataType::BF16, false, SdpaForm::Composite, Features::for_version(91900, (9, 0)))
-            .validate()
-            .unwrap_err();
-        assert!(e.is_not_supported() && e.to_string().contains("unified SDPA operation"), "{e}");
+        // The composite graph binds the same lengths (its padding mask and matmul overrides read
+        // them); a causal mask cannot go on the unified node, so a padded causal chunk is composite.
+        let f = Features::for_version(91900, (9, 0));
+        let c = a.graph(DataType::BF16, false, SdpaForm::Composite, f);
+        c.validate().unwrap();
+        let bound: Vec<(&str, i64)> = c
+            .tensors()
+            .iter()
+            .filter(|t| !t.is_virtual && !t.by_value)
+            .map(|t| (t.name.as_str(), t.uid))
+            .collect();
+        assert_eq!(&bound[3..5], &[("seq_len_q", uid::SEQ_LEN_Q), ("seq_len_kv", uid::SEQ_LEN_KV)]);
         let chunk = SdpaArgs { seq_q: 4, ..a }.with_mask(Mask::CausalBottomRight);
         assert!(chunk
-            .graph(DataType::BF16, false, SdpaForm::Unified, Features::for_version(91900, (9, 0)))
+            .graph(DataType::BF16, false, SdpaForm::Unified, f)
             .validate()
             .unwrap_err()
             .is_not_supported());
+        chunk.graph(DataType::BF16, false, SdpaForm::Composite, f).validate().unwrap();
+        assert_eq!(chunk.fused_kernel(f, false), SdpaKernel::Graph(SdpaForm::Composite));
+        // Before 9.15 (no lengths on the unified operation) an unmasked padded prefill is composite.
+        let prefill = SdpaArgs { seq_q: 256, ..a };
+        assert_eq!(prefill.fused_kernel(f, false), SdpaKernel::Graph(SdpaForm::Unified));
+        let old = Features::for_version(91400, (9, 0));
+        assert_eq!(prefill.fused_kernel(old, false), SdpaKernel::Graph(SdpaForm::Composite));
     }
 
     /// A paged decode at Llama-3.1-8B heads: Q a view into fused QKV rows, a pool of 64 pages of 16.

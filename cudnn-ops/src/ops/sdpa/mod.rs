@@ -13,6 +13,10 @@
 //! the faster of the two on an H200 (8.3 vs 15.7 us per Llama-3.1-8B decode attention in a CUDA
 //! graph). [`SdpaArgs::fused_kernel`] says which runs; [`SdpaArgs::with_form`] forces one.
 //!
+//! Ragged (THD) prefill ([`sdpa_ragged`], `ragged/`): sequences of different lengths packed without
+//! padding, one plan per batch size and length bucket (the composite graph with ragged offsets and
+//! the frontend's padding mask).
+//!
 //! Paged K/V ([`SdpaArgs::with_pages`], [`SdpaOperands::pages`]): K and V are page pools
 //! `[num_pages, h_kv, page_size, d]` (strides by [`PageOrder`](crate::PageOrder)) read through a page
 //! table, one row per sequence, lengths on the device: cuDNN's unified operation with its page-table
@@ -25,7 +29,7 @@ pub mod naive;
 mod ragged;
 mod seq_lens;
 
-pub use ragged::RaggedBatch;
+pub use ragged::{sdpa_ragged, DeviceRagged, RaggedArgs, RaggedBatch, RaggedKey, RaggedOperands};
 pub use seq_lens::{DeviceSeqLens, SeqLens};
 
 use crate::checked;
@@ -425,9 +429,10 @@ pub struct SdpaOperands<'a, T: Element> {
     /// [`SdpaArgs::with_seq_lens`] (and only for those), whose seq dims are then capacities (buffers
     /// are sized by them); keys past `seq_len_kv[b]` and queries past `seq_len_q[b]` are masked out
     /// (their output rows are unspecified). One plan serves every length, e.g. every step of a decode
-    /// over a growing cache. Fused only, with no causal mask (a single decode query needs none); a
-    /// decode (`seq_q` 1) runs the split-KV kernel ([`SdpaKernel::SplitKv`], any cuDNN), other calls
-    /// need cuDNN 9.15+.
+    /// over a growing cache. Fused only. A decode (`seq_q` 1) may run the split-KV kernel
+    /// ([`SdpaKernel::SplitKv`], any cuDNN); unmasked calls run the unified operation with its length
+    /// inputs (cuDNN 9.15+), causal ones (and unmasked ones before 9.15) the composite graph with the
+    /// frontend's padding mask and per-sequence matmul sizes (any cuDNN 9).
     ///
     /// The lengths are device values the host cannot check, and cuDNN bounds them by nothing: a length
     /// past the capacity would read K/V (and write O) past the buffers. So a launch-only kernel first

@@ -1,0 +1,72 @@
+//! The eager half: what PyTorch eager does with a ragged batch short of padding it, a loop over the
+//! sequences, each the naive attention of [`crate::ops::sdpa::naive`] over its slice of the packed
+//! buffers (one `b = 1` BSHD call per sequence: `[len, h, d]` is BSHD with one batch).
+
+use super::{RaggedArgs, RaggedOperands};
+use crate::dtype::Element;
+use crate::ops::sdpa::{sdpa, Layout, SdpaArgs, SdpaOperands};
+use crate::ops::Naive;
+use crate::{Backend, Cudnn, Result};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
+use std::sync::Arc;
+
+/// A view of a buffer from an element on: its address and the elements left. The buffer's own guard
+/// (held by the caller for the whole loop) ordered it against earlier work on the stream and records
+/// the calls' work when it drops; every call runs on that one stream.
+struct At {
+    addr: u64,
+    len: usize,
+    stream: Arc<CudaStream>,
+}
+
+impl<T> DeviceSlice<T> for At {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+impl<T> DevicePtr<T> for At {
+    fn device_ptr<'a>(&'a self, _stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
+        (self.addr, SyncOnDrop::Sync(None))
+    }
+}
+
+impl<T> DevicePtrMut<T> for At {
+    fn device_ptr_mut<'a>(&'a mut self, _stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
+        (self.addr, SyncOnDrop::Sync(None))
+    }
+}
+
+impl<T: Element> Naive<T> for RaggedArgs {
+    fn naive(self, ctx: &Cudnn, x: RaggedOperands<'_, T>) -> Result<()> {
+        let RaggedOperands { q, k, v, o, batch } = x;
+        let stream = ctx.stream();
+        let (lens, owner) = ([q.len(), k.len(), v.len(), o.len()], stream.clone());
+        let (q_ptr, _gq) = q.device_ptr(stream);
+        let (k_ptr, _gk) = k.device_ptr(stream);
+        let (v_ptr, _gv) = v.device_ptr(stream);
+        let (o_ptr, _go) = o.device_ptr_mut(stream);
+        let elem = T::DTYPE.size() as u64;
+        // Offsets the op checked against the buffers: each view lies inside its buffer.
+        let at = |ptr: u64, len: usize, offset: i32| At {
+            addr: ptr + elem * offset as u64,
+            len: len - offset as usize,
+            stream: owner.clone(),
+        };
+        let (qo, kv) = (batch.queries().offsets(), batch.keys().offsets());
+        for (i, &n) in batch.seq_lens().iter().enumerate() {
+            let n = n as usize;
+            let args = SdpaArgs::new(1, self.heads_q, self.heads_kv, n, n, self.head_dim, Layout::Bshd)
+                .with_mask(self.mask)
+                .with_scale(self.scale());
+            let (qs, ks, vs) =
+                (at(q_ptr, lens[0], qo[i]), at(k_ptr, lens[1], kv[i]), at(v_ptr, lens[2], kv[i]));
+            let mut os = at(o_ptr, lens[3], qo[i]);
+            sdpa::<T>(ctx, args, SdpaOperands::new(&qs, &ks, &vs, &mut os), Backend::Naive)?;
+        }
+        Ok(())
+    }
+}
