@@ -59,7 +59,59 @@ pub struct Exec {
     stream: Arc<CudaStream>,
     info: DeviceInfo,
     features: Features,
+    /// Programmatic dependent launch asked for ([`Exec::set_programmatic_launch`]).
+    programmatic: std::cell::Cell<bool>,
+    /// How the one-token decode GEMV splits its rows ([`Exec::set_gemv_split`]).
+    gemv_split: std::cell::Cell<GemvSplit>,
 }
+
+/// How the one-token decode GEMV of the fused matmul shares the work of a weight row
+/// ([`Exec::set_gemv_split`]); the results are the same up to f32 summation order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum GemvSplit {
+    /// Chosen by shape and device (the default): [`GemvSplit::Block`] for few output rows per SM
+    /// and short rows (qkv and o_proj of an 8B model on an H100/H200), [`GemvSplit::Warp`] otherwise.
+    Auto,
+    /// A warp streams whole rows (several round trips per row; the long rows of down_proj, the
+    /// many of up/gate and lm_head).
+    Warp,
+    /// A block of four warps shares each row (one round of loads per row of a few thousand
+    /// elements, a finer grid). One token only: more tokens keep the warp form.
+    Block,
+}
+
+impl GemvSplit {
+    /// `auto`, `warp` or `block`, for tables and [`GEMV_SPLIT_ENV`].
+    pub fn name(self) -> &'static str {
+        match self {
+            GemvSplit::Auto => "auto",
+            GemvSplit::Warp => "warp",
+            GemvSplit::Block => "block",
+        }
+    }
+
+    /// The split named `auto`, `warp` or `block`.
+    pub fn parse(name: &str) -> Option<Self> {
+        [GemvSplit::Auto, GemvSplit::Warp, GemvSplit::Block].into_iter().find(|s| s.name() == name.trim())
+    }
+}
+
+/// Environment variable that sets a new context's [`GemvSplit`]: `auto` (default), `warp` or `block`.
+pub const GEMV_SPLIT_ENV: &str = "CUDNN_LLM_GEMV_SPLIT";
+
+/// Environment variable that turns a new context's programmatic dependent launch off (`0`, `off`,
+/// `false` or `no`); anything else, or unset, leaves it on where the GPU has it
+/// ([`Exec::set_programmatic_launch`]).
+pub const PDL_ENV: &str = "CUDNN_LLM_PDL";
+
+/// Whether `value` of [`PDL_ENV`] leaves programmatic dependent launch on.
+fn pdl_from(value: Option<&str>) -> bool {
+    !matches!(value.map(|v| v.trim().to_ascii_lowercase()).as_deref(), Some("0" | "off" | "false" | "no"))
+}
+
+/// The first compute capability with programmatic dependent launch (Hopper).
+const PDL_COMPUTE_CAPABILITY: i32 = 9;
 
 /// The next buffer epoch ([`Cudnn::buffer_epoch`](crate::Cudnn::buffer_epoch)): increasing over the
 /// whole process.
@@ -96,6 +148,13 @@ impl Exec {
             stream,
             info,
             features,
+            programmatic: std::cell::Cell::new(pdl_from(std::env::var(PDL_ENV).ok().as_deref())),
+            gemv_split: std::cell::Cell::new(
+                std::env::var(GEMV_SPLIT_ENV)
+                    .ok()
+                    .and_then(|v| GemvSplit::parse(&v))
+                    .unwrap_or(GemvSplit::Auto),
+            ),
         })
     }
 
@@ -118,6 +177,35 @@ impl Exec {
     /// from its version when the context opened.
     pub fn features(&self) -> Features {
         self.features
+    }
+
+    /// Launches the custom kernels of a decode step (the decode GEMV, RoPE with the K/V append) as
+    /// programmatic dependent launches (PDL), so each may start, and stream its weights into L2,
+    /// while the kernel before it on the stream drains; they wait for that kernel's completion
+    /// before reading its output, so results are the same either way. On by default where the GPU
+    /// has it (compute capability 9.0+) unless [`PDL_ENV`] turns it off; asking for it elsewhere
+    /// leaves it off. A CUDA graph captured meanwhile records programmatic edges; it keeps them
+    /// whatever is set afterwards.
+    pub fn set_programmatic_launch(&self, on: bool) {
+        self.programmatic.set(on);
+    }
+
+    /// Whether custom kernels that allow it launch as programmatic dependent launches now
+    /// ([`Exec::set_programmatic_launch`] and compute capability 9.0+).
+    pub fn programmatic_launch(&self) -> bool {
+        self.programmatic.get() && self.info.compute_capability.0 >= PDL_COMPUTE_CAPABILITY
+    }
+
+    /// How the fused matmul's one-token decode GEMV splits a weight row's work from now on
+    /// ([`GemvSplit::Auto`] unless [`GEMV_SPLIT_ENV`] or this says otherwise): to compare the forms
+    /// (`examples/05-decode`). A CUDA graph captured before keeps what it captured.
+    pub fn set_gemv_split(&self, split: GemvSplit) {
+        self.gemv_split.set(split);
+    }
+
+    /// See [`Exec::set_gemv_split`].
+    pub fn gemv_split(&self) -> GemvSplit {
+        self.gemv_split.get()
     }
 
     /// Waits for all work on the stream.
@@ -229,4 +317,33 @@ pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>> {
         return Err(Error::NoGpu(format!("device {ordinal} requested, but only {count} present")));
     }
     Ok(CudaContext::new(ordinal)?)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_pdl_variable_turns_it_off_only_when_it_says_so() {
+        for (value, on) in [
+            (None, true),
+            (Some("1"), true),
+            (Some("on"), true),
+            (Some(""), true),
+            (Some("0"), false),
+            (Some(" off "), false),
+            (Some("FALSE"), false),
+            (Some("no"), false),
+        ] {
+            assert_eq!(super::pdl_from(value), on, "{value:?}");
+        }
+    }
+
+    #[test]
+    fn gemv_splits_parse_their_names() {
+        use super::GemvSplit;
+        for s in [GemvSplit::Auto, GemvSplit::Warp, GemvSplit::Block] {
+            assert_eq!(GemvSplit::parse(s.name()), Some(s));
+        }
+        assert_eq!(GemvSplit::parse(" block\n"), Some(GemvSplit::Block));
+        assert_eq!(GemvSplit::parse("rows"), None);
+    }
 }

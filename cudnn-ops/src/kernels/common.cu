@@ -47,3 +47,19 @@ __device__ __forceinline__ long paged_at(const int* table, long b, long pos, lon
     if (page < 0 || page >= num_pages) return -1;
     return page * page_stride + h * head_stride + (pos % page_size) * slot_stride + e;
 }
+
+// Programmatic dependent launch (Hopper and later; kernels/mod.rs `launch_programmatic`). A kernel
+// launched with programmatic stream serialization may start while the kernel before it on the stream
+// drains: `pdl_wait` waits until that kernel has completed and its writes are visible (at once when
+// the launch was an ordinary one), so nothing the previous kernel may write is read or written before
+// it; `pdl_launch_dependents` lets the next such kernel start early. Both are no-ops below sm_90.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}

@@ -247,6 +247,42 @@ pub(crate) fn launch(
     Ok(())
 }
 
+/// Launches `name` as [`launch`] does, but as a programmatic dependent launch (PDL) where the context
+/// allows it ([`Exec::programmatic_launch`]: compute capability 9.0+, not turned off): the kernel may
+/// start while the previous kernel on the stream drains. Only for kernels that call `pdl_wait`
+/// (`common.cu`) before they touch anything the previous kernel may write, and that read nothing but
+/// with L2 prefetches before it; they are correct launched either way (`pdl_wait` returns at once
+/// after an ordinary launch).
+pub(crate) fn launch_programmatic(
+    ctx: &Exec,
+    kernels: &Kernels,
+    name: &str,
+    cfg: LaunchConfig,
+    args: &[Arg],
+) -> Result<()> {
+    if !ctx.programmatic_launch() {
+        return launch(ctx, kernels, name, cfg, args);
+    }
+    let f = kernels.function(ctx, name)?;
+    ctx.bind()?;
+    let mut params: Vec<*mut std::ffi::c_void> = args
+        .iter()
+        .map(|a| match a {
+            Arg::Ptr(p) => p as *const u64 as *mut std::ffi::c_void,
+            Arg::F32(v) => v as *const f32 as *mut std::ffi::c_void,
+            Arg::I64(v) => v as *const i64 as *mut std::ffi::c_void,
+        })
+        .collect();
+    // SAFETY: as in `launch`, callers pass the arguments in the order and types of the kernel's
+    // signature, every pointer covering what the kernel touches; each parameter pointer points into
+    // `args`, borrowed for the call; `f` was loaded in the stream's context, bound just above; and
+    // the kernels launched this way wait (`pdl_wait`) before touching what the kernel before them
+    // may write (the callers' contract above).
+    unsafe {
+        crate::raw::driver::launch_programmatic(f.cu_function(), cfg, ctx.stream().cu_stream(), &mut params)
+    }
+}
+
 /// Launches an elementwise kernel over `n` elements: `args`, then `n`. A grid too large for one launch
 /// (the kernels have no grid-stride loop) is an error, not a launch that silently covers fewer elements.
 pub(crate) fn elementwise(ctx: &Exec, kernels: &Kernels, name: &str, n: usize, args: &[Arg]) -> Result<()> {

@@ -1,5 +1,5 @@
 //! The CUDA driver calls the crate makes past cudarc's safe layer: library probe, driver version,
-//! memory-pool counters and the workspace memset. Each wrapper is safe: it holds or checks what the
+//! memory-pool counters, the workspace memset and the programmatic (PDL) kernel launch. Each wrapper is safe: it holds or checks what the
 //! call needs (the buffer alive and long enough, out-pointers of the right type).
 //!
 //! Driver API docs: <https://docs.nvidia.com/cuda/cuda-driver-api/>.
@@ -96,4 +96,47 @@ impl DeviceBytes {
         unsafe { cudarc::driver::result::memset_d8_async(self.addr, 0, self.bytes, stream)? };
         Ok(())
     }
+}
+
+/// Enqueues `f` on `stream` with `cuLaunchKernelEx` and the programmatic stream serialization
+/// attribute (programmatic dependent launch, compute capability 9.0+): the kernel may start once
+/// every block of the kernel before it on the stream has started and called
+/// `griddepcontrol.launch_dependents` (or exited), and must `griddepcontrol.wait` before it reads or
+/// writes anything that kernel may write (`pdl_wait` in `kernels/common.cu`). A CUDA-graph capture
+/// records the pair as a programmatic dependency (CUDA 12.3+).
+///
+/// # Safety
+///
+/// `params` holds one pointer per kernel parameter, in the order and with the types of `f`'s
+/// signature, each pointing to a live value for the duration of the call; `f` belongs to a module
+/// loaded in `stream`'s context, which is current on this thread; every pointer the kernel
+/// dereferences covers what it touches; and the kernel waits (`griddepcontrol.wait`) before it
+/// touches memory the previous kernel on the stream may write.
+pub(crate) unsafe fn launch_programmatic(
+    f: sys::CUfunction,
+    cfg: cudarc::driver::LaunchConfig,
+    stream: sys::CUstream,
+    params: &mut [*mut std::ffi::c_void],
+) -> Result<()> {
+    // SAFETY: an all-zero launch attribute is a valid value of the C union (padding and ints).
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream,
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    // SAFETY: `config` and `attr` live through the call; the driver copies both before returning.
+    // The caller guarantees `f`, `stream`, the current context and `params` as documented above;
+    // `extra` is null (parameters come through `params` only).
+    unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()).result()? };
+    Ok(())
 }

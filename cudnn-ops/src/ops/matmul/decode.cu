@@ -66,18 +66,10 @@ __device__ __forceinline__ float gemv_activation(int act, float v) {
     }
 }
 
-// Chunks c, c + 32, ..., c + 32 (V - 1) of the R rows ws against the M tokens xs: every load of W
-// first, then per chunk one load of each token's x (from global memory through L1, or with SX from
-// the block's shared memory) and the R·M dot products of 8, each added to its accumulator (V·R·M
-// independent chains).
-template <class D, int M, int R, int V, bool SX = false>
-__device__ __forceinline__ void gemv_step(const uint4* const (&ws)[R], const uint4* const (&xs)[M], int c,
+// The dot products of gemv_step on W's chunks already loaded (wv[v][r]: chunk c + S v of row r).
+template <class D, int M, int R, int V, bool SX, int S>
+__device__ __forceinline__ void gemv_dots(const uint4 (&wv)[V][R], const uint4* const (&xs)[M], int c,
                                           float (&acc)[R][M]) {
-    uint4 wv[V][R];
-#pragma unroll
-    for (int v = 0; v < V; ++v)
-#pragma unroll
-        for (int r = 0; r < R; ++r) wv[v][r] = gemv_stream16(ws[r] + c + 32 * v);
 #pragma unroll
     for (int v = 0; v < V; ++v) {
         float wf[R][8];
@@ -86,7 +78,7 @@ __device__ __forceinline__ void gemv_step(const uint4* const (&ws)[R], const uin
 #pragma unroll
         for (int t = 0; t < M; ++t) {
             float xf[8];
-            gemv_unpack8<D>(SX ? xs[t][c + 32 * v] : gemv_cached16(xs[t] + c + 32 * v), xf);
+            gemv_unpack8<D>(SX ? xs[t][c + S * v] : gemv_cached16(xs[t] + c + S * v), xf);
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 float dot = wf[r][0] * xf[0];
@@ -96,6 +88,40 @@ __device__ __forceinline__ void gemv_step(const uint4* const (&ws)[R], const uin
             }
         }
     }
+}
+
+// Chunks c, c + S, ..., c + S (V - 1) of the R rows ws against the M tokens xs (S: the threads that
+// share a row, a warp or a block): every load of W first, then per chunk one load of each token's x
+// (from global memory through L1, or with SX from the block's shared memory) and the R·M dot products
+// of 8, each added to its accumulator (V·R·M independent chains).
+template <class D, int M, int R, int V, bool SX = false, int S = 32>
+__device__ __forceinline__ void gemv_step(const uint4* const (&ws)[R], const uint4* const (&xs)[M], int c,
+                                          float (&acc)[R][M]) {
+    uint4 wv[V][R];
+#pragma unroll
+    for (int v = 0; v < V; ++v)
+#pragma unroll
+        for (int r = 0; r < R; ++r) wv[v][r] = gemv_stream16(ws[r] + c + S * v);
+    gemv_dots<D, M, R, V, SX, S>(wv, xs, c, acc);
+}
+
+// L2 prefetch of 16 bytes (no register, no wait).
+__device__ __forceinline__ void gemv_prefetch(const uint4* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// Programmatic dependent launch (decode.rs; `pdl_wait` in common.cu): before waiting for the kernel
+// before it, a GEMV prefetches the chunks c, c + S, ... below `upto` of each of its first rows into L2
+// (W does not come from the previous kernel in a decoder, and a prefetch is right even if it did: L2
+// is where every SM's writes land, and nothing enters a register or L1 before the wait), then lets
+// the next kernel start and waits. Each GEMV calls this once, before it reads x or writes D.
+template <int R>
+__device__ __forceinline__ void gemv_prefetch_then_wait(const uint4* const (&ws)[R], int c, int S, int upto) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+        for (int i = c; i < upto; i += S) gemv_prefetch(ws[r] + i);
+    pdl_launch_dependents();
+    pdl_wait();
 }
 
 // Warps stride over groups of R rows (one group each when the grid has a warp per group).
@@ -108,7 +134,14 @@ __device__ __forceinline__ void gemv(const bits16* x, long ldx, const bits16* w,
     const uint4* xs[M];
 #pragma unroll
     for (int t = 0; t < M; ++t) xs[t] = (const uint4*)(x + (long)min(t, m - 1) * ldx);
-    for (long row0 = (((long)blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R; row0 < n; row0 += warps * R) {
+    const long first = (((long)blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
+    {
+        const uint4* ws[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) ws[r] = (const uint4*)(w + min(first + r, (long)n - 1) * ldw);
+        gemv_prefetch_then_wait<R>(ws, lane, 32, first < n ? min(chunks, 32 * U) : 0);
+    }
+    for (long row0 = first; row0 < n; row0 += warps * R) {
         const uint4* ws[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) ws[r] = (const uint4*)(w + (row0 + r < n ? row0 + r : n - 1) * ldw);
@@ -172,11 +205,6 @@ GEMV_TILES(f16, GemvF16)
 //   dtype as the up projection's output would be) instead of a buffer.
 // One token; warps own R rows of W (and of W_up), U chunks of each in flight; blocks of 128 threads.
 
-// L2 prefetch of 16 bytes (no register, no wait).
-__device__ __forceinline__ void gemv_prefetch(const uint4* p) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
 // The sum of v over the block (every thread gets it); blockDim.x is a multiple of 32, at most 1024.
 __device__ __forceinline__ float gemv_block_sum(float v) {
     __shared__ float partial[32];
@@ -189,6 +217,34 @@ __device__ __forceinline__ float gemv_block_sum(float v) {
     return sum;
 }
 
+// NORM: xn = round(x · inv_rms · norm_w) into the block's shared memory (k / 8 chunks), every thread
+// of the block taking part (it ends with a barrier).
+template <class D>
+__device__ __forceinline__ void gemv_normalize(const bits16* x, const bits16* norm_w, float eps, int k,
+                                               uint4* xn) {
+    const int chunks = k >> 3;
+    const uint4* xg = (const uint4*)x;
+    const uint4* wg = (const uint4*)norm_w;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+        float f[8];
+        gemv_unpack8<D>(gemv_cached16(xg + c), f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss = fmaf(f[e], f[e], ss);
+    }
+    const float inv = rsqrtf(gemv_block_sum(ss) / (float)k + eps);
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+        float f[8], g[8];
+        gemv_unpack8<D>(gemv_cached16(xg + c), f);
+        gemv_unpack8<D>(gemv_cached16(wg + c), g);
+        unsigned h[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) h[e] = D::store(f[e] * inv * g[e]);
+        xn[c] = make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16), h[6] | (h[7] << 16));
+    }
+    __syncthreads();
+}
+
 template <class D, int R, int U, bool NORM, bool DUAL>
 __device__ __forceinline__ void gemv_fused(const bits16* x, const bits16* norm_w, float eps, const bits16* w,
                                            const bits16* w_up, long ldw, int k, int n, const bits16* bias,
@@ -198,37 +254,16 @@ __device__ __forceinline__ void gemv_fused(const bits16* x, const bits16* norm_w
     const int lane = threadIdx.x & 31, chunks = k >> 3;
     const long warps = ((long)gridDim.x * blockDim.x) >> 5;
     const long first = (((long)blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
-    if (NORM) {
-        if (first < n) {
+    {
+        const uint4* ws[RW];
 #pragma unroll
-            for (int r = 0; r < RW; ++r) {
-                const long row = min(first + (r % R), (long)n - 1);
-                const uint4* p = (const uint4*)((DUAL && r >= R ? w_up : w) + row * ldw);
-                for (int c = lane; c < chunks && c < 32 * U; c += 32) gemv_prefetch(p + c);
-            }
+        for (int r = 0; r < RW; ++r) {
+            const long row = min(first + (r % R), (long)n - 1);
+            ws[r] = (const uint4*)((DUAL && r >= R ? w_up : w) + row * ldw);
         }
-        const uint4* xg = (const uint4*)x;
-        const uint4* wg = (const uint4*)norm_w;
-        float ss = 0.0f;
-        for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-            float f[8];
-            gemv_unpack8<D>(gemv_cached16(xg + c), f);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) ss = fmaf(f[e], f[e], ss);
-        }
-        const float inv = rsqrtf(gemv_block_sum(ss) / (float)k + eps);
-        for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-            float f[8], g[8];
-            gemv_unpack8<D>(gemv_cached16(xg + c), f);
-            gemv_unpack8<D>(gemv_cached16(wg + c), g);
-            unsigned h[8];
-#pragma unroll
-            for (int e = 0; e < 8; ++e) h[e] = D::store(f[e] * inv * g[e]);
-            gemv_xn[c] = make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16),
-                                    h[6] | (h[7] << 16));
-        }
-        __syncthreads();
+        gemv_prefetch_then_wait<RW>(ws, lane, 32, first < n ? min(chunks, 32 * U) : 0);
     }
+    if (NORM) gemv_normalize<D>(x, norm_w, eps, k, gemv_xn);
     const uint4* const xs[1] = {NORM ? (const uint4*)gemv_xn : (const uint4*)x};
     for (long row0 = first; row0 < n; row0 += warps * R) {
         const uint4* ws[RW];
@@ -278,3 +313,100 @@ extern "C" __global__ void __launch_bounds__(128) gemv_##sfx##_m1_##form(       
     GEMV_FUSED_KERNEL(sfx, D, norm_dual, 1, 4, true, true)
 GEMV_FUSED(bf16, GemvBf16)
 GEMV_FUSED(f16, GemvF16)
+
+// ---- The one-token GEMV with a block per row group: for the smaller projections. ----
+
+// The forms above with the k chunks of each row shared by a block's 128 threads instead of a warp's
+// 32 (decode.rs `Split::Block`): thread i reads the chunks i, i + 128, ... of the block's R rows (and
+// of W_up's), so a row of a few thousand elements is one round of U loads per thread instead of
+// several per lane, the grid has a block per R rows (several blocks per SM slot where the warp form
+// would run one wave and a fraction: qkv and o_proj of an 8B model), and the first round of W is in
+// flight while the block normalizes x. The warps' sums meet in shared memory; thread r < R writes
+// row r's output with the epilogue. The rows a block owns are the same for all its threads, so every
+// barrier is reached by the whole block.
+#define GEMV_WARPS 4
+template <class D, int R, int U, bool NORM, bool DUAL>
+__device__ __forceinline__ void gemv_block(const bits16* x, const bits16* norm_w, float eps, const bits16* w,
+                                           const bits16* w_up, long ldw, int k, int n, const bits16* bias,
+                                           int act, const bits16* up, const bits16* res, bits16* y) {
+    extern __shared__ uint4 gemv_xn[];  // NORM: the normalized x, k / 8 chunks
+    constexpr int RW = DUAL ? 2 * R : R;
+    constexpr int S = 32 * GEMV_WARPS;
+    __shared__ float part[GEMV_WARPS][RW];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, chunks = k >> 3;
+    const long first = (long)blockIdx.x * R;
+    const uint4* const xs[1] = {NORM ? (const uint4*)gemv_xn : (const uint4*)x};
+    bool normalized = !NORM;
+    for (long row0 = first; row0 < n; row0 += (long)gridDim.x * R) {
+        const uint4* ws[RW];
+#pragma unroll
+        for (int r = 0; r < RW; ++r) {
+            const long row = row0 + (r % R) < n ? row0 + (r % R) : n - 1;
+            ws[r] = (const uint4*)((DUAL && r >= R ? w_up : w) + row * ldw);
+        }
+        if (row0 == first) gemv_prefetch_then_wait<RW>(ws, tid, S, min(chunks, S * U));
+        float acc[RW][1];
+#pragma unroll
+        for (int r = 0; r < RW; ++r) acc[r][0] = 0.0f;
+        int c = tid;
+        if (!normalized) {
+            // The first round of W in flight while x is normalized (chunks past k read nothing).
+            uint4 wv[U][RW];
+#pragma unroll
+            for (int v = 0; v < U; ++v)
+#pragma unroll
+                for (int r = 0; r < RW; ++r)
+                    wv[v][r] = c + S * v < chunks ? gemv_stream16(ws[r] + c + S * v) : make_uint4(0, 0, 0, 0);
+            gemv_normalize<D>(x, norm_w, eps, k, gemv_xn);
+            normalized = true;
+            if (c + S * (U - 1) < chunks) {
+                gemv_dots<D, 1, RW, U, NORM, S>(wv, xs, c, acc);
+                c += S * U;
+            }
+            // Otherwise the whole row is the remainder below (W's chunks read once more, from L1/L2).
+        }
+        for (; c + S * (U - 1) < chunks; c += S * U) gemv_step<D, 1, RW, U, NORM, S>(ws, xs, c, acc);
+        for (; c < chunks; c += S) gemv_step<D, 1, RW, 1, NORM, S>(ws, xs, c, acc);
+#pragma unroll
+        for (int r = 0; r < RW; ++r) {
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) acc[r][0] += __shfl_xor_sync(0xffffffffu, acc[r][0], o);
+            if (lane == 0) part[warp][r] = acc[r][0];
+        }
+        __syncthreads();
+        const long row = row0 + tid;
+        if (tid < R && row < n) {
+            float v = 0.0f, u = 0.0f;
+#pragma unroll
+            for (int i = 0; i < GEMV_WARPS; ++i) {
+                v += part[i][tid];
+                if (DUAL) u += part[i][R + tid];
+            }
+            if (bias) v += D::load(bias[row]);
+            v = gemv_activation(act, v);
+            if (DUAL) v *= D::load(D::store(u));
+            else if (up) v *= D::load(up[row]);
+            if (res) v += D::load(res[row]);
+            y[row] = D::store(v);
+        }
+        __syncthreads();
+    }
+}
+
+// gemv_<dtype>_m1[_<form>]_block: the plain one-token GEMV or a fused form (norm, dual, norm_dual) with
+// a block of 4 warps per R rows (and R rows of W_up), U chunks of each per thread in flight (decode.rs
+// `BLOCK_TILES`); dynamic shared memory of 2·k bytes with NORM.
+#define GEMV_BLOCK_KERNEL(name, D, R, U, NORM, DUAL)                                                       \
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) name(                                        \
+        const bits16* x, const bits16* norm_w, float eps, const bits16* w, const bits16* w_up, long ldw,   \
+        long k, long n, const bits16* bias, long act, const bits16* up, const bits16* res, bits16* y) {    \
+    gemv_block<D, R, U, NORM, DUAL>(x, norm_w, eps, w, w_up, ldw, (int)k, (int)n, bias, (int)act, up, res, \
+                                    y);                                                                    \
+}
+#define GEMV_BLOCKS(sfx, D)                                                                               \
+    GEMV_BLOCK_KERNEL(gemv_##sfx##_m1_block, D, 2, 4, false, false)                                       \
+    GEMV_BLOCK_KERNEL(gemv_##sfx##_m1_norm_block, D, 2, 4, true, false)                                   \
+    GEMV_BLOCK_KERNEL(gemv_##sfx##_m1_dual_block, D, 1, 4, false, true)                                   \
+    GEMV_BLOCK_KERNEL(gemv_##sfx##_m1_norm_dual_block, D, 1, 4, true, true)
+GEMV_BLOCKS(bf16, GemvBf16)
+GEMV_BLOCKS(f16, GemvF16)

@@ -34,8 +34,8 @@
 use super::{Activation, Epilogue, MatmulArgs, MatmulOperands, Prologue};
 use crate::checked;
 use crate::dtype::{DataType, Element};
-use crate::kernels::{launch, optional_ptr, Arg, Kernels};
-use crate::{Cudnn, Error, Result};
+use crate::kernels::{launch_programmatic, optional_ptr, Arg, Kernels};
+use crate::{Cudnn, Error, GemvSplit, Result};
 use cudarc::driver::LaunchConfig;
 use std::hash::{DefaultHasher, Hash, Hasher};
 
@@ -56,6 +56,24 @@ const TILES: [(usize, usize); 4] = [(1, 1), (2, 2), (4, 2), (8, 4)];
 /// The rows of W per warp and the chunks of each row in flight of the one-token fused forms
 /// (`GEMV_FUSED` in `decode.cu`): `(norm, dual, norm_dual)`.
 const FUSED_TILES: [(&str, usize, usize); 3] = [("norm", 1, 8), ("dual", 1, 4), ("norm_dual", 1, 4)];
+
+/// The one-token kernels with a block per row group ([`GemvSplit::Block`], `GEMV_BLOCKS` in
+/// `decode.cu`): the form (`""` for the plain GEMV), rows of W (and of W_up) per block, chunks of each
+/// per thread in flight.
+const BLOCK_TILES: [(&str, usize, usize); 4] =
+    [("", 2, 4), ("norm", 2, 4), ("dual", 1, 4), ("norm_dual", 1, 4)];
+
+/// [`GemvSplit::Auto`] takes the block form at one token for fewer output rows than this per SM.
+/// On an H200 (132 SMs) the warp form streamed the projections with 108 rows per SM (up and gate,
+/// 4096->14336) at 85% of copy bandwidth, and those with 47 and 31 (qkv 4096->6144, o_proj
+/// 4096->4096) at 56% and 58% (`decode-roofline.md`): with about 48 warps resident per SM (38-54
+/// registers a thread, NVRTC for sm_90) those are under one wave of warps, each making two round
+/// trips of 4 KiB, and the SMs stand idle through the ramp and the drain.
+const BLOCK_SPLIT_ROWS_PER_SM: usize = 64;
+
+/// Rows longer than this keep the warp form under [`GemvSplit::Auto`]: each warp then makes many
+/// round trips per row and keeps enough loads in flight (down_proj 14336->4096 streamed at 84%).
+const BLOCK_SPLIT_MAX_K: usize = 8192;
 
 /// Threads per block (the kernels' `__launch_bounds__`).
 const BLOCK: usize = 128;
@@ -79,8 +97,10 @@ pub(super) struct Gemv {
     ldw: usize,
     /// The token tile of the kernel (m or more).
     tile: usize,
-    /// Rows of W per warp.
+    /// Rows of W per warp, or per block with `block`.
     rows_per_warp: usize,
+    /// A block of [`BLOCK`] threads shares each row ([`GemvSplit::Block`], one token), not a warp.
+    block: bool,
     /// Dtype of x, W, D and the epilogue's inputs.
     dtype: DataType,
     /// The epilogue.
@@ -102,20 +122,44 @@ impl Gemv {
         }
     }
 
-    /// The kernel's name, `gemv_<dtype>_m<tile>`, or `gemv_<dtype>_m1_<form>` for a fused form.
+    /// The kernel's name, `gemv_<dtype>_m<tile>`, or `gemv_<dtype>_m1_<form>` for a fused form; with
+    /// a block per row group `gemv_<dtype>_m1_block` or `gemv_<dtype>_m1_<form>_block`.
     fn kernel(&self) -> String {
         let sfx = if self.dtype == DataType::F16 { "f16" } else { "bf16" };
-        match self.fused_form() {
-            Some(form) => format!("gemv_{sfx}_m1_{form}"),
-            None => format!("gemv_{sfx}_m{}", self.tile),
+        match (self.fused_form(), self.block) {
+            (Some(form), false) => format!("gemv_{sfx}_m1_{form}"),
+            (None, false) => format!("gemv_{sfx}_m{}", self.tile),
+            (Some(form), true) => format!("gemv_{sfx}_m1_{form}_block"),
+            (None, true) => format!("gemv_{sfx}_m1_block"),
         }
     }
 
-    /// Blocks of [`BLOCK`] threads, one warp per `rows_per_warp` rows; the prologue's normalized x in
-    /// dynamic shared memory.
+    /// This launch on a device of `sm_count` SMs with the split asked for ([`Exec::gemv_split`]):
+    /// [`GemvSplit::Block`] applies at one token only, [`GemvSplit::Auto`] takes it at one token for
+    /// rows of at most [`BLOCK_SPLIT_MAX_K`] elements and fewer than [`BLOCK_SPLIT_ROWS_PER_SM`]
+    /// output rows per SM.
+    ///
+    /// [`Exec::gemv_split`]: crate::Exec::gemv_split
+    pub(super) fn on_device(self, sm_count: usize, split: GemvSplit) -> Gemv {
+        let block = self.m == 1
+            && match split {
+                GemvSplit::Block => true,
+                GemvSplit::Warp => false,
+                _ => self.k <= BLOCK_SPLIT_MAX_K && self.n < BLOCK_SPLIT_ROWS_PER_SM * sm_count,
+            };
+        if !block {
+            return Gemv { block: false, ..self };
+        }
+        let form = self.fused_form().unwrap_or("");
+        let rows = BLOCK_TILES.iter().find(|t| t.0 == form).map_or(1, |t| t.1);
+        Gemv { block: true, tile: 1, rows_per_warp: rows, ..self }
+    }
+
+    /// Blocks of [`BLOCK`] threads, one warp per `rows_per_warp` rows (or one block with `block`); the
+    /// prologue's normalized x in dynamic shared memory.
     fn config(&self) -> Result<LaunchConfig> {
         let warps = self.n.div_ceil(self.rows_per_warp);
-        let blocks = warps.div_ceil(BLOCK / 32);
+        let blocks = if self.block { warps } else { warps.div_ceil(BLOCK / 32) };
         let shared = if self.prologue.is_some() { 2 * self.k } else { 0 };
         Ok(LaunchConfig {
             grid_dim: (checked::launch_dim("decode gemv: blocks", blocks)?, 1, 1),
@@ -244,6 +288,7 @@ impl MatmulArgs {
                 ldw,
                 tile,
                 rows_per_warp,
+                block: false,
                 dtype,
                 epilogue: args.epilogue,
                 prologue,
@@ -256,17 +301,34 @@ impl MatmulArgs {
                 .map(|t| (1, t.1))
                 .expect("every fused form has a tile");
         }
-        Ok(Gemv { m, k, n, ldx, ldw, tile, rows_per_warp, dtype, epilogue: args.epilogue, prologue, dual })
+        Ok(Gemv {
+            m,
+            k,
+            n,
+            ldx,
+            ldw,
+            tile,
+            rows_per_warp,
+            block: false,
+            dtype,
+            epilogue: args.epilogue,
+            prologue,
+            dual,
+        })
     }
 }
 
-/// Launches `g` on the buffers of `x` (checked against the arguments `g` came from), and counts it in
+/// Launches `g` on the buffers of `x` (checked against the arguments `g` came from), split as the
+/// context says ([`Gemv::on_device`]) and as a programmatic dependent launch where the context allows
+/// it ([`Exec::programmatic_launch`](crate::Exec::programmatic_launch): the kernels prefetch their
+/// first chunks of W into L2, then wait for the kernel before them), and counts it in
 /// [`Cudnn::kernel_runs`]. Returns false, having launched nothing, when x or W is not 16-byte aligned.
 pub(super) fn launch_gemv<T: Element, O: Element>(
     ctx: &Cudnn,
     g: &Gemv,
     x: &mut MatmulOperands<'_, T, O>,
 ) -> Result<bool> {
+    let g = &g.on_device(ctx.info().sm_count, ctx.gemv_split());
     let (kernels, cfg, kernel) = (Kernels::get(ctx)?, g.config()?, g.kernel());
     let stream = ctx.stream();
     let (a, _ga) = x.a.device_ptr(stream);
@@ -291,7 +353,7 @@ pub(super) fn launch_gemv<T: Element, O: Element>(
         Arg::Ptr(residual),
         Arg::Ptr(d),
     ];
-    let head: Vec<Arg> = if g.fused_form().is_some() {
+    let head: Vec<Arg> = if g.fused_form().is_some() || g.block {
         let eps = g.prologue.map_or(0.0, Prologue::epsilon);
         vec![
             Arg::Ptr(a),
@@ -307,7 +369,7 @@ pub(super) fn launch_gemv<T: Element, O: Element>(
         vec![Arg::Ptr(a), i(g.ldx), Arg::Ptr(b), i(g.ldw), i(g.m), i(g.k), i(g.n)]
     };
     let args: Vec<Arg> = head.into_iter().chain(epilogue).collect();
-    launch(ctx, kernels, &kernel, cfg, &args)?;
+    launch_programmatic(ctx, kernels, &kernel, cfg, &args)?;
     let mut h = DefaultHasher::new();
     g.hash(&mut h);
     kernels.count_run(h.finish(), || g.describe());
@@ -474,5 +536,61 @@ mod tests {
             let line = format!("GEMV_FUSED_KERNEL(sfx, D, {form}, {rows}, {chunks}, ");
             assert!(src.contains(&line), "decode.cu lacks the fused form `{line}`");
         }
+        for (form, rows, chunks) in BLOCK_TILES {
+            let form = if form.is_empty() { String::new() } else { format!("_{form}") };
+            let line = format!("GEMV_BLOCK_KERNEL(gemv_##sfx##_m1{form}_block, D, {rows}, {chunks}, ");
+            assert!(src.contains(&line), "decode.cu lacks the block form `{line}`");
+        }
+        assert!(src.contains("#define GEMV_WARPS 4") && BLOCK == 32 * 4);
+    }
+
+    #[test]
+    fn few_rows_per_sm_take_the_block_form_at_one_token() {
+        let norm = Prologue::rms_norm(1e-5);
+        let swiglu = Epilogue::SWIGLU;
+        let on = |a: MatmulArgs, split| a.gemv(BF, BF).unwrap().on_device(132, split);
+        // Llama-3.1-8B on 132 SMs: qkv and o_proj (fewer than 64 rows per SM) take blocks; up/gate,
+        // down (k = 14336) and lm_head keep warps.
+        let cases = [
+            (MatmulArgs::linear(1, 4096, 6144).with_prologue(norm), "gemv_bf16_m1_norm_block", 3072),
+            (MatmulArgs::linear(1, 4096, 6144), "gemv_bf16_m1_block", 3072),
+            (MatmulArgs::linear(1, 4096, 4096).with_epilogue(Epilogue::RESIDUAL), "gemv_bf16_m1_block", 2048),
+            (
+                MatmulArgs::linear(1, 4096, 14336)
+                    .with_epilogue(swiglu)
+                    .with_up_product()
+                    .with_prologue(norm),
+                "gemv_bf16_m1_norm_dual",
+                3584,
+            ),
+            (MatmulArgs::linear(1, 4096, 14336), "gemv_bf16_m1", 3584),
+            (MatmulArgs::linear(1, 14336, 4096).with_epilogue(Epilogue::RESIDUAL), "gemv_bf16_m1", 1024),
+            (MatmulArgs::linear(1, 4096, 128256), "gemv_bf16_m1", 32064),
+        ];
+        for (args, kernel, blocks) in cases {
+            let g = on(args, GemvSplit::Auto);
+            assert_eq!((g.kernel().as_str(), g.config().unwrap().grid_dim.0), (kernel, blocks), "{args:?}");
+        }
+        // Fewer SMs: qkv has enough rows per SM for warps.
+        assert_eq!(
+            MatmulArgs::linear(1, 4096, 6144).gemv(BF, BF).unwrap().on_device(60, GemvSplit::Auto).block,
+            false
+        );
+        // Forced either way at one token; more tokens keep warps whatever is asked.
+        let gate = MatmulArgs::linear(1, 4096, 14336).with_epilogue(swiglu).with_up_product();
+        let g = on(gate, GemvSplit::Block);
+        assert_eq!((g.kernel().as_str(), g.config().unwrap().grid_dim.0), ("gemv_bf16_m1_dual_block", 14336));
+        assert_eq!(on(MatmulArgs::linear(1, 4096, 4096), GemvSplit::Warp).kernel(), "gemv_bf16_m1");
+        let f16 =
+            MatmulArgs::linear(1, 64, 40).with_prologue(norm).gemv(DataType::F16, DataType::F16).unwrap();
+        let g = f16.on_device(132, GemvSplit::Block);
+        let c = g.config().unwrap();
+        assert_eq!(g.kernel(), "gemv_f16_m1_norm_block");
+        assert_eq!((c.grid_dim, c.block_dim, c.shared_mem_bytes), ((20, 1, 1), (128, 1, 1), 128));
+        for m in 2..=DECODE_GEMV_MAX_TOKENS {
+            let g = on(MatmulArgs::linear(m, 4096, 4096), GemvSplit::Block);
+            assert_eq!(g, MatmulArgs::linear(m, 4096, 4096).gemv(BF, BF).unwrap(), "m {m}");
+        }
+        assert!(g.describe().ends_with("(gemv_f16_m1_norm_block)"), "{}", g.describe());
     }
 }
