@@ -6,9 +6,9 @@
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use cudnn_llm::bench_util::{self, download, expect_untouched, poisoned, upload};
 use cudnn_llm::cudnn_ops::{
-    knob_name, matmul, reference, rms_norm, Activation, Backend, Cudnn, DataType, Element, Epilogue, Error,
-    L2Flush, MatmulArgs, MatmulKernel, MatmulOperands, MatrixLayout, Prologue, RmsNormArgs, RmsNormOperands,
-    DECODE_GEMV_MAX_TOKENS,
+    knob_name, matmul, reference, rms_norm, rope, Activation, Backend, Cudnn, DataType, Element, Epilogue,
+    Error, GemvSplit, L2Flush, MatmulArgs, MatmulKernel, MatmulOperands, MatrixLayout, Prologue, RmsNormArgs,
+    RmsNormOperands, RopeArgs, RopeOperands, RopeTables, DECODE_GEMV_MAX_TOKENS,
 };
 use half::{bf16, f16};
 
@@ -1057,4 +1057,238 @@ fn a_captured_decode_gemv_replays() {
         println!("replay with seed {seed}: {c}");
         assert!(c.passes(reference::BF16_TOL), "replay with seed {seed}: {c}");
     }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The one-token GEMV's two splits (a warp or a block per row group) and programmatic dependent launch.
+
+/// The splits and PDL settings the tests below run, with a name each.
+const SPLITS: [(GemvSplit, bool, &str); 4] = [
+    (GemvSplit::Warp, true, "warp, pdl on"),
+    (GemvSplit::Block, true, "block, pdl on"),
+    (GemvSplit::Block, false, "block, pdl off"),
+    (GemvSplit::Auto, true, "auto, pdl on"),
+];
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn both_gemv_splits_match_the_reference_and_the_unfused_path_with_and_without_pdl() {
+    let ctx = gpu();
+    println!(
+        "{} ({} SMs, sm_{}{}), cuDNN {}; PDL available: {}",
+        ctx.info().name,
+        ctx.info().sm_count,
+        ctx.info().compute_capability.0,
+        ctx.info().compute_capability.1,
+        ctx.info().cudnn_version_string(),
+        ctx.programmatic_launch()
+    );
+    let mut failures = Vec::new();
+    for (split, pdl, name) in SPLITS {
+        ctx.set_gemv_split(split);
+        ctx.set_programmatic_launch(pdl);
+        println!("-- {name}");
+        // One token: Llama-3.1-8B's projections (every epilogue a decoder uses), and small and odd
+        // shapes: k = 8 (one chunk), k = 64 (under one round of the block form), k = 4104 (the
+        // remainder loop), n = 1 and odd n (the last block's second row), a vocabulary-sized n.
+        let used = [Epilogue::NONE, Epilogue::RESIDUAL, Epilogue::SWIGLU];
+        for (i, (_, k, n, _)) in LLAMA_8B_DECODE.iter().enumerate() {
+            let args = MatmulArgs::linear(1, *k, *n);
+            check_gemv_shape::<bf16>(&ctx, &args, &used, 2000 + i as u64, &mut failures);
+        }
+        for (i, (k, n)) in [(8, 8), (8, 1), (64, 40), (4104, 57), (1032, 3), (256, 50264)].iter().enumerate()
+        {
+            let args = MatmulArgs::linear(1, *k, *n);
+            check_gemv_shape::<bf16>(&ctx, &args, &epilogues(), 2100 + i as u64, &mut failures);
+            check_gemv_shape::<f16>(&ctx, &args, &epilogues(), 2200 + i as u64, &mut failures);
+        }
+        // The fused forms (reference, the unfused path, guard elements).
+        for (i, (k, n)) in
+            [(4096, 6144), (4096, 14336), (8, 8), (64, 40), (4104, 57), (16384, 136)].iter().enumerate()
+        {
+            check_fused_forms::<bf16>(&ctx, *k, *n, 2300 + 10 * i as u64, &mut failures);
+            check_fused_forms::<f16>(&ctx, *k, *n, 2400 + 10 * i as u64, &mut failures);
+        }
+    }
+    let runs = ctx.kernel_runs();
+    for kernel in
+        ["gemv_bf16_m1_block)", "gemv_bf16_m1_norm_dual_block)", "gemv_f16_m1_norm_block)", "gemv_bf16_m1)"]
+    {
+        assert!(runs.iter().any(|r| r.name.ends_with(kernel)), "no run of {kernel}: {runs:?}");
+    }
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+}
+
+/// A decode step's chain of dependent custom kernels at Llama-3.1-8B widths, each reading what the one
+/// before wrote: the qkv GEMV with the prenorm folded in, RoPE with the K/V append (position from the
+/// device), the o GEMV on the rotated Q plus the residual x, the gate-up GEMV with the prenorm, the
+/// down GEMV plus the residual. Buffers it writes are poisoned before each run.
+struct Chain {
+    x: CudaSlice<bf16>,
+    norm: CudaSlice<bf16>,
+    w_qkv: CudaSlice<bf16>,
+    w_o: CudaSlice<bf16>,
+    w_gate: CudaSlice<bf16>,
+    w_up: CudaSlice<bf16>,
+    w_down: CudaSlice<bf16>,
+    tables: RopeTables<bf16>,
+    start: CudaSlice<i32>,
+    qkv: CudaSlice<bf16>,
+    kc: CudaSlice<bf16>,
+    vc: CudaSlice<bf16>,
+    h: CudaSlice<bf16>,
+    mlp: CudaSlice<bf16>,
+    out: CudaSlice<bf16>,
+}
+
+const CHAIN_FFN: usize = 2048;
+const CHAIN_CACHE: usize = 16;
+
+impl Chain {
+    fn new(ctx: &Cudnn) -> Self {
+        let (hidden, qkv_n, ffn) = (4096, 6144, CHAIN_FFN);
+        let w = |seed: u64, n: usize, k: usize| {
+            let scale = 3.0 / (k as f64).sqrt();
+            let v: Vec<f64> = reference::random_values(seed, n * k).iter().map(|v| v * scale).collect();
+            upload::<bf16>(ctx, &v).unwrap().0
+        };
+        let norm: Vec<f64> = reference::random_values(2501, hidden).iter().map(|v| 1.0 + 0.5 * v).collect();
+        let half = 64;
+        let angle = |i: usize| (i / half) as f64 * 500000f64.powf(-((2 * (i % half)) as f64) / 128.0);
+        let cos: Vec<f64> = (0..CHAIN_CACHE * half).map(|i| angle(i).cos()).collect();
+        let sin: Vec<f64> = (0..CHAIN_CACHE * half).map(|i| angle(i).sin()).collect();
+        let cache = CHAIN_CACHE * 8 * 128;
+        Chain {
+            x: upload::<bf16>(ctx, &reference::random_values(2500, hidden)).unwrap().0,
+            norm: upload::<bf16>(ctx, &norm).unwrap().0,
+            w_qkv: w(2502, qkv_n, hidden),
+            w_o: w(2503, hidden, hidden),
+            w_gate: w(2504, ffn, hidden),
+            w_up: w(2505, ffn, hidden),
+            w_down: w(2506, hidden, ffn),
+            tables: RopeTables::new(ctx, &cos, &sin, 128).unwrap(),
+            start: ctx.stream().clone_htod(&[5i32]).unwrap(),
+            qkv: poisoned(ctx, qkv_n).unwrap(),
+            kc: poisoned(ctx, cache).unwrap(),
+            vc: poisoned(ctx, cache).unwrap(),
+            h: poisoned(ctx, hidden).unwrap(),
+            mlp: poisoned(ctx, ffn).unwrap(),
+            out: poisoned(ctx, hidden).unwrap(),
+        }
+    }
+
+    /// Enqueues the chain (nothing waits for it).
+    fn run(&mut self, ctx: &Cudnn) -> cudnn_llm::cudnn_ops::Result<()> {
+        let (hidden, ffn) = (4096, CHAIN_FFN);
+        let norm = Prologue::rms_norm(NORM_EPS);
+        let qkv = MatmulArgs::linear(1, hidden, 6144).with_prologue(norm);
+        matmul(
+            ctx,
+            &qkv,
+            MatmulOperands::new(&self.x, &self.w_qkv, &mut self.qkv).norm_weight(&self.norm),
+            Backend::Fused,
+        )?;
+        let r = RopeArgs::new(1, 1, 32, 8, 128).with_row_stride(6144);
+        let ops = RopeOperands::new(&self.tables, &mut self.qkv)
+            .append(&mut self.kc, &mut self.vc, CHAIN_CACHE)
+            .starts(&self.start);
+        rope(ctx, r, ops, Backend::Fused)?;
+        let q = self.qkv.slice(0..hidden);
+        let o = MatmulArgs::linear(1, hidden, hidden).with_epilogue(Epilogue::RESIDUAL);
+        matmul(ctx, &o, MatmulOperands::new(&q, &self.w_o, &mut self.h).residual(&self.x), Backend::Fused)?;
+        let gate = MatmulArgs::linear(1, hidden, ffn)
+            .with_epilogue(Epilogue::SWIGLU)
+            .with_up_product()
+            .with_prologue(norm);
+        let ops = MatmulOperands::new(&self.h, &self.w_gate, &mut self.mlp)
+            .up_weight(&self.w_up)
+            .norm_weight(&self.norm);
+        matmul(ctx, &gate, ops, Backend::Fused)?;
+        let down = MatmulArgs::linear(1, ffn, hidden).with_epilogue(Epilogue::RESIDUAL);
+        matmul(
+            ctx,
+            &down,
+            MatmulOperands::new(&self.mlp, &self.w_down, &mut self.out).residual(&self.h),
+            Backend::Fused,
+        )
+    }
+
+    /// Poisons every buffer the chain writes.
+    fn poison(&mut self, ctx: &Cudnn) {
+        for buf in [&mut self.qkv, &mut self.kc, &mut self.vc, &mut self.h, &mut self.mlp, &mut self.out] {
+            let nan = vec![bf16::NAN; buf.len()];
+            ctx.stream().memcpy_htod(&nan, buf).unwrap();
+        }
+    }
+
+    /// What the chain wrote: the rotated qkv row, the K and V caches, the residual stream after
+    /// attention, the MLP's activation, the output.
+    fn outputs(&self, ctx: &Cudnn) -> Vec<Vec<u16>> {
+        [&self.qkv, &self.kc, &self.vc, &self.h, &self.mlp, &self.out]
+            .iter()
+            .map(|b| download(ctx, b).unwrap().iter().map(|v| v.to_bits()).collect())
+            .collect()
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_captured_decode_chain_replays_with_pdl_as_it_runs_without() {
+    // The chain launched plainly without PDL is the baseline (each kernel's correctness is tested
+    // above and in tests/rope.rs); with PDL, plainly and replayed from a CUDA graph, every output must
+    // be bit-identical to it (the kernels and their reduction orders are the same): a kernel that read
+    // its input before the previous one finished would read poison (NaN) or a stale value.
+    let ctx = gpu();
+    println!(
+        "{} sm_{}{}, PDL available: {}",
+        ctx.info().name,
+        ctx.info().compute_capability.0,
+        ctx.info().compute_capability.1,
+        ctx.programmatic_launch()
+    );
+    let names = ["qkv (rotated)", "K cache", "V cache", "h", "mlp", "out"];
+    let mut chain = Chain::new(&ctx);
+    for split in [GemvSplit::Warp, GemvSplit::Block, GemvSplit::Auto] {
+        ctx.set_gemv_split(split);
+        ctx.set_programmatic_launch(false);
+        chain.poison(&ctx);
+        chain.run(&ctx).unwrap();
+        let base = chain.outputs(&ctx);
+        let nan = base[5].iter().filter(|&&b| bf16::from_bits(b).is_nan()).count();
+        assert_eq!(nan, 0, "{}: the baseline output has {nan} NaNs", split.name());
+        // The K/V cache row at position 5 was written, the others kept their poison.
+        let written =
+            base[1].chunks(1024).filter(|row| row.iter().all(|&b| !bf16::from_bits(b).is_nan())).count();
+        assert_eq!(written, 1, "{}: {written} K cache rows written", split.name());
+        ctx.set_programmatic_launch(true);
+        chain.poison(&ctx);
+        chain.run(&ctx).unwrap();
+        let plain = chain.outputs(&ctx);
+        // SAFETY: one thread, nothing else on this context's CUDA context meanwhile.
+        let ((), graph) = unsafe { ctx.capture(|| chain.run(&ctx)) }.unwrap();
+        for replay in 0..3 {
+            chain.poison(&ctx);
+            graph.launch().unwrap();
+            let got = chain.outputs(&ctx);
+            for (what, (name, (g, p))) in [("replay", &got), ("plain", &plain)]
+                .iter()
+                .flat_map(|(what, out)| names.iter().zip(out.iter().zip(&base)).map(move |x| (*what, x)))
+            {
+                let diff = g.iter().zip(p).filter(|(a, b)| a != b).count();
+                println!(
+                    "{} {what} {replay} {name}: {diff} of {} differ from the run without PDL",
+                    split.name(),
+                    g.len()
+                );
+                assert_eq!(
+                    diff,
+                    0,
+                    "{} {what} {replay} {name}: {diff} of {} elements differ",
+                    split.name(),
+                    g.len()
+                );
+            }
+        }
+    }
+    ctx.set_programmatic_launch(true);
 }

@@ -38,6 +38,8 @@ ROPE_ROTATE_ROW(bits16, f16, f16_to_f32, f32_to_f16)
 extern "C" __global__ void rope_fused_##sfx(T* x, long ss, long seq, long heads, long dim, long start,    \
                                             const int* starts, long positions,                            \
                                             const float* cos_t, const float* sin_t, float sign) {         \
+    pdl_launch_dependents();                                                                              \
+    pdl_wait();                                                                                           \
     long r = blockIdx.x;                                                                                  \
     int half = (int)dim / 2, pairs = (int)heads * half;                                                   \
     long pos = (starts ? (long)starts[r / seq] : start) + r % seq;                                        \
@@ -60,6 +62,8 @@ extern "C" __global__ void rope_append_##sfx(T* x, long ss, long seq, long heads
                                              long dim, long start, const int* starts, long positions,     \
                                              const float* cos_t, const float* sin_t, T* kc, T* vc,        \
                                              long max_seq) {                                              \
+    pdl_launch_dependents();                                                                              \
+    pdl_wait();                                                                                           \
     long r = blockIdx.x, seqn = r / seq;                                                                  \
     int half = (int)dim / 2, q_pairs = (int)heads_q * half;                                               \
     int pairs = (int)(heads_q + heads_kv) * half, kv_cols = (int)(heads_kv * dim);                        \
@@ -90,6 +94,8 @@ extern "C" __global__ void rope_append_paged_##sfx(T* x, long ss, long seq, long
                                                    long max_pages, long page_size, long page_stride,      \
                                                    long head_stride, long slot_stride, long head_dim,     \
                                                    long num_pages) {                                      \
+    pdl_launch_dependents();                                                                              \
+    pdl_wait();                                                                                           \
     long r = blockIdx.x, seqn = r / seq;                                                                  \
     int half = (int)dim / 2, q_pairs = (int)heads_q * half;                                               \
     int pairs = (int)(heads_q + heads_kv) * half, kv_cols = (int)(heads_kv * dim);                        \

@@ -4,7 +4,7 @@
 use super::{suffix, KvAppend, RopeArgs, RopeOperands, RopeTables};
 use crate::checked;
 use crate::dtype::Element;
-use crate::kernels::{launch, optional_ptr, Arg, Kernels};
+use crate::kernels::{launch_programmatic, optional_ptr, Arg, Kernels};
 use crate::ops::rows::CacheRows;
 use crate::ops::Fused;
 use crate::{Cudnn, Result};
@@ -28,7 +28,7 @@ impl<T: Element> Fused<T> for RopeArgs {
         let rest = [i(tables.positions), Arg::Ptr(c), Arg::Ptr(s), Arg::Ptr(kc), Arg::Ptr(vc)];
         let sfx = suffix(T::DTYPE)?;
         match rows {
-            CacheRows::Contiguous { max_seq } => launch(
+            CacheRows::Contiguous { max_seq } => launch_programmatic(
                 ctx,
                 Kernels::get(ctx)?,
                 &format!("rope_append_{sfx}"),
@@ -40,7 +40,7 @@ impl<T: Element> Fused<T> for RopeArgs {
                 let (t, _gt) = view.device_ptr(ctx.stream());
                 let paged = [Arg::Ptr(t), i(table.shape().max_pages)];
                 let addressing = table.shape().pages.kernel_args();
-                launch(
+                launch_programmatic(
                     ctx,
                     Kernels::get(ctx)?,
                     &format!("rope_append_paged_{sfx}"),
@@ -109,5 +109,11 @@ pub(super) fn rotate<T: Element>(
         Arg::Ptr(s),
         Arg::F32(sign),
     ];
-    launch(ctx, Kernels::get(ctx)?, &format!("rope_fused_{}", suffix(T::DTYPE)?), row_blocks(args)?, &a)
+    launch_programmatic(
+        ctx,
+        Kernels::get(ctx)?,
+        &format!("rope_fused_{}", suffix(T::DTYPE)?),
+        row_blocks(args)?,
+        &a,
+    )
 }
