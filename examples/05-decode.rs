@@ -4,7 +4,10 @@
 //! and which attention the fused decode runs (`examples/06-decode-attention.rs` times it alone); then
 //! each decode projection alone at 1, 4 and 8 tokens, the cuDNN graph against the decode GEMV, and the
 //! GEMV's one-token fused forms (prenorm folded in, gate and up in one launch) against their unfused
-//! launches. The step is timed with each [`DecodeFusion`] (none, norm, gate_up, norm+gate_up) in turn:
+//! launches. The step is timed with each [`DecodeFusion`] (none, norm, gate_up, norm+gate_up) in turn,
+//! then with everything folded under each one-token GEMV split ([`GemvSplit`]: a warp or a block per
+//! row group, or the choice by shape) with programmatic dependent launch on and off
+//! ([`Cudnn::set_programmatic_launch`]); the projections alone are timed in both splits:
 //! `cargo run --release --features app --example 05-decode [-- LAYERS]` on a GPU machine.
 use cudnn_llm::bench_util::{copy_bandwidth_gbps, median, wall_ms};
 use cudnn_llm::cudarc::driver::sys::{CUdevice_attribute, CUevent_flags};
@@ -14,8 +17,8 @@ use cudnn_llm::llama::roofline::DecodeRoofline;
 use cudnn_llm::llama::weights::Weights;
 use cudnn_llm::llama::{Backends, DecodeFusion, Llama, LlamaConfig, NoObserver};
 use cudnn_llm::{
-    matmul, reference, rms_norm, Backend, Cudnn, DataType, Epilogue, Layout, MatmulArgs, MatmulKernel,
-    MatmulOperands, Prologue, RmsNormArgs, RmsNormOperands, SdpaArgs, DECODE_GEMV_MAX_TOKENS,
+    matmul, reference, rms_norm, Backend, Cudnn, DataType, Epilogue, GemvSplit, Layout, MatmulArgs,
+    MatmulKernel, MatmulOperands, Prologue, RmsNormArgs, RmsNormOperands, SdpaArgs, DECODE_GEMV_MAX_TOKENS,
 };
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -31,8 +34,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     model.forward(&ctx, &prompt, &mut cache, &fused, &mut NoObserver)?;
     let at = cache.len() + 1;
     let mut timed = Vec::new();
-    for fusion in DecodeFusion::EVERY {
+    // Each fusion with the defaults (the split chosen by shape, PDL where the GPU has it), then
+    // everything folded under each split and PDL setting; the first of these is the step as merged
+    // before the split and PDL.
+    let pdl = ctx.programmatic_launch();
+    let mut settings: Vec<(DecodeFusion, GemvSplit, bool)> =
+        DecodeFusion::EVERY.iter().map(|&f| (f, GemvSplit::Auto, pdl)).collect();
+    for (split, on) in [
+        (GemvSplit::Warp, false),
+        (GemvSplit::Warp, true),
+        (GemvSplit::Block, false),
+        (GemvSplit::Block, true),
+        (GemvSplit::Auto, false),
+    ] {
+        if on || pdl {
+            settings.push((DecodeFusion::ALL, split, on && pdl));
+        }
+    }
+    for &(fusion, split, on) in &settings {
         model.set_decode_fusion(fusion);
+        ctx.set_gemv_split(split);
+        ctx.set_programmatic_launch(on);
         cache.truncate(at - 1);
         // A plain step first: plans are built and kernels loaded outside the capture.
         model.forward(&ctx, &[vec![1]], &mut cache, &fused, &mut NoObserver)?;
@@ -52,11 +74,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             cache.truncate(at + step);
             replay.push(wall_ms(&ctx, || model.decode(&ctx, &mut graph, &[token], &mut cache).map(drop))?);
         }
-        timed.push((fusion, median(plain), median(replay)));
+        timed.push((fusion, split, on, median(plain), median(replay)));
     }
+    ctx.set_gemv_split(GemvSplit::Auto);
+    ctx.set_programmatic_launch(pdl);
     let copy = copy_bandwidth_gbps(&ctx, 1 << 30, 20)?;
     let roof = DecodeRoofline::new(&cfg, 1, at + steps / 2, 2);
-    let (_, plain, replay) = *timed.last().expect("four fusions");
+    let (.., plain, replay) = timed[DecodeFusion::EVERY.len() - 1];
     println!("{}: {} layers, batch 1, {} cached tokens, bf16, fused", cfg.name, layers, at + steps / 2);
     // What the fused backend runs for a decode step's attention (one query over the whole cache, the
     // lengths on the device, as the model calls it).
@@ -73,17 +97,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     for (what, ms) in [("plain launches", plain), ("graph replay", replay)] {
         println!(
-            "{what:>15}: {ms:.3} ms per step (with logits), {:.1}% of the roofline (decode fusion {})",
+            "{what:>15}: {ms:.3} ms per step (with logits), {:.1}% of the roofline (decode fusion {}, gemv \
+             split auto, pdl {})",
             100.0 * roof.fraction(ms, copy),
-            DecodeFusion::ALL.name()
+            DecodeFusion::ALL.name(),
+            if pdl { "on" } else { "off (needs sm_90+ or CUDNN_LLM_PDL unset)" }
         );
     }
-    println!("\nthe step with each decode fusion (same run, same cache lengths):");
-    println!("{:<14} {:>13} {:>6} {:>11} {:>6}", "fusion", "graph ms", "%roof", "plain ms", "%roof");
-    for (fusion, plain, replay) in &timed {
+    println!(
+        "\nthe step with each decode fusion, gemv split and pdl setting (same run, same cache lengths):"
+    );
+    println!(
+        "{:<14} {:<6} {:<4} {:>13} {:>6} {:>11} {:>6}",
+        "fusion", "split", "pdl", "graph ms", "%roof", "plain ms", "%roof"
+    );
+    for (fusion, split, on, plain, replay) in &timed {
         println!(
-            "{:<14} {replay:>13.3} {:>5.1}% {plain:>11.3} {:>5.1}%",
+            "{:<14} {:<6} {:<4} {replay:>13.3} {:>5.1}% {plain:>11.3} {:>5.1}%",
             fusion.name(),
+            split.name(),
+            if *on { "on" } else { "off" },
             100.0 * roof.fraction(*replay, copy),
             100.0 * roof.fraction(*plain, copy)
         );
@@ -235,8 +268,26 @@ fn projections(ctx: &Cudnn, copy: f64) -> Result<(), Box<dyn std::error::Error>>
         l2 >> 20
     );
     println!(
-        "{:<8} {:>2} {:>6} {:>7} {:<10} {:>9} {:>6} {:>6} {:>9} {:>6} {:>6} {:>7}",
-        "proj", "m", "k", "n", "epilogue", "graph ms", "GB/s", "%copy", "gemv ms", "GB/s", "%copy", "speedup"
+        "gemv: the warp split; block: the one-token block split (GemvSplit), which `auto` takes at one \
+         token for k <= 8192 and fewer than 64 output rows per SM ({} SMs here)",
+        ctx.info().sm_count
+    );
+    println!(
+        "{:<8} {:>2} {:>6} {:>7} {:<10} {:>9} {:>6} {:>6} {:>9} {:>6} {:>6} {:>7} {:>9} {:>6}",
+        "proj",
+        "m",
+        "k",
+        "n",
+        "epilogue",
+        "graph ms",
+        "GB/s",
+        "%copy",
+        "gemv ms",
+        "GB/s",
+        "%copy",
+        "speedup",
+        "block ms",
+        "%copy"
     );
     let shapes = [
         ("qkv", 4096, 6144, Epilogue::NONE),
@@ -255,7 +306,13 @@ fn projections(ctx: &Cudnn, copy: f64) -> Result<(), Box<dyn std::error::Error>>
             let inputs = (e.gate as usize + e.residual as usize) * m * n;
             let bytes = 2.0 * (n * k + m * k + m * n + inputs) as f64;
             let mut ms = Vec::new();
-            for form in [MatmulKernel::Graph, MatmulKernel::DecodeGemv] {
+            let forms = [
+                (MatmulKernel::Graph, GemvSplit::Auto),
+                (MatmulKernel::DecodeGemv, GemvSplit::Warp),
+                (MatmulKernel::DecodeGemv, GemvSplit::Block),
+            ];
+            for (form, split) in forms.into_iter().take(if m == 1 { 3 } else { 2 }) {
+                ctx.set_gemv_split(split);
                 let a = args.with_form(form);
                 let mut call = || {
                     let mut ops = MatmulOperands::new(&x, &w, &mut y);
@@ -281,9 +338,14 @@ fn projections(ctx: &Cudnn, copy: f64) -> Result<(), Box<dyn std::error::Error>>
                 }
                 ms.push(median(samples));
             }
+            ctx.set_gemv_split(GemvSplit::Auto);
             let gbps = |ms: f64| bytes / (ms * 1e-3) / 1e9;
+            let block = match ms.get(2) {
+                Some(&b) => format!(" {b:>9.4} {:>5.1}%", 100.0 * gbps(b) / copy),
+                None => String::new(),
+            };
             println!(
-                "{proj:<8} {m:>2} {k:>6} {n:>7} {:<10} {:>9.4} {:>6.0} {:>5.1}% {:>9.4} {:>6.0} {:>5.1}% {:>6.2}x",
+                "{proj:<8} {m:>2} {k:>6} {n:>7} {:<10} {:>9.4} {:>6.0} {:>5.1}% {:>9.4} {:>6.0} {:>5.1}% {:>6.2}x{block}",
                 e.name(),
                 ms[0],
                 gbps(ms[0]),

@@ -30,6 +30,18 @@
 //! meanwhile), `gemv_<dtype>_m1_dual` (SwiGLU's gate and up: each warp streams the same rows of both
 //! weights) and `gemv_<dtype>_m1_norm_dual` (both). What they save in a decode step is launches and
 //! the gaps between them (`examples/05-decode` times the step with and without them).
+//!
+//! At one token each form also comes with a block of four warps per row group instead of a warp
+//! (`gemv_<dtype>_m1[_<form>]_block`, [`GemvSplit::Block`]): a row of a few thousand elements is then
+//! one round of loads per thread and the grid has several blocks per SM, for the projections with few
+//! output rows per SM (qkv and o_proj), where the warp form's grid is under a wave and its warps make
+//! two round trips each. [`GemvSplit::Auto`] chooses by shape ([`Gemv::on_device`]);
+//! [`Exec::set_gemv_split`](crate::Exec::set_gemv_split) forces either, for A/B runs.
+//!
+//! On compute capability 9.0+ the GEMVs launch as programmatic dependent launches
+//! ([`Exec::set_programmatic_launch`](crate::Exec::set_programmatic_launch)): a GEMV's blocks may start
+//! while the kernel before it drains, prefetch their first chunks of W into L2, let the next kernel
+//! launch, and wait (`griddepcontrol.wait`) before they read x or write D.
 
 use super::{Activation, Epilogue, MatmulArgs, MatmulOperands, Prologue};
 use crate::checked;
@@ -572,9 +584,8 @@ mod tests {
             assert_eq!((g.kernel().as_str(), g.config().unwrap().grid_dim.0), (kernel, blocks), "{args:?}");
         }
         // Fewer SMs: qkv has enough rows per SM for warps.
-        assert_eq!(
-            MatmulArgs::linear(1, 4096, 6144).gemv(BF, BF).unwrap().on_device(60, GemvSplit::Auto).block,
-            false
+        assert!(
+            !MatmulArgs::linear(1, 4096, 6144).gemv(BF, BF).unwrap().on_device(60, GemvSplit::Auto).block
         );
         // Forced either way at one token; more tokens keep warps whatever is asked.
         let gate = MatmulArgs::linear(1, 4096, 14336).with_epilogue(swiglu).with_up_product();
