@@ -113,14 +113,16 @@ __device__ __forceinline__ void gemv_prefetch(const uint4* p) {
 // Programmatic dependent launch (decode.rs; `pdl_wait` in common.cu): before waiting for the kernel
 // before it, a GEMV prefetches the chunks c, c + S, ... below `upto` of each of its first rows into L2
 // (W does not come from the previous kernel in a decoder, and a prefetch is right even if it did: L2
-// is where every SM's writes land, and nothing enters a register or L1 before the wait), then lets
-// the next kernel start and waits. Each GEMV calls this once, before it reads x or writes D.
+// is where every SM's writes land, and nothing enters a register or L1 before the wait), then waits.
+// Each GEMV calls this once, before it reads x or writes D. It lets the next kernel launch
+// (`pdl_launch_dependents`) once its first row group's loads are all issued, so the next GEMV's
+// blocks take the SMs this one's last blocks leave and prefetch while those drain, not earlier
+// (prefetched lines would be evicted by the rest of this kernel's stream).
 template <int R>
 __device__ __forceinline__ void gemv_prefetch_then_wait(const uint4* const (&ws)[R], int c, int S, int upto) {
 #pragma unroll
     for (int r = 0; r < R; ++r)
         for (int i = c; i < upto; i += S) gemv_prefetch(ws[r] + i);
-    pdl_launch_dependents();
     pdl_wait();
 }
 
@@ -153,6 +155,7 @@ __device__ __forceinline__ void gemv(const bits16* x, long ldx, const bits16* w,
         int c = lane;
         for (; c + 32 * (U - 1) < chunks; c += 32 * U) gemv_step<D, M, R, U>(ws, xs, c, acc);
         for (; c < chunks; c += 32) gemv_step<D, M, R, 1>(ws, xs, c, acc);
+        if (row0 == first) pdl_launch_dependents();
         float v = 0.0f;
 #pragma unroll
         for (int r = 0; r < R; ++r)
@@ -278,6 +281,7 @@ __device__ __forceinline__ void gemv_fused(const bits16* x, const bits16* norm_w
         int c = lane;
         for (; c + 32 * (U - 1) < chunks; c += 32 * U) gemv_step<D, 1, RW, U, NORM>(ws, xs, c, acc);
         for (; c < chunks; c += 32) gemv_step<D, 1, RW, 1, NORM>(ws, xs, c, acc);
+        if (row0 == first) pdl_launch_dependents();
         float v = 0.0f, u = 0.0f;
 #pragma unroll
         for (int r = 0; r < RW; ++r) {
@@ -367,6 +371,7 @@ __device__ __forceinline__ void gemv_block(const bits16* x, const bits16* norm_w
         }
         for (; c + S * (U - 1) < chunks; c += S * U) gemv_step<D, 1, RW, U, NORM, S>(ws, xs, c, acc);
         for (; c < chunks; c += S) gemv_step<D, 1, RW, 1, NORM, S>(ws, xs, c, acc);
+        if (row0 == first) pdl_launch_dependents();
 #pragma unroll
         for (int r = 0; r < RW; ++r) {
 #pragma unroll
