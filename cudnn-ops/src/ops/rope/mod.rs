@@ -150,7 +150,7 @@ impl RopeArgs {
 
     /// [`RopeArgs::check`] short of the positions `start..start + seq` (per-token positions come
     /// from the device).
-    fn check_rows(&self, len: usize, positions: usize, dim: usize) -> Result<()> {
+    pub(crate) fn check_rows(&self, len: usize, positions: usize, dim: usize) -> Result<()> {
         let RopeArgs { batch, seq, heads_q, heads_kv, head_dim, row_stride, .. } = *self;
         ensure!(batch > 0 && seq > 0 && heads_q > 0 && heads_kv > 0, "rope: empty shape {self:?}");
         ensure!(head_dim == dim, "rope: head_dim {head_dim} differs from the tables' {dim}");
