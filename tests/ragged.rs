@@ -10,7 +10,7 @@ use cudnn_llm::bench_util::{download, expect_untouched, gpu, poisoned, upload};
 use cudnn_llm::cudnn_ops::reference::{self, Tolerance};
 use cudnn_llm::cudnn_ops::{
     sdpa, sdpa_ragged, Backend, Cudnn, DeviceRagged, Element, Layout, Mask, RaggedArgs, RaggedOperands,
-    SdpaArgs, SdpaOperands,
+    RowStrides, SdpaArgs, SdpaOperands,
 };
 use half::{bf16, f16};
 
@@ -153,6 +153,57 @@ fn ragged_matches_each_sequence_alone_and_the_reference() {
     check::<f16>(&ctx, &seeded_lens(10, 4, 2, 130), (8, 8, 64), Mask::None, &mut failures);
     // One sequence is the plain causal prefill.
     check::<bf16>(&ctx, &[777], (32, 8, 128), Mask::CausalTopLeft, &mut failures);
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+}
+
+/// Q, K and V read in place in a decoder's fused QKV rows (`(h_q + 2·h_kv)·d` elements a token,
+/// [`RowStrides::fused_qkv`]), O packed: fused and naive against the f64 reference of the same values
+/// copied out packed, into poisoned outputs.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fused_qkv_rows_are_read_in_place() {
+    let ctx = gpu();
+    let mut failures = Vec::new();
+    for (lens, (hq, hkv, d)) in
+        [(seeded_lens(21, 5, 2, 300), (32usize, 8usize, 128usize)), (seeded_lens(22, 7, 2, 200), (4, 2, 64))]
+    {
+        let rows = RowStrides::fused_qkv(hq, hkv, d);
+        let batch = DeviceRagged::strided(&ctx, &lens, (hq, hkv, d), rows).unwrap();
+        let total = batch.total_tokens();
+        let w = rows.q;
+        let (qkv, host) = upload::<bf16>(&ctx, &reference::random_values(60, total * w)).unwrap();
+        let part = |from: usize, width: usize| -> Vec<f64> {
+            (0..total).flat_map(|t| host[t * w + from..][..width].to_vec()).collect()
+        };
+        let (q, k, v) = (part(0, hq * d), part(hq * d, hkv * d), part((hq + hkv) * d, hkv * d));
+        let args = RaggedArgs::new(lens.len(), batch.bucket(), hq, hkv, d).with_rows(rows);
+        let want = reference::attention_ragged(
+            &q,
+            &k,
+            &v,
+            &lens,
+            (hq, hkv, d),
+            args.scale() as f64,
+            Mask::CausalTopLeft,
+        );
+        let kv = qkv.slice(hq * d..);
+        let vv = qkv.slice((hq + hkv) * d..);
+        for backend in [Backend::Fused, Backend::Naive] {
+            let tag = format!("fused QKV rows lens {lens:?} hq{hq} hkv{hkv} d{d} {}", backend.name());
+            let mut o = poisoned::<bf16>(&ctx, batch.outputs().buffer_len()).unwrap();
+            let run = sdpa_ragged(&ctx, args, RaggedOperands::new(&qkv, &kv, &vv, &mut o, &batch), backend);
+            match run.and_then(|()| download(&ctx, &o)) {
+                Err(e) => failures.push(format!("{tag}: {e}")),
+                Ok(o) => {
+                    let c = reference::compare(&o, &want);
+                    println!("{tag} vs f64 reference: {c}");
+                    if !c.passes(ATTN_BF16) {
+                        failures.push(format!("{tag}: {c}"));
+                    }
+                }
+            }
+        }
+    }
     assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
 }
 

@@ -82,7 +82,9 @@ pub use ops::optim::{
 };
 pub use ops::rmsnorm::{rms_norm, rms_norm_backward, RmsNormArgs, RmsNormGrads, RmsNormOperands};
 pub use ops::rope::backward::{rope_backward, RopeBackwardOperands};
-pub use ops::rope::{rope, KvAppend, Llama3Scaling, RopeArgs, RopeFrequencies, RopeOperands, RopeTables};
+pub use ops::rope::{
+    rope, KvAppend, Llama3Scaling, RopeArgs, RopeFrequencies, RopeOperands, RopeTables, TokenPositions,
+};
 pub use ops::rows::backward::{embedding_backward, EmbeddingBackwardOperands, EmbeddingGrad};
 pub use ops::rows::{
     check_ids, embedding, gather_pages, write_cache, CacheRows, CacheWrite, CacheWriteOperands,
@@ -91,7 +93,7 @@ pub use ops::rows::{
 };
 pub use ops::sdpa::{
     sdpa, sdpa_backward, sdpa_ragged, DeviceRagged, DeviceSeqLens, Layout, RaggedArgs, RaggedBatch,
-    RaggedKey, RaggedOperands, SdpaArgs, SdpaGrads, SdpaKernel, SdpaLens, SdpaOperands, SeqLens,
+    RaggedKey, RaggedOperands, RowStrides, SdpaArgs, SdpaGrads, SdpaKernel, SdpaLens, SdpaOperands, SeqLens,
 };
 pub use plan::{
     knob_name, Bindings, DiskEvent, DiskEventKind, KnobRange, L2Flush, Plan, PlanOrigin, Prepared, Scalar,

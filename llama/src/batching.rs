@@ -1,9 +1,10 @@
 //! Continuous batching: a [`BatchEngine`] owns a [`Llama`], a paged KV cache and a backend
 //! selection, and serves many sequences at once, each at its own length, with three calls:
 //!
-//! * [`BatchEngine::add`] takes a request (prompt ids and [`SamplingParams`]), prefills it alone (one
-//!   forward over its prompt, the K/V into pages it gets from the pool), and returns its handle and
-//!   first new id;
+//! * [`BatchEngine::add_many`] takes requests (prompt ids and [`SamplingParams`] each), prefills
+//!   them together in one forward (their prompts packed back to back, each attending to its own
+//!   tokens through ragged attention, the K/V into pages each gets from the pool), and returns each
+//!   one's handle and first new id; [`BatchEngine::add`] is the one-request case (a plain prefill);
 //! * [`BatchEngine::step`] runs one decode step for every live sequence together (each one's last id
 //!   at its own position) and returns the next id of each;
 //! * [`BatchEngine::remove`] ends a sequence (its end-of-sequence id, its budget, a cancelled request)
@@ -239,57 +240,98 @@ impl<T: Element> BatchEngine<T> {
     }
 
     /// Takes a request: prefills `prompt` alone (its K/V into pages of the pool) and chooses its first
-    /// new id with a sampler of `params`; returns the sequence's handle and that id. An error, with
-    /// nothing kept, for an empty prompt, bad ids, a prompt that leaves no room for a decode step,
-    /// `max_batch` live sequences already, or too few free pages ([`cudnn_llm_ops::Error::OutOfPages`]
-    /// inside [`Error::Ops`]).
+    /// new id with a sampler of `params`; returns the sequence's handle and that id. The one-request
+    /// case of [`BatchEngine::add_many`], with its errors.
     pub fn add(&mut self, ctx: &Cudnn, prompt: &[u32], params: SamplingParams) -> Result<(SeqId, u32)> {
-        if prompt.is_empty() {
-            return Err(Error::Generate("add: an empty prompt (give at least one id, e.g. BOS)".into()));
-        }
-        if prompt.len() >= self.cache.capacity() {
-            return Err(Error::Generate(format!(
-                "add: a prompt of {} ids leaves no room for a decode step in {} positions",
-                prompt.len(),
-                self.cache.capacity()
-            )));
-        }
-        if self.live.len() >= self.cfg.max_batch {
-            return Err(Error::Generate(format!("add: {} sequences live, the most", self.cfg.max_batch)));
-        }
-        let mut sampler = Sampler::new(params)?;
-        let id = self.cache.add();
-        match self.prefill(ctx, id, prompt) {
-            Ok(logits) => {
-                let first = sampler.sample(&logits);
-                let first = match first {
-                    Ok(t) => t,
-                    Err(e) => {
-                        self.cache.remove(id)?;
-                        return Err(e);
-                    }
-                };
-                let mut tokens = prompt.to_vec();
-                tokens.push(first);
-                self.live.insert(id, Live { tokens, sampler });
-                Ok((id, first))
-            }
-            Err(e) => {
-                self.cache.cancel();
-                self.cache.remove(id)?;
-                Err(e)
-            }
-        }
+        let added = self.add_many(ctx, &[(prompt, params)])?;
+        Ok(added[0])
     }
 
-    /// The prefill of sequence `id` (holding nothing): the logits of its last prompt position.
-    fn prefill(&mut self, ctx: &Cudnn, id: SeqId, prompt: &[u32]) -> Result<Vec<f32>> {
-        let n = prompt.len();
-        self.cache.begin(ctx, &[id], n, 1)?;
-        self.model.forward_paged(ctx, &mut self.cache, prompt, &self.backends, &mut NoObserver)?;
-        let dev = self.model.logits_rows(ctx, n - 1..n, &self.backends, &mut NoObserver)?;
+    /// Takes requests: prefills their prompts together in one forward (packed back to back, each
+    /// attending to its own tokens: RoPE at each token's own position, the K/V into each one's pages,
+    /// ragged causal attention; one request is a plain prefill) and chooses each one's first new id
+    /// from the logits of its last prompt token with a sampler of its params; returns each sequence's
+    /// handle and that id, in the order given. An error, with nothing kept, for no requests, an empty
+    /// prompt, bad ids, a prompt that leaves no room for a decode step, more sequences than
+    /// `max_batch` live together, or too few free pages for all of them
+    /// ([`cudnn_llm_ops::Error::OutOfPages`] inside [`Error::Ops`]).
+    pub fn add_many(
+        &mut self,
+        ctx: &Cudnn,
+        requests: &[(&[u32], SamplingParams)],
+    ) -> Result<Vec<(SeqId, u32)>> {
+        if requests.is_empty() {
+            return Err(Error::Generate("add: no requests".into()));
+        }
+        for (i, (prompt, _)) in requests.iter().enumerate() {
+            if prompt.is_empty() {
+                return Err(Error::Generate(format!(
+                    "add: request {i} has an empty prompt (give at least one id, e.g. BOS)"
+                )));
+            }
+            if prompt.len() >= self.cache.capacity() {
+                return Err(Error::Generate(format!(
+                    "add: request {i}'s prompt of {} ids leaves no room for a decode step in {} positions",
+                    prompt.len(),
+                    self.cache.capacity()
+                )));
+            }
+        }
+        if self.live.len() + requests.len() > self.cfg.max_batch {
+            return Err(Error::Generate(format!(
+                "add: {} sequences live and {} more asked, at most {}",
+                self.live.len(),
+                requests.len(),
+                self.cfg.max_batch
+            )));
+        }
+        let mut samplers =
+            requests.iter().map(|(_, params)| Sampler::new(*params)).collect::<Result<Vec<_>>>()?;
+        let ids: Vec<SeqId> = requests.iter().map(|_| self.cache.add()).collect();
+        let prompts: Vec<&[u32]> = requests.iter().map(|(p, _)| *p).collect();
+        let firsts = self.prefill(ctx, &ids, &prompts).and_then(|logits| {
+            let vocab = self.model.config().vocab;
+            let sampled =
+                samplers.iter_mut().enumerate().map(|(i, s)| s.sample(&logits[i * vocab..(i + 1) * vocab]));
+            sampled.collect::<Result<Vec<u32>>>()
+        });
+        let firsts = match firsts {
+            Ok(f) => f,
+            Err(e) => {
+                self.cache.cancel();
+                for &id in &ids {
+                    self.cache.remove(id)?;
+                }
+                return Err(e);
+            }
+        };
+        let mut out = Vec::with_capacity(ids.len());
+        for (((id, prompt), sampler), first) in ids.into_iter().zip(prompts).zip(samplers).zip(firsts) {
+            let mut tokens = prompt.to_vec();
+            tokens.push(first);
+            self.live.insert(id, Live { tokens, sampler });
+            out.push((id, first));
+        }
+        Ok(out)
+    }
+
+    /// The prefill of sequences `ids` (holding nothing) with `prompts`, packed in one forward: the
+    /// logits of each one's last prompt position, `[ids.len(), vocab]` on the host.
+    fn prefill(&mut self, ctx: &Cudnn, ids: &[SeqId], prompts: &[&[u32]]) -> Result<Vec<f32>> {
+        let lens: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
+        self.cache.begin_packed(ctx, ids, &lens)?;
+        let packed: Vec<u32> = prompts.concat();
+        self.model.forward_paged(ctx, &mut self.cache, &packed, &self.backends, &mut NoObserver)?;
+        let last: Vec<usize> = lens
+            .iter()
+            .scan(0, |end, &n| {
+                *end += n;
+                Some(*end - 1)
+            })
+            .collect();
+        let dev = self.model.logits_of(ctx, &last, &self.backends, &mut NoObserver)?;
         self.cache.finish()?;
-        to_host(ctx, &dev, 1, self.model.config().vocab)
+        to_host(ctx, &dev, ids.len(), self.model.config().vocab)
     }
 
     /// One decode step for every live sequence: runs each one's last id at its position, and

@@ -48,7 +48,7 @@ use crate::modules::{Pass, Tokens};
 use crate::nccl::Comm;
 use crate::weights::{LayerWeights, Tensor, Weights};
 use crate::{Backend, Error, Result};
-use cudnn_llm_ops::cudarc::driver::{CudaSlice, DevicePtrMut};
+use cudnn_llm_ops::cudarc::driver::{CudaSlice, CudaView, DevicePtrMut};
 use cudnn_llm_ops::{check_ids, Cudnn, Element, RopeTables, SeqLens};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -604,26 +604,47 @@ impl<T: Element> Llama<T> {
                 acts.last
             )));
         }
-        let n = rows.len();
         let hidden = self.cfg.hidden;
         let x = acts.out.slice(rows.start * hidden..rows.end * hidden);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed.table);
-        let mut dispatch = Dispatch::new(&mut self.fallbacks, backends, obs);
-        let shape = format!("{n} tokens");
-        let Some(comm) = &self.comm else {
-            return dispatch
-                .run(Site::LM_HEAD, None, &shape, |b| head.forward(b, ctx, n, &x, Then::Nothing, out));
-        };
-        // This rank's vocabulary slice into its part of `out`, then every rank's part gathered.
-        let part = n * head.out_features;
-        let own = comm.rank() * part..(comm.rank() + 1) * part;
-        dispatch.run(Site::LM_HEAD, None, &shape, |b| {
-            head.forward(b, ctx, n, &x, Then::Nothing, &mut out.slice_mut(own.clone()))
-        })?;
-        let gathered = dispatch.observe(LM_HEAD_GATHER_RANGE, None, || {
-            comm.all_gather_in_place(ctx.stream(), &mut out.slice_mut(..part * comm.ranks()))
-        });
-        Ok(gathered?)
+        let dispatch = Dispatch::new(&mut self.fallbacks, backends, obs);
+        lm_head(ctx, head, self.comm.as_ref(), dispatch, (&x, rows.len()), out)
+    }
+
+    /// Logits `[rows.len(), vocab]` of the last forward's output rows `rows`, in that order (any
+    /// rows, e.g. the last token of each prompt of a packed prefill): the rows are copied together
+    /// (one row copy each), then one `lm_head` runs over them. Same backend and observer range as
+    /// [`Llama::logits`]; one row is [`Llama::logits_rows`].
+    pub fn logits_of(
+        &mut self,
+        ctx: &Cudnn,
+        rows: &[usize],
+        backends: &Backends,
+        obs: &mut dyn Observer,
+    ) -> Result<CudaSlice<T>> {
+        if let [r] = rows {
+            return self.logits_rows(ctx, *r..*r + 1, backends, obs);
+        }
+        let acts = self.acts.as_ref().ok_or_else(|| Error::Config("logits: run forward first".into()))?;
+        if rows.is_empty() || rows.iter().any(|&r| r >= acts.last) {
+            return Err(Error::Config(format!(
+                "logits: rows {rows:?} asked, the last forward had {}",
+                acts.last
+            )));
+        }
+        let (n, hidden) = (rows.len(), self.cfg.hidden);
+        let s = ctx.stream();
+        let mut x = s.alloc_zeros::<T>(n * hidden).map_err(cudnn_llm_ops::Error::from)?;
+        for (i, &r) in rows.iter().enumerate() {
+            let src = acts.out.slice(r * hidden..(r + 1) * hidden);
+            s.memcpy_dtod(&src, &mut x.slice_mut(i * hidden..(i + 1) * hidden))
+                .map_err(cudnn_llm_ops::Error::from)?;
+        }
+        let mut out = s.alloc_zeros::<T>(n * self.cfg.vocab).map_err(cudnn_llm_ops::Error::from)?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed.table);
+        let dispatch = Dispatch::new(&mut self.fallbacks, backends, obs);
+        lm_head(ctx, head, self.comm.as_ref(), dispatch, (&x.as_view(), n), &mut out)?;
+        Ok(out)
     }
 
     /// Logits `[rows.len(), vocab]` of the last forward's output rows `rows` only, e.g. the last
@@ -641,6 +662,32 @@ impl<T: Element> Llama<T> {
         self.head(ctx, rows, backends, obs, &mut out)?;
         Ok(out)
     }
+}
+
+/// `head` (`lm_head`, or the tied embedding) over the `n` rows of `x` into `out`; a tensor-parallel
+/// rank projects its vocabulary slice and gathers every rank's.
+fn lm_head<T: Element>(
+    ctx: &Cudnn,
+    head: &Linear<T>,
+    comm: Option<&Comm>,
+    mut dispatch: Dispatch<'_>,
+    (x, n): (&CudaView<'_, T>, usize),
+    out: &mut CudaSlice<T>,
+) -> Result<()> {
+    let shape = format!("{n} tokens");
+    let Some(comm) = comm else {
+        return dispatch.run(Site::LM_HEAD, None, &shape, |b| head.forward(b, ctx, n, x, Then::Nothing, out));
+    };
+    // This rank's vocabulary slice into its part of `out`, then every rank's part gathered.
+    let part = n * head.out_features;
+    let own = comm.rank() * part..(comm.rank() + 1) * part;
+    dispatch.run(Site::LM_HEAD, None, &shape, |b| {
+        head.forward(b, ctx, n, x, Then::Nothing, &mut out.slice_mut(own.clone()))
+    })?;
+    let gathered = dispatch.observe(LM_HEAD_GATHER_RANGE, None, || {
+        comm.all_gather_in_place(ctx.stream(), &mut out.slice_mut(..part * comm.ranks()))
+    });
+    Ok(gathered?)
 }
 
 /// Checks what every model needs before any upload: a config [`LlamaConfig::check`] accepts and

@@ -2,15 +2,18 @@
 //! table, sequences that come and go; decode attention through the table, with an explicit contiguous
 //! fallback.
 
-use super::pages::{PagedBook, SeqId};
+use super::pages::{PagedBook, PagedStep, SeqId};
 use super::{check_append, within, KvCacheShape, QkvRows};
 use crate::dtype::Element;
 use crate::error::ensure;
-use crate::ops::rope::{rope, RopeArgs, RopeOperands, RopeTables};
+use crate::ops::rope::{rope, RopeArgs, RopeOperands, RopeTables, TokenPositions};
 use crate::ops::rows::{
     gather_pages, CacheRows, PageGather, PageGatherOperands, PageShape, PageTable, TableShape,
 };
-use crate::ops::sdpa::{sdpa, Layout, SdpaArgs, SdpaKernel, SdpaOperands, SeqLens};
+use crate::ops::sdpa::{
+    sdpa, sdpa_ragged, DeviceRagged, Layout, RaggedArgs, RaggedOperands, RowStrides, SdpaArgs, SdpaKernel,
+    SdpaOperands, SeqLens,
+};
 use crate::{Backend, Cudnn, Error, Mask, Result};
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 
@@ -27,18 +30,23 @@ pub enum PagedForm {
     /// A prefill of sequences holding nothing yet: causal attention over the step's own K/V rows of
     /// the QKV buffer (the pages are written, not read).
     Prefill,
+    /// A packed prefill of several sequences of different lengths holding nothing yet: ragged causal
+    /// attention ([`sdpa_ragged`](crate::sdpa_ragged)) over the step's own Q/K/V rows, read in place
+    /// through row strides (the pages are written, not read).
+    Ragged,
     /// The contiguous fallback: each sequence's pages copied into a contiguous buffer, then one
     /// attention call per sequence over its own length (lengths from the host).
     Gathered,
 }
 
 impl PagedForm {
-    /// `paged`, `paged-split-kv`, `prefill` or `gathered`.
+    /// `paged`, `paged-split-kv`, `prefill`, `ragged` or `gathered`.
     pub fn name(self) -> &'static str {
         match self {
             PagedForm::Paged => "paged",
             PagedForm::SplitKv => "paged-split-kv",
             PagedForm::Prefill => "prefill",
+            PagedForm::Ragged => "ragged",
             PagedForm::Gathered => "gathered",
         }
     }
@@ -118,15 +126,19 @@ impl PagedKvShape {
 /// go ([`PagedKvCache::add`], [`PagedKvCache::remove`]), each growing into pages as it needs them
 /// (host allocator: a full pool is [`Error::OutOfPages`], with nothing changed).
 ///
-/// Recipe for one step (a prefill of one sequence, or a decode step of several, each at its own
-/// length):
+/// Recipe for one step (a prefill of one sequence, a packed prefill of several, or a decode step of
+/// several, each at its own length):
 /// 1. `cache.begin(&ctx, &ids, seq, rows)?`: `seq` new tokens for each sequence of `ids` (row `i` of
 ///    the launch is `ids[i]`; `rows >= ids.len()` rows, e.g. a CUDA graph's batch bucket, the rows past
-///    `ids` write nothing); gives them pages and uploads the page table, positions and lengths;
+///    `ids` write nothing); gives them pages and uploads the page table, positions and lengths. Or
+///    `cache.begin_packed(&ctx, &ids, &lens)?`: sequence `ids[i]` (holding nothing) gets `lens[i]`
+///    tokens, all of them back to back in one row of `sum(lens)` tokens (each token's sequence and
+///    position uploaded too);
 /// 2. per layer, after the QKV projection: [`PagedKvCache::append_rotated`] (RoPE on Q and K in
 ///    place, the rotated K and the V rows into the pools through the table, one kernel fused);
 /// 3. per layer, [`PagedKvCache::attend`]: decode attention reads K and V through the table
-///    ([`PagedForm`]); a prefill from empty attends over the step's own K/V rows;
+///    ([`PagedForm`]); a prefill from empty attends over the step's own K/V rows (a packed one with
+///    ragged attention, one plan per sequence count and power-of-two bucket of the longest);
 /// 4. `cache.finish()?`: the step's tokens count.
 ///
 /// Where cuDNN refuses its paged plan (`NotSupported`, naming the page-table attributes and the
@@ -161,6 +173,12 @@ pub struct PagedKvCache<T> {
     /// The contiguous K and V copies of the fallback (`[max_batch, capacity, h_kv · d]`), allocated by
     /// its first use.
     gathered: Option<(CudaSlice<T>, CudaSlice<T>)>,
+    /// A packed step's tokens: each one's table row, then each one's position (`[2, tokens]`); grown
+    /// by the packed steps that need more.
+    tokens: CudaSlice<i32>,
+    /// A packed step's ragged batch over the QKV rows, made by its first attention for the rows'
+    /// `(heads_q, row_stride)` and kept for the step's other layers.
+    ragged: Option<((usize, usize), DeviceRagged)>,
 }
 
 impl<T: Element> PagedKvCache<T> {
@@ -196,6 +214,8 @@ impl<T: Element> PagedKvCache<T> {
             last_form: None,
             on_device: true,
             gathered: None,
+            tokens: s.alloc_zeros::<i32>(2)?,
+            ragged: None,
         })
     }
 
@@ -244,13 +264,51 @@ impl<T: Element> PagedKvCache<T> {
     pub fn begin(&mut self, ctx: &Cudnn, ids: &[SeqId], seq: usize, rows: usize) -> Result<()> {
         self.clamped = false;
         self.on_device = true;
+        self.ragged = None;
         let v = self.book.begin(ids, seq, rows)?;
-        let s = ctx.stream();
-        self.table.upload(ctx, &v.table)?;
-        s.memcpy_htod(&v.positions, &mut self.positions)?;
-        s.memcpy_htod(&v.kv_lens, &mut self.kv_lens)?;
-        s.memcpy_htod(&v.q_lens, &mut self.q_lens)?;
-        Ok(())
+        self.upload(ctx, &v)
+    }
+
+    /// Begins a packed step: sequence `ids[i]` (each holding nothing) gets `lens[i]` new tokens, the
+    /// sequences' tokens back to back in one row of `sum(lens)` tokens (the QKV rows of the step are
+    /// in that order); one sequence is `begin(ctx, ids, lens[0], 1)`. Gives the sequences pages and
+    /// uploads the page table, lengths, and each token's table row and position (RoPE's
+    /// [`TokenPositions`]). An error, with nothing changed, where a sequence holds tokens, gets none,
+    /// has no room, is unknown or repeated, where there are more sequences than table rows, or the
+    /// pool has too few free pages ([`Error::OutOfPages`]). A step begun and not finished is dropped.
+    pub fn begin_packed(&mut self, ctx: &Cudnn, ids: &[SeqId], lens: &[usize]) -> Result<()> {
+        self.clamped = false;
+        self.on_device = true;
+        self.ragged = None;
+        let v = self.book.begin_packed(ids, lens)?;
+        self.upload(ctx, &v)
+    }
+
+    /// Uploads a step's values (the step counts as begun already; a failed upload drops it).
+    fn upload(&mut self, ctx: &Cudnn, v: &PagedStep) -> Result<()> {
+        let done = (|| {
+            let s = ctx.stream();
+            self.table.upload(ctx, &v.table)?;
+            s.memcpy_htod(&v.positions, &mut self.positions)?;
+            s.memcpy_htod(&v.kv_lens, &mut self.kv_lens)?;
+            s.memcpy_htod(&v.q_lens, &mut self.q_lens)?;
+            if !v.tokens.is_empty() {
+                if self.tokens.len() < v.tokens.len() {
+                    self.tokens = s.alloc_zeros::<i32>(v.tokens.len())?;
+                }
+                s.memcpy_htod(&v.tokens, &mut self.tokens.slice_mut(..v.tokens.len()))?;
+            }
+            Ok(())
+        })();
+        if done.is_err() {
+            self.book.cancel();
+        }
+        done
+    }
+
+    /// A packed step's new tokens per sequence (in the order begun), if the step begun is one.
+    pub fn packed(&self) -> Option<&[usize]> {
+        self.book.step().ok().and_then(|s| s.packed.as_deref())
     }
 
     /// Counts the step's tokens; returns how many each of its sequences got.
@@ -264,7 +322,8 @@ impl<T: Element> PagedKvCache<T> {
         self.book.cancel();
     }
 
-    /// The step begun: `(rows, seq)`, the rows of its launch and the new tokens of each sequence.
+    /// The step begun: `(rows, seq)`, the rows of its launch and the new tokens of each sequence (a
+    /// packed step: one row of all its tokens, [`PagedKvCache::packed`] has each sequence's).
     pub fn step(&self) -> Option<(usize, usize)> {
         self.book.step().ok().map(|s| (s.rows, s.seq))
     }
@@ -331,6 +390,9 @@ impl<T: Element> PagedKvCache<T> {
     ) -> Result<()> {
         self.check_layer(layer)?;
         let step = self.book.step()?;
+        if let Some(new) = step.packed.clone() {
+            return self.append_packed(ctx, layer, tables, rows, qkv, &new, backend);
+        }
         let (batch, seq) = (step.rows, step.seq);
         let lens = self.book.step_lens()?;
         let PageShape { heads_kv, head_dim, .. } = self.shape.pages;
@@ -347,6 +409,50 @@ impl<T: Element> PagedKvCache<T> {
             let mut q = within(qkv.try_slice_mut(b * rows_len..qkv_len))?;
             let x = RopeOperands::new(tables, &mut q).append_to(k, v, CacheRows::Paged { table, first: b });
             rope(ctx, RopeArgs { batch: 1, start, ..args }, x, backend)?;
+        }
+        Ok(())
+    }
+
+    /// [`PagedKvCache::append_rotated`] of a packed step (`new[i]` tokens of the step's sequence `i`,
+    /// each holding nothing, back to back): fused, one kernel reading each token's table row and
+    /// position on the device; naive, the eager rotation and two row copies per sequence.
+    #[allow(clippy::too_many_arguments)]
+    fn append_packed(
+        &mut self,
+        ctx: &Cudnn,
+        layer: usize,
+        tables: &RopeTables<T>,
+        rows: QkvRows,
+        mut qkv: CudaViewMut<'_, T>,
+        new: &[usize],
+        backend: Backend,
+    ) -> Result<()> {
+        let PageShape { heads_kv, head_dim, .. } = self.shape.pages;
+        let total: usize = new.iter().sum();
+        let args = rows.rope_args(1, total, heads_kv, head_dim);
+        // The whole step, checked before anything runs (the sequences hold nothing: position p of
+        // sequence i is its token p).
+        let longest = new.iter().copied().max().unwrap_or(0);
+        ensure!(
+            longest <= tables.positions(),
+            "paged cache: positions up to {longest} exceed the RoPE tables' {}",
+            tables.positions()
+        );
+        args.check_rows(qkv.len(), tables.positions(), tables.head_dim())?;
+        args.check_append_rows()?;
+        let (k, v, table) = (&mut self.k[layer], &mut self.v[layer], &self.table);
+        self.on_device = false; // a packed step is not replayed
+        if backend == Backend::Fused {
+            let at = TokenPositions { at: &self.tokens, sequences: new.len() };
+            let x = RopeOperands::new(tables, &mut qkv).append_paged(k, v, table).tokens(at);
+            return rope(ctx, args, x, backend);
+        }
+        let (mut first, qkv_len) = (0, qkv.len());
+        for (b, &n) in new.iter().enumerate() {
+            let mut q = within(qkv.try_slice_mut(first * rows.row_stride..qkv_len))?;
+            let x = RopeOperands::new(tables, &mut q).append_to(k, v, CacheRows::Paged { table, first: b });
+            rope(ctx, RopeArgs { batch: 1, seq: n, start: 0, ..args }, x, backend)?;
+            first += n;
         }
         Ok(())
     }
@@ -371,6 +477,12 @@ impl<T: Element> PagedKvCache<T> {
     ) -> Result<PagedForm> {
         self.check_layer(layer)?;
         let step = self.book.step()?;
+        if let Some(new) = step.packed.clone() {
+            self.attend_ragged(ctx, rows, &new, (q, o), backend)?;
+            self.last_form = Some(PagedForm::Ragged);
+            self.on_device = false;
+            return Ok(PagedForm::Ragged);
+        }
         let (batch, seq) = (step.rows, step.seq);
         let lens = self.book.step_lens()?;
         let PageShape { heads_kv, head_dim: d, .. } = self.shape.pages;
@@ -448,6 +560,39 @@ impl<T: Element> PagedKvCache<T> {
         Ok(form)
     }
 
+    /// A packed step's attention ([`PagedForm::Ragged`]): ragged causal attention of each sequence
+    /// over its own rows, Q, K and V read in place in the QKV rows (tokens `rows.row_stride` apart), O
+    /// packed; the batch's offsets are made by the step's first layer.
+    fn attend_ragged(
+        &mut self,
+        ctx: &Cudnn,
+        rows: QkvRows,
+        new: &[usize],
+        (q, mut o): (CudaView<'_, T>, CudaViewMut<'_, T>),
+        backend: Backend,
+    ) -> Result<()> {
+        let PageShape { heads_kv, head_dim: d, .. } = self.shape.pages;
+        let hq = rows.heads_q;
+        ensure!(
+            rows.row_stride >= (hq + 2 * heads_kv) * d,
+            "paged cache: rows of {} elements hold no K and V after {hq} Q heads",
+            rows.row_stride
+        );
+        let key = (hq, rows.row_stride);
+        if self.ragged.as_ref().is_none_or(|(k, _)| *k != key) {
+            let strides = RowStrides { q: rows.row_stride, kv: rows.row_stride, o: hq * d };
+            self.ragged = Some((key, DeviceRagged::strided(ctx, new, (hq, heads_kv, d), strides)?));
+        }
+        let (_, batch) = self.ragged.as_ref().expect("made above");
+        let mut a = RaggedArgs::new(new.len(), batch.bucket(), hq, heads_kv, d).with_rows(batch.rows());
+        if let Some(s) = rows.scale {
+            a = a.with_scale(s);
+        }
+        let k = within(q.try_slice(hq * d..))?;
+        let v = within(q.try_slice((hq + heads_kv) * d..))?;
+        sdpa_ragged(ctx, a, RaggedOperands::new(&q, &k, &v, &mut o, batch), backend)
+    }
+
     /// The contiguous fallback: the first `max(len) + seq` positions of every sequence copied out of
     /// the pages, then one attention per sequence over its own `len + seq` keys.
     fn attend_gathered(
@@ -520,6 +665,7 @@ mod tests {
             (PagedForm::Paged, "paged", true),
             (PagedForm::SplitKv, "paged-split-kv", true),
             (PagedForm::Prefill, "prefill", false),
+            (PagedForm::Ragged, "ragged", false),
             (PagedForm::Gathered, "gathered", false),
         ] {
             assert_eq!((f.name(), f.reads_device_lengths()), (name, device));

@@ -87,24 +87,39 @@ struct Seq {
     len: usize,
 }
 
-/// The step begun: the sequences in row order, their new tokens each, the rows of the launch.
+/// The step begun: the sequences in row order, their new tokens each, the rows of the launch. A
+/// packed step (several sequences of their own token counts `packed`, back to back) is one row of
+/// all their tokens: `rows` 1, `seq` their sum.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Step {
     pub(crate) order: Vec<SeqId>,
     pub(crate) seq: usize,
     pub(crate) rows: usize,
+    pub(crate) packed: Option<Vec<usize>>,
+}
+
+impl Step {
+    /// New tokens of each sequence, in row order.
+    pub(crate) fn new_tokens(&self) -> Vec<usize> {
+        match &self.packed {
+            Some(lens) => lens.clone(),
+            None => vec![self.seq; self.order.len()],
+        }
+    }
 }
 
 /// What a step uploads: the page table (`batch · max_pages` entries, row `i` the pages of the
 /// step's sequence `i`, page 0 elsewhere), and per row the first position it writes (-1 for rows past
 /// the sequences: nothing is written there), the keys it attends to (1 past the sequences, so that
-/// every row reads one valid key) and its query count.
+/// every row reads one valid key) and its query count; for a packed step also each token's table row
+/// and position (`[2, tokens]`: RoPE's [`TokenPositions`](crate::TokenPositions); empty otherwise).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct PagedStep {
     pub(crate) table: Vec<u32>,
     pub(crate) positions: Vec<i32>,
     pub(crate) kv_lens: Vec<i32>,
     pub(crate) q_lens: Vec<i32>,
+    pub(crate) tokens: Vec<i32>,
 }
 
 /// The sequences of a paged cache: pages and lengths, the allocator, and the step begun.
@@ -209,9 +224,55 @@ impl PagedBook {
             order.len(),
             self.batch
         );
+        self.grow(order, &vec![seq; order.len()], false)?;
+        self.step = Some(Step { order: order.to_vec(), seq, rows, packed: None });
+        Ok(self.values(order, &vec![seq; order.len()]))
+    }
+
+    /// Begins a packed step: sequence `order[i]` (distinct live sequences holding nothing, at most
+    /// the table's batch) gets `lens[i] > 0` new tokens, the sequences' tokens back to back in one
+    /// row; one sequence is the step `begin(order, lens[0], 1)`. Gives each the pages it needs and
+    /// returns what to upload (with each token's table row and position). Errors as
+    /// [`PagedBook::begin`], with nothing changed, and for a sequence that holds tokens (a packed step
+    /// attends over its own rows only).
+    pub(crate) fn begin_packed(&mut self, order: &[SeqId], lens: &[usize]) -> Result<PagedStep> {
+        ensure!(!order.is_empty(), "paged cache: a step of no sequences");
+        ensure!(
+            order.len() == lens.len(),
+            "paged cache: {} sequences with {} token counts",
+            order.len(),
+            lens.len()
+        );
+        if let ([one], [n]) = (order, lens) {
+            return self.begin(&[*one], *n, 1);
+        }
+        ensure!(
+            order.len() <= self.batch,
+            "paged cache: {} sequences in one packed step, the table has {}",
+            order.len(),
+            self.batch
+        );
+        for (&id, &n) in order.iter().zip(lens) {
+            ensure!(n > 0, "paged cache: sequence {} gets no tokens in a packed step", id.0);
+            let held = self.get(id)?.len;
+            ensure!(
+                held == 0,
+                "paged cache: a packed step prefills sequences holding nothing; sequence {} holds {held}",
+                id.0
+            );
+        }
+        let total = lens.iter().try_fold(0usize, |a, &n| checked::add("paged cache: packed tokens", a, n))?;
+        self.grow(order, lens, true)?;
+        self.step = Some(Step { order: order.to_vec(), seq: total, rows: 1, packed: Some(lens.to_vec()) });
+        Ok(self.values(order, lens))
+    }
+
+    /// Gives each of `order` (distinct live sequences) the pages its next `lens[i]` positions need:
+    /// all of them, or an error with nothing handed out (naming a `packed` step or a plain one).
+    fn grow(&mut self, order: &[SeqId], lens: &[usize], packed: bool) -> Result<()> {
         let mut seen = std::collections::HashSet::new();
         let mut need = Vec::with_capacity(order.len());
-        for &id in order {
+        for (&id, &seq) in order.iter().zip(lens) {
             ensure!(seen.insert(id), "paged cache: sequence {} twice in one step", id.0);
             let s = self.get(id)?;
             let end = checked::add("paged cache: length + new tokens", s.len, seq)?;
@@ -225,29 +286,46 @@ impl PagedBook {
             need.push(end.div_ceil(self.page_size).saturating_sub(s.pages.len()));
         }
         let total: usize = need.iter().sum();
-        let what = || format!("a step of {seq} tokens for {} sequences", order.len());
+        let tokens: usize = lens.iter().sum();
+        let what = || match (packed, lens) {
+            (false, [seq, ..]) => format!("a step of {seq} tokens for {} sequences", order.len()),
+            _ => format!("a packed step of {tokens} tokens for {} sequences", order.len()),
+        };
         let mut fresh = self.alloc.alloc(total, what)?.into_iter();
         for (&id, &n) in order.iter().zip(&need) {
             let s = self.seqs.get_mut(&id).expect("checked above");
             s.pages.extend(fresh.by_ref().take(n));
         }
-        self.step = Some(Step { order: order.to_vec(), seq, rows });
-        Ok(self.values(order, seq))
+        Ok(())
     }
 
-    fn values(&self, order: &[SeqId], seq: usize) -> PagedStep {
+    /// What a step of `lens[i]` new tokens for sequence `order[i]` uploads; each token's table row and
+    /// position for a packed step.
+    fn values(&self, order: &[SeqId], lens: &[usize]) -> PagedStep {
         let (batch, max_pages) = (self.batch, self.max_pages);
+        let seq = lens[0];
         let mut v = PagedStep {
             table: vec![0; batch * max_pages],
             positions: vec![-1; batch],
             kv_lens: vec![1; batch],
-            q_lens: vec![seq as i32; batch], // seq <= capacity, which fits i32 (TableShape)
+            q_lens: vec![seq as i32; batch], // each count <= capacity, which fits i32 (TableShape)
+            tokens: Vec::new(),
         };
-        for (i, id) in order.iter().enumerate() {
+        for (i, (id, &n)) in order.iter().zip(lens).enumerate() {
             let s = &self.seqs[id];
             v.table[i * max_pages..][..s.pages.len()].copy_from_slice(&s.pages);
             v.positions[i] = s.len as i32;
-            v.kv_lens[i] = (s.len + seq) as i32;
+            v.kv_lens[i] = (s.len + n) as i32;
+            v.q_lens[i] = n as i32;
+        }
+        if self.step.as_ref().is_some_and(|s| s.packed.is_some()) {
+            let rows =
+                order.iter().zip(lens).enumerate().flat_map(|(i, (_, &n))| std::iter::repeat_n(i as i32, n));
+            let positions = order.iter().zip(lens).flat_map(|(id, &n)| {
+                let start = self.seqs[id].len as i32;
+                (0..n as i32).map(move |p| start + p)
+            });
+            v.tokens = rows.chain(positions).collect();
         }
         v
     }
@@ -257,12 +335,13 @@ impl PagedBook {
         self.step = None;
     }
 
-    /// Counts the step's tokens; returns how many each of its sequences got.
+    /// Counts the step's tokens; returns how many each of its sequences got (a packed step: all of
+    /// them together).
     pub(crate) fn finish(&mut self) -> Result<usize> {
         let step = self.step.take().ok_or_else(|| Error::invalid("paged cache: no step begun"))?;
-        for id in &step.order {
+        for (id, n) in step.order.iter().zip(step.new_tokens()) {
             if let Some(s) = self.seqs.get_mut(id) {
-                s.len += step.seq; // begin checked len + seq <= capacity
+                s.len += n; // begin checked len + n <= capacity
             }
         }
         Ok(step.seq)
@@ -349,6 +428,59 @@ mod tests {
         let v = book.begin(&[b], 1, 1).unwrap();
         assert_eq!(&v.table[..3], &[2, 3, 0]);
         book.finish().unwrap();
+    }
+
+    #[test]
+    fn packed_steps_give_each_token_its_table_row_and_position() {
+        let mut book = PagedBook::new(8, 4, 3, 4).unwrap();
+        let (a, b, c) = (book.add(), book.add(), book.add());
+        // Rows in the order given (b, a, c), pages handed out in that order, lowest first.
+        let v = book.begin_packed(&[b, a, c], &[5, 1, 3]).unwrap();
+        assert_eq!(v.table, vec![0, 1, 0, 2, 0, 0, 3, 0, 0, 0, 0, 0]);
+        assert_eq!(v.positions, vec![0, 0, 0, -1]);
+        assert_eq!(v.kv_lens, vec![5, 1, 3, 1]);
+        assert_eq!(&v.q_lens[..3], &[5, 1, 3]);
+        let (rows, positions) = v.tokens.split_at(9);
+        assert_eq!(rows, &[0, 0, 0, 0, 0, 1, 2, 2, 2], "each token's table row");
+        assert_eq!(positions, &[0, 1, 2, 3, 4, 0, 0, 1, 2], "each token's position in its sequence");
+        let step = book.step().unwrap();
+        assert_eq!((step.rows, step.seq, step.new_tokens()), (1, 9, vec![5, 1, 3]));
+        assert_eq!(book.finish().unwrap(), 9);
+        assert_eq!((book.len(a).unwrap(), book.len(b).unwrap(), book.len(c).unwrap()), (1, 5, 3));
+        // They decode together afterwards, each at its own length.
+        let v = book.begin(&[a, b, c], 1, 4).unwrap();
+        assert_eq!(v.positions, vec![1, 5, 3, -1]);
+        book.finish().unwrap();
+        // One sequence is the plain step of its tokens (no per-token values).
+        let d = book.add();
+        let v = book.begin_packed(&[d], &[2]).unwrap();
+        assert!(v.tokens.is_empty());
+        let step = book.step().unwrap();
+        assert_eq!((step.rows, step.seq, step.packed.clone()), (1, 2, None));
+        book.cancel();
+        // Refused, with nothing changed.
+        let e = book.add();
+        let before = book.clone();
+        for (order, lens, expected) in [
+            (vec![a, e], vec![2, 2], "sequence 0 holds 2"),
+            (vec![e, d], vec![2, 0], "gets no tokens"),
+            (vec![e, d], vec![2], "2 sequences with 1 token counts"),
+            (vec![e, e], vec![1, 1], "twice in one step"),
+            (vec![e, d], vec![13, 1], "no room for 13 more"),
+            (vec![], vec![], "no sequences"),
+        ] {
+            let err = book.begin_packed(&order, &lens).unwrap_err().to_string();
+            assert!(err.contains(expected), "{expected}: {err}");
+            assert_eq!(book, before, "{expected}: nothing changed");
+        }
+        let err = book.begin_packed(&[e, d], &[12, 12]).unwrap_err();
+        assert!(matches!(err, Error::OutOfPages { needed: 5, free: 3, .. }), "{err:?}");
+        assert!(err.to_string().contains("a packed step of 24 tokens for 2 sequences"), "{err}");
+        assert_eq!(book, before);
+        let mut full = PagedBook::new(8, 4, 3, 2).unwrap();
+        let ids: Vec<SeqId> = (0..3).map(|_| full.add()).collect();
+        let err = full.begin_packed(&ids, &[1, 1, 1]).unwrap_err().to_string();
+        assert!(err.contains("3 sequences in one packed step, the table has 2"), "{err}");
     }
 
     #[test]

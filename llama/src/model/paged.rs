@@ -1,7 +1,8 @@
 //! The decoder over a paged KV cache, for continuous batching ([`crate::batching`]): a
 //! [`PagedCache`] holds the page pools of every layer and the sequences that come and go; a step
-//! begun on it (`begin`: which sequences, how many new tokens each, how many rows the launch has) is
-//! run by [`Llama::forward_paged`], each sequence at its own positions; a decode step can be captured
+//! begun on it (`begin`: which sequences, how many new tokens each, how many rows the launch has; or
+//! `begin_packed`: the prompts of several new sequences back to back, each of its own length) is run
+//! by [`Llama::forward_paged`], each sequence at its own positions; a decode step can be captured
 //! once per launch size ([`Llama::capture_paged_decode`]) and replayed for any sequences at any
 //! lengths ([`Llama::decode_paged`]): positions, lengths and page tables are device values the
 //! cache uploads when the step begins.
@@ -37,6 +38,13 @@ impl<T: Element> PagedCache<T> {
     /// ([`PagedKvCache::begin`]).
     pub fn begin(&mut self, ctx: &Cudnn, ids: &[SeqId], seq: usize, rows: usize) -> Result<()> {
         Ok(self.inner.begin(ctx, ids, seq, rows)?)
+    }
+
+    /// Begins a packed step: `lens[i]` new tokens for each of `ids` (holding nothing), back to back in
+    /// one row ([`PagedKvCache::begin_packed`]); [`Llama::forward_paged`] takes their ids in that
+    /// order.
+    pub fn begin_packed(&mut self, ctx: &Cudnn, ids: &[SeqId], lens: &[usize]) -> Result<()> {
+        Ok(self.inner.begin_packed(ctx, ids, lens)?)
     }
 
     /// Counts the step's tokens ([`PagedKvCache::finish`]).
@@ -120,7 +128,8 @@ impl<T: Element> Llama<T> {
     }
 
     /// Runs the step begun on `cache` (`rows` sequences' rows of `seq` tokens each, `ids` row-major:
-    /// row `i`'s tokens are `ids[i·seq..(i+1)·seq]`, rows past the step's sequences any valid ids)
+    /// row `i`'s tokens are `ids[i·seq..(i+1)·seq]`, rows past the step's sequences any valid ids; a
+    /// packed step's sequences' ids back to back, in the order begun)
     /// through the model, appending the new K/V to the cache's pages; returns the buffer whose first
     /// `rows · seq` rows are the output-normed hidden states (for [`Llama::logits_rows`]). The step
     /// stays begun (the caller finishes it).

@@ -13,9 +13,10 @@ use cudnn_llm_ops::{Element, PagedKvCache, QkvRows};
 
 impl<T: Element> Attention<T> {
     /// `sum = x + attn(h)` (as [`Attention::forward`]) over the step begun on `cache` (its rows are the
-    /// pass's batch, its new tokens the pass's seq): RoPE with the append into the pages
-    /// ([`PagedKvCache::append_rotated`]), then attention through the page table or, for a prefill from
-    /// empty, over the step's own rows ([`PagedKvCache::attend`]).
+    /// pass's batch, its new tokens the pass's seq; a packed step is one row of every sequence's
+    /// tokens): RoPE with the append into the pages ([`PagedKvCache::append_rotated`], per-token
+    /// positions for a packed step), then attention through the page table or, for a prefill from
+    /// empty, over the step's own rows ([`PagedKvCache::attend`]; ragged for a packed step).
     pub(crate) fn forward_paged(
         &self,
         p: &mut Pass<'_, T>,
@@ -30,12 +31,17 @@ impl<T: Element> Attention<T> {
         let qkv_rows = QkvRows::new(self.heads, self.width());
         let (ctx, at, layer, tables) = (p.ctx, Some(self.layer), self.layer, p.rope);
         // Its own fallback key: the paged append is another kernel than the contiguous one.
-        let rope_shape = format!("{} paged", p.shape);
+        let packed = if cache.packed().is_some() { " packed" } else { "" };
+        let rope_shape = format!("{} paged{packed}", p.shape);
         p.dispatch.run(Site::ROPE, at, &rope_shape, |b| {
             cache.append_rotated(ctx, layer, tables, qkv_rows, qkv.as_view_mut(), b)
         })?;
-        // The fallback key leaves the lengths out, so later steps do not retry a shape that failed.
-        let attn_shape = format!("{}x{} paged", p.tokens.batch, p.tokens.seq);
+        // The fallback key leaves the lengths out, so later steps do not retry a shape that failed; a
+        // packed step (ragged attention) keys by its sequence count.
+        let attn_shape = match cache.packed() {
+            Some(lens) => format!("{} packed", lens.len()),
+            None => format!("{}x{} paged", p.tokens.batch, p.tokens.seq),
+        };
         p.dispatch.run(Site::GQA, at, &attn_shape, |b| {
             cache.attend(ctx, layer, qkv_rows, qkv.as_view(), o.as_view_mut(), b).map(drop)
         })?;

@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 mod workload;
 
-use workload::{percentile, requests, Request, Span};
+use workload::{percentile, prefill_groups, requests, Request, Span};
 
 type Error = Box<dyn std::error::Error>;
 
@@ -84,6 +84,10 @@ struct Options {
     /// Decode steps: `graph` (a captured CUDA graph per batch-size bucket) or `launch`.
     #[arg(long, default_value = "graph")]
     mode: String,
+    /// Prefill batching: the requests admitted in one step are prefilled together, packed in
+    /// forwards of up to this many prompt tokens (a longer prompt alone); 0: one prompt per forward.
+    #[arg(long, default_value_t = 8192)]
+    prefill_tokens: usize,
     /// Sampling temperature (0: greedy); each request draws from its own stream seeded by --seed.
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
@@ -271,6 +275,7 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
     let mut live: HashMap<_, State> = HashMap::new();
     let mut rows: Vec<Option<RequestRow>> = vec![None; n];
     let (mut reserved, mut steps, mut batch_sum, mut generated) = (0usize, 0usize, 0usize, 0usize);
+    let mut prefills = 0usize;
     let mut itl_all = Vec::new();
     let finish = |s: State, t: f64, rows: &mut Vec<Option<RequestRow>>| {
         let r = &reqs[s.request];
@@ -292,32 +297,44 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
             arrived += 1;
         }
         // Admission, first come first served: a free row and pages for the whole request.
+        let mut admitted = Vec::new();
         while let Some(&r) = waiting.front() {
             let need = engine.pages_for(reqs[r].prompt.len() + reqs[r].output);
-            if engine.live() >= b.max_batch || reserved + need > b.num_pages {
+            if engine.live() + admitted.len() >= b.max_batch || reserved + need > b.num_pages {
                 break;
             }
             waiting.pop_front();
-            let admitted = now();
-            let (id, _first) = engine.add(ctx, &reqs[r].prompt, params(r))?;
-            let t = now();
             reserved += need;
-            generated += 1;
-            let s = State {
-                request: r,
-                produced: 1,
-                pages: need,
-                last_at: t,
-                itl: Vec::new(),
-                queue: admitted - reqs[r].arrival,
-                ttft: t - reqs[r].arrival,
-            };
-            if reqs[r].output == 1 {
-                engine.remove(id)?;
-                reserved -= need;
-                finish(s, t, &mut rows);
-            } else {
-                live.insert(id, s);
+            admitted.push((r, need));
+        }
+        // Prefill batching: the admitted prompts packed into forwards of up to --prefill-tokens.
+        let lens: Vec<usize> = admitted.iter().map(|&(r, _)| reqs[r].prompt.len()).collect();
+        for group in prefill_groups(&lens, opts.prefill_tokens) {
+            let at = now();
+            let group = &admitted[group];
+            let asked: Vec<(&[u32], SamplingParams)> =
+                group.iter().map(|&(r, _)| (&reqs[r].prompt[..], params(r))).collect();
+            let added = engine.add_many(ctx, &asked)?;
+            let t = now();
+            prefills += 1;
+            for (&(r, need), (id, _first)) in group.iter().zip(added) {
+                generated += 1;
+                let s = State {
+                    request: r,
+                    produced: 1,
+                    pages: need,
+                    last_at: t,
+                    itl: Vec::new(),
+                    queue: at - reqs[r].arrival,
+                    ttft: t - reqs[r].arrival,
+                };
+                if reqs[r].output == 1 {
+                    engine.remove(id)?;
+                    reserved -= need;
+                    finish(s, t, &mut rows);
+                } else {
+                    live.insert(id, s);
+                }
             }
         }
         if engine.live() == 0 {
@@ -353,7 +370,8 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
     }
     let elapsed = now();
     let rows: Vec<RequestRow> = rows.into_iter().flatten().collect();
-    report(ctx, opts, plan, &engine, &rows, Totals { elapsed, steps, batch_sum, generated, itl: itl_all })
+    let totals = Totals { elapsed, steps, batch_sum, generated, prefills, itl: itl_all };
+    report(ctx, opts, plan, &engine, &rows, totals)
 }
 
 /// Runs every prompt length of the stream once (its prefill plans), then decode steps at every
@@ -408,6 +426,8 @@ struct Totals {
     steps: usize,
     batch_sum: usize,
     generated: usize,
+    /// Prefill forwards (one per prompt without prefill batching).
+    prefills: usize,
     itl: Vec<f64>,
 }
 
@@ -446,6 +466,7 @@ fn report<T: Element>(
         line("throughput (generated tokens/s)", format!("{:.1}", t.generated as f64 / t.elapsed)),
         line("prompt tokens/s", format!("{:.1}", prompt_tokens as f64 / t.elapsed)),
         line("requests/s", format!("{:.2}", rows.len() as f64 / t.elapsed)),
+        line("prefill forwards", t.prefills.to_string()),
         line("decode steps", t.steps.to_string()),
         line("mean batch", format!("{:.1}", t.batch_sum as f64 / t.steps.max(1) as f64)),
         dist("time to first token (ms)", &ttft),
@@ -461,7 +482,7 @@ fn report<T: Element>(
     let b = &plan.batch;
     let settings = format!(
         "{} ({} layers, {}), {} requests at {} /s (seed {}), prompts {}:{} (step {}), outputs {}:{}, \
-         max batch {}, buckets {:?}, pages {} of {} ({}), mode {:?}, temperature {}",
+         max batch {}, buckets {:?}, pages {} of {} ({}), mode {:?}, temperature {}, prefill batching {}",
         plan.config.name,
         plan.config.layers,
         plan.dtype,
@@ -479,7 +500,11 @@ fn report<T: Element>(
         b.page_size,
         b.order.name(),
         plan.mode,
-        opts.temperature
+        opts.temperature,
+        match opts.prefill_tokens {
+            0 => "off (one prompt per forward)".to_string(),
+            n => format!("up to {n} tokens per forward"),
+        }
     );
     let md = format!("# serve-bench\n\n{}\n\n{settings}\n\n{summary_md}", environment(ctx.info()));
     println!("{md}");

@@ -78,9 +78,37 @@ pub fn percentile(values: &[f64], q: f64) -> Option<f64> {
     Some(v[rank - 1])
 }
 
+/// Prefill batching: consecutive prompts of `lens` grouped into forwards of at most `max_tokens`
+/// prompt tokens (a longer prompt alone), as index ranges; `max_tokens` 0: one prompt per forward.
+pub fn prefill_groups(lens: &[usize], max_tokens: usize) -> Vec<std::ops::Range<usize>> {
+    let mut groups: Vec<std::ops::Range<usize>> = Vec::new();
+    let mut tokens = 0;
+    for (i, &n) in lens.iter().enumerate() {
+        match groups.last_mut() {
+            Some(g) if max_tokens > 0 && tokens + n <= max_tokens => {
+                g.end = i + 1;
+                tokens += n;
+            }
+            _ => {
+                groups.push(i..i + 1);
+                tokens = n;
+            }
+        }
+    }
+    groups
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prefill_groups_pack_consecutive_prompts_up_to_the_token_limit() {
+        assert_eq!(prefill_groups(&[100, 200, 300, 50], 1000), vec![0..4]);
+        assert_eq!(prefill_groups(&[600, 300, 200, 900, 2000, 10], 1000), vec![0..2, 2..3, 3..4, 4..5, 5..6]);
+        assert_eq!(prefill_groups(&[5, 5, 5], 0), vec![0..1, 1..2, 2..3], "0: one prompt per forward");
+        assert!(prefill_groups(&[], 100).is_empty());
+    }
 
     #[test]
     fn spans_parse_and_refuse_what_is_empty() {

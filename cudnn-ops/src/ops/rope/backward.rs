@@ -59,7 +59,14 @@ impl<T: Element> Fused<T> for Backward {
     fn fused(self, ctx: &Cudnn, x: RopeBackwardOperands<'_, T>) -> Result<()> {
         let RopeBackwardOperands { tables, dqkv } = x;
         let (g, _gg) = dqkv.device_ptr_mut(ctx.stream());
-        super::fused::rotate(ctx, self.0, tables, g, 0, super::fused::Rotation::Backward)
+        super::fused::rotate(
+            ctx,
+            self.0,
+            tables,
+            g,
+            (0, Default::default()),
+            super::fused::Rotation::Backward,
+        )
     }
 }
 

@@ -32,17 +32,33 @@ ROPE_ROTATE_ROW(bits16, f16, f16_to_f32, f32_to_f16)
 // 32-bit index math (a 64-bit division per element made this kernel three times slower than its
 // memory traffic). The first `heads` heads of a row (Q, then K) start at element 0; cos/sin are f32
 // [positions, dim / 2]. With `starts` (device i32 [batch]; may be null) sequence b starts at
-// starts[b] instead of `start`; a row whose position falls outside the tables is left as it is.
+// starts[b] instead of `start`; with `tokens` (device i32 [2, rows]; may be null) row r is token
+// tokens[r] < `sequences` of a packed batch at position tokens[rows + r] (ROPE_TOKEN); a row whose
+// position falls outside the tables is left as it is.
 // `sign` multiplies the sine: 1 rotates by θ, -1 by -θ (the gradient of the rotation, ops/rope/backward).
+// Row r's sequence and position: from the per-token array `tokens` (a packed batch; rows whose
+// sequence is outside 0..sequences are skipped), else sequence r / seq at its start (`starts[seqn]`,
+// or `start`) plus r % seq. Needs r, seq, start, starts, tokens, sequences in scope.
+#define ROPE_TOKEN(seqn, pos)                                                                             \
+    if (tokens) {                                                                                         \
+        seqn = tokens[r];                                                                                 \
+        pos = tokens[gridDim.x + r];                                                                      \
+        if (seqn < 0 || seqn >= sequences) return;                                                        \
+    } else {                                                                                              \
+        seqn = r / seq;                                                                                   \
+        pos = (starts ? (long)starts[seqn] : start) + r % seq;                                            \
+    }
+
 #define ROPE_FUSED(T, sfx)                                                                                \
 extern "C" __global__ void rope_fused_##sfx(T* x, long ss, long seq, long heads, long dim, long start,    \
-                                            const int* starts, long positions,                            \
-                                            const float* cos_t, const float* sin_t, float sign) {         \
+                                            const int* starts, const int* tokens, long sequences,         \
+                                            long positions, const float* cos_t, const float* sin_t,       \
+                                            float sign) {                                                 \
     pdl_launch_dependents();                                                                              \
     pdl_wait();                                                                                           \
-    long r = blockIdx.x;                                                                                  \
+    long r = blockIdx.x, seqn, pos;                                                                       \
     int half = (int)dim / 2, pairs = (int)heads * half;                                                   \
-    long pos = (starts ? (long)starts[r / seq] : start) + r % seq;                                        \
+    ROPE_TOKEN(seqn, pos);                                                                                \
     if (pos < 0 || pos >= positions) return;                                                              \
     const float* c = cos_t + pos * half;                                                                  \
     const float* s = sin_t + pos * half;                                                                  \
@@ -84,22 +100,23 @@ ROPE_APPEND(bits16, f16)
 
 // rope_append_* into page pools: the rotated K heads and the V heads of each row go to position `pos`
 // of their sequence through the page table (`paged_at`, common.cu; the pools' page, head and slot
-// strides, ops/rows/pages.rs). Rows whose position falls outside the tables or the page table are left
-// as they are and not appended.
+// strides, ops/rows/pages.rs), positions per sequence or, with `tokens`, per token (ROPE_TOKEN).
+// Rows whose position falls outside the tables or the page table are left as they are and not
+// appended.
 #define ROPE_APPEND_PAGED(T, sfx)                                                                         \
 extern "C" __global__ void rope_append_paged_##sfx(T* x, long ss, long seq, long heads_q, long heads_kv,  \
                                                    long dim, long start, const int* starts,               \
-                                                   long positions, const float* cos_t,                    \
-                                                   const float* sin_t, T* kc, T* vc, const int* table,    \
-                                                   long max_pages, long page_size, long page_stride,      \
-                                                   long head_stride, long slot_stride, long head_dim,     \
-                                                   long num_pages) {                                      \
+                                                   const int* tokens, long sequences, long positions,     \
+                                                   const float* cos_t, const float* sin_t, T* kc, T* vc,  \
+                                                   const int* table, long max_pages, long page_size,      \
+                                                   long page_stride, long head_stride, long slot_stride,  \
+                                                   long head_dim, long num_pages) {                       \
     pdl_launch_dependents();                                                                              \
     pdl_wait();                                                                                           \
-    long r = blockIdx.x, seqn = r / seq;                                                                  \
+    long r = blockIdx.x, seqn, pos;                                                                       \
     int half = (int)dim / 2, q_pairs = (int)heads_q * half;                                               \
     int pairs = (int)(heads_q + heads_kv) * half, kv_cols = (int)(heads_kv * dim);                        \
-    long pos = (starts ? (long)starts[seqn] : start) + r % seq;                                           \
+    ROPE_TOKEN(seqn, pos);                                                                                \
     if (pos < 0 || pos >= positions) return;                                                              \
     const long base = paged_at(table, seqn, pos, max_pages, page_size, page_stride, head_stride,          \
                                slot_stride, num_pages, 0, 0);                                             \

@@ -1,7 +1,7 @@
 //! The fused half: one kernel (`fused.cu`), a few blocks per row, rotating Q and K in f32 with one
 //! rounding; positions from the arguments or, per sequence, from the device.
 
-use super::{suffix, KvAppend, RopeArgs, RopeOperands, RopeTables};
+use super::{suffix, KvAppend, RopeArgs, RopeOperands, RopeTables, TokenPositions};
 use crate::checked;
 use crate::dtype::Element;
 use crate::kernels::{launch_programmatic, optional_ptr, Arg, Kernels};
@@ -12,11 +12,13 @@ use cudarc::driver::{DevicePtr, LaunchConfig};
 
 impl<T: Element> Fused<T> for RopeArgs {
     fn fused(self, ctx: &Cudnn, x: RopeOperands<'_, T>) -> Result<()> {
-        let RopeOperands { tables, qkv, starts, append } = x;
+        let RopeOperands { tables, qkv, starts, tokens, append } = x;
         let (x, _gx) = qkv.device_ptr_mut(ctx.stream());
         let (p, _gp) = optional_ptr(starts, ctx.stream());
+        let (t, _gt) = optional_ptr(tokens.map(|t| t.at), ctx.stream());
+        let per_token = Tokens { at: t, sequences: tokens.map_or(0, |t: TokenPositions<'_>| t.sequences) };
         let Some(KvAppend { k, v, rows }) = append else {
-            return rotate(ctx, self, tables, x, p, Rotation::Forward);
+            return rotate(ctx, self, tables, x, (p, per_token), Rotation::Forward);
         };
         let (kc, _gk) = k.device_ptr_mut(ctx.stream());
         let (vc, _gv) = v.device_ptr_mut(ctx.stream());
@@ -26,6 +28,8 @@ impl<T: Element> Fused<T> for RopeArgs {
         let (s, _gs) = tables.sin_half.device_ptr(ctx.stream());
         let a = [Arg::Ptr(x), i(row_stride), i(seq), i(heads_q), i(heads_kv), i(d), i(start), Arg::Ptr(p)];
         let rest = [i(tables.positions), Arg::Ptr(c), Arg::Ptr(s), Arg::Ptr(kc), Arg::Ptr(vc)];
+        // Per-token positions (checked to come with a paged append only).
+        let tok = [Arg::Ptr(per_token.at), i(per_token.sequences)];
         let sfx = suffix(T::DTYPE)?;
         match rows {
             CacheRows::Contiguous { max_seq } => launch_programmatic(
@@ -36,7 +40,8 @@ impl<T: Element> Fused<T> for RopeArgs {
                 &[a.as_slice(), &rest, &[i(max_seq)]].concat(),
             ),
             CacheRows::Paged { table, first } => {
-                let view = table.rows(first, self.batch);
+                let sequences = if per_token.at != 0 { per_token.sequences } else { self.batch };
+                let view = table.rows(first, sequences);
                 let (t, _gt) = view.device_ptr(ctx.stream());
                 let paged = [Arg::Ptr(t), i(table.shape().max_pages)];
                 let addressing = table.shape().pages.kernel_args();
@@ -45,7 +50,7 @@ impl<T: Element> Fused<T> for RopeArgs {
                     Kernels::get(ctx)?,
                     &format!("rope_append_paged_{sfx}"),
                     row_blocks(self)?,
-                    &[a.as_slice(), &rest, &paged, &addressing].concat(),
+                    &[a.as_slice(), &tok, &rest, &paged, &addressing].concat(),
                 )
             }
         }
@@ -78,14 +83,22 @@ fn row_blocks(a: RopeArgs) -> Result<LaunchConfig> {
     })
 }
 
+/// Device per-token positions of a call ([`TokenPositions`]): their address (0: none) and sequences.
+#[derive(Clone, Copy, Default)]
+pub(super) struct Tokens {
+    pub(super) at: u64,
+    pub(super) sequences: usize,
+}
+
 /// `rope_fused_*` over the Q and K heads at device address `x` (positions from `args.start`, or per
-/// sequence from the device starts at `starts` when non-zero); arguments checked by the caller.
+/// sequence from the device starts at `starts` when non-zero, or per token from `tokens`); arguments
+/// checked by the caller.
 pub(super) fn rotate<T: Element>(
     ctx: &Cudnn,
     args: RopeArgs,
     tables: &RopeTables<T>,
     x: u64,
-    starts: u64,
+    (starts, tokens): (u64, Tokens),
     rotation: Rotation,
 ) -> Result<()> {
     let RopeArgs { seq, heads_q, heads_kv, head_dim: d, row_stride, start, .. } = args;
@@ -104,6 +117,8 @@ pub(super) fn rotate<T: Element>(
         i(d),
         i(start),
         Arg::Ptr(starts),
+        Arg::Ptr(tokens.at),
+        i(tokens.sequences),
         i(tables.positions),
         Arg::Ptr(c),
         Arg::Ptr(s),

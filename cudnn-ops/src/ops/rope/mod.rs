@@ -5,7 +5,9 @@
 //!
 //! A QKV buffer holds one row per token: Q heads, then K heads, then V heads, each `head_dim` wide;
 //! rows are `row_stride` elements apart. Row `r` of a call is the token at position
-//! `start + r % seq` (batch-major rows).
+//! `start + r % seq` (batch-major rows), or at a position each sequence (fused: read on the device,
+//! [`RopeOperands::starts`]) or each token ([`TokenPositions`], a packed batch of sequences of
+//! different lengths) gives.
 
 pub mod backward;
 mod freqs;
@@ -140,7 +142,16 @@ impl RopeArgs {
     /// arithmetic and checked to fit the kernels' index types (an overflow is an error, never a wrapped
     /// size that passes the length check).
     pub fn check(&self, len: usize, positions: usize, dim: usize) -> Result<()> {
-        let RopeArgs { batch, seq, heads_q, heads_kv, head_dim, row_stride, start } = *self;
+        self.check_rows(len, positions, dim)?;
+        let end = checked::add("rope: start + seq", self.start, self.seq)?;
+        ensure!(end <= positions, "rope: positions up to {end} exceed the tables' {positions}");
+        Ok(())
+    }
+
+    /// [`RopeArgs::check`] short of the positions `start..start + seq` (per-token positions come
+    /// from the device).
+    pub(crate) fn check_rows(&self, len: usize, positions: usize, dim: usize) -> Result<()> {
+        let RopeArgs { batch, seq, heads_q, heads_kv, head_dim, row_stride, .. } = *self;
         ensure!(batch > 0 && seq > 0 && heads_q > 0 && heads_kv > 0, "rope: empty shape {self:?}");
         ensure!(head_dim == dim, "rope: head_dim {head_dim} differs from the tables' {dim}");
         ensure!(head_dim > 0 && head_dim.is_multiple_of(2), "rope: head dim {head_dim} must be even and > 0");
@@ -158,8 +169,6 @@ impl RopeArgs {
         let need =
             checked::fits_i64("rope: buffer extent", checked::add("rope: buffer extent", last, width)?)?;
         ensure!(len >= need, "rope: buffer has {len} elements, needs {need}");
-        let end = checked::add("rope: start + seq", start, seq)?;
-        ensure!(end <= positions, "rope: positions up to {end} exceed the tables' {positions}");
         // The tables are f32 [positions, dim / 2] and [positions, dim] in the I/O dtype.
         checked::product("rope: tables' positions * head_dim", &[positions, head_dim, 4])?;
         // The eager path's scratch: 7/2 rows * heads * dim elements of the I/O dtype (at most 4 bytes).
@@ -195,8 +204,26 @@ pub struct RopeOperands<'a, T: Element> {
     /// serves every decode position; a row whose position falls outside the tables is left unrotated
     /// (the kernel bounds it; no host check can). Fused only.
     pub starts: Option<&'a dyn DevicePtr<i32>>,
+    /// Positions per token from the device (a packed batch; see [`TokenPositions`]). Fused only;
+    /// excludes `starts`.
+    pub tokens: Option<TokenPositions<'a>>,
     /// Also append the tokens' rotated K and their V rows to a KV cache (see [`KvAppend`]).
     pub append: Option<KvAppend<'a, T>>,
+}
+
+/// Per-token positions on the device, for the rows of a packed batch (the prompts of several
+/// sequences back to back, each of its own length): `at` holds i32 `[2, rows]` (`rows = batch ·
+/// seq` of the call): row `r` is a token of sequence `at[r]` (in `0..sequences`; with a paged append,
+/// the page table's row `first + at[r]`) at position `at[rows + r]`. [`RopeArgs::start`] and the
+/// sequence split of `batch · seq` are not used; a row whose sequence or position falls outside the
+/// tables, the page table or `0..sequences` is left unrotated and not appended (the kernel bounds
+/// the device values; the host checks the rest). Takes a paged append or none.
+#[derive(Clone, Copy)]
+pub struct TokenPositions<'a> {
+    /// i32 `[2, rows]`: each row's sequence, then each row's position.
+    pub at: &'a dyn DevicePtr<i32>,
+    /// Sequences the rows belong to.
+    pub sequences: usize,
 }
 
 /// The caches a RoPE call appends the rotated K heads and the V heads of its tokens to, as a decoder
@@ -219,7 +246,7 @@ pub struct KvAppend<'a, T: Element> {
 impl<'a, T: Element> RopeOperands<'a, T> {
     /// Positions from [`RopeArgs::start`].
     pub fn new(tables: &'a RopeTables<T>, qkv: &'a mut dyn DevicePtrMut<T>) -> Self {
-        RopeOperands { tables, qkv, starts: None, append: None }
+        RopeOperands { tables, qkv, starts: None, tokens: None, append: None }
     }
 
     /// Also append the rotated K and the V rows to the contiguous `[batch, max_seq, h_kv · d]` caches
@@ -260,6 +287,12 @@ impl<'a, T: Element> RopeOperands<'a, T> {
         self.starts = Some(starts);
         self
     }
+
+    /// Positions per token from the device (see [`TokenPositions`]).
+    pub fn tokens(mut self, tokens: TokenPositions<'a>) -> Self {
+        self.tokens = Some(tokens);
+        self
+    }
 }
 
 impl<T: Element> Op<T> for RopeArgs {
@@ -271,17 +304,39 @@ impl<T: Element> Op<T> for RopeArgs {
             None => self,
             Some(_) => RopeArgs { start: 0, ..self },
         };
-        host.check(len, positions, dim)?;
+        if let Some(t) = &x.tokens {
+            ensure!(x.starts.is_none(), "rope: positions per sequence and per token both given");
+            host.check_rows(len, positions, dim)?;
+            let rows = self.batch * self.seq; // checked above
+            ensure!(
+                t.at.len() >= 2 * rows && t.sequences > 0,
+                "rope: per-token positions of {} values for {rows} rows of {} sequences (2 per row)",
+                t.at.len(),
+                t.sequences
+            );
+            ensure!(
+                matches!(x.append, None | Some(KvAppend { rows: CacheRows::Paged { .. }, .. })),
+                "rope: per-token positions append to pages only (not to a contiguous cache)"
+            );
+        } else {
+            host.check(len, positions, dim)?;
+        }
         if let Some(KvAppend { k, v, rows }) = &x.append {
             host.check_append_rows()?;
-            let w = host.cache_write(rows.max_seq());
+            let w = match x.tokens {
+                // Per-token positions: the source rows only (the kernel bounds each position by the
+                // page table).
+                Some(_) => host.with_start(0).cache_write(host.seq),
+                None => host.cache_write(rows.max_seq()),
+            };
             let (k_at, v_at) = (self.heads_q * self.head_dim, (self.heads_q + self.heads_kv) * self.head_dim);
             let (k_len, v_len) = match rows {
                 CacheRows::Contiguous { .. } => (k.len(), v.len()),
                 CacheRows::Paged { table, first } => {
                     let what = "rope: paged K/V append";
                     let heads = (self.heads_kv, self.head_dim);
-                    table.shape().check_call(what, (*first, self.batch), heads, &[k.len(), v.len()])?;
+                    let sequences = x.tokens.map_or(self.batch, |t| t.sequences);
+                    table.shape().check_call(what, (*first, sequences), heads, &[k.len(), v.len()])?;
                     // The source rows and the positions against the table's capacity; the pools were
                     // checked above.
                     (usize::MAX, usize::MAX)

@@ -11,7 +11,7 @@ use cudarc::driver::DevicePtr;
 
 impl<T: Element> Naive<T> for RopeArgs {
     fn naive(self, ctx: &Cudnn, x: RopeOperands<'_, T>) -> Result<()> {
-        if x.starts.is_some() {
+        if x.starts.is_some() || x.tokens.is_some() {
             return Err(Error::NotSupported {
                 op: "rope".into(),
                 reason:

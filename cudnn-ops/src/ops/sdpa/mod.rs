@@ -29,7 +29,7 @@ pub mod naive;
 mod ragged;
 mod seq_lens;
 
-pub use ragged::{sdpa_ragged, DeviceRagged, RaggedArgs, RaggedBatch, RaggedKey, RaggedOperands};
+pub use ragged::{sdpa_ragged, DeviceRagged, RaggedArgs, RaggedBatch, RaggedKey, RaggedOperands, RowStrides};
 pub use seq_lens::{DeviceSeqLens, SeqLens};
 
 use crate::checked;

@@ -13,9 +13,10 @@
 use crate::error::ensure;
 use crate::Result;
 
-/// The host side of a ragged batch for one tensor family (Q and O with the query heads, or K and V
-/// with the K/V heads): per-sequence lengths, element offsets in a packed `[total_tokens, h, d]`
-/// buffer, and the bucket the plan is keyed by.
+/// The host side of a ragged batch for one tensor family (Q, K/V or O): per-sequence lengths,
+/// element offsets in a token-major buffer (a token's `heads` heads of `head_dim` side by side,
+/// tokens `row_stride` elements apart: `heads · head_dim` packed, wider where the family is a view
+/// into rows of a fused QKV buffer), and the bucket the plan is keyed by.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RaggedBatch {
     seq_lens: Vec<i32>,
@@ -24,6 +25,7 @@ pub struct RaggedBatch {
     bucket: usize,
     heads: usize,
     head_dim: usize,
+    row_stride: usize,
 }
 
 impl RaggedBatch {
@@ -32,6 +34,14 @@ impl RaggedBatch {
     /// (cuDNN takes zero-length sequences only from 9.25: refused here), zero heads or head dim, or a
     /// batch whose element count (or bucket) does not fit the i32 offsets.
     pub fn new(lens: &[usize], heads: usize, head_dim: usize) -> Result<Self> {
+        Self::strided(lens, heads, head_dim, heads.saturating_mul(head_dim))
+    }
+
+    /// The same with tokens `row_stride` elements apart (at least `heads · head_dim`): sequence `i`
+    /// starts at element `row_stride ·` (the tokens before it), e.g. the Q heads of fused QKV rows
+    /// of `(h_q + 2·h_kv)·d` elements. Errors as [`RaggedBatch::new`], and a stride narrower than a
+    /// token's heads.
+    pub fn strided(lens: &[usize], heads: usize, head_dim: usize, row_stride: usize) -> Result<Self> {
         ensure!(!lens.is_empty(), "ragged batch: no sequences");
         ensure!(heads > 0 && head_dim > 0, "ragged batch: heads {heads} and head_dim {head_dim} must be > 0");
         let token = heads.checked_mul(head_dim).filter(|&t| t <= i32::MAX as usize);
@@ -40,6 +50,10 @@ impl RaggedBatch {
                 "ragged batch: a token of {heads} x {head_dim} elements does not fit i32 offsets"
             )));
         };
+        ensure!(
+            row_stride >= token,
+            "ragged batch: a row stride of {row_stride} elements is narrower than a token's {token}"
+        );
         let mut offsets = Vec::with_capacity(lens.len() + 1);
         offsets.push(0i32);
         let mut total = 0usize;
@@ -49,10 +63,10 @@ impl RaggedBatch {
                 "ragged batch: sequence {i} is empty (zero-length sequences need cuDNN 9.25; not taken here)"
             );
             total = total.saturating_add(len);
-            let end = total.checked_mul(token).and_then(|e| i32::try_from(e).ok());
+            let end = total.checked_mul(row_stride).and_then(|e| i32::try_from(e).ok());
             let Some(end) = end else {
                 return Err(crate::Error::invalid(format!(
-                    "ragged batch: {total} tokens of {token} elements pass the i32 offsets (sequence {i})"
+                    "ragged batch: {total} tokens {row_stride} elements apart pass the i32 offsets (sequence {i})"
                 )));
             };
             offsets.push(end);
@@ -66,7 +80,7 @@ impl RaggedBatch {
         };
         // Each length fits i32: it is at most the total, whose elements fit.
         let seq_lens = lens.iter().map(|&l| l as i32).collect();
-        Ok(RaggedBatch { seq_lens, offsets, total_tokens: total, bucket, heads, head_dim })
+        Ok(RaggedBatch { seq_lens, offsets, total_tokens: total, bucket, heads, head_dim, row_stride })
     }
 
     /// Number of sequences.
@@ -79,7 +93,8 @@ impl RaggedBatch {
         &self.seq_lens
     }
 
-    /// `batch + 1` element offsets: sequence `i` spans `offsets[i]..offsets[i + 1]` of the buffer.
+    /// `batch + 1` element offsets: sequence `i`'s tokens start at `offsets[i]`, `row_stride` apart
+    /// (packed: it spans `offsets[i]..offsets[i + 1]`).
     pub fn offsets(&self) -> &[i32] {
         &self.offsets
     }
@@ -94,18 +109,33 @@ impl RaggedBatch {
         self.bucket
     }
 
-    /// Elements the packed buffer holds: `total_tokens · heads · head_dim`.
+    /// Heads of a token.
+    pub fn heads(&self) -> usize {
+        self.heads
+    }
+
+    /// Head dim.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
+    /// Elements between consecutive tokens.
+    pub fn row_stride(&self) -> usize {
+        self.row_stride
+    }
+
+    /// Elements a buffer needs to hold every token: the last token's start plus its heads,
+    /// `(total_tokens - 1) · row_stride + heads · head_dim` (packed: `total_tokens · heads · head_dim`).
     pub fn buffer_len(&self) -> usize {
-        // The last offset, which `new` checked to fit i32.
-        self.offsets[self.batch()] as usize
+        // The last offset, which `strided` checked to fit i32, less the stride plus a token.
+        self.offsets[self.batch()] as usize - self.row_stride + self.heads * self.head_dim
     }
 
     /// Strides of the logical `[batch, heads, bucket, head_dim]` dims over a token-major buffer: a
-    /// token's heads side by side, tokens `heads · head_dim` apart; the batch stride (a padded
-    /// sequence's extent) is what cuDNN replaces by the offsets.
+    /// token's heads side by side, tokens `row_stride` apart; the batch stride (a padded sequence's
+    /// extent) is what cuDNN replaces by the offsets.
     pub fn strides(&self) -> [usize; 4] {
-        let token = self.heads * self.head_dim;
-        [self.bucket * token, self.head_dim, token, 1]
+        [self.bucket * self.row_stride, self.head_dim, self.row_stride, 1]
     }
 }
 
@@ -147,6 +177,14 @@ mod tests {
         assert!(err(&[1], 1 << 20, 1 << 12).contains("does not fit i32"));
         // Huge lengths saturate rather than wrap.
         assert!(err(&[usize::MAX, usize::MAX], 1, 8).contains("pass the i32 offsets"));
+        // Tokens wider apart than their heads: offsets scale with the stride, the buffer ends at the
+        // last token's heads.
+        let fused = RaggedBatch::strided(&[3, 2], 2, 8, 48).unwrap();
+        assert_eq!(fused.offsets(), &[0, 3 * 48, 5 * 48]);
+        assert_eq!((fused.buffer_len(), fused.strides()), (4 * 48 + 16, [4 * 48, 8, 48, 1]));
+        assert_eq!((fused.heads(), fused.head_dim(), fused.row_stride()), (2, 8, 48));
+        let e = RaggedBatch::strided(&[3], 2, 8, 15).unwrap_err().to_string();
+        assert!(e.contains("narrower than a token's 16"), "{e}");
         // The largest batch that fits.
         let b = RaggedBatch::new(&[(i32::MAX as usize) / 8], 1, 8).unwrap();
         assert_eq!(b.buffer_len(), (i32::MAX as usize) / 8 * 8);

@@ -20,13 +20,14 @@ pub(super) mod uid {
     pub const SEQ_LEN_KV: i64 = 6;
     pub const Q_OFFSETS: i64 = 7;
     pub const KV_OFFSETS: i64 = 8;
+    pub const O_OFFSETS: i64 = 9;
     pub const O: i64 = 100;
 }
 
 impl RaggedArgs {
     /// The composite attention graph of a ragged batch: Q, K, V and O over logical
-    /// `[batch, heads, bucket, head_dim]` dims with token-major strides (a token's heads side by side),
-    /// each carrying ragged offsets (Q and O the query-head ones, K and V the K/V-head ones, i32
+    /// `[batch, heads, bucket, head_dim]` dims with token-major strides (a token's heads side by side,
+    /// tokens [`RaggedArgs::rows`] apart), each carrying ragged offsets (Q's, K and V's, O's, i32
     /// `[batch + 1, 1, 1, 1]`), the lengths as both `seq_len_q` and `seq_len_kv` (i32 `[batch, 1, 1,
     /// 1]`), the scale by value; inference (the stats stay virtual, with no offsets).
     pub fn graph(&self, dtype: DataType, features: Features) -> Graph {
@@ -42,17 +43,17 @@ impl RaggedArgs {
             a.mask.name()
         ));
         // A padded sequence's extent as the batch stride: cuDNN replaces it by the offsets.
-        let thd = |h: i64| [s * h * d, d, h * d, 1];
+        let thd = |row: usize| [s * row as i64, d, row as i64, 1];
         let (hq, hkv) = (a.heads_q as i64, a.heads_kv as i64);
-        let io = |name: &str, h: i64, uid: i64, offsets: i64| {
+        let io = |name: &str, h: i64, row: usize, uid: i64, offsets: i64| {
             TensorSpec::new(name, &[b, h, s, d], dtype)
-                .with_strides(&thd(h))
+                .with_strides(&thd(row))
                 .with_uid(uid)
                 .with_ragged_offset(offsets)
         };
-        let q = g.tensor(io("Q", hq, uid::Q, uid::Q_OFFSETS));
-        let k = g.tensor(io("K", hkv, uid::K, uid::KV_OFFSETS));
-        let v = g.tensor(io("V", hkv, uid::V, uid::KV_OFFSETS));
+        let q = g.tensor(io("Q", hq, a.rows.q, uid::Q, uid::Q_OFFSETS));
+        let k = g.tensor(io("K", hkv, a.rows.kv, uid::K, uid::KV_OFFSETS));
+        let v = g.tensor(io("V", hkv, a.rows.kv, uid::V, uid::KV_OFFSETS));
         let scale = g.tensor(TensorSpec::scalar("scale", DataType::F32, 4).with_uid(uid::SCALE));
         let column = |name: &str, n: i64, uid: i64| {
             TensorSpec::new(name, &[n, 1, 1, 1], DataType::I32).with_strides(&[1, 1, 1, 1]).with_uid(uid)
@@ -61,12 +62,13 @@ impl RaggedArgs {
         let seq_kv = g.tensor(column("seq_len_kv", b, uid::SEQ_LEN_KV));
         g.tensor(column("q_offsets", b + 1, uid::Q_OFFSETS));
         g.tensor(column("kv_offsets", b + 1, uid::KV_OFFSETS));
+        g.tensor(column("o_offsets", b + 1, uid::O_OFFSETS));
         let opts = SdpaOptions::new(a.mask, SdpaForm::Composite, features).with_seq_lens(seq_q, seq_kv);
         let out = g.sdpa(q, k, v, scale, opts);
         let o = g.output(out.o);
         (o.name, o.uid) = ("O".into(), uid::O);
-        o.strides = thd(hq).to_vec();
-        o.ragged_offset = Some(uid::Q_OFFSETS);
+        o.strides = thd(a.rows.o).to_vec();
+        o.ragged_offset = Some(uid::O_OFFSETS);
         g
     }
 
@@ -82,11 +84,12 @@ impl<T: Element> Fused<T> for RaggedArgs {
         super::super::fused::head_dim_within(ctx, "sdpa ragged", "fused attention", self.head_dim, limit)?;
         let plan = self.plan(ctx, T::DTYPE)?;
         let RaggedOperands { q, k, v, o, batch } = x;
-        let (q_offsets, kv_offsets, lens) = batch.device();
+        let [q_offsets, kv_offsets, o_offsets, lens] = batch.device();
         let mut b = Bindings::new(ctx.stream());
         b.input(uid::Q, q).input(uid::K, k).input(uid::V, v).scalar_f32(uid::SCALE, self.scale());
         b.input_i32(uid::SEQ_LEN_Q, &lens).input_i32(uid::SEQ_LEN_KV, &lens);
         b.input_i32(uid::Q_OFFSETS, &q_offsets).input_i32(uid::KV_OFFSETS, &kv_offsets);
+        b.input_i32(uid::O_OFFSETS, &o_offsets);
         b.output(uid::O, o);
         plan.execute(ctx, &b)
     }
@@ -121,6 +124,7 @@ mod tests {
                     ("seq_len_kv", uid::SEQ_LEN_KV),
                     ("q_offsets", uid::Q_OFFSETS),
                     ("kv_offsets", uid::KV_OFFSETS),
+                    ("o_offsets", uid::O_OFFSETS),
                     ("O", uid::O)
                 ]
             );
@@ -134,7 +138,7 @@ mod tests {
             );
             assert_eq!(
                 (o.strides, o.ragged_offset, o.dtype),
-                (q.strides.clone(), Some(uid::Q_OFFSETS), DataType::BF16)
+                (q.strides.clone(), Some(uid::O_OFFSETS), DataType::BF16)
             );
             assert_eq!((k.dims, k.strides), (vec![8, 8, 128, 2048], vec![2048 * 1024, 128, 1, 1024]));
             assert_eq!((k.ragged_offset, v.ragged_offset), (Some(uid::KV_OFFSETS), Some(uid::KV_OFFSETS)));
@@ -143,5 +147,16 @@ mod tests {
             // A ragged tensor's plan-level length bound is one token (its extent is on the device).
             assert_eq!(q.min_elements(), Some(32 * 128));
         }
+        // Fused QKV rows: Q, K and V tokens a row apart, O packed; the K/V views share Q's offsets'
+        // scale but keep their own uid.
+        let rows = super::super::RowStrides::fused_qkv(32, 8, 128);
+        let g = RaggedArgs::new(4, 1024, 32, 8, 128).with_rows(rows).graph(DataType::BF16, f);
+        g.validate().unwrap();
+        let spec = |name: &str| g.tensors().iter().find(|t| t.name == name).unwrap().clone();
+        let w = 48 * 128;
+        assert_eq!(spec("Q").strides, vec![1024 * w, 128, w, 1]);
+        assert_eq!(spec("V").strides, vec![1024 * w, 128, w, 1]);
+        assert_eq!(spec("K").strides, vec![1024 * w, 128, 1, w]);
+        assert_eq!(spec("O").strides, vec![1024 * 4096, 128, 4096, 1]);
     }
 }

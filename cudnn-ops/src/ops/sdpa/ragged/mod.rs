@@ -14,6 +14,11 @@
 //! The offsets and lengths live in a [`DeviceRagged`] the op owns the buffers of: built from host
 //! lengths (checked there), so every value cuDNN reads agrees with what the host checked the Q/K/V/O
 //! buffers against.
+//!
+//! Tokens need not be packed: each tensor's tokens are [`RowStrides`] apart, so a decoder's fused
+//! QKV rows (`(h_q + 2·h_kv)·d` elements: Q, K and V heads side by side) are read in place, Q, K and V
+//! as views from their first head, the offsets scaled by the row stride (cuDNN's `t3hd` ragged
+//! layout, generalized to grouped K/V heads); O is written packed.
 
 mod batch;
 mod fused;
@@ -28,22 +33,50 @@ use crate::ops::Op;
 use crate::{Backend, Cudnn, Result};
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut};
 
-/// A ragged batch on the device: the element offsets of each sequence in the Q/O buffers (query
-/// heads) and in the K/V buffers (K/V heads), `batch + 1` i32 each, and the per-sequence lengths,
-/// `batch` i32, in one buffer (each part 16-byte aligned) that is never handed out; plus the host's
-/// copy of the lengths.
+/// Elements between consecutive tokens of each tensor of a ragged call (part of the plan).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct RowStrides {
+    /// Q's tokens.
+    pub q: usize,
+    /// K's and V's tokens.
+    pub kv: usize,
+    /// O's tokens.
+    pub o: usize,
+}
+
+impl RowStrides {
+    /// Packed Q, K, V and O: tokens `heads · head_dim` apart.
+    pub fn packed(heads_q: usize, heads_kv: usize, head_dim: usize) -> Self {
+        let (q, kv) = (heads_q.saturating_mul(head_dim), heads_kv.saturating_mul(head_dim));
+        RowStrides { q, kv, o: q }
+    }
+
+    /// Q, K and V read in place in fused QKV rows of `(h_q + 2·h_kv)·d` elements (Q heads, then K,
+    /// then V), O packed.
+    pub fn fused_qkv(heads_q: usize, heads_kv: usize, head_dim: usize) -> Self {
+        let row = heads_kv.saturating_mul(2).saturating_add(heads_q).saturating_mul(head_dim);
+        RowStrides { q: row, kv: row, o: heads_q.saturating_mul(head_dim) }
+    }
+}
+
+/// A ragged batch on the device: the element offsets of each sequence in the Q buffer (query
+/// heads), in the K/V buffers (K/V heads) and in the O buffer, `batch + 1` i32 each (tokens as far
+/// apart as [`RowStrides`] say), and the per-sequence lengths, `batch` i32, in one buffer (each part
+/// 16-byte aligned) that is never handed out; plus the host's copy of them.
 pub struct DeviceRagged {
     q: RaggedBatch,
     kv: RaggedBatch,
+    o: RaggedBatch,
     buf: CudaSlice<i32>,
-    kv_at: usize,
-    lens_at: usize,
+    part: usize,
 }
 
 impl DeviceRagged {
     /// Sequences of `lens` tokens (self-attention: as many keys as queries), Q and O with `heads_q`
-    /// heads of `head_dim`, K and V with `heads_kv`: the offsets of both families and the lengths,
-    /// uploaded. Errors as [`RaggedBatch::new`] (no sequences, an empty one, offsets past i32).
+    /// heads of `head_dim`, K and V with `heads_kv`, each packed: the offsets of every family and the
+    /// lengths, uploaded. Errors as [`RaggedBatch::new`] (no sequences, an empty one, offsets past
+    /// i32).
     pub fn new(
         ctx: &Cudnn,
         lens: &[usize],
@@ -51,17 +84,42 @@ impl DeviceRagged {
         heads_kv: usize,
         head_dim: usize,
     ) -> Result<Self> {
-        let q = RaggedBatch::new(lens, heads_q, head_dim)?;
-        let kv = RaggedBatch::new(lens, heads_kv, head_dim)?;
+        Self::strided(
+            ctx,
+            lens,
+            (heads_q, heads_kv, head_dim),
+            RowStrides::packed(heads_q, heads_kv, head_dim),
+        )
+    }
+
+    /// The same with tokens `rows` apart (e.g. [`RowStrides::fused_qkv`]). Errors as
+    /// [`RaggedBatch::strided`].
+    pub fn strided(
+        ctx: &Cudnn,
+        lens: &[usize],
+        (heads_q, heads_kv, head_dim): (usize, usize, usize),
+        rows: RowStrides,
+    ) -> Result<Self> {
+        let q = RaggedBatch::strided(lens, heads_q, head_dim, rows.q)?;
+        let kv = RaggedBatch::strided(lens, heads_kv, head_dim, rows.kv)?;
+        let o = RaggedBatch::strided(lens, heads_q, head_dim, rows.o)?;
+        let host = Self::host_values(&q, &kv, &o);
+        let buf = ctx.stream().clone_htod(&host)?;
+        let part = (q.batch() + 1).next_multiple_of(4);
+        Ok(DeviceRagged { q, kv, o, buf, part })
+    }
+
+    /// What [`DeviceRagged::strided`] uploads: the Q, K/V and O offsets and the lengths, each part
+    /// starting at a multiple of 4 values (16 bytes).
+    fn host_values(q: &RaggedBatch, kv: &RaggedBatch, o: &RaggedBatch) -> Vec<i32> {
         let b = q.batch();
         let part = (b + 1).next_multiple_of(4);
-        let (kv_at, lens_at) = (part, 2 * part);
-        let mut host = vec![0i32; lens_at + b];
+        let mut host = vec![0i32; 3 * part + b];
         host[..=b].copy_from_slice(q.offsets());
-        host[kv_at..=kv_at + b].copy_from_slice(kv.offsets());
-        host[lens_at..].copy_from_slice(q.seq_lens());
-        let buf = ctx.stream().clone_htod(&host)?;
-        Ok(DeviceRagged { q, kv, buf, kv_at, lens_at })
+        host[part..=part + b].copy_from_slice(kv.offsets());
+        host[2 * part..=2 * part + b].copy_from_slice(o.offsets());
+        host[3 * part..].copy_from_slice(q.seq_lens());
+        host
     }
 
     /// Number of sequences.
@@ -90,30 +148,40 @@ impl DeviceRagged {
         self.q.bucket()
     }
 
-    /// The host side of the Q/O family (offsets in query-head elements).
+    /// The host side of the Q family (offsets in Q's elements).
     pub fn queries(&self) -> &RaggedBatch {
         &self.q
     }
 
-    /// The host side of the K/V family (offsets in K/V-head elements).
+    /// The host side of the K/V family (offsets in K's and V's elements).
     pub fn keys(&self) -> &RaggedBatch {
         &self.kv
     }
 
-    /// Query heads and K/V heads of a token, and the head dim.
-    pub fn heads(&self) -> (usize, usize, usize) {
-        let (q, kv) = (self.q.strides(), self.kv.strides());
-        (q[2] / q[1], kv[2] / kv[1], q[1])
+    /// The host side of the O family (offsets in O's elements).
+    pub fn outputs(&self) -> &RaggedBatch {
+        &self.o
     }
 
-    /// The device Q/O offsets, K/V offsets and lengths.
-    pub(crate) fn device(&self) -> (CudaView<'_, i32>, CudaView<'_, i32>, CudaView<'_, i32>) {
-        let b = self.batch();
-        (
+    /// Query heads and K/V heads of a token, and the head dim.
+    pub fn heads(&self) -> (usize, usize, usize) {
+        (self.q.heads(), self.kv.heads(), self.q.head_dim())
+    }
+
+    /// Elements between consecutive tokens of each tensor.
+    pub fn rows(&self) -> RowStrides {
+        RowStrides { q: self.q.row_stride(), kv: self.kv.row_stride(), o: self.o.row_stride() }
+    }
+
+    /// The device Q offsets, K/V offsets, O offsets and lengths.
+    pub(crate) fn device(&self) -> [CudaView<'_, i32>; 4] {
+        let (b, p) = (self.batch(), self.part);
+        [
             self.buf.slice(0..b + 1),
-            self.buf.slice(self.kv_at..self.kv_at + b + 1),
-            self.buf.slice(self.lens_at..self.lens_at + b),
-        )
+            self.buf.slice(p..p + b + 1),
+            self.buf.slice(2 * p..2 * p + b + 1),
+            self.buf.slice(3 * p..3 * p + b),
+        ]
     }
 }
 
@@ -139,6 +207,8 @@ pub struct RaggedArgs {
     pub mask: Mask,
     /// Scale of the scores; `None` is `1/sqrt(head_dim)`.
     pub scale: Option<f32>,
+    /// Elements between consecutive tokens of Q, K/V and O (the batch's [`DeviceRagged::rows`]).
+    pub rows: RowStrides,
 }
 
 /// What identifies a ragged attention plan.
@@ -147,6 +217,8 @@ pub struct RaggedArgs {
 pub struct RaggedKey {
     /// `[batch, bucket, heads_q, heads_kv, head_dim]`.
     pub dims: [usize; 5],
+    /// Elements between consecutive tokens of Q, K/V and O.
+    pub rows: RowStrides,
     /// I/O dtype.
     pub dtype: DataType,
     /// Causal masking.
@@ -154,9 +226,24 @@ pub struct RaggedKey {
 }
 
 impl RaggedArgs {
-    /// Causal prefill of `batch` sequences of at most `bucket` tokens each, default scale.
+    /// Causal prefill of `batch` sequences of at most `bucket` tokens each, packed, default scale.
     pub fn new(batch: usize, bucket: usize, heads_q: usize, heads_kv: usize, head_dim: usize) -> Self {
-        RaggedArgs { batch, bucket, heads_q, heads_kv, head_dim, mask: Mask::CausalTopLeft, scale: None }
+        let rows = RowStrides::packed(heads_q, heads_kv, head_dim);
+        RaggedArgs {
+            batch,
+            bucket,
+            heads_q,
+            heads_kv,
+            head_dim,
+            mask: Mask::CausalTopLeft,
+            scale: None,
+            rows,
+        }
+    }
+
+    /// With tokens `rows` apart (e.g. [`RowStrides::fused_qkv`]).
+    pub fn with_rows(self, rows: RowStrides) -> Self {
+        RaggedArgs { rows, ..self }
     }
 
     /// With a mask.
@@ -185,7 +272,12 @@ impl RaggedArgs {
     /// The plan-cache key (the scale is bound by value and is not part of it).
     pub fn key(&self, dtype: DataType) -> RaggedKey {
         let a = self.normalized();
-        RaggedKey { dims: [a.batch, a.bucket, a.heads_q, a.heads_kv, a.head_dim], dtype, mask: a.mask }
+        RaggedKey {
+            dims: [a.batch, a.bucket, a.heads_q, a.heads_kv, a.head_dim],
+            rows: a.rows,
+            dtype,
+            mask: a.mask,
+        }
     }
 
     /// FLOPs of the two matmuls over the visible pairs of sequences of `lens` tokens (causal: `n(n+1)/2`
@@ -232,27 +324,36 @@ impl RaggedArgs {
         if let Some(s) = a.scale {
             ensure!(s.is_finite(), "sdpa ragged: scale {s} is not finite");
         }
+        let RowStrides { q, kv, o } = a.rows;
+        for (name, stride, heads) in [("Q", q, a.heads_q), ("K/V", kv, a.heads_kv), ("O", o, a.heads_q)] {
+            ensure!(
+                stride >= heads * a.head_dim && stride <= i32::MAX as usize,
+                "sdpa ragged: {name} tokens {stride} elements apart, a token holds {}",
+                heads * a.head_dim
+            );
+        }
         // The plan's padded extents (batch · bucket tokens) in i64 strides.
         crate::checked::product(
-            "sdpa ragged: batch*bucket*heads_q*head_dim",
-            &[a.batch, a.bucket, a.heads_q, a.head_dim],
+            "sdpa ragged: batch*bucket*row_stride",
+            &[a.batch, a.bucket, q.max(kv).max(o)],
         )
-        .and_then(|n| crate::checked::fits_i64("sdpa ragged: batch*bucket*heads_q*head_dim", n))?;
+        .and_then(|n| crate::checked::fits_i64("sdpa ragged: batch*bucket*row_stride", n))?;
         Ok(())
     }
 }
 
-/// The buffers of a ragged attention call: packed Q, K, V in, O out, and the batch's device offsets
-/// and lengths.
+/// The buffers of a ragged attention call: Q, K, V in, O out (tokens as far apart as the batch
+/// says, [`RowStrides`]), and the batch's device offsets and lengths.
 #[non_exhaustive]
 pub struct RaggedOperands<'a, T: Element> {
-    /// Q, `[total_tokens, h_q, d]` packed.
+    /// Q, `total_tokens` tokens of `h_q` heads of `d`.
     pub q: &'a dyn DevicePtr<T>,
-    /// K, `[total_tokens, h_kv, d]` packed.
+    /// K, `total_tokens` tokens of `h_kv` heads of `d`.
     pub k: &'a dyn DevicePtr<T>,
-    /// V, `[total_tokens, h_kv, d]` packed.
+    /// V, as K.
     pub v: &'a dyn DevicePtr<T>,
-    /// O, `[total_tokens, h_q, d]` packed; rows past `total_tokens` are not written.
+    /// O, `total_tokens` tokens of `h_q` heads of `d`; tokens past `total_tokens` (and the elements
+    /// between tokens where they are not packed) are not written.
     pub o: &'a mut dyn DevicePtrMut<T>,
     /// Which tokens belong to which sequence.
     pub batch: &'a DeviceRagged,
@@ -297,17 +398,24 @@ impl<T: Element> Op<T> for RaggedArgs {
             self.head_dim
         );
         ensure!(
+            r.rows() == self.rows,
+            "sdpa ragged: the batch's tokens are {:?} elements apart, the arguments' {:?}",
+            r.rows(),
+            self.rows
+        );
+        ensure!(
             r.longest() <= self.bucket,
             "sdpa ragged: a sequence of {} tokens is longer than the bucket {}",
             r.longest(),
             self.bucket
         );
-        let (q_need, kv_need) = (r.queries().buffer_len(), r.keys().buffer_len());
+        let (q_need, kv_need, o_need) =
+            (r.queries().buffer_len(), r.keys().buffer_len(), r.outputs().buffer_len());
         for (name, len, need) in [
             ("Q", x.q.len(), q_need),
             ("K", x.k.len(), kv_need),
             ("V", x.v.len(), kv_need),
-            ("O", x.o.len(), q_need),
+            ("O", x.o.len(), o_need),
         ] {
             ensure!(
                 len >= need,
@@ -350,6 +458,7 @@ mod tests {
             (RaggedArgs { batch: 0, ..a }, "batch must be > 0"),
             (a.with_scale(f32::INFINITY), "not finite"),
             (RaggedArgs { batch: 1 << 30, bucket: 1 << 30, ..a }, "overflows"),
+            (a.with_rows(RowStrides { o: 100, ..a.rows }), "O tokens 100 elements apart"),
         ] {
             let e = bad.check().unwrap_err().to_string();
             assert!(e.contains(expected), "{expected}: {e}");
@@ -370,8 +479,30 @@ mod tests {
             RaggedArgs { bucket: 1024, ..a }.key(DataType::BF16),
             RaggedArgs { heads_kv: 32, ..a }.key(DataType::BF16),
             RaggedArgs { head_dim: 64, ..a }.key(DataType::BF16),
+            a.with_rows(RowStrides::fused_qkv(32, 8, 128)).key(DataType::BF16),
         ];
         assert_eq!(variants.iter().collect::<HashSet<_>>().len(), variants.len());
+    }
+
+    #[test]
+    fn row_strides_of_fused_qkv_rows() {
+        let r = RowStrides::fused_qkv(32, 8, 128);
+        assert_eq!((r.q, r.kv, r.o), (48 * 128, 48 * 128, 32 * 128));
+        let p = RowStrides::packed(32, 8, 128);
+        assert_eq!((p.q, p.kv, p.o), (32 * 128, 8 * 128, 32 * 128));
+        assert_eq!(RaggedArgs::new(8, 2048, 32, 8, 128).rows, p);
+        RaggedArgs::new(8, 2048, 32, 8, 128).with_rows(r).check().unwrap();
+        // What a batch of fused rows uploads: Q and K/V offsets in rows, O's packed, then the lengths.
+        let lens = [3usize, 1, 2];
+        let fam = |h: usize, s: usize| RaggedBatch::strided(&lens, h, 8, s).unwrap();
+        let (q, kv, o) = (fam(4, 64), fam(2, 64), fam(4, 32));
+        let host = DeviceRagged::host_values(&q, &kv, &o);
+        assert_eq!(
+            host,
+            [0, 192, 256, 384, 0, 192, 256, 384, 0, 96, 128, 192, 3, 1, 2],
+            "parts of 4 values: Q, K/V, O offsets, lengths"
+        );
+        assert_eq!((q.buffer_len(), kv.buffer_len(), o.buffer_len()), (5 * 64 + 32, 5 * 64 + 16, 6 * 32));
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! The eager half: what PyTorch eager does with a ragged batch short of padding it, a loop over the
 //! sequences, each the naive attention of [`crate::ops::sdpa::naive`] over its slice of the packed
-//! buffers (one `b = 1` BSHD call per sequence: `[len, h, d]` is BSHD with one batch).
+//! buffers (one `b = 1` BSHD call per sequence: `[len, h, d]` is BSHD with one batch, its tokens a
+//! row stride apart).
 
 use super::{RaggedArgs, RaggedOperands};
 use crate::dtype::Element;
@@ -56,15 +57,20 @@ impl<T: Element> Naive<T> for RaggedArgs {
             len: len - offset as usize,
             stream: owner.clone(),
         };
-        let (qo, kv) = (batch.queries().offsets(), batch.keys().offsets());
+        let (qo, kv, oo) = (batch.queries().offsets(), batch.keys().offsets(), batch.outputs().offsets());
+        let (rows, d) = (self.rows, self.head_dim);
         for (i, &n) in batch.seq_lens().iter().enumerate() {
             let n = n as usize;
-            let args = SdpaArgs::new(1, self.heads_q, self.heads_kv, n, n, self.head_dim, Layout::Bshd)
+            let mut args = SdpaArgs::new(1, self.heads_q, self.heads_kv, n, n, d, Layout::Bshd)
                 .with_mask(self.mask)
                 .with_scale(self.scale());
+            // BSHD of one sequence, its tokens a row stride apart.
+            let bshd = |row: usize| [n * row, d, row, 1];
+            (args.q_strides, args.k_strides, args.v_strides, args.o_strides) =
+                (bshd(rows.q), bshd(rows.kv), bshd(rows.kv), bshd(rows.o));
             let (qs, ks, vs) =
                 (at(q_ptr, lens[0], qo[i]), at(k_ptr, lens[1], kv[i]), at(v_ptr, lens[2], kv[i]));
-            let mut os = at(o_ptr, lens[3], qo[i]);
+            let mut os = at(o_ptr, lens[3], oo[i]);
             sdpa::<T>(ctx, args, SdpaOperands::new(&qs, &ks, &vs, &mut os), Backend::Naive)?;
         }
         Ok(())
