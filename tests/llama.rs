@@ -270,8 +270,11 @@ fn decode_fusion_folds_launches_and_keeps_the_hidden_states() {
     let mut unfused: Vec<Vec<bf16>> = Vec::new();
     for fusion in DecodeFusion::EVERY {
         model.set_decode_fusion(fusion);
-        let before: Vec<u64> =
-            ["_m1_norm)", "_m1_dual)", "_m1_norm_dual)"].iter().map(|f| runs(&ctx, f)).collect();
+        let before: Vec<u64> = ["_m1_norm", "_m1_dual", "_m1_norm_dual"]
+            .iter()
+            // Either split (warp or block) of the form.
+            .map(|f| runs(&ctx, &format!("{f})")) + runs(&ctx, &format!("{f}_block)")))
+            .collect();
         let mut cache = model.cache(&ctx, 1, prompt + steps).unwrap();
         model.forward(&ctx, &[all[0][..prompt].to_vec()], &mut cache, &fused, &mut NoObserver).unwrap();
         for s in prompt..prompt + steps {
@@ -290,8 +293,11 @@ fn decode_fusion_folds_launches_and_keeps_the_hidden_states() {
                 assert!(c.passes(MODEL_TOL), "{} position {s} vs unfused: {c}", fusion.name());
             }
         }
-        let after: Vec<u64> =
-            ["_m1_norm)", "_m1_dual)", "_m1_norm_dual)"].iter().map(|f| runs(&ctx, f)).collect();
+        let after: Vec<u64> = ["_m1_norm", "_m1_dual", "_m1_norm_dual"]
+            .iter()
+            // Either split (warp or block) of the form.
+            .map(|f| runs(&ctx, &format!("{f})")) + runs(&ctx, &format!("{f}_block)")))
+            .collect();
         let ran: Vec<u64> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
         println!("{}: fused-form launches (norm, dual, norm_dual) {ran:?}", fusion.name());
         let layer_steps = (cfg.layers * steps) as u64;

@@ -35,8 +35,9 @@
 //! (`gemv_<dtype>_m1[_<form>]_block`, [`GemvSplit::Block`]): a row of a few thousand elements is then
 //! one round of loads per thread and the grid has several blocks per SM, for the projections with few
 //! output rows per SM (qkv and o_proj), where the warp form's grid is under a wave and its warps make
-//! two round trips each. [`GemvSplit::Auto`] chooses by shape ([`Gemv::on_device`]);
-//! [`Exec::set_gemv_split`](crate::Exec::set_gemv_split) forces either, for A/B runs.
+//! two round trips each. Measured, it lost on those shapes, so [`GemvSplit::Auto`] keeps the warp form
+//! ([`Gemv::with_split`]); [`Exec::set_gemv_split`](crate::Exec::set_gemv_split) forces the block form,
+//! for A/B runs.
 //!
 //! On compute capability 9.0+ the GEMVs launch as programmatic dependent launches
 //! ([`Exec::set_programmatic_launch`](crate::Exec::set_programmatic_launch)): a GEMV's blocks may start
@@ -74,18 +75,6 @@ const FUSED_TILES: [(&str, usize, usize); 3] = [("norm", 1, 8), ("dual", 1, 4), 
 /// per thread in flight.
 const BLOCK_TILES: [(&str, usize, usize); 4] =
     [("", 2, 4), ("norm", 2, 4), ("dual", 1, 4), ("norm_dual", 1, 4)];
-
-/// [`GemvSplit::Auto`] takes the block form at one token for fewer output rows than this per SM.
-/// On an H200 (132 SMs) the warp form streamed the projections with 108 rows per SM (up and gate,
-/// 4096->14336) at 85% of copy bandwidth, and those with 47 and 31 (qkv 4096->6144, o_proj
-/// 4096->4096) at 56% and 58% (`decode-roofline.md`): with about 48 warps resident per SM (38-54
-/// registers a thread, NVRTC for sm_90) those are under one wave of warps, each making two round
-/// trips of 4 KiB, and the SMs stand idle through the ramp and the drain.
-const BLOCK_SPLIT_ROWS_PER_SM: usize = 64;
-
-/// Rows longer than this keep the warp form under [`GemvSplit::Auto`]: each warp then makes many
-/// round trips per row and keeps enough loads in flight (down_proj 14336->4096 streamed at 84%).
-const BLOCK_SPLIT_MAX_K: usize = 8192;
 
 /// Threads per block (the kernels' `__launch_bounds__`).
 const BLOCK: usize = 128;
@@ -146,18 +135,18 @@ impl Gemv {
         }
     }
 
-    /// This launch on a device of `sm_count` SMs with the split asked for ([`Exec::gemv_split`]):
-    /// [`GemvSplit::Block`] applies at one token only, [`GemvSplit::Auto`] takes it at one token for
-    /// rows of at most [`BLOCK_SPLIT_MAX_K`] elements and fewer than [`BLOCK_SPLIT_ROWS_PER_SM`]
-    /// output rows per SM.
+    /// This launch with the split asked for ([`Exec::gemv_split`]):
+    /// [`GemvSplit::Block`] applies at one token only; [`GemvSplit::Auto`] keeps the warp form: on an
+    /// H200 the block form lost on the shapes it was written for (qkv 4096->6144: 0.0210 ms against
+    /// 0.0190; o_proj 4096->4096 + residual: 0.0150 against 0.0137; the whole 8B decode step 5.14 ms
+    /// against 4.59, `benches/results/h200/decode-roofline.md`).
     ///
     /// [`Exec::gemv_split`]: crate::Exec::gemv_split
-    pub(super) fn on_device(self, sm_count: usize, split: GemvSplit) -> Gemv {
+    pub(super) fn with_split(self, split: GemvSplit) -> Gemv {
         let block = self.m == 1
             && match split {
                 GemvSplit::Block => true,
-                GemvSplit::Warp => false,
-                _ => self.k <= BLOCK_SPLIT_MAX_K && self.n < BLOCK_SPLIT_ROWS_PER_SM * sm_count,
+                _ => false,
             };
         if !block {
             return Gemv { block: false, ..self };
@@ -331,7 +320,7 @@ impl MatmulArgs {
 }
 
 /// Launches `g` on the buffers of `x` (checked against the arguments `g` came from), split as the
-/// context says ([`Gemv::on_device`]) and as a programmatic dependent launch where the context allows
+/// context says ([`Gemv::with_split`]) and as a programmatic dependent launch where the context allows
 /// it ([`Exec::programmatic_launch`](crate::Exec::programmatic_launch): the kernels prefetch their
 /// first chunks of W into L2, then wait for the kernel before them), and counts it in
 /// [`Cudnn::kernel_runs`]. Returns false, having launched nothing, when x or W is not 16-byte aligned.
@@ -340,7 +329,7 @@ pub(super) fn launch_gemv<T: Element, O: Element>(
     g: &Gemv,
     x: &mut MatmulOperands<'_, T, O>,
 ) -> Result<bool> {
-    let g = &g.on_device(ctx.info().sm_count, ctx.gemv_split());
+    let g = &g.with_split(ctx.gemv_split());
     let (kernels, cfg, kernel) = (Kernels::get(ctx)?, g.config()?, g.kernel());
     let stream = ctx.stream();
     let (a, _ga) = x.a.device_ptr(stream);
@@ -557,36 +546,24 @@ mod tests {
     }
 
     #[test]
-    fn few_rows_per_sm_take_the_block_form_at_one_token() {
+    fn auto_keeps_warps_and_block_is_taken_only_when_forced_at_one_token() {
         let norm = Prologue::rms_norm(1e-5);
         let swiglu = Epilogue::SWIGLU;
-        let on = |a: MatmulArgs, split| a.gemv(BF, BF).unwrap().on_device(132, split);
-        // Llama-3.1-8B on 132 SMs: qkv and o_proj (fewer than 64 rows per SM) take blocks; up/gate,
-        // down (k = 14336) and lm_head keep warps.
+        let on = |a: MatmulArgs, split| a.gemv(BF, BF).unwrap().with_split(split);
+        // Llama-3.1-8B's one-token projections: the block form lost on the H200, so auto keeps warps.
         let cases = [
-            (MatmulArgs::linear(1, 4096, 6144).with_prologue(norm), "gemv_bf16_m1_norm_block", 3072),
-            (MatmulArgs::linear(1, 4096, 6144), "gemv_bf16_m1_block", 3072),
-            (MatmulArgs::linear(1, 4096, 4096).with_epilogue(Epilogue::RESIDUAL), "gemv_bf16_m1_block", 2048),
-            (
-                MatmulArgs::linear(1, 4096, 14336)
-                    .with_epilogue(swiglu)
-                    .with_up_product()
-                    .with_prologue(norm),
-                "gemv_bf16_m1_norm_dual",
-                3584,
-            ),
-            (MatmulArgs::linear(1, 4096, 14336), "gemv_bf16_m1", 3584),
-            (MatmulArgs::linear(1, 14336, 4096).with_epilogue(Epilogue::RESIDUAL), "gemv_bf16_m1", 1024),
-            (MatmulArgs::linear(1, 4096, 128256), "gemv_bf16_m1", 32064),
+            MatmulArgs::linear(1, 4096, 6144).with_prologue(norm),
+            MatmulArgs::linear(1, 4096, 6144),
+            MatmulArgs::linear(1, 4096, 4096).with_epilogue(Epilogue::RESIDUAL),
+            MatmulArgs::linear(1, 4096, 14336).with_epilogue(swiglu).with_up_product().with_prologue(norm),
+            MatmulArgs::linear(1, 14336, 4096).with_epilogue(Epilogue::RESIDUAL),
+            MatmulArgs::linear(1, 4096, 128256),
         ];
-        for (args, kernel, blocks) in cases {
+        for args in cases {
             let g = on(args, GemvSplit::Auto);
-            assert_eq!((g.kernel().as_str(), g.config().unwrap().grid_dim.0), (kernel, blocks), "{args:?}");
+            assert!(!g.block && !g.kernel().ends_with("_block"), "{args:?}: {}", g.kernel());
+            assert_eq!(on(args, GemvSplit::Block).kernel(), format!("{}_block", g.kernel()), "{args:?}");
         }
-        // Fewer SMs: qkv has enough rows per SM for warps.
-        assert!(
-            !MatmulArgs::linear(1, 4096, 6144).gemv(BF, BF).unwrap().on_device(60, GemvSplit::Auto).block
-        );
         // Forced either way at one token; more tokens keep warps whatever is asked.
         let gate = MatmulArgs::linear(1, 4096, 14336).with_epilogue(swiglu).with_up_product();
         let g = on(gate, GemvSplit::Block);
@@ -594,7 +571,7 @@ mod tests {
         assert_eq!(on(MatmulArgs::linear(1, 4096, 4096), GemvSplit::Warp).kernel(), "gemv_bf16_m1");
         let f16 =
             MatmulArgs::linear(1, 64, 40).with_prologue(norm).gemv(DataType::F16, DataType::F16).unwrap();
-        let g = f16.on_device(132, GemvSplit::Block);
+        let g = f16.with_split(GemvSplit::Block);
         let c = g.config().unwrap();
         assert_eq!(g.kernel(), "gemv_f16_m1_norm_block");
         assert_eq!((c.grid_dim, c.block_dim, c.shared_mem_bytes), ((20, 1, 1), (128, 1, 1), 128));
