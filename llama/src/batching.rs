@@ -138,6 +138,8 @@ pub struct BatchEngine<T: Element> {
     graphs: HashMap<usize, PagedDecodeGraph<T>>,
     /// Why decode steps launch plainly in graph mode, once a capture said so.
     refusal: Option<String>,
+    /// The attention form of the last decode step's forward (a replay runs the captured one's).
+    decode_form: Option<PagedForm>,
 }
 
 impl<T: Element> BatchEngine<T> {
@@ -158,6 +160,7 @@ impl<T: Element> BatchEngine<T> {
             launched: HashSet::new(),
             graphs: HashMap::new(),
             refusal: None,
+            decode_form: None,
         })
     }
 
@@ -230,9 +233,16 @@ impl<T: Element> BatchEngine<T> {
         self.cache.paged_refusal()
     }
 
-    /// The attention form of the last step.
+    /// The attention form of the last forward that ran its modules (a prefill, a plain decode step or
+    /// a capture; a replay runs what its capture recorded, see [`BatchEngine::decode_form`]).
     pub fn last_form(&self) -> Option<PagedForm> {
         self.cache.last_form()
+    }
+
+    /// The attention form of the decode steps: of the last plain step, or of the capture the last
+    /// replayed step came from.
+    pub fn decode_form(&self) -> Option<PagedForm> {
+        self.decode_form
     }
 
     fn get(&self, id: SeqId) -> Result<&Live> {
@@ -384,6 +394,7 @@ impl<T: Element> BatchEngine<T> {
                 match unsafe { self.model.capture_paged_decode(ctx, &mut self.cache, &self.backends) } {
                     Ok(g) => {
                         self.graphs.insert(rows, g);
+                        self.decode_form = self.cache.last_form();
                     }
                     Err(e) => self.refusal = Some(e.to_string()),
                 }
@@ -394,6 +405,7 @@ impl<T: Element> BatchEngine<T> {
             }
         }
         self.model.forward_paged(ctx, &mut self.cache, ids, &self.backends, &mut NoObserver)?;
+        self.decode_form = self.cache.last_form();
         // Every row's logits, as the captured step computes them (so its plans exist before a capture).
         let dev = self.model.logits_rows(ctx, 0..rows, &self.backends, &mut NoObserver)?;
         self.launched.insert(rows);

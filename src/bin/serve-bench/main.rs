@@ -459,7 +459,7 @@ fn report<T: Element>(
             if v.is_empty() { "-".into() } else { format!("{:.2}", v.iter().sum::<f64>() / v.len() as f64) };
         SummaryRow { metric: metric.into(), value: mean, p50, p90, p99 }
     };
-    let form = engine.last_form().map_or("-", |f| f.name());
+    let form = engine.decode_form().map_or("-", |f| f.name());
     let summary = vec![
         line("requests", rows.len().to_string()),
         line("wall time (s)", format!("{:.2}", t.elapsed)),
@@ -472,7 +472,7 @@ fn report<T: Element>(
         dist("time to first token (ms)", &ttft),
         dist("inter-token latency (ms)", &itl),
         dist("end-to-end latency (ms)", &e2e),
-        line("attention", form.to_string()),
+        line("decode attention", form.to_string()),
         line("paged refusal", engine.paged_refusal().unwrap_or_else(|| "none".into())),
         line("graph refusal", engine.graph_refusal().unwrap_or("none").to_string()),
         line("fallbacks", engine.model().fallbacks().len().to_string()),

@@ -76,14 +76,14 @@ struct Row {
     fuse: String,
     prefill_ms: f64,
     prefill_tokens_per_s: f64,
-    prefill_speedup: f64,
-    prefill_efficiency: f64,
+    prefill_speedup: Option<f64>,
+    prefill_efficiency: Option<f64>,
     decode_graph_ms: f64,
     decode_wall_ms: f64,
     decode_plain_ms: f64,
     decode_tokens_per_s: f64,
-    decode_speedup: f64,
-    decode_efficiency: f64,
+    decode_speedup: Option<f64>,
+    decode_efficiency: Option<f64>,
     allreduce_decode_us: f64,
     allreduce_prefill_us: f64,
     copy_gbps: f64,
@@ -168,14 +168,14 @@ fn main() -> ExitCode {
     );
     for r in &rows {
         println!(
-            "{:>5} {:>11.3} {:>8.2}x {:>10.1}% {:>11.4} {:>8.2}x {:>10.1}% {:>9.4} {:>10.1} {:>8.1}% {:>8.1}%{}",
+            "{:>5} {:>11.3} {:>9} {:>11} {:>11.4} {:>9} {:>11} {:>9.4} {:>10.1} {:>8.1}% {:>8.1}%{}",
             r.ranks,
             r.prefill_ms,
-            r.prefill_speedup,
-            100.0 * r.prefill_efficiency,
+            times(r.prefill_speedup),
+            percent(r.prefill_efficiency),
             r.decode_graph_ms,
-            r.decode_speedup,
-            100.0 * r.decode_efficiency,
+            times(r.decode_speedup),
+            percent(r.decode_efficiency),
             r.decode_wall_ms,
             r.allreduce_decode_us,
             r.roofline_pct,
@@ -190,15 +190,26 @@ fn main() -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// Speedup and efficiency against the one-rank row (none without one).
+/// Speedup and efficiency against the one-rank row (none without one: the columns stay empty).
 fn scale(rows: &mut [Row]) {
     let Some(one) = rows.iter().find(|r| r.ranks == 1 && r.error.is_empty()).cloned() else { return };
     for r in rows.iter_mut().filter(|r| r.error.is_empty()) {
-        r.prefill_speedup = one.prefill_ms / r.prefill_ms;
-        r.prefill_efficiency = r.prefill_speedup / r.ranks as f64;
-        r.decode_speedup = one.decode_graph_ms / r.decode_graph_ms;
-        r.decode_efficiency = r.decode_speedup / r.ranks as f64;
+        let (prefill, decode) = (one.prefill_ms / r.prefill_ms, one.decode_graph_ms / r.decode_graph_ms);
+        r.prefill_speedup = Some(prefill);
+        r.prefill_efficiency = Some(prefill / r.ranks as f64);
+        r.decode_speedup = Some(decode);
+        r.decode_efficiency = Some(decode / r.ranks as f64);
     }
+}
+
+/// `1.69x`, or `-` without a one-rank row.
+fn times(v: Option<f64>) -> String {
+    v.map_or("-".into(), |v| format!("{v:.2}x"))
+}
+
+/// `84.5%` of a fraction, or `-` without a one-rank row.
+fn percent(v: Option<f64>) -> String {
+    v.map_or("-".into(), |v| format!("{:.1}%", 100.0 * v))
 }
 
 /// The slowest rank's value of each rank's.
