@@ -4,7 +4,7 @@
 use super::Report;
 use plotters::prelude::*;
 
-const COLORS: [RGBColor; 10] = [
+pub(crate) const COLORS: [RGBColor; 10] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),

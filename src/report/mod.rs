@@ -1,13 +1,15 @@
 //! The per-module speedup report: rows per module range and scenario, with the run's metadata, as a
 //! terminal/markdown table, CSV (the same rows, one line each) and JSON (everything); [`chart`] draws it
-//! as SVG, [`cli`] holds the `speedup-report` binary's options, and [`train`] the training step's
-//! phase totals and the `train_step` bench's rows.
+//! as SVG, [`cli`] holds the `speedup-report` binary's options, [`train`] the training step's phase
+//! totals and the `train_step` bench's rows, and [`memorize`] the memorization task with its loss
+//! curves' SVG and summary.
 
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
 
 pub mod chart;
 pub mod cli;
+pub mod memorize;
 pub mod train;
 
 use train::PhaseRow;
