@@ -202,10 +202,7 @@ pub struct Rendered {
 impl Rendered {
     /// Why the target was missed, one line per backend that missed it; empty when both met it.
     pub fn failures(&self) -> Vec<String> {
-        self.outcomes
-            .iter()
-            .filter_map(|(b, o)| o.failure.as_ref().map(|f| format!("{b}: {f}")))
-            .collect()
+        self.outcomes.iter().filter_map(|(b, o)| o.failure.as_ref().map(|f| format!("{b}: {f}"))).collect()
     }
 }
 
@@ -314,7 +311,9 @@ fn svg(series: &[(String, Vec<&StepRow>)], task: &Task, title: &str) -> Result<S
             let color = COLORS[i % COLORS.len()];
             chart
                 .draw_series(LineSeries::new(
-                    rows.iter().filter(|r| r.loss.is_finite() && r.loss > 0.0).map(|r| (r.step as f64, r.loss)),
+                    rows.iter()
+                        .filter(|r| r.loss.is_finite() && r.loss > 0.0)
+                        .map(|r| (r.step as f64, r.loss)),
                     color.stroke_width(2),
                 ))
                 .map_err(e)?
@@ -374,7 +373,8 @@ mod tests {
         let r = render(&csv, &TASK, "Memorization on Test GPU, cuDNN 9.19.0", "GPU Test GPU").unwrap();
         let svg = &r.svg;
         assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"), "{}", &svg[..100]);
-        for label in ["all-fused", "all-naive", "ln 512 = 6.24", "threshold 0.5 by step 60", "Test GPU, cuDNN 9.19.0"]
+        for label in
+            ["all-fused", "all-naive", "ln 512 = 6.24", "threshold 0.5 by step 60", "Test GPU, cuDNN 9.19.0"]
         {
             assert!(svg.contains(label), "the SVG lacks {label}");
         }
@@ -418,7 +418,10 @@ mod tests {
             (losses(8.0, 0.9, 60), "the first step's loss 8.0000 is not within 1 of ln 512 = 6.238"),
             (losses(6.5, 0.97, 60), "the loss is 1.0776 at step 60, not below 0.5"),
             ([losses(6.5, 0.9, 60), vec![0.7]].concat(), "the loss went back up to 0.7000 at step 61"),
-            ([losses(6.5, 0.9, 30), vec![f64::NAN], losses(0.1, 1.0, 29)].concat(), "the loss at step 31 is NaN"),
+            (
+                [losses(6.5, 0.9, 30), vec![f64::NAN], losses(0.1, 1.0, 29)].concat(),
+                "the loss at step 31 is NaN",
+            ),
         ];
         for (l, want) in cases {
             let o = TASK.check(&l);
