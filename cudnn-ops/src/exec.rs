@@ -179,7 +179,8 @@ impl Exec {
         self.features
     }
 
-    /// Launches the custom kernels of a decode step (the decode GEMV, RoPE with the K/V append) as
+    /// Launches the custom kernels that allow it (the decode GEMV; every fused RoPE kernel, with or
+    /// without the K/V append, forward and backward) as
     /// programmatic dependent launches (PDL), so each may start, and stream its weights into L2,
     /// while the kernel before it on the stream drains; they wait for that kernel's completion
     /// before reading its output, so results are the same either way. On by default where the GPU
