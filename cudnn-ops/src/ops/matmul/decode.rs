@@ -85,6 +85,7 @@ const SHARED_BYTES: usize = 48 << 10;
 /// The kernels' static shared memory, at most (`decode.cu`: `gemv_block_sum`'s 32 floats, and the
 /// block form's `part`, 4 warps x 2 rows of floats), rounded up.
 const STATIC_SHARED_BYTES: usize = 256;
+const _: () = assert!(32 * 4 + 4 * 2 * 4 <= STATIC_SHARED_BYTES);
 
 /// The dynamic shared memory the RMSNorm prologue may take for the normalized x (2 bytes per
 /// element): what a block takes without opting in, less the kernels' static shared memory (a launch
@@ -151,11 +152,7 @@ impl Gemv {
     ///
     /// [`Exec::gemv_split`]: crate::Exec::gemv_split
     pub(super) fn with_split(self, split: GemvSplit) -> Gemv {
-        let block = self.m == 1
-            && match split {
-                GemvSplit::Block => true,
-                _ => false,
-            };
+        let block = self.m == 1 && split == GemvSplit::Block;
         if !block {
             return Gemv { block: false, ..self };
         }
@@ -516,7 +513,6 @@ mod tests {
             src.contains("__shared__ float partial[32];")
                 && src.contains("__shared__ float part[GEMV_WARPS][RW];")
         );
-        assert!(32 * 4 + 4 * 2 * 4 <= STATIC_SHARED_BYTES);
         let k = PROLOGUE_SHARED_BYTES / 2;
         assert_eq!(k % 8, 0);
         let g = MatmulArgs::linear(1, k, 64).with_prologue(norm).gemv(BF, BF).unwrap();
