@@ -262,10 +262,8 @@ impl<T: Element> PagedKvCache<T> {
     /// error, with nothing changed, where a sequence has no room, an id is unknown or repeated, or the
     /// pool has too few free pages ([`Error::OutOfPages`]). A step begun and not finished is dropped.
     pub fn begin(&mut self, ctx: &Cudnn, ids: &[SeqId], seq: usize, rows: usize) -> Result<()> {
-        self.clamped = false;
-        self.on_device = true;
-        self.ragged = None;
         let v = self.book.begin(ids, seq, rows)?;
+        self.new_step();
         self.upload(ctx, &v)
     }
 
@@ -277,11 +275,17 @@ impl<T: Element> PagedKvCache<T> {
     /// has no room, is unknown or repeated, where there are more sequences than table rows, or the
     /// pool has too few free pages ([`Error::OutOfPages`]). A step begun and not finished is dropped.
     pub fn begin_packed(&mut self, ctx: &Cudnn, ids: &[SeqId], lens: &[usize]) -> Result<()> {
+        let v = self.book.begin_packed(ids, lens)?;
+        self.new_step();
+        self.upload(ctx, &v)
+    }
+
+    /// Forgets what the step before did (its lengths clamped, its form, its ragged batch), once a new
+    /// step is begun; a refused begin leaves them to the step still begun.
+    fn new_step(&mut self) {
         self.clamped = false;
         self.on_device = true;
         self.ragged = None;
-        let v = self.book.begin_packed(ids, lens)?;
-        self.upload(ctx, &v)
     }
 
     /// Uploads a step's values (the step counts as begun already; a failed upload drops it).
