@@ -1001,6 +1001,31 @@ fn decode_gemv_fused_forms_match_the_reference_and_the_unfused_path() {
     assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
 }
 
+/// The longest row the RMSNorm prologue takes: its normalized x (2·k bytes of dynamic shared memory)
+/// and the kernels' static shared memory within the 48 KiB a block gets without opting in
+/// (`PROLOGUE_SHARED_BYTES` in decode.rs). Before the bound counted the static arrays, k = 24576 was
+/// accepted and its launch failed.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_longest_row_the_norm_prologue_takes_launches_in_both_splits() {
+    let ctx = gpu();
+    println!("{} cuDNN {}", ctx.info().name, ctx.info().cudnn_version_string());
+    let norm = Prologue::rms_norm(NORM_EPS);
+    let (k, bf) = (24448, DataType::BF16);
+    MatmulArgs::linear(1, k, 136).with_prologue(norm).decode_gemv(bf, bf).unwrap();
+    let longer = MatmulArgs::linear(1, k + 8, 136).with_prologue(norm).decode_gemv(bf, bf);
+    assert!(longer.unwrap_err().is_not_supported(), "k = {} must be refused on the host", k + 8);
+    let mut failures = Vec::new();
+    for split in [GemvSplit::Warp, GemvSplit::Block] {
+        ctx.set_gemv_split(split);
+        println!("split {}", split.name());
+        check_fused_forms::<bf16>(&ctx, k, 136, 1700, &mut failures);
+        check_fused_forms::<f16>(&ctx, k, 136, 1710, &mut failures);
+    }
+    ctx.set_gemv_split(GemvSplit::Auto);
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn the_graph_and_the_naive_backend_refuse_the_fused_forms() {

@@ -70,8 +70,8 @@ pub struct Exec {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum GemvSplit {
-    /// Chosen by shape and device (the default): [`GemvSplit::Block`] for few output rows per SM
-    /// and short rows (qkv and o_proj of an 8B model on an H100/H200), [`GemvSplit::Warp`] otherwise.
+    /// The library's choice (the default): [`GemvSplit::Warp`] for every shape, the block form
+    /// having lost on the shapes it was written for (qkv and o_proj of an 8B model on an H200).
     Auto,
     /// A warp streams whole rows (several round trips per row; the long rows of down_proj, the
     /// many of up/gate and lm_head).
@@ -179,7 +179,8 @@ impl Exec {
         self.features
     }
 
-    /// Launches the custom kernels of a decode step (the decode GEMV, RoPE with the K/V append) as
+    /// Launches the custom kernels that allow it (the decode GEMV; every fused RoPE kernel, with or
+    /// without the K/V append, forward and backward) as
     /// programmatic dependent launches (PDL), so each may start, and stream its weights into L2,
     /// while the kernel before it on the stream drains; they wait for that kernel's completion
     /// before reading its output, so results are the same either way. On by default where the GPU

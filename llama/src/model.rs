@@ -260,7 +260,7 @@ impl<T: Element> Llama<T> {
         })
     }
 
-    /// What fused one-token steps fold together from now on ([`DecodeFusion::ALL`] unless set): a
+    /// What fused one-token steps fold together from now on ([`DecodeFusion::GATE_UP`] unless set): a
     /// decode graph captured before keeps what it captured.
     pub fn set_decode_fusion(&mut self, fusion: DecodeFusion) {
         self.decode_fusion = fusion;
@@ -622,15 +622,15 @@ impl<T: Element> Llama<T> {
         backends: &Backends,
         obs: &mut dyn Observer,
     ) -> Result<CudaSlice<T>> {
-        if let [r] = rows {
-            return self.logits_rows(ctx, *r..*r + 1, backends, obs);
-        }
         let acts = self.acts.as_ref().ok_or_else(|| Error::Config("logits: run forward first".into()))?;
         if rows.is_empty() || rows.iter().any(|&r| r >= acts.last) {
             return Err(Error::Config(format!(
                 "logits: rows {rows:?} asked, the last forward had {}",
                 acts.last
             )));
+        }
+        if let [r] = rows {
+            return self.logits_rows(ctx, *r..*r + 1, backends, obs); // r < acts.last
         }
         let (n, hidden) = (rows.len(), self.cfg.hidden);
         let s = ctx.stream();

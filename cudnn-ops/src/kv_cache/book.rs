@@ -124,6 +124,23 @@ impl QkvRows {
         RopeArgs { batch, seq, heads_q, heads_kv, head_dim, row_stride, start: 0 }
     }
 
+    /// Where the K and the V heads start in each row, `(heads_q · d, (heads_q + heads_kv) · d)`, for a
+    /// step that attends over its own rows; an error where a row cannot hold Q, K and V (`row_stride <
+    /// (heads_q + 2 · heads_kv) · head_dim`, or that width overflowing).
+    pub(crate) fn kv_starts(&self, heads_kv: usize, head_dim: usize) -> Result<(usize, usize)> {
+        let what = "paged cache: (heads_q + 2 * heads_kv) * head_dim";
+        let kv = checked::mul(what, 2, heads_kv)?;
+        let width = checked::mul(what, checked::add(what, self.heads_q, kv)?, head_dim)?;
+        ensure!(
+            self.row_stride >= width,
+            "paged cache: rows of {} elements hold no K and V after {} Q heads",
+            self.row_stride,
+            self.heads_q
+        );
+        // Both below `width`, which did not overflow.
+        Ok((self.heads_q * head_dim, (self.heads_q + heads_kv) * head_dim))
+    }
+
     /// Strides of Q over `[b, h_q, seq, d]`.
     pub fn q_strides(&self, seq: usize, head_dim: usize) -> [usize; 4] {
         [seq.saturating_mul(self.row_stride), head_dim, self.row_stride, 1]
@@ -237,6 +254,21 @@ impl Lens {
 mod tests {
     use super::*;
     use crate::ops::sdpa::SdpaLens;
+
+    #[test]
+    fn rows_that_hold_no_k_and_v_are_refused_without_overflow() {
+        let rows = QkvRows::new(32, 48 * 64);
+        assert_eq!(rows.kv_starts(8, 64).unwrap(), (32 * 64, 40 * 64));
+        for (rows, expected) in [
+            (QkvRows::new(32, 48 * 64 - 1), "hold no K and V after 32 Q heads"),
+            // A width that wraps would pass the stride check and slice K past the rows.
+            (QkvRows::new(usize::MAX, 48 * 64), "overflows"),
+            (QkvRows::new(usize::MAX / 64, usize::MAX), "overflows"),
+        ] {
+            let e = rows.kv_starts(8, 64).unwrap_err().to_string();
+            assert!(e.contains(expected), "{expected}: {e}");
+        }
+    }
 
     /// Llama-3.2-1B: 16 layers, 8 K/V heads of 64, 32 query heads.
     fn shape() -> KvCacheShape {

@@ -262,10 +262,8 @@ impl<T: Element> PagedKvCache<T> {
     /// error, with nothing changed, where a sequence has no room, an id is unknown or repeated, or the
     /// pool has too few free pages ([`Error::OutOfPages`]). A step begun and not finished is dropped.
     pub fn begin(&mut self, ctx: &Cudnn, ids: &[SeqId], seq: usize, rows: usize) -> Result<()> {
-        self.clamped = false;
-        self.on_device = true;
-        self.ragged = None;
         let v = self.book.begin(ids, seq, rows)?;
+        self.new_step();
         self.upload(ctx, &v)
     }
 
@@ -277,11 +275,17 @@ impl<T: Element> PagedKvCache<T> {
     /// has no room, is unknown or repeated, where there are more sequences than table rows, or the
     /// pool has too few free pages ([`Error::OutOfPages`]). A step begun and not finished is dropped.
     pub fn begin_packed(&mut self, ctx: &Cudnn, ids: &[SeqId], lens: &[usize]) -> Result<()> {
+        let v = self.book.begin_packed(ids, lens)?;
+        self.new_step();
+        self.upload(ctx, &v)
+    }
+
+    /// Forgets what the step before did (its lengths clamped, its form, its ragged batch), once a new
+    /// step is begun; a refused begin leaves them to the step still begun.
+    fn new_step(&mut self) {
         self.clamped = false;
         self.on_device = true;
         self.ragged = None;
-        let v = self.book.begin_packed(ids, lens)?;
-        self.upload(ctx, &v)
     }
 
     /// Uploads a step's values (the step counts as begun already; a failed upload drops it).
@@ -508,16 +512,11 @@ impl<T: Element> PagedKvCache<T> {
             Some(f) => f,
             None if lens.iter().all(|&l| l == 0) => {
                 // Every key is a row of this step: K and V straight from the QKV rows.
-                ensure!(
-                    rows.row_stride >= (rows.heads_q + 2 * heads_kv) * d,
-                    "paged cache: rows of {} elements hold no K and V after {} Q heads",
-                    rows.row_stride,
-                    rows.heads_q
-                );
+                let (k_at, v_at) = rows.kv_starts(heads_kv, d)?;
                 let kv = [seq * rows.row_stride, d, rows.row_stride, 1];
                 let a = SdpaArgs { k_strides: kv, v_strides: kv, ..own }.with_mask(Mask::CausalTopLeft);
-                let k = within(q.try_slice(rows.heads_q * d..))?;
-                let v = within(q.try_slice((rows.heads_q + heads_kv) * d..))?;
+                let k = within(q.try_slice(k_at..))?;
+                let v = within(q.try_slice(v_at..))?;
                 sdpa(ctx, a, SdpaOperands::new(&q, &k, &v, &mut o), backend)?;
                 PagedForm::Prefill
             }
@@ -573,23 +572,23 @@ impl<T: Element> PagedKvCache<T> {
     ) -> Result<()> {
         let PageShape { heads_kv, head_dim: d, .. } = self.shape.pages;
         let hq = rows.heads_q;
-        ensure!(
-            rows.row_stride >= (hq + 2 * heads_kv) * d,
-            "paged cache: rows of {} elements hold no K and V after {hq} Q heads",
-            rows.row_stride
-        );
+        let (k_at, v_at) = rows.kv_starts(heads_kv, d)?;
         let key = (hq, rows.row_stride);
-        if self.ragged.as_ref().is_none_or(|(k, _)| *k != key) {
-            let strides = RowStrides { q: rows.row_stride, kv: rows.row_stride, o: hq * d };
-            self.ragged = Some((key, DeviceRagged::strided(ctx, new, (hq, heads_kv, d), strides)?));
-        }
-        let (_, batch) = self.ragged.as_ref().expect("made above");
+        let batch = match self.ragged.take() {
+            Some((made, batch)) if made == key => batch,
+            // O packed: `k_at` is a token's Q heads.
+            _ => {
+                let strides = RowStrides { q: rows.row_stride, kv: rows.row_stride, o: k_at };
+                DeviceRagged::strided(ctx, new, (hq, heads_kv, d), strides)?
+            }
+        };
+        let (_, batch) = self.ragged.insert((key, batch));
         let mut a = RaggedArgs::new(new.len(), batch.bucket(), hq, heads_kv, d).with_rows(batch.rows());
         if let Some(s) = rows.scale {
             a = a.with_scale(s);
         }
-        let k = within(q.try_slice(hq * d..))?;
-        let v = within(q.try_slice((hq + heads_kv) * d..))?;
+        let k = within(q.try_slice(k_at..))?;
+        let v = within(q.try_slice(v_at..))?;
         sdpa_ragged(ctx, a, RaggedOperands::new(&q, &k, &v, &mut o, batch), backend)
     }
 

@@ -24,11 +24,11 @@
 //! RoPE with the K/V append and SDPA in [`Attention`](attention::Attention), `embedding` in
 //! [`Embedding::forward`](embedding::Embedding::forward).
 //!
-//! A fused decode step of one token can fold launches together ([`DecodeFusion`], on by default):
-//! each prenorm into the projection after it (`qkv_proj`, and the MLP's gate and up), whose decode
-//! GEMV normalizes x itself; the prenorm's range then stays open but empty (its work is counted in
+//! A fused decode step of one token can fold launches together ([`DecodeFusion`]): each prenorm
+//! into the projection after it (`qkv_proj`, and the MLP's gate and up), whose decode GEMV
+//! normalizes x itself; the prenorm's range then stays open but empty (its work is counted in
 //! `fwd.layer.attn.qkv_proj` and `fwd.layer.mlp.mlp`); and the MLP's gate and up in one GEMV that
-//! streams both weights. Prefill, batches, the naive backend, and a prenorm and projection on
+//! streams both weights (the default folds only this, [`DecodeFusion::GATE_UP`]). Prefill, batches, the naive backend, and a prenorm and projection on
 //! different backends run the modules as drawn above.
 //!
 //! Q, K and V live in one `[tokens, (h_q + 2·h_kv)·d]` buffer (one GEMM against the concatenated

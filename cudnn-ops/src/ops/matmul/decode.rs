@@ -79,9 +79,18 @@ const BLOCK_TILES: [(&str, usize, usize); 4] =
 /// Threads per block (the kernels' `__launch_bounds__`).
 const BLOCK: usize = 128;
 
-/// The most shared memory a block takes without opting in: the RMSNorm prologue keeps the normalized
-/// x there (2 bytes per element).
+/// The most shared memory a block takes without opting in (static and dynamic together).
 const SHARED_BYTES: usize = 48 << 10;
+
+/// The kernels' static shared memory, at most (`decode.cu`: `gemv_block_sum`'s 32 floats, and the
+/// block form's `part`, 4 warps x 2 rows of floats), rounded up.
+const STATIC_SHARED_BYTES: usize = 256;
+const _: () = assert!(32 * 4 + 4 * 2 * 4 <= STATIC_SHARED_BYTES);
+
+/// The dynamic shared memory the RMSNorm prologue may take for the normalized x (2 bytes per
+/// element): what a block takes without opting in, less the kernels' static shared memory (a launch
+/// over the total fails).
+const PROLOGUE_SHARED_BYTES: usize = SHARED_BYTES - STATIC_SHARED_BYTES;
 
 /// One decode GEMV launch: the shapes and strides the kernel reads, its tile, and what the call does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -259,46 +268,10 @@ impl MatmulArgs {
         if k > i32::MAX as usize || n > i32::MAX as usize {
             return Err(refuse(format!("k = {k}, n = {n}: the GEMV indexes rows and chunks with 32 bits")));
         }
-        let (mut tile, mut rows_per_warp) = TILES
-            .into_iter()
-            .find(|&(tile, _)| tile >= m)
-            .expect("m <= DECODE_GEMV_MAX_TOKENS, the last tile");
-        let (prologue, dual) = (args.prologue, args.up_product);
-        if prologue.is_some() || dual {
-            if m != 1 {
-                return Err(refuse(format!(
-                    "{m} rows of A (tokens): the prologue and the up product run at one token (a decode step)"
-                )));
-            }
-            if prologue.is_some() && 2 * k > SHARED_BYTES {
-                return Err(refuse(format!(
-                    "k = {k}: the RMSNorm prologue keeps the normalized row in shared memory, {} bytes, at most \
-                     {SHARED_BYTES}",
-                    2 * k
-                )));
-            }
-            let form = Gemv {
-                m,
-                k,
-                n,
-                ldx,
-                ldw,
-                tile,
-                rows_per_warp,
-                block: false,
-                dtype,
-                epilogue: args.epilogue,
-                prologue,
-                dual,
-            };
-            let name = form.fused_form().expect("a prologue or the up product");
-            (tile, rows_per_warp) = FUSED_TILES
-                .iter()
-                .find(|t| t.0 == name)
-                .map(|t| (1, t.1))
-                .expect("every fused form has a tile");
-        }
-        Ok(Gemv {
+        let Some((tile, rows_per_warp)) = TILES.into_iter().find(|&(tile, _)| tile >= m) else {
+            return Err(refuse(format!("{m} rows of A (tokens): no token tile holds them")));
+        };
+        let mut g = Gemv {
             m,
             k,
             n,
@@ -309,9 +282,28 @@ impl MatmulArgs {
             block: false,
             dtype,
             epilogue: args.epilogue,
-            prologue,
-            dual,
-        })
+            prologue: args.prologue,
+            dual: args.up_product,
+        };
+        if let Some(form) = g.fused_form() {
+            if m != 1 {
+                return Err(refuse(format!(
+                    "{m} rows of A (tokens): the prologue and the up product run at one token (a decode step)"
+                )));
+            }
+            if g.prologue.is_some() && 2 * k > PROLOGUE_SHARED_BYTES {
+                return Err(refuse(format!(
+                    "k = {k}: the RMSNorm prologue keeps the normalized row in shared memory, {} bytes, at most \
+                     {PROLOGUE_SHARED_BYTES} (what a block takes without opting in, less the kernels' own)",
+                    2 * k
+                )));
+            }
+            let Some(&(_, rows, _)) = FUSED_TILES.iter().find(|t| t.0 == form) else {
+                return Err(refuse(format!("the {form} form has no kernel tile")));
+            };
+            (g.tile, g.rows_per_warp) = (1, rows);
+        }
+        Ok(g)
     }
 }
 
@@ -507,11 +499,28 @@ mod tests {
             MatmulArgs::linear(2, 64, 64).with_epilogue(Epilogue::SWIGLU).with_up_product().gemv(BF, BF),
             "run at one token",
         );
-        refused(
-            MatmulArgs::linear(1, 24584, 64).with_prologue(norm).gemv(BF, BF),
-            "k = 24584: the RMSNorm prologue",
+        // 2·k bytes of dynamic shared memory and the kernels' static ones within 48 KiB: k = 24576
+        // (exactly 48 KiB dynamic) would fail at launch.
+        for k in [24576, 24584] {
+            refused(
+                MatmulArgs::linear(1, k, 64).with_prologue(norm).gemv(BF, BF),
+                &format!("k = {k}: the RMSNorm prologue"),
+            );
+        }
+        // The static arrays STATIC_SHARED_BYTES counts.
+        let src = include_str!("decode.cu");
+        assert!(
+            src.contains("__shared__ float partial[32];")
+                && src.contains("__shared__ float part[GEMV_WARPS][RW];")
         );
-        MatmulArgs::linear(1, 24576, 64).with_prologue(norm).gemv(BF, BF).unwrap();
+        let k = PROLOGUE_SHARED_BYTES / 2;
+        assert_eq!(k % 8, 0);
+        let g = MatmulArgs::linear(1, k, 64).with_prologue(norm).gemv(BF, BF).unwrap();
+        let block = g.with_split(GemvSplit::Block);
+        for g in [g, block] {
+            let shared = g.config().unwrap().shared_mem_bytes as usize;
+            assert!(shared + STATIC_SHARED_BYTES <= SHARED_BYTES, "{}: {shared}", g.kernel());
+        }
         let e = MatmulArgs::linear(2, 64, 64).with_prologue(norm).gemv(BF, BF).unwrap_err().to_string();
         assert!(e.contains("rms_norm(1e-5)"), "{e}");
     }
