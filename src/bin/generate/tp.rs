@@ -177,7 +177,7 @@ pub(crate) fn run<T: Element>(
         decode,
         decode_steps: tokens.len() - 1,
     };
-    let (split, elem) = (g.tp.plan().clone(), std::mem::size_of::<T>());
+    let (split, elem) = (*g.tp.plan(), std::mem::size_of::<T>());
     report(&rates, |i| split.decode_roofline(cfg, 1, prompt.len() + i, elem), bandwidth, " per rank");
     g.tp.each("plans", |r| {
         if r.index == 0 {

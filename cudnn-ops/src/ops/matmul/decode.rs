@@ -143,11 +143,7 @@ impl Gemv {
     ///
     /// [`Exec::gemv_split`]: crate::Exec::gemv_split
     pub(super) fn with_split(self, split: GemvSplit) -> Gemv {
-        let block = self.m == 1
-            && match split {
-                GemvSplit::Block => true,
-                _ => false,
-            };
+        let block = self.m == 1 && matches!(split, GemvSplit::Block);
         if !block {
             return Gemv { block: false, ..self };
         }
