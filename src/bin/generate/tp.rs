@@ -24,6 +24,8 @@ struct TpGen<T: Element> {
     graph: bool,
     captured: bool,
     launched: usize,
+    /// A prefill ran since the last step: a captured step may hold buffers it replaced.
+    prefilled: bool,
 }
 
 impl<T: Element> TpGen<T> {
@@ -31,11 +33,19 @@ impl<T: Element> TpGen<T> {
     fn prefill(&mut self, ids: &[u32]) -> Result<Vec<f32>, Error> {
         self.tp.truncate(0)?;
         self.tp.forward(&[ids.to_vec()], &self.backends)?;
+        self.prefilled = true;
         Ok(self.tp.logits(ids.len() - 1..ids.len(), &self.backends)?)
     }
 
     /// Runs one id after the cached ones and returns its logits.
     fn step(&mut self, id: u32) -> Result<Vec<f32>, Error> {
+        if self.captured && std::mem::take(&mut self.prefilled) {
+            // A longer prefill reallocates the activations a captured step holds: capture again.
+            let stale = self.tp.each("a captured step's buffers", |r| {
+                Ok(r.graph.as_ref().is_none_or(|g| !r.model.is_current(&r.ctx, g)))
+            })?;
+            self.captured = !stale.contains(&true);
+        }
         if self.graph && self.launched > 0 && !self.captured {
             self.tp.capture_decode(&self.backends)?;
             self.captured = true;
@@ -106,7 +116,8 @@ pub(crate) fn run<T: Element>(
     }
     tp.reset_cache(1, input.max_seq)?;
     let graph = plan.decode == DecodeMode::Graph && graphable(&plan.backends, cfg.layers);
-    let mut g = TpGen { tp, backends: plan.backends.clone(), graph, captured: false, launched: 0 };
+    let mut g =
+        TpGen { tp, backends: plan.backends.clone(), graph, captured: false, launched: 0, prefilled: false };
     let prompt = &input.prompt;
     if !opts.no_warmup {
         // A prefill and two decode steps (plans built and tuned, the step captured), then a fresh
