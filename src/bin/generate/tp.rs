@@ -79,7 +79,7 @@ pub(crate) fn run<T: Element>(
     // Measured before the model is resident, as on one GPU; the ranks' GPUs are of one host.
     let bandwidth = copy_bandwidth_gbps(ctx, COPY_BYTES, 10).map_err(|e| e.to_string());
     let source = WeightSource::checkpoint(cfg, &opts.model)?;
-    let tp = TpLlama::<T>::new(cfg, ranks, &source, input.max_seq, TpOptions::default())?;
+    let tp = TpLlama::<T>::new(cfg, ranks, &source, input.max_seq, tp_options())?;
     let mut tp = tp;
     let infos = tp.device_info()?;
     let gpus: Vec<String> =
@@ -197,4 +197,10 @@ pub(crate) fn run<T: Element>(
         Ok(())
     })?;
     Ok(())
+}
+
+/// Each call on the ranks waits up to 15 minutes (tp-bench's default: drawing or reading a rank's
+/// share of Llama-3.1-70B takes minutes) before the ranks are torn down.
+fn tp_options() -> TpOptions {
+    TpOptions::default().with_timeout(std::time::Duration::from_secs(900))
 }

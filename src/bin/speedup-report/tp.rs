@@ -120,7 +120,7 @@ pub(crate) fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Resolved) -> R
         None => WeightSource::Random { seed: 0 },
     };
     let loading = Instant::now();
-    let mut tp = TpLlama::<T>::new(cfg, ranks, &source, plan.max_seq, TpOptions::default())?;
+    let mut tp = TpLlama::<T>::new(cfg, ranks, &source, plan.max_seq, tp_options())?;
     let load_s = loading.elapsed().as_secs_f64();
     let infos = tp.device_info()?;
     let devices = tp.devices().to_vec();
@@ -445,7 +445,7 @@ fn one_gpu<T: Element>(
     works: &[Work],
     prompt: &[Vec<u32>],
 ) -> Result<OneGpu, Error> {
-    let mut one = TpLlama::<T>::new(cfg, 1, source, plan.max_seq, TpOptions::default())?;
+    let mut one = TpLlama::<T>::new(cfg, 1, source, plan.max_seq, tp_options())?;
     one.reset_cache(opts.batch, plan.max_seq)?;
     let mut forward_ms = BTreeMap::new();
     for work in works {
@@ -471,4 +471,10 @@ fn one_gpu<T: Element>(
     let fused = hidden_states(&mut one, prompt, &plan.fused, cfg.hidden)?;
     let fused_hidden = fused.iter().map(|v| v.to_f64()).collect();
     Ok(OneGpu { forward_ms, fused_hidden })
+}
+
+/// Each call on the ranks waits up to 15 minutes (tp-bench's default: drawing or reading a rank's
+/// share of Llama-3.1-70B takes minutes) before the ranks are torn down.
+fn tp_options() -> TpOptions {
+    TpOptions::default().with_timeout(std::time::Duration::from_secs(900))
 }
