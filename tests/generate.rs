@@ -268,6 +268,7 @@ fn binary_bad_options_and_bad_model_directories_exit_2() {
         (vec!["--model", empty, "--prompt", "hi", "--temperature", "1", "--top-p", "2"], "top_p"),
         (vec!["--model", empty, "--prompt", "hi", "--fuse", "fused=attention"], "valid modules are"),
         (vec!["--model", empty, "--prompt", "hi", "--dtype", "f32"], "use bf16 or f16"),
+        (vec!["--model", empty, "--prompt", "hi", "--tp", "0"], "--tp 0: give the number of GPUs"),
         (vec!["--model", "/nonexistent/model", "--prompt", "hi"], "not a directory"),
         (vec!["--model", empty, "--prompt", "hi"], "config.json"),
         (vec!["--prompt", "hi"], "--model"),
@@ -282,6 +283,12 @@ fn binary_bad_options_and_bad_model_directories_exit_2() {
     let (code, err) = run(&["--model", dir.to_str().unwrap(), "--prompt", "hi"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("tokenizer.json"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+    // The tiny model's 4 query heads do not split over 3 ranks: refused before any GPU is touched.
+    let (dir, _) = model_dir("tp-split", &LlamaConfig::tiny(), 1);
+    let (code, err) = run(&["--model", dir.to_str().unwrap(), "--prompt", "hi", "--tp", "3"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--tp 3: ") && err.contains("4 query heads do not split over 3 ranks"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
     std::fs::remove_dir_all(empty).unwrap();
 }
@@ -552,6 +559,69 @@ fn generate_binary_streams_text_and_reports_rates() {
     assert_eq!(run(&sampled).0, run(&sampled).0, "a seed reproduces the text");
     let (_, err) = run(&["--fuse", "", "--dtype", "f16"]);
     assert!(err.contains("f16") && err.contains("decode:"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::remove_dir_all(&plans).unwrap();
+}
+
+/// The ids `generate --ids` printed on stderr.
+fn printed_ids(stderr: &str) -> Vec<u32> {
+    let line = stderr.lines().find_map(|l| l.strip_prefix("generate: ids ")).unwrap_or_else(|| {
+        panic!("no `generate: ids` line in the output:\n{stderr}");
+    });
+    line.split_whitespace().map(|t| t.parse().unwrap()).collect()
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs and NCCL"]
+fn generate_tp2_gives_the_greedy_ids_of_one_gpu() {
+    // Two ranks sum bf16 partial products that one GPU sums in one GEMM, so a near-tie may swap: an
+    // id that differs from the one-GPU run must be a near-tie of the one-GPU teacher-forced logits,
+    // and the sequences are compared up to there (they diverge after). All naive (the same kernels
+    // in any process) and all fused (the decode step replayed as one graph per rank).
+    let bin =
+        binary().expect("a GPU run needs the generate binary (built by cargo, or staged beside the test)");
+    let (dir, _) = model_dir("tp2", &LlamaConfig::tiny(), 27);
+    let dir_s = dir.to_str().unwrap();
+    let plans = temp_dir("tp2-plans");
+    let n = 16;
+    let run = |extra: &[&str]| {
+        let out = Command::new(&bin)
+            .env(cudnn_llm::cudnn_ops::PLAN_DIR_ENV, &plans)
+            .args(["--model", dir_s, "--prompt", "hello world", "--max-new-tokens", &n.to_string(), "--ids"])
+            .args(extra)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        println!("generate {extra:?}:\n{stderr}");
+        assert_eq!(out.status.code(), Some(0), "{extra:?}: {stderr}");
+        stderr
+    };
+    let ctx = gpu();
+    let tok = Tokenizer::from_file(&dir).unwrap();
+    let prompt = tok.encode("hello world", true).unwrap();
+    for fuse in ["", "fused=all"] {
+        let one = printed_ids(&run(&["--fuse", fuse]));
+        let err = run(&["--fuse", fuse, "--tp", "2"]);
+        assert!(err.contains("on 2 ranks, tensor parallel (GPU 0 ") && err.contains("GPU 1 "), "{err}");
+        for want in ["prefill:", "decode:", "% of the memory roofline"] {
+            assert!(err.contains(want), "{want}: {err}");
+        }
+        if fuse == "fused=all" {
+            assert!(err.contains("replayed one captured CUDA graph per rank"), "{err}");
+        }
+        let two = printed_ids(&err);
+        assert_eq!((one.len(), two.len()), (n, n), "no end-of-sequence id stops a random model this early");
+        let same = one.iter().zip(&two).take_while(|(a, b)| a == b).count();
+        println!("--fuse `{fuse}`: TP2 ids {two:?}\n              one GPU {one:?}: the first {same} agree");
+        if same < n {
+            // The first difference must be a near-tie of the one-GPU forward over what came before.
+            let (_, mut model) = load(&ctx, &dir, prompt.len() + n);
+            let b = Backends::parse(fuse).unwrap();
+            let ids: Vec<u32> = prompt.iter().chain(&two[..=same]).copied().collect();
+            let rows = teacher_forced(&ctx, &mut model, &ids, &b);
+            check_greedy(&format!("TP2 `{fuse}` id {same}"), prompt.len() + same, &two[same..=same], &rows);
+        }
+    }
     std::fs::remove_dir_all(&dir).unwrap();
     std::fs::remove_dir_all(&plans).unwrap();
 }

@@ -32,13 +32,17 @@ fn no_gpu_exits_1_saying_what_is_missing() {
         eprintln!("SKIPPED: this machine has a GPU");
         return;
     }
-    let out = Command::new(&bin)
-        .args(["--config", "tiny", "--out", &std::env::temp_dir().join("no-gpu-report").to_string_lossy()])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.contains("cannot run without a usable GPU") && !err.contains("panicked"), "{err}");
+    let out_dir = std::env::temp_dir().join("no-gpu-report");
+    for extra in [&[][..], &["--tp", "2"][..]] {
+        let out = Command::new(&bin)
+            .args(["--config", "tiny", "--out", &out_dir.to_string_lossy()])
+            .args(extra)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{extra:?}: {err}");
+        assert!(err.contains("cannot run without a usable GPU") && !err.contains("panicked"), "{err}");
+    }
 }
 
 #[test]
@@ -56,6 +60,11 @@ fn bad_model_dirs_sizes_and_layer_ranges_exit_2_naming_the_option() {
         // A training report takes bf16 and a step of a multiple of 8 tokens.
         (vec!["--train", "--dtype", "f16"], "--train takes --dtype bf16".to_string()),
         (vec!["--train", "--batch", "3", "--seq", "5"], "= 15 tokens: the weight gradients need".to_string()),
+        // A tensor-parallel report: at least one rank, inference only, a model that splits.
+        (vec!["--tp", "0"], "--tp 0: give the number of GPUs".to_string()),
+        (vec!["--tp", "2", "--train"], "--tp 2 cannot be combined with --train".to_string()),
+        (vec!["--tp", "3"], "32 query heads do not split over 3 ranks".to_string()),
+        (vec!["--no-baseline"], "--no-baseline applies to --tp only".to_string()),
     ] {
         let out = Command::new(&bin).args(&args).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);

@@ -2,7 +2,8 @@
 //! wheel's `nvidia/nccl/lib` on LD_LIBRARY_PATH, or NCCL_LIBRARY naming its `libnccl.so.2`): two-rank
 //! logits against one-GPU logits of the same weights (tiny, 1B and 8B shapes; prefill, plain decode
 //! steps and replayed decode graphs), the collectives alone, and a failing or silent rank ending the
-//! call with an error instead of a hang. GPU tests are ignored by default; run them with
+//! call with an error instead of a hang; `speedup-report --tp 2` (per-rank rows with the all-reduce
+//! ranges, kernel totals against CUDA-event times, the scaling against one GPU). GPU tests are ignored by default; run them with
 //! `--include-ignored` on a machine with two GPUs.
 
 use cudnn_llm::cudnn_ops::reference::{compare, Tolerance};
@@ -284,4 +285,127 @@ fn a_failing_or_silent_rank_ends_the_call_with_an_error_not_a_hang() {
     println!("timeout: {e} after {:?}", t.elapsed());
     assert!(matches!(&e, Error::Tp(m) if m.contains("did not finish silent rank")), "{e:?}");
     assert!(t.elapsed() < Duration::from_secs(45), "took {:?}", t.elapsed());
+}
+
+/// A rank's kernels run on its one stream, so together they can run no longer than the events
+/// around its forward; 10% over allows for clock reads and rounding (as the training report's test).
+const KERNELS_WITHIN_EVENTS: f64 = 1.1;
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs and NCCL"]
+fn the_report_tp2_mode_writes_rows_per_rank_with_the_all_reduces_and_the_scaling() {
+    let bin = cudnn_llm::bench_util::package_binary(env!("CARGO_BIN_EXE_speedup-report"), "speedup-report")
+        .expect("the speedup-report binary was not built");
+    let dir = tempfile::tempdir().unwrap();
+    let args = [
+        "--tp",
+        "2",
+        "--config",
+        "tiny",
+        "--seq",
+        "64",
+        "--decode-steps",
+        "4",
+        "--warmup",
+        "1",
+        "--repeat",
+        "3",
+    ];
+    let out = std::process::Command::new(&bin)
+        .args(args)
+        .args(["--out", &dir.path().to_string_lossy()])
+        .output()
+        .unwrap();
+    let (stdout, err) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    println!("{stdout}\n{err}");
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    for ext in ["md", "csv", "svg"] {
+        assert!(dir.path().join(format!("report-tp2.{ext}")).exists(), "report-tp2.{ext}");
+    }
+    let json = std::fs::read_to_string(dir.path().join("report-tp2.json")).unwrap();
+    let report = cudnn_llm::report::Report::from_json(&json).unwrap();
+    let names: Vec<&str> = report.scenarios.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "prefill 1x64, TP2 rank 0 (GPU 0)",
+            "prefill 1x64, TP2 rank 1 (GPU 1)",
+            "decode 4 steps after 64, TP2 rank 0 (GPU 0)",
+            "decode 4 steps after 64, TP2 rank 1 (GPU 1)"
+        ]
+    );
+    let layers = LlamaConfig::tiny().layers;
+    for pair in report.scenarios.chunks(2) {
+        let mut reduce_kernels = Vec::new();
+        for s in pair {
+            let ranges: Vec<&str> = s.rows.iter().map(|r| r.range.as_str()).collect();
+            for want in
+                ["fwd.embed", "fwd.layer.attn.o_proj", "fwd.layer.attn.allreduce", "fwd.layer.mlp.allreduce"]
+            {
+                assert!(ranges.contains(&want), "{}: no {want} row: {ranges:?}", s.name);
+            }
+            let forward = |what: &str| {
+                s.forward_ms
+                    .iter()
+                    .find(|(w, _)| w == what)
+                    .map(|(_, ms)| *ms)
+                    .unwrap_or_else(|| panic!("{}: no `{what}` forward time: {:?}", s.name, s.forward_ms))
+            };
+            for (label, pick) in [
+                (
+                    "naive",
+                    (|r: &cudnn_llm::report::ModuleRow| {
+                        (r.naive_kernels, r.naive_kernel_ms, r.naive_event_ms)
+                    }) as fn(&_) -> _,
+                ),
+                ("fused", |r| (r.fused_kernels, r.fused_kernel_ms, r.fused_event_ms)),
+            ] {
+                let mut total = 0.0;
+                for r in &s.rows {
+                    let (kernels, kernel_ms, _) = pick(r);
+                    total += kernel_ms;
+                    if r.range.ends_with(".allreduce") {
+                        // One NCCL kernel per all-reduce, on each rank's own GPU.
+                        assert!(r.calls == layers && kernels >= r.calls, "{} {label}: {r:?}", s.name);
+                        reduce_kernels.push(kernels);
+                    }
+                }
+                let gpu = forward(&format!("{label}, GPU (this rank)"));
+                println!("{} {label}: kernels {total:.4} ms, forward events {gpu:.4} ms", s.name);
+                assert!(
+                    total > 0.0 && total <= KERNELS_WITHIN_EVENTS * gpu,
+                    "{} {label}: {total} vs {gpu}",
+                    s.name
+                );
+                assert!(forward(&format!("{label}, GPU (slowest rank)")) >= gpu);
+                assert!(forward(&format!("{label}, GPU (one GPU)")) > 0.0);
+            }
+        }
+        // Both ranks launch the same collectives: the same NCCL kernel counts, each on its own GPU.
+        let (r0, r1) = reduce_kernels.split_at(reduce_kernels.len() / 2);
+        assert_eq!(r0, r1, "{}: all-reduce kernels per rank", pair[0].name);
+    }
+    let extra = |key: &str| {
+        report
+            .meta
+            .extra
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.clone())
+            .unwrap_or_else(|| panic!("no `{key}` line: {:?}", report.meta.extra))
+    };
+    for key in ["scaling, prefill 1x64, fused", "scaling, decode 4 steps after 64, naive"] {
+        assert!(extra(key).contains("× ("), "{key}: {}", extra(key));
+    }
+    let agreement = extra("TP2 vs one GPU hidden states (prefill, fused)");
+    assert!(agreement.contains("(within"), "{agreement}");
+    assert!(
+        extra("fused vs naive hidden states (prefill), TP2 rank 0").contains("rel_l2"),
+        "{:?}",
+        report.meta.extra
+    );
+    assert!(
+        extra("kernel attribution").starts_with("CUPTI activity records, per rank by device id (0 kernels")
+    );
+    assert!(extra("tensor parallelism").starts_with("2 ranks on GPU 0 "));
 }

@@ -66,6 +66,9 @@ pub struct KernelRecord {
     pub start_ns: u64,
     /// GPU end; 0 if CUPTI could not time the kernel.
     pub end_ns: u64,
+    /// The GPU it ran on: CUPTI's `deviceId`, the CUDA device ordinal of this process (as
+    /// `cuDeviceGet` numbers the visible devices), so kernels of several GPUs can be told apart.
+    pub device: u32,
 }
 
 /// What a collection produced.
@@ -778,9 +781,16 @@ mod tests {
                         name: "void gemm<128>(float*)".into(),
                         launch_ns: 10,
                         start_ns: 30,
-                        end_ns: 40
+                        end_ns: 40,
+                        device: 0
                     },
-                    KernelRecord { name: records::UNNAMED.into(), launch_ns: 0, start_ns: 50, end_ns: 0 },
+                    KernelRecord {
+                        name: records::UNNAMED.into(),
+                        launch_ns: 0,
+                        start_ns: 50,
+                        end_ns: 0,
+                        device: 0
+                    },
                 ],
                 dropped: 3,
                 unmatched: 1,

@@ -26,6 +26,7 @@ const _: () = {
     assert!(offset_of!(CUpti_ActivityKernel10, kind) == 0);
     assert!(offset_of!(CUpti_ActivityKernel10, start) == 16);
     assert!(offset_of!(CUpti_ActivityKernel10, end) == 24);
+    assert!(offset_of!(CUpti_ActivityKernel10, deviceId) == 40);
     assert!(offset_of!(CUpti_ActivityKernel10, correlationId) == 92);
     assert!(offset_of!(CUpti_ActivityKernel10, name) == 104);
     assert!(KERNEL_PREFIX == 112);
@@ -45,6 +46,7 @@ pub(crate) struct RawKernel {
     pub name: String,
     pub start_ns: u64,
     pub end_ns: u64,
+    pub device: u32,
     pub correlation_id: u32,
 }
 
@@ -124,6 +126,7 @@ pub(crate) unsafe fn parse_records(buf: &[u8], offsets: impl IntoIterator<Item =
                     name,
                     start_ns: u64_at(rec, offset_of!(CUpti_ActivityKernel10, start)),
                     end_ns: u64_at(rec, offset_of!(CUpti_ActivityKernel10, end)),
+                    device: u32_at(rec, offset_of!(CUpti_ActivityKernel10, deviceId)),
                     correlation_id: u32_at(rec, offset_of!(CUpti_ActivityKernel10, correlationId)),
                 });
             }
@@ -160,7 +163,7 @@ pub(crate) fn match_launches(kernels: Vec<RawKernel>, api: &[ApiCall]) -> (Vec<K
                 unmatched += 1;
                 0
             });
-            KernelRecord { name: k.name, launch_ns, start_ns: k.start_ns, end_ns: k.end_ns }
+            KernelRecord { name: k.name, launch_ns, start_ns: k.start_ns, end_ns: k.end_ns, device: k.device }
         })
         .collect();
     out.sort_by_key(|k| (k.start_ns, k.end_ns));
@@ -176,11 +179,13 @@ pub(crate) mod tests {
     pub(crate) struct BufferBuilder {
         words: Vec<u64>,
         pub offsets: Vec<usize>,
+        /// The `deviceId` of the kernel records pushed from now on.
+        device: u32,
     }
 
     impl BufferBuilder {
         pub(crate) fn new() -> Self {
-            Self { words: Vec::new(), offsets: Vec::new() }
+            Self { words: Vec::new(), offsets: Vec::new(), device: 0 }
         }
 
         /// Appends a zeroed record of `T`'s size and returns a pointer to it for the caller to fill.
@@ -209,10 +214,17 @@ pub(crate) mod tests {
                 (*p).end = end;
                 (*p).completed = end;
                 (*p).correlationId = corr;
+                (*p).deviceId = self.device;
                 (*p).gridX = 7;
                 (*p).name = name.map_or(std::ptr::null(), |n| n.as_ptr());
                 (*p).graphNodeId = 0xdead_beef;
             }
+            self
+        }
+
+        /// Kernel records pushed from now on ran on GPU `device`.
+        pub(crate) fn on_device(&mut self, device: u32) -> &mut Self {
+            self.device = device;
             self
         }
 
@@ -257,6 +269,7 @@ pub(crate) mod tests {
         b.api(CUpti_ActivityKind::CUPTI_ACTIVITY_KIND_DRIVER, 1_000, 1_200, 41)
             .other()
             .kernel(Some(&gemm), 5_000, 9_000, 41)
+            .on_device(1)
             .kernel(Some(&norm), 3_000, 4_000, 77);
         // SAFETY: kernel name pointers point to the CStrings above, alive for the call.
         let parsed = unsafe { parse_records(b.bytes(), b.offsets.iter().copied()) };
@@ -270,6 +283,7 @@ pub(crate) mod tests {
                 name: gemm.to_str().unwrap().into(),
                 start_ns: 5_000,
                 end_ns: 9_000,
+                device: 0,
                 correlation_id: 41
             }
         );
@@ -279,12 +293,19 @@ pub(crate) mod tests {
         assert_eq!(
             kernels,
             [
-                KernelRecord { name: "rmsnorm_kernel".into(), launch_ns: 0, start_ns: 3_000, end_ns: 4_000 },
+                KernelRecord {
+                    name: "rmsnorm_kernel".into(),
+                    launch_ns: 0,
+                    start_ns: 3_000,
+                    end_ns: 4_000,
+                    device: 1
+                },
                 KernelRecord {
                     name: "sm90_xmma_gemm_f16f16_f32".into(),
                     launch_ns: 1_000,
                     start_ns: 5_000,
-                    end_ns: 9_000
+                    end_ns: 9_000,
+                    device: 0
                 },
             ]
         );
@@ -306,7 +327,7 @@ pub(crate) mod tests {
         assert_eq!(kernels[0].launch_ns, 100);
         assert_eq!(
             kernels[1],
-            KernelRecord { name: UNNAMED.into(), launch_ns: 200, start_ns: 700, end_ns: 800 }
+            KernelRecord { name: UNNAMED.into(), launch_ns: 200, start_ns: 700, end_ns: 800, device: 0 }
         );
     }
 

@@ -102,7 +102,7 @@ mod tests {
     }
 
     fn kernel(name: &str, launch: u64, start: u64, end: u64) -> KernelRecord {
-        KernelRecord { name: name.into(), launch_ns: launch, start_ns: start, end_ns: end }
+        KernelRecord { name: name.into(), launch_ns: launch, start_ns: start, end_ns: end, device: 0 }
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Command-line options of `speedup-report` (parsed with clap; checked without a GPU).
 
 use clap::Parser;
+use cudnn_llm_llama::tp::ShardPlan;
 use cudnn_llm_llama::{Backends, LlamaConfig};
 use cudnn_llm_ops::DataType;
 use std::path::PathBuf;
@@ -52,6 +53,17 @@ pub struct Options {
     /// --repeat count steps.
     #[arg(long)]
     pub train: bool,
+    /// Tensor parallelism: run the model split over N GPUs of this host (GPUs 0..N, one thread,
+    /// `Cudnn` context and NCCL communicator each; `cudnn_llm_llama::tp`), fused vs naive per module
+    /// with rows per rank (each rank's kernels, told apart by CUPTI's device id), the all-reduce
+    /// ranges included, and the scaling against a one-GPU run of the same model in the same process.
+    /// Writes report-tpN.{md,csv,json,svg}. NCCL is loaded at run time (NCCL_LIBRARY names it).
+    #[arg(long, value_name = "N")]
+    pub tp: Option<usize>,
+    /// With --tp: leave out the one-GPU run (a model one GPU cannot hold, e.g. llama-3.1-70b); the
+    /// report then has no scaling line.
+    #[arg(long)]
+    pub no_baseline: bool,
 }
 
 /// The options, checked and resolved.
@@ -72,6 +84,8 @@ pub struct Resolved {
     pub fused: Backends,
     /// The I/O dtype.
     pub dtype: DataType,
+    /// `--tp`: the ranks the model is split over (`None`: one GPU, no tensor parallelism).
+    pub tp: Option<usize>,
 }
 
 impl Options {
@@ -101,6 +115,11 @@ impl Options {
         }
         if self.repeat == 0 {
             return Err("--repeat must be at least 1".into());
+        }
+        if let Some(n) = self.tp {
+            self.check_tp(&config, n)?;
+        } else if self.no_baseline {
+            return Err("--no-baseline applies to --tp only".into());
         }
         if self.train {
             return self.resolve_train(config);
@@ -147,7 +166,22 @@ impl Options {
             Some(d @ (DataType::BF16 | DataType::F16)) => d,
             _ => return Err(format!("--dtype {} is not supported: use bf16 or f16", self.dtype)),
         };
-        Ok(Resolved { config, model_dir: self.model.clone(), max_seq, forwards, fused, dtype })
+        Ok(Resolved { config, model_dir: self.model.clone(), max_seq, forwards, fused, dtype, tp: self.tp })
+    }
+
+    /// `--tp n`'s conditions that hold without a GPU: at least one rank, an inference report, and a
+    /// model that splits over `n` ranks ([`ShardPlan::new`]). More ranks than GPUs, or NCCL missing,
+    /// is an error of the run.
+    fn check_tp(&self, config: &LlamaConfig, n: usize) -> Result<(), String> {
+        if n == 0 {
+            return Err("--tp 0: give the number of GPUs to split the model over (1 or more)".into());
+        }
+        if self.train {
+            return Err(format!(
+                "--tp {n} cannot be combined with --train: the training report runs on one GPU"
+            ));
+        }
+        ShardPlan::new(config, n).map(drop).map_err(|e| format!("--tp {n}: {e}"))
     }
 
     /// The rest of [`Options::resolve`] for `--train`: bf16, a step of a multiple of 8 tokens (the
@@ -198,6 +232,7 @@ impl Options {
             forwards,
             fused,
             dtype: DataType::BF16,
+            tp: None,
         })
     }
 }
@@ -355,8 +390,37 @@ mod tests {
             let e = parse(&args).unwrap().resolve().unwrap_err();
             assert!(e.contains(expected), "{args:?}: {e}");
         }
+        assert_eq!(o.resolve().unwrap().tp, None);
         // The inference checks of --decode-steps do not hold a training report back.
         let max = usize::MAX.to_string();
         assert!(parse(&["--train", "--decode-steps", &max]).unwrap().resolve().is_ok());
+    }
+
+    #[test]
+    fn tp_takes_ranks_the_model_splits_over_and_refuses_what_cannot_run() {
+        assert_eq!(parse(&[]).unwrap().resolve().unwrap().tp, None);
+        let p = parse(&["--tp", "2", "--layers", "2"]).unwrap().resolve().unwrap();
+        assert_eq!((p.tp, p.config.layers, p.dtype), (Some(2), 2, DataType::BF16));
+        // One rank is the tensor-parallel code on one GPU; 8 split the 8B preset's 8 KV heads.
+        assert_eq!(parse(&["--tp", "1"]).unwrap().resolve().unwrap().tp, Some(1));
+        assert_eq!(parse(&["--tp", "8", "--dtype", "f16"]).unwrap().resolve().unwrap().tp, Some(8));
+        let o = parse(&["--tp", "2", "--no-baseline", "--config", "llama-3.1-70b", "--layers", "4"]).unwrap();
+        assert!(o.no_baseline && o.resolve().is_ok());
+        for (args, expected) in [
+            (vec!["--tp", "0"], "--tp 0: give the number of GPUs"),
+            (vec!["--tp", "2", "--train"], "--tp 2 cannot be combined with --train"),
+            (vec!["--train", "--tp", "1"], "--tp 1 cannot be combined with --train"),
+            (vec!["--tp", "3"], "32 query heads do not split over 3 ranks"),
+            (vec!["--tp", "5", "--config", "tiny"], "--tp 5: "),
+            (vec!["--no-baseline"], "--no-baseline applies to --tp only"),
+            // The options' own checks still apply.
+            (vec!["--tp", "2", "--dtype", "f32"], "use bf16 or f16"),
+            (vec!["--tp", "2", "--fuse", "fused=attention"], "valid modules are"),
+        ] {
+            let e = parse(&args).unwrap().resolve().unwrap_err();
+            assert!(e.contains(expected), "{args:?}: {e}");
+        }
+        assert!(parse(&["--tp", "3"]).unwrap().resolve().unwrap_err().starts_with("--tp 3: "));
+        assert!(parse(&["--tp", "-1"]).is_err() && parse(&["--tp", "two"]).is_err());
     }
 }

@@ -53,6 +53,15 @@ pub struct Options {
     /// Unset: CUDNN_LLM_PLAN_DIR if set (same values), else the default.
     #[arg(long, value_name = "DIR|on|off")]
     pub plan_dir: Option<String>,
+    /// Tensor parallelism: split the model over N GPUs of this host (GPUs 0..N, one thread, context
+    /// and NCCL communicator each; NCCL is loaded at run time, NCCL_LIBRARY names it). The logits
+    /// are gathered on rank 0 and sampled there; the output is the same, with a line naming the
+    /// ranks.
+    #[arg(long, value_name = "N")]
+    pub tp: Option<usize>,
+    /// Also print the generated ids on stderr (`generate: ids 5 17 ...`), e.g. to compare runs.
+    #[arg(long)]
+    pub ids: bool,
 }
 
 /// How decode steps run (`--decode`).
@@ -77,6 +86,8 @@ pub struct Plan {
     pub decode: DecodeMode,
     /// Where plans persist.
     pub plan_dir: PlanDir,
+    /// `--tp`: the ranks the model is split over (`None`: one GPU).
+    pub tp: Option<usize>,
 }
 
 /// Where plans persist (`--plan-dir`).
@@ -97,6 +108,9 @@ impl Options {
     pub fn resolve(&self) -> Result<Plan, String> {
         if self.max_new_tokens == 0 {
             return Err("--max-new-tokens must be at least 1".into());
+        }
+        if self.tp == Some(0) {
+            return Err("--tp 0: give the number of GPUs to split the model over (1 or more)".into());
         }
         let backends = Backends::parse(&self.fuse).map_err(|e| format!("--fuse: {e}"))?;
         let dtype = match DataType::parse(&self.dtype) {
@@ -128,7 +142,7 @@ impl Options {
             Some("") => return Err("--plan-dir: give a directory, `on` or `off`".into()),
             Some(dir) => PlanDir::Dir(PathBuf::from(dir)),
         };
-        Ok(Plan { backends, dtype, sampling, decode, plan_dir })
+        Ok(Plan { backends, dtype, sampling, decode, plan_dir, tp: self.tp })
     }
 }
 
@@ -151,6 +165,7 @@ mod tests {
         assert_eq!(p.sampling, SamplingParams::greedy());
         assert_eq!(p.decode, DecodeMode::Graph);
         assert_eq!(p.plan_dir, PlanDir::EnvOrDefault);
+        assert_eq!((p.tp, o.ids), (None, false));
         assert_eq!(parse(&["--decode", "launch"]).unwrap().resolve().unwrap().decode, DecodeMode::Launch);
         assert!(parse(&["--decode", "replay"]).is_err());
     }
@@ -199,11 +214,21 @@ mod tests {
             (vec!["--temperature", "-1"], "temperature"),
             (vec!["--temperature", "1", "--top-p", "1.5"], "top_p"),
             (vec!["--temperature", "1", "--top-k", "0"], "top_k"),
+            (vec!["--tp", "0"], "--tp 0: give the number of GPUs"),
         ] {
             let e = parse(&args).unwrap().resolve().unwrap_err();
             assert!(e.contains(want), "{args:?}: {e}");
         }
         assert!(parse(&["--max-new-tokens", "-3"]).is_err());
         assert!(Options::try_parse_from(["generate", "--prompt", "hi"]).is_err(), "--model is required");
+    }
+
+    #[test]
+    fn tp_takes_a_rank_count_with_any_sampling() {
+        let o = parse(&["--tp", "2", "--ids", "--temperature", "0.5", "--seed", "1"]).unwrap();
+        let p = o.resolve().unwrap();
+        assert_eq!((p.tp, o.ids), (Some(2), true));
+        assert_eq!(parse(&["--tp", "1", "--decode", "launch"]).unwrap().resolve().unwrap().tp, Some(1));
+        assert!(parse(&["--tp", "-2"]).is_err() && parse(&["--tp", "x"]).is_err());
     }
 }

@@ -9,8 +9,9 @@
 
 use clap::Parser;
 use cudnn_llm::bench_util::{copy_bandwidth_gbps, tool_main};
-use cudnn_llm_llama::generate::{eos_token_ids, Generation};
+use cudnn_llm_llama::generate::{eos_token_ids, Generation, StopReason};
 use cudnn_llm_llama::roofline::DecodeRoofline;
+use cudnn_llm_llama::tp::ShardPlan;
 use cudnn_llm_llama::weights::Weights;
 use cudnn_llm_llama::{Generator, Llama, LlamaConfig, Sampler, Tokenizer};
 use cudnn_llm_ops::{default_plan_dir, Cudnn, DataType, Element, PLAN_DIR_ENV};
@@ -18,8 +19,10 @@ use half::{bf16, f16};
 use std::io::Write;
 use std::ops::ControlFlow;
 use std::process::ExitCode;
+use std::time::Duration;
 
 mod cli;
+mod tp;
 
 use cli::{Options, Plan, PlanDir};
 
@@ -40,7 +43,14 @@ struct Input {
 
 fn main() -> ExitCode {
     let opts = Options::parse();
-    let setup = || opts.resolve().and_then(|plan| Ok((plan, read_input(&opts)?)));
+    let setup = || {
+        let plan = opts.resolve()?;
+        let input = read_input(&opts)?;
+        if let Some(n) = plan.tp {
+            ShardPlan::new(&input.config, n).map_err(|e| format!("--tp {n}: {e}"))?;
+        }
+        Ok::<_, String>((plan, input))
+    };
     tool_main("generate", setup, |ctx, (plan, input)| {
         // A command-line tool wants warm plans: on by default here, unlike the library.
         match &plan.plan_dir {
@@ -49,8 +59,10 @@ fn main() -> ExitCode {
             PlanDir::Off => ctx.set_plan_dir(None),
             PlanDir::Dir(dir) => ctx.set_plan_dir(Some(dir)),
         }
-        match plan.dtype {
-            DataType::F16 => run::<f16>(ctx, &opts, &plan, &input),
+        match (plan.dtype, plan.tp) {
+            (DataType::F16, Some(n)) => tp::run::<f16>(ctx, &opts, &plan, &input, n),
+            (_, Some(n)) => tp::run::<bf16>(ctx, &opts, &plan, &input, n),
+            (DataType::F16, None) => run::<f16>(ctx, &opts, &plan, &input),
             _ => run::<bf16>(ctx, &opts, &plan, &input),
         }
     })
@@ -146,7 +158,12 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> R
     for f in generator.model().fallbacks() {
         eprintln!("generate: {} (layer {:?}, {}) ran naive: {}", f.range, f.layer, f.shape, f.reason);
     }
-    report(cfg, std::mem::size_of::<T>(), &generation, bandwidth);
+    let rates = Rates::from(&generation);
+    if opts.ids {
+        print_ids(&generation.tokens);
+    }
+    let elem = std::mem::size_of::<T>();
+    report(&rates, |i| DecodeRoofline::new(cfg, 1, rates.prompt_tokens + i, elem), Ok(bandwidth), "");
     report_plans(ctx);
     Ok(())
 }
@@ -186,33 +203,74 @@ fn warm_up<T: Element>(ctx: &Cudnn, g: &mut Generator<T>, prompt: &[u32]) -> Res
     Ok(())
 }
 
-/// The rates and the roofline line, on stderr.
-fn report(cfg: &LlamaConfig, elem: usize, g: &Generation, bandwidth_gbps: f64) {
-    eprintln!("generate: {} new tokens, stopped by {:?}", g.tokens.len(), g.stop);
+/// What a generation produced and how long it took: the library's [`Generation`], or the
+/// tensor-parallel loop's ([`tp`]).
+struct Rates {
+    /// New ids.
+    tokens: usize,
+    stop: StopReason,
+    prompt_tokens: usize,
+    /// The prefill to the first new id.
+    prefill: Duration,
+    /// The decode steps.
+    decode: Duration,
+    decode_steps: usize,
+}
+
+impl From<&Generation> for Rates {
+    fn from(g: &Generation) -> Self {
+        Rates {
+            tokens: g.tokens.len(),
+            stop: g.stop,
+            prompt_tokens: g.prompt_tokens,
+            prefill: g.prefill,
+            decode: g.decode,
+            decode_steps: g.decode_steps,
+        }
+    }
+}
+
+/// The generated ids on stderr (`--ids`).
+fn print_ids(ids: &[u32]) {
+    let ids: Vec<String> = ids.iter().map(u32::to_string).collect();
+    eprintln!("generate: ids {}", ids.join(" "));
+}
+
+/// The rates and the roofline line, on stderr: `roof(i)` is decode step i's bytes (per rank with
+/// `--tp`, `per` then says so), against the measured copy bandwidth.
+fn report(g: &Rates, roof: impl Fn(usize) -> DecodeRoofline, bandwidth_gbps: Result<f64, String>, per: &str) {
+    eprintln!("generate: {} new tokens, stopped by {:?}", g.tokens, g.stop);
+    let prefill_rate = g.prompt_tokens as f64 / g.prefill.as_secs_f64();
     eprintln!(
-        "prefill: {} tokens in {:.2} ms (to the first token): {:.1} tokens/s",
+        "prefill: {} tokens in {:.2} ms (to the first token): {prefill_rate:.1} tokens/s",
         g.prompt_tokens,
         g.prefill.as_secs_f64() * 1e3,
-        g.prefill_tokens_per_s()
     );
-    let Some(rate) = g.decode_tokens_per_s() else {
+    if g.decode_steps == 0 {
         eprintln!("decode: no decode step ran (one new token)");
         return;
-    };
+    }
+    let rate = g.decode_steps as f64 / g.decode.as_secs_f64();
     let step_ms = g.decode.as_secs_f64() * 1e3 / g.decode_steps as f64;
     eprintln!(
         "decode: {} steps in {:.2} ms: {rate:.1} tokens/s ({step_ms:.3} ms/step)",
         g.decode_steps,
         g.decode.as_secs_f64() * 1e3
     );
+    let bandwidth_gbps = match bandwidth_gbps {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("roofline: not measured: {e}");
+            return;
+        }
+    };
     // Step i after a prompt of p tokens reads every weight and the p + i + 1 cached K/V rows.
-    let steps: Vec<DecodeRoofline> =
-        (0..g.decode_steps).map(|i| DecodeRoofline::new(cfg, 1, g.prompt_tokens + i, elem)).collect();
+    let steps: Vec<DecodeRoofline> = (0..g.decode_steps).map(roof).collect();
     let n = steps.len() as f64;
     let floor_ms: f64 = steps.iter().map(|r| r.floor_ms(bandwidth_gbps)).sum::<f64>() / n;
     let kv_mb = steps.iter().map(|r| r.kv_bytes as f64).sum::<f64>() / n / 1e6;
     eprintln!(
-        "roofline: a decode step reads {:.1} MB of weights + {kv_mb:.2} MB of KV cache on average; at the {:.0} GB/s \
+        "roofline: a decode step reads {:.1} MB of weights + {kv_mb:.2} MB of KV cache{per} on average; at the {:.0} GB/s \
          measured device copy bandwidth that is {floor_ms:.3} ms/step: this run's steps reach {:.1}% of the memory roofline",
         steps[0].weight_bytes as f64 / 1e6,
         bandwidth_gbps,

@@ -36,10 +36,12 @@ impl Kernels {
     }
 
     pub(crate) fn clock(&self) -> Box<dyn FnMut() -> u64> {
-        match self.0.borrow().clone() {
-            Some(c) => Box::new(move || cudnn_llm_cupti::timestamp(&c).unwrap_or(0)),
-            None => Tracer::host_clock(),
-        }
+        clock(self.handle())
+    }
+
+    /// The CUPTI handle while collection works, for [`clock`] on other threads (`--tp`'s ranks).
+    pub(crate) fn handle(&self) -> Option<cudnn_llm_cupti::Cupti> {
+        self.0.borrow().clone()
     }
 
     pub(crate) fn start(&self) {
@@ -67,5 +69,14 @@ impl Kernels {
                 got.kernels
             }
         }
+    }
+}
+
+/// CUPTI's clock, the clock of the kernel records (its process-wide timestamp, the same on every
+/// thread), or without CUPTI a host clock.
+pub(crate) fn clock(cupti: Option<cudnn_llm_cupti::Cupti>) -> Box<dyn FnMut() -> u64> {
+    match cupti {
+        Some(c) => Box::new(move || cudnn_llm_cupti::timestamp(&c).unwrap_or(0)),
+        None => Tracer::host_clock(),
     }
 }

@@ -12,7 +12,9 @@
 //! (`--model DIR`: its config.json and safetensors), which the report's metadata names.
 //!
 //! `--train` reports a training step instead (forward, loss, backward, AdamW; see [`train`]) and
-//! writes report-train.{md,csv,json,svg}.
+//! writes report-train.{md,csv,json,svg}. `--tp N` runs the model split over N GPUs, with rows per
+//! rank, the all-reduces' ranges and the scaling against one GPU (see [`tp`]), and writes
+//! report-tpN.{md,csv,json,svg}.
 
 use clap::Parser;
 use cudnn_llm::bench_util::{copy_bandwidth_gbps, tool_main};
@@ -30,6 +32,7 @@ use std::process::ExitCode;
 
 mod kernels;
 mod measure;
+mod tp;
 mod train;
 
 use kernels::Kernels;
@@ -44,6 +47,8 @@ fn main() -> ExitCode {
         || opts.resolve(),
         |ctx, plan| match plan.dtype {
             _ if opts.train => train::run(ctx, &opts, &plan),
+            DataType::F16 if plan.tp.is_some() => tp::run::<f16>(ctx, &opts, &plan),
+            _ if plan.tp.is_some() => tp::run::<bf16>(ctx, &opts, &plan),
             DataType::F16 => run::<f16>(ctx, &opts, &plan),
             _ => run::<bf16>(ctx, &opts, &plan),
         },
@@ -104,27 +109,7 @@ fn measure_all<T: Element>(
     kernels: &Kernels,
 ) -> Result<Measurements<T>, Error> {
     let cfg = &plan.config;
-    let prompt: Vec<Vec<u32>> = (0..opts.batch)
-        .map(|b: usize| {
-            let id = |t: usize| b.wrapping_mul(7919).wrapping_add(t.wrapping_mul(104729)) % cfg.vocab;
-            (0..opts.seq).map(|t| id(t) as u32).collect()
-        })
-        .collect();
-    let mut works = vec![Work {
-        name: format!("prefill {}x{}", opts.batch, opts.seq),
-        tokens: vec![prompt.clone()],
-        start: 0,
-    }];
-    if opts.decode_steps > 0 {
-        let steps = (0..opts.decode_steps)
-            .map(|s| vec![vec![(s.wrapping_mul(31) % cfg.vocab) as u32]; opts.batch])
-            .collect();
-        works.push(Work {
-            name: format!("decode {} steps after {}", opts.decode_steps, opts.seq),
-            tokens: steps,
-            start: opts.seq,
-        });
-    }
+    let (prompt, works) = works(opts, cfg.vocab);
     let selections = [("naive", Backends::all(Backend::Naive)), ("fused", plan.fused.clone())];
     let total = plan.forwards;
     debug_assert_eq!(total, works.len() * selections.len() * (2 + opts.warmup + opts.repeat));
@@ -150,7 +135,7 @@ fn measure_all<T: Element>(
             let rows = opts.batch * opts.seq * cfg.hidden;
             m.hidden.push(ctx.stream().clone_dtoh(&out.slice(..rows))?);
         }
-        m.scenarios.push(scenario(work, &measured, model));
+        m.scenarios.push(scenario(work.name.clone(), &measured, &forward_ranges(), model.fallbacks()));
     }
     bar.finish_and_clear();
     // The whole prefill forward replayed as a CUDA graph (plans are built and tuned by now).
@@ -190,6 +175,33 @@ fn measure_all<T: Element>(
         }
     }
     Ok(m)
+}
+
+/// The report's prompt (`--batch` sequences of `--seq` ids) and scenarios: its prefill, then
+/// `--decode-steps` one-token steps after it (none for 0).
+fn works(opts: &Options, vocab: usize) -> (Vec<Vec<u32>>, Vec<Work>) {
+    let prompt: Vec<Vec<u32>> = (0..opts.batch)
+        .map(|b: usize| {
+            let id = |t: usize| b.wrapping_mul(7919).wrapping_add(t.wrapping_mul(104729)) % vocab;
+            (0..opts.seq).map(|t| id(t) as u32).collect()
+        })
+        .collect();
+    let mut works = vec![Work {
+        name: format!("prefill {}x{}", opts.batch, opts.seq),
+        tokens: vec![prompt.clone()],
+        start: 0,
+    }];
+    if opts.decode_steps > 0 {
+        let steps = (0..opts.decode_steps)
+            .map(|s| vec![vec![(s.wrapping_mul(31) % vocab) as u32]; opts.batch])
+            .collect();
+        works.push(Work {
+            name: format!("decode {} steps after {}", opts.decode_steps, opts.seq),
+            tokens: steps,
+            start: opts.seq,
+        });
+    }
+    (prompt, works)
 }
 
 /// Compares the fused prefill hidden states with the naive ones: the metadata line, and the error to
@@ -344,17 +356,22 @@ fn write(report: &Report, opts: &Options, stem: &str) -> Result<(), Error> {
     Ok(())
 }
 
-/// Rows in forward order, per forward (averaged over the measured forwards).
-fn scenario<T: Element>(work: &Work, m: &[Measured], model: &Llama<T>) -> Scenario {
-    let (naive, fused) = (&m[0], &m[1]);
-    let mut rows = Vec::new();
-    // Forward order: embedding, the attention half, the MLP half, then the once-per-forward modules.
-    let names: Vec<&str> = std::iter::once(cudnn_llm_llama::model::EMBED_RANGE)
+/// The ranges of a forward in forward order: the embedding, the attention half, the MLP half, the
+/// once-per-forward modules, then kernels outside every range.
+fn forward_ranges() -> Vec<&'static str> {
+    std::iter::once(cudnn_llm_llama::model::EMBED_RANGE)
         .chain(Site::ALL.iter().map(|s| s.range))
         .chain([cudnn_llm_llama::profile::UNATTRIBUTED])
-        .collect();
+        .collect()
+}
+
+/// The scenario `name`: a row per range of `names` that ran (naive `m[0]`, fused `m[1]`), per forward
+/// (averaged over the measured forwards), noting the fused model's `fallbacks`.
+fn scenario(name: String, m: &[Measured], names: &[&str], fallbacks: &[Fallback]) -> Scenario {
+    let (naive, fused) = (&m[0], &m[1]);
+    let mut rows = Vec::new();
     let empty = Sums::default();
-    for &name in &names {
+    for &name in names {
         let (n, f) = (naive.sums.get(name), fused.sums.get(name));
         if n.is_none() && f.is_none() {
             continue;
@@ -368,9 +385,9 @@ fn scenario<T: Element>(work: &Work, m: &[Measured], model: &Llama<T>) -> Scenar
                 event_ms: s.event_ms / k,
             }
         };
-        let fallbacks: Vec<&str> =
-            model.fallbacks().iter().filter(|f| f.range == name).map(|f| f.reason.as_str()).collect();
-        let note = if fallbacks.is_empty() { String::new() } else { format!("fell back: {}", fallbacks[0]) };
+        let fell: Vec<&str> =
+            fallbacks.iter().filter(|f| f.range == name).map(|f| f.reason.as_str()).collect();
+        let note = if fell.is_empty() { String::new() } else { format!("fell back: {}", fell[0]) };
         rows.push(ModuleRow::new(
             name,
             (n.calls / naive.forwards as f64).round() as usize,
@@ -401,7 +418,7 @@ fn scenario<T: Element>(work: &Work, m: &[Measured], model: &Llama<T>) -> Scenar
             })
         })
         .collect();
-    Scenario { name: work.name.clone(), rows, forward_ms, first_calls, phases: Vec::new() }
+    Scenario { name, rows, forward_ms, first_calls, phases: Vec::new() }
 }
 
 fn gpu_query(field: &str) -> String {

@@ -21,6 +21,7 @@ pub(crate) struct Sums {
     pub(crate) event_ms: f64,
 }
 
+#[derive(Clone)]
 pub(crate) struct Measured {
     /// Kernel records were collected (CUPTI worked throughout).
     pub(crate) with_kernels: bool,
