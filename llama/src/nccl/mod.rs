@@ -3,7 +3,7 @@
 //! all-reduce in place and an in-place all-gather, enqueued on a rank's cudarc stream (so a forward
 //! that calls them captures as a CUDA graph, NCCL's collectives included).
 //!
-//! 1. `let comms = Comm::init_all(&[0, 1])?;` opens NCCL (an error, not a panic, when it is missing or
+//! 1. `let comms = Comm::init_all(&[0, 1], &NcclConfig::default())?;` opens NCCL (an error, not a panic, when it is missing or
 //!    too old) and makes rank i's communicator on GPU `devices[i]`;
 //! 2. move `comms[i]` to the thread that drives GPU i (a [`Comm`] is `Send`);
 //! 3. `comm.all_reduce_sum(stream, &mut buf)?` on that GPU's stream; [`abort_all`] with the
@@ -15,6 +15,13 @@
 //! captured one of their collectives is destroyed. So destroy a rank's captured graphs before its
 //! communicator (dropping a [`Comm`] destroys it), and [`abort_all`] aborts on a thread of its own,
 //! never blocking its caller on graphs that other threads still hold.
+//!
+//! **Settings.** [`NcclConfig`] sets the communicators' `minCTAs`, `maxCTAs` and `cgaClusterSize`
+//! (NCCL's `ncclConfig_t`, passed to `ncclCommInitRankConfig` in one group, as `ncclCommInitAll`
+//! makes its own; `raw` replicates NCCL 2.28's struct and initializer, its layout pinned by
+//! compile-time asserts); left at its default, `ncclCommInitAll` makes them. The protocol and
+//! algorithm are NCCL environment variables, read once per process at the first communicator:
+//! [`set_tuning_env`] sets them before that, and refuses afterwards.
 //!
 //! **Why not cudarc's `nccl` module.** cudarc 0.19 with `dynamic-loading` builds it, and its bindings
 //! give the ABI types here, but its loader tries `libnccl.so` and `libnccl.so.<CUDA major>` (`.13`,
@@ -36,6 +43,7 @@ mod raw;
 use cudarc::driver::{CudaStream, DevicePtrMut};
 use cudarc::nccl::sys::ncclDataType_t;
 use cudnn_llm_ops::{DataType, Element};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 /// The variable naming the NCCL library to open (and only it), e.g.
@@ -45,6 +53,227 @@ pub const LIBRARY_ENV: &str = "NCCL_LIBRARY";
 /// The oldest NCCL this module runs on (2.13.0, encoded as `ncclGetVersion` reports it): the first
 /// with `ncclGetLastError`; bf16 reductions came in 2.10, collectives in CUDA graphs in 2.9.
 pub const MIN_VERSION: u32 = 2_13_00;
+
+/// The oldest NCCL that takes the [`NcclConfig`] attributes (2.17.0: `ncclConfig_t` gained
+/// `cgaClusterSize`, `minCTAs` and `maxCTAs`).
+pub const CONFIG_MIN_VERSION: u32 = 2_17_00;
+
+/// The most CTAs (channels) NCCL 2.28 runs a collective on (`MAXCHANNELS`).
+pub const MAX_CTAS: u32 = 64;
+
+/// The largest CGA (thread-block cluster) size NCCL takes (`NCCL_MAX_CGA_CLUSTER_SIZE`).
+pub const MAX_CGA_CLUSTER_SIZE: u32 = 8;
+
+/// Settings of the communicators [`Comm::init_all`] makes, NCCL's `ncclConfig_t` attributes; each
+/// `None` leaves NCCL's own choice (and its environment variables, e.g. `NCCL_MIN_CTAS`, which
+/// override these when set). All `None` (the default) makes the communicators with
+/// `ncclCommInitAll`; otherwise `ncclCommInitRankConfig` (NCCL 2.17 or later), blocking.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct NcclConfig {
+    /// `minCTAs`: the fewest CTAs (channels, one SM each) a collective runs on, 1 to [`MAX_CTAS`];
+    /// needs `max_ctas` (NCCL 2.28 refuses a minimum against an unset maximum).
+    pub min_ctas: Option<u32>,
+    /// `maxCTAs`: the most CTAs a collective runs on, 1 to [`MAX_CTAS`], at least `min_ctas`.
+    pub max_ctas: Option<u32>,
+    /// `cgaClusterSize`: thread-block cluster size of NCCL's kernels (Hopper and later), 0 to
+    /// [`MAX_CGA_CLUSTER_SIZE`] (0: no clusters).
+    pub cga_cluster_size: Option<u32>,
+}
+
+impl NcclConfig {
+    /// This configuration with `minCTAs` set.
+    pub fn with_min_ctas(self, n: u32) -> Self {
+        NcclConfig { min_ctas: Some(n), ..self }
+    }
+
+    /// This configuration with `maxCTAs` set.
+    pub fn with_max_ctas(self, n: u32) -> Self {
+        NcclConfig { max_ctas: Some(n), ..self }
+    }
+
+    /// This configuration with `cgaClusterSize` set.
+    pub fn with_cga_cluster_size(self, n: u32) -> Self {
+        NcclConfig { cga_cluster_size: Some(n), ..self }
+    }
+
+    /// Whether every attribute is NCCL's own.
+    pub fn is_default(&self) -> bool {
+        *self == NcclConfig::default()
+    }
+
+    /// The name of the first attribute set, for errors (`minCTAs` when none is).
+    fn first_set(&self) -> &'static str {
+        match (self.min_ctas, self.max_ctas, self.cga_cluster_size) {
+            (Some(_), _, _) | (None, None, None) => "minCTAs",
+            (None, Some(_), _) => "maxCTAs",
+            (None, None, Some(_)) => "cgaClusterSize",
+        }
+    }
+
+    /// Refuses values NCCL would refuse (or clamp), naming the attribute: CTAs outside 1 to
+    /// [`MAX_CTAS`], a minimum above the maximum or without one, a cluster size above
+    /// [`MAX_CGA_CLUSTER_SIZE`].
+    pub fn validate(&self) -> Result<(), NcclError> {
+        let bad = |option: &str, why: String| Err(NcclError::Config { option: option.into(), why });
+        for (option, v) in [("minCTAs", self.min_ctas), ("maxCTAs", self.max_ctas)] {
+            if let Some(v) = v.filter(|v| !(1..=MAX_CTAS).contains(v)) {
+                return bad(option, format!("{v} is not between 1 and {MAX_CTAS}"));
+            }
+        }
+        match (self.min_ctas, self.max_ctas) {
+            (Some(min), Some(max)) if min > max => {
+                return bad("minCTAs", format!("{min} is above maxCTAs {max}"));
+            }
+            (Some(min), None) => {
+                return bad(
+                    "minCTAs",
+                    format!("{min} needs maxCTAs too (NCCL compares it with an unset maximum)"),
+                );
+            }
+            _ => {}
+        }
+        if let Some(v) = self.cga_cluster_size.filter(|&v| v > MAX_CGA_CLUSTER_SIZE) {
+            return bad("cgaClusterSize", format!("{v} is above {MAX_CGA_CLUSTER_SIZE}"));
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for NcclConfig {
+    /// `minCTAs=16 maxCTAs=32`, or `NCCL defaults`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let set: Vec<String> = [
+            ("minCTAs", self.min_ctas),
+            ("maxCTAs", self.max_ctas),
+            ("cgaClusterSize", self.cga_cluster_size),
+        ]
+        .iter()
+        .filter_map(|(name, v)| v.map(|v| format!("{name}={v}")))
+        .collect();
+        if set.is_empty() {
+            f.write_str("NCCL defaults")
+        } else {
+            f.write_str(&set.join(" "))
+        }
+    }
+}
+
+/// NCCL's protocol choice, `NCCL_PROTO`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protocol {
+    /// `LL`: low latency, 8-byte stores with flags.
+    Ll,
+    /// `LL128`: low latency over 128-byte lines (NVLink).
+    Ll128,
+    /// `Simple`: bulk copies, highest bandwidth.
+    Simple,
+}
+
+/// NCCL's algorithm choice for the collectives, `NCCL_ALGO` (NVLS and CollNet stay out: see the
+/// module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Algorithm {
+    /// `Ring`.
+    Ring,
+    /// `Tree`.
+    Tree,
+}
+
+impl Protocol {
+    /// NCCL's name, as `NCCL_PROTO` takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Protocol::Ll => "LL",
+            Protocol::Ll128 => "LL128",
+            Protocol::Simple => "Simple",
+        }
+    }
+}
+
+impl Algorithm {
+    /// NCCL's name, as `NCCL_ALGO` takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::Ring => "Ring",
+            Algorithm::Tree => "Tree",
+        }
+    }
+}
+
+impl std::str::FromStr for Protocol {
+    type Err = NcclError;
+    fn from_str(s: &str) -> Result<Self, NcclError> {
+        [Protocol::Ll, Protocol::Ll128, Protocol::Simple].into_iter().find(|p| p.name() == s).ok_or_else(
+            || NcclError::Config {
+                option: PROTO_ENV.into(),
+                why: format!("`{s}` is not LL, LL128 or Simple"),
+            },
+        )
+    }
+}
+
+impl std::str::FromStr for Algorithm {
+    type Err = NcclError;
+    fn from_str(s: &str) -> Result<Self, NcclError> {
+        [Algorithm::Ring, Algorithm::Tree].into_iter().find(|a| a.name() == s).ok_or_else(|| {
+            NcclError::Config { option: ALGO_ENV.into(), why: format!("`{s}` is not Ring or Tree") }
+        })
+    }
+}
+
+/// NCCL's protocol variable.
+pub const PROTO_ENV: &str = "NCCL_PROTO";
+/// NCCL's algorithm variable.
+pub const ALGO_ENV: &str = "NCCL_ALGO";
+
+/// Set once this process has started making a communicator: NCCL has read its environment since.
+static COMMS_MADE: AtomicBool = AtomicBool::new(false);
+
+/// Sets `NCCL_PROTO` and `NCCL_ALGO` for this process. NCCL reads them when it makes its first
+/// communicator and keeps them for the process's life, so they are per process, not per
+/// communicator: call this before the first [`Comm::init_all`] (an [`NcclError::Config`] after it),
+/// and before starting threads that read the environment. A variable already set to another value
+/// is refused too (the two would disagree about what ran); the same value is fine.
+pub fn set_tuning_env(protocol: Option<Protocol>, algorithm: Option<Algorithm>) -> Result<(), NcclError> {
+    let current = |name: &str| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned());
+    for (name, value) in tuning_env(COMMS_MADE.load(Ordering::SeqCst), current, protocol, algorithm)? {
+        std::env::set_var(name, value);
+    }
+    Ok(())
+}
+
+/// The variables [`set_tuning_env`] sets, or why it cannot: `made` (a communicator exists) and
+/// `current` (the environment) as arguments, so the policy is testable without NCCL.
+fn tuning_env(
+    made: bool,
+    current: impl Fn(&str) -> Option<String>,
+    protocol: Option<Protocol>,
+    algorithm: Option<Algorithm>,
+) -> Result<Vec<(&'static str, &'static str)>, NcclError> {
+    let wanted: Vec<(&'static str, &'static str)> =
+        [(PROTO_ENV, protocol.map(Protocol::name)), (ALGO_ENV, algorithm.map(Algorithm::name))]
+            .into_iter()
+            .filter_map(|(name, v)| v.map(|v| (name, v)))
+            .collect();
+    for &(name, value) in &wanted {
+        if made {
+            return Err(NcclError::Config {
+                option: name.into(),
+                why: format!(
+                    "cannot become {value}: this process has made a communicator, and NCCL read its environment then"
+                ),
+            });
+        }
+        if let Some(old) = current(name).filter(|old| old != value) {
+            return Err(NcclError::Config {
+                option: name.into(),
+                why: format!("is {old} in the environment; refusing to replace it with {value}"),
+            });
+        }
+    }
+    Ok(wanted)
+}
 
 /// NCCL's switch for NVLink SHARP multicast, which stays `0` (see the module docs).
 pub const MULTICAST_ENV: &str = "NCCL_NVLS_ENABLE";
@@ -97,6 +326,14 @@ pub enum NcclError {
     Multicast {
         /// The variable's value.
         value: String,
+    },
+    /// A communicator setting or tuning variable NCCL would refuse, or one set too late.
+    #[error("NCCL {option}: {why}")]
+    Config {
+        /// The attribute (`minCTAs`, ...) or variable (`NCCL_PROTO`, ...).
+        option: String,
+        /// What is wrong with it.
+        why: String,
     },
     /// An NCCL call failed.
     #[error("{call} failed with {name} ({code}){}", if .detail.is_empty() { String::new() } else { format!(": {}", .detail) })]
@@ -248,11 +485,13 @@ fn nccl_type<T: Element>() -> Result<(ncclDataType_t, usize), NcclError> {
 }
 
 impl Comm {
-    /// One communicator per device of `devices`, rank i on GPU `devices[i]`, created together
-    /// (`ncclCommInitAll`, from this one thread). Keeps NVLink multicast off first
-    /// ([`NcclError::Multicast`] if the environment asks for it), then opens NCCL. Devices must be
-    /// distinct and present; NCCL reports otherwise.
-    pub fn init_all(devices: &[usize]) -> Result<Vec<Comm>, NcclError> {
+    /// One communicator per device of `devices`, rank i on GPU `devices[i]`, created together from
+    /// this one thread: `ncclCommInitAll` for the default `config`, else one group of
+    /// `ncclCommInitRankConfig` calls with its attributes. Checks `config`
+    /// ([`NcclConfig::validate`]), keeps NVLink multicast off ([`NcclError::Multicast`] if the
+    /// environment asks for it), then opens NCCL. Devices must be distinct and present; NCCL reports
+    /// otherwise.
+    pub fn init_all(devices: &[usize], config: &NcclConfig) -> Result<Vec<Comm>, NcclError> {
         if devices.is_empty() {
             return Err(NcclError::Argument("no devices to make communicators for".into()));
         }
@@ -267,9 +506,15 @@ impl Comm {
             .map(|&d| std::ffi::c_int::try_from(d))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|_| NcclError::Argument(format!("devices {devices:?} do not fit an int")))?;
+        config.validate()?;
         multicast_off()?;
         let lib = raw::load()?;
-        let raws = lib.init_all(&ordinals)?;
+        COMMS_MADE.store(true, Ordering::SeqCst);
+        let raws = if config.is_default() {
+            lib.init_all(&ordinals)?
+        } else {
+            lib.init_all_config(&ordinals, config)?
+        };
         let ranks = devices.len();
         Ok(raws
             .into_iter()
@@ -435,10 +680,78 @@ mod tests {
     }
 
     #[test]
+    fn configs_nccl_would_refuse_are_typed_errors_naming_the_attribute() {
+        let d = NcclConfig::default();
+        assert!(d.is_default() && d.validate().is_ok());
+        assert_eq!(d.to_string(), "NCCL defaults");
+        let ok = d.with_min_ctas(16).with_max_ctas(32).with_cga_cluster_size(0);
+        assert!(ok.validate().is_ok() && !ok.is_default());
+        assert_eq!(ok.to_string(), "minCTAs=16 maxCTAs=32 cgaClusterSize=0");
+        assert!(d.with_max_ctas(64).validate().is_ok());
+        assert!(d.with_min_ctas(4).with_max_ctas(4).validate().is_ok());
+        let cases = [
+            (d.with_max_ctas(0), "maxCTAs", "0 is not between 1 and 64"),
+            (d.with_max_ctas(65), "maxCTAs", "65 is not between 1 and 64"),
+            (d.with_min_ctas(0).with_max_ctas(4), "minCTAs", "0 is not between 1 and 64"),
+            (d.with_min_ctas(8).with_max_ctas(4), "minCTAs", "8 is above maxCTAs 4"),
+            (d.with_min_ctas(8), "minCTAs", "8 needs maxCTAs too"),
+            (d.with_cga_cluster_size(9), "cgaClusterSize", "9 is above 8"),
+        ];
+        for (config, attribute, why) in cases {
+            let e = config.validate().unwrap_err();
+            let NcclError::Config { option, why: said } = &e else { panic!("{e:?}") };
+            assert_eq!(option, attribute, "{config:?}");
+            assert!(said.starts_with(why), "{config:?}: {said}");
+            assert!(e.to_string().starts_with(&format!("NCCL {attribute}: ")), "{e}");
+            // Refused before any device or library is touched.
+            let e = Comm::init_all(&[0, 1], &config).unwrap_err();
+            assert!(matches!(e, NcclError::Config { .. }), "{e:?}");
+        }
+    }
+
+    #[test]
+    fn protocols_and_algorithms_parse_by_nccls_names_only() {
+        assert_eq!("LL".parse::<Protocol>().unwrap(), Protocol::Ll);
+        assert_eq!("LL128".parse::<Protocol>().unwrap(), Protocol::Ll128);
+        assert_eq!("Simple".parse::<Protocol>().unwrap(), Protocol::Simple);
+        assert_eq!("Ring".parse::<Algorithm>().unwrap(), Algorithm::Ring);
+        assert_eq!("Tree".parse::<Algorithm>().unwrap(), Algorithm::Tree);
+        let e = "NVLS".parse::<Algorithm>().unwrap_err();
+        assert_eq!(e.to_string(), "NCCL NCCL_ALGO: `NVLS` is not Ring or Tree");
+        let e = "ll".parse::<Protocol>().unwrap_err();
+        assert_eq!(e.to_string(), "NCCL NCCL_PROTO: `ll` is not LL, LL128 or Simple");
+    }
+
+    #[test]
+    fn tuning_variables_are_set_only_before_the_first_communicator() {
+        let unset = |_: &str| None;
+        let both = tuning_env(false, unset, Some(Protocol::Ll128), Some(Algorithm::Ring)).unwrap();
+        assert_eq!(both, [(PROTO_ENV, "LL128"), (ALGO_ENV, "Ring")]);
+        assert_eq!(tuning_env(false, unset, None, Some(Algorithm::Tree)).unwrap(), [(ALGO_ENV, "Tree")]);
+        assert!(tuning_env(false, unset, None, None).unwrap().is_empty());
+        // Nothing to set is fine even after a communicator; something to set is not.
+        assert!(tuning_env(true, unset, None, None).unwrap().is_empty());
+        let e = tuning_env(true, unset, Some(Protocol::Simple), None).unwrap_err();
+        assert!(
+            matches!(&e, NcclError::Config { option, why } if option == PROTO_ENV && why.contains("has made a communicator")),
+            "{e:?}"
+        );
+        // The environment's own value: the same is fine, another is refused.
+        let set = |name: &str| (name == PROTO_ENV).then(|| "LL".to_string());
+        assert_eq!(tuning_env(false, set, Some(Protocol::Ll), None).unwrap(), [(PROTO_ENV, "LL")]);
+        let e = tuning_env(false, set, Some(Protocol::Simple), None).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "NCCL NCCL_PROTO: is LL in the environment; refusing to replace it with Simple"
+        );
+    }
+
+    #[test]
     fn init_all_refuses_bad_device_lists_before_opening_nccl() {
-        let e = Comm::init_all(&[]).unwrap_err();
+        let d = NcclConfig::default();
+        let e = Comm::init_all(&[], &d).unwrap_err();
         assert!(matches!(e, NcclError::Argument(ref m) if m.contains("no devices")), "{e}");
-        let e = Comm::init_all(&[0, 1, 0]).unwrap_err();
+        let e = Comm::init_all(&[0, 1, 0], &d).unwrap_err();
         assert!(matches!(e, NcclError::Argument(ref m) if m.contains("[0, 1, 0] name a GPU twice")), "{e}");
     }
 }

@@ -5,7 +5,7 @@
 //!
 //! NCCL docs: <https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/api.html>.
 
-use super::{Candidate, NcclError, LIBRARY_ENV, MIN_VERSION};
+use super::{Candidate, NcclConfig, NcclError, CONFIG_MIN_VERSION, LIBRARY_ENV, MIN_VERSION};
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
 use cudarc::nccl::sys::{ncclComm_t, ncclDataType_t, ncclRedOp_t};
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
@@ -28,6 +28,118 @@ pub(crate) const REQUIRED_SYMBOLS: [&str; 9] = [
     "ncclAllReduce",
     "ncclAllGather",
 ];
+
+/// `NCCL_CONFIG_UNDEF_INT` (`INT_MIN`): an attribute NCCL picks itself.
+const UNDEF_INT: c_int = c_int::MIN;
+/// `NCCL_API_MAGIC`.
+const API_MAGIC: c_uint = 0xcafe_beef;
+/// The `NCCL_VERSION_CODE` of the header whose `ncclConfig_t` [`ConfigV22800`] replicates (2.28.9;
+/// 2.28.3 to 2.28.9 share the layout).
+const CONFIG_VERSION: c_uint = 2_28_09;
+
+/// `ncclConfig_t` as NCCL 2.28's `nccl.h` lays it out (`struct ncclConfig_v22800`), field for field.
+/// NCCL copies `size` bytes of it (at most its own struct's) and, for a `version` older than a field,
+/// ignores the field; so a newer library reads this layout as 2.28 wrote it, and an older one (2.17
+/// to 2.27, which have every field this module sets) reads its own prefix of it.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ConfigV22800 {
+    size: usize,
+    magic: c_uint,
+    version: c_uint,
+    blocking: c_int,
+    cga_cluster_size: c_int,
+    min_ctas: c_int,
+    max_ctas: c_int,
+    net_name: *const c_char,
+    split_share: c_int,
+    traffic_class: c_int,
+    comm_name: *const c_char,
+    collnet_enable: c_int,
+    cta_policy: c_int,
+    shrink_share: c_int,
+    nvls_ctas: c_int,
+    n_channels_per_net_peer: c_int,
+    nvlink_centric_sched: c_int,
+}
+
+// The layout of `ncclConfig_v22800` on LP64 (x86_64, aarch64): pointers 8-aligned after 4 ints.
+const _: () = {
+    use std::mem::{offset_of, size_of};
+    assert!(size_of::<ConfigV22800>() == 80);
+    assert!(offset_of!(ConfigV22800, size) == 0);
+    assert!(offset_of!(ConfigV22800, magic) == 8);
+    assert!(offset_of!(ConfigV22800, version) == 12);
+    assert!(offset_of!(ConfigV22800, blocking) == 16);
+    assert!(offset_of!(ConfigV22800, cga_cluster_size) == 20);
+    assert!(offset_of!(ConfigV22800, min_ctas) == 24);
+    assert!(offset_of!(ConfigV22800, max_ctas) == 28);
+    assert!(offset_of!(ConfigV22800, net_name) == 32);
+    assert!(offset_of!(ConfigV22800, split_share) == 40);
+    assert!(offset_of!(ConfigV22800, traffic_class) == 44);
+    assert!(offset_of!(ConfigV22800, comm_name) == 48);
+    assert!(offset_of!(ConfigV22800, collnet_enable) == 56);
+    assert!(offset_of!(ConfigV22800, cta_policy) == 60);
+    assert!(offset_of!(ConfigV22800, shrink_share) == 64);
+    assert!(offset_of!(ConfigV22800, nvls_ctas) == 68);
+    assert!(offset_of!(ConfigV22800, n_channels_per_net_peer) == 72);
+    assert!(offset_of!(ConfigV22800, nvlink_centric_sched) == 76);
+    assert!(size_of::<UniqueId>() == 128);
+};
+
+impl ConfigV22800 {
+    /// `NCCL_CONFIG_INITIALIZER` of NCCL 2.28.9, value for value: the struct's size, the magic, the
+    /// header's version, every attribute unset.
+    pub(crate) const INITIALIZER: ConfigV22800 = ConfigV22800 {
+        size: std::mem::size_of::<ConfigV22800>(),
+        magic: API_MAGIC,
+        version: CONFIG_VERSION,
+        blocking: UNDEF_INT,
+        cga_cluster_size: UNDEF_INT,
+        min_ctas: UNDEF_INT,
+        max_ctas: UNDEF_INT,
+        net_name: std::ptr::null(),
+        split_share: UNDEF_INT,
+        traffic_class: UNDEF_INT,
+        comm_name: std::ptr::null(),
+        collnet_enable: UNDEF_INT,
+        cta_policy: UNDEF_INT,
+        shrink_share: UNDEF_INT,
+        nvls_ctas: UNDEF_INT,
+        n_channels_per_net_peer: UNDEF_INT,
+        nvlink_centric_sched: UNDEF_INT,
+    };
+
+    /// The initializer with `blocking = 1` (as `ncclCommInitAll`'s communicators) and the attributes
+    /// `config` sets; the rest stay NCCL's. `config` was validated, so every value fits an int.
+    pub(crate) fn from(config: &NcclConfig) -> ConfigV22800 {
+        let int = |v: Option<u32>| v.map_or(UNDEF_INT, |v| c_int::try_from(v).unwrap_or(UNDEF_INT));
+        ConfigV22800 {
+            blocking: 1,
+            cga_cluster_size: int(config.cga_cluster_size),
+            min_ctas: int(config.min_ctas),
+            max_ctas: int(config.max_ctas),
+            ..ConfigV22800::INITIALIZER
+        }
+    }
+}
+
+/// `ncclUniqueId`: 128 opaque bytes, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct UniqueId {
+    internal: [c_char; 128],
+}
+
+/// The calls that make communicators with a configuration (NCCL 2.14 and later; the attributes set
+/// here came in 2.17), looked up when the library opens and used only when a configuration is given.
+struct ConfigCalls {
+    get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> Status,
+    group_start: unsafe extern "C" fn() -> Status,
+    group_end: unsafe extern "C" fn() -> Status,
+    comm_init_rank_config:
+        unsafe extern "C" fn(*mut ncclComm_t, c_int, UniqueId, c_int, *mut ConfigV22800) -> Status,
+}
 
 /// An opened, checked NCCL: its function table, where it was found and its version.
 pub(crate) struct Lib {
@@ -56,6 +168,8 @@ pub(crate) struct Lib {
         ncclComm_t,
         CUstream,
     ) -> Status,
+    /// `None` when the library lacks one of them.
+    config_calls: Option<ConfigCalls>,
     /// The candidate that opened.
     pub(crate) library: String,
     /// `ncclGetVersion()`, e.g. 22809 for 2.28.9.
@@ -141,6 +255,15 @@ impl Lib {
                 comm_get_async_error: symbol(&lib, "ncclCommGetAsyncError", l)?,
                 all_reduce: symbol(&lib, "ncclAllReduce", l)?,
                 all_gather: symbol(&lib, "ncclAllGather", l)?,
+                config_calls: (|| {
+                    Ok::<_, NcclError>(ConfigCalls {
+                        get_unique_id: symbol(&lib, "ncclGetUniqueId", l)?,
+                        group_start: symbol(&lib, "ncclGroupStart", l)?,
+                        group_end: symbol(&lib, "ncclGroupEnd", l)?,
+                        comm_init_rank_config: symbol(&lib, "ncclCommInitRankConfig", l)?,
+                    })
+                })()
+                .ok(),
                 library: library.clone(),
                 version: 0,
                 _lib: lib,
@@ -164,6 +287,78 @@ impl Lib {
         // the call); NCCL writes one handle per device.
         let status = unsafe { (self.comm_init_all)(comms.as_mut_ptr(), n, devices.as_ptr()) };
         self.status(status, "ncclCommInitAll", None)?;
+        Ok(comms.into_iter().map(RawComm).collect())
+    }
+
+    /// The communicators of [`Lib::init_all`], made with `config` as `ncclCommInitAll` makes its
+    /// own: a unique id, then in one group `ncclCommInitRankConfig` for rank i with GPU `devices[i]`
+    /// current. Leaves the calling thread's current context as it found it.
+    pub(crate) fn init_all_config(
+        &self,
+        devices: &[c_int],
+        config: &NcclConfig,
+    ) -> Result<Vec<RawComm>, NcclError> {
+        let calls = match &self.config_calls {
+            Some(calls) if self.version >= CONFIG_MIN_VERSION => calls,
+            _ => {
+                return Err(NcclError::Config {
+                    option: config.first_set().to_string(),
+                    why: format!(
+                        "{} is NCCL {}; communicator settings need {} or later (ncclCommInitRankConfig)",
+                        self.library,
+                        super::version_string(self.version),
+                        super::version_string(CONFIG_MIN_VERSION)
+                    ),
+                })
+            }
+        };
+        let n = c_int::try_from(devices.len())
+            .map_err(|_| NcclError::Argument(format!("{} devices do not fit an int", devices.len())))?;
+        let mut id = UniqueId { internal: [0; 128] };
+        // SAFETY: `id` is a valid out-pointer for a unique id.
+        let status = unsafe { (calls.get_unique_id)(&mut id) };
+        self.status(status, "ncclGetUniqueId", None)?;
+        // NCCL takes a rank's GPU from the current device (`cudaGetDevice`), the device of the
+        // thread's current context: GPU `devices[i]`'s primary context, opened before the group so
+        // that every rank of it gets its call.
+        let contexts = devices
+            .iter()
+            .map(|&d| {
+                let d =
+                    usize::try_from(d).map_err(|_| NcclError::Argument(format!("GPU {d} is no ordinal")))?;
+                cudarc::driver::CudaContext::new(d).map_err(cuda_error)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let previous = cudarc::driver::result::ctx::get_current().map_err(cuda_error)?;
+        let mut comms: Vec<ncclComm_t> = vec![std::ptr::null_mut(); devices.len()];
+        // SAFETY: no arguments; the group end below follows whatever happens in between.
+        let status = unsafe { (calls.group_start)() };
+        self.status(status, "ncclGroupStart", None)?;
+        let mut first_error = Ok(());
+        for (rank, (ctx, comm)) in contexts.iter().zip(comms.iter_mut()).enumerate() {
+            // As `ncclCommInitAll`, every rank gets its call, and the group end reports.
+            let bound = ctx.bind_to_thread().map_err(cuda_error);
+            let made = bound.and_then(|()| {
+                let mut cfg = ConfigV22800::from(config);
+                // SAFETY: `comm` is a valid out-pointer, `rank < n`, and `cfg` a live `ncclConfig_t`
+                // laid out as NCCL 2.28 declares it (asserted above), which NCCL copies in the call.
+                let status = unsafe { (calls.comm_init_rank_config)(comm, n, id, rank as c_int, &mut cfg) };
+                self.status(status, "ncclCommInitRankConfig", None)
+            });
+            if first_error.is_ok() {
+                first_error = made;
+            }
+        }
+        // SAFETY: ends the group started above (NCCL creates the communicators here).
+        let status = unsafe { (calls.group_end)() };
+        let ended = self.status(status, "ncclGroupEnd", None);
+        if let Some(ctx) = previous {
+            // SAFETY: the context that was current on entry, still retained by its owner.
+            let _ = unsafe { cudarc::driver::result::ctx::set_current(ctx) };
+        }
+        drop(contexts);
+        first_error?;
+        ended?;
         Ok(comms.into_iter().map(RawComm).collect())
     }
 
@@ -249,6 +444,11 @@ impl Lib {
     }
 }
 
+/// A driver error on the way to a communicator.
+fn cuda_error(e: cudarc::driver::DriverError) -> NcclError {
+    NcclError::Argument(format!("CUDA driver: {e}"))
+}
+
 /// A C string NCCL returns, copied (empty for null).
 ///
 /// # Safety
@@ -299,6 +499,38 @@ mod tests {
             NcclError::MissingSymbol { library: "libc.so.6".into(), symbol: "ncclGetVersion".into() }
         );
         assert!(err.to_string().contains("`ncclGetVersion`"), "{err}");
+    }
+
+    /// `NCCL_CONFIG_INITIALIZER` of 2.28.9 (the layout itself is pinned by the compile-time asserts).
+    #[test]
+    fn the_config_starts_as_nccls_initializer_and_sets_only_what_is_given() {
+        let init = ConfigV22800::INITIALIZER;
+        assert_eq!((init.size, init.magic, init.version), (80, 0xcafebeef, 22809));
+        let ints = |c: &ConfigV22800| {
+            [
+                c.blocking,
+                c.cga_cluster_size,
+                c.min_ctas,
+                c.max_ctas,
+                c.split_share,
+                c.traffic_class,
+                c.collnet_enable,
+                c.cta_policy,
+                c.shrink_share,
+                c.nvls_ctas,
+                c.n_channels_per_net_peer,
+                c.nvlink_centric_sched,
+            ]
+        };
+        assert_eq!(ints(&init), [c_int::MIN; 12]);
+        assert!(init.net_name.is_null() && init.comm_name.is_null());
+        let set = ConfigV22800::from(&NcclConfig::default().with_min_ctas(2).with_max_ctas(16));
+        let mut want = [c_int::MIN; 12];
+        (want[0], want[2], want[3]) = (1, 2, 16);
+        assert_eq!(ints(&set), want);
+        assert_eq!((set.size, set.magic, set.version), (80, 0xcafebeef, 22809));
+        let cga = ConfigV22800::from(&NcclConfig::default().with_cga_cluster_size(0));
+        assert_eq!((cga.blocking, cga.cga_cluster_size, cga.min_ctas), (1, 0, c_int::MIN));
     }
 
     #[test]

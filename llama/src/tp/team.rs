@@ -7,7 +7,7 @@ use super::shard::ShardPlan;
 use crate::backends::Backends;
 use crate::config::LlamaConfig;
 use crate::model::{DecodeGraph, KvCache, Llama, NoObserver};
-use crate::nccl::{AbortHandle, Comm};
+use crate::nccl::{AbortHandle, Comm, NcclConfig};
 use crate::{Error, Result};
 use cudnn_llm_ops::cudarc::driver::sys::CUevent_flags;
 use cudnn_llm_ops::{Cudnn, DeviceInfo, Element};
@@ -32,12 +32,14 @@ pub struct TpOptions {
     /// How long a call waits for every rank (loading included) before it aborts the communicators
     /// and fails.
     pub timeout: Duration,
+    /// The NCCL communicators' settings (default: NCCL's own).
+    pub nccl: NcclConfig,
 }
 
 impl Default for TpOptions {
-    /// GPUs `0..ranks`, ten minutes per call.
+    /// GPUs `0..ranks`, ten minutes per call, NCCL's own communicator settings.
     fn default() -> Self {
-        TpOptions { devices: None, timeout: Duration::from_secs(600) }
+        TpOptions { devices: None, timeout: Duration::from_secs(600), nccl: NcclConfig::default() }
     }
 }
 
@@ -45,6 +47,11 @@ impl TpOptions {
     /// These options with each call waiting at most `timeout`.
     pub fn with_timeout(self, timeout: Duration) -> Self {
         TpOptions { timeout, ..self }
+    }
+
+    /// These options with the communicators made with `nccl`.
+    pub fn with_nccl(self, nccl: NcclConfig) -> Self {
+        TpOptions { nccl, ..self }
     }
 
     /// These options with the ranks on `devices`.
@@ -127,7 +134,7 @@ pub struct TpLlama<T: Element> {
 impl<T: Element> TpLlama<T> {
     /// Splits `cfg` over `ranks` GPUs and loads each rank's slices from `source`, with RoPE tables
     /// for `max_positions` positions. Before any allocation, in this order: [`ShardPlan::new`]'s
-    /// errors; an [`Error::Tp`] for a device list of another length or naming a GPU twice; for more
+    /// errors; [`NcclConfig::validate`]'s ([`Error::Nccl`]); an [`Error::Tp`] for a device list of another length or naming a GPU twice; for more
     /// than one rank, NCCL missing or too old ([`Error::Nccl`]); the driver's errors, and an
     /// [`Error::Tp`] for more ranks than GPUs. Then NCCL's communicators, and each rank opens its GPU
     /// and uploads its shard layer by layer on its thread.
@@ -139,6 +146,7 @@ impl<T: Element> TpLlama<T> {
         options: TpOptions,
     ) -> Result<Self> {
         let plan = ShardPlan::new(cfg, ranks)?;
+        options.nccl.validate()?;
         let devices = options.devices.unwrap_or_else(|| (0..ranks).collect());
         let mut distinct = devices.clone();
         distinct.sort_unstable();
@@ -155,8 +163,11 @@ impl<T: Element> TpLlama<T> {
                 "{ranks} ranks on GPUs {devices:?}, but GPU {d} is not there ({present} present)"
             )));
         }
-        let comms: Vec<Option<Comm>> =
-            if ranks > 1 { Comm::init_all(&devices)?.into_iter().map(Some).collect() } else { vec![None] };
+        let comms: Vec<Option<Comm>> = if ranks > 1 {
+            Comm::init_all(&devices, &options.nccl)?.into_iter().map(Some).collect()
+        } else {
+            vec![None]
+        };
         let mut team = TpLlama {
             cfg: cfg.clone(),
             plan,
@@ -549,6 +560,13 @@ mod tests {
             (Error::Ops(cudnn_llm_ops::Error::NoGpu(_)), Ok(_)) => {}
             (other, nccl) => panic!("{other:?} (NCCL: {nccl:?})"),
         }
+        // A communicator setting NCCL would refuse, whatever the rank count.
+        let bad = crate::nccl::NcclConfig::default().with_min_ctas(8).with_max_ctas(4);
+        let e = new(2, TpOptions::default().with_nccl(bad)).unwrap_err();
+        assert!(
+            matches!(&e, Error::Nccl(crate::nccl::NcclError::Config { option, .. }) if option == "minCTAs"),
+            "{e:?}"
+        );
         // One rank needs no NCCL: the driver's error or the missing GPU.
         let e = new(1, TpOptions::default().with_devices(vec![100])).unwrap_err();
         assert!(matches!(e, Error::Tp(_) | Error::Ops(cudnn_llm_ops::Error::NoGpu(_))), "{e:?}");
