@@ -12,15 +12,27 @@
 //!   reads, [`ShardPlan::decode_roofline`]) and that floor plus the step's 2 all-reduces per layer.
 //!
 //! Then speedup and scaling efficiency (speedup / ranks) against the one-rank row, printed and written
-//! as `tp-<preset>-<layers>l.{csv,md}` under `$BENCH_RESULTS_DIR` (default `benches/results`).
+//! as `tp-<preset>-<layers>l[-<setting>].{csv,md}` under `$BENCH_RESULTS_DIR` (default
+//! `benches/results`).
+//!
+//! **NCCL settings**, for sweeps (one invocation per setting; each is printed, written as CSV columns
+//! and names the files): `--nccl-min-ctas N`, `--nccl-max-ctas N` and `--nccl-cga-cluster-size N`
+//! make the communicators with those `ncclConfig_t` attributes (NCCL's own when not given; a minimum
+//! needs a maximum); `--nccl-proto LL|LL128|Simple` and `--nccl-algo Ring|Tree` set `NCCL_PROTO` and
+//! `NCCL_ALGO` for this process before its first communicator (NCCL reads them once per process, so
+//! they hold for every row of the invocation; a different value already in the environment is
+//! refused). `--allreduce-only` skips the model (the ranks hold the 1-layer tiny model) and times
+//! all-reduces alone: a decode step's and the prefill's `[tokens, hidden]` of `--preset`, and 8 KB to
+//! 64 MB in powers of two, written as `tp-allreduce[-<setting>].{csv,md}`; seconds per setting.
 //! Llama-3.1-70B shapes: `--preset llama-3.1-70b --layers 8 --ranks 1,2` (a one-GPU row of all 80
 //! layers does not leave room for much else on a 141 GB H200). Exit codes: 0 done (rows that failed
 //! say why), 2 bad options, 1 no row ran.
 
 use clap::Parser;
 use cudnn_llm::bench_util::{copy_bandwidth_gbps, csv_and_markdown, environment, median, write_results};
+use cudnn_llm_llama::nccl::{self, Algorithm, NcclConfig, NcclError, Protocol};
 use cudnn_llm_llama::tp::{Rank, ShardPlan, TpLlama, TpOptions, WeightSource};
-use cudnn_llm_llama::{nccl, Backends, LlamaConfig, NoObserver};
+use cudnn_llm_llama::{Backends, LlamaConfig, NoObserver};
 use half::bf16;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -63,6 +75,108 @@ struct Options {
     /// Seconds a call waits for every rank.
     #[arg(long, default_value_t = 900)]
     timeout: u64,
+    /// NCCL communicators' `minCTAs` (1 to 64; needs --nccl-max-ctas). Default: NCCL's.
+    #[arg(long)]
+    nccl_min_ctas: Option<u32>,
+    /// NCCL communicators' `maxCTAs` (1 to 64). Default: NCCL's.
+    #[arg(long)]
+    nccl_max_ctas: Option<u32>,
+    /// NCCL communicators' `cgaClusterSize` (0 to 8). Default: NCCL's.
+    #[arg(long)]
+    nccl_cga_cluster_size: Option<u32>,
+    /// `NCCL_PROTO` for this process (LL, LL128 or Simple), set before its first communicator.
+    #[arg(long, value_parser = parse_proto)]
+    nccl_proto: Option<Protocol>,
+    /// `NCCL_ALGO` for this process (Ring or Tree), set before its first communicator.
+    #[arg(long, value_parser = parse_algo)]
+    nccl_algo: Option<Algorithm>,
+    /// Time all-reduces only (decode and prefill sizes, and 8 KB to 64 MB), no model.
+    #[arg(long)]
+    allreduce_only: bool,
+}
+
+fn parse_proto(s: &str) -> Result<Protocol, String> {
+    s.parse().map_err(|e: NcclError| e.to_string())
+}
+
+fn parse_algo(s: &str) -> Result<Algorithm, String> {
+    s.parse().map_err(|e: NcclError| e.to_string())
+}
+
+/// The NCCL settings of an invocation: its columns in every row and the suffix of its files.
+#[derive(Debug, Clone, Default)]
+struct Setting {
+    nccl_min_ctas: Option<u32>,
+    nccl_max_ctas: Option<u32>,
+    nccl_cga_cluster_size: Option<u32>,
+    /// Empty: NCCL's choice.
+    nccl_proto: String,
+    /// Empty: NCCL's choice.
+    nccl_algo: String,
+}
+
+impl Setting {
+    fn of(opts: &Options) -> Self {
+        Setting {
+            nccl_min_ctas: opts.nccl_min_ctas,
+            nccl_max_ctas: opts.nccl_max_ctas,
+            nccl_cga_cluster_size: opts.nccl_cga_cluster_size,
+            nccl_proto: opts.nccl_proto.map_or(String::new(), |p| p.name().into()),
+            nccl_algo: opts.nccl_algo.map_or(String::new(), |a| a.name().into()),
+        }
+    }
+
+    fn config(&self) -> NcclConfig {
+        let mut c = NcclConfig::default();
+        c.min_ctas = self.nccl_min_ctas;
+        c.max_ctas = self.nccl_max_ctas;
+        c.cga_cluster_size = self.nccl_cga_cluster_size;
+        c
+    }
+
+    /// `min16-max32-cga0-LL128-Ring`, the parts given; `default` for none.
+    fn label(&self) -> String {
+        let numbers =
+            [("min", self.nccl_min_ctas), ("max", self.nccl_max_ctas), ("cga", self.nccl_cga_cluster_size)];
+        let parts: Vec<String> = numbers
+            .iter()
+            .filter_map(|(k, v)| v.map(|v| format!("{k}{v}")))
+            .chain([&self.nccl_proto, &self.nccl_algo].into_iter().filter(|s| !s.is_empty()).cloned())
+            .collect();
+        if parts.is_empty() {
+            "default".into()
+        } else {
+            parts.join("-")
+        }
+    }
+
+    /// `-<label>` for a non-default setting, so a sweep's invocations keep their files.
+    fn file_suffix(&self) -> String {
+        match self.label().as_str() {
+            "default" => String::new(),
+            l => format!("-{l}"),
+        }
+    }
+}
+
+/// The option that sets an NCCL attribute or variable, for errors.
+fn cli_option(attribute: &str) -> &'static str {
+    match attribute {
+        "minCTAs" => "--nccl-min-ctas",
+        "maxCTAs" => "--nccl-max-ctas",
+        "cgaClusterSize" => "--nccl-cga-cluster-size",
+        nccl::PROTO_ENV => "--nccl-proto",
+        nccl::ALGO_ENV => "--nccl-algo",
+        _ => "an --nccl option",
+    }
+}
+
+/// An NCCL settings error as the option that caused it: `--nccl-min-ctas: NCCL minCTAs: ...`.
+fn option_error(e: NcclError) -> Error {
+    match &e {
+        NcclError::Config { option, .. } => format!("{}: {e}", cli_option(option)).into(),
+        _ => e.into(),
+    }
 }
 
 /// One rank count's measurements.
@@ -90,6 +204,12 @@ struct Row {
     floor_ms: f64,
     roofline_pct: f64,
     roofline_with_allreduce_pct: f64,
+    /// The NCCL setting's columns ([`Setting`]; the csv writer takes no flattened structs).
+    nccl_min_ctas: Option<u32>,
+    nccl_max_ctas: Option<u32>,
+    nccl_cga_cluster_size: Option<u32>,
+    nccl_proto: String,
+    nccl_algo: String,
     error: String,
 }
 
@@ -113,10 +233,19 @@ fn main() -> ExitCode {
                 "--ranks, --prompt, --batch, --steps and --reps must be non-empty and non-zero".into()
             );
         }
-        for &r in &opts.ranks {
-            ShardPlan::new(&cfg, r)?;
+        if opts.allreduce_only && opts.ranks.iter().all(|&r| r < 2) {
+            return Err("--allreduce-only needs a rank count above 1 in --ranks".into());
         }
-        Ok((cfg, source, Backends::parse(&opts.fuse)?))
+        if !opts.allreduce_only {
+            for &r in &opts.ranks {
+                ShardPlan::new(&cfg, r)?;
+            }
+        }
+        Setting::of(&opts).config().validate().map_err(option_error)?;
+        let backends = Backends::parse(&opts.fuse)?;
+        // Last, once every option is known good: NCCL reads these at its first communicator.
+        nccl::set_tuning_env(opts.nccl_proto, opts.nccl_algo).map_err(option_error)?;
+        Ok((cfg, source, backends))
     })();
     let (cfg, source, backends) = match plan {
         Ok(p) => p,
@@ -125,11 +254,25 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    let setting = Setting::of(&opts);
     if opts.ranks.iter().any(|&r| r > 1) {
         match nccl::library() {
             Ok((v, lib)) => println!("# NCCL {} ({lib})", nccl::version_string(v)),
             Err(e) => println!("# NCCL: {e}"),
         }
+        let env = |name: &str| std::env::var(name).unwrap_or_else(|_| "unset".into());
+        println!(
+            "# NCCL settings `{}`: {}, {}={}, {}={}",
+            setting.label(),
+            setting.config(),
+            nccl::PROTO_ENV,
+            env(nccl::PROTO_ENV),
+            nccl::ALGO_ENV,
+            env(nccl::ALGO_ENV)
+        );
+    }
+    if opts.allreduce_only {
+        return allreduce_only(&opts, &cfg, &setting);
     }
     let mut rows = Vec::new();
     for &ranks in &opts.ranks {
@@ -140,6 +283,11 @@ fn main() -> ExitCode {
             batch: opts.batch,
             prompt: opts.prompt,
             fuse: opts.fuse.clone(),
+            nccl_min_ctas: setting.nccl_min_ctas,
+            nccl_max_ctas: setting.nccl_max_ctas,
+            nccl_cga_cluster_size: setting.nccl_cga_cluster_size,
+            nccl_proto: setting.nccl_proto.clone(),
+            nccl_algo: setting.nccl_algo.clone(),
             ..Row::default()
         };
         if let Err(e) = measure(&opts, &cfg, &source, &backends, &mut row) {
@@ -184,7 +332,9 @@ fn main() -> ExitCode {
         );
     }
     match csv_and_markdown(&rows) {
-        Ok((csv, md)) => write_results(&format!("tp-{}-{}l", cfg.name, cfg.layers), &csv, &md),
+        Ok((csv, md)) => {
+            write_results(&format!("tp-{}-{}l{}", cfg.name, cfg.layers, setting.file_suffix()), &csv, &md)
+        }
         Err(e) => eprintln!("tp-bench: cannot write the results: {e}"),
     }
     ExitCode::SUCCESS
@@ -228,7 +378,9 @@ fn measure(
     // The prompt, a warm-up step, `steps` plain steps, `steps` replays and up to 8 timed from the caller.
     let max_seq = prompt + 2 * steps + 10;
     let t = Instant::now();
-    let options = TpOptions::default().with_timeout(Duration::from_secs(opts.timeout));
+    let options = TpOptions::default()
+        .with_timeout(Duration::from_secs(opts.timeout))
+        .with_nccl(Setting::of(opts).config());
     let mut tp = TpLlama::<bf16>::new(cfg, ranks, source, max_seq, options)?;
     println!("\n## {} ranks: loaded in {:.1} s", ranks, t.elapsed().as_secs_f64());
     for (r, info) in tp.device_info()?.iter().enumerate() {
@@ -315,31 +467,8 @@ fn measure(
     // The all-reduces alone, at a decode step's and a prefill's size.
     let hidden = cfg.hidden;
     let sizes = [batch * hidden, batch * prompt * hidden];
-    let allreduce = tp.each("all-reduce", move |r| {
-        if r.model.comm().is_none() {
-            return Ok(vec![0.0; 2]);
-        }
-        let stream = r.ctx.stream().clone();
-        let mut out = Vec::new();
-        for n in sizes {
-            let mut buf = stream.alloc_zeros::<bf16>(n).map_err(cudnn_llm::Error::from)?;
-            // 3 untimed, then 20 timed.
-            let mut reduce = |r: &mut Rank<bf16>, times: usize| -> cudnn_llm_llama::Result<()> {
-                let comm =
-                    r.model.comm().ok_or_else(|| cudnn_llm_llama::Error::Tp("no communicator".into()))?;
-                for _ in 0..times {
-                    comm.all_reduce_sum(&stream, &mut buf)?;
-                }
-                Ok(())
-            };
-            reduce(r, 3)?;
-            let ((), ms) = r.timed(|r| reduce(r, 20))?;
-            out.push(ms * 1e3 / 20.0);
-        }
-        Ok(out)
-    })?;
-    row.allreduce_decode_us = slowest(allreduce.iter().map(|v| v[0]).collect());
-    row.allreduce_prefill_us = slowest(allreduce.iter().map(|v| v[1]).collect());
+    let allreduce = allreduce_us(&mut tp, &sizes, 20)?;
+    (row.allreduce_decode_us, row.allreduce_prefill_us) = (allreduce[0], allreduce[1]);
     println!(
         "all-reduce: {:.1} us of {batch} x {hidden}, {:.1} us of {} x {hidden} (bf16)",
         row.allreduce_decode_us,
@@ -368,4 +497,137 @@ fn measure(
         row.roofline_with_allreduce_pct
     );
     Ok(())
+}
+
+/// Microseconds per in-place bf16 sum all-reduce of each size of `sizes` (elements), the slowest
+/// rank's: 3 untimed, then `timed` back to back on the rank's stream between CUDA events. 0 for one
+/// rank (no communicator).
+fn allreduce_us(tp: &mut TpLlama<bf16>, sizes: &[usize], timed: usize) -> Result<Vec<f64>, Error> {
+    let sizes = sizes.to_vec();
+    let n = sizes.len();
+    let per_rank = tp.each("all-reduce", move |r| {
+        if r.model.comm().is_none() {
+            return Ok(vec![0.0; sizes.len()]);
+        }
+        let stream = r.ctx.stream().clone();
+        let mut out = Vec::new();
+        for &n in &sizes {
+            let mut buf = stream.alloc_zeros::<bf16>(n).map_err(cudnn_llm::Error::from)?;
+            let mut reduce = |r: &mut Rank<bf16>, times: usize| -> cudnn_llm_llama::Result<()> {
+                let comm =
+                    r.model.comm().ok_or_else(|| cudnn_llm_llama::Error::Tp("no communicator".into()))?;
+                for _ in 0..times {
+                    comm.all_reduce_sum(&stream, &mut buf)?;
+                }
+                Ok(())
+            };
+            reduce(r, 3)?;
+            let ((), ms) = r.timed(|r| reduce(r, timed))?;
+            out.push(ms * 1e3 / timed as f64);
+        }
+        Ok(out)
+    })?;
+    Ok((0..n).map(|i| slowest(per_rank.iter().map(|v| v[i]).collect())).collect())
+}
+
+/// One all-reduce size of `--allreduce-only`.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+struct AllreduceRow {
+    ranks: usize,
+    /// `decode` (batch × hidden), `prefill` (batch·prompt × hidden) or `sweep`.
+    what: String,
+    elements: usize,
+    bytes: usize,
+    us: f64,
+    /// Bytes / time.
+    algbw_gbps: f64,
+    /// NCCL's bus bandwidth of an all-reduce: algbw · 2(n−1)/n.
+    busbw_gbps: f64,
+    /// As [`Row`]'s.
+    nccl_min_ctas: Option<u32>,
+    nccl_max_ctas: Option<u32>,
+    nccl_cga_cluster_size: Option<u32>,
+    nccl_proto: String,
+    nccl_algo: String,
+    error: String,
+}
+
+/// The sizes `--allreduce-only` times: a decode step's and the prefill's activations of `cfg`,
+/// then 8 KB to 64 MB of bf16 in powers of two.
+fn allreduce_sizes(cfg: &LlamaConfig, batch: usize, prompt: usize) -> Vec<(&'static str, usize)> {
+    let sweep = (13..=26).map(|p| ("sweep", (1usize << p) / 2));
+    [("decode", batch * cfg.hidden), ("prefill", batch * prompt * cfg.hidden)]
+        .into_iter()
+        .chain(sweep)
+        .collect()
+}
+
+/// `--allreduce-only`: for each rank count above 1, the ranks (holding a 1-layer tiny model, loaded
+/// in moments) time all-reduces of [`allreduce_sizes`]; printed and written.
+fn allreduce_only(opts: &Options, cfg: &LlamaConfig, setting: &Setting) -> ExitCode {
+    let sizes = allreduce_sizes(cfg, opts.batch, opts.prompt);
+    let stand_in = LlamaConfig::tiny().with_layers(1);
+    let mut rows = Vec::new();
+    for &ranks in opts.ranks.iter().filter(|&&r| r > 1) {
+        let row = |what: &str, elements: usize| AllreduceRow {
+            ranks,
+            what: what.into(),
+            elements,
+            bytes: 2 * elements,
+            nccl_min_ctas: setting.nccl_min_ctas,
+            nccl_max_ctas: setting.nccl_max_ctas,
+            nccl_cga_cluster_size: setting.nccl_cga_cluster_size,
+            nccl_proto: setting.nccl_proto.clone(),
+            nccl_algo: setting.nccl_algo.clone(),
+            ..AllreduceRow::default()
+        };
+        let t = Instant::now();
+        let measured = (|| -> Result<Vec<f64>, Error> {
+            let options = TpOptions::default()
+                .with_timeout(Duration::from_secs(opts.timeout))
+                .with_nccl(setting.config());
+            let mut tp =
+                TpLlama::<bf16>::new(&stand_in, ranks, &WeightSource::Random { seed: 0 }, 16, options)?;
+            let elements: Vec<usize> = sizes.iter().map(|s| s.1).collect();
+            allreduce_us(&mut tp, &elements, 50)
+        })();
+        match measured {
+            Ok(us) => {
+                println!(
+                    "\n## {ranks} ranks: {:.1} s\n{:>8} {:>12} {:>11} {:>10} {:>10}",
+                    t.elapsed().as_secs_f64(),
+                    "what",
+                    "bytes",
+                    "us",
+                    "algbw",
+                    "busbw"
+                );
+                for (&(what, elements), us) in sizes.iter().zip(us) {
+                    let mut r = row(what, elements);
+                    r.us = us;
+                    r.algbw_gbps = r.bytes as f64 / (us * 1e-6) / 1e9;
+                    r.busbw_gbps = r.algbw_gbps * 2.0 * (ranks - 1) as f64 / ranks as f64;
+                    println!(
+                        "{:>8} {:>12} {:>11.2} {:>6.1} GB/s {:>6.1} GB/s",
+                        r.what, r.bytes, r.us, r.algbw_gbps, r.busbw_gbps
+                    );
+                    rows.push(r);
+                }
+            }
+            Err(e) => {
+                eprintln!("tp-bench: {ranks} ranks: {e}");
+                rows.push(AllreduceRow { error: e.to_string(), ..row("all", 0) });
+            }
+        }
+    }
+    let failed = rows.iter().all(|r| !r.error.is_empty());
+    match csv_and_markdown(&rows) {
+        Ok((csv, md)) => write_results(&format!("tp-allreduce{}", setting.file_suffix()), &csv, &md),
+        Err(e) => eprintln!("tp-bench: cannot write the results: {e}"),
+    }
+    if failed {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    }
 }

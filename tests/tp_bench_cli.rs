@@ -1,0 +1,112 @@
+//! tp-bench's NCCL options without a GPU: bad values exit 2 naming the option before anything is
+//! opened, and a setting's values come out in the printed settings, the CSV columns and the file
+//! names (the all-reduce run itself fails here without two GPUs and NCCL, or runs where they are).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+/// The binary, where cargo built it or staged beside this test; `None` (said as SKIPPED) when neither.
+fn binary() -> Option<PathBuf> {
+    let found = cudnn_llm::bench_util::package_binary(env!("CARGO_BIN_EXE_tp-bench"), "tp-bench");
+    if found.is_none() {
+        eprintln!("SKIPPED: no tp-bench binary where cargo built it or staged beside this test");
+    }
+    found
+}
+
+#[test]
+fn bad_nccl_options_exit_2_naming_the_option() {
+    let Some(bin) = binary() else { return };
+    let cases: [(&[&str], &str, &str); 8] = [
+        (&["--nccl-max-ctas", "65"], "--nccl-max-ctas", "65 is not between 1 and 64"),
+        (&["--nccl-max-ctas", "0"], "--nccl-max-ctas", "0 is not between 1 and 64"),
+        (&["--nccl-min-ctas", "8", "--nccl-max-ctas", "4"], "--nccl-min-ctas", "8 is above maxCTAs 4"),
+        (&["--nccl-min-ctas", "8"], "--nccl-min-ctas", "needs maxCTAs"),
+        (&["--nccl-cga-cluster-size", "9"], "--nccl-cga-cluster-size", "9 is above 8"),
+        (&["--nccl-min-ctas=-1"], "--nccl-min-ctas", "invalid value"),
+        (&["--nccl-proto", "ll"], "--nccl-proto", "is not LL, LL128 or Simple"),
+        (&["--nccl-algo", "NVLS"], "--nccl-algo", "is not Ring or Tree"),
+    ];
+    for (args, option, why) in cases {
+        let out =
+            Command::new(&bin).args(args).env_remove("NCCL_PROTO").env_remove("NCCL_ALGO").output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(option) && err.contains(why) && !err.contains("panicked"), "{args:?}: {err}");
+        assert!(out.stdout.is_empty(), "{args:?}: nothing runs: {}", String::from_utf8_lossy(&out.stdout));
+    }
+    // A protocol the environment already sets otherwise: refused, not silently replaced.
+    let out = Command::new(&bin).args(["--nccl-proto", "Simple"]).env("NCCL_PROTO", "LL").output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--nccl-proto: NCCL NCCL_PROTO: is LL in the environment"), "{err}");
+    let out = Command::new(&bin).args(["--allreduce-only", "--ranks", "1"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--allreduce-only needs a rank count above 1"));
+}
+
+#[test]
+fn a_settings_values_are_printed_and_written_as_columns_and_file_names() {
+    let Some(bin) = binary() else { return };
+    let dir = std::env::temp_dir().join(format!("tp-bench-cli-{}", std::process::id()));
+    let args = [
+        "--allreduce-only",
+        "--ranks",
+        "2",
+        "--nccl-min-ctas",
+        "4",
+        "--nccl-max-ctas",
+        "8",
+        "--nccl-proto",
+        "LL128",
+        "--nccl-algo",
+        "Ring",
+        "--timeout",
+        "120",
+    ];
+    let out = Command::new(&bin)
+        .args(args)
+        .env("BENCH_RESULTS_DIR", &dir)
+        .env_remove("NCCL_PROTO")
+        .env_remove("NCCL_ALGO")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    // 0 where two GPUs and NCCL ran it, 1 where they are missing (the row says why).
+    assert!(matches!(out.status.code(), Some(0 | 1)), "{stdout}\n{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(
+        stdout.contains(
+            "# NCCL settings `min4-max8-LL128-Ring`: minCTAs=4 maxCTAs=8, NCCL_PROTO=LL128, NCCL_ALGO=Ring"
+        ),
+        "{stdout}"
+    );
+    let csv = std::fs::read_to_string(dir.join("tp-allreduce-min4-max8-LL128-Ring.csv")).unwrap();
+    let mut lines = csv.lines();
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    let col = |name: &str| {
+        header.iter().position(|h| *h == name).unwrap_or_else(|| panic!("no {name}: {header:?}"))
+    };
+    let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+    assert!(!rows.is_empty());
+    for row in &rows {
+        assert_eq!(
+            [
+                col("nccl_min_ctas"),
+                col("nccl_max_ctas"),
+                col("nccl_cga_cluster_size"),
+                col("nccl_proto"),
+                col("nccl_algo")
+            ]
+            .map(|c| row[c]),
+            ["4", "8", "", "LL128", "Ring"],
+            "{csv}"
+        );
+    }
+    if out.status.code() == Some(0) {
+        // 2 model sizes and 8 KB to 64 MB.
+        assert_eq!(rows.len(), 16, "{csv}");
+        assert!(rows.iter().all(|r| r[col("us")].parse::<f64>().unwrap() > 0.0), "{csv}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
