@@ -2,12 +2,13 @@
 //! wheel's `nvidia/nccl/lib` on LD_LIBRARY_PATH, or NCCL_LIBRARY naming its `libnccl.so.2`): two-rank
 //! logits against one-GPU logits of the same weights (tiny, 1B and 8B shapes; prefill, plain decode
 //! steps and replayed decode graphs), the collectives alone, and a failing or silent rank ending the
-//! call with an error instead of a hang; `speedup-report --tp 2` (per-rank rows with the all-reduce
+//! call with an error instead of a hang, communicators with CTA limits summing as the default ones; `speedup-report --tp 2` (per-rank rows with the all-reduce
 //! ranges, kernel totals against CUDA-event times, the scaling against one GPU). GPU tests are ignored by default; run them with
 //! `--include-ignored` on a machine with two GPUs.
 
 use cudnn_llm::cudnn_ops::reference::{compare, Tolerance};
 use cudnn_llm::cudnn_ops::Backend;
+use cudnn_llm::llama::nccl::NcclConfig;
 use cudnn_llm::llama::sampling::argmax;
 use cudnn_llm::llama::tp::{TpLlama, TpOptions, WeightSource};
 use cudnn_llm::llama::weights::Weights;
@@ -235,6 +236,62 @@ fn all_reduce_and_all_gather_across_two_gpus() {
             [10.0, 10.0, 10.0, 10.0, 20.0, 20.0, 20.0, 20.0]
         );
         println!("rank {rank}: all-reduce and all-gather exact");
+    }
+}
+
+/// Communicators made through `ncclCommInitRankConfig` with CTA limits (and a cluster size) sum
+/// exactly as `ncclCommInitAll`'s: integers in -100..=100 on each rank, whose sums bf16 holds
+/// exactly, at 1000 elements, a decode step's 4096 and a prefill's 2048 × 4096 (many channels).
+#[test]
+#[ignore = "needs 2 CUDA GPUs and NCCL"]
+fn communicators_with_cta_limits_all_reduce_exactly_as_the_default_ones() {
+    const SIZES: [usize; 3] = [1000, 4096, 2048 * 4096];
+    let value = |rank: usize, i: usize| ((i * 37 + rank * 11) % 201) as f32 - 100.0;
+    let reduce = |nccl: NcclConfig| -> Vec<Vec<Vec<f32>>> {
+        let mut tp = team(&LlamaConfig::tiny(), 2, 1, 16, TpOptions::default().with_nccl(nccl));
+        tp.each("all-reduces", move |r| {
+            let comm = r.model.comm().ok_or_else(|| Error::Tp("no communicator".into()))?;
+            let stream = r.ctx.stream();
+            let mut out = Vec::new();
+            for n in SIZES {
+                let values: Vec<bf16> = (0..n).map(|i| bf16::from_f32(value(r.index, i))).collect();
+                let mut buf = stream.clone_htod(&values).map_err(cudnn_llm::Error::from)?;
+                comm.all_reduce_sum(stream, &mut buf)?;
+                let summed = stream.clone_dtoh(&buf).map_err(cudnn_llm::Error::from)?;
+                out.push(summed.iter().map(|v| v.to_f32()).collect());
+            }
+            Ok(out)
+        })
+        .unwrap_or_else(|e| panic!("all-reduces with {nccl}: {e}"))
+    };
+    let want: Vec<Vec<f32>> =
+        SIZES.iter().map(|&n| (0..n).map(|i| value(0, i) + value(1, i)).collect()).collect();
+    let default = reduce(NcclConfig::default());
+    for (rank, got) in default.iter().enumerate() {
+        assert!(got == &want, "rank {rank}: the default communicators' sums are not exact");
+    }
+    let d = NcclConfig::default();
+    for nccl in [
+        d.with_min_ctas(1).with_max_ctas(1),
+        d.with_min_ctas(2).with_max_ctas(2),
+        d.with_min_ctas(16).with_max_ctas(32),
+        d.with_max_ctas(4).with_cga_cluster_size(0),
+    ] {
+        let got = reduce(nccl);
+        for rank in 0..2 {
+            for (k, n) in SIZES.iter().enumerate() {
+                let diff = got[rank][k]
+                    .iter()
+                    .zip(&default[rank][k])
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                assert_eq!(
+                    diff, 0,
+                    "{nccl}: rank {rank}, {n} elements: {diff} sums differ from the default communicators'"
+                );
+            }
+        }
+        println!("{nccl}: both ranks' sums of {SIZES:?} elements equal the default communicators' bit for bit (and exact)");
     }
 }
 
