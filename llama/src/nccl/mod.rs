@@ -400,6 +400,9 @@ struct Shared {
     lib: &'static raw::Lib,
     rank: usize,
     state: Mutex<State>,
+    /// The primary context a configured communicator was made in, held while it may live
+    /// (`ncclCommInitAll`'s hold their own through the CUDA runtime).
+    _context: Option<Arc<cudarc::driver::CudaContext>>,
 }
 
 impl Shared {
@@ -510,18 +513,23 @@ impl Comm {
         multicast_off()?;
         let lib = raw::load()?;
         COMMS_MADE.store(true, Ordering::SeqCst);
-        let raws = if config.is_default() {
-            lib.init_all(&ordinals)?
+        let raws: Vec<(raw::RawComm, Option<_>)> = if config.is_default() {
+            lib.init_all(&ordinals)?.into_iter().map(|raw| (raw, None)).collect()
         } else {
-            lib.init_all_config(&ordinals, config)?
+            lib.init_all_config(&ordinals, config)?.into_iter().map(|(raw, ctx)| (raw, Some(ctx))).collect()
         };
         let ranks = devices.len();
         Ok(raws
             .into_iter()
             .zip(devices)
             .enumerate()
-            .map(|(rank, (raw, &device))| Comm {
-                shared: Arc::new(Shared { lib, rank, state: Mutex::new(State::Live(raw)) }),
+            .map(|(rank, ((raw, context), &device))| Comm {
+                shared: Arc::new(Shared {
+                    lib,
+                    rank,
+                    state: Mutex::new(State::Live(raw)),
+                    _context: context,
+                }),
                 ranks,
                 device,
                 _not_sync: std::marker::PhantomData,

@@ -7,10 +7,11 @@
 
 use super::{Candidate, NcclConfig, NcclError, CONFIG_MIN_VERSION, LIBRARY_ENV, MIN_VERSION};
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
+use cudarc::driver::CudaContext;
 use cudarc::nccl::sys::{ncclComm_t, ncclDataType_t, ncclRedOp_t};
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 /// An `ncclResult_t` as the library returns it.
 type Status = c_uint;
@@ -292,12 +293,14 @@ impl Lib {
 
     /// The communicators of [`Lib::init_all`], made with `config` as `ncclCommInitAll` makes its
     /// own: a unique id, then in one group `ncclCommInitRankConfig` for rank i with GPU `devices[i]`
-    /// current. Leaves the calling thread's current context as it found it.
+    /// current. Leaves the calling thread's current context as it found it. Returns each rank's
+    /// communicator with the primary context it was made in, for the caller to hold while the
+    /// communicator lives (so that context outlives NCCL's resources in it).
     pub(crate) fn init_all_config(
         &self,
         devices: &[c_int],
         config: &NcclConfig,
-    ) -> Result<Vec<RawComm>, NcclError> {
+    ) -> Result<Vec<(RawComm, Arc<CudaContext>)>, NcclError> {
         let calls = match &self.config_calls {
             Some(calls) if self.version >= CONFIG_MIN_VERSION => calls,
             _ => {
@@ -318,6 +321,8 @@ impl Lib {
         // SAFETY: `id` is a valid out-pointer for a unique id.
         let status = unsafe { (calls.get_unique_id)(&mut id) };
         self.status(status, "ncclGetUniqueId", None)?;
+        // Restored at the end (nothing to restore when nothing was current).
+        let previous = cudarc::driver::result::ctx::get_current().ok().flatten();
         // NCCL takes a rank's GPU from the current device (`cudaGetDevice`), the device of the
         // thread's current context: GPU `devices[i]`'s primary context, opened before the group so
         // that every rank of it gets its call.
@@ -326,10 +331,9 @@ impl Lib {
             .map(|&d| {
                 let d =
                     usize::try_from(d).map_err(|_| NcclError::Argument(format!("GPU {d} is no ordinal")))?;
-                cudarc::driver::CudaContext::new(d).map_err(cuda_error)
+                CudaContext::new(d).map_err(cuda_error)
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let previous = cudarc::driver::result::ctx::get_current().map_err(cuda_error)?;
         let mut comms: Vec<ncclComm_t> = vec![std::ptr::null_mut(); devices.len()];
         // SAFETY: no arguments; the group end below follows whatever happens in between.
         let status = unsafe { (calls.group_start)() };
@@ -356,10 +360,9 @@ impl Lib {
             // SAFETY: the context that was current on entry, still retained by its owner.
             let _ = unsafe { cudarc::driver::result::ctx::set_current(ctx) };
         }
-        drop(contexts);
         first_error?;
         ended?;
-        Ok(comms.into_iter().map(RawComm).collect())
+        Ok(comms.into_iter().map(RawComm).zip(contexts).collect())
     }
 
     /// `ncclCommDestroy`: waits for the communicator's work, then frees it.
