@@ -345,7 +345,7 @@ impl Lib {
             let made = bound.and_then(|()| {
                 let mut cfg = ConfigV22800::from(config);
                 // SAFETY: `comm` is a valid out-pointer, `rank < n`, and `cfg` a live `ncclConfig_t`
-                // laid out as NCCL 2.28 declares it (asserted above), which NCCL copies in the call.
+                // laid out as NCCL 2.28 declares it (asserted where it is defined), copied by NCCL in the call.
                 let status = unsafe { (calls.comm_init_rank_config)(comm, n, id, rank as c_int, &mut cfg) };
                 self.status(status, "ncclCommInitRankConfig", None)
             });
