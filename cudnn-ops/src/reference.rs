@@ -26,6 +26,32 @@ pub fn rms_norm(
     (y, inv)
 }
 
+/// Greedy picks in f64: the pick word ([`crate::Pick::word`]) of each row of `logits` as
+/// [`crate::argmax`] writes it: the first NaN or +inf id of a row, else every logit -inf, else the
+/// largest logit's lowest id (values compared as given: pass them rounded to the logits' dtype).
+pub fn argmax_rows(logits: &[f64], args: crate::ArgmaxArgs) -> Vec<u32> {
+    use crate::Pick;
+    (0..args.rows)
+        .map(|r| {
+            let row = &logits[r * args.row_stride..r * args.row_stride + args.vocab];
+            if let Some(id) = row.iter().position(|v| v.is_nan() || *v == f64::INFINITY) {
+                let value = if row[id].is_nan() { f32::NAN } else { f32::INFINITY };
+                return Pick::Broken { id: id as u32, value }.word();
+            }
+            if row.iter().all(|v| *v == f64::NEG_INFINITY) {
+                return Pick::Masked.word();
+            }
+            let mut best = 0;
+            for (i, v) in row.iter().enumerate() {
+                if *v > row[best] {
+                    best = i;
+                }
+            }
+            Pick::Id(best as u32).word()
+        })
+        .collect()
+}
+
 /// Shape of a reference attention: Q `[batch, heads_q, seq_q, dim]`, K/V `[batch, heads_kv, seq_kv, dim]`,
 /// all packed BHSD. Exhaustive on purpose (built as a literal by tests and downstream checks): the
 /// reference's shape is complete, and six named dims read better than six positional ones.
