@@ -75,7 +75,9 @@ fn check<T: Element>(ctx: &Cudnn, seed: u64, rows: usize, vocab: usize, stride: 
             && got_ids[r] < vocab as u32
             && match (pick, &host) {
                 (Pick::Id(id), Ok(h)) => id == *h && got_ids[r] == id,
-                (_, Err(e)) => sampling::pick_result(pick).err().map(|d| d.to_string()) == Some(e.to_string()),
+                (_, Err(e)) => {
+                    sampling::pick_result(pick).err().map(|d| d.to_string()) == Some(e.to_string())
+                }
                 _ => false,
             };
         if !ok {

@@ -11,7 +11,9 @@
 
 use cudnn_llm::bench_util::gpu;
 use cudnn_llm::cudnn_ops::{Cudnn, DataType};
-use cudnn_llm::llama::generate::{DecodeMode, Generation, Generator, SamplingPath, StopReason, PIPELINE_STEPS};
+use cudnn_llm::llama::generate::{
+    DecodeMode, Generation, Generator, SamplingPath, StopReason, PIPELINE_STEPS,
+};
 use cudnn_llm::llama::sampling::{argmax, SamplingParams};
 use cudnn_llm::llama::tokenizer::tokenizers;
 use cudnn_llm::llama::weights::Weights;
@@ -707,7 +709,10 @@ fn device_path_equals_host_path(label: &str, cfg: &LlamaConfig, seed: u64, n: us
     let want = &host.tokens[..=k];
     let out = on_path(&ctx, &mut g, SamplingPath::Device, &prompt, n, &[eos], 0);
     assert_eq!((&out.tokens[..], out.stop), (want, StopReason::Eos(eos)), "{label}: eos");
-    assert!(out.overrun_steps > 0, "{label}: the stop at index {k} fell on a window's end: nothing rolled back");
+    assert!(
+        out.overrun_steps > 0,
+        "{label}: the stop at index {k} fell on a window's end: nothing rolled back"
+    );
     assert_eq!(g.len(), prompt.len() + k, "{label}: the cache after the stop");
 }
 

@@ -404,7 +404,9 @@ impl<T: Element> Generator<T> {
                 let picks = match j {
                     0 => {
                         self.model.decode(ctx, graph, &[id], &mut self.cache)?;
-                        graph.picks().ok_or_else(|| Error::Generate("a decode graph without the argmax".into()))?
+                        graph
+                            .picks()
+                            .ok_or_else(|| Error::Generate("a decode graph without the argmax".into()))?
                     }
                     _ => self.model.decode_next(ctx, graph, &mut self.cache)?,
                 };
@@ -415,8 +417,9 @@ impl<T: Element> Generator<T> {
             Ok(())
         };
         // The one wait: the copy of the words returns once every step has run.
-        let words = enqueue()
-            .and_then(|()| Ok(ctx.stream().clone_dtoh(&window.slice(..steps)).map_err(cudnn_llm_ops::Error::from)?));
+        let words = enqueue().and_then(|()| {
+            Ok(ctx.stream().clone_dtoh(&window.slice(..steps)).map_err(cudnn_llm_ops::Error::from)?)
+        });
         let words = match words {
             Ok(w) => w,
             Err(e) => {

@@ -450,7 +450,8 @@ impl<T: Element> Llama<T> {
             .map_err(cudnn_llm_ops::Error::from)?;
         let mut picks = match greedy {
             true => {
-                let mut picks = ctx.stream().alloc_zeros::<u32>(cache.batch).map_err(cudnn_llm_ops::Error::from)?;
+                let mut picks =
+                    ctx.stream().alloc_zeros::<u32>(cache.batch).map_err(cudnn_llm_ops::Error::from)?;
                 // Loads the kernel outside the capture: the picks of the zeroed logits, all id 0.
                 argmax(ctx, ArgmaxArgs::new(1, 1), ArgmaxOperands::new(&logits, &mut picks))?;
                 Some(picks)
@@ -485,7 +486,16 @@ impl<T: Element> Llama<T> {
             ));
         }
         let serial = next_id();
-        Ok(DecodeGraph { graph, logits, picks, serial, batch: cache.batch, cache_id: cache.id, acts_id, epoch })
+        Ok(DecodeGraph {
+            graph,
+            logits,
+            picks,
+            serial,
+            batch: cache.batch,
+            cache_id: cache.id,
+            acts_id,
+            epoch,
+        })
     }
 
     /// Replays a captured decode step for `tokens` (one per sequence) at the cache's current length,

@@ -373,8 +373,16 @@ mod tests {
             assert!(e.contains(what), "{logits:?}: {e}");
         }
         // A device pick of the same logits gives the same message.
-        let picks = [Pick::Masked, Pick::Broken { id: 1, value: f32::NAN }, Pick::Broken { id: 0, value: f32::INFINITY }];
-        for (logits, pick) in [(vec![f32::NEG_INFINITY; 3], picks[0]), (vec![1.0, f32::NAN], picks[1]), (vec![f32::INFINITY, 0.0], picks[2])] {
+        let picks = [
+            Pick::Masked,
+            Pick::Broken { id: 1, value: f32::NAN },
+            Pick::Broken { id: 0, value: f32::INFINITY },
+        ];
+        for (logits, pick) in [
+            (vec![f32::NEG_INFINITY; 3], picks[0]),
+            (vec![1.0, f32::NAN], picks[1]),
+            (vec![f32::INFINITY, 0.0], picks[2]),
+        ] {
             assert_eq!(pick_result(pick).unwrap_err().to_string(), argmax(&logits).unwrap_err().to_string());
         }
         assert_eq!(pick_result(Pick::Id(5)).unwrap(), 5);

@@ -98,7 +98,8 @@ impl ArgmaxArgs {
         ensure!(vocab < MAX_VOCAB, "argmax: a vocabulary of {vocab} does not fit a pick word (< 2^30)");
         ensure!(row_stride >= vocab, "argmax: row stride {row_stride} < vocabulary {vocab}");
         let last = checked::mul("argmax: (rows - 1) * row_stride", rows - 1, row_stride)?;
-        let need = checked::fits_i64("argmax: logits extent", checked::add("argmax: logits extent", last, vocab)?)?;
+        let need =
+            checked::fits_i64("argmax: logits extent", checked::add("argmax: logits extent", last, vocab)?)?;
         ensure!(logits >= need, "argmax: logits have {logits} elements, need {need}");
         ensure!(picks >= rows, "argmax: {picks} picks for {rows} rows");
         if let Some(ids) = ids {
@@ -189,7 +190,10 @@ mod tests {
             (a.with_row_stride(usize::MAX / 2 + 1), (usize::MAX, 3, None), "overflows"),
         ] {
             let e = bad.check(l, p, i).unwrap_err();
-            assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains(expected), "{expected}: {e}");
+            assert!(
+                matches!(e, Error::InvalidArgument(_)) && e.to_string().contains(expected),
+                "{expected}: {e}"
+            );
         }
         assert!(suffix(DataType::I32).unwrap_err().is_not_supported());
     }
