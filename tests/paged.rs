@@ -699,7 +699,7 @@ fn continuous_batching_picks_greedy_rows_on_the_device_beside_a_sampled_request(
         let all = [&prompts[sampled][..], &ids[..ids.len() - 1]].concat();
         let model = generator.model_mut();
         let mut cache = model.cache(&ctx, 1, all.len()).unwrap();
-        model.forward(&ctx, &[all.clone()], &mut cache, &fused, &mut NoObserver).unwrap();
+        model.forward(&ctx, std::slice::from_ref(&all), &mut cache, &fused, &mut NoObserver).unwrap();
         let dev = model.logits(&ctx, all.len(), &fused, &mut NoObserver).unwrap();
         let rows: Vec<Vec<f32>> = ctx
             .stream()

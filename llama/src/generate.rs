@@ -113,7 +113,8 @@ pub struct Generation {
     /// copied to the host, and the first sampling): time to first token.
     pub prefill: Duration,
     /// Wall time of the decode steps: each step's forward, its logits copied to the host, and the
-    /// sampling of the next id (the callback is not timed).
+    /// sampling of the next id; on the device path, each window's steps enqueued and its ids read
+    /// back, steps later rolled back included (the callback is not timed).
     pub decode: Duration,
     /// Decode steps run (`tokens.len() - 1`: the last id needs no forward).
     pub decode_steps: usize,
