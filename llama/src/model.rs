@@ -87,6 +87,10 @@ pub struct KvCache<T> {
     /// `kv_lens` and `q_lens` clamped into the cache's capacity, once per fused decode step, for every
     /// layer's attention.
     seq_lens: SeqLens,
+    /// `[max_seq + 1, batch]`: row `p` is `p` for every sequence, the source of the device-to-device
+    /// copies that set `positions` and `kv_lens` for a step enqueued ahead ([`Llama::decode_next`]),
+    /// where a host upload could wait for the stream.
+    ramp: CudaSlice<i32>,
     id: u64,
 }
 
@@ -320,7 +324,21 @@ impl<T: Element> Llama<T> {
         let q_lens = s.clone_htod(&vec![1i32; batch]).map_err(cudnn_llm_ops::Error::from)?;
         let positions = s.alloc_zeros::<i32>(batch).map_err(cudnn_llm_ops::Error::from)?;
         let seq_lens = SeqLens::new(ctx, batch, 1, max_seq)?;
-        Ok(KvCache { k, v, batch, max_seq, len: 0, kv_lens, q_lens, positions, seq_lens, id: next_id() })
+        let ramp: Vec<i32> = (0..=max_seq as i32).flat_map(|p| std::iter::repeat_n(p, batch)).collect();
+        let ramp = s.clone_htod(&ramp).map_err(cudnn_llm_ops::Error::from)?;
+        Ok(KvCache {
+            k,
+            v,
+            batch,
+            max_seq,
+            len: 0,
+            kv_lens,
+            q_lens,
+            positions,
+            seq_lens,
+            ramp,
+            id: next_id(),
+        })
     }
 
     fn activations(&mut self, ctx: &Cudnn, rows: usize) -> Result<()> {
@@ -558,7 +576,7 @@ impl<T: Element> Llama<T> {
                 cache.len, cache.max_seq
             )));
         }
-        Self::upload_positions(ctx, cache)?;
+        Self::advance_positions(ctx, cache)?;
         self.replay(ctx, graph, cache)?;
         Ok(graph.picks.as_ref().expect("checked above"))
     }
@@ -671,6 +689,17 @@ impl<T: Element> Llama<T> {
         s.memcpy_htod(&lens, &mut cache.kv_lens).map_err(cudnn_llm_ops::Error::from)?;
         let positions = vec![cache.len as i32; cache.batch];
         s.memcpy_htod(&positions, &mut cache.positions).map_err(cudnn_llm_ops::Error::from)?;
+        Ok(())
+    }
+
+    /// [`Llama::upload_positions`] by device-to-device copies from the cache's ramp (the host never
+    /// waits for the stream, which a host-to-device copy from pageable memory may do).
+    fn advance_positions(ctx: &Cudnn, cache: &mut KvCache<T>) -> Result<()> {
+        let (b, len) = (cache.batch, cache.len);
+        let s = ctx.stream();
+        let at = |p: usize| cache.ramp.slice(p * b..(p + 1) * b);
+        s.memcpy_dtod(&at(len + 1), &mut cache.kv_lens).map_err(cudnn_llm_ops::Error::from)?;
+        s.memcpy_dtod(&at(len), &mut cache.positions).map_err(cudnn_llm_ops::Error::from)?;
         Ok(())
     }
 
