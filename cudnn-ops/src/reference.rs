@@ -438,6 +438,32 @@ mod tests {
     use half::bf16;
 
     #[test]
+    fn the_reference_argmax_ties_low_and_flags_unsampleable_rows() {
+        let (ni, pi, nan) = (f64::NEG_INFINITY, f64::INFINITY, f64::NAN);
+        let rows = [
+            vec![0.5, 2.0, 2.0, 1.9],
+            vec![ni, -5.0, ni, -5.0],
+            vec![ni, ni, ni, ni],
+            vec![1.0, nan, pi, 3.0],
+            vec![pi, nan, 0.0, 0.0],
+            vec![-0.0, 0.0, -1.0, ni],
+        ];
+        let flat: Vec<f64> = rows.concat();
+        let words = argmax_rows(&flat, crate::ArgmaxArgs::new(rows.len(), 4));
+        let picks: Vec<crate::Pick> = words.into_iter().map(crate::Pick::from_word).collect();
+        assert_eq!(picks[0], crate::Pick::Id(1));
+        assert_eq!(picks[1], crate::Pick::Id(1));
+        assert_eq!(picks[2], crate::Pick::Masked);
+        assert!(matches!(picks[3], crate::Pick::Broken { id: 1, value } if value.is_nan()), "{:?}", picks[3]);
+        assert_eq!(picks[4], crate::Pick::Broken { id: 0, value: f32::INFINITY });
+        assert_eq!(picks[5], crate::Pick::Id(0), "-0 equals +0: the lower id");
+        // A stride skips the elements between rows.
+        let strided = [1.0, 3.0, 99.0, 4.0, 2.0, 99.0];
+        let w = argmax_rows(&strided, crate::ArgmaxArgs::new(2, 2).with_row_stride(3));
+        assert_eq!(w, vec![1, 0]);
+    }
+
+    #[test]
     fn ragged_attention_is_each_sequence_alone() {
         // Two sequences (3 and 1 tokens), 4/2 heads of 8: each sequence's output is its own padded
         // attention's, and the single token sees only itself (its output is its V head).

@@ -172,7 +172,6 @@ pub fn argmax<T: Element>(ctx: &Cudnn, args: ArgmaxArgs, x: ArgmaxOperands<'_, T
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::reference;
 
     #[test]
     fn shapes_and_lengths_are_checked() {
@@ -213,31 +212,5 @@ mod tests {
             Pick::Broken { id: 3, value } => assert!(value.is_nan()),
             other => panic!("{other:?}"),
         }
-    }
-
-    #[test]
-    fn the_reference_argmax_ties_low_and_flags_unsampleable_rows() {
-        let (ni, pi, nan) = (f64::NEG_INFINITY, f64::INFINITY, f64::NAN);
-        let rows = [
-            vec![0.5, 2.0, 2.0, 1.9],
-            vec![ni, -5.0, ni, -5.0],
-            vec![ni, ni, ni, ni],
-            vec![1.0, nan, pi, 3.0],
-            vec![pi, nan, 0.0, 0.0],
-            vec![-0.0, 0.0, -1.0, ni],
-        ];
-        let flat: Vec<f64> = rows.concat();
-        let words = reference::argmax_rows(&flat, ArgmaxArgs::new(rows.len(), 4));
-        let picks: Vec<Pick> = words.into_iter().map(Pick::from_word).collect();
-        assert_eq!(picks[0], Pick::Id(1));
-        assert_eq!(picks[1], Pick::Id(1));
-        assert_eq!(picks[2], Pick::Masked);
-        assert!(matches!(picks[3], Pick::Broken { id: 1, value } if value.is_nan()), "{:?}", picks[3]);
-        assert_eq!(picks[4], Pick::Broken { id: 0, value: f32::INFINITY });
-        assert_eq!(picks[5], Pick::Id(0), "-0 equals +0: the lower id");
-        // A stride skips the elements between rows.
-        let strided = [1.0, 3.0, 99.0, 4.0, 2.0, 99.0];
-        let w = reference::argmax_rows(&strided, ArgmaxArgs::new(2, 2).with_row_stride(3));
-        assert_eq!(w, vec![1, 0]);
     }
 }
