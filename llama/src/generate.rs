@@ -69,21 +69,6 @@ pub enum SamplingPath {
     Host,
 }
 
-impl SamplingPath {
-    /// `"device"` or `"host"`.
-    pub fn name(self) -> &'static str {
-        match self {
-            SamplingPath::Device => "device",
-            SamplingPath::Host => "host",
-        }
-    }
-
-    /// The path named by [`SamplingPath::name`].
-    pub fn parse(s: &str) -> Option<Self> {
-        [SamplingPath::Device, SamplingPath::Host].into_iter().find(|p| p.name() == s)
-    }
-}
-
 /// Decode steps [`Generator::generate`] enqueues before it reads their ids back, on the device path.
 pub const PIPELINE_STEPS: usize = 16;
 
