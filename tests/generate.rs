@@ -11,7 +11,9 @@
 
 use cudnn_llm::bench_util::gpu;
 use cudnn_llm::cudnn_ops::{Cudnn, DataType};
-use cudnn_llm::llama::generate::{DecodeMode, Generator, StopReason};
+use cudnn_llm::llama::generate::{
+    DecodeMode, Generation, Generator, SamplingPath, StopReason, PIPELINE_STEPS,
+};
 use cudnn_llm::llama::sampling::{argmax, SamplingParams};
 use cudnn_llm::llama::tokenizer::tokenizers;
 use cudnn_llm::llama::weights::Weights;
@@ -543,6 +545,13 @@ fn generate_binary_streams_text_and_reports_rates() {
     assert!(err.contains(" 0 loaded from") && !err.contains(" 0 saved"), "{err}");
     let (_, err) = run(&[]);
     assert!(!err.contains(" 0 loaded from") && err.contains("(0 rejected)"), "{err}");
+    // The device sampling path (the default) and the host path give the same ids (the plans, and so
+    // the bits, come from the plan directory), and each says which ran.
+    let (_, device) = run(&["--ids"]);
+    let (_, host) = run(&["--ids", "--sampling-path", "host"]);
+    assert!(device.contains("generate: sampling: device greedy, pipelined"), "{device}");
+    assert!(host.contains("generate: sampling: host") && host.contains("--sampling-path host"), "{host}");
+    assert_eq!(printed_ids(&device), printed_ids(&host), "the device vs the host sampling path");
     // With all-naive kernels (no autotuned engine choice, so the same bits in any process) the text
     // is what the tokenizer decodes from the library's greedy ids.
     let (text, _) = run(&["--fuse", ""]);
@@ -624,4 +633,106 @@ fn generate_tp2_gives_the_greedy_ids_of_one_gpu() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
     std::fs::remove_dir_all(&plans).unwrap();
+}
+
+/// Greedy generation of `n` ids after `prompt` in graph mode on `path`, stopping at `stop` or when
+/// `brk` ids are out (the callback's break).
+fn on_path(
+    ctx: &Cudnn,
+    g: &mut Generator<bf16>,
+    path: SamplingPath,
+    prompt: &[u32],
+    n: usize,
+    stop: &[u32],
+    brk: usize,
+) -> Generation {
+    g.set_sampling_path(path);
+    let mut seen = 0;
+    let out = g
+        .generate(ctx, prompt, n, &mut Sampler::greedy(), stop, |_| {
+            seen += 1;
+            if seen == brk {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
+        })
+        .unwrap();
+    assert_eq!(seen, out.tokens.len(), "{path:?}: the callback sees every id");
+    out
+}
+
+/// The device path (argmax in the captured step, pipelined) gives the host path's ids, stop and
+/// generator state: to `n` ids, to an end-of-sequence id inside a window, and to a callback's break;
+/// after each, one more step on both gives the same next id.
+fn device_path_equals_host_path(label: &str, cfg: &LlamaConfig, seed: u64, n: usize) {
+    let ctx = gpu();
+    let w = Weights::<bf16>::random(cfg, seed);
+    let prompt: Vec<u32> = vec![BOS, 7, 300, 42, 99, 12];
+    let max_seq = prompt.len() + n + 1;
+    let model = Llama::new(&ctx, cfg, &w, max_seq).unwrap();
+    let fused = Backends::all(cudnn_llm::Backend::Fused);
+    // SAFETY: this test uses one thread and no other stream.
+    let mut g = unsafe { Generator::new(&ctx, model, fused, max_seq).unwrap().with_mode(DecodeMode::Graph) };
+    let host = on_path(&ctx, &mut g, SamplingPath::Host, &prompt, n, &[], 0);
+    assert!(g.graph_refusal().is_none(), "{label}: {:?}", g.graph_refusal());
+    let device = on_path(&ctx, &mut g, SamplingPath::Device, &prompt, n, &[], 0);
+    println!("{label}: host   {:?}\n{label}: device {:?}", host.tokens, device.tokens);
+    println!(
+        "{label}: {} of {} steps picked on the device, {} rolled back; host {:.3} ms/step, device {:.3} ms/step",
+        device.device_steps,
+        device.decode_steps,
+        device.overrun_steps,
+        host.decode.as_secs_f64() * 1e3 / host.decode_steps as f64,
+        device.decode.as_secs_f64() * 1e3 / device.decode_steps as f64
+    );
+    assert_eq!(device.tokens, host.tokens, "{label}: ids of the device path vs the host path");
+    assert_eq!((device.stop, host.stop), (StopReason::MaxTokens, StopReason::MaxTokens));
+    assert_eq!(host.device_steps, 0, "{label}: the host path picked on the device");
+    assert!(device.device_steps >= n - 2, "{label}: only {} steps pipelined", device.device_steps);
+    let distinct: std::collections::HashSet<_> = host.tokens.iter().collect();
+    assert!(distinct.len() > 2, "{label}: a random model that repeats an id tests little: {:?}", host.tokens);
+    // An end-of-sequence id first produced mid-window (index 5 or later; every step after the first
+    // is pipelined, so windows end at the ids k·PIPELINE_STEPS), and a break mid-window.
+    let k = (5..n)
+        .find(|&k| k % PIPELINE_STEPS != 0 && !host.tokens[..k].contains(&host.tokens[k]))
+        .unwrap_or_else(|| panic!("{label}: no new id after index 5 to stop at: {:?}", host.tokens));
+    let eos = host.tokens[k];
+    for (what, stop, brk) in [("eos", vec![eos], 0), ("break", vec![], 7)] {
+        let mut states = Vec::new();
+        for path in [SamplingPath::Host, SamplingPath::Device] {
+            let out = on_path(&ctx, &mut g, path, &prompt, n, &stop, brk);
+            let tokens = g.tokens().to_vec();
+            // One more step from where the generation stopped: the cache holds the same K/V.
+            let next = argmax(&g.step(&ctx, *out.tokens.last().unwrap()).unwrap()).unwrap();
+            println!(
+                "{label} {what} {path:?}: {:?}, stopped by {:?}, {} rolled back, then {next}",
+                out.tokens, out.stop, out.overrun_steps
+            );
+            states.push((out.tokens, out.stop, tokens, next));
+        }
+        assert_eq!(states[0], states[1], "{label} {what}: host vs device (ids, stop, cached ids, next id)");
+    }
+    let want = &host.tokens[..=k];
+    let out = on_path(&ctx, &mut g, SamplingPath::Device, &prompt, n, &[eos], 0);
+    assert_eq!((&out.tokens[..], out.stop), (want, StopReason::Eos(eos)), "{label}: eos");
+    assert!(
+        out.overrun_steps > 0,
+        "{label}: the stop at index {k} fell on a window's end: nothing rolled back"
+    );
+    assert_eq!(g.len(), prompt.len() + k, "{label}: the cache after the stop");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn device_greedy_equals_host_greedy_tiny() {
+    let mut cfg = LlamaConfig::tiny();
+    cfg.tie_embeddings = false;
+    device_path_equals_host_path("tiny", &cfg, 31, 40);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn device_greedy_equals_host_greedy_llama_3_1_8b_2_layers() {
+    device_path_equals_host_path("8b-2-layers", &LlamaConfig::llama_3_1_8b().with_layers(2), 32, 24);
 }

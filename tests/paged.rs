@@ -21,7 +21,7 @@ use cudnn_llm::cudnn_ops::{
 use cudnn_llm::llama::generate::{DecodeMode, Generator};
 use cudnn_llm::llama::sampling::{argmax, SamplingParams};
 use cudnn_llm::llama::weights::Weights;
-use cudnn_llm::llama::{Backends, BatchConfig, BatchEngine, Llama, LlamaConfig};
+use cudnn_llm::llama::{Backends, BatchConfig, BatchEngine, Llama, LlamaConfig, NoObserver};
 use half::bf16;
 
 /// Attention outputs against the f64 reference and against each other, as `tests/sdpa_decode.rs`.
@@ -616,6 +616,122 @@ fn continuous_batching_equals_each_request_alone() {
     assert_eq!((engine.live(), engine.free_pages()), (1, 0));
     engine.remove(id).unwrap();
     assert_eq!(engine.free_pages(), 3);
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+}
+
+/// The top-`k` cut of `row` with a near-tie margin: `id`'s logit is at least the `k`-th largest less
+/// [`TIE`] × the row's RMS.
+fn in_top_k(row: &[f32], id: u32, k: usize) -> bool {
+    let mut sorted = row.to_vec();
+    sorted.sort_by(|a, b| b.total_cmp(a));
+    row[id as usize] >= sorted[k - 1] - TIE * rms(row)
+}
+
+/// Continuous batching with greedy rows picked on the device and one sampled request in the batch
+/// (its rows copied to the host and sampled there): 5 requests, at most 4 at once, in launch and in
+/// graph mode. Every greedy request gets the ids it gets alone; the sampled request draws only from
+/// the top-k of its own logits (a teacher-forced forward over its own sequence), not always the
+/// argmax, and draws the same ids in both modes (the same kernels, the same seed).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn continuous_batching_picks_greedy_rows_on_the_device_beside_a_sampled_request() {
+    const TOP_K: usize = 20;
+    let ctx = gpu();
+    let cfg = LlamaConfig::tiny();
+    let w = Weights::<bf16>::random(&cfg, 4);
+    let max_seq = 80;
+    let prompts: Vec<Vec<u32>> = [7usize, 21, 4, 30, 11]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            reference::random_values(70 + i as u64, n)
+                .iter()
+                .map(|v| ((v * 0.5 + 0.5) * 511.0) as u32)
+                .collect()
+        })
+        .collect();
+    let outputs = [14usize, 9, 24, 18, 10];
+    let sampled = 2;
+    let params = |r: usize| match r == sampled {
+        true => SamplingParams::new(0.8, 7).with_top_k(TOP_K),
+        false => SamplingParams::greedy(),
+    };
+    let fused = Backends::parse("fused=all").unwrap();
+    let mut generator =
+        Generator::new(&ctx, Llama::new(&ctx, &cfg, &w, max_seq).unwrap(), fused.clone(), max_seq).unwrap();
+    let want: Vec<(Vec<u32>, Vec<Vec<f32>>)> =
+        prompts.iter().zip(outputs).map(|(p, n)| alone(&ctx, &mut generator, p, n)).collect();
+    let mut failures = Vec::new();
+    let mut sampled_ids = Vec::new();
+    for mode in [DecodeMode::Launch, DecodeMode::Graph] {
+        let model = Llama::new(&ctx, &cfg, &w, max_seq).unwrap();
+        let bc = BatchConfig::new(4, max_seq, 16).with_reserve_rows(64);
+        // SAFETY: this test uses one thread and no other stream.
+        let mut engine = unsafe { BatchEngine::new(&ctx, model, fused.clone(), bc).unwrap().with_mode(mode) };
+        let (mut next, mut got) = (0, vec![Vec::new(); prompts.len()]);
+        let mut handles = std::collections::HashMap::new();
+        let mut step = 0;
+        while next < prompts.len() || engine.live() > 0 {
+            if next < prompts.len() && engine.live() < 4 && step % 2 == 0 {
+                let (id, first) = engine.add(&ctx, &prompts[next], params(next)).unwrap();
+                got[next].push(first);
+                handles.insert(id, next);
+                next += 1;
+            }
+            for (id, r) in handles.clone() {
+                if got[r].len() == outputs[r] {
+                    engine.remove(id).unwrap();
+                    handles.remove(&id);
+                }
+            }
+            for (id, t) in engine.step(&ctx).unwrap() {
+                got[handles[&id]].push(t);
+            }
+            step += 1;
+        }
+        for (r, ids) in got.iter().enumerate().filter(|(r, _)| *r != sampled) {
+            if let Some(f) = same_ids(&format!("{mode:?} request {r}"), ids, &want[r].0, &want[r].1) {
+                failures.push(f);
+            }
+        }
+        // The sampled request against the logits of its own sequence.
+        let ids = &got[sampled];
+        let all = [&prompts[sampled][..], &ids[..ids.len() - 1]].concat();
+        let model = generator.model_mut();
+        let mut cache = model.cache(&ctx, 1, all.len()).unwrap();
+        model.forward(&ctx, std::slice::from_ref(&all), &mut cache, &fused, &mut NoObserver).unwrap();
+        let dev = model.logits(&ctx, all.len(), &fused, &mut NoObserver).unwrap();
+        let rows: Vec<Vec<f32>> = ctx
+            .stream()
+            .clone_dtoh(&dev)
+            .unwrap()
+            .chunks(cfg.vocab)
+            .map(|r| r.iter().map(|v| v.to_f32()).collect())
+            .collect();
+        let start = prompts[sampled].len() - 1;
+        let outside: Vec<usize> =
+            (0..ids.len()).filter(|&i| !in_top_k(&rows[start + i], ids[i], TOP_K)).collect();
+        let not_argmax = (0..ids.len()).filter(|&i| argmax(&rows[start + i]).unwrap() != ids[i]).count();
+        println!("{mode:?}: sampled request {ids:?}: {not_argmax} ids not the argmax, outside the top {TOP_K}: {outside:?}");
+        if !outside.is_empty() {
+            failures.push(format!(
+                "{mode:?}: sampled ids {outside:?} are outside the top {TOP_K} of their logits"
+            ));
+        }
+        if not_argmax == 0 {
+            failures.push(format!("{mode:?}: the sampled request drew the argmax every time: {ids:?}"));
+        }
+        if mode == DecodeMode::Graph && (engine.graph_refusal().is_some() || !engine.replaying(4)) {
+            failures.push(format!("graph mode did not replay: {:?}", engine.graph_refusal()));
+        }
+        sampled_ids.push(ids.clone());
+    }
+    if sampled_ids[0] != sampled_ids[1] {
+        failures.push(format!(
+            "the sampled request drew other ids in launch and graph mode (same kernels and seed): {:?} vs {:?}",
+            sampled_ids[0], sampled_ids[1]
+        ));
+    }
     assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
 }
 

@@ -70,6 +70,7 @@ pub use kernels::KernelRun;
 pub use kv_cache::{
     AttendForm, KvCache, KvCacheShape, PageAllocator, PagedForm, PagedKvCache, PagedKvShape, QkvRows, SeqId,
 };
+pub use ops::argmax::{argmax, ArgmaxArgs, ArgmaxOperands, Pick};
 pub use ops::loss::{cross_entropy, CrossEntropyArgs, CrossEntropyOperands, Logits};
 pub use ops::matmul::{
     linear_backward_data, linear_backward_weight, matmul, swiglu_down_backward, Activation, BufferLens,

@@ -26,6 +26,32 @@ pub fn rms_norm(
     (y, inv)
 }
 
+/// Greedy picks in f64: the pick word ([`crate::Pick::word`]) of each row of `logits` as
+/// [`crate::argmax`] writes it: the first NaN or +inf id of a row, else every logit -inf, else the
+/// largest logit's lowest id (values compared as given: pass them rounded to the logits' dtype).
+pub fn argmax_rows(logits: &[f64], args: crate::ArgmaxArgs) -> Vec<u32> {
+    use crate::Pick;
+    (0..args.rows)
+        .map(|r| {
+            let row = &logits[r * args.row_stride..r * args.row_stride + args.vocab];
+            if let Some(id) = row.iter().position(|v| v.is_nan() || *v == f64::INFINITY) {
+                let value = if row[id].is_nan() { f32::NAN } else { f32::INFINITY };
+                return Pick::Broken { id: id as u32, value }.word();
+            }
+            if row.iter().all(|v| *v == f64::NEG_INFINITY) {
+                return Pick::Masked.word();
+            }
+            let mut best = 0;
+            for (i, v) in row.iter().enumerate() {
+                if *v > row[best] {
+                    best = i;
+                }
+            }
+            Pick::Id(best as u32).word()
+        })
+        .collect()
+}
+
 /// Shape of a reference attention: Q `[batch, heads_q, seq_q, dim]`, K/V `[batch, heads_kv, seq_kv, dim]`,
 /// all packed BHSD. Exhaustive on purpose (built as a literal by tests and downstream checks): the
 /// reference's shape is complete, and six named dims read better than six positional ones.
@@ -410,6 +436,32 @@ pub fn decode_fused<T: Element>(
 mod tests {
     use super::*;
     use half::bf16;
+
+    #[test]
+    fn the_reference_argmax_ties_low_and_flags_unsampleable_rows() {
+        let (ni, pi, nan) = (f64::NEG_INFINITY, f64::INFINITY, f64::NAN);
+        let rows = [
+            vec![0.5, 2.0, 2.0, 1.9],
+            vec![ni, -5.0, ni, -5.0],
+            vec![ni, ni, ni, ni],
+            vec![1.0, nan, pi, 3.0],
+            vec![pi, nan, 0.0, 0.0],
+            vec![-0.0, 0.0, -1.0, ni],
+        ];
+        let flat: Vec<f64> = rows.concat();
+        let words = argmax_rows(&flat, crate::ArgmaxArgs::new(rows.len(), 4));
+        let picks: Vec<crate::Pick> = words.into_iter().map(crate::Pick::from_word).collect();
+        assert_eq!(picks[0], crate::Pick::Id(1));
+        assert_eq!(picks[1], crate::Pick::Id(1));
+        assert_eq!(picks[2], crate::Pick::Masked);
+        assert!(matches!(picks[3], crate::Pick::Broken { id: 1, value } if value.is_nan()), "{:?}", picks[3]);
+        assert_eq!(picks[4], crate::Pick::Broken { id: 0, value: f32::INFINITY });
+        assert_eq!(picks[5], crate::Pick::Id(0), "-0 equals +0: the lower id");
+        // A stride skips the elements between rows.
+        let strided = [1.0, 3.0, 99.0, 4.0, 2.0, 99.0];
+        let w = argmax_rows(&strided, crate::ArgmaxArgs::new(2, 2).with_row_stride(3));
+        assert_eq!(w, vec![1, 0]);
+    }
 
     #[test]
     fn ragged_attention_is_each_sequence_alone() {

@@ -18,6 +18,10 @@
 //! stale (a longer prefill reallocated the activations, a shared buffer grew) is captured again; a
 //! step that cannot be captured runs plainly and [`BatchEngine::graph_refusal`] says why.
 //!
+//! Greedy sequences get their next id on the device: after the step's logits, one argmax launch over
+//! the rows ([`cudnn_llm_ops::argmax`]) and a copy of one pick word per row, instead of every row's
+//! logits; a sampled sequence's row of logits alone is copied to the host and sampled there.
+//!
 //! Attention reads K and V through the page tables (cuDNN's paged SDPA, 9.15+, or the split-KV kernel
 //! before); where that is refused the cache falls back to the contiguous form explicitly and records
 //! why ([`BatchEngine::paged_refusal`]).
@@ -25,9 +29,10 @@
 use crate::backends::Backends;
 use crate::generate::DecodeMode;
 use crate::model::{Llama, NoObserver, PagedCache, PagedDecodeGraph};
-use crate::sampling::{Sampler, SamplingParams};
+use crate::sampling::{pick_result, Sampler, SamplingParams};
 use crate::{Error, Result};
-use cudnn_llm_ops::{Cudnn, Element, PageOrder, PagedForm, SeqId};
+use cudnn_llm_ops::cudarc::driver::CudaSlice;
+use cudnn_llm_ops::{argmax, ArgmaxArgs, ArgmaxOperands, Cudnn, Element, PageOrder, PagedForm, Pick, SeqId};
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 /// The shape of a [`BatchEngine`]'s cache and launches.
@@ -140,6 +145,8 @@ pub struct BatchEngine<T: Element> {
     refusal: Option<String>,
     /// The attention form of the last decode step's forward (a replay runs the captured one's).
     decode_form: Option<PagedForm>,
+    /// The pick words of a step's greedy rows (`max_batch`, allocated by the first step).
+    picks: Option<CudaSlice<u32>>,
 }
 
 impl<T: Element> BatchEngine<T> {
@@ -161,6 +168,7 @@ impl<T: Element> BatchEngine<T> {
             graphs: HashMap::new(),
             refusal: None,
             decode_form: None,
+            picks: None,
         })
     }
 
@@ -359,31 +367,34 @@ impl<T: Element> BatchEngine<T> {
         let mut last: Vec<u32> =
             ids.iter().map(|id| *self.live[id].tokens.last().expect("a prompt")).collect();
         last.resize(rows, 0);
+        let greedy: Vec<bool> = ids.iter().map(|id| self.live[id].sampler.params().is_greedy()).collect();
         self.cache.begin(ctx, &ids, 1, rows)?;
-        let logits = match self.decode(ctx, rows, &last) {
-            Ok(l) => l,
+        let chosen = match self.decode(ctx, rows, &last, &greedy) {
+            Ok(c) => c,
             Err(e) => {
                 self.cache.cancel();
                 return Err(e);
             }
         };
         self.cache.finish()?;
-        let vocab = self.model.config().vocab;
         let mut out = Vec::with_capacity(n);
-        for (i, id) in ids.into_iter().enumerate() {
+        for (id, row) in ids.into_iter().zip(chosen) {
             let live = self.live.get_mut(&id).expect("listed above");
-            let next = live.sampler.sample(&logits[i * vocab..(i + 1) * vocab])?;
+            let next = match row {
+                Row::Picked(word) => pick_result(Pick::from_word(word))?,
+                Row::Logits(logits) => live.sampler.sample(&logits)?,
+            };
             live.tokens.push(next);
             out.push((id, next));
         }
         Ok(out)
     }
 
-    /// The logits of the step begun (`rows` rows of one id each), on the host: the first live rows'
-    /// `vocab` values each. Replays the bucket's graph where graph mode has one (capturing it after
-    /// the bucket's first plain step), launches plainly otherwise.
-    fn decode(&mut self, ctx: &Cudnn, rows: usize, ids: &[u32]) -> Result<Vec<f32>> {
-        let n = self.live.len();
+    /// Runs the step begun (`rows` rows of one id each) and returns what each live row's next id is
+    /// chosen from ([`choose`]: a device pick where `greedy` says so, its logits on the host
+    /// otherwise). Replays the bucket's graph where graph mode has one (capturing it after the
+    /// bucket's first plain step), launches plainly otherwise.
+    fn decode(&mut self, ctx: &Cudnn, rows: usize, ids: &[u32], greedy: &[bool]) -> Result<Vec<Row>> {
         let vocab = self.model.config().vocab;
         if self.mode == DecodeMode::Graph && self.refusal.is_none() && self.launched.contains(&rows) {
             if self.graphs.get(&rows).is_some_and(|g| !self.model.is_current_paged(ctx, g)) {
@@ -401,7 +412,7 @@ impl<T: Element> BatchEngine<T> {
             }
             if let Some(graph) = self.graphs.get_mut(&rows) {
                 let dev = self.model.decode_paged(ctx, graph, ids, &mut self.cache)?;
-                return to_host(ctx, dev, n, vocab);
+                return choose(ctx, dev, vocab, greedy, &mut self.picks);
             }
         }
         self.model.forward_paged(ctx, &mut self.cache, ids, &self.backends, &mut NoObserver)?;
@@ -409,7 +420,7 @@ impl<T: Element> BatchEngine<T> {
         // Every row's logits, as the captured step computes them (so its plans exist before a capture).
         let dev = self.model.logits_rows(ctx, 0..rows, &self.backends, &mut NoObserver)?;
         self.launched.insert(rows);
-        to_host(ctx, &dev, n, vocab)
+        choose(ctx, &dev, vocab, greedy, &mut self.picks)
     }
 
     /// Ends sequence `id`: gives its pages back and returns its ids (prompt, then every id generated).
@@ -418,6 +429,48 @@ impl<T: Element> BatchEngine<T> {
         self.cache.remove(id)?;
         Ok(self.live.remove(&id).expect("checked above").tokens)
     }
+}
+
+/// What a live row's next id is chosen from.
+enum Row {
+    /// A greedy row's pick word, made on the device.
+    Picked(u32),
+    /// A sampled row's logits, on the host.
+    Logits(Vec<f32>),
+}
+
+/// For each of the first `greedy.len()` rows of `dev` (`vocab` logits each): where `greedy`, its pick
+/// word (one argmax launch over those rows into `picks`, grown as needed, then one copy of a word
+/// per row); otherwise its logits, copied to the host alone.
+fn choose<T: Element>(
+    ctx: &Cudnn,
+    dev: &CudaSlice<T>,
+    vocab: usize,
+    greedy: &[bool],
+    picks: &mut Option<CudaSlice<u32>>,
+) -> Result<Vec<Row>> {
+    let n = greedy.len();
+    let mut words = Vec::new();
+    if greedy.iter().any(|&g| g) {
+        if picks.as_ref().is_none_or(|p| p.len() < n) {
+            *picks = Some(ctx.stream().alloc_zeros::<u32>(n).map_err(cudnn_llm_ops::Error::from)?);
+        }
+        let picks = picks.as_mut().expect("allocated above");
+        argmax(ctx, ArgmaxArgs::new(n, vocab), ArgmaxOperands::new(dev, picks))?;
+        words = ctx.stream().clone_dtoh(&picks.slice(..n)).map_err(cudnn_llm_ops::Error::from)?;
+    }
+    greedy
+        .iter()
+        .enumerate()
+        .map(|(i, &g)| match g {
+            true => Ok(Row::Picked(words[i])),
+            false => {
+                let row = dev.slice(i * vocab..(i + 1) * vocab);
+                let host = ctx.stream().clone_dtoh(&row).map_err(cudnn_llm_ops::Error::from)?;
+                Ok(Row::Logits(host.iter().map(|v| v.to_f64() as f32).collect()))
+            }
+        })
+        .collect()
 }
 
 /// The first `rows · vocab` logits of `dev` as host `f32`.

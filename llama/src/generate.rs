@@ -17,15 +17,28 @@
 //! step and replays it, later ones replay it; a step that cannot be captured launches plainly, and
 //! [`Generator::graph_refusal`] says why.
 //!
+//! Greedy generation in graph mode picks ids on the device ([`SamplingPath::Device`], the default):
+//! the captured step ends with the argmax of its logits ([`Llama::capture_greedy_decode`]), which
+//! writes the next id where the next replay reads it, so [`Generator::generate`] enqueues up to
+//! [`PIPELINE_STEPS`] steps without waiting for any, copying each step's 4-byte pick into a device
+//! list, and reads the list back once per window. Where a window ran past a stop (an end-of-sequence
+//! id, the callback's break, an unsampleable row) the cache and the ids are rolled back to what a
+//! synchronous run leaves: the extra K/V rows are past the cache's length, unread and overwritten by
+//! the next step. The ids are those of the host path: the same logits, the same argmax (ties to the
+//! lowest id) and the same errors. Sampled (non-greedy) generation, plain launches and
+//! [`SamplingPath::Host`] copy each step's logits and choose on the host.
+//!
 //! End-of-sequence ids come from the checkpoint directory ([`eos_token_ids`]: the config's
 //! `eos_token_id` and `generation_config.json`'s, each an id or a list).
 
 use crate::backends::Backends;
 use crate::config::LlamaConfig;
 use crate::model::{DecodeGraph, KvCache, Llama, NoObserver, Observer};
-use crate::sampling::Sampler;
+use crate::sampling::{pick_result, Sampler};
 use crate::{Error, Result};
-use cudnn_llm_ops::{Cudnn, Element};
+use cudnn_llm_ops::cudarc::driver::CudaSlice;
+use cudnn_llm_ops::{Cudnn, Element, Pick};
+use std::collections::VecDeque;
 use std::ops::ControlFlow;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -42,6 +55,22 @@ pub enum DecodeMode {
     /// ranges of a replayed step.
     Graph,
 }
+
+/// Where greedy ids are chosen in [`DecodeMode::Graph`].
+#[non_exhaustive]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SamplingPath {
+    /// On the device, inside the captured step, pipelined: the host enqueues [`PIPELINE_STEPS`]
+    /// steps, then reads their ids back at once (see the module docs).
+    #[default]
+    Device,
+    /// On the host: each step's logits are copied back and the host takes their argmax (the step
+    /// is captured without the argmax).
+    Host,
+}
+
+/// Decode steps [`Generator::generate`] enqueues before it reads their ids back, on the device path.
+pub const PIPELINE_STEPS: usize = 16;
 
 /// Why [`Generator::generate`] stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,10 +98,17 @@ pub struct Generation {
     /// copied to the host, and the first sampling): time to first token.
     pub prefill: Duration,
     /// Wall time of the decode steps: each step's forward, its logits copied to the host, and the
-    /// sampling of the next id (the callback is not timed).
+    /// sampling of the next id; on the device path, each window's steps enqueued and its ids read
+    /// back, steps later rolled back included (the callback is not timed).
     pub decode: Duration,
     /// Decode steps run (`tokens.len() - 1`: the last id needs no forward).
     pub decode_steps: usize,
+    /// Of those, the steps whose ids the device picked, pipelined ([`SamplingPath::Device`]); the
+    /// others copied their logits to the host.
+    pub device_steps: usize,
+    /// Steps that ran past a stop inside a pipelined window and were rolled back (their time is in
+    /// [`Generation::decode`], their tokens nowhere).
+    pub overrun_steps: usize,
 }
 
 impl Generation {
@@ -100,6 +136,10 @@ pub struct Generator<T: Element> {
     graph: Option<DecodeGraph<T>>,
     /// Why the step cannot be replayed with the current backends, once a capture said so.
     refusal: Option<String>,
+    /// Where greedy ids are chosen in graph mode.
+    path: SamplingPath,
+    /// The pick words of a pipelined window, one per step (device; grown to [`PIPELINE_STEPS`]).
+    window: Option<CudaSlice<u32>>,
 }
 
 impl<T: Element> Generator<T> {
@@ -120,6 +160,8 @@ impl<T: Element> Generator<T> {
             launched: 0,
             graph: None,
             refusal: None,
+            path: SamplingPath::default(),
+            window: None,
         })
     }
 
@@ -139,6 +181,28 @@ impl<T: Element> Generator<T> {
     /// How decode steps run.
     pub fn mode(&self) -> DecodeMode {
         self.mode
+    }
+
+    /// Chooses greedy ids on `path` from now on (a captured step is captured again, with or without
+    /// the argmax). Sampled generation and plain launches choose on the host whatever the path.
+    pub fn set_sampling_path(&mut self, path: SamplingPath) {
+        if path != self.path {
+            (self.path, self.graph) = (path, None);
+        }
+    }
+
+    /// Where greedy ids are chosen in graph mode.
+    pub fn sampling_path(&self) -> SamplingPath {
+        self.path
+    }
+
+    /// Whether [`Generator::generate`] with `sampler` picks ids on the device, pipelined (once the
+    /// step is captured): greedy, graph mode, [`SamplingPath::Device`], no capture refused.
+    pub fn pipelines(&self, sampler: &Sampler) -> bool {
+        sampler.params().is_greedy()
+            && self.mode == DecodeMode::Graph
+            && self.path == SamplingPath::Device
+            && self.refusal.is_none()
     }
 
     /// The model (its config and fallbacks).
@@ -265,31 +329,106 @@ impl<T: Element> Generator<T> {
             return Err(Error::Generate("step: prefill a prompt first".into()));
         }
         self.fits(1)?;
-        if self.mode == DecodeMode::Graph && self.refusal.is_none() && self.launched > 0 {
-            if self.graph.as_ref().is_some_and(|g| !self.model.is_current(ctx, g)) {
-                self.graph = None; // a longer prefill reallocated what it holds
-            }
-            if self.graph.is_none() {
-                // A step that cannot be captured (or replayed at another position) launches plainly:
-                // the refusal is kept, and said by `graph_refusal`.
-                // SAFETY: graph mode was chosen through `with_mode`, whose caller took on this contract.
-                match unsafe { self.model.capture_decode(ctx, &mut self.cache, &self.backends) } {
-                    Ok(g) => self.graph = Some(g),
-                    Err(e) => self.refusal = Some(e.to_string()),
-                }
-            }
-            if let Some(graph) = self.graph.as_mut() {
-                let dev = self.model.decode(ctx, graph, &[id], &mut self.cache)?;
-                self.tokens.push(id); // in the cache now, whether or not the copy below succeeds
-                let host = ctx.stream().clone_dtoh(dev).map_err(cudnn_llm_ops::Error::from)?;
-                return Ok(host.iter().map(|v| v.to_f64() as f32).collect());
-            }
+        if self.graph_ready(ctx) {
+            let graph = self.graph.as_mut().expect("graph_ready");
+            let dev = self.model.decode(ctx, graph, &[id], &mut self.cache)?;
+            self.tokens.push(id); // in the cache now, whether or not the copy below succeeds
+            let host = ctx.stream().clone_dtoh(dev).map_err(cudnn_llm_ops::Error::from)?;
+            return Ok(host.iter().map(|v| v.to_f64() as f32).collect());
         }
         self.model.forward(ctx, &[vec![id]], &mut self.cache, &self.backends, obs)?;
         self.tokens.push(id);
         let logits = self.last_logits(ctx, 0, obs)?;
         self.launched += 1;
         Ok(logits)
+    }
+
+    /// Whether the next decode step replays a captured graph: graph mode, a plain step ran (its plans
+    /// are built), and the graph is current or captured now (with the argmax on
+    /// [`SamplingPath::Device`]). A step that cannot be captured (or replayed at another position)
+    /// launches plainly: the refusal is kept, and said by [`Generator::graph_refusal`].
+    fn graph_ready(&mut self, ctx: &Cudnn) -> bool {
+        if self.mode != DecodeMode::Graph || self.refusal.is_some() || self.launched == 0 {
+            return false;
+        }
+        if self.graph.as_ref().is_some_and(|g| !self.model.is_current(ctx, g)) {
+            self.graph = None; // a longer prefill reallocated what it holds
+        }
+        if self.graph.is_none() {
+            let (model, cache, backends) = (&mut self.model, &mut self.cache, &self.backends);
+            // SAFETY: graph mode was chosen through `with_mode`, whose caller took on this contract.
+            let captured = unsafe {
+                match self.path {
+                    SamplingPath::Device => model.capture_greedy_decode(ctx, cache, backends),
+                    SamplingPath::Host => model.capture_decode(ctx, cache, backends),
+                }
+            };
+            match captured {
+                Ok(g) => self.graph = Some(g),
+                Err(e) => self.refusal = Some(e.to_string()),
+            }
+        }
+        self.graph.is_some()
+    }
+
+    /// Runs `steps` greedy decode steps on the device, the first on `id`, each later one on the id
+    /// the one before picked, without waiting for any; then reads their pick words back (one wait).
+    /// The cache and [`Generator::tokens`] hold every step's id afterwards (a step whose input
+    /// followed a pick that is not an id holds some valid id: roll it back). Needs a greedy graph
+    /// ([`Generator::graph_ready`] on [`SamplingPath::Device`]) and room for `steps` ids.
+    fn pipelined(&mut self, ctx: &Cudnn, id: u32, steps: usize) -> Result<Vec<u32>> {
+        self.fits(steps)?;
+        if self.window.as_ref().is_none_or(|w| w.len() < steps) {
+            let n = steps.max(PIPELINE_STEPS);
+            self.window = Some(ctx.stream().alloc_zeros::<u32>(n).map_err(cudnn_llm_ops::Error::from)?);
+        }
+        let window = self.window.as_mut().expect("allocated above");
+        let graph = self.graph.as_mut().expect("graph_ready");
+        let len = self.tokens.len();
+        let mut enqueue = || -> Result<()> {
+            for j in 0..steps {
+                let picks = match j {
+                    0 => {
+                        self.model.decode(ctx, graph, &[id], &mut self.cache)?;
+                        graph
+                            .picks()
+                            .ok_or_else(|| Error::Generate("a decode graph without the argmax".into()))?
+                    }
+                    _ => self.model.decode_next(ctx, graph, &mut self.cache)?,
+                };
+                let s = ctx.stream();
+                s.memcpy_dtod(&picks.slice(..1), &mut window.slice_mut(j..j + 1))
+                    .map_err(cudnn_llm_ops::Error::from)?;
+            }
+            Ok(())
+        };
+        // The one wait: the copy of the words returns once every step has run.
+        let words = enqueue().and_then(|()| {
+            Ok(ctx.stream().clone_dtoh(&window.slice(..steps)).map_err(cudnn_llm_ops::Error::from)?)
+        });
+        let words = match words {
+            Ok(w) => w,
+            Err(e) => {
+                self.cache.truncate(len); // steps that were enqueued are forgotten with the error
+                return Err(e);
+            }
+        };
+        self.tokens.push(id);
+        for w in &words[..steps - 1] {
+            self.tokens.push(match Pick::from_word(*w) {
+                Pick::Id(next) => next,
+                _ => 0, // not an id: the caller rolls this step back before it returns the error
+            });
+        }
+        Ok(words)
+    }
+
+    /// Forgets the last `n` decode steps (steps a pipelined window ran past a stop): the ids and the
+    /// cache's length go back to what they were before those steps.
+    fn roll_back(&mut self, n: usize) {
+        let len = self.tokens.len() - n;
+        self.tokens.truncate(len);
+        self.cache.truncate(len);
     }
 
     /// Errors unless `n` more ids fit the cache.
@@ -339,29 +478,67 @@ impl<T: Element> Generator<T> {
         }
         self.reset();
         let t = Instant::now();
-        let mut logits = self.prefill(ctx, prompt)?;
+        let logits = self.prefill(ctx, prompt)?;
         let mut id = sampler.sample(&logits)?;
         let prefill = t.elapsed();
         let (mut decode, mut tokens) = (Duration::ZERO, Vec::with_capacity(max_new));
+        // Pick words of steps a pipelined window ran ahead, not yet handed out, oldest first.
+        let mut ahead: VecDeque<u32> = VecDeque::new();
+        let (mut device_steps, mut overrun_steps) = (0, 0);
         let stop = loop {
             tokens.push(id);
             let flow = on_token(id);
-            if stop.contains(&id) {
-                break StopReason::Eos(id);
+            let stop = if stop.contains(&id) {
+                Some(StopReason::Eos(id))
+            } else if tokens.len() == max_new {
+                Some(StopReason::MaxTokens)
+            } else if flow.is_break() {
+                Some(StopReason::Callback)
+            } else {
+                None
+            };
+            if let Some(stop) = stop {
+                // Steps enqueued past this id did not happen in a synchronous run.
+                overrun_steps += ahead.len();
+                self.roll_back(ahead.len());
+                break stop;
             }
-            if tokens.len() == max_new {
-                break StopReason::MaxTokens;
+            if ahead.is_empty() {
+                let t = Instant::now();
+                if self.pipelines(sampler) && self.graph_ready(ctx) {
+                    let steps = PIPELINE_STEPS.min(max_new - tokens.len());
+                    ahead.extend(self.pipelined(ctx, id, steps)?);
+                    device_steps += steps;
+                } else {
+                    let logits = self.step(ctx, id)?;
+                    id = sampler.sample(&logits)?;
+                    decode += t.elapsed();
+                    continue;
+                }
+                decode += t.elapsed();
             }
-            if flow.is_break() {
-                break StopReason::Callback;
-            }
-            let t = Instant::now();
-            logits = self.step(ctx, id)?;
-            id = sampler.sample(&logits)?;
-            decode += t.elapsed();
+            let word = ahead.pop_front().expect("a window of at least one step");
+            id = match pick_result(Pick::from_word(word)) {
+                Ok(next) => next,
+                Err(e) => {
+                    // The step that made these logits ran in a synchronous run; those after it did not.
+                    self.roll_back(ahead.len());
+                    return Err(e);
+                }
+            };
         };
         let decode_steps = tokens.len() - 1;
-        Ok(Generation { tokens, stop, prompt_tokens: prompt.len(), prefill, decode, decode_steps })
+        let device_steps = device_steps - overrun_steps;
+        Ok(Generation {
+            tokens,
+            stop,
+            prompt_tokens: prompt.len(),
+            prefill,
+            decode,
+            decode_steps,
+            device_steps,
+            overrun_steps,
+        })
     }
 }
 
@@ -443,6 +620,8 @@ mod tests {
             prefill: Duration::from_millis(20),
             decode: Duration::from_millis(4),
             decode_steps: 2,
+            device_steps: 0,
+            overrun_steps: 0,
         };
         assert!((g.prefill_tokens_per_s() - 500.0).abs() < 1e-9);
         assert!((g.decode_tokens_per_s().unwrap() - 500.0).abs() < 1e-9);

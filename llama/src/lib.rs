@@ -43,7 +43,7 @@ pub use backends::{Backends, ModuleKind, Site};
 pub use batching::{BatchConfig, BatchEngine};
 pub use config::LlamaConfig;
 pub use cudnn_llm_ops::Backend;
-pub use generate::{DecodeMode, Generation, Generator, StopReason};
+pub use generate::{DecodeMode, Generation, Generator, SamplingPath, StopReason, PIPELINE_STEPS};
 pub use model::{
     DecodeFusion, DecodeGraph, Fallback, KvCache, Llama, NoObserver, Observer, PagedCache, PagedDecodeGraph,
 };

@@ -49,7 +49,7 @@ use crate::nccl::Comm;
 use crate::weights::{LayerWeights, Tensor, Weights};
 use crate::{Backend, Error, Result};
 use cudnn_llm_ops::cudarc::driver::{CudaSlice, CudaView, DevicePtrMut};
-use cudnn_llm_ops::{check_ids, Cudnn, Element, RopeTables, SeqLens};
+use cudnn_llm_ops::{argmax, check_ids, ArgmaxArgs, ArgmaxOperands, Cudnn, Element, RopeTables, SeqLens};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use crate::modules::{
@@ -87,6 +87,10 @@ pub struct KvCache<T> {
     /// `kv_lens` and `q_lens` clamped into the cache's capacity, once per fused decode step, for every
     /// layer's attention.
     seq_lens: SeqLens,
+    /// `[max_seq + 1, batch]`: row `p` is `p` for every sequence, the source of the device-to-device
+    /// copies that set `positions` and `kv_lens` for a step enqueued ahead ([`Llama::decode_next`]),
+    /// where a host upload could wait for the stream.
+    ramp: CudaSlice<i32>,
     id: u64,
 }
 
@@ -137,10 +141,16 @@ struct Activations<T> {
     out: CudaSlice<T>,
 }
 
-/// One decode step captured as a CUDA graph ([`Llama::capture_decode`], replayed by [`Llama::decode`]).
+/// One decode step captured as a CUDA graph ([`Llama::capture_decode`], replayed by [`Llama::decode`]);
+/// a greedy one ([`Llama::capture_greedy_decode`]) also picks each sequence's next id on the device.
 pub struct DecodeGraph<T> {
     graph: cudnn_llm_ops::cudarc::driver::CudaGraph,
     logits: CudaSlice<T>,
+    /// A greedy graph's pick words `[batch]` ([`cudnn_llm_ops::Pick`]); its argmax writes the ids into
+    /// the model's input ids as well, where [`Llama::decode_next`] runs them.
+    picks: Option<CudaSlice<u32>>,
+    /// Tells this graph from others ([`Llama::decode_next`] runs the ids its last replay picked).
+    serial: u64,
     batch: usize,
     cache_id: u64,
     acts_id: u64,
@@ -151,6 +161,14 @@ pub struct DecodeGraph<T> {
 impl<T> std::fmt::Debug for DecodeGraph<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DecodeGraph").field("batch", &self.batch).finish_non_exhaustive()
+    }
+}
+
+impl<T> DecodeGraph<T> {
+    /// A greedy graph's pick words `[batch]` as its last replay wrote them (read them with
+    /// [`cudnn_llm_ops::Pick::from_word`]); `None` for a graph without the argmax.
+    pub fn picks(&self) -> Option<&CudaSlice<u32>> {
+        self.picks.as_ref()
     }
 }
 
@@ -173,6 +191,9 @@ pub struct Llama<T: Element> {
     comm: Option<Comm>,
     /// What fused one-token steps fold together.
     decode_fusion: DecodeFusion,
+    /// The greedy decode graph whose replay wrote the input ids last (nothing wrote them since):
+    /// [`Llama::decode_next`] may replay it on them.
+    chain: Option<u64>,
 }
 
 impl<T: Element> Llama<T> {
@@ -257,6 +278,7 @@ impl<T: Element> Llama<T> {
             padded_decode: ctx.features().sdpa_seq_lens(),
             comm,
             decode_fusion: DecodeFusion::default(),
+            chain: None,
         })
     }
 
@@ -302,7 +324,21 @@ impl<T: Element> Llama<T> {
         let q_lens = s.clone_htod(&vec![1i32; batch]).map_err(cudnn_llm_ops::Error::from)?;
         let positions = s.alloc_zeros::<i32>(batch).map_err(cudnn_llm_ops::Error::from)?;
         let seq_lens = SeqLens::new(ctx, batch, 1, max_seq)?;
-        Ok(KvCache { k, v, batch, max_seq, len: 0, kv_lens, q_lens, positions, seq_lens, id: next_id() })
+        let ramp: Vec<i32> = (0..=max_seq as i32).flat_map(|p| std::iter::repeat_n(p, batch)).collect();
+        let ramp = s.clone_htod(&ramp).map_err(cudnn_llm_ops::Error::from)?;
+        Ok(KvCache {
+            k,
+            v,
+            batch,
+            max_seq,
+            len: 0,
+            kv_lens,
+            q_lens,
+            positions,
+            seq_lens,
+            ramp,
+            id: next_id(),
+        })
     }
 
     fn activations(&mut self, ctx: &Cudnn, rows: usize) -> Result<()> {
@@ -366,6 +402,42 @@ impl<T: Element> Llama<T> {
         cache: &mut KvCache<T>,
         backends: &Backends,
     ) -> Result<DecodeGraph<T>> {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.capture_decode_picking(ctx, cache, backends, false) }
+    }
+
+    /// [`Llama::capture_decode`] with greedy decoding inside the graph: after the logits, the argmax
+    /// of each sequence's row ([`cudnn_llm_ops::argmax`]) writes its pick word
+    /// ([`DecodeGraph::picks`]) and its id into the model's input ids, so [`Llama::decode_next`] can
+    /// replay the next step without the host choosing (or even reading) the id. Same conditions and
+    /// errors as [`Llama::capture_decode`] (the argmax kernel is loaded outside the capture first).
+    ///
+    /// # Safety
+    ///
+    /// As [`Cudnn::capture`]: no other thread uses buffers or streams of `ctx`'s CUDA context while
+    /// this runs.
+    pub unsafe fn capture_greedy_decode(
+        &mut self,
+        ctx: &Cudnn,
+        cache: &mut KvCache<T>,
+        backends: &Backends,
+    ) -> Result<DecodeGraph<T>> {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.capture_decode_picking(ctx, cache, backends, true) }
+    }
+
+    /// [`Llama::capture_decode`], with the argmax when `greedy`.
+    ///
+    /// # Safety
+    ///
+    /// As [`Cudnn::capture`].
+    unsafe fn capture_decode_picking(
+        &mut self,
+        ctx: &Cudnn,
+        cache: &mut KvCache<T>,
+        backends: &Backends,
+        greedy: bool,
+    ) -> Result<DecodeGraph<T>> {
         backends.check_layers(self.cfg.layers)?;
         if cache.is_empty() || cache.len >= cache.max_seq {
             return Err(Error::Config(format!(
@@ -394,13 +466,29 @@ impl<T: Element> Llama<T> {
             .stream()
             .alloc_zeros::<T>(cache.batch * self.cfg.vocab)
             .map_err(cudnn_llm_ops::Error::from)?;
+        let mut picks = match greedy {
+            true => {
+                let mut picks =
+                    ctx.stream().alloc_zeros::<u32>(cache.batch).map_err(cudnn_llm_ops::Error::from)?;
+                // Loads the kernel outside the capture: the picks of the zeroed logits, all id 0.
+                argmax(ctx, ArgmaxArgs::new(1, 1), ArgmaxOperands::new(&logits, &mut picks))?;
+                Some(picks)
+            }
+            false => None,
+        };
+        let (batch, vocab) = (cache.batch, self.cfg.vocab);
         let epoch = ctx.buffer_epoch();
         // SAFETY: the caller's promise (this function's contract is `Cudnn::capture`'s).
         let (baked, graph) = unsafe {
             ctx.capture(|| {
-                let baked = self.run(ctx, cache.batch, 1, cache, backends, &mut NoObserver)?;
+                let baked = self.run(ctx, batch, 1, cache, backends, &mut NoObserver)?;
                 cache.len -= 1; // nothing ran: the capture only recorded the step
-                self.head(ctx, 0..cache.batch, backends, &mut NoObserver, &mut logits)?;
+                self.head(ctx, 0..batch, backends, &mut NoObserver, &mut logits)?;
+                if let Some(picks) = picks.as_mut() {
+                    let acts = self.acts.as_mut().expect("checked above");
+                    let x = ArgmaxOperands::new(&logits, picks).ids(&mut acts.ids);
+                    argmax(ctx, ArgmaxArgs::new(batch, vocab), x)?;
+                }
                 Ok::<_, Error>(baked)
             })
         }?;
@@ -415,7 +503,17 @@ impl<T: Element> Llama<T> {
                     .into(),
             ));
         }
-        Ok(DecodeGraph { graph, logits, batch: cache.batch, cache_id: cache.id, acts_id, epoch })
+        let serial = next_id();
+        Ok(DecodeGraph {
+            graph,
+            logits,
+            picks,
+            serial,
+            batch: cache.batch,
+            cache_id: cache.id,
+            acts_id,
+            epoch,
+        })
     }
 
     /// Replays a captured decode step for `tokens` (one per sequence) at the cache's current length,
@@ -444,12 +542,58 @@ impl<T: Element> Llama<T> {
         self.upload(ctx, &step, cache)?;
         // The graph reads these whatever the model's padded-decode state is now.
         Self::upload_positions(ctx, cache)?;
-        graph.graph.launch().map_err(cudnn_llm_ops::Error::from)?;
-        // The replay records no events: mark the logits written on this stream, so another stream
-        // that reads them is ordered after the replay.
-        drop(graph.logits.device_ptr_mut(ctx.stream()));
-        cache.len += 1;
+        self.replay(ctx, graph, cache)?;
         Ok(&graph.logits)
+    }
+
+    /// Replays a greedy decode graph ([`Llama::capture_greedy_decode`]) on the ids its last replay
+    /// picked (in the model's input ids), at the cache's current length, appending to `cache`: the
+    /// host enqueues the step without knowing the ids. Returns the new pick words `[batch]` (the
+    /// graph's buffer, rewritten by its next replay; the logits are [`Llama::decode`]'s). An error,
+    /// with nothing run, unless the graph is greedy and the last call that wrote the input ids was
+    /// [`Llama::decode`] or [`Llama::decode_next`] with this graph, or when the cache is full. A
+    /// pick that is not an id ([`cudnn_llm_ops::Pick`]) still feeds some valid id to the next step:
+    /// the host reading the words decides what to keep.
+    pub fn decode_next<'g>(
+        &mut self,
+        ctx: &Cudnn,
+        graph: &'g mut DecodeGraph<T>,
+        cache: &mut KvCache<T>,
+    ) -> Result<&'g CudaSlice<u32>> {
+        if graph.picks.is_none() || self.chain != Some(graph.serial) {
+            return Err(Error::Config(
+                "decode_next: the input ids are not this greedy graph's picks (replay it with decode first)"
+                    .into(),
+            ));
+        }
+        if graph.cache_id != cache.id {
+            return Err(Error::Config("decode_next: the graph was captured for another cache".into()));
+        }
+        self.check_current("decode_next", ctx, graph.acts_id, graph.epoch)?;
+        if cache.is_empty() || cache.len >= cache.max_seq {
+            return Err(Error::Config(format!(
+                "decode_next: needs a cache holding a prefill with room for a token (holds {} of {})",
+                cache.len, cache.max_seq
+            )));
+        }
+        Self::advance_positions(ctx, cache)?;
+        self.replay(ctx, graph, cache)?;
+        Ok(graph.picks.as_ref().expect("checked above"))
+    }
+
+    /// Launches `graph` (ids and positions uploaded) and counts its token in `cache`.
+    fn replay(&mut self, ctx: &Cudnn, graph: &mut DecodeGraph<T>, cache: &mut KvCache<T>) -> Result<()> {
+        graph.graph.launch().map_err(cudnn_llm_ops::Error::from)?;
+        // The replay records no events: mark what it writes as written on this stream, so another
+        // stream that reads them is ordered after the replay.
+        drop(graph.logits.device_ptr_mut(ctx.stream()));
+        if let Some(picks) = graph.picks.as_mut() {
+            drop(picks.device_ptr_mut(ctx.stream()));
+            drop(self.acts.as_mut().expect("checked by the caller").ids.device_ptr_mut(ctx.stream()));
+        }
+        self.chain = graph.picks.as_ref().map(|_| graph.serial);
+        cache.len += 1;
+        Ok(())
     }
 
     /// False once `graph` is stale: a longer forward reallocated the activations it holds, or the
@@ -525,6 +669,7 @@ impl<T: Element> Llama<T> {
             )));
         }
         self.activations(ctx, batch * seq)?;
+        self.chain = None;
         let acts = self.acts.as_mut().expect("allocated above");
         acts.last = batch * seq;
         ctx.stream()
@@ -544,6 +689,17 @@ impl<T: Element> Llama<T> {
         s.memcpy_htod(&lens, &mut cache.kv_lens).map_err(cudnn_llm_ops::Error::from)?;
         let positions = vec![cache.len as i32; cache.batch];
         s.memcpy_htod(&positions, &mut cache.positions).map_err(cudnn_llm_ops::Error::from)?;
+        Ok(())
+    }
+
+    /// [`Llama::upload_positions`] by device-to-device copies from the cache's ramp (the host never
+    /// waits for the stream, which a host-to-device copy from pageable memory may do).
+    fn advance_positions(ctx: &Cudnn, cache: &mut KvCache<T>) -> Result<()> {
+        let (b, len) = (cache.batch, cache.len);
+        let s = ctx.stream();
+        let at = |p: usize| cache.ramp.slice(p * b..(p + 1) * b);
+        s.memcpy_dtod(&at(len + 1), &mut cache.kv_lens).map_err(cudnn_llm_ops::Error::from)?;
+        s.memcpy_dtod(&at(len), &mut cache.positions).map_err(cudnn_llm_ops::Error::from)?;
         Ok(())
     }
 

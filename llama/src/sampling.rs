@@ -11,6 +11,7 @@
 //! Logits holding NaN or +∞ are an error (a broken forward, not a distribution); −∞ is a masked id.
 
 use crate::{Error, Result};
+use cudnn_llm_ops::Pick;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::cmp::Ordering;
@@ -134,12 +135,32 @@ fn check_logits(logits: &[f32]) -> Result<()> {
         return Err(Error::Sampling(format!("{} logits: ids past u32", logits.len())));
     }
     if let Some(i) = logits.iter().position(|v| v.is_nan() || *v == f32::INFINITY) {
-        return Err(Error::Sampling(format!("logit {} at id {i}: the forward is broken", logits[i])));
+        return Err(broken(i, logits[i]));
     }
     if logits.iter().all(|v| *v == f32::NEG_INFINITY) {
-        return Err(Error::Sampling("every logit is -inf: no token can be chosen".into()));
+        return Err(masked());
     }
     Ok(())
+}
+
+/// The error of logits holding `value` (NaN or +∞) first at id `id`.
+fn broken(id: usize, value: f32) -> Error {
+    Error::Sampling(format!("logit {value} at id {id}: the forward is broken"))
+}
+
+/// The error of logits that are all −∞.
+fn masked() -> Error {
+    Error::Sampling("every logit is -inf: no token can be chosen".into())
+}
+
+/// The id of a greedy pick made on the device ([`cudnn_llm_ops::argmax`]), or the error [`argmax`]
+/// gives for the same logits on the host (the same message).
+pub fn pick_result(pick: Pick) -> Result<u32> {
+    match pick {
+        Pick::Id(id) => Ok(id),
+        Pick::Broken { id, value } => Err(broken(id as usize, value)),
+        Pick::Masked => Err(masked()),
+    }
 }
 
 /// The id of the largest logit, the lowest such id on ties.
@@ -351,6 +372,20 @@ mod tests {
             let e = s.sample(&logits).unwrap_err().to_string();
             assert!(e.contains(what), "{logits:?}: {e}");
         }
+        // A device pick of the same logits gives the same message.
+        let picks = [
+            Pick::Masked,
+            Pick::Broken { id: 1, value: f32::NAN },
+            Pick::Broken { id: 0, value: f32::INFINITY },
+        ];
+        for (logits, pick) in [
+            (vec![f32::NEG_INFINITY; 3], picks[0]),
+            (vec![1.0, f32::NAN], picks[1]),
+            (vec![f32::INFINITY, 0.0], picks[2]),
+        ] {
+            assert_eq!(pick_result(pick).unwrap_err().to_string(), argmax(&logits).unwrap_err().to_string());
+        }
+        assert_eq!(pick_result(Pick::Id(5)).unwrap(), 5);
         // -inf is a masked id, never drawn.
         let mut s = Sampler::new(params(1.0, None, None, 1)).unwrap();
         for _ in 0..100 {

@@ -32,6 +32,7 @@ const SOURCE: &str = concat!(
     include_str!("../ops/optim/optim.cu"),
     include_str!("../ops/rope/backward.cu"),
     include_str!("../ops/rows/backward.cu"),
+    include_str!("../ops/argmax/argmax.cu"),
 );
 /// Threads per block of the elementwise kernels, and elements each thread handles.
 const BLOCK: u32 = 256;
@@ -211,6 +212,21 @@ pub(crate) fn optional_ptr<'a, T>(
     match buf {
         Some(b) => {
             let (p, g) = b.device_ptr(stream);
+            (p, Some(g))
+        }
+        None => (0, None),
+    }
+}
+
+/// The device address of an optional buffer written by a kernel (0, a null pointer, for `None`), with
+/// the guard that records the write when it drops.
+pub(crate) fn optional_ptr_mut<'a, 'b: 'a, T>(
+    buf: Option<&'a mut (dyn cudarc::driver::DevicePtrMut<T> + 'b)>,
+    stream: &'a cudarc::driver::CudaStream,
+) -> (u64, Option<cudarc::driver::SyncOnDrop<'a>>) {
+    match buf {
+        Some(b) => {
+            let (p, g) = b.device_ptr_mut(stream);
             (p, Some(g))
         }
         None => (0, None),

@@ -15,6 +15,7 @@
 //! | [`rope::backward`] | [`rope_backward`](rope::backward::rope_backward) | one custom kernel (rotation by −θ) | 10 eager kernels |
 //! | [`rows::backward`] | [`embedding_backward`](rows::backward::embedding_backward) | atomic scatter-add or a deterministic tiled kernel | `embedding_dense_backward`: zeros, sort, segment sums |
 //! | [`loss`] | [`cross_entropy`](loss::cross_entropy) (loss, or loss and gradient) | 3 launches, no f32 logits | `.float()`, `log_softmax`, `nll_loss` and their backward |
+//! | [`argmax`] | [`argmax`](argmax::argmax) (greedy picks, optionally into the next step's input ids) | one kernel, a block per row, the same on both backends | |
 //! | [`optim`] | [`adamw`](optim::adamw), [`grad_norm`](optim::grad_norm) (norm, or norm and clip) | one multi-tensor launch each (+1 to clip) | single-tensor `AdamW`, `clip_grad_norm_(foreach=False)` |
 //!
 //! Every public call takes the op's arguments, an operands struct (inputs by name, outputs, optional
@@ -23,6 +24,7 @@
 //! checks once and dispatches, so the room's `mod.rs` never names its halves and the halves only import
 //! `mod.rs`.
 
+pub mod argmax;
 pub mod loss;
 pub mod matmul;
 pub mod optim;

@@ -267,6 +267,7 @@ impl<T: Element> Llama<T> {
         }
         check_ids(ids, self.cfg.vocab)?;
         self.activations(ctx, n)?;
+        self.chain = None;
         let acts = self.acts.as_mut().expect("allocated above");
         acts.last = n;
         ctx.stream().memcpy_htod(ids, &mut acts.ids.slice_mut(..n)).map_err(cudnn_llm_ops::Error::from)?;

@@ -1,7 +1,7 @@
 //! Command-line options of `generate` (parsed with clap; checked without a GPU).
 
 use clap::Parser;
-use cudnn_llm_llama::{Backends, DecodeMode, SamplingParams};
+use cudnn_llm_llama::{Backends, DecodeMode, SamplingParams, SamplingPath};
 use cudnn_llm_ops::DataType;
 use std::path::PathBuf;
 
@@ -48,6 +48,12 @@ pub struct Options {
     /// and attention fused, cuDNN 9.15+), `launch` launches every kernel from the host.
     #[arg(long, value_enum, default_value_t = Decode::Graph)]
     pub decode: Decode,
+    /// Where greedy ids are chosen when decode steps replay a graph: `device` (the argmax inside
+    /// the captured step, steps enqueued ahead and their ids read back in windows) or `host` (each
+    /// step's logits copied back and their argmax taken on the host), to compare the two on one
+    /// checkpoint. Sampling (--temperature > 0), --decode launch and --tp choose on the host.
+    #[arg(long, value_enum, default_value_t = Path::Device)]
+    pub sampling_path: Path,
     /// Where finalized plans and autotuning choices persist between runs: a directory, `on` for the
     /// default ($XDG_CACHE_HOME/cudnn-llm/plans, else ~/.cache/cudnn-llm/plans), `off` for nowhere.
     /// Unset: CUDNN_LLM_PLAN_DIR if set (same values), else the default.
@@ -73,6 +79,15 @@ pub enum Decode {
     Launch,
 }
 
+/// Where greedy ids are chosen (`--sampling-path`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Path {
+    /// On the device, pipelined.
+    Device,
+    /// On the host, each step.
+    Host,
+}
+
 /// The options, checked and resolved.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Plan {
@@ -84,6 +99,8 @@ pub struct Plan {
     pub sampling: SamplingParams,
     /// How decode steps run.
     pub decode: DecodeMode,
+    /// Where greedy ids are chosen.
+    pub sampling_path: SamplingPath,
     /// Where plans persist.
     pub plan_dir: PlanDir,
     /// `--tp`: the ranks the model is split over (`None`: one GPU).
@@ -142,7 +159,11 @@ impl Options {
             Some("") => return Err("--plan-dir: give a directory, `on` or `off`".into()),
             Some(dir) => PlanDir::Dir(PathBuf::from(dir)),
         };
-        Ok(Plan { backends, dtype, sampling, decode, plan_dir, tp: self.tp })
+        let sampling_path = match self.sampling_path {
+            Path::Device => SamplingPath::Device,
+            Path::Host => SamplingPath::Host,
+        };
+        Ok(Plan { backends, dtype, sampling, decode, sampling_path, plan_dir, tp: self.tp })
     }
 }
 
@@ -168,6 +189,10 @@ mod tests {
         assert_eq!((p.tp, o.ids), (None, false));
         assert_eq!(parse(&["--decode", "launch"]).unwrap().resolve().unwrap().decode, DecodeMode::Launch);
         assert!(parse(&["--decode", "replay"]).is_err());
+        assert_eq!(p.sampling_path, SamplingPath::Device);
+        let host = parse(&["--sampling-path", "host"]).unwrap().resolve().unwrap();
+        assert_eq!(host.sampling_path, SamplingPath::Host);
+        assert!(parse(&["--sampling-path", "gpu"]).is_err());
     }
 
     #[test]

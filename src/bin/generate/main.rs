@@ -13,7 +13,7 @@ use cudnn_llm_llama::generate::{eos_token_ids, Generation, StopReason};
 use cudnn_llm_llama::roofline::DecodeRoofline;
 use cudnn_llm_llama::tp::ShardPlan;
 use cudnn_llm_llama::weights::Weights;
-use cudnn_llm_llama::{Generator, Llama, LlamaConfig, Sampler, Tokenizer};
+use cudnn_llm_llama::{DecodeMode, Generator, Llama, LlamaConfig, Sampler, SamplingPath, Tokenizer};
 use cudnn_llm_ops::{default_plan_dir, Cudnn, DataType, Element, PLAN_DIR_ENV};
 use half::{bf16, f16};
 use std::io::Write;
@@ -123,6 +123,7 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> R
     // SAFETY: this binary runs on one thread and makes no other stream of the context.
     let mut generator =
         unsafe { Generator::new(ctx, model, plan.backends.clone(), max_seq)?.with_mode(plan.decode) };
+    generator.set_sampling_path(plan.sampling_path);
     if !opts.no_warmup {
         warm_up(ctx, &mut generator, &input.prompt)?;
     }
@@ -155,6 +156,7 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> R
         (false, Some(why)) => eprintln!("generate: decode steps launched plainly: {why}"),
         (false, None) => eprintln!("generate: decode steps launched plainly (--decode launch)"),
     }
+    eprintln!("generate: sampling: {}", sampling_line(&generation, &generator, &sampler));
     for f in generator.model().fallbacks() {
         eprintln!("generate: {} (layer {:?}, {}) ran naive: {}", f.range, f.layer, f.shape, f.reason);
     }
@@ -166,6 +168,31 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> R
     report(&rates, |i| DecodeRoofline::new(cfg, 1, rates.prompt_tokens + i, elem), Ok(bandwidth), "");
     report_plans(ctx);
     Ok(())
+}
+
+/// Which sampling path chose the decode steps' ids (the line `generate: sampling: ...`).
+fn sampling_line<T: Element>(g: &Generation, generator: &Generator<T>, sampler: &Sampler) -> String {
+    if g.device_steps > 0 {
+        return format!(
+            "device greedy, pipelined: {} of {} decode steps picked on the device, read back every {} steps              ({} steps past the stop rolled back)",
+            g.device_steps,
+            g.decode_steps,
+            cudnn_llm_llama::PIPELINE_STEPS,
+            g.overrun_steps
+        );
+    }
+    let why = if !sampler.params().is_greedy() {
+        "sampling with --temperature > 0"
+    } else if generator.mode() != DecodeMode::Graph {
+        "--decode launch"
+    } else if generator.sampling_path() == SamplingPath::Host {
+        "--sampling-path host"
+    } else if generator.graph_refusal().is_some() {
+        "the step is not captured"
+    } else {
+        "no decode step replayed"
+    };
+    format!("host: each step's logits copied back and chosen on the host ({why})")
 }
 
 /// How many plans were built here and how many came from the plan directory, on stderr.

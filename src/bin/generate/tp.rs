@@ -159,6 +159,7 @@ pub(crate) fn run<T: Element>(
         stdout.write_all(rest.as_bytes())?;
     }
     writeln!(stdout)?;
+    eprintln!("generate: sampling: host: rank 0 chooses each id from the gathered logits (--tp)");
     match (g.captured, plan.decode) {
         (true, _) => eprintln!("generate: decode steps replayed one captured CUDA graph per rank"),
         (false, DecodeMode::Launch) => eprintln!("generate: decode steps launched plainly (--decode launch)"),
