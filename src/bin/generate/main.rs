@@ -174,7 +174,7 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> R
 fn sampling_line<T: Element>(g: &Generation, generator: &Generator<T>, sampler: &Sampler) -> String {
     if g.device_steps > 0 {
         return format!(
-            "device greedy, pipelined: {} of {} decode steps picked on the device, read back every {} steps              ({} steps past the stop rolled back)",
+            "device greedy, pipelined: {} of {} decode steps picked on the device, read back every {} steps ({} steps past the stop rolled back)",
             g.device_steps,
             g.decode_steps,
             cudnn_llm_llama::PIPELINE_STEPS,
@@ -186,7 +186,7 @@ fn sampling_line<T: Element>(g: &Generation, generator: &Generator<T>, sampler: 
     } else if generator.mode() != DecodeMode::Graph {
         "--decode launch"
     } else if generator.sampling_path() == SamplingPath::Host {
-        "--sampling-path host"
+        "--sampling-path host, the default"
     } else if generator.graph_refusal().is_some() {
         "the step is not captured"
     } else {
