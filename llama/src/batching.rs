@@ -147,6 +147,22 @@ pub struct BatchEngine<T: Element> {
     decode_form: Option<PagedForm>,
     /// The pick words of a step's greedy rows (`max_batch`, allocated by the first step).
     picks: Option<CudaSlice<u32>>,
+    /// Graph captures so far, and how many of them replaced a stale graph.
+    captures: GraphCounts,
+}
+
+/// How often a [`BatchEngine`] captured decode graphs ([`BatchEngine::graph_counts`]): a serving loop
+/// compares the counts before and after its timed part, where a capture is a stall of its own.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct GraphCounts {
+    /// Captures tried (each bucket's first, and every capture again; refused ones included).
+    pub captures: usize,
+    /// Of those, captures again of a bucket whose graph went stale ([`Llama::is_current_paged`]: a
+    /// longer forward reallocated the activations, or the context's shared buffers grew).
+    pub stale: usize,
+    /// Captures refused (graph mode then launches plainly, [`BatchEngine::graph_refusal`]).
+    pub refused: usize,
 }
 
 impl<T: Element> BatchEngine<T> {
@@ -169,6 +185,7 @@ impl<T: Element> BatchEngine<T> {
             refusal: None,
             decode_form: None,
             picks: None,
+            captures: GraphCounts::default(),
         })
     }
 
@@ -228,6 +245,11 @@ impl<T: Element> BatchEngine<T> {
     /// Whether decode steps of `bucket` rows replay a captured graph now.
     pub fn replaying(&self, bucket: usize) -> bool {
         self.mode == DecodeMode::Graph && self.graphs.contains_key(&bucket)
+    }
+
+    /// Decode graphs captured so far (and captured again as stale, or refused).
+    pub fn graph_counts(&self) -> GraphCounts {
+        self.captures
     }
 
     /// Why decode steps launch plainly in [`DecodeMode::Graph`] (a capture's refusal), if they do.
@@ -399,15 +421,20 @@ impl<T: Element> BatchEngine<T> {
         if self.mode == DecodeMode::Graph && self.refusal.is_none() && self.launched.contains(&rows) {
             if self.graphs.get(&rows).is_some_and(|g| !self.model.is_current_paged(ctx, g)) {
                 self.graphs.remove(&rows); // stale: captured again below
+                self.captures.stale += 1;
             }
             if !self.graphs.contains_key(&rows) {
+                self.captures.captures += 1;
                 // SAFETY: graph mode was chosen through `with_mode`, whose caller took on this contract.
                 match unsafe { self.model.capture_paged_decode(ctx, &mut self.cache, &self.backends) } {
                     Ok(g) => {
                         self.graphs.insert(rows, g);
                         self.decode_form = self.cache.last_form();
                     }
-                    Err(e) => self.refusal = Some(e.to_string()),
+                    Err(e) => {
+                        self.captures.refused += 1;
+                        self.refusal = Some(e.to_string());
+                    }
                 }
             }
             if let Some(graph) = self.graphs.get_mut(&rows) {
