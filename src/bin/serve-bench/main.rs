@@ -15,6 +15,14 @@
 //! the attention form (paged, or the contiguous fallback and why): to stdout as markdown, and with
 //! `--out DIR` as `serve.md`, `serve-summary.csv` and `serve-requests.csv` (one row per request).
 //!
+//! Each engine call of the timed run is timed too ([`steps`]): its GPU time (CUDA events around it on
+//! the context's stream, read after the run; `--no-step-timing` leaves them out), its wall time
+//! (launch to ids back) and the host time after it until the next call. The summary gains the decode
+//! steps' GPU, wall and host-after percentiles, the prefills' GPU and wall percentiles, the mean
+//! prefills between consecutive decode steps and the decode-graph captures during the timed run (a
+//! capture there is a stall: a graph gone stale, [`BatchEngine::graph_counts`]); `--out` adds
+//! `serve-steps.csv` (one row per call: kind, rows, bucket, gpu_ms, wall_ms, host_ms).
+//!
 //! Exit codes: 0 done; 2 bad options; 1 no usable GPU, or a failure while serving.
 
 use clap::Parser;
@@ -22,7 +30,7 @@ use cudnn_llm::bench_util::{csv_and_markdown, environment, tool_main};
 use cudnn_llm_llama::generate::DecodeMode;
 use cudnn_llm_llama::sampling::SamplingParams;
 use cudnn_llm_llama::weights::Weights;
-use cudnn_llm_llama::{Backends, BatchConfig, BatchEngine, Llama, LlamaConfig};
+use cudnn_llm_llama::{Backends, BatchConfig, BatchEngine, GraphCounts, Llama, LlamaConfig};
 use cudnn_llm_ops::{default_plan_dir, Cudnn, DataType, Element, PageOrder, PLAN_DIR_ENV};
 use half::{bf16, f16};
 use serde::Serialize;
@@ -31,9 +39,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+mod steps;
 mod workload;
 
-use workload::{percentile, prefill_groups, requests, Request, Span};
+use steps::{Dist, StepKind, StepLog, StepRow, StepSummary};
+use workload::{prefill_groups, requests, Request, Span};
 
 type Error = Box<dyn std::error::Error>;
 
@@ -94,7 +104,11 @@ struct Options {
     /// Seed of the weights, the request stream and the sampling.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Directory for serve.md, serve-summary.csv and serve-requests.csv.
+    /// Leave out the CUDA events around each decode step and prefill (their GPU times); wall and host
+    /// times are still taken.
+    #[arg(long)]
+    no_step_timing: bool,
+    /// Directory for serve.md, serve-summary.csv, serve-requests.csv and serve-steps.csv.
     #[arg(long)]
     out: Option<PathBuf>,
 }
@@ -266,6 +280,8 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
         }
     };
     warm_up(ctx, &mut engine, plan)?;
+    let captures_before = engine.graph_counts();
+    let mut log = StepLog::new(ctx, !opts.no_step_timing);
 
     let reqs = &plan.requests;
     let n = reqs.len();
@@ -314,7 +330,10 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
             let group = &admitted[group];
             let asked: Vec<(&[u32], SamplingParams)> =
                 group.iter().map(|&(r, _)| (&reqs[r].prompt[..], params(r))).collect();
+            log.begin()?;
             let added = engine.add_many(ctx, &asked)?;
+            let tokens = asked.iter().map(|(p, _)| p.len()).sum();
+            log.end(StepKind::Prefill, asked.len(), tokens)?;
             let t = now();
             prefills += 1;
             for (&(r, need), (id, _first)) in group.iter().zip(added) {
@@ -345,11 +364,14 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
                 let wait = reqs[arrived].arrival - now();
                 if wait > 0.0 {
                     std::thread::sleep(Duration::from_secs_f64(wait));
+                    log.idle(wait);
                 }
             }
             continue;
         }
+        log.begin()?;
         let out = engine.step(ctx)?;
+        log.end(StepKind::Decode, out.len(), b.bucket(out.len()).unwrap_or(out.len()))?;
         let t = now();
         steps += 1;
         batch_sum += out.len();
@@ -370,8 +392,10 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
     }
     let elapsed = now();
     let rows: Vec<RequestRow> = rows.into_iter().flatten().collect();
-    let totals = Totals { elapsed, steps, batch_sum, generated, prefills, itl: itl_all };
-    report(ctx, opts, plan, &engine, &rows, totals)
+    let captures = (captures_before, engine.graph_counts());
+    let step_rows = log.finish()?;
+    let totals = Totals { elapsed, steps, batch_sum, generated, prefills, itl: itl_all, captures };
+    report(ctx, opts, plan, &engine, &rows, &step_rows, totals)
 }
 
 /// Runs every prompt length of the stream once (its prefill plans), then decode steps at every
@@ -429,6 +453,8 @@ struct Totals {
     /// Prefill forwards (one per prompt without prefill batching).
     prefills: usize,
     itl: Vec<f64>,
+    /// The engine's graph counts before and after the timed run.
+    captures: (GraphCounts, GraphCounts),
 }
 
 fn report<T: Element>(
@@ -437,28 +463,14 @@ fn report<T: Element>(
     plan: &Plan,
     engine: &BatchEngine<T>,
     rows: &[RequestRow],
+    step_rows: &[StepRow],
     t: Totals,
 ) -> Result<(), Error> {
-    let ms = |v: &[f64]| -> [String; 3] {
-        [0.5, 0.9, 0.99].map(|q| percentile(v, q).map_or("-".into(), |x| format!("{x:.2}")))
-    };
     let ttft: Vec<f64> = rows.iter().map(|r| r.ttft_ms).collect();
     let e2e: Vec<f64> = rows.iter().map(|r| r.e2e_ms).collect();
     let itl: Vec<f64> = t.itl.iter().map(|s| s * 1e3).collect();
     let prompt_tokens: usize = rows.iter().map(|r| r.prompt_tokens).sum();
-    let line = |metric: &str, value: String| SummaryRow {
-        metric: metric.into(),
-        value,
-        p50: String::new(),
-        p90: String::new(),
-        p99: String::new(),
-    };
-    let dist = |metric: &str, v: &[f64]| {
-        let [p50, p90, p99] = ms(v);
-        let mean =
-            if v.is_empty() { "-".into() } else { format!("{:.2}", v.iter().sum::<f64>() / v.len() as f64) };
-        SummaryRow { metric: metric.into(), value: mean, p50, p90, p99 }
-    };
+    let dist = |metric: &str, v: &[f64]| dist_row(metric, Dist::of(v));
     let form = engine.decode_form().map_or("-", |f| f.name());
     let summary = vec![
         line("requests", rows.len().to_string()),
@@ -477,8 +489,10 @@ fn report<T: Element>(
         line("graph refusal", engine.graph_refusal().unwrap_or("none").to_string()),
         line("fallbacks", engine.model().fallbacks().len().to_string()),
     ];
+    let summary = [summary, step_lines(&StepSummary::of(step_rows), t.captures.0, t.captures.1)].concat();
     let (summary_csv, summary_md) = csv_and_markdown(&summary)?;
     let (requests_csv, _) = csv_and_markdown(rows)?;
+    let (steps_csv, _) = csv_and_markdown(step_rows)?;
     let b = &plan.batch;
     let settings = format!(
         "{} ({} layers, {}), {} requests at {} /s (seed {}), prompts {}:{} (step {}), outputs {}:{}, \
@@ -513,9 +527,47 @@ fn report<T: Element>(
         std::fs::write(dir.join("serve.md"), &md)?;
         std::fs::write(dir.join("serve-summary.csv"), summary_csv)?;
         std::fs::write(dir.join("serve-requests.csv"), requests_csv)?;
-        eprintln!("serve-bench: wrote serve.md, serve-summary.csv, serve-requests.csv to {}", dir.display());
+        std::fs::write(dir.join("serve-steps.csv"), steps_csv)?;
+        eprintln!(
+            "serve-bench: wrote serve.md, serve-summary.csv, serve-requests.csv, serve-steps.csv to {}",
+            dir.display()
+        );
     }
     Ok(())
+}
+
+/// A summary line of one value.
+fn line(metric: &str, value: String) -> SummaryRow {
+    SummaryRow { metric: metric.into(), value, p50: String::new(), p90: String::new(), p99: String::new() }
+}
+
+/// A summary line of a distribution: its mean, p50, p90 and p99 (`-` where empty).
+fn dist_row(metric: &str, d: Dist) -> SummaryRow {
+    let f = |x: Option<f64>| x.map_or("-".into(), |x| format!("{x:.2}"));
+    let [p50, p90, p99] = d.p.map(f);
+    SummaryRow { metric: metric.into(), value: f(d.mean), p50, p90, p99 }
+}
+
+/// The summary's lines of the per-step timings and of the graph captures between `before` and
+/// `after` the timed run.
+fn step_lines(s: &StepSummary, before: GraphCounts, after: GraphCounts) -> Vec<SummaryRow> {
+    let captures = after.captures - before.captures;
+    let (stale, refused) = (after.stale - before.stale, after.refused - before.refused);
+    vec![
+        dist_row("decode step GPU (ms)", s.decode_gpu),
+        dist_row("decode step wall (ms)", s.decode_wall),
+        dist_row("host after decode step (ms)", s.decode_host),
+        dist_row("prefill GPU (ms)", s.prefill_gpu),
+        dist_row("prefill wall (ms)", s.prefill_wall),
+        line(
+            "prefills between decode steps (mean)",
+            s.prefills_between.map_or("-".into(), |x| format!("{x:.2}")),
+        ),
+        line(
+            "graph captures during the run",
+            format!("{captures} ({stale} of stale graphs, {refused} refused)"),
+        ),
+    ]
 }
 
 #[cfg(test)]
@@ -540,6 +592,51 @@ mod tests {
             assert!((64..=512).contains(&r.output));
         }
         assert!(p.prompt_lengths.windows(2).all(|w| w[0] < w[1]));
+    }
+
+    #[test]
+    fn step_timing_is_on_unless_asked_off() {
+        let o = |args: &[&str]| Options::try_parse_from([&["serve-bench"][..], args].concat()).unwrap();
+        assert!(!o(&[]).no_step_timing);
+        assert!(o(&["--no-step-timing"]).no_step_timing);
+        assert!(Options::try_parse_from(["serve-bench", "--no-step-timing=yes"]).is_err());
+    }
+
+    #[test]
+    fn step_lines_give_the_step_percentiles_and_the_captures_of_the_run() {
+        let row = |kind, gpu: Option<f64>, wall: f64, host: f64| StepRow {
+            kind,
+            rows: 4,
+            bucket: 4,
+            gpu_ms: gpu,
+            wall_ms: wall,
+            host_ms: host,
+        };
+        let (d, p) = (StepKind::Decode, StepKind::Prefill);
+        let steps = [
+            row(d, Some(7.0), 9.0, 0.25),
+            row(p, Some(30.0), 32.0, 0.5),
+            row(d, Some(9.0), 11.0, 0.75),
+            row(d, None, 13.0, 0.0),
+        ];
+        let mut before = GraphCounts::default();
+        before.captures = 7;
+        let mut after = before;
+        (after.captures, after.stale) = (9, 2);
+        let lines = step_lines(&StepSummary::of(&steps), before, after);
+        let cells = |m: &str| {
+            let r = lines.iter().find(|r| r.metric == m).unwrap_or_else(|| panic!("no line {m}"));
+            [r.value.clone(), r.p50.clone(), r.p90.clone(), r.p99.clone()]
+        };
+        assert_eq!(cells("decode step GPU (ms)"), ["8.00", "7.00", "9.00", "9.00"]);
+        assert_eq!(cells("decode step wall (ms)"), ["11.00", "11.00", "13.00", "13.00"]);
+        assert_eq!(cells("host after decode step (ms)")[1], "0.25");
+        assert_eq!(cells("prefill GPU (ms)"), ["30.00", "30.00", "30.00", "30.00"]);
+        assert_eq!(cells("prefill wall (ms)")[0], "32.00");
+        assert_eq!(cells("prefills between decode steps (mean)")[0], "0.50");
+        assert_eq!(cells("graph captures during the run")[0], "2 (2 of stale graphs, 0 refused)");
+        let none = step_lines(&StepSummary::of(&[]), before, before);
+        assert!(none.iter().take(6).all(|r| r.value == "-"), "{none:?}");
     }
 
     #[test]
