@@ -149,6 +149,22 @@ pub struct BatchEngine<T: Element> {
     picks: Option<CudaSlice<u32>>,
     /// Graph captures so far, and how many of them replaced a stale graph.
     captures: GraphCounts,
+    /// Where the last decode step's host time went.
+    last_step: StepTimes,
+}
+
+/// Where a [`BatchEngine::step`]'s wall time went ([`BatchEngine::last_step_times`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[non_exhaustive]
+pub struct StepTimes {
+    /// Host time before the launch: the rows' last ids and the cache's step begun (page table, positions
+    /// and lengths built and uploaded).
+    pub prepare: std::time::Duration,
+    /// The launch to the picks (or sampled rows' logits) on the host: the ids' upload, a capture where
+    /// one is made, the replay or plain launch, the argmax and the copies back (their wait on the GPU).
+    pub run: std::time::Duration,
+    /// After: the step counted, each row's next id made (host sampling of sampled rows).
+    pub sample: std::time::Duration,
 }
 
 /// How often a [`BatchEngine`] captured decode graphs ([`BatchEngine::graph_counts`]): a serving loop
@@ -186,6 +202,7 @@ impl<T: Element> BatchEngine<T> {
             decode_form: None,
             picks: None,
             captures: GraphCounts::default(),
+            last_step: StepTimes::default(),
         })
     }
 
@@ -245,6 +262,11 @@ impl<T: Element> BatchEngine<T> {
     /// Whether decode steps of `bucket` rows replay a captured graph now.
     pub fn replaying(&self, bucket: usize) -> bool {
         self.mode == DecodeMode::Graph && self.graphs.contains_key(&bucket)
+    }
+
+    /// Where the last [`BatchEngine::step`]'s wall time went (zero before the first).
+    pub fn last_step_times(&self) -> StepTimes {
+        self.last_step
     }
 
     /// Decode graphs captured so far (and captured again as stale, or refused).
@@ -384,6 +406,7 @@ impl<T: Element> BatchEngine<T> {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
+        let at = std::time::Instant::now();
         let n = ids.len();
         let rows = self.cfg.bucket(n).expect("at most max_batch sequences live (add checks)");
         let mut last: Vec<u32> =
@@ -391,6 +414,7 @@ impl<T: Element> BatchEngine<T> {
         last.resize(rows, 0);
         let greedy: Vec<bool> = ids.iter().map(|id| self.live[id].sampler.params().is_greedy()).collect();
         self.cache.begin(ctx, &ids, 1, rows)?;
+        let launched = std::time::Instant::now();
         let chosen = match self.decode(ctx, rows, &last, &greedy) {
             Ok(c) => c,
             Err(e) => {
@@ -398,6 +422,7 @@ impl<T: Element> BatchEngine<T> {
                 return Err(e);
             }
         };
+        let back = std::time::Instant::now();
         self.cache.finish()?;
         let mut out = Vec::with_capacity(n);
         for (id, row) in ids.into_iter().zip(chosen) {
@@ -409,6 +434,7 @@ impl<T: Element> BatchEngine<T> {
             live.tokens.push(next);
             out.push((id, next));
         }
+        self.last_step = StepTimes { prepare: launched - at, run: back - launched, sample: back.elapsed() };
         Ok(out)
     }
 

@@ -40,7 +40,7 @@ pub mod train;
 pub mod weights;
 
 pub use backends::{Backends, ModuleKind, Site};
-pub use batching::{BatchConfig, BatchEngine, GraphCounts};
+pub use batching::{BatchConfig, BatchEngine, GraphCounts, StepTimes};
 pub use config::LlamaConfig;
 pub use cudnn_llm_ops::Backend;
 pub use generate::{DecodeMode, Generation, Generator, SamplingPath, StopReason, PIPELINE_STEPS};

@@ -42,7 +42,7 @@ use std::time::{Duration, Instant};
 mod steps;
 mod workload;
 
-use steps::{Dist, StepKind, StepLog, StepRow, StepSummary};
+use steps::{CallDetail, Dist, StepKind, StepLog, StepRow, StepSummary};
 use workload::{prefill_groups, requests, Request, Span};
 
 type Error = Box<dyn std::error::Error>;
@@ -333,7 +333,7 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
             log.begin()?;
             let added = engine.add_many(ctx, &asked)?;
             let tokens = asked.iter().map(|(p, _)| p.len()).sum();
-            log.end(StepKind::Prefill, asked.len(), tokens)?;
+            log.end(StepKind::Prefill, asked.len(), tokens, CallDetail::default())?;
             let t = now();
             prefills += 1;
             for (&(r, need), (id, _first)) in group.iter().zip(added) {
@@ -369,9 +369,14 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
             }
             continue;
         }
+        let captures = engine.graph_counts().captures;
         log.begin()?;
         let out = engine.step(ctx)?;
-        log.end(StepKind::Decode, out.len(), b.bucket(out.len()).unwrap_or(out.len()))?;
+        let detail = CallDetail {
+            split: Some(engine.last_step_times()),
+            captured: engine.graph_counts().captures > captures,
+        };
+        log.end(StepKind::Decode, out.len(), b.bucket(out.len()).unwrap_or(out.len()), detail)?;
         let t = now();
         steps += 1;
         batch_sum += out.len();
@@ -556,6 +561,9 @@ fn step_lines(s: &StepSummary, before: GraphCounts, after: GraphCounts) -> Vec<S
     vec![
         dist_row("decode step GPU (ms)", s.decode_gpu),
         dist_row("decode step wall (ms)", s.decode_wall),
+        dist_row("decode step: before the launch (ms)", s.decode_prepare),
+        dist_row("decode step: launch to ids back (ms)", s.decode_run),
+        dist_row("decode step: sampling after (ms)", s.decode_sample),
         dist_row("host after decode step (ms)", s.decode_host),
         dist_row("prefill GPU (ms)", s.prefill_gpu),
         dist_row("prefill wall (ms)", s.prefill_wall),
@@ -611,6 +619,10 @@ mod tests {
             gpu_ms: gpu,
             wall_ms: wall,
             host_ms: host,
+            prepare_ms: (kind == StepKind::Decode).then_some(0.125),
+            run_ms: (kind == StepKind::Decode).then_some(wall - 0.25),
+            sample_ms: (kind == StepKind::Decode).then_some(0.125),
+            captured: false,
         };
         let (d, p) = (StepKind::Decode, StepKind::Prefill);
         let steps = [
@@ -631,12 +643,15 @@ mod tests {
         assert_eq!(cells("decode step GPU (ms)"), ["8.00", "7.00", "9.00", "9.00"]);
         assert_eq!(cells("decode step wall (ms)"), ["11.00", "11.00", "13.00", "13.00"]);
         assert_eq!(cells("host after decode step (ms)")[1], "0.25");
+        assert_eq!(cells("decode step: launch to ids back (ms)")[1..], ["10.75", "12.75", "12.75"]);
+        assert_eq!(cells("decode step: before the launch (ms)")[0], "0.12");
+        assert_eq!(cells("decode step: sampling after (ms)")[3], "0.12");
         assert_eq!(cells("prefill GPU (ms)"), ["30.00", "30.00", "30.00", "30.00"]);
         assert_eq!(cells("prefill wall (ms)")[0], "32.00");
         assert_eq!(cells("prefills between decode steps (mean)")[0], "0.50");
         assert_eq!(cells("graph captures during the run")[0], "2 (2 of stale graphs, 0 refused)");
         let none = step_lines(&StepSummary::of(&[]), before, before);
-        assert!(none.iter().take(6).all(|r| r.value == "-"), "{none:?}");
+        assert!(none.iter().take(9).all(|r| r.value == "-"), "{none:?}");
     }
 
     #[test]

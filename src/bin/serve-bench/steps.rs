@@ -5,6 +5,7 @@
 //! `serve-steps.csv` are made of them.
 
 use crate::workload::percentile;
+use cudnn_llm_llama::StepTimes;
 use cudnn_llm_ops::cudarc::driver::sys::CUevent_flags;
 use cudnn_llm_ops::cudarc::driver::CudaEvent;
 use cudnn_llm_ops::Cudnn;
@@ -34,6 +35,22 @@ pub struct StepRow {
     pub wall_ms: f64,
     /// Host time after the call until the next one (bookkeeping, admission; idle waits left out).
     pub host_ms: f64,
+    /// A decode step's wall time split as the engine took it ([`cudnn_llm_llama::StepTimes`]): before
+    /// the launch (page table, positions, lengths built and uploaded), launch to ids back, and the
+    /// host sampling after; empty for a prefill.
+    pub prepare_ms: Option<f64>,
+    pub run_ms: Option<f64>,
+    pub sample_ms: Option<f64>,
+    /// Whether the call captured a decode graph (a first capture, or again of a stale one).
+    pub captured: bool,
+}
+
+/// What the engine says of a call besides its times: its split of a decode step's wall time
+/// (`None` for a prefill) and whether it captured a graph.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CallDetail {
+    pub split: Option<StepTimes>,
+    pub captured: bool,
 }
 
 /// The steps of a run as they happen; [`StepLog::finish`] reads the events once the run is over.
@@ -84,18 +101,23 @@ impl<'a> StepLog<'a> {
     }
 
     /// The call begun ends (`rows` and `bucket` as [`StepRow`] has them): records the end event.
-    pub fn end(&mut self, kind: StepKind, rows: usize, bucket: usize) -> Result<()> {
+    pub fn end(&mut self, kind: StepKind, rows: usize, bucket: usize, detail: CallDetail) -> Result<()> {
         let (at, start) = self.open.take().expect("begin before end");
         let end = self.event()?;
         let now = Instant::now();
         self.last_end = Some(now);
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
         self.rows.push(StepRow {
             kind,
             rows,
             bucket,
             gpu_ms: None,
-            wall_ms: (now - at).as_secs_f64() * 1e3,
+            wall_ms: ms(now - at),
             host_ms: 0.0,
+            prepare_ms: detail.split.map(|t| ms(t.prepare)),
+            run_ms: detail.split.map(|t| ms(t.run)),
+            sample_ms: detail.split.map(|t| ms(t.sample)),
+            captured: detail.captured,
         });
         self.pending.push(start.zip(end));
         Ok(())
@@ -132,6 +154,9 @@ pub struct StepSummary {
     pub decode_gpu: Dist,
     pub decode_wall: Dist,
     pub decode_host: Dist,
+    pub decode_prepare: Dist,
+    pub decode_run: Dist,
+    pub decode_sample: Dist,
     pub prefill_gpu: Dist,
     pub prefill_wall: Dist,
     /// Prefill forwards between consecutive decode steps, on average (`None` for under two steps).
@@ -154,6 +179,9 @@ impl StepSummary {
             decode_gpu: of(StepKind::Decode, |s| s.gpu_ms),
             decode_wall: of(StepKind::Decode, |s| Some(s.wall_ms)),
             decode_host: of(StepKind::Decode, |s| Some(s.host_ms)),
+            decode_prepare: of(StepKind::Decode, |s| s.prepare_ms),
+            decode_run: of(StepKind::Decode, |s| s.run_ms),
+            decode_sample: of(StepKind::Decode, |s| s.sample_ms),
             prefill_gpu: of(StepKind::Prefill, |s| s.gpu_ms),
             prefill_wall: of(StepKind::Prefill, |s| Some(s.wall_ms)),
             prefills_between,
@@ -166,7 +194,19 @@ mod tests {
     use super::*;
 
     fn row(kind: StepKind, gpu: Option<f64>, wall: f64, host: f64) -> StepRow {
-        StepRow { kind, rows: 1, bucket: 1, gpu_ms: gpu, wall_ms: wall, host_ms: host }
+        let run = (kind == StepKind::Decode).then_some(wall - 1.0);
+        StepRow {
+            kind,
+            rows: 1,
+            bucket: 1,
+            gpu_ms: gpu,
+            wall_ms: wall,
+            host_ms: host,
+            prepare_ms: run.map(|_| 0.5),
+            run_ms: run,
+            sample_ms: run.map(|_| 0.5),
+            captured: false,
+        }
     }
 
     #[test]
@@ -187,6 +227,10 @@ mod tests {
         assert_eq!(s.decode_gpu.mean, Some(10.0));
         assert_eq!(s.decode_wall.p, [Some(12.0), Some(15.0), Some(15.0)]);
         assert_eq!(s.decode_host.p[0], Some(1.5));
+        assert_eq!(
+            (s.decode_run.p[0], s.decode_prepare.mean, s.decode_sample.p[2]),
+            (Some(11.0), Some(0.5), Some(0.5))
+        );
         assert_eq!(s.prefill_gpu.p, [Some(30.0), Some(50.0), Some(50.0)]);
         assert_eq!(s.prefill_gpu.mean, Some(35.0));
         assert_eq!(s.prefill_wall.p[0], Some(31.0));
