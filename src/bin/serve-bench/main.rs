@@ -440,11 +440,16 @@ fn warm_up<T: Element>(ctx: &Cudnn, engine: &mut BatchEngine<T>, plan: &Plan) ->
     for id in engine.sequences() {
         engine.remove(id)?;
     }
+    let g = engine.graph_counts();
     eprintln!(
-        "serve-bench: warmed up {} prompt lengths and {} batch buckets in {:.1} s",
+        "serve-bench: warmed up {} prompt lengths and {} batch buckets in {:.1} s ({} graph captures, {} of \
+         stale graphs, {} refused)",
         plan.prompt_lengths.len(),
         plan.batch.buckets.len(),
-        t.elapsed().as_secs_f64()
+        t.elapsed().as_secs_f64(),
+        g.captures,
+        g.stale,
+        g.refused
     );
     Ok(())
 }
