@@ -599,6 +599,19 @@ fn continuous_batching_equals_each_request_alone() {
         if mode == DecodeMode::Graph && (engine.graph_refusal().is_some() || !engine.replaying(4)) {
             failures.push(format!("graph mode did not replay: {:?}", engine.graph_refusal()));
         }
+        // Each bucket (1, 2, 4) captured first once; any other capture replaced a stale graph.
+        let g = engine.graph_counts();
+        println!("{mode:?}: graph counts {g:?}");
+        let first_captures = g.captures - g.stale;
+        let counted = match mode {
+            DecodeMode::Graph => first_captures == 3 && g.refused == 0,
+            _ => g.captures == 0,
+        };
+        if !counted {
+            failures.push(format!(
+                "{mode:?}: graph counts {g:?}, want 3 first captures in graph mode, none else"
+            ));
+        }
         if !engine.model().fallbacks().is_empty() {
             failures.push(format!("{mode:?}: fallbacks {:?}", engine.model().fallbacks()));
         }
@@ -761,8 +774,8 @@ fn serve_bench_bad_options_exit_2_naming_them() {
     }
 }
 
-/// A short serving run on the tiny preset: every request served, the summary's rows and the three
-/// files written.
+/// A short serving run on the tiny preset: every request served, the summary's rows (the per-step
+/// timings among them) and the four files written, `serve-steps.csv` a GPU-timed row per engine call.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn serve_bench_serves_a_tiny_stream_and_writes_its_report() {
@@ -802,11 +815,41 @@ fn serve_bench_serves_a_tiny_stream_and_writes_its_report() {
         "throughput (generated tokens/s)",
         "time to first token (ms)",
         "inter-token latency (ms)",
+        "| decode step GPU (ms) |",
+        "| decode step wall (ms) |",
+        "| decode step: launch to ids back (ms) |",
+        "| host after decode step (ms) |",
+        "| prefill GPU (ms) |",
+        "| prefills between decode steps (mean) |",
+        "| graph captures during the run |",
     ] {
         assert!(stdout.contains(want), "{want}: {stdout}");
     }
+    assert!(!stdout.contains("| decode step GPU (ms) | - |"), "decode steps were timed on the GPU: {stdout}");
     let requests = std::fs::read_to_string(dir.join("serve-requests.csv")).unwrap();
     assert_eq!(requests.lines().count(), 25, "a header and a row per request: {requests}");
+    // One row per engine call: as many as prefill forwards and decode steps, each timed.
+    let count = |metric: &str| -> usize {
+        let line = stdout.lines().find(|l| l.starts_with(&format!("| {metric} |"))).unwrap();
+        line.split('|').nth(2).unwrap().trim().parse().unwrap()
+    };
+    let steps = std::fs::read_to_string(dir.join("serve-steps.csv")).unwrap();
+    let mut lines = steps.lines();
+    assert_eq!(
+        lines.next(),
+        Some("kind,rows,bucket,gpu_ms,wall_ms,host_ms,prepare_ms,run_ms,sample_ms,captured"),
+        "{steps}"
+    );
+    let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+    assert_eq!(rows.len(), count("prefill forwards") + count("decode steps"), "{steps}");
+    for r in &rows {
+        let (gpu, wall): (f64, f64) = (r[3].parse().unwrap(), r[4].parse().unwrap());
+        // The end event is recorded after the call returns: its GPU span is within the wall time,
+        // give or take the event's own latency.
+        assert!(gpu > 0.0 && gpu <= wall + 0.5, "gpu {gpu} ms, wall {wall} ms: {r:?}");
+        assert!(r[0] == "decode" || r[0] == "prefill", "{r:?}");
+        assert_eq!(r[0] == "decode", !r[7].is_empty(), "a decode step's split, none for a prefill: {r:?}");
+    }
     assert!(dir.join("serve.md").exists() && dir.join("serve-summary.csv").exists());
     std::fs::remove_dir_all(&dir).unwrap();
 }

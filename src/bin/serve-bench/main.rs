@@ -655,6 +655,13 @@ mod tests {
         assert_eq!(cells("prefill wall (ms)")[0], "32.00");
         assert_eq!(cells("prefills between decode steps (mean)")[0], "0.50");
         assert_eq!(cells("graph captures during the run")[0], "2 (2 of stale graphs, 0 refused)");
+        let (csv, _) = csv_and_markdown(&steps[..2]).unwrap();
+        assert_eq!(
+            csv,
+            "kind,rows,bucket,gpu_ms,wall_ms,host_ms,prepare_ms,run_ms,sample_ms,captured\n\
+             decode,4,4,7.0,9.0,0.25,0.125,8.75,0.125,false\n\
+             prefill,4,4,30.0,32.0,0.5,,,,false\n"
+        );
         let none = step_lines(&StepSummary::of(&[]), before, before);
         assert!(none.iter().take(9).all(|r| r.value == "-"), "{none:?}");
     }
