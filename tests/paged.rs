@@ -599,17 +599,18 @@ fn continuous_batching_equals_each_request_alone() {
         if mode == DecodeMode::Graph && (engine.graph_refusal().is_some() || !engine.replaying(4)) {
             failures.push(format!("graph mode did not replay: {:?}", engine.graph_refusal()));
         }
-        // Each bucket (1, 2, 4) captured first once; any other capture replaced a stale graph.
+        // Each bucket that ran twice (of 1, 2, 4; 4 replays, checked above) captured first once; any
+        // other capture replaced a stale graph.
         let g = engine.graph_counts();
         println!("{mode:?}: graph counts {g:?}");
         let first_captures = g.captures - g.stale;
         let counted = match mode {
-            DecodeMode::Graph => first_captures == 3 && g.refused == 0,
+            DecodeMode::Graph => (1..=3).contains(&first_captures) && g.refused == 0,
             _ => g.captures == 0,
         };
         if !counted {
             failures.push(format!(
-                "{mode:?}: graph counts {g:?}, want 3 first captures in graph mode, none else"
+                "{mode:?}: graph counts {g:?}, want 1 to 3 first captures in graph mode, none in launch mode"
             ));
         }
         if !engine.model().fallbacks().is_empty() {
