@@ -186,10 +186,14 @@ impl Options {
                 self.output_len.max, self.page_size
             ));
         }
+        // Activations for the largest forward of the run (the longest prompt, a packed prefill of up to
+        // --prefill-tokens, a decode step of --max-batch): a larger one would reallocate them inside the
+        // timed run and make every captured decode graph stale.
+        let reserve = hi.max(self.max_batch).max(self.prefill_tokens);
         let batch = BatchConfig::new(self.max_batch, max_seq, self.page_size)
             .with_pages(pages)
             .with_order(order)
-            .with_reserve_rows(hi.max(self.max_batch));
+            .with_reserve_rows(reserve);
         batch.check().map_err(|e| e.to_string())?;
         let mut reqs = requests(self.requests, self.rate, steps, self.output_len, config.vocab, self.seed);
         for r in &mut reqs {
@@ -279,7 +283,7 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
             SamplingParams::new(opts.temperature, opts.seed.wrapping_add(r as u64))
         }
     };
-    warm_up(ctx, &mut engine, plan)?;
+    warm_up(ctx, &mut engine, plan, opts.prefill_tokens)?;
     let captures_before = engine.graph_counts();
     let mut log = StepLog::new(ctx, !opts.no_step_timing);
 
@@ -403,14 +407,31 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
     report(ctx, opts, plan, &engine, &rows, &step_rows, totals)
 }
 
-/// Runs every prompt length of the stream once (its prefill plans), then decode steps at every
-/// batch-size bucket, largest first (their plans, and their captured graphs in graph mode), before
-/// anything is timed.
-fn warm_up<T: Element>(ctx: &Cudnn, engine: &mut BatchEngine<T>, plan: &Plan) -> Result<(), Error> {
+/// Runs every prompt length of the stream once (its prefill plans), with prefill batching
+/// (`prefill_tokens` > 0) one packed prefill of the longest prompts up to that many tokens (the
+/// largest forward of the run, so that the context's shared buffers grow here rather than under a
+/// captured graph), then decode steps at every batch-size bucket, largest first (their plans, and
+/// their captured graphs in graph mode), before anything is timed.
+fn warm_up<T: Element>(
+    ctx: &Cudnn,
+    engine: &mut BatchEngine<T>,
+    plan: &Plan,
+    prefill_tokens: usize,
+) -> Result<(), Error> {
     let t = Instant::now();
     for &len in &plan.prompt_lengths {
         let (id, _) = engine.add(ctx, &vec![0; len], SamplingParams::greedy())?;
         engine.remove(id)?;
+    }
+    let longest = *plan.prompt_lengths.last().expect("at least one request");
+    let each = engine.pages_for(longest);
+    let packed = (prefill_tokens / longest).min(plan.batch.max_batch).min(plan.batch.num_pages / each);
+    if packed > 1 {
+        let prompt = vec![0; longest];
+        let asked = vec![(&prompt[..], SamplingParams::greedy()); packed];
+        for (id, _) in engine.add_many(ctx, &asked)? {
+            engine.remove(id)?;
+        }
     }
     // Largest bucket first: the shared buffers grow to their largest before any smaller bucket's graph
     // is captured, so no capture goes stale later.
@@ -598,6 +619,12 @@ mod tests {
         assert_eq!((p.config.hidden, p.config.layers, p.config.heads, p.config.kv_heads), (4096, 2, 32, 8));
         assert_eq!((p.batch.max_batch, p.batch.page_size, p.batch.max_seq), (64, 16, 1024 + 512));
         assert_eq!(p.batch.num_pages, 64 * 96);
+        // Packed prefills of up to --prefill-tokens fit the activations reserved.
+        assert_eq!(p.batch.reserve_rows, 8192);
+        let q = parse(&["--layers", "2", "--requests", "20", "--prefill-tokens", "0"]).unwrap();
+        assert_eq!(q.batch.reserve_rows, 1024);
+        let q = parse(&["--layers", "2", "--prefill-tokens", "16", "--max-batch", "100"]).unwrap();
+        assert_eq!(q.batch.reserve_rows, 1024);
         assert_eq!(p.batch.buckets, vec![1, 2, 4, 8, 16, 32, 64]);
         assert_eq!((p.mode, p.dtype, p.requests.len()), (DecodeMode::Graph, DataType::BF16, 20));
         for r in &p.requests {
