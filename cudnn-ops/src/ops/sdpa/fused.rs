@@ -390,18 +390,22 @@ mod tests {
     use crate::ops::sdpa::Layout;
 
     #[test]
-    fn padded_graphs_bind_sequence_lengths_on_the_unified_form_only() {
+    fn padded_graphs_bind_sequence_lengths_in_both_forms() {
+        // The uids of the tensors a call binds, in order.
+        let bound = |g: &Graph| -> Vec<(String, i64)> {
+            g.tensors()
+                .iter()
+                .filter(|t| !t.is_virtual && !t.by_value)
+                .map(|t| (t.name.clone(), t.uid))
+                .collect()
+        };
+        let lens_uids =
+            [("seq_len_q".to_string(), uid::SEQ_LEN_Q), ("seq_len_kv".to_string(), uid::SEQ_LEN_KV)];
         let a = SdpaArgs::new(2, 8, 2, 1, 256, 64, Layout::Bshd).with_seq_lens();
         assert_ne!(a.key(DataType::BF16, false), SdpaArgs { padded: false, ..a }.key(DataType::BF16, false));
         let g = a.graph(DataType::BF16, false, SdpaForm::Unified, Features::for_version(91900, (9, 0)));
         g.validate().unwrap();
-        let bound: Vec<(&str, i64)> = g
-            .tensors()
-            .iter()
-            .filter(|t| !t.is_virtual && !t.by_value)
-            .map(|t| (t.name.as_str(), t.uid))
-            .collect();
-        assert_eq!(&bound[3..5], &[("seq_len_q", uid::SEQ_LEN_Q), ("seq_len_kv", uid::SEQ_LEN_KV)]);
+        assert_eq!(&bound(&g)[3..5], &lens_uids);
         let lens = g.tensors().iter().find(|t| t.name == "seq_len_kv").unwrap();
         assert_eq!((lens.dtype, lens.dims.clone()), (DataType::I32, vec![2, 1, 1, 1]));
         // The composite graph binds the same lengths (its padding mask and matmul overrides read
@@ -409,13 +413,7 @@ mod tests {
         let f = Features::for_version(91900, (9, 0));
         let c = a.graph(DataType::BF16, false, SdpaForm::Composite, f);
         c.validate().unwrap();
-        let bound: Vec<(&str, i64)> = c
-            .tensors()
-            .iter()
-            .filter(|t| !t.is_virtual && !t.by_value)
-            .map(|t| (t.name.as_str(), t.uid))
-            .collect();
-        assert_eq!(&bound[3..5], &[("seq_len_q", uid::SEQ_LEN_Q), ("seq_len_kv", uid::SEQ_LEN_KV)]);
+        assert_eq!(&bound(&c)[3..5], &lens_uids);
         let chunk = SdpaArgs { seq_q: 4, ..a }.with_mask(Mask::CausalBottomRight);
         assert!(chunk
             .graph(DataType::BF16, false, SdpaForm::Unified, f)
