@@ -294,24 +294,18 @@ impl SdpaArgs {
     /// error.
     pub fn check(&self, lens: SdpaLens) -> Result<()> {
         let a = self;
-        for (name, v) in [
-            ("batch", a.batch),
-            ("heads_q", a.heads_q),
-            ("heads_kv", a.heads_kv),
-            ("seq_q", a.seq_q),
-            ("seq_kv", a.seq_kv),
-            ("head_dim", a.head_dim),
-        ] {
-            ensure!(v > 0, "sdpa: {name} must be > 0");
-            ensure!(v <= i32::MAX as usize, "sdpa: {name} = {v} is too large");
-        }
-        ensure!(
-            a.heads_q.is_multiple_of(a.heads_kv),
-            "sdpa: heads_q = {} is not a multiple of heads_kv = {}",
-            a.heads_q,
-            a.heads_kv
-        );
-        ensure!(a.head_dim.is_multiple_of(8), "sdpa: head_dim = {} is not a multiple of 8", a.head_dim);
+        check_heads(
+            "sdpa",
+            &[
+                ("batch", a.batch),
+                ("heads_q", a.heads_q),
+                ("heads_kv", a.heads_kv),
+                ("seq_q", a.seq_q),
+                ("seq_kv", a.seq_kv),
+                ("head_dim", a.head_dim),
+            ],
+            (a.heads_q, a.heads_kv, a.head_dim),
+        )?;
         ensure!(
             a.mask != Mask::CausalBottomRight || a.seq_q <= a.seq_kv,
             "sdpa: a bottom-right causal mask needs seq_q <= seq_kv, got {} > {}",
@@ -735,6 +729,22 @@ pub fn sdpa_backward<T: Element>(
     backend: Backend,
 ) -> Result<()> {
     crate::ops::run::<T, _>(ctx, Backward(args), x, backend)
+}
+
+/// The checks every attention call shares, as `op` names them: each of `dims` positive and within
+/// i32, `heads_q` a multiple of `heads_kv`, `head_dim` a multiple of 8.
+fn check_heads(op: &str, dims: &[(&str, usize)], heads: (usize, usize, usize)) -> Result<()> {
+    for &(name, v) in dims {
+        ensure!(v > 0, "{op}: {name} must be > 0");
+        ensure!(v <= i32::MAX as usize, "{op}: {name} = {v} is too large");
+    }
+    let (heads_q, heads_kv, head_dim) = heads;
+    ensure!(
+        heads_q.is_multiple_of(heads_kv),
+        "{op}: heads_q = {heads_q} is not a multiple of heads_kv = {heads_kv}"
+    );
+    ensure!(head_dim.is_multiple_of(8), "{op}: head_dim = {head_dim} is not a multiple of 8");
+    Ok(())
 }
 
 #[cfg(test)]

@@ -300,27 +300,17 @@ impl RaggedArgs {
     /// Shape checks of both backends; nothing is touched on error.
     pub fn check(&self) -> Result<()> {
         let a = self;
-        for (name, v) in [
-            ("batch", a.batch),
-            ("bucket", a.bucket),
-            ("heads_q", a.heads_q),
-            ("heads_kv", a.heads_kv),
-            ("head_dim", a.head_dim),
-        ] {
-            ensure!(v > 0, "sdpa ragged: {name} must be > 0");
-            ensure!(v <= i32::MAX as usize, "sdpa ragged: {name} = {v} is too large");
-        }
-        ensure!(
-            a.heads_q.is_multiple_of(a.heads_kv),
-            "sdpa ragged: heads_q = {} is not a multiple of heads_kv = {}",
-            a.heads_q,
-            a.heads_kv
-        );
-        ensure!(
-            a.head_dim.is_multiple_of(8),
-            "sdpa ragged: head_dim = {} is not a multiple of 8",
-            a.head_dim
-        );
+        super::check_heads(
+            "sdpa ragged",
+            &[
+                ("batch", a.batch),
+                ("bucket", a.bucket),
+                ("heads_q", a.heads_q),
+                ("heads_kv", a.heads_kv),
+                ("head_dim", a.head_dim),
+            ],
+            (a.heads_q, a.heads_kv, a.head_dim),
+        )?;
         if let Some(s) = a.scale {
             ensure!(s.is_finite(), "sdpa ragged: scale {s} is not finite");
         }
