@@ -108,26 +108,21 @@ impl Graph {
 
     /// The index of every element of `like` along `axis`, as i32.
     pub fn gen_index(&mut self, like: TensorId, axis: usize) -> TensorId {
-        let dims = self.spec(like).dims.clone();
-        self.pointwise(
-            Pointwise::GenIndex,
-            DataType::F32,
-            DataType::I32,
-            like,
-            None,
-            None,
-            &dims,
-            Some(axis as i64),
-        )
+        self.index_in(DataType::F32, like, axis)
     }
 
     /// The index of every element of `like` along `axis`, computed in i32 (the frontend's padding
     /// mask; [`Graph::gen_index`] keeps the causal band's f32 compute).
     pub(crate) fn index_of(&mut self, like: TensorId, axis: usize) -> TensorId {
+        self.index_in(DataType::I32, like, axis)
+    }
+
+    /// GEN_INDEX along `axis` of `like`'s dims with `compute` as the compute type, as i32.
+    fn index_in(&mut self, compute: DataType, like: TensorId, axis: usize) -> TensorId {
         let dims = self.spec(like).dims.clone();
         self.pointwise(
             Pointwise::GenIndex,
-            DataType::I32,
+            compute,
             DataType::I32,
             like,
             None,
