@@ -158,6 +158,16 @@ impl Graph {
         &self.tensors
     }
 
+    /// The name and uid of every tensor a call binds (not virtual, not by value), in order.
+    #[cfg(test)]
+    pub(crate) fn bound(&self) -> Vec<(&str, i64)> {
+        self.tensors
+            .iter()
+            .filter(|t| !t.is_virtual && !t.by_value)
+            .map(|t| (t.name.as_str(), t.uid))
+            .collect()
+    }
+
     /// Marks a node output as a graph output (backed by memory at execute time) and returns its spec
     /// for adjustments such as another dtype.
     pub fn output(&mut self, id: TensorId) -> &mut TensorSpec {

@@ -391,21 +391,12 @@ mod tests {
 
     #[test]
     fn padded_graphs_bind_sequence_lengths_in_both_forms() {
-        // The uids of the tensors a call binds, in order.
-        let bound = |g: &Graph| -> Vec<(String, i64)> {
-            g.tensors()
-                .iter()
-                .filter(|t| !t.is_virtual && !t.by_value)
-                .map(|t| (t.name.clone(), t.uid))
-                .collect()
-        };
-        let lens_uids =
-            [("seq_len_q".to_string(), uid::SEQ_LEN_Q), ("seq_len_kv".to_string(), uid::SEQ_LEN_KV)];
+        let lens_uids = [("seq_len_q", uid::SEQ_LEN_Q), ("seq_len_kv", uid::SEQ_LEN_KV)];
         let a = SdpaArgs::new(2, 8, 2, 1, 256, 64, Layout::Bshd).with_seq_lens();
         assert_ne!(a.key(DataType::BF16, false), SdpaArgs { padded: false, ..a }.key(DataType::BF16, false));
         let g = a.graph(DataType::BF16, false, SdpaForm::Unified, Features::for_version(91900, (9, 0)));
         g.validate().unwrap();
-        assert_eq!(&bound(&g)[3..5], &lens_uids);
+        assert_eq!(&g.bound()[3..5], &lens_uids);
         let lens = g.tensors().iter().find(|t| t.name == "seq_len_kv").unwrap();
         assert_eq!((lens.dtype, lens.dims.clone()), (DataType::I32, vec![2, 1, 1, 1]));
         // The composite graph binds the same lengths (its padding mask and matmul overrides read
@@ -413,7 +404,7 @@ mod tests {
         let f = Features::for_version(91900, (9, 0));
         let c = a.graph(DataType::BF16, false, SdpaForm::Composite, f);
         c.validate().unwrap();
-        assert_eq!(&bound(&c)[3..5], &lens_uids);
+        assert_eq!(&c.bound()[3..5], &lens_uids);
         let chunk = SdpaArgs { seq_q: 4, ..a }.with_mask(Mask::CausalBottomRight);
         assert!(chunk
             .graph(DataType::BF16, false, SdpaForm::Unified, f)
@@ -448,12 +439,7 @@ mod tests {
             assert_eq!((a.seq_kv, a.padded, a.k_strides), (128, true, table.pages.strides()));
             let g = a.graph(DataType::BF16, false, SdpaForm::Unified, f);
             g.validate().unwrap_or_else(|e| panic!("{order:?}: {e}"));
-            let bound: Vec<(&str, i64)> = g
-                .tensors()
-                .iter()
-                .filter(|t| !t.is_virtual && !t.by_value)
-                .map(|t| (t.name.as_str(), t.uid))
-                .collect();
+            let bound = g.bound();
             assert_eq!(
                 &bound[3..7],
                 &[
@@ -510,12 +496,7 @@ mod tests {
             let g = a.graph(DataType::BF16, stats, SdpaForm::Composite, Features::for_version(91900, (9, 0)));
             g.validate().unwrap();
             assert_eq!(g.form(), Some("composite"));
-            let mut bound: Vec<&str> = g
-                .tensors()
-                .iter()
-                .filter(|t| !t.is_virtual && !t.by_value)
-                .map(|t| t.name.as_str())
-                .collect();
+            let mut bound: Vec<&str> = g.bound().into_iter().map(|(name, _)| name).collect();
             let mut expected = vec!["Q", "K", "V", "O"];
             if stats {
                 expected.push("stats");
@@ -562,12 +543,7 @@ mod tests {
                         let tag = format!("{} {mask:?} {hq}/{hkv} {dtype}", layout.name());
                         g.validate().unwrap_or_else(|e| panic!("{tag}: {e}"));
                         assert_eq!(g.form(), Some("composite"));
-                        let bound: Vec<(&str, i64)> = g
-                            .tensors()
-                            .iter()
-                            .filter(|t| !t.is_virtual && !t.by_value)
-                            .map(|t| (t.name.as_str(), t.uid))
-                            .collect();
+                        let bound = g.bound();
                         let expected = [
                             ("Q", bwd_uid::Q),
                             ("K", bwd_uid::K),

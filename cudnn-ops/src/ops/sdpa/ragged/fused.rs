@@ -108,12 +108,7 @@ mod tests {
             let g = a.graph(DataType::BF16, f);
             g.validate().unwrap_or_else(|e| panic!("{mask:?}: {e}"));
             assert_eq!(g.form(), Some("composite"));
-            let bound: Vec<(&str, i64)> = g
-                .tensors()
-                .iter()
-                .filter(|t| !t.is_virtual && !t.by_value)
-                .map(|t| (t.name.as_str(), t.uid))
-                .collect();
+            let bound = g.bound();
             assert_eq!(
                 bound,
                 [
