@@ -5,9 +5,9 @@
 //! each decode projection alone at 1, 4 and 8 tokens, the cuDNN graph against the decode GEMV, and the
 //! GEMV's one-token fused forms (prenorm folded in, gate and up in one launch) against their unfused
 //! launches. The step is timed with each [`DecodeFusion`] (none, norm, gate_up, norm+gate_up) in turn,
-//! then with everything folded under each one-token GEMV split ([`GemvSplit`]: a warp or a block per
-//! row group, or the choice by shape) with programmatic dependent launch on and off
-//! ([`Cudnn::set_programmatic_launch`]); the projections alone are timed in both splits:
+//! with cuDNN's and the split-KV decode attention ([`Cudnn::set_decode_attention`]), then the default
+//! fusion without programmatic dependent launch ([`Cudnn::set_programmatic_launch`]) and under the
+//! block GEMV split ([`GemvSplit`]); the projections alone are timed in both splits:
 //! `cargo run --release --features app --example 05-decode [-- LAYERS]` on a GPU machine.
 use cudnn_llm::bench_util::{copy_bandwidth_gbps, median, wall_ms};
 use cudnn_llm::cudarc::driver::sys::{CUdevice_attribute, CUevent_flags};
@@ -17,8 +17,9 @@ use cudnn_llm::llama::roofline::DecodeRoofline;
 use cudnn_llm::llama::weights::Weights;
 use cudnn_llm::llama::{Backends, DecodeFusion, Llama, LlamaConfig, NoObserver};
 use cudnn_llm::{
-    matmul, reference, rms_norm, Backend, Cudnn, DataType, Epilogue, GemvSplit, Layout, MatmulArgs,
-    MatmulKernel, MatmulOperands, Prologue, RmsNormArgs, RmsNormOperands, SdpaArgs, DECODE_GEMV_MAX_TOKENS,
+    matmul, reference, rms_norm, Backend, Cudnn, DataType, DecodeAttention, Epilogue, GemvSplit, Layout,
+    MatmulArgs, MatmulKernel, MatmulOperands, Prologue, RmsNormArgs, RmsNormOperands, SdpaArgs,
+    DECODE_GEMV_MAX_TOKENS,
 };
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -34,31 +35,36 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     model.forward(&ctx, &prompt, &mut cache, &fused, &mut NoObserver)?;
     let at = cache.len() + 1;
     let mut timed = Vec::new();
-    // Each fusion with the defaults (the split chosen by shape, PDL where the GPU has it), then
-    // everything folded under each split and PDL setting; the first of these is the step as merged
-    // before the split and PDL.
+    // Each fusion with the defaults (the split chosen by shape, PDL where the GPU has it, the decode
+    // attention the library picks) and with the split-KV attention kernel; then the default fusion
+    // under each split and PDL setting, each with both attentions.
     let pdl = ctx.programmatic_launch();
-    let mut settings: Vec<(DecodeFusion, GemvSplit, bool)> =
-        DecodeFusion::EVERY.iter().map(|&f| (f, GemvSplit::Auto, pdl)).collect();
-    for (split, on) in [
-        (GemvSplit::Warp, false),
-        (GemvSplit::Warp, true),
-        (GemvSplit::Block, false),
-        (GemvSplit::Block, true),
-        (GemvSplit::Auto, false),
-    ] {
+    let (auto, split_kv) = (DecodeAttention::Auto, DecodeAttention::SplitKv);
+    let mut settings: Vec<(DecodeFusion, GemvSplit, bool, DecodeAttention)> = Vec::new();
+    for attention in [auto, split_kv] {
+        settings.extend(DecodeFusion::EVERY.iter().map(|&f| (f, GemvSplit::Auto, pdl, attention)));
+    }
+    for (split, on) in [(GemvSplit::Auto, false), (GemvSplit::Block, true)] {
         if on || pdl {
-            settings.push((DecodeFusion::ALL, split, on && pdl));
+            for attention in [auto, split_kv] {
+                settings.push((DecodeFusion::default(), split, on && pdl, attention));
+            }
         }
     }
-    for &(fusion, split, on) in &settings {
+    for &(fusion, split, on, attention) in &settings {
         model.set_decode_fusion(fusion);
         ctx.set_gemv_split(split);
         ctx.set_programmatic_launch(on);
+        ctx.set_decode_attention(attention);
         cache.truncate(at - 1);
         // A plain step first: plans are built and kernels loaded outside the capture.
         model.forward(&ctx, &[vec![1]], &mut cache, &fused, &mut NoObserver)?;
         model.logits(&ctx, 1, &fused, &mut NoObserver)?;
+        let form = SdpaArgs::new(1, cfg.heads, cfg.kv_heads, 1, max_seq, cfg.head_dim, Layout::Bshd)
+            .with_seq_lens()
+            .with_decode_choice(attention, ctx.features())
+            .fused_kernel(ctx.features(), false)
+            .name();
         // SAFETY: one thread, no other stream of this context.
         let mut graph = unsafe { model.capture_decode(&ctx, &mut cache, &fused) }?;
         let (mut plain, mut replay) = (Vec::new(), Vec::new());
@@ -74,20 +80,28 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             cache.truncate(at + step);
             replay.push(wall_ms(&ctx, || model.decode(&ctx, &mut graph, &[token], &mut cache).map(drop))?);
         }
-        timed.push((fusion, split, on, median(plain), median(replay)));
+        timed.push((fusion, split, on, form, median(plain), median(replay)));
     }
     ctx.set_gemv_split(GemvSplit::Auto);
     ctx.set_programmatic_launch(pdl);
+    ctx.set_decode_attention(auto);
+    model.set_decode_fusion(DecodeFusion::default());
     let copy = copy_bandwidth_gbps(&ctx, 1 << 30, 20)?;
     let roof = DecodeRoofline::new(&cfg, 1, at + steps / 2, 2);
-    let (.., plain, replay) = timed[DecodeFusion::EVERY.len() - 1];
+    // The defaults' row (the fusion a model starts with, auto split and attention, PDL where the GPU
+    // has it) and the fastest row.
+    let default = DecodeFusion::EVERY.iter().position(|&f| f == DecodeFusion::default()).unwrap_or(0);
+    let best = (0..timed.len()).min_by(|&i, &j| timed[i].5.total_cmp(&timed[j].5)).unwrap_or(0);
     println!("{}: {} layers, batch 1, {} cached tokens, bf16, fused", cfg.name, layers, at + steps / 2);
-    // What the fused backend runs for a decode step's attention (one query over the whole cache, the
-    // lengths on the device, as the model calls it).
+    // What the fused backend runs for a decode step's attention by default (one query over the whole
+    // cache, the lengths on the device, as the model calls it).
     let attention = SdpaArgs::new(1, cfg.heads, cfg.kv_heads, 1, max_seq, cfg.head_dim, Layout::Bshd)
         .with_seq_lens()
         .fused_kernel(ctx.features(), false);
-    println!("decode attention: {} (one query over the {max_seq}-position cache)", attention.name());
+    println!(
+        "decode attention by default: {} (one query over the {max_seq}-position cache)",
+        attention.name()
+    );
     let qkv = MatmulArgs::linear(1, cfg.hidden, cfg.qkv_width()).fused_kernel(DataType::BF16, DataType::BF16);
     println!("decode projections: {} (qkv_proj; o_proj, the MLP and lm_head alike)", qkv.name());
     println!(
@@ -95,25 +109,33 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         roof.floor_ms(copy),
         roof.bytes() as f64 / 1e9
     );
-    for (what, ms) in [("plain launches", plain), ("graph replay", replay)] {
-        println!(
-            "{what:>15}: {ms:.3} ms per step (with logits), {:.1}% of the roofline (decode fusion {}, gemv \
-             split auto, pdl {})",
-            100.0 * roof.fraction(ms, copy),
-            DecodeFusion::ALL.name(),
-            if pdl { "on" } else { "off (needs sm_90+ or CUDNN_LLM_PDL unset)" }
-        );
+    for (label, i) in [("defaults", default), ("fastest", best)] {
+        let (fusion, split, on, form, plain, replay) = timed[i];
+        for (what, ms) in [("plain launches", plain), ("graph replay", replay)] {
+            println!(
+                "{label:>8} {what:>15}: {ms:.3} ms per step (with logits), {:.1}% of the roofline (decode \
+                 fusion {}, gemv split {}, pdl {}, attention {form})",
+                100.0 * roof.fraction(ms, copy),
+                fusion.name(),
+                split.name(),
+                if on { "on" } else { "off" },
+            );
+        }
+    }
+    if !pdl {
+        println!("pdl is off: it needs sm_90+ and CUDNN_LLM_PDL unset");
     }
     println!(
-        "\nthe step with each decode fusion, gemv split and pdl setting (same run, same cache lengths):"
+        "\nthe step with each decode fusion, gemv split, pdl setting and decode attention (same run, same \
+         cache lengths):"
     );
     println!(
-        "{:<14} {:<6} {:<4} {:>13} {:>6} {:>11} {:>6}",
-        "fusion", "split", "pdl", "graph ms", "%roof", "plain ms", "%roof"
+        "{:<14} {:<6} {:<4} {:<9} {:>9} {:>6} {:>9} {:>6}",
+        "fusion", "split", "pdl", "attention", "graph ms", "%roof", "plain ms", "%roof"
     );
-    for (fusion, split, on, plain, replay) in &timed {
+    for (fusion, split, on, form, plain, replay) in &timed {
         println!(
-            "{:<14} {:<6} {:<4} {replay:>13.3} {:>5.1}% {plain:>11.3} {:>5.1}%",
+            "{:<14} {:<6} {:<4} {form:<9} {replay:>9.3} {:>5.1}% {plain:>9.3} {:>5.1}%",
             fusion.name(),
             split.name(),
             if *on { "on" } else { "off" },

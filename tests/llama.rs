@@ -311,3 +311,86 @@ fn decode_fusion_folds_launches_and_keeps_the_hidden_states() {
         assert_eq!(ran, want, "{}: fused-form launches (norm, dual, norm_dual)", fusion.name());
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn both_decode_attentions_give_the_reference_hidden_states_plain_and_replayed() {
+    // Batch 2, fused decode steps with cuDNN's padded plan and with the split-KV kernel (launched
+    // programmatically where the GPU has it, after the RoPE kernel that appends the step's K and V),
+    // each on a fresh context: plain steps match the f64 forward, replayed steps give the plain
+    // steps' logits, the two choices agree, and only the cuDNN choice built a one-query plan.
+    use cudnn_llm::cudnn_ops::DecodeAttention;
+    let cfg = LlamaConfig::tiny();
+    let w = Weights::<bf16>::random(&cfg, 10);
+    let (batch, prompt, steps, h) = (2, 9, 6, cfg.hidden);
+    let all = tokens(batch, prompt + steps, cfg.vocab, 31);
+    let expected = reference::forward(&cfg, &w, &all, 0);
+    let fused = Backends::all(Backend::Fused);
+    let step = |s: usize| -> Vec<u32> { all.iter().map(|t| t[s]).collect() };
+    let one = |s: usize| -> Vec<Vec<u32>> { step(s).iter().map(|&t| vec![t]).collect() };
+    let head: Vec<Vec<u32>> = all.iter().map(|t| t[..prompt].to_vec()).collect();
+    let mut hidden_by_choice: Vec<Vec<Vec<bf16>>> = Vec::new();
+    for choice in [DecodeAttention::Cudnn, DecodeAttention::SplitKv] {
+        let ctx = gpu();
+        ctx.set_decode_attention(choice);
+        let name = choice.name();
+        let mut model = Llama::new(&ctx, &cfg, &w, 64).unwrap();
+        let mut plain = model.cache(&ctx, batch, prompt + steps).unwrap();
+        let mut replay = model.cache(&ctx, batch, prompt + steps).unwrap();
+        for cache in [&mut plain, &mut replay] {
+            model.forward(&ctx, &head, cache, &fused, &mut NoObserver).unwrap();
+            // Position `prompt` plainly on both: plans built outside the capture.
+            model.forward(&ctx, &one(prompt), cache, &fused, &mut NoObserver).unwrap();
+            model.logits(&ctx, batch, &fused, &mut NoObserver).unwrap();
+        }
+        // SAFETY: this test uses one thread and no other stream.
+        let mut graph = match unsafe { model.capture_decode(&ctx, &mut replay, &fused) } {
+            Ok(g) => g,
+            Err(e) if ctx.info().cudnn_version < 91500 => {
+                println!("cuDNN < 9.15 has no run-time sequence lengths: {e}");
+                return;
+            }
+            Err(e) => panic!("{name}: {e}"),
+        };
+        let mut hidden = Vec::new();
+        for s in prompt + 1..prompt + steps {
+            let out = model.forward(&ctx, &one(s), &mut plain, &fused, &mut NoObserver).unwrap();
+            let p = ctx.stream().clone_dtoh(out).unwrap();
+            let want: Vec<f64> =
+                (0..batch).flat_map(|bi| expected[(bi * (prompt + steps) + s) * h..][..h].to_vec()).collect();
+            let c = compare(&p[..batch * h], &want);
+            println!("{name} position {s}: plain vs f64 forward {c}");
+            assert!(c.passes(MODEL_TOL), "{name} position {s}: {c}");
+            hidden.push(p[..batch * h].to_vec());
+            let p_logits = ctx
+                .stream()
+                .clone_dtoh(&model.logits(&ctx, batch, &fused, &mut NoObserver).unwrap())
+                .unwrap();
+            let r_logits = ctx
+                .stream()
+                .clone_dtoh(model.decode(&ctx, &mut graph, &step(s), &mut replay).unwrap())
+                .unwrap();
+            let base: Vec<f64> = p_logits.iter().map(|v| v.to_f64()).collect();
+            let c = compare(&r_logits, &base);
+            assert!(c.passes(MODEL_TOL), "{name} position {s}: replayed vs plain logits {c}");
+        }
+        let one_query = ctx
+            .cache()
+            .plans()
+            .iter()
+            .filter(|p| p.name().starts_with("sdpa") && p.name().contains(" sq1 "))
+            .count();
+        println!("{name}: one-query attention plans {one_query}");
+        match choice {
+            DecodeAttention::SplitKv => assert_eq!(one_query, 0, "the split-KV kernel needs no plan"),
+            _ => assert!(one_query > 0, "cuDNN's padded plan did not run"),
+        }
+        hidden_by_choice.push(hidden);
+    }
+    for (i, (a, b)) in hidden_by_choice[0].iter().zip(&hidden_by_choice[1]).enumerate() {
+        let base: Vec<f64> = a.iter().map(|v| v.to_f64()).collect();
+        let c = compare(b, &base);
+        println!("position {}: split-KV vs cuDNN {c}", prompt + 1 + i);
+        assert!(c.passes(MODEL_TOL), "position {}: split-KV vs cuDNN {c}", prompt + 1 + i);
+    }
+}

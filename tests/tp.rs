@@ -346,6 +346,9 @@ fn a_failing_or_silent_rank_ends_the_call_with_an_error_not_a_hang() {
 
 /// A rank's kernels run on its one stream, so together they can run no longer than the events
 /// around its forward; 10% over allows for clock reads and rounding (as the training report's test).
+/// The all-reduce kernels are left out of that sum: under CUPTI each one also waits for the other
+/// rank, whose profiled launches run late, so their times include skew the events' run does not have
+/// (seen on two H200s at the tiny config: 0.87 ms of kernels with them against 0.70 ms of events).
 const KERNELS_WITHIN_EVENTS: f64 = 1.1;
 
 #[test]
@@ -420,15 +423,20 @@ fn the_report_tp2_mode_writes_rows_per_rank_with_the_all_reduces_and_the_scaling
                 let mut total = 0.0;
                 for r in &s.rows {
                     let (kernels, kernel_ms, _) = pick(r);
-                    total += kernel_ms;
                     if r.range.ends_with(".allreduce") {
                         // One NCCL kernel per all-reduce, on each rank's own GPU.
                         assert!(r.calls == layers && kernels >= r.calls, "{} {label}: {r:?}", s.name);
+                        assert!(kernel_ms > 0.0, "{} {label}: {r:?}", s.name);
                         reduce_kernels.push(kernels);
+                    } else {
+                        total += kernel_ms;
                     }
                 }
                 let gpu = forward(&format!("{label}, GPU (this rank)"));
-                println!("{} {label}: kernels {total:.4} ms, forward events {gpu:.4} ms", s.name);
+                println!(
+                    "{} {label}: kernels but all-reduces {total:.4} ms, forward events {gpu:.4} ms",
+                    s.name
+                );
                 assert!(
                     total > 0.0 && total <= KERNELS_WITHIN_EVENTS * gpu,
                     "{} {label}: {total} vs {gpu}",

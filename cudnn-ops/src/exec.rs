@@ -63,7 +63,45 @@ pub struct Exec {
     programmatic: std::cell::Cell<bool>,
     /// How the one-token decode GEMV splits its rows ([`Exec::set_gemv_split`]).
     gemv_split: std::cell::Cell<GemvSplit>,
+    /// What a KV cache's fused decode attention runs ([`Exec::set_decode_attention`]).
+    decode_attention: std::cell::Cell<DecodeAttention>,
 }
+
+/// What the KV caches' fused decode attention (one query per sequence over the cache, lengths on the
+/// device: `KvCache::attend`, `PagedKvCache::attend`) runs ([`Exec::set_decode_attention`]); the
+/// results agree within the attention tolerances (f32 softmax either way, summation orders differ).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DecodeAttention {
+    /// The library's choice (the default): what [`crate::SdpaArgs::fused_kernel`] picks.
+    Auto,
+    /// cuDNN's padded (or paged) plan where the running cuDNN has it (9.15+), else the split-KV kernel.
+    Cudnn,
+    /// The split-KV kernel wherever it takes the shape (else cuDNN's plan).
+    SplitKv,
+}
+
+impl DecodeAttention {
+    /// `auto`, `cudnn` or `split-kv`, for tables and [`DECODE_ATTENTION_ENV`].
+    pub fn name(self) -> &'static str {
+        match self {
+            DecodeAttention::Auto => "auto",
+            DecodeAttention::Cudnn => "cudnn",
+            DecodeAttention::SplitKv => "split-kv",
+        }
+    }
+
+    /// The choice named `auto`, `cudnn` or `split-kv`.
+    pub fn parse(name: &str) -> Option<Self> {
+        [DecodeAttention::Auto, DecodeAttention::Cudnn, DecodeAttention::SplitKv]
+            .into_iter()
+            .find(|s| s.name() == name.trim())
+    }
+}
+
+/// Environment variable that sets a new context's [`DecodeAttention`]: `auto` (default), `cudnn` or
+/// `split-kv`.
+pub const DECODE_ATTENTION_ENV: &str = "CUDNN_LLM_DECODE_ATTENTION";
 
 /// How the one-token decode GEMV of the fused matmul shares the work of a weight row
 /// ([`Exec::set_gemv_split`]); the results are the same up to f32 summation order.
@@ -155,6 +193,12 @@ impl Exec {
                     .and_then(|v| GemvSplit::parse(&v))
                     .unwrap_or(GemvSplit::Auto),
             ),
+            decode_attention: std::cell::Cell::new(
+                std::env::var(DECODE_ATTENTION_ENV)
+                    .ok()
+                    .and_then(|v| DecodeAttention::parse(&v))
+                    .unwrap_or(DecodeAttention::Auto),
+            ),
         })
     }
 
@@ -207,6 +251,19 @@ impl Exec {
     /// See [`Exec::set_gemv_split`].
     pub fn gemv_split(&self) -> GemvSplit {
         self.gemv_split.get()
+    }
+
+    /// What the KV caches' fused decode attention runs from now on ([`DecodeAttention::Auto`] unless
+    /// [`DECODE_ATTENTION_ENV`] or this says otherwise): to compare the kernels in a decode step
+    /// (`examples/05-decode`, `examples/07-paged-decode`). A CUDA graph captured before keeps what it
+    /// captured.
+    pub fn set_decode_attention(&self, choice: DecodeAttention) {
+        self.decode_attention.set(choice);
+    }
+
+    /// See [`Exec::set_decode_attention`].
+    pub fn decode_attention(&self) -> DecodeAttention {
+        self.decode_attention.get()
     }
 
     /// Waits for all work on the stream.
@@ -346,5 +403,15 @@ mod tests {
         }
         assert_eq!(GemvSplit::parse(" block\n"), Some(GemvSplit::Block));
         assert_eq!(GemvSplit::parse("rows"), None);
+    }
+
+    #[test]
+    fn decode_attention_choices_parse_their_names() {
+        use super::DecodeAttention;
+        for s in [DecodeAttention::Auto, DecodeAttention::Cudnn, DecodeAttention::SplitKv] {
+            assert_eq!(DecodeAttention::parse(s.name()), Some(s));
+        }
+        assert_eq!(DecodeAttention::parse("split-kv\n"), Some(DecodeAttention::SplitKv));
+        assert_eq!(DecodeAttention::parse("flash"), None);
     }
 }

@@ -60,7 +60,10 @@ pub use context::{
 };
 pub use dtype::{DataType, Element};
 pub use error::{Error, Result};
-pub use exec::{device_count, open_device, DeviceInfo, Exec, GemvSplit, GEMV_SPLIT_ENV, PDL_ENV};
+pub use exec::{
+    device_count, open_device, DecodeAttention, DeviceInfo, Exec, GemvSplit, DECODE_ATTENTION_ENV,
+    GEMV_SPLIT_ENV, PDL_ENV,
+};
 pub use features::Features;
 pub use graph::{
     Binary, Graph, Mask, NormPhase, Reduce, RmsNormGradOutputs, RmsNormOutputs, SdpaBackwardOptions,

@@ -66,6 +66,7 @@ impl<T: Element> KvCache<T> {
         capacity.check(SdpaLens { q: q_len, k: k.len(), v: v.len(), o: o_len, stats: None })?;
         let form = if seq == 1 && backend == Backend::Fused && self.padded_refusal.is_none() {
             let padded = capacity.with_mask(Mask::None).with_seq_lens();
+            let padded = padded.with_decode_choice(ctx.decode_attention(), ctx.features());
             let x = SdpaOperands::new(&q, k, v, &mut o);
             // The split-KV kernel clamps the lengths as it reads them; cuDNN reads a clamped copy.
             let (ran, x) = if padded.fused_kernel(ctx.features(), false) == SdpaKernel::SplitKv {

@@ -542,7 +542,11 @@ impl<T: Element> PagedKvCache<T> {
         split_kv: bool,
     ) -> Result<PagedForm> {
         let a = own.with_pages(self.shape.table());
-        let a = if split_kv { a.with_form(SdpaKernel::SplitKv) } else { a };
+        let a = if split_kv {
+            a.with_form(SdpaKernel::SplitKv)
+        } else {
+            a.with_decode_choice(ctx.decode_attention(), ctx.features())
+        };
         let (k, v, table) = (&self.k[layer], &self.v[layer], &self.table);
         let x = SdpaOperands::new(q, k, v, o).pages(table);
         // The split-KV kernel clamps the lengths as it reads them; cuDNN reads a clamped copy.

@@ -158,6 +158,7 @@ impl<T: Element> Attention<T> {
                 }
                 let mut padded_args = attn.with_mask(Mask::None).with_seq_lens();
                 padded_args.seq_kv = max_seq;
+                let padded_args = padded_args.with_decode_choice(ctx.decode_attention(), ctx.features());
                 let x = SdpaOperands::new(qkv, &*k, &*v, o).clamped_seq_lens(seq_lens);
                 match sdpa(ctx, padded_args, x, Backend::Fused) {
                     Err(cudnn_llm_ops::Error::NotSupported { .. }) => *padded = false,

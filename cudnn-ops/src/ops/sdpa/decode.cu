@@ -6,6 +6,7 @@
 #define DECODE_WARPS 4
 #define DECODE_UNROLL 4
 #define DECODE_MAX_SPLITS 64
+#define DECODE_PREFETCH_KEYS 64
 #define DECODE_NEG_INF __int_as_float(0xff800000)
 
 // Eight 16-bit elements (one 16-byte load; element 0 in the low half of .x) to f32.
@@ -23,7 +24,29 @@ __device__ __forceinline__ void decode_unpack8(uint4 u, bool bf16, float* f) {
     }
 }
 
+// This lane's first column of a key row read by `lanes` lanes (8 elements each).
+__device__ __forceinline__ int col_of(int lanes) { return (int)((threadIdx.x & 31) % lanes) * 8; }
+
 __device__ __forceinline__ uint4 decode_load16(const bits16* p) { return *reinterpret_cast<const uint4*>(p); }
+
+// Sequence b's key count: `cap`, or lens[b] clamped into [0, cap]. Read around L1 (`ld.global.cg`): the
+// kernel reads it once before `pdl_wait` (to aim its prefetches) and again after, and the second read
+// must see what the kernels before wrote, not a line the first one left in L1.
+__device__ __forceinline__ long decode_len(const int* lens, long b, long cap) {
+    if (!lens) return cap;
+    const long x = __ldcg(lens + b);
+    return x < 0 ? 0 : x > cap ? cap : x;
+}
+
+// Element offset of key t's row (from the K/V head's base): t * s_stride, or with a page table (read
+// around L1, as the lengths) slot t % page_size of page row_pages[t / page_size] clamped into the pool.
+__device__ __forceinline__ long decode_key_at(long t, long s_stride, long page_stride, const int* row_pages,
+                                              long page_size, long num_pages) {
+    if (!row_pages) return t * s_stride;
+    long page = (long)__ldcg(row_pages + t / page_size);
+    page = page < 0 ? 0 : page >= num_pages ? num_pages - 1 : page;
+    return page * page_stride + (t % page_size) * s_stride;
+}
 
 // One launch does all: CTA `blockIdx.x` = ((b * heads_kv + kvh) * chunks + chunk) * splits + split holds
 // query heads h0 = kvh * group + chunk * NH .. (at most NH; all of that K/V head's group when group <= NH)
@@ -37,11 +60,18 @@ __device__ __forceinline__ uint4 decode_load16(const bits16* p) { return *reinte
 // per query head, row = (b * heads_q + h) * splits + split, the f32 partial acc[row * dim ..] and
 // ml[2 row] = max, ml[2 row + 1] = sum (an empty split: max -inf, sum 0, acc 0). The last CTA of a
 // (b, kvh, chunk) to finish (a counter per group, counters[(b * heads_kv + kvh) * chunks + chunk], which
-// that CTA sets back to 0 for the next launch) merges the splits' partials in split order and writes
-// O[b, h] at o + b * o_b + h * o_h: acc / sum, or zeros where the sequence has no keys.
+// that CTA sets back to 0 for the next launch) merges the partials of the splits that hold keys (a warp
+// per head for the weights, a float4 of one head per thread for the sums, each in a fixed order, so
+// the result does not depend on which CTA is last) and writes O[b, h] at o + b * o_b + h * o_h:
+// acc / sum, or zeros where the sequence has no keys.
 // With `table` (paged K/V; may be null) K and V are page pools: key t of sequence b is slot t % page_size
 // of page table[b * max_pages + t / page_size] (clamped into the pool's num_pages), at page * k_b +
 // slot * k_s (k_b the page stride); without, at b * k_b + t * k_s.
+// Programmatic dependent launch (decode.rs): before `pdl_wait` a CTA reads the length (and page table
+// rows) only to aim L2 prefetches of its first DECODE_PREFETCH_KEYS keys, addresses clamped into the
+// cache, so a value the kernel before is still writing changes nothing but which lines are warm; it
+// then lets the next kernel start (`pdl_launch_dependents`: an o-projection GEMV streams its weights
+// meanwhile), waits, and reads everything again. Partials and counters are touched after the wait only.
 template <bool BF16, int NH>
 __device__ __forceinline__ void decode_attention(const bits16* __restrict__ q, const bits16* __restrict__ k,
                                                  const bits16* __restrict__ v, long q_b, long q_h, long k_b,
@@ -70,13 +100,37 @@ __device__ __forceinline__ void decode_attention(const bits16* __restrict__ q, c
     const long h0 = kvh * group + (long)chunk * NH;
     const int nh = min(NH, (int)group - chunk * NH);
     const long heads_q = heads_kv * group;
-
-    long len = cap;
-    if (lens) {
-        const long x = lens[b];
-        len = x < 0 ? 0 : x > cap ? cap : x;
-    }
     const long trip = (long)groups * DECODE_UNROLL;
+    const bits16* kp = k + kvh * k_h + col_of(lanes);
+    const bits16* vp = v + kvh * v_h + col_of(lanes);
+    if (!table) {
+        kp += b * k_b;
+        vp += b * v_b;
+    }
+    const int* row_pages = table ? table + b * max_pages : nullptr;
+    const long pk = table ? k_b : 0, pv = table ? v_b : 0;  // page strides
+
+    // Before the wait: warm L2 with the first keys of this split (the range as the length reads now).
+    {
+        const long len = decode_len(lens, b, cap);
+        long per = (len + splits - 1) / splits;
+        per = per < trip ? trip : per;
+        const long start = split * per;
+        long stop = start + per < len ? start + per : len;
+        stop = stop < start + DECODE_PREFETCH_KEYS ? stop : start + DECODE_PREFETCH_KEYS;
+        const int lines = (d * 2 + 127) / 128;  // 128-byte lines of a key's row (16-bit elements)
+        const bits16* kh = kp - col_of(lanes);
+        const bits16* vh = vp - col_of(lanes);
+        for (long i = threadIdx.x; i < (stop - start) * lines; i += blockDim.x) {
+            const long t = start + i / lines, line = (i % lines) * 64;
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(kh + decode_key_at(t, k_s, pk, row_pages, page_size, num_pages) + line));
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(vh + decode_key_at(t, v_s, pv, row_pages, page_size, num_pages) + line));
+        }
+    }
+    pdl_launch_dependents();
+    pdl_wait();
+
+    const long len = decode_len(lens, b, cap);
     long per = (len + splits - 1) / splits;
     per = per < trip ? trip : per;
     const long start = split * per;
@@ -99,13 +153,6 @@ __device__ __forceinline__ void decode_attention(const bits16* __restrict__ q, c
         m[j] = DECODE_NEG_INF;
         l[j] = 0.f;
     }
-    const bits16* kp = k + kvh * k_h + col;
-    const bits16* vp = v + kvh * v_h + col;
-    if (!table) {
-        kp += b * k_b;
-        vp += b * v_b;
-    }
-    const int* row_pages = table ? table + b * max_pages : nullptr;
     // Trip counts are the same for the whole CTA, so every lane reaches the shuffles.
     for (long base = start; base < end; base += trip) {
         uint4 kr[DECODE_UNROLL], vr[DECODE_UNROLL];
@@ -113,16 +160,8 @@ __device__ __forceinline__ void decode_attention(const bits16* __restrict__ q, c
         for (int u = 0; u < DECODE_UNROLL; ++u) {
             const long t = base + u * groups + grp;
             if (t < end) {
-                long ko = t * k_s, vo = t * v_s;
-                if (row_pages) {
-                    long page = (long)row_pages[t / page_size];
-                    page = page < 0 ? 0 : page >= num_pages ? num_pages - 1 : page;
-                    const long slot = t % page_size;
-                    ko = page * k_b + slot * k_s;
-                    vo = page * v_b + slot * v_s;
-                }
-                kr[u] = decode_load16(kp + ko);
-                vr[u] = decode_load16(vp + vo);
+                kr[u] = decode_load16(kp + decode_key_at(t, k_s, pk, row_pages, page_size, num_pages));
+                vr[u] = decode_load16(vp + decode_key_at(t, v_s, pv, row_pages, page_size, num_pages));
             } else {
                 kr[u] = uint4{0u, 0u, 0u, 0u};
                 vr[u] = kr[u];
@@ -198,36 +237,59 @@ __device__ __forceinline__ void decode_attention(const bits16* __restrict__ q, c
     __syncthreads();
     if (!sm_last) return;
     __threadfence();
-    // The splits' (max, sum) of each head into shared memory (sm_m, sm_l: their reads are done), then
-    // per head the overall max, the splits' weights exp2(max_s - max) and 1 / sum.
-    for (int i = threadIdx.x; i < nh * (int)splits; i += blockDim.x) {
-        const int j = i / (int)splits, s = i - j * (int)splits;
-        const long row = (b * heads_q + h0 + j) * splits + s;
-        sm_m[j * DECODE_MAX_SPLITS + s] = __ldcg(part_ml + 2 * row);
-        sm_l[j * DECODE_MAX_SPLITS + s] = __ldcg(part_ml + 2 * row + 1);
-    }
-    __syncthreads();
-    if (threadIdx.x < nh) {
-        const int j = threadIdx.x;
-        float mx = DECODE_NEG_INF, sum = 0.f;
-        for (int s = 0; s < (int)splits; ++s) mx = fmaxf(mx, sm_m[j * DECODE_MAX_SPLITS + s]);
-        for (int s = 0; s < (int)splits; ++s) {
-            const float w = mx == DECODE_NEG_INF ? 0.f : exp2f(sm_m[j * DECODE_MAX_SPLITS + s] - mx);
-            sm_m[j * DECODE_MAX_SPLITS + s] = w;
-            sum += w * sm_l[j * DECODE_MAX_SPLITS + s];
+    // Only the splits that hold keys (split s does when s * per < len) take part; the others wrote an
+    // empty partial, weight 0. Per head (a warp each): the overall max, each split's weight
+    // exp2(max_s - max) into shared memory (sm_m: its reads are done), 1 / the weighted sum.
+    const int active = len == 0 ? 0 : (int)min(splits, (len + per - 1) / per);
+    for (int j = warp; j < nh; j += DECODE_WARPS) {
+        float ms[DECODE_MAX_SPLITS / 32], ls[DECODE_MAX_SPLITS / 32];
+        float mx = DECODE_NEG_INF;
+#pragma unroll
+        for (int u = 0; u < DECODE_MAX_SPLITS / 32; ++u) {
+            const int sp = lane + 32 * u;
+            ms[u] = DECODE_NEG_INF;
+            ls[u] = 0.f;
+            if (sp < active) {
+                const long row = (b * heads_q + h0 + j) * splits + sp;
+                ms[u] = __ldcg(part_ml + 2 * row);
+                ls[u] = __ldcg(part_ml + 2 * row + 1);
+            }
+            mx = fmaxf(mx, ms[u]);
         }
-        sm_scale[j] = mx == DECODE_NEG_INF ? 0.f : 1.f / sum;
+        for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+        float sum = 0.f;
+#pragma unroll
+        for (int u = 0; u < DECODE_MAX_SPLITS / 32; ++u) {
+            const int sp = lane + 32 * u;
+            const float w = sp < active && mx != DECODE_NEG_INF ? exp2f(ms[u] - mx) : 0.f;
+            sm_m[j * DECODE_MAX_SPLITS + sp] = w;
+            sum += w * ls[u];
+        }
+        for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        if (lane == 0) sm_scale[j] = mx == DECODE_NEG_INF ? 0.f : 1.f / sum;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < nh * d; i += blockDim.x) {
-        const int j = i / d, e = i - j * d;
-        const float* src = part_acc + (b * heads_q + h0 + j) * splits * dim + e;
+    // Per thread a float4 of one head's output: the weighted partials of the active splits.
+    const int quads = d / 4;
+    for (int i = threadIdx.x; i < nh * quads; i += blockDim.x) {
+        const int j = i / quads, c = (i - j * quads) * 4;
+        const float4* src = reinterpret_cast<const float4*>(part_acc + (b * heads_q + h0 + j) * splits * dim + c);
         const float* w = sm_m + j * DECODE_MAX_SPLITS;
-        float num = 0.f;
+        const long step = dim / 4;
+        float4 num = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 8
-        for (int s = 0; s < (int)splits; ++s) num += w[s] * __ldcg(src + s * dim);
-        const float out = num * sm_scale[j];
-        o[b * o_b + (h0 + j) * o_h + e] = BF16 ? f32_to_bf16(out) : f32_to_f16(out);
+        for (int sp = 0; sp < active; ++sp) {
+            const float4 x = __ldcg(src + sp * step);
+            num.x += w[sp] * x.x;
+            num.y += w[sp] * x.y;
+            num.z += w[sp] * x.z;
+            num.w += w[sp] * x.w;
+        }
+        const float sc = sm_scale[j];
+        const float out[4] = {num.x * sc, num.y * sc, num.z * sc, num.w * sc};
+        bits16* dst = o + b * o_b + (h0 + j) * o_h + c;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dst[e] = BF16 ? f32_to_bf16(out[e]) : f32_to_f16(out[e]);
     }
 }
 

@@ -23,10 +23,12 @@
 //! graph; so the fused backend takes this kernel only where that graph is not there. The constants
 //! below are untuned; the fixed cost (about 14 us at one loop trip per CTA) is what to look at first.
 
-use super::{DeviceSeqLens, SdpaArgs, SdpaOperands};
+use super::{DeviceSeqLens, SdpaArgs, SdpaKernel, SdpaOperands};
 use crate::dtype::{DataType, Element};
+use crate::exec::DecodeAttention;
+use crate::features::Features;
 use crate::graph::Mask;
-use crate::kernels::{launch, Arg, Kernels};
+use crate::kernels::{launch_programmatic, Arg, Kernels};
 use crate::{checked, Cudnn, Error, Result};
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
 
@@ -40,6 +42,9 @@ const CTAS_PER_SM: usize = 2;
 const MAX_SPLITS: usize = 64;
 /// Fewest keys of the capacity per split, so a short cache is not cut into slivers.
 const MIN_KEYS: usize = 32;
+/// Most keys of the capacity per split: a large batch, which fills the GPU with one split per
+/// sequence, still cuts a long cache, so a few long sequences do not leave the GPU idle behind them.
+const MAX_KEYS: usize = 512;
 /// Head dims the kernel reads: `d / 8` lanes per key, a power of two up to a warp.
 const HEAD_DIMS: [usize; 6] = [8, 16, 32, 64, 128, 256];
 
@@ -55,14 +60,14 @@ pub(super) struct SplitKvLaunch {
 }
 
 impl SplitKvLaunch {
-    /// About [`CTAS_PER_SM`] split CTAs per SM, at most [`MAX_SPLITS`] splits and one per
-    /// [`MIN_KEYS`] keys of the capacity.
+    /// About [`CTAS_PER_SM`] split CTAs per SM and at least one split per [`MAX_KEYS`] keys of the
+    /// capacity, but at most [`MAX_SPLITS`] splits and one per [`MIN_KEYS`] keys.
     fn new(a: &SdpaArgs, sm_count: usize) -> Self {
         let group = a.heads_q / a.heads_kv;
         let heads = group.min(MAX_HEADS).next_power_of_two();
         let chunks = group.div_ceil(heads);
         let ctas = a.batch.saturating_mul(a.heads_kv).saturating_mul(chunks);
-        let want = (CTAS_PER_SM * sm_count.max(1)).div_ceil(ctas);
+        let want = (CTAS_PER_SM * sm_count.max(1)).div_ceil(ctas).max(a.seq_kv.div_ceil(MAX_KEYS));
         let splits = want.min(MAX_SPLITS).min(a.seq_kv.div_ceil(MIN_KEYS)).max(1);
         SplitKvLaunch { heads, chunks, splits }
     }
@@ -112,6 +117,32 @@ impl SdpaArgs {
             }
         }
         None
+    }
+}
+
+impl SdpaArgs {
+    /// These arguments of a fused decode attention over a cache with `choice` applied (what the KV
+    /// caches and the Llama decoder do with [`crate::Exec::decode_attention`]): the split-KV kernel where it takes them, or cuDNN's
+    /// graph where the running cuDNN has the padded (or paged) form; otherwise, or for `Auto` or a
+    /// form already asked for, unchanged.
+    pub fn with_decode_choice(self, choice: DecodeAttention, features: Features) -> Self {
+        if self.form.is_some() {
+            return self;
+        }
+        match choice {
+            DecodeAttention::SplitKv if self.split_kv_refusal(false).is_none() => {
+                self.with_form(SdpaKernel::SplitKv)
+            }
+            DecodeAttention::Cudnn => {
+                let has = if self.pages.is_some() { features.sdpa_paged() } else { features.sdpa_seq_lens() };
+                if has {
+                    self.with_form(self.normalized().auto_form(features))
+                } else {
+                    self
+                }
+            }
+            _ => self,
+        }
     }
 }
 
@@ -192,7 +223,8 @@ pub(super) fn split_kv<T: Element>(ctx: &Cudnn, a: SdpaArgs, x: SdpaOperands<'_,
         &[Arg::Ptr(tp), i(max_pages), i(page_size), i(num_pages)],
     ]
     .concat();
-    launch(ctx, kernels, &format!("sdpa_decode_{sfx}_h{}", l.heads), cfg, &args)
+    // Programmatic: the kernel only prefetches before `pdl_wait` (decode.cu).
+    launch_programmatic(ctx, kernels, &format!("sdpa_decode_{sfx}_h{}", l.heads), cfg, &args)
 }
 
 #[cfg(test)]
@@ -223,7 +255,11 @@ mod tests {
         // A short cache is not cut finer than 32 keys a split; a huge batch takes one split.
         assert_eq!(SplitKvLaunch::new(&llama_decode(1, 642), 132).splits, 21);
         assert_eq!(SplitKvLaunch::new(&llama_decode(1, 20), 132).splits, 1);
-        assert_eq!(SplitKvLaunch::new(&llama_decode(64, 4096), 132).splits, 1);
+        // A large batch fills the GPU with one split each, but a long cache is still cut every 512
+        // keys of capacity.
+        assert_eq!(SplitKvLaunch::new(&llama_decode(64, 4096), 132).splits, 8);
+        assert_eq!(SplitKvLaunch::new(&llama_decode(64, 512), 132).splits, 1);
+        assert_eq!(SplitKvLaunch::new(&llama_decode(64, 513), 132).splits, 2);
         // Few K/V heads: at most 64 splits.
         let mqa = SdpaArgs { heads_kv: 1, ..a };
         assert_eq!(SplitKvLaunch::new(&mqa, 132), SplitKvLaunch { heads: 8, chunks: 4, splits: 64 });
@@ -236,7 +272,7 @@ mod tests {
             assert_eq!((l.heads, l.chunks), (heads, chunks), "group {group}");
         }
         // The same launch for every length: it depends on the shape and the device alone.
-        assert_eq!(SplitKvLaunch::new(&a, 0).splits, 1);
+        assert_eq!(SplitKvLaunch::new(&a, 0).splits, 8);
         let (ml_at, total) = SplitKvLaunch::new(&a, 132).partials(&a).unwrap();
         assert_eq!((ml_at, total), (32 * 33 * 128, 32 * 33 * 130));
         assert_eq!(ml_at % 4, 0, "the (max, sum) pairs start 16-byte aligned");
@@ -271,6 +307,23 @@ mod tests {
         assert_eq!(graph(SdpaArgs { head_dim: 96, ..a }, false), SdpaKernel::Graph(SdpaForm::Unified));
         assert_eq!(SdpaKernel::SplitKv.name(), "split-kv");
         assert_eq!(SdpaKernel::from(SdpaForm::Composite).name(), "composite");
+    }
+
+    #[test]
+    fn the_decode_choice_forces_a_kernel_only_where_it_runs() {
+        let (new, old) = (Features::for_version(91900, (9, 0)), Features::for_version(91400, (9, 0)));
+        let a = llama_decode(1, 4096);
+        let kernel = |b: SdpaArgs, c, f| b.with_decode_choice(c, f).fused_kernel(f, false);
+        assert_eq!(kernel(a, DecodeAttention::Auto, new), SdpaKernel::Graph(SdpaForm::Unified));
+        assert_eq!(kernel(a, DecodeAttention::Cudnn, new), SdpaKernel::Graph(SdpaForm::Unified));
+        assert_eq!(kernel(a, DecodeAttention::SplitKv, new), SdpaKernel::SplitKv);
+        // No padded graph before cuDNN 9.15: the kernel whatever is asked.
+        assert_eq!(kernel(a, DecodeAttention::Cudnn, old), SdpaKernel::SplitKv);
+        // A head dim the kernel does not take stays on cuDNN; a form asked for stays.
+        let wide = SdpaArgs { head_dim: 96, q_strides: [48 * 96, 96, 48 * 96, 1], ..a };
+        assert_eq!(kernel(wide, DecodeAttention::SplitKv, new), SdpaKernel::Graph(SdpaForm::Unified));
+        let forced = a.with_form(SdpaForm::Unified);
+        assert_eq!(kernel(forced, DecodeAttention::SplitKv, new), SdpaKernel::Graph(SdpaForm::Unified));
     }
 
     #[test]

@@ -138,7 +138,7 @@ impl SdpaArgs {
     /// The graph form an automatic choice builds: [`SdpaForm::select`]'s, except that run-time lengths
     /// on a cuDNN whose unified operation lacks them (before 9.15) take the composite graph and its
     /// padding mask (paged K/V has no composite form here).
-    fn auto_form(&self, features: Features) -> SdpaForm {
+    pub(super) fn auto_form(&self, features: Features) -> SdpaForm {
         let form = SdpaForm::select(features, self.mask);
         if form == SdpaForm::Unified && self.padded && self.pages.is_none() && !features.sdpa_seq_lens() {
             SdpaForm::Composite
