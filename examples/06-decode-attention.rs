@@ -1,13 +1,15 @@
 //! Decode attention alone at Llama-3.1-8B shapes: batch 1, 32 query heads over 8 K/V heads of 128, bf16,
 //! one query over a cache of 4352 positions as the decoder keeps it (Q a view into the fused QKV row, K/V
 //! `[1, 4352, 8 · 128]`, the length on the device), at 545 and 4096 cached tokens: the split-KV kernel
-//! the fused backend runs for a decode against cuDNN's padded plan (`with_form(SdpaForm::Unified)`).
+//! (`with_form(SdpaKernel::SplitKv)`) against cuDNN's padded plan (`with_form(SdpaForm::Unified)`).
 //! Each is timed replaying a CUDA graph of 32 calls (as a captured decode step runs them) and as plain
 //! launches, CUDA-event medians after warm-up, beside the time its K/V bytes take at the copy bandwidth:
 //! `cargo run --release --features app --example 06-decode-attention` on a GPU machine.
 use cudnn_llm::bench_util::{copy_bandwidth_gbps, environment, median_call_ms, upload};
 use cudnn_llm::half::bf16;
-use cudnn_llm::{reference, sdpa, Backend, Cudnn, Error, Layout, SdpaArgs, SdpaForm, SdpaOperands, SeqLens};
+use cudnn_llm::{
+    reference, sdpa, Backend, Cudnn, Error, Layout, SdpaArgs, SdpaForm, SdpaKernel, SdpaOperands, SeqLens,
+};
 
 /// Calls per captured graph.
 const CALLS: usize = 32;
@@ -33,8 +35,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "decode attention b1 h{hq}/{hkv} d{d} bf16, capacity {cap}; copy bandwidth {copy:.0} GB/s; {} SMs",
         ctx.info().sm_count
     );
-    for form in [None, Some(SdpaForm::Unified)] {
-        let a = form.map_or(args, |f| args.with_form(f));
+    for form in [SdpaKernel::SplitKv, SdpaKernel::from(SdpaForm::Unified)] {
+        let a = args.with_form(form);
         let name = a.fused_kernel(ctx.features(), false).name();
         for len in [545i32, 4096] {
             ctx.stream().memcpy_htod(&[len], &mut lkv)?;

@@ -38,12 +38,15 @@ __device__ __forceinline__ long decode_len(const int* lens, long b, long cap) {
     return x < 0 ? 0 : x > cap ? cap : x;
 }
 
-// Element offset of key t's row (from the K/V head's base): t * s_stride, or with a page table (read
-// around L1, as the lengths) slot t % page_size of page row_pages[t / page_size] clamped into the pool.
+// Element offset of key t's row (from the K/V head's base): t * s_stride, or with a page table slot
+// t % page_size of page row_pages[t / page_size] clamped into the pool. `around_l1`: the entry is read
+// around L1 (`ld.global.cg`), as the lengths, before `pdl_wait`; after it the table reads go through L1
+// (no line of it is there yet, so none is stale).
 __device__ __forceinline__ long decode_key_at(long t, long s_stride, long page_stride, const int* row_pages,
-                                              long page_size, long num_pages) {
+                                              long page_size, long num_pages, bool around_l1) {
     if (!row_pages) return t * s_stride;
-    long page = (long)__ldcg(row_pages + t / page_size);
+    const int* entry = row_pages + t / page_size;
+    long page = (long)(around_l1 ? __ldcg(entry) : *entry);
     page = page < 0 ? 0 : page >= num_pages ? num_pages - 1 : page;
     return page * page_stride + (t % page_size) * s_stride;
 }
@@ -123,8 +126,8 @@ __device__ __forceinline__ void decode_attention(const bits16* __restrict__ q, c
         const bits16* vh = vp - col_of(lanes);
         for (long i = threadIdx.x; i < (stop - start) * lines; i += blockDim.x) {
             const long t = start + i / lines, line = (i % lines) * 64;
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(kh + decode_key_at(t, k_s, pk, row_pages, page_size, num_pages) + line));
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(vh + decode_key_at(t, v_s, pv, row_pages, page_size, num_pages) + line));
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(kh + decode_key_at(t, k_s, pk, row_pages, page_size, num_pages, true) + line));
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(vh + decode_key_at(t, v_s, pv, row_pages, page_size, num_pages, true) + line));
         }
     }
     pdl_launch_dependents();
@@ -153,20 +156,26 @@ __device__ __forceinline__ void decode_attention(const bits16* __restrict__ q, c
         m[j] = DECODE_NEG_INF;
         l[j] = 0.f;
     }
-    // Trip counts are the same for the whole CTA, so every lane reaches the shuffles.
-    for (long base = start; base < end; base += trip) {
-        uint4 kr[DECODE_UNROLL], vr[DECODE_UNROLL];
+    // Trip counts are the same for the whole CTA, so every lane reaches the shuffles. The next trip's
+    // keys are loaded before this trip's are used (two trips of loads in flight per lane).
+    uint4 kr[DECODE_UNROLL], vr[DECODE_UNROLL];
+    const auto load_trip = [&](long base, uint4 (&kd)[DECODE_UNROLL], uint4 (&vd)[DECODE_UNROLL]) {
 #pragma unroll
         for (int u = 0; u < DECODE_UNROLL; ++u) {
             const long t = base + u * groups + grp;
             if (t < end) {
-                kr[u] = decode_load16(kp + decode_key_at(t, k_s, pk, row_pages, page_size, num_pages));
-                vr[u] = decode_load16(vp + decode_key_at(t, v_s, pv, row_pages, page_size, num_pages));
+                kd[u] = decode_load16(kp + decode_key_at(t, k_s, pk, row_pages, page_size, num_pages, false));
+                vd[u] = decode_load16(vp + decode_key_at(t, v_s, pv, row_pages, page_size, num_pages, false));
             } else {
-                kr[u] = uint4{0u, 0u, 0u, 0u};
-                vr[u] = kr[u];
+                kd[u] = uint4{0u, 0u, 0u, 0u};
+                vd[u] = kd[u];
             }
         }
+    };
+    load_trip(start, kr, vr);
+    for (long base = start; base < end; base += trip) {
+        uint4 kn[DECODE_UNROLL], vn[DECODE_UNROLL];
+        load_trip(base + trip, kn, vn);
 #pragma unroll
         for (int u = 0; u < DECODE_UNROLL; ++u) {
             float kf[8], s[NH];
@@ -195,6 +204,11 @@ __device__ __forceinline__ void decode_attention(const bits16* __restrict__ q, c
                     m[j] = mn;
                 }
             }
+        }
+#pragma unroll
+        for (int u = 0; u < DECODE_UNROLL; ++u) {
+            kr[u] = kn[u];
+            vr[u] = vn[u];
         }
     }
 #pragma unroll
