@@ -6,8 +6,10 @@
 //! chunk (the whole GQA group up to 8 heads, so each K/V element is read once per step) over the
 //! split's keys (16-byte loads, f32 online softmax) and writes each head's f32 partial (unnormalized
 //! output, running max, sum) to a buffer the op owns on the context; the last CTA of a (sequence, K/V
-//! head, chunk) to finish, found by a counter it sets back to zero, merges the splits' partials into
-//! O in split order (deterministic whichever CTA is last).
+//! head, chunk) to finish, found by a counter it sets back to zero, merges the partials of the splits
+//! that hold keys into O in a fixed order (deterministic whichever CTA is last). It launches as a
+//! programmatic dependent launch where the context allows it: before waiting for the kernel before it,
+//! each CTA only prefetches its first keys into L2.
 //!
 //! The launch is fixed per shape and device (splits from the key capacity and the SM count), never per
 //! length: each sequence's key count is read on the device and divided among the splits there (so the
@@ -19,9 +21,12 @@
 //! the same.
 //!
 //! Measured on an H200 (cuDNN 9.19, `examples/06-decode-attention`, Llama-3.1-8B heads, replayed in
-//! a CUDA graph): 15.7 us at 545 keys and 21.6 us at 4096, against 8.3 and 9.2 us for cuDNN's padded
-//! graph; so the fused backend takes this kernel only where that graph is not there. The constants
-//! below are untuned; the fixed cost (about 14 us at one loop trip per CTA) is what to look at first.
+//! a CUDA graph): 10.9 us at 545 keys and 15.9 us at 4096, against 8.3 and 9.2 us for cuDNN's padded
+//! graph (15.7 and 21.6 us before the programmatic launch and the parallel merge); as plain launches
+//! 11.0 against 17.1 us. In the whole 8B decode step cuDNN's graph is 0.07 ms faster, and at batch 64
+//! over 128-4096 keys (`examples/07-paged-decode`) cuDNN streams K/V at 3.9 TB/s against this kernel's
+//! 1.6; so the fused backend takes this kernel only where that graph is not there
+//! ([`crate::Exec::set_decode_attention`] forces it, to compare).
 
 use super::{DeviceSeqLens, SdpaArgs, SdpaKernel, SdpaOperands};
 use crate::dtype::{DataType, Element};

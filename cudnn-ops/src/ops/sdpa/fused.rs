@@ -126,7 +126,7 @@ impl SdpaArgs {
             }
             // Measured (H200, cuDNN 9.19, `examples/06-decode-attention`): cuDNN's one-plan padded
             // graph takes 8.3 us per Llama-3.1-8B decode attention replayed in a CUDA graph, the
-            // split-KV kernel 15.7 us; so the kernel runs by itself only where that graph is not
+            // split-KV kernel 10.9 us; so the kernel runs by itself only where that graph is not
             // there: host lengths (a graph would be a plan per length) or cuDNN < 9.15.
             None if a.split_kv_refusal(stats).is_none() && !(a.padded && features.sdpa_seq_lens()) => {
                 SdpaKernel::SplitKv
