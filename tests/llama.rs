@@ -6,7 +6,9 @@ use cudnn_llm::bench_util::gpu;
 use cudnn_llm::cudnn_ops::reference::{compare, Tolerance};
 use cudnn_llm::cudnn_ops::{Backend, Cudnn};
 use cudnn_llm::llama::weights::Weights;
-use cudnn_llm::llama::{reference, Backends, DecodeFusion, Llama, LlamaConfig, ModuleKind, NoObserver};
+use cudnn_llm::llama::{
+    reference, Backends, DecodeFusion, DecodeGraph, KvCache, Llama, LlamaConfig, ModuleKind, NoObserver,
+};
 use half::bf16;
 
 /// Hidden states through a whole bf16 model, against f64.
@@ -185,6 +187,25 @@ fn chunked_prefill_uses_the_bottom_right_mask_and_logits_match() {
     }
 }
 
+/// A captured decode step on `cache`, or `None` (said why) on a cuDNN without run-time sequence
+/// lengths (before 9.15), where no decode step captures.
+fn capture(
+    ctx: &Cudnn,
+    model: &mut Llama<bf16>,
+    cache: &mut KvCache<bf16>,
+    backends: &Backends,
+) -> Option<DecodeGraph<bf16>> {
+    // SAFETY: the tests that capture use one thread and no other stream.
+    match unsafe { model.capture_decode(ctx, cache, backends) } {
+        Ok(g) => Some(g),
+        Err(e) if ctx.info().cudnn_version < 91500 => {
+            println!("cuDNN < 9.15 has no run-time sequence lengths: {e}");
+            None
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn captured_decode_steps_replay_at_every_position() {
@@ -210,15 +231,7 @@ fn captured_decode_steps_replay_at_every_position() {
         model.forward(&ctx, &one, cache, &fused, &mut NoObserver).unwrap();
         model.logits(&ctx, batch, &fused, &mut NoObserver).unwrap();
     }
-    // SAFETY (here and below): this test uses one thread and no other stream.
-    let mut graph = match unsafe { model.capture_decode(&ctx, &mut replay, &fused) } {
-        Ok(g) => g,
-        Err(e) if ctx.info().cudnn_version < 91500 => {
-            println!("cuDNN < 9.15 has no run-time sequence lengths: {e}");
-            return;
-        }
-        Err(e) => panic!("{e}"),
-    };
+    let Some(mut graph) = capture(&ctx, &mut model, &mut replay, &fused) else { return };
     assert_eq!(replay.len(), prompt + 1, "a capture runs nothing");
     assert!(model.decode(&ctx, &mut graph, &step(prompt + 1), &mut plain).is_err(), "another cache");
     for s in prompt + 1..prompt + steps {
@@ -247,6 +260,7 @@ fn captured_decode_steps_replay_at_every_position() {
     let naive = Backends::all(Backend::Naive);
     let mut other = model.cache(&ctx, batch, prompt + steps).unwrap();
     model.forward(&ctx, &head, &mut other, &naive, &mut NoObserver).unwrap();
+    // SAFETY: this test uses one thread and no other stream.
     let e = unsafe { model.capture_decode(&ctx, &mut other, &naive) }.unwrap_err().to_string();
     assert!(e.contains("position from the host"), "{e}");
 }
@@ -343,15 +357,7 @@ fn both_decode_attentions_give_the_reference_hidden_states_plain_and_replayed() 
             model.forward(&ctx, &one(prompt), cache, &fused, &mut NoObserver).unwrap();
             model.logits(&ctx, batch, &fused, &mut NoObserver).unwrap();
         }
-        // SAFETY: this test uses one thread and no other stream.
-        let mut graph = match unsafe { model.capture_decode(&ctx, &mut replay, &fused) } {
-            Ok(g) => g,
-            Err(e) if ctx.info().cudnn_version < 91500 => {
-                println!("cuDNN < 9.15 has no run-time sequence lengths: {e}");
-                return;
-            }
-            Err(e) => panic!("{name}: {e}"),
-        };
+        let Some(mut graph) = capture(&ctx, &mut model, &mut replay, &fused) else { return };
         let mut hidden = Vec::new();
         for s in prompt + 1..prompt + steps {
             let out = model.forward(&ctx, &one(s), &mut plain, &fused, &mut NoObserver).unwrap();
