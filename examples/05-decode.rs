@@ -60,6 +60,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         // A plain step first: plans are built and kernels loaded outside the capture.
         model.forward(&ctx, &[vec![1]], &mut cache, &fused, &mut NoObserver)?;
         model.logits(&ctx, 1, &fused, &mut NoObserver)?;
+        // What the step's attention runs (one query over the whole cache, the lengths on the device,
+        // as the model calls it).
         let form = SdpaArgs::new(1, cfg.heads, cfg.kv_heads, 1, max_seq, cfg.head_dim, Layout::Bshd)
             .with_seq_lens()
             .with_decode_choice(attention, ctx.features())
@@ -93,14 +95,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let default = DecodeFusion::EVERY.iter().position(|&f| f == DecodeFusion::default()).unwrap_or(0);
     let best = (0..timed.len()).min_by(|&i, &j| timed[i].5.total_cmp(&timed[j].5)).unwrap_or(0);
     println!("{}: {} layers, batch 1, {} cached tokens, bf16, fused", cfg.name, layers, at + steps / 2);
-    // What the fused backend runs for a decode step's attention by default (one query over the whole
-    // cache, the lengths on the device, as the model calls it).
-    let attention = SdpaArgs::new(1, cfg.heads, cfg.kv_heads, 1, max_seq, cfg.head_dim, Layout::Bshd)
-        .with_seq_lens()
-        .fused_kernel(ctx.features(), false);
+    // What the fused backend runs for a decode step's attention by default (the defaults' row).
     println!(
         "decode attention by default: {} (one query over the {max_seq}-position cache)",
-        attention.name()
+        timed[default].3
     );
     let qkv = MatmulArgs::linear(1, cfg.hidden, cfg.qkv_width()).fused_kernel(DataType::BF16, DataType::BF16);
     println!("decode projections: {} (qkv_proj; o_proj, the MLP and lm_head alike)", qkv.name());

@@ -115,22 +115,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             )?;
             let mut paged = SdpaArgs::new(batch, hq, hkv, 1, 1, d, Layout::Bshd).with_pages(table.shape());
             paged.q_strides = [w, d, w, 1];
+            // Both kernels read the clamped lengths (the split-KV kernel also takes raw ones).
             let run_c = |a: SdpaArgs, o: &mut CudaSlice<bf16>| {
-                let x = SdpaOperands::new(&qkv, &kc, &vc, o);
-                let x = if a.fused_kernel(ctx.features(), false) == SdpaKernel::SplitKv {
-                    x.seq_lens(&lq, &lkv)
-                } else {
-                    x.clamped_seq_lens(&clamped)
-                };
+                let x = SdpaOperands::new(&qkv, &kc, &vc, o).clamped_seq_lens(&clamped);
                 sdpa(&ctx, a, x, Backend::Fused)
             };
             let run_p = |a: SdpaArgs, o: &mut CudaSlice<bf16>| {
-                let x = SdpaOperands::new(&qkv, &kp, &vp, o).pages(&table);
-                let x = if a.fused_kernel(ctx.features(), false) == SdpaKernel::SplitKv {
-                    x.seq_lens(&lq, &lkv)
-                } else {
-                    x.clamped_seq_lens(&clamped)
-                };
+                let x = SdpaOperands::new(&qkv, &kp, &vp, o).pages(&table).clamped_seq_lens(&clamped);
                 sdpa(&ctx, a, x, Backend::Fused)
             };
             let form = paged.fused_kernel(ctx.features(), false).name();

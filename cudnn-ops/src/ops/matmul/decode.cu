@@ -105,12 +105,7 @@ __device__ __forceinline__ void gemv_step(const uint4* const (&ws)[R], const uin
     gemv_dots<D, M, R, V, SX, S>(wv, xs, c, acc);
 }
 
-// L2 prefetch of 16 bytes (no register, no wait).
-__device__ __forceinline__ void gemv_prefetch(const uint4* p) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
-// Programmatic dependent launch (decode.rs; `pdl_wait` in common.cu): before waiting for the kernel
+// Programmatic dependent launch (decode.rs; `pdl_wait`, `prefetch_l2` in common.cu): before waiting for the kernel
 // before it, a GEMV prefetches the chunks c, c + S, ... below `upto` of each of its first rows into L2
 // (W does not come from the previous kernel in a decoder, and a prefetch is right even if it did: L2
 // is where every SM's writes land, and nothing enters a register or L1 before the wait), then waits.
@@ -122,7 +117,7 @@ template <int R>
 __device__ __forceinline__ void gemv_prefetch_then_wait(const uint4* const (&ws)[R], int c, int S, int upto) {
 #pragma unroll
     for (int r = 0; r < R; ++r)
-        for (int i = c; i < upto; i += S) gemv_prefetch(ws[r] + i);
+        for (int i = c; i < upto; i += S) prefetch_l2(ws[r] + i);
     pdl_wait();
 }
 

@@ -3,7 +3,7 @@
 
 use super::{suffix, KvAppend, RopeArgs, RopeOperands};
 use crate::dtype::Element;
-use crate::kernels::{elementwise, scratch, Arg, Kernels};
+use crate::kernels::{elementwise, optional_ptr, scratch, Arg, Kernels};
 use crate::ops::rows::CacheRows;
 use crate::ops::Naive;
 use crate::{Cudnn, Error, Result};
@@ -87,13 +87,7 @@ impl<T: Element> Naive<T> for RopeArgs {
                 CacheRows::Paged { table, first } => Some(table.rows(first, batch)),
                 CacheRows::Contiguous { .. } => None,
             };
-            let (t, _gt) = match &table {
-                Some(view) => {
-                    let (p, g) = view.device_ptr(ctx.stream());
-                    (p, Some(g))
-                }
-                None => (0, None),
-            };
+            let (t, _gt) = optional_ptr(table.as_ref().map(|t| t as &dyn DevicePtr<i32>), ctx.stream());
             for (offset, cache) in [(heads_q * d, k), ((heads_q + heads_kv) * d, v)] {
                 let (dst, _gd) = cache.device_ptr_mut(ctx.stream());
                 let src = x + elem * offset as u64;

@@ -24,9 +24,6 @@ __device__ __forceinline__ void decode_unpack8(uint4 u, bool bf16, float* f) {
     }
 }
 
-// This lane's first column of a key row read by `lanes` lanes (8 elements each).
-__device__ __forceinline__ int col_of(int lanes) { return (int)((threadIdx.x & 31) % lanes) * 8; }
-
 __device__ __forceinline__ uint4 decode_load16(const bits16* p) { return *reinterpret_cast<const uint4*>(p); }
 
 // Sequence b's key count: `cap`, or lens[b] clamped into [0, cap]. Read around L1 (`ld.global.cg`): the
@@ -36,6 +33,16 @@ __device__ __forceinline__ long decode_len(const int* lens, long b, long cap) {
     if (!lens) return cap;
     const long x = __ldcg(lens + b);
     return x < 0 ? 0 : x > cap ? cap : x;
+}
+
+// The keys [*start, *end) of split `split` of a sequence of `len` keys, with `per` =
+// max(ceil(len / splits), trip) keys a split; returns per.
+__device__ __forceinline__ long decode_split(long len, long splits, long split, long trip, long* start, long* end) {
+    long per = (len + splits - 1) / splits;
+    per = per < trip ? trip : per;
+    *start = split * per;
+    *end = *start + per < len ? *start + per : len;
+    return per;
 }
 
 // Element offset of key t's row (from the K/V head's base): t * s_stride, or with a page table slot
@@ -104,43 +111,35 @@ __device__ __forceinline__ void decode_attention(const bits16* __restrict__ q, c
     const int nh = min(NH, (int)group - chunk * NH);
     const long heads_q = heads_kv * group;
     const long trip = (long)groups * DECODE_UNROLL;
-    const bits16* kp = k + kvh * k_h + col_of(lanes);
-    const bits16* vp = v + kvh * v_h + col_of(lanes);
-    if (!table) {
-        kp += b * k_b;
-        vp += b * v_b;
-    }
+    // The K/V head's base (the sequence's, without a page table), and the page strides.
+    const bits16* kh = k + kvh * k_h + (table ? 0 : b * k_b);
+    const bits16* vh = v + kvh * v_h + (table ? 0 : b * v_b);
     const int* row_pages = table ? table + b * max_pages : nullptr;
-    const long pk = table ? k_b : 0, pv = table ? v_b : 0;  // page strides
+    const long pk = table ? k_b : 0, pv = table ? v_b : 0;
 
     // Before the wait: warm L2 with the first keys of this split (the range as the length reads now).
     {
-        const long len = decode_len(lens, b, cap);
-        long per = (len + splits - 1) / splits;
-        per = per < trip ? trip : per;
-        const long start = split * per;
-        long stop = start + per < len ? start + per : len;
+        long start, stop;
+        decode_split(decode_len(lens, b, cap), splits, split, trip, &start, &stop);
         stop = stop < start + DECODE_PREFETCH_KEYS ? stop : start + DECODE_PREFETCH_KEYS;
         const int lines = (d * 2 + 127) / 128;  // 128-byte lines of a key's row (16-bit elements)
-        const bits16* kh = kp - col_of(lanes);
-        const bits16* vh = vp - col_of(lanes);
         for (long i = threadIdx.x; i < (stop - start) * lines; i += blockDim.x) {
             const long t = start + i / lines, line = (i % lines) * 64;
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(kh + decode_key_at(t, k_s, pk, row_pages, page_size, num_pages, true) + line));
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(vh + decode_key_at(t, v_s, pv, row_pages, page_size, num_pages, true) + line));
+            prefetch_l2(kh + decode_key_at(t, k_s, pk, row_pages, page_size, num_pages, true) + line);
+            prefetch_l2(vh + decode_key_at(t, v_s, pv, row_pages, page_size, num_pages, true) + line);
         }
     }
     pdl_launch_dependents();
     pdl_wait();
 
     const long len = decode_len(lens, b, cap);
-    long per = (len + splits - 1) / splits;
-    per = per < trip ? trip : per;
-    const long start = split * per;
-    const long end = start + per < len ? start + per : len;
+    long start, end;
+    const long per = decode_split(len, splits, split, trip, &start, &end);
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int grp = warp * (32 / lanes) + lane / lanes, col = (lane % lanes) * 8;
+    const bits16* kp = kh + col;
+    const bits16* vp = vh + col;
 
     float qr[NH][8], m[NH], l[NH], acc[NH][8];
 #pragma unroll

@@ -33,7 +33,7 @@ use crate::dtype::{DataType, Element};
 use crate::exec::DecodeAttention;
 use crate::features::Features;
 use crate::graph::Mask;
-use crate::kernels::{launch_programmatic, Arg, Kernels};
+use crate::kernels::{launch_programmatic, optional_ptr, Arg, Kernels};
 use crate::{checked, Cudnn, Error, Result};
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
 
@@ -183,28 +183,19 @@ pub(super) fn split_kv<T: Element>(ctx: &Cudnn, a: SdpaArgs, x: SdpaOperands<'_,
         }
     }
     let clamped;
-    let (lens, _gl) = match seq_lens {
-        Some(DeviceSeqLens::Raw(_, kv)) => {
-            let (p, g) = kv.device_ptr(s);
-            (p, Some(g))
-        }
+    let lens: Option<&dyn DevicePtr<i32>> = match seq_lens {
+        Some(DeviceSeqLens::Raw(_, kv)) => Some(kv),
         Some(DeviceSeqLens::Clamped(lens)) => {
             clamped = lens.halves(a.batch).1;
-            let (p, g) = clamped.device_ptr(s);
-            (p, Some(g))
+            Some(&clamped)
         }
-        None => (0, None),
+        None => None,
     };
+    let (lens, _gl) = optional_ptr(lens, s);
     // Paged K/V: the table's first rows (checked against the arguments by the op), the pools' page
     // stride in the batch-stride slots.
     let table = pages.map(|t| t.rows(0, a.batch));
-    let (tp, _gt) = match &table {
-        Some(view) => {
-            let (p, g) = view.device_ptr(s);
-            (p, Some(g))
-        }
-        None => (0, None),
-    };
+    let (tp, _gt) = optional_ptr(table.as_ref().map(|t| t as &dyn DevicePtr<i32>), s);
     let (max_pages, page_size, num_pages) = match a.pages {
         Some(p) => (a.seq_kv / p.page_size, p.page_size, p.num_pages),
         None => (0, 1, 0),
