@@ -25,6 +25,55 @@ pub fn gpu() -> Cudnn {
     Cudnn::new(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU with cuDNN: {e}"))
 }
 
+/// Two logits closer than this × their row's RMS are a near-tie: greedy runs that should agree
+/// (a request alone and in a batch, fused and naive, on one GPU and two) may part there, as bf16
+/// rounds differently, and GPU tests accept a first difference at a near-tie only.
+pub const NEAR_TIE: f32 = 0.1;
+
+/// The root mean square of a row of logits (what [`NEAR_TIE`] scales).
+pub fn rms(row: &[f32]) -> f32 {
+    (row.iter().map(|v| v * v).sum::<f32>() / row.len() as f32).sqrt()
+}
+
+/// For GPU tests: one request run alone on `g` (reset first; its contiguous cache), greedy: its `n`
+/// new ids and the logits each was picked from. Panics on an error, as a test does.
+pub fn greedy_alone<T: Element>(
+    ctx: &Cudnn,
+    g: &mut cudnn_llm_llama::generate::Generator<T>,
+    prompt: &[u32],
+    n: usize,
+) -> (Vec<u32>, Vec<Vec<f32>>) {
+    use cudnn_llm_llama::sampling::argmax;
+    g.reset();
+    let mut logits = vec![g.prefill(ctx, prompt).unwrap()];
+    let mut ids = vec![argmax(&logits[0]).unwrap()];
+    while ids.len() < n {
+        let l = g.step(ctx, *ids.last().unwrap()).unwrap();
+        ids.push(argmax(&l).unwrap());
+        logits.push(l);
+    }
+    (ids, logits)
+}
+
+/// For GPU tests: `got` against `want` (greedy ids of the same request run alone, and the logits of
+/// each of its steps, as [`greedy_alone`] gives them): equal, or equal up to a first difference where
+/// the alone run's top two logits are a near-tie ([`NEAR_TIE`]). Returns the failure, if any.
+pub fn same_greedy_ids(tag: &str, got: &[u32], want: &[u32], logits: &[Vec<f32>]) -> Option<String> {
+    let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) else {
+        return (got.len() != want.len()).then(|| format!("{tag}: {} ids, alone {}", got.len(), want.len()));
+    };
+    let row = &logits[i];
+    let gap = row[want[i] as usize] - row[got[i] as usize];
+    println!(
+        "{tag}: first difference at new id {i}: {} vs {} alone, logit gap {gap} (rms {})",
+        got[i],
+        want[i],
+        rms(row)
+    );
+    (gap > NEAR_TIE * rms(row))
+        .then(|| format!("{tag}: new id {i} is {}, alone {} (gap {gap}, rms {})", got[i], want[i], rms(row)))
+}
+
 /// A binary of this package for an integration test: where cargo built it (`cargo_path`, i.e.
 /// `env!("CARGO_BIN_EXE_<name>")`), else `bin-<name>` beside the test executable, where
 /// `../shared/gpu/stage` puts it (staged tests run at another path than the one cargo compiled in).

@@ -6,10 +6,10 @@
 //! Greedy ids are checked against teacher-forced logits (one full forward over prompt + generated
 //! ids): each generated id must be the argmax at its position, up to a near-tie. bf16 rounds
 //! differently in a prefill and in a decode step (other GEMM shapes, other attention kernels), so two
-//! logits closer than [`TIE`] × the row's RMS may swap; a wrong id (from a broken cache, a wrong row
+//! logits closer than [`NEAR_TIE`] × the row's RMS may swap; a wrong id (from a broken cache, a wrong row
 //! of logits or a wrong position) is typically several RMS below the maximum.
 
-use cudnn_llm::bench_util::gpu;
+use cudnn_llm::bench_util::{gpu, rms, NEAR_TIE};
 use cudnn_llm::cudnn_ops::{Cudnn, DataType};
 use cudnn_llm::llama::generate::{
     DecodeMode, Generation, Generator, SamplingPath, StopReason, PIPELINE_STEPS,
@@ -23,8 +23,6 @@ use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// Two logits closer than this × the row's RMS are a near-tie.
-const TIE: f32 = 0.1;
 const BOS: u32 = 510;
 const EOS: u32 = 511;
 
@@ -159,10 +157,6 @@ fn teacher_forced(ctx: &Cudnn, model: &mut Llama<bf16>, ids: &[u32], b: &Backend
     logits.chunks(model.config().vocab).map(|r| r.iter().map(|v| v.to_f32()).collect()).collect()
 }
 
-fn rms(row: &[f32]) -> f32 {
-    (row.iter().map(|v| v * v).sum::<f32>() / row.len() as f32).sqrt()
-}
-
 /// Checks that each of `generated` (after a prompt of `prompt` ids) is the argmax of `rows` (logits of
 /// positions 0.. of prompt + generated) at its position, up to a near-tie; returns how many are the
 /// exact argmax.
@@ -173,7 +167,7 @@ fn check_greedy(label: &str, prompt: usize, generated: &[u32], rows: &[Vec<f32>]
         let best = argmax(row).unwrap();
         let gap = row[best as usize] - row[id as usize];
         assert!(
-            gap <= TIE * rms(row),
+            gap <= NEAR_TIE * rms(row),
             "{label}: new token {i} is {id} (logit {}), the argmax is {best} (logit {}), rms {}",
             row[id as usize],
             row[best as usize],
@@ -392,7 +386,7 @@ fn fused_and_naive_greedy_agree_on_a_1b_shaped_two_layer_model() {
         let row = &rows[0][prompt.len() - 1 + same];
         let (a, b) = (row[by_naive[same] as usize], row[by_fused[same] as usize]);
         assert!(
-            (a - b).abs() <= TIE * rms(row),
+            (a - b).abs() <= NEAR_TIE * rms(row),
             "new token {same}: naive {} (logit {a}), fused {} (logit {b}): not a near-tie (rms {})",
             by_naive[same],
             by_fused[same],

@@ -10,7 +10,7 @@
 //! GPU tests are ignored by default; run them with `--include-ignored` on a GPU machine. Each prints
 //! what it compares; failures are collected and reported together.
 
-use cudnn_llm::bench_util::{download, gpu};
+use cudnn_llm::bench_util::{download, gpu, greedy_alone, rms, same_greedy_ids, NEAR_TIE};
 use cudnn_llm::cudnn_ops::reference::{self, Tolerance};
 use cudnn_llm::cudnn_ops::{Cudnn, Element, PageOrder, PagedForm};
 use cudnn_llm::llama::generate::{DecodeMode, Generator};
@@ -23,14 +23,8 @@ use half::bf16;
 /// where the two attentions (ragged composite graph against the plain causal one) round differently;
 /// each attention alone is within 2e-2 of the f64 reference (tests/ragged.rs, tests/sdpa.rs).
 const LOGITS: Tolerance = Tolerance::rel_l2(2e-2);
-/// Two logits closer than this × the row's RMS are a near-tie (as `tests/paged.rs`).
-const TIE: f32 = 0.1;
 /// Positions per page.
 const PAGE: usize = 16;
-
-fn rms(row: &[f32]) -> f32 {
-    (row.iter().map(|v| v * v).sum::<f32>() / row.len() as f32).sqrt()
-}
 
 /// `n` seeded ids below `vocab`.
 fn prompt(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
@@ -60,19 +54,7 @@ fn same_logits(tag: &str, got: &[f32], want: &[f32]) -> Option<String> {
     if !c.passes(LOGITS) {
         return Some(format!("{tag}: {c}"));
     }
-    (a != b && gap > TIE * rms(want)).then(|| format!("{tag}: argmax {a}, alone {b} (gap {gap})"))
-}
-
-/// `got` against `want` (greedy ids of the same request run alone, and the logits of each of its
-/// steps): equal, or equal up to a first difference at a near-tie. Returns a failure, if any.
-fn same_ids(tag: &str, got: &[u32], want: &[u32], logits: &[Vec<f32>]) -> Option<String> {
-    let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) else {
-        return (got.len() != want.len()).then(|| format!("{tag}: {} ids, alone {}", got.len(), want.len()));
-    };
-    let row = &logits[i];
-    let gap = row[want[i] as usize] - row[got[i] as usize];
-    println!("{tag}: first difference at new id {i}: {} vs {} alone, logit gap {gap}", got[i], want[i]);
-    (gap > TIE * rms(row)).then(|| format!("{tag}: new id {i} is {}, alone {} (gap {gap})", got[i], want[i]))
+    (a != b && gap > NEAR_TIE * rms(want)).then(|| format!("{tag}: argmax {a}, alone {b} (gap {gap})"))
 }
 
 /// Model level: the prompts prefilled one by one (each a plain step) and packed (one step), on one
@@ -199,7 +181,7 @@ fn packed_engine(
         step += 1;
     }
     for (r, ids) in got.iter().enumerate() {
-        failures.extend(same_ids(&format!("{tag} request {r}"), ids, &want[r].0, &want[r].1));
+        failures.extend(same_greedy_ids(&format!("{tag} request {r}"), ids, &want[r].0, &want[r].1));
     }
     println!(
         "{tag}: {step} steps, last form {:?}, graph refusal {:?}, fallbacks {:?}",
@@ -214,19 +196,6 @@ fn packed_engine(
     if backends.starts_with("fused") && !engine.model().fallbacks().is_empty() {
         failures.push(format!("{tag}: fallbacks {:?}", engine.model().fallbacks()));
     }
-}
-
-/// One request run alone (a contiguous cache, greedy): its new ids and each step's logits.
-fn alone(ctx: &Cudnn, g: &mut Generator<bf16>, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
-    g.reset();
-    let mut logits = vec![g.prefill(ctx, prompt).unwrap()];
-    let mut ids = vec![argmax(&logits[0]).unwrap()];
-    while ids.len() < n {
-        let l = g.step(ctx, *ids.last().unwrap()).unwrap();
-        ids.push(argmax(&l).unwrap());
-        logits.push(l);
-    }
-    (ids, logits)
 }
 
 /// Every check of this file for `cfg` and prompts of `lens`, on the fused and the naive backend.
@@ -245,7 +214,7 @@ fn check_preset(cfg: LlamaConfig, lens: &[usize], max_seq: usize) {
         let mut generator =
             Generator::new(&ctx, Llama::new(&ctx, &cfg, &w, max_seq).unwrap(), b, max_seq).unwrap();
         let want: Vec<_> =
-            prompts.iter().zip(&outputs).map(|(p, &n)| alone(&ctx, &mut generator, p, n)).collect();
+            prompts.iter().zip(&outputs).map(|(p, &n)| greedy_alone(&ctx, &mut generator, p, n)).collect();
         let modes: &[DecodeMode] = if backends.starts_with("fused") {
             &[DecodeMode::Launch, DecodeMode::Graph]
         } else {

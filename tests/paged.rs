@@ -11,7 +11,9 @@
 //! what it compares; failures are collected and reported together.
 
 use cudarc::driver::CudaSlice;
-use cudnn_llm::bench_util::{download, expect_untouched, gpu, upload};
+use cudnn_llm::bench_util::{
+    download, expect_untouched, gpu, greedy_alone, rms, same_greedy_ids, upload, NEAR_TIE,
+};
 use cudnn_llm::cudnn_ops::reference::{self, AttentionShape, Tolerance};
 use cudnn_llm::cudnn_ops::{
     gather_pages, sdpa, Backend, Cudnn, Error, KvCache, KvCacheShape, Layout, Mask, PageGather,
@@ -28,8 +30,6 @@ use half::bf16;
 const ATTN: Tolerance = Tolerance::rel_l2(2e-2);
 /// Eager RoPE (bf16 after every elementary op) against the fused rotation (one rounding).
 const ROPE_NAIVE: Tolerance = Tolerance::rel_l2(1e-2);
-/// Two logits closer than this × the row's RMS are a near-tie (as `tests/generate.rs`).
-const TIE: f32 = 0.1;
 
 /// A decode over keys held twice: in a contiguous cache `[b, cap, h_kv · d]` and in a pool of
 /// shuffled pages read through a table.
@@ -479,42 +479,6 @@ fn paged_cache_steps_match_the_contiguous_cache() {
     assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
 }
 
-fn rms(row: &[f32]) -> f32 {
-    (row.iter().map(|v| v * v).sum::<f32>() / row.len() as f32).sqrt()
-}
-
-/// One request run alone (a contiguous cache, greedy): its new ids and each step's logits.
-fn alone(ctx: &Cudnn, g: &mut Generator<bf16>, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
-    g.reset();
-    let mut logits = vec![g.prefill(ctx, prompt).unwrap()];
-    let mut ids = vec![argmax(&logits[0]).unwrap()];
-    while ids.len() < n {
-        let l = g.step(ctx, *ids.last().unwrap()).unwrap();
-        ids.push(argmax(&l).unwrap());
-        logits.push(l);
-    }
-    (ids, logits)
-}
-
-/// `got` against `want` (greedy ids of the same request run alone, and the logits of each of its
-/// steps): equal, or equal up to a first difference where the alone run's top two logits are a
-/// near-tie (bf16 rounds differently in a batch of other sequences). Returns a failure, if any.
-fn same_ids(tag: &str, got: &[u32], want: &[u32], logits: &[Vec<f32>]) -> Option<String> {
-    let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) else {
-        return (got.len() != want.len()).then(|| format!("{tag}: {} ids, alone {}", got.len(), want.len()));
-    };
-    let row = &logits[i];
-    let gap = row[want[i] as usize] - row[got[i] as usize];
-    println!(
-        "{tag}: first difference at new id {i}: {} vs {} alone, logit gap {gap} (rms {})",
-        got[i],
-        want[i],
-        rms(row)
-    );
-    (gap > TIE * rms(row))
-        .then(|| format!("{tag}: new id {i} is {}, alone {} (gap {gap}, rms {})", got[i], want[i], rms(row)))
-}
-
 /// Continuous batching on the tiny model gives each request the greedy ids it gets alone: 7 requests
 /// of prompts 3 to 40 ids and 6 to 30 new ids, arriving while others decode, at most 4 at once (launch
 /// buckets 1, 2, 4), pages of 16 reused as requests finish; in launch mode and in graph mode (a
@@ -546,7 +510,7 @@ fn continuous_batching_equals_each_request_alone() {
     )
     .unwrap();
     let want: Vec<(Vec<u32>, Vec<Vec<f32>>)> =
-        prompts.iter().zip(outputs).map(|(p, n)| alone(&ctx, &mut generator, p, n)).collect();
+        prompts.iter().zip(outputs).map(|(p, n)| greedy_alone(&ctx, &mut generator, p, n)).collect();
     let mut failures = Vec::new();
     for mode in [DecodeMode::Launch, DecodeMode::Graph] {
         let model = Llama::new(&ctx, &cfg, &w, max_seq).unwrap();
@@ -579,7 +543,7 @@ fn continuous_batching_equals_each_request_alone() {
             step += 1;
         }
         for (r, ids) in got.iter().enumerate() {
-            if let Some(f) = same_ids(&format!("{mode:?} request {r}"), ids, &want[r].0, &want[r].1) {
+            if let Some(f) = same_greedy_ids(&format!("{mode:?} request {r}"), ids, &want[r].0, &want[r].1) {
                 failures.push(f);
             }
         }
@@ -634,11 +598,11 @@ fn continuous_batching_equals_each_request_alone() {
 }
 
 /// The top-`k` cut of `row` with a near-tie margin: `id`'s logit is at least the `k`-th largest less
-/// [`TIE`] × the row's RMS.
+/// [`NEAR_TIE`] × the row's RMS.
 fn in_top_k(row: &[f32], id: u32, k: usize) -> bool {
     let mut sorted = row.to_vec();
     sorted.sort_by(|a, b| b.total_cmp(a));
-    row[id as usize] >= sorted[k - 1] - TIE * rms(row)
+    row[id as usize] >= sorted[k - 1] - NEAR_TIE * rms(row)
 }
 
 /// Continuous batching with greedy rows picked on the device and one sampled request in the batch
@@ -674,7 +638,7 @@ fn continuous_batching_picks_greedy_rows_on_the_device_beside_a_sampled_request(
     let mut generator =
         Generator::new(&ctx, Llama::new(&ctx, &cfg, &w, max_seq).unwrap(), fused.clone(), max_seq).unwrap();
     let want: Vec<(Vec<u32>, Vec<Vec<f32>>)> =
-        prompts.iter().zip(outputs).map(|(p, n)| alone(&ctx, &mut generator, p, n)).collect();
+        prompts.iter().zip(outputs).map(|(p, n)| greedy_alone(&ctx, &mut generator, p, n)).collect();
     let mut failures = Vec::new();
     let mut sampled_ids = Vec::new();
     for mode in [DecodeMode::Launch, DecodeMode::Graph] {
@@ -704,7 +668,7 @@ fn continuous_batching_picks_greedy_rows_on_the_device_beside_a_sampled_request(
             step += 1;
         }
         for (r, ids) in got.iter().enumerate().filter(|(r, _)| *r != sampled) {
-            if let Some(f) = same_ids(&format!("{mode:?} request {r}"), ids, &want[r].0, &want[r].1) {
+            if let Some(f) = same_greedy_ids(&format!("{mode:?} request {r}"), ids, &want[r].0, &want[r].1) {
                 failures.push(f);
             }
         }
