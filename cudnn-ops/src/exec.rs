@@ -82,6 +82,10 @@ pub enum DecodeAttention {
 }
 
 impl DecodeAttention {
+    /// Every choice.
+    pub const ALL: [DecodeAttention; 3] =
+        [DecodeAttention::Auto, DecodeAttention::Cudnn, DecodeAttention::SplitKv];
+
     /// `auto`, `cudnn` or `split-kv`, for tables and [`DECODE_ATTENTION_ENV`].
     pub fn name(self) -> &'static str {
         match self {
@@ -93,14 +97,12 @@ impl DecodeAttention {
 
     /// The choice named `auto`, `cudnn` or `split-kv`.
     pub fn parse(name: &str) -> Option<Self> {
-        [DecodeAttention::Auto, DecodeAttention::Cudnn, DecodeAttention::SplitKv]
-            .into_iter()
-            .find(|s| s.name() == name.trim())
+        Self::ALL.into_iter().find(|s| s.name() == name.trim())
     }
 }
 
 /// Environment variable that sets a new context's [`DecodeAttention`]: `auto` (default), `cudnn` or
-/// `split-kv`.
+/// `split-kv`; any other value makes opening a context an error that names it.
 pub const DECODE_ATTENTION_ENV: &str = "CUDNN_LLM_DECODE_ATTENTION";
 
 /// How the one-token decode GEMV of the fused matmul shares the work of a weight row
@@ -120,6 +122,9 @@ pub enum GemvSplit {
 }
 
 impl GemvSplit {
+    /// Every split.
+    pub const ALL: [GemvSplit; 3] = [GemvSplit::Auto, GemvSplit::Warp, GemvSplit::Block];
+
     /// `auto`, `warp` or `block`, for tables and [`GEMV_SPLIT_ENV`].
     pub fn name(self) -> &'static str {
         match self {
@@ -131,17 +136,43 @@ impl GemvSplit {
 
     /// The split named `auto`, `warp` or `block`.
     pub fn parse(name: &str) -> Option<Self> {
-        [GemvSplit::Auto, GemvSplit::Warp, GemvSplit::Block].into_iter().find(|s| s.name() == name.trim())
+        Self::ALL.into_iter().find(|s| s.name() == name.trim())
     }
 }
 
-/// Environment variable that sets a new context's [`GemvSplit`]: `auto` (default), `warp` or `block`.
+/// Environment variable that sets a new context's [`GemvSplit`]: `auto` (default), `warp` or `block`;
+/// any other value makes opening a context an error that names it.
 pub const GEMV_SPLIT_ENV: &str = "CUDNN_LLM_GEMV_SPLIT";
 
 /// Environment variable that turns a new context's programmatic dependent launch off (`0`, `off`,
 /// `false` or `no`); anything else, or unset, leaves it on where the GPU has it
 /// ([`Exec::set_programmatic_launch`]).
 pub const PDL_ENV: &str = "CUDNN_LLM_PDL";
+
+/// The choice `value` of environment variable `var` names (unset: `default`); a value that names none
+/// of `all` is an error naming the variable, the value and the names it takes.
+fn env_choice<T: Copy>(
+    var: &str,
+    value: Option<&str>,
+    all: &[T],
+    name: fn(T) -> &'static str,
+    default: T,
+) -> Result<T> {
+    let Some(value) = value else { return Ok(default) };
+    all.iter().copied().find(|&c| name(c) == value.trim()).ok_or_else(|| {
+        let names: Vec<&str> = all.iter().map(|&c| name(c)).collect();
+        Error::invalid(format!("{var}={value:?}: it takes {}", names.join(", ")))
+    })
+}
+
+/// The value of environment variable `var`, `None` where it is unset; an error where it is not UTF-8.
+fn env_value(var: &str) -> Result<Option<String>> {
+    match std::env::var(var) {
+        Ok(v) => Ok(Some(v)),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(v)) => Err(Error::invalid(format!("{var}={v:?}: not UTF-8"))),
+    }
+}
 
 /// Whether `value` of [`PDL_ENV`] leaves programmatic dependent launch on.
 fn pdl_from(value: Option<&str>) -> bool {
@@ -163,6 +194,21 @@ impl Exec {
     /// Binds the stream's CUDA context to this thread, creates a cuDNN handle on `stream` and reads
     /// the device's and cuDNN's versions.
     pub(crate) fn open(stream: Arc<CudaStream>) -> Result<Self> {
+        // The settings' variables first: a value they do not take opens nothing.
+        let gemv_split = env_choice(
+            GEMV_SPLIT_ENV,
+            env_value(GEMV_SPLIT_ENV)?.as_deref(),
+            &GemvSplit::ALL,
+            GemvSplit::name,
+            GemvSplit::Auto,
+        )?;
+        let decode_attention = env_choice(
+            DECODE_ATTENTION_ENV,
+            env_value(DECODE_ATTENTION_ENV)?.as_deref(),
+            &DecodeAttention::ALL,
+            DecodeAttention::name,
+            DecodeAttention::Auto,
+        )?;
         let ctx = stream.context().clone();
         ctx.bind_to_thread()?;
         let (cudnn_version, cudnn_library) = raw::version()?;
@@ -187,18 +233,8 @@ impl Exec {
             info,
             features,
             programmatic: std::cell::Cell::new(pdl_from(std::env::var(PDL_ENV).ok().as_deref())),
-            gemv_split: std::cell::Cell::new(
-                std::env::var(GEMV_SPLIT_ENV)
-                    .ok()
-                    .and_then(|v| GemvSplit::parse(&v))
-                    .unwrap_or(GemvSplit::Auto),
-            ),
-            decode_attention: std::cell::Cell::new(
-                std::env::var(DECODE_ATTENTION_ENV)
-                    .ok()
-                    .and_then(|v| DecodeAttention::parse(&v))
-                    .unwrap_or(DecodeAttention::Auto),
-            ),
+            gemv_split: std::cell::Cell::new(gemv_split),
+            decode_attention: std::cell::Cell::new(decode_attention),
         })
     }
 
@@ -403,6 +439,31 @@ mod tests {
         }
         assert_eq!(GemvSplit::parse(" block\n"), Some(GemvSplit::Block));
         assert_eq!(GemvSplit::parse("rows"), None);
+    }
+
+    #[test]
+    fn setting_variables_take_their_names_and_refuse_the_rest() {
+        use super::{env_choice, DecodeAttention, GemvSplit};
+        let split =
+            |v| env_choice("CUDNN_LLM_GEMV_SPLIT", v, &GemvSplit::ALL, GemvSplit::name, GemvSplit::Auto);
+        assert_eq!(split(None).unwrap(), GemvSplit::Auto);
+        assert_eq!(split(Some(" block\n")).unwrap(), GemvSplit::Block);
+        let e = split(Some("rows")).unwrap_err().to_string();
+        assert!(e.contains("CUDNN_LLM_GEMV_SPLIT=\"rows\": it takes auto, warp, block"), "{e}");
+        let attention = |v| {
+            env_choice(
+                "CUDNN_LLM_DECODE_ATTENTION",
+                v,
+                &DecodeAttention::ALL,
+                DecodeAttention::name,
+                DecodeAttention::Auto,
+            )
+        };
+        assert_eq!(attention(Some("split-kv")).unwrap(), DecodeAttention::SplitKv);
+        assert_eq!(attention(None).unwrap(), DecodeAttention::Auto);
+        let e = attention(Some("flash")).unwrap_err().to_string();
+        assert!(e.contains("CUDNN_LLM_DECODE_ATTENTION=\"flash\": it takes auto, cudnn, split-kv"), "{e}");
+        assert!(attention(Some("")).is_err(), "an empty value names nothing");
     }
 
     #[test]
