@@ -3,7 +3,8 @@
 //! loads the model (random weights, or `--checkpoint DIR`), then times on every rank with CUDA events
 //! (the slowest rank's time counts):
 //!
-//! - the prefill forward of `--batch` × `--prompt` tokens (median of `--reps`);
+//! - the prefill forward of `--batch` × `--prompt` tokens (median of `--reps`, after the first
+//!   forward, which builds and tunes the plans, and `--warmup` more);
 //! - a decode step (one token per sequence, its logits all-gathered): `--steps` plain launches and
 //!   `--steps` replays of the captured CUDA graph, and the graph replay's wall time from the caller
 //!   (host logits included);
@@ -63,8 +64,11 @@ struct Options {
     /// Decode steps timed (plain, then replayed).
     #[arg(long, default_value_t = 32)]
     steps: usize,
+    /// Untimed prefills after the first (which builds and tunes the plans), before the timed ones.
+    #[arg(long, default_value_t = 3)]
+    warmup: usize,
     /// Timed prefills.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 10)]
     reps: usize,
     /// Modules to fuse, e.g. `fused=all`, or `` for all naive.
     #[arg(long, default_value = "fused=all")]
@@ -393,20 +397,24 @@ fn measure(
             .collect(),
     );
 
-    // Prefill: one untimed (plans built and tuned), then `reps` timed from an empty cache.
+    // Prefill: one untimed (plans built and tuned) and `warmup` more, then `reps` timed from an
+    // empty cache.
     tp.reset_cache(batch, max_seq)?;
     tp.forward(&ids, backends)?;
     let mut prefill = Vec::new();
-    for _ in 0..opts.reps {
+    for rep in 0..opts.warmup + opts.reps {
         let (ids, b) = (ids.clone(), b.clone());
-        prefill.push(slowest(tp.each("prefill", move |r| {
+        let ms = slowest(tp.each("prefill", move |r| {
             r.parts()?.2.truncate(0);
             let ((), ms) = r.timed(|r| {
                 let (ctx, model, cache) = r.parts()?;
                 model.forward(ctx, &ids, cache, &b, &mut NoObserver).map(drop)
             })?;
             Ok(ms)
-        })?));
+        })?);
+        if rep >= opts.warmup {
+            prefill.push(ms);
+        }
     }
     row.prefill_ms = median(prefill);
     row.prefill_tokens_per_s = (batch * prompt) as f64 / (row.prefill_ms * 1e-3);
