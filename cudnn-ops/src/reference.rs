@@ -405,11 +405,11 @@ pub fn matmul(
     matmul_epilogue(epilogue, &product, args.n(), &rows, bias, gate, residual)
 }
 
-/// The decode GEMV's one-token fused forms in f64, as their unfused composition computes them: x
-/// (`[k]`) normalized by [`rms_norm`] with `norm = (weight [k], ε)` and rounded to `T` (the RMSNorm's
-/// output), then the product with W (row-major `[n, k]`, a Linear weight); with `w_up` (`[n, k]`) the
-/// gate step's multiplier is `x · W_upᵀ` rounded to `T` (the up projection's output); then the
-/// epilogue (`bias` `[n]`, `residual` `[n]`).
+/// The decode GEMV's one-token fused forms in f64: x (`[k]`) normalized by [`rms_norm`] with
+/// `norm = (weight [k], ε)` (not rounded: the prologue multiplies the normalized row as it is), then
+/// the product with W (row-major `[n, k]`, a Linear weight); with `w_up` (`[n, k]`) the gate step's
+/// multiplier is `x · W_upᵀ` rounded to `T` (the up projection's output); then the epilogue (`bias`
+/// `[n]`, `residual` `[n]`).
 pub fn decode_fused<T: Element>(
     epilogue: crate::Epilogue,
     x: &[f64],
@@ -423,7 +423,8 @@ pub fn decode_fused<T: Element>(
     let n = w.len() / k;
     let round = |v: Vec<f64>| -> Vec<f64> { to_elements::<T>(&v).iter().map(|e| e.to_f64()).collect() };
     let x = match norm {
-        Some((weight, eps)) => round(rms_norm(x, weight, 1, k, eps).0),
+        // The normalized row unrounded, as the GEMV's prologue multiplies it.
+        Some((weight, eps)) => rms_norm(x, weight, 1, k, eps).0,
         None => x.to_vec(),
     };
     let args = crate::MatmulArgs::linear(1, k, n);

@@ -282,7 +282,7 @@ impl<T: Element> Llama<T> {
         })
     }
 
-    /// What fused one-token steps fold together from now on ([`DecodeFusion::GATE_UP`] unless set): a
+    /// What fused one-token steps fold together from now on ([`DecodeFusion::ALL`] unless set): a
     /// decode graph captured before keeps what it captured.
     pub fn set_decode_fusion(&mut self, fusion: DecodeFusion) {
         self.decode_fusion = fusion;

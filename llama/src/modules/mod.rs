@@ -28,8 +28,8 @@
 //! into the projection after it (`qkv_proj`, and the MLP's gate and up), whose decode GEMV
 //! normalizes x itself; the prenorm's range then stays open but empty (its work is counted in
 //! `fwd.layer.attn.qkv_proj` and `fwd.layer.mlp.mlp`); and the MLP's gate and up in one GEMV that
-//! streams both weights (the default folds only this, [`DecodeFusion::GATE_UP`]). Prefill, batches, the naive backend, and a prenorm and projection on
-//! different backends run the modules as drawn above.
+//! streams both weights (the default folds both, [`DecodeFusion::ALL`]). Prefill, batches, the naive
+//! backend, and a prenorm and projection on different backends run the modules as drawn above.
 //!
 //! Q, K and V live in one `[tokens, (h_q + 2·h_kv)·d]` buffer (one GEMM against the concatenated
 //! weight, as gpt-fast's `wqkv`); RoPE rotates Q and K there, K and V rows are copied into a
@@ -71,11 +71,11 @@ impl DecodeFusion {
     pub const NONE: DecodeFusion = DecodeFusion { norm_into_projection: false, gate_up: false };
     /// The prenorms folded into the projections only.
     pub const NORM: DecodeFusion = DecodeFusion { norm_into_projection: true, gate_up: false };
-    /// Gate and up in one GEMV only (the default: on an H200 the 8B step took 4.443 ms against 4.581
-    /// unfolded, while folding the prenorms made it slower, 4.540 with gate_up and 4.817 alone;
-    /// `benches/results/h200/decode-roofline.md`).
+    /// Gate and up in one GEMV only.
     pub const GATE_UP: DecodeFusion = DecodeFusion { norm_into_projection: false, gate_up: true };
-    /// Everything folded.
+    /// Everything folded (the default: on an H200 the 8B step took 4.463 ms against 4.631 with gate
+    /// and up alone and 4.883 unfolded, in one run, since the GEMV scales its sums by the norm instead
+    /// of normalizing x before it streams; `benches/results/h200/decode-roofline.md`).
     pub const ALL: DecodeFusion = DecodeFusion { norm_into_projection: true, gate_up: true };
     /// Each choice, nothing folded first, for A/B tables.
     pub const EVERY: [DecodeFusion; 4] =
@@ -94,7 +94,7 @@ impl DecodeFusion {
 
 impl Default for DecodeFusion {
     fn default() -> Self {
-        DecodeFusion::GATE_UP
+        DecodeFusion::ALL
     }
 }
 

@@ -67,7 +67,7 @@ __device__ __forceinline__ float gemv_activation(int act, float v) {
 }
 
 // The dot products of gemv_step on W's chunks already loaded (wv[v][r]: chunk c + S v of row r).
-template <class D, int M, int R, int V, bool SX, int S>
+template <class D, int M, int R, int V, int S>
 __device__ __forceinline__ void gemv_dots(const uint4 (&wv)[V][R], const uint4* const (&xs)[M], int c,
                                           float (&acc)[R][M]) {
 #pragma unroll
@@ -78,7 +78,7 @@ __device__ __forceinline__ void gemv_dots(const uint4 (&wv)[V][R], const uint4* 
 #pragma unroll
         for (int t = 0; t < M; ++t) {
             float xf[8];
-            gemv_unpack8<D>(SX ? xs[t][c + S * v] : gemv_cached16(xs[t] + c + S * v), xf);
+            gemv_unpack8<D>(gemv_cached16(xs[t] + c + S * v), xf);
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 float dot = wf[r][0] * xf[0];
@@ -92,9 +92,8 @@ __device__ __forceinline__ void gemv_dots(const uint4 (&wv)[V][R], const uint4* 
 
 // Chunks c, c + S, ..., c + S (V - 1) of the R rows ws against the M tokens xs (S: the threads that
 // share a row, a warp or a block): every load of W first, then per chunk one load of each token's x
-// (from global memory through L1, or with SX from the block's shared memory) and the R·M dot products
-// of 8, each added to its accumulator (V·R·M independent chains).
-template <class D, int M, int R, int V, bool SX = false, int S = 32>
+// (through L1) and the R·M dot products of 8, each added to its accumulator (V·R·M independent chains).
+template <class D, int M, int R, int V, int S = 32>
 __device__ __forceinline__ void gemv_step(const uint4* const (&ws)[R], const uint4* const (&xs)[M], int c,
                                           float (&acc)[R][M]) {
     uint4 wv[V][R];
@@ -102,7 +101,7 @@ __device__ __forceinline__ void gemv_step(const uint4* const (&ws)[R], const uin
     for (int v = 0; v < V; ++v)
 #pragma unroll
         for (int r = 0; r < R; ++r) wv[v][r] = gemv_stream16(ws[r] + c + S * v);
-    gemv_dots<D, M, R, V, SX, S>(wv, xs, c, acc);
+    gemv_dots<D, M, R, V, S>(wv, xs, c, acc);
 }
 
 // Programmatic dependent launch (decode.rs; `pdl_wait`, `prefetch_l2` in common.cu): before waiting for the kernel
@@ -192,62 +191,71 @@ GEMV_TILES(f16, GemvF16)
 // ---- The one-token GEMV with its input's RMSNorm and/or the SwiGLU's up projection fused. ----
 
 // Two forms of a decode step's projections in one launch each (decode.rs `Gemv::norm`, `Gemv::dual`):
-// - NORM (the prenorm before qkv_proj, or before the MLP's gate and up): every block computes the
-//   inverse RMS of x's k elements itself (f32 sum of squares, a block reduction; redundant across
-//   blocks, x is in L2) and writes xn = round(x · inv_rms · norm_w) (f32, one rounding to the I/O
-//   dtype, as the RMSNorm graph writes its output) to shared memory, which the dot products then read.
-//   Before that, each warp prefetches the first chunks of its rows into L2, so the weight's latency
-//   overlaps the normalization.
+// - NORM (the prenorm before qkv_proj, or before the MLP's gate and up): y = inv · Σ_j W[j] · (x[j] ·
+//   norm_w[j]) with inv = rsqrt(mean(x²) + ε), a scalar of the token, so it multiplies the sums at the
+//   end instead of x at the start: the lanes read x and norm_w per chunk through L1 beside W's chunk,
+//   and while a warp (or block) streams its first row group it also sums x² over the chunks it reads,
+//   which together cover the row; no pass over x, no barrier and no shared memory before W streams.
+//   f32 throughout, one rounding at the end (the normalized row is not rounded to the I/O dtype in
+//   between, as the RMSNorm graph writing it would).
 // - DUAL (the SwiGLU's gate and up): each warp streams the rows `row` of both W (the gate) and W_up
 //   (the same layout), and the epilogue's gate multiplier is U = round(x · W_upᵀ) (rounded to the I/O
 //   dtype as the up projection's output would be) instead of a buffer.
 // One token; warps own R rows of W (and of W_up), U chunks of each in flight; blocks of 128 threads.
 
-// The sum of v over the block (every thread gets it); blockDim.x is a multiple of 32, at most 1024.
-__device__ __forceinline__ float gemv_block_sum(float v) {
-    __shared__ float partial[32];
+// NORM: chunks c, c + S, ..., c + S (V - 1) of the RW rows ws against x · norm_w (S: the threads
+// that share a row, a warp or a block); with `want_ss` also the sum of x² over those chunks into ss.
+template <class D, int RW, int V, int S>
+__device__ __forceinline__ void gemv_norm_step(const uint4* const (&ws)[RW], const uint4* xg, const uint4* gg,
+                                               int c, float (&acc)[RW][1], float& ss, bool want_ss) {
+    uint4 wv[V][RW];
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = v;
-    __syncthreads();
-    float sum = 0.0f;
-    for (int i = 0; i < (int)(blockDim.x >> 5); ++i) sum += partial[i];
-    return sum;
+    for (int v = 0; v < V; ++v)
+#pragma unroll
+        for (int r = 0; r < RW; ++r) wv[v][r] = gemv_stream16(ws[r] + c + S * v);
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+        float xf[8], gf[8];
+        gemv_unpack8<D>(gemv_cached16(xg + c + S * v), xf);
+        gemv_unpack8<D>(gemv_cached16(gg + c + S * v), gf);
+        if (want_ss) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) ss = fmaf(xf[e], xf[e], ss);
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) xf[e] *= gf[e];
+#pragma unroll
+        for (int r = 0; r < RW; ++r) {
+            float wf[8];
+            gemv_unpack8<D>(wv[v][r], wf);
+            float dot = wf[0] * xf[0];
+#pragma unroll
+            for (int e = 1; e < 8; ++e) dot = fmaf(wf[e], xf[e], dot);
+            acc[r][0] += dot;
+        }
+    }
 }
 
-// NORM: xn = round(x · inv_rms · norm_w) into the block's shared memory (k / 8 chunks), every thread
-// of the block taking part (it ends with a barrier).
-template <class D>
-__device__ __forceinline__ void gemv_normalize(const bits16* x, const bits16* norm_w, float eps, int k,
-                                               uint4* xn) {
-    const int chunks = k >> 3;
-    const uint4* xg = (const uint4*)x;
-    const uint4* wg = (const uint4*)norm_w;
-    float ss = 0.0f;
-    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-        float f[8];
-        gemv_unpack8<D>(gemv_cached16(xg + c), f);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) ss = fmaf(f[e], f[e], ss);
+// The chunks from `c` on of the RW rows ws, S threads sharing a row, U chunks of each in flight,
+// then one at a time: against x · norm_w (summing x² into ss with `want_ss`) with NORM, else x.
+template <class D, int RW, int U, int S, bool NORM>
+__device__ __forceinline__ void gemv_row_sums(const uint4* const (&ws)[RW], const bits16* x, const bits16* norm_w,
+                                              int c, int chunks, float (&acc)[RW][1], float& ss, bool want_ss) {
+    if (NORM) {
+        const uint4 *xg = (const uint4*)x, *gg = (const uint4*)norm_w;
+        for (; c + S * (U - 1) < chunks; c += S * U) gemv_norm_step<D, RW, U, S>(ws, xg, gg, c, acc, ss, want_ss);
+        for (; c < chunks; c += S) gemv_norm_step<D, RW, 1, S>(ws, xg, gg, c, acc, ss, want_ss);
+    } else {
+        const uint4* const xs[1] = {(const uint4*)x};
+        for (; c + S * (U - 1) < chunks; c += S * U) gemv_step<D, 1, RW, U, S>(ws, xs, c, acc);
+        for (; c < chunks; c += S) gemv_step<D, 1, RW, 1, S>(ws, xs, c, acc);
     }
-    const float inv = rsqrtf(gemv_block_sum(ss) / (float)k + eps);
-    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-        float f[8], g[8];
-        gemv_unpack8<D>(gemv_cached16(xg + c), f);
-        gemv_unpack8<D>(gemv_cached16(wg + c), g);
-        unsigned h[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) h[e] = D::store(f[e] * inv * g[e]);
-        xn[c] = make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16), h[6] | (h[7] << 16));
-    }
-    __syncthreads();
 }
 
 template <class D, int R, int U, bool NORM, bool DUAL>
 __device__ __forceinline__ void gemv_fused(const bits16* x, const bits16* norm_w, float eps, const bits16* w,
                                            const bits16* w_up, long ldw, int k, int n, const bits16* bias,
                                            int act, const bits16* up, const bits16* res, bits16* y) {
-    extern __shared__ uint4 gemv_xn[];  // NORM: the normalized x, k / 8 chunks
     constexpr int RW = DUAL ? 2 * R : R;  // rows streamed per warp: W's, then W_up's
     const int lane = threadIdx.x & 31, chunks = k >> 3;
     const long warps = ((long)gridDim.x * blockDim.x) >> 5;
@@ -261,8 +269,7 @@ __device__ __forceinline__ void gemv_fused(const bits16* x, const bits16* norm_w
         }
         gemv_prefetch_then_wait<RW>(ws, lane, 32, first < n ? min(chunks, 32 * U) : 0);
     }
-    if (NORM) gemv_normalize<D>(x, norm_w, eps, k, gemv_xn);
-    const uint4* const xs[1] = {NORM ? (const uint4*)gemv_xn : (const uint4*)x};
+    float inv = 1.0f;  // NORM: rsqrt(mean(x²) + ε), from the first row group on
     for (long row0 = first; row0 < n; row0 += warps * R) {
         const uint4* ws[RW];
 #pragma unroll
@@ -273,17 +280,22 @@ __device__ __forceinline__ void gemv_fused(const bits16* x, const bits16* norm_w
         float acc[RW][1];
 #pragma unroll
         for (int r = 0; r < RW; ++r) acc[r][0] = 0.0f;
-        int c = lane;
-        for (; c + 32 * (U - 1) < chunks; c += 32 * U) gemv_step<D, 1, RW, U, NORM>(ws, xs, c, acc);
-        for (; c < chunks; c += 32) gemv_step<D, 1, RW, 1, NORM>(ws, xs, c, acc);
+        const bool want_ss = NORM && row0 == first;
+        float ss = 0.0f;
+        gemv_row_sums<D, RW, U, 32, NORM>(ws, x, norm_w, lane, chunks, acc, ss, want_ss);
         if (row0 == first) pdl_launch_dependents();
+        if (want_ss) {
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+            inv = rsqrtf(ss / (float)k + eps);
+        }
         float v = 0.0f, u = 0.0f;
 #pragma unroll
         for (int r = 0; r < RW; ++r) {
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) acc[r][0] += __shfl_xor_sync(0xffffffffu, acc[r][0], o);
-            if (lane == r) v = acc[r][0];
-            if (DUAL && lane == r - R) u = acc[r][0];
+            if (lane == r) v = acc[r][0] * inv;
+            if (DUAL && lane == r - R) u = acc[r][0] * inv;
         }
         const long row = row0 + lane;
         if (lane < R && row < n) {
@@ -298,7 +310,7 @@ __device__ __forceinline__ void gemv_fused(const bits16* x, const bits16* norm_w
 }
 
 // gemv_<dtype>_m1_<form>: form norm, dual or norm_dual; R rows of W (and of W_up) per warp, U chunks
-// of each in flight (decode.rs `FUSED_TILES`); dynamic shared memory of 2·k bytes with NORM.
+// of each in flight (decode.rs `FUSED_TILES`).
 #define GEMV_FUSED_KERNEL(sfx, D, form, R, U, NORM, DUAL)                                                  \
 extern "C" __global__ void __launch_bounds__(128) gemv_##sfx##_m1_##form(                                  \
         const bits16* x, const bits16* norm_w, float eps, const bits16* w, const bits16* w_up, long ldw,   \
@@ -318,24 +330,22 @@ GEMV_FUSED(f16, GemvF16)
 // The forms above with the k chunks of each row shared by a block's 128 threads instead of a warp's
 // 32 (decode.rs `Split::Block`): thread i reads the chunks i, i + 128, ... of the block's R rows (and
 // of W_up's), so a row of a few thousand elements is one round of U loads per thread instead of
-// several per lane, the grid has a block per R rows (several blocks per SM slot where the warp form
-// would run one wave and a fraction: qkv and o_proj of an 8B model), and the first round of W is in
-// flight while the block normalizes x. The warps' sums meet in shared memory; thread r < R writes
-// row r's output with the epilogue. The rows a block owns are the same for all its threads, so every
-// barrier is reached by the whole block.
+// several per lane, and the grid has a block per R rows (several blocks per SM slot where the warp form
+// would run one wave and a fraction: qkv and o_proj of an 8B model). The warps' sums (and with NORM
+// their sums of x² over the first row group) meet in shared memory; thread r < R writes row r's output
+// with the epilogue. The rows a block owns are the same for all its threads, so every barrier is
+// reached by the whole block.
 #define GEMV_WARPS 4
 template <class D, int R, int U, bool NORM, bool DUAL>
 __device__ __forceinline__ void gemv_block(const bits16* x, const bits16* norm_w, float eps, const bits16* w,
                                            const bits16* w_up, long ldw, int k, int n, const bits16* bias,
                                            int act, const bits16* up, const bits16* res, bits16* y) {
-    extern __shared__ uint4 gemv_xn[];  // NORM: the normalized x, k / 8 chunks
     constexpr int RW = DUAL ? 2 * R : R;
     constexpr int S = 32 * GEMV_WARPS;
-    __shared__ float part[GEMV_WARPS][RW];
+    __shared__ float part[GEMV_WARPS][RW + 1];  // the warps' row sums, then (NORM) their sums of x²
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, chunks = k >> 3;
     const long first = (long)blockIdx.x * R;
-    const uint4* const xs[1] = {NORM ? (const uint4*)gemv_xn : (const uint4*)x};
-    bool normalized = !NORM;
+    float inv = 1.0f;  // NORM: rsqrt(mean(x²) + ε), from the first row group on
     for (long row0 = first; row0 < n; row0 += (long)gridDim.x * R) {
         const uint4* ws[RW];
 #pragma unroll
@@ -347,25 +357,9 @@ __device__ __forceinline__ void gemv_block(const bits16* x, const bits16* norm_w
         float acc[RW][1];
 #pragma unroll
         for (int r = 0; r < RW; ++r) acc[r][0] = 0.0f;
-        int c = tid;
-        if (!normalized) {
-            // The first round of W in flight while x is normalized (chunks past k read nothing).
-            uint4 wv[U][RW];
-#pragma unroll
-            for (int v = 0; v < U; ++v)
-#pragma unroll
-                for (int r = 0; r < RW; ++r)
-                    wv[v][r] = c + S * v < chunks ? gemv_stream16(ws[r] + c + S * v) : make_uint4(0, 0, 0, 0);
-            gemv_normalize<D>(x, norm_w, eps, k, gemv_xn);
-            normalized = true;
-            if (c + S * (U - 1) < chunks) {
-                gemv_dots<D, 1, RW, U, NORM, S>(wv, xs, c, acc);
-                c += S * U;
-            }
-            // Otherwise the whole row is the remainder below (W's chunks read once more, from L1/L2).
-        }
-        for (; c + S * (U - 1) < chunks; c += S * U) gemv_step<D, 1, RW, U, NORM, S>(ws, xs, c, acc);
-        for (; c < chunks; c += S) gemv_step<D, 1, RW, 1, NORM, S>(ws, xs, c, acc);
+        const bool want_ss = NORM && row0 == first;
+        float ss = 0.0f;
+        gemv_row_sums<D, RW, U, S, NORM>(ws, x, norm_w, tid, chunks, acc, ss, want_ss);
         if (row0 == first) pdl_launch_dependents();
 #pragma unroll
         for (int r = 0; r < RW; ++r) {
@@ -373,7 +367,18 @@ __device__ __forceinline__ void gemv_block(const bits16* x, const bits16* norm_w
             for (int o = 16; o > 0; o >>= 1) acc[r][0] += __shfl_xor_sync(0xffffffffu, acc[r][0], o);
             if (lane == 0) part[warp][r] = acc[r][0];
         }
+        if (want_ss) {
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+            if (lane == 0) part[warp][RW] = ss;
+        }
         __syncthreads();
+        if (want_ss) {
+            float sum = 0.0f;
+#pragma unroll
+            for (int i = 0; i < GEMV_WARPS; ++i) sum += part[i][RW];
+            inv = rsqrtf(sum / (float)k + eps);
+        }
         const long row = row0 + tid;
         if (tid < R && row < n) {
             float v = 0.0f, u = 0.0f;
@@ -382,6 +387,8 @@ __device__ __forceinline__ void gemv_block(const bits16* x, const bits16* norm_w
                 v += part[i][tid];
                 if (DUAL) u += part[i][R + tid];
             }
+            v *= inv;
+            u *= inv;
             if (bias) v += D::load(bias[row]);
             v = gemv_activation(act, v);
             if (DUAL) v *= D::load(D::store(u));
@@ -395,7 +402,7 @@ __device__ __forceinline__ void gemv_block(const bits16* x, const bits16* norm_w
 
 // gemv_<dtype>_m1[_<form>]_block: the plain one-token GEMV or a fused form (norm, dual, norm_dual) with
 // a block of 4 warps per R rows (and R rows of W_up), U chunks of each per thread in flight (decode.rs
-// `BLOCK_TILES`); dynamic shared memory of 2·k bytes with NORM.
+// `BLOCK_TILES`).
 #define GEMV_BLOCK_KERNEL(name, D, R, U, NORM, DUAL)                                                       \
 extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS) name(                                        \
         const bits16* x, const bits16* norm_w, float eps, const bits16* w, const bits16* w_up, long ldw,   \

@@ -36,9 +36,9 @@
 //! naive backend refuse them as [`Error::NotSupported`]; a decoder composes [`rms_norm`](crate::rms_norm)
 //! and separate matmuls there):
 //! - a [`Prologue`] before the product: [`Prologue::rms_norm`] normalizes A's row over its k elements
-//!   with a weight `[k]` ([`MatmulOperands::norm_weight`]) and rounds it to the input dtype, as an
-//!   RMSNorm would write it, then multiplies ([`MatmulArgs::with_prologue`]): the prenorm before
-//!   `qkv_proj`, or before the MLP's gate and up, in the projection's launch;
+//!   with a weight `[k]` ([`MatmulOperands::norm_weight`]) in f32 and multiplies, with no rounding of
+//!   the normalized row in between ([`MatmulArgs::with_prologue`]): the prenorm before `qkv_proj`, or
+//!   before the MLP's gate and up, in the projection's launch;
 //! - the gate step's multiplier as a second product ([`MatmulArgs::with_up_product`]): `U = A · B_up`
 //!   for a second weight of B's layout ([`MatmulOperands::up_weight`]), rounded to the output dtype as
 //!   an up projection's output would be, instead of an input buffer: SwiGLU's gate and up in one
@@ -240,8 +240,10 @@ pub struct MatmulArgs {
 #[non_exhaustive]
 pub enum Prologue {
     /// RMSNorm over the row's k elements with a weight `[k]` in the input dtype:
-    /// `a ← round(a / sqrt(mean(a²) + ε) · w)`, f32 compute, one rounding to the input dtype (the
-    /// RMSNorm graph's output), then the product. ε is kept as its bits (so the arguments hash);
+    /// `a ← a / sqrt(mean(a²) + ε) · w`, then the product, in f32 with the one rounding of the
+    /// output (the decode GEMV sums `B · (a ∘ w)` and scales the sums by `rsqrt(mean(a²) + ε)`; an
+    /// RMSNorm graph followed by a matmul rounds the normalized row to the input dtype in between, so
+    /// the two differ by that rounding). ε is kept as its bits (so the arguments hash);
     /// [`Prologue::rms_norm`] builds it, [`Prologue::epsilon`] reads it.
     RmsNorm {
         /// `f32::to_bits` of ε.
