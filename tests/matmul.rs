@@ -990,8 +990,7 @@ fn decode_gemv_fused_forms_match_the_reference_and_the_unfused_path() {
     println!("{} cuDNN {}", ctx.info().name, ctx.info().cudnn_version_string());
     let mut failures = Vec::new();
     // Llama-3.1-8B's qkv and gate/up shapes; small and odd ones: k = 8 (one chunk), k = 4104 (the
-    // remainder loop), n not a multiple of a block's warps, a vocabulary-sized n, a long row (k = 16384,
-    // 32 KiB of shared memory).
+    // remainder loop), n not a multiple of a block's warps, a vocabulary-sized n, a long row (k = 16384).
     for (i, (k, n)) in [(4096, 6144), (4096, 14336), (8, 8), (64, 40), (4104, 56), (256, 50264), (16384, 136)]
         .iter()
         .enumerate()
