@@ -66,10 +66,32 @@ __device__ __forceinline__ float gemv_activation(int act, float v) {
     }
 }
 
-// The dot products of gemv_step on W's chunks already loaded (wv[v][r]: chunk c + S v of row r).
-template <class D, int M, int R, int V, int S>
-__device__ __forceinline__ void gemv_dots(const uint4 (&wv)[V][R], const uint4* const (&xs)[M], int c,
+// Chunks c, c + S, ..., c + S (V - 1) of the R rows ws (S: the threads that share a row, a warp or a
+// block), every load issued before any is used.
+template <int R, int V, int S>
+__device__ __forceinline__ void gemv_load(const uint4* const (&ws)[R], int c, uint4 (&wv)[V][R]) {
+#pragma unroll
+    for (int v = 0; v < V; ++v)
+#pragma unroll
+        for (int r = 0; r < R; ++r) wv[v][r] = gemv_stream16(ws[r] + c + S * v);
+}
+
+// The dot product of 8 elements of W and of x in f32, in the order every form sums them.
+__device__ __forceinline__ float gemv_dot8(const float (&w)[8], const float (&x)[8]) {
+    float dot = w[0] * x[0];
+#pragma unroll
+    for (int e = 1; e < 8; ++e) dot = fmaf(w[e], x[e], dot);
+    return dot;
+}
+
+// Chunks c, c + S, ..., c + S (V - 1) of the R rows ws against the M tokens xs (S: the threads that
+// share a row, a warp or a block): every load of W first, then per chunk one load of each token's x
+// (through L1) and the R·M dot products of 8, each added to its accumulator (V·R·M independent chains).
+template <class D, int M, int R, int V, int S = 32>
+__device__ __forceinline__ void gemv_step(const uint4* const (&ws)[R], const uint4* const (&xs)[M], int c,
                                           float (&acc)[R][M]) {
+    uint4 wv[V][R];
+    gemv_load<R, V, S>(ws, c, wv);
 #pragma unroll
     for (int v = 0; v < V; ++v) {
         float wf[R][8];
@@ -80,28 +102,9 @@ __device__ __forceinline__ void gemv_dots(const uint4 (&wv)[V][R], const uint4* 
             float xf[8];
             gemv_unpack8<D>(gemv_cached16(xs[t] + c + S * v), xf);
 #pragma unroll
-            for (int r = 0; r < R; ++r) {
-                float dot = wf[r][0] * xf[0];
-#pragma unroll
-                for (int e = 1; e < 8; ++e) dot = fmaf(wf[r][e], xf[e], dot);
-                acc[r][t] += dot;
-            }
+            for (int r = 0; r < R; ++r) acc[r][t] += gemv_dot8(wf[r], xf);
         }
     }
-}
-
-// Chunks c, c + S, ..., c + S (V - 1) of the R rows ws against the M tokens xs (S: the threads that
-// share a row, a warp or a block): every load of W first, then per chunk one load of each token's x
-// (through L1) and the R·M dot products of 8, each added to its accumulator (V·R·M independent chains).
-template <class D, int M, int R, int V, int S = 32>
-__device__ __forceinline__ void gemv_step(const uint4* const (&ws)[R], const uint4* const (&xs)[M], int c,
-                                          float (&acc)[R][M]) {
-    uint4 wv[V][R];
-#pragma unroll
-    for (int v = 0; v < V; ++v)
-#pragma unroll
-        for (int r = 0; r < R; ++r) wv[v][r] = gemv_stream16(ws[r] + c + S * v);
-    gemv_dots<D, M, R, V, S>(wv, xs, c, acc);
 }
 
 // Programmatic dependent launch (decode.rs; `pdl_wait`, `prefetch_l2` in common.cu): before waiting for the kernel
@@ -209,10 +212,7 @@ template <class D, int RW, int V, int S>
 __device__ __forceinline__ void gemv_norm_step(const uint4* const (&ws)[RW], const uint4* xg, const uint4* gg,
                                                int c, float (&acc)[RW][1], float& ss, bool want_ss) {
     uint4 wv[V][RW];
-#pragma unroll
-    for (int v = 0; v < V; ++v)
-#pragma unroll
-        for (int r = 0; r < RW; ++r) wv[v][r] = gemv_stream16(ws[r] + c + S * v);
+    gemv_load<RW, V, S>(ws, c, wv);
 #pragma unroll
     for (int v = 0; v < V; ++v) {
         float xf[8], gf[8];
@@ -228,10 +228,7 @@ __device__ __forceinline__ void gemv_norm_step(const uint4* const (&ws)[RW], con
         for (int r = 0; r < RW; ++r) {
             float wf[8];
             gemv_unpack8<D>(wv[v][r], wf);
-            float dot = wf[0] * xf[0];
-#pragma unroll
-            for (int e = 1; e < 8; ++e) dot = fmaf(wf[e], xf[e], dot);
-            acc[r][0] += dot;
+            acc[r][0] += gemv_dot8(wf, xf);
         }
     }
 }
