@@ -4,7 +4,7 @@
 //! and which attention the fused decode runs (`examples/06-decode-attention.rs` times it alone); then
 //! each decode projection alone at 1, 4 and 8 tokens, the cuDNN graph against the decode GEMV, and the
 //! GEMV's one-token fused forms (prenorm folded in, gate and up in one launch) against their unfused
-//! launches. The step is timed with each [`DecodeFusion`] (none, norm, gate_up, norm+gate_up) in turn,
+//! launches. The step is timed with each [`DecodeFusion`] (none, norm, gate_up, norm+gate_up, norm+gate_up+rope) in turn,
 //! with cuDNN's and the split-KV decode attention ([`Cudnn::set_decode_attention`]), then the default
 //! fusion without programmatic dependent launch ([`Cudnn::set_programmatic_launch`]) and under the
 //! block GEMV split ([`GemvSplit`]); then where a replayed step's time goes (CUPTI: kernels, and the

@@ -281,10 +281,14 @@ fn decode_fusion_folds_launches_and_keeps_the_hidden_states() {
     let runs = |ctx: &Cudnn, form: &str| -> u64 {
         ctx.kernel_runs().iter().filter(|r| r.name.contains(form)).map(|r| r.calls).sum()
     };
+    // The one-token forms' kernels; RoPE folds where the steps read their positions on the device
+    // (the padded attention plan: cuDNN 9.15+).
+    const FORMS: [&str; 5] = ["_m1_norm", "_m1_dual", "_m1_norm_dual", "_m1_rope", "_m1_norm_rope"];
+    let device_positions = ctx.features().sdpa_seq_lens();
     let mut unfused: Vec<Vec<bf16>> = Vec::new();
     for fusion in DecodeFusion::EVERY {
         model.set_decode_fusion(fusion);
-        let before: Vec<u64> = ["_m1_norm", "_m1_dual", "_m1_norm_dual"]
+        let before: Vec<u64> = FORMS
             .iter()
             // Either split (warp or block) of the form.
             .map(|f| runs(&ctx, &format!("{f})")) + runs(&ctx, &format!("{f}_block)")))
@@ -307,22 +311,25 @@ fn decode_fusion_folds_launches_and_keeps_the_hidden_states() {
                 assert!(c.passes(MODEL_TOL), "{} position {s} vs unfused: {c}", fusion.name());
             }
         }
-        let after: Vec<u64> = ["_m1_norm", "_m1_dual", "_m1_norm_dual"]
+        let after: Vec<u64> = FORMS
             .iter()
             // Either split (warp or block) of the form.
             .map(|f| runs(&ctx, &format!("{f})")) + runs(&ctx, &format!("{f}_block)")))
             .collect();
         let ran: Vec<u64> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
-        println!("{}: fused-form launches (norm, dual, norm_dual) {ran:?}", fusion.name());
-        let layer_steps = (cfg.layers * steps) as u64;
-        let want = match (fusion.norm_into_projection, fusion.gate_up) {
-            (false, false) => vec![0, 0, 0],
-            // qkv, up and gate each with the norm.
-            (true, false) => vec![3 * layer_steps, 0, 0],
-            (false, true) => vec![0, layer_steps, 0],
-            (true, true) => vec![layer_steps, 0, layer_steps],
-        };
-        assert_eq!(ran, want, "{}: fused-form launches (norm, dual, norm_dual)", fusion.name());
+        println!("{}: fused-form launches {FORMS:?}: {ran:?}", fusion.name());
+        let l = (cfg.layers * steps) as u64;
+        let (norm, gate_up) = (fusion.norm_into_projection, fusion.gate_up);
+        let rope = fusion.rope_into_qkv && device_positions;
+        // qkv_proj: norm, rope or norm_rope; the MLP: up and gate each with the norm, dual or norm_dual.
+        let want = vec![
+            if norm && !rope { l } else { 0 } + if norm && !gate_up { 2 * l } else { 0 },
+            if gate_up && !norm { l } else { 0 },
+            if gate_up && norm { l } else { 0 },
+            if rope && !norm { l } else { 0 },
+            if rope && norm { l } else { 0 },
+        ];
+        assert_eq!(ran, want, "{}: fused-form launches {FORMS:?}", fusion.name());
     }
 }
 

@@ -1316,3 +1316,124 @@ fn a_captured_decode_chain_replays_with_pdl_as_it_runs_without() {
     }
     ctx.set_programmatic_launch(true);
 }
+
+/// One rotary-epilogue case: `[1, k] x [k, (hq + 2 hkv) d]` (with the RMSNorm prologue or not), RoPE
+/// tables of `positions` rows, caches of `max_seq` rows, the token at `pos`. The GEMV with the rotary
+/// epilogue against the same GEMV followed by the RoPE op with its K/V append (device position): D and
+/// both whole caches (poisoned alike before) bit for bit; where `pos` is inside the tables and the
+/// cache, the cache rows at `pos` are written, elsewhere nothing is.
+#[allow(clippy::too_many_arguments)]
+fn check_rotary<T: Element>(
+    ctx: &Cudnn,
+    (hq, hkv, d): (usize, usize, usize),
+    k: usize,
+    positions: usize,
+    max_seq: usize,
+    pos: i32,
+    norm: bool,
+    seed: u64,
+) -> Option<String> {
+    use cudnn_llm::cudnn_ops::{Rotary, RotaryOperands};
+    let n = (hq + 2 * hkv) * d;
+    let half = d / 2;
+    let scale = 3.0 / (k as f64).sqrt();
+    let x = upload::<T>(ctx, &reference::random_values(seed, k)).unwrap().0;
+    let wv: Vec<f64> = reference::random_values(seed + 1, n * k).iter().map(|v| v * scale).collect();
+    let w = upload::<T>(ctx, &wv).unwrap().0;
+    let gv: Vec<f64> = reference::random_values(seed + 2, k).iter().map(|v| 1.0 + 0.5 * v).collect();
+    let g = upload::<T>(ctx, &gv).unwrap().0;
+    let angle = |i: usize| (i / half) as f64 * 10000f64.powf(-((2 * (i % half)) as f64) / d as f64);
+    let cos: Vec<f64> = (0..positions * half).map(|i| angle(i).cos()).collect();
+    let sin: Vec<f64> = (0..positions * half).map(|i| angle(i).sin()).collect();
+    let tables = RopeTables::<T>::new(ctx, &cos, &sin, d).unwrap();
+    let at = ctx.stream().clone_htod(&[pos]).unwrap();
+    let cache = max_seq * hkv * d;
+    let mut base = MatmulArgs::linear(1, k, n).with_form(MatmulKernel::DecodeGemv);
+    if norm {
+        base = base.with_prologue(Prologue::rms_norm(1e-5));
+    }
+    // The projection, then RoPE with the append.
+    let (mut y1, mut k1, mut v1) = (
+        poisoned::<T>(ctx, n).unwrap(),
+        poisoned::<T>(ctx, cache).unwrap(),
+        poisoned::<T>(ctx, cache).unwrap(),
+    );
+    let ops = MatmulOperands::new(&x, &w, &mut y1);
+    let ops = if norm { ops.norm_weight(&g) } else { ops };
+    matmul(ctx, &base, ops, Backend::Fused).unwrap();
+    let r = RopeArgs::new(1, 1, hq, hkv, d).with_row_stride(n);
+    let ops = RopeOperands::new(&tables, &mut y1).append(&mut k1, &mut v1, max_seq).starts(&at);
+    rope(ctx, r, ops, Backend::Fused).unwrap();
+    // One launch.
+    let (mut y2, mut k2, mut v2) = (
+        poisoned::<T>(ctx, n).unwrap(),
+        poisoned::<T>(ctx, cache).unwrap(),
+        poisoned::<T>(ctx, cache).unwrap(),
+    );
+    let args = base.with_rotary(Rotary::new(hq, hkv, d, max_seq));
+    let ops =
+        MatmulOperands::new(&x, &w, &mut y2).rotary(RotaryOperands::new(&tables, &at, &mut k2, &mut v2));
+    let ops = if norm { ops.norm_weight(&g) } else { ops };
+    matmul(ctx, &args, ops, Backend::Fused).unwrap();
+    let bits = |b: &CudaSlice<T>| -> Vec<u64> {
+        download(ctx, b).unwrap().iter().map(|v| v.to_f64().to_bits()).collect()
+    };
+    let (y1, y2, k1, k2, v1, v2) = (bits(&y1), bits(&y2), bits(&k1), bits(&k2), bits(&v1), bits(&v2));
+    let differ = |a: &[u64], b: &[u64]| a.iter().zip(b).filter(|(a, b)| a != b).count();
+    let nan = T::nan().to_f64().to_bits();
+    let row = |c: &[u64]| -> usize {
+        let p = pos.max(0) as usize;
+        if p < max_seq {
+            c[p * hkv * d..(p + 1) * hkv * d].iter().filter(|&&v| v != nan).count()
+        } else {
+            0
+        }
+    };
+    let written = if pos >= 0 && (pos as usize) < positions.min(max_seq) { hkv * d } else { 0 };
+    let line = format!(
+        "{} rotary {hq}/{hkv}x{d} k {k}{} pos {pos} (tables {positions}, cache {max_seq}): D differs in {}, K in {}, \
+         V in {}; cache row written {} / {} of K, V (want {written}); D unwritten {}",
+        T::DTYPE,
+        if norm { " norm" } else { "" },
+        differ(&y1, &y2),
+        differ(&k1, &k2),
+        differ(&v1, &v2),
+        row(&k2),
+        row(&v2),
+        y2.iter().filter(|&&v| v == nan).count()
+    );
+    let ok = differ(&y1, &y2) == 0
+        && differ(&k1, &k2) == 0
+        && differ(&v1, &v2) == 0
+        && row(&k2) == written
+        && row(&v2) == written
+        && !y2.contains(&nan);
+    println!("{} {line}", if ok { "ok  " } else { "FAIL" });
+    (!ok).then_some(line)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_rotary_epilogue_equals_the_projection_then_rope_with_the_append() {
+    let ctx = gpu();
+    let mut failures = Vec::new();
+    // Llama-3.1-8B's qkv_proj (and a rank's half of it), small and odd head counts, positions inside,
+    // at the edges of and outside the tables and the cache.
+    let cases = [
+        ((32, 8, 128), 4096, 600, 544, 517),
+        ((16, 4, 128), 4096, 600, 544, 543),
+        ((4, 2, 64), 256, 40, 48, 39),
+        ((4, 2, 64), 256, 40, 48, 40),
+        ((3, 1, 32), 64, 64, 16, 16),
+        ((3, 1, 32), 64, 64, 16, -1),
+        ((2, 2, 16), 24, 8, 8, 0),
+    ];
+    for (i, &(heads, k, positions, max_seq, pos)) in cases.iter().enumerate() {
+        for norm in [false, true] {
+            let seed = 2700 + 10 * i as u64;
+            failures.extend(check_rotary::<bf16>(&ctx, heads, k, positions, max_seq, pos, norm, seed));
+            failures.extend(check_rotary::<f16>(&ctx, heads, k, positions, max_seq, pos, norm, seed + 5));
+        }
+    }
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+}

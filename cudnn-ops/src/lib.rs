@@ -78,7 +78,8 @@ pub use ops::loss::{cross_entropy, CrossEntropyArgs, CrossEntropyOperands, Logit
 pub use ops::matmul::{
     linear_backward_data, linear_backward_weight, matmul, swiglu_down_backward, Activation, BufferLens,
     DataGrad, Epilogue, LinearGradArgs, MatmulArgs, MatmulKernel, MatmulOperands, MatrixLayout, Prologue,
-    SwigluForm, SwigluGrads, WeightGrad, DECODE_GEMV_AUTO_TOKENS, DECODE_GEMV_MAX_TOKENS,
+    Rotary, RotaryLens, RotaryOperands, SwigluForm, SwigluGrads, WeightGrad, DECODE_GEMV_AUTO_TOKENS,
+    DECODE_GEMV_MAX_TOKENS,
 };
 pub use ops::optim::{
     adamw, grad_norm, AdamWArgs, AdamWOperands, AdamWTensor, GradNormArgs, GradNormOperands, Grads,

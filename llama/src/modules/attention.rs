@@ -7,7 +7,8 @@ use crate::backends::Site;
 use crate::{Backend, Result};
 use cudnn_llm_ops::cudarc::driver::CudaSlice;
 use cudnn_llm_ops::{
-    rope, sdpa, Element, Layout, Mask, RopeArgs, RopeOperands, SdpaArgs, SdpaOperands, SeqLens,
+    rope, sdpa, Element, Layout, Mask, RopeArgs, RopeOperands, Rotary, RotaryOperands, SdpaArgs,
+    SdpaOperands, SeqLens,
 };
 
 /// One layer's K and V caches (`[batch, max_seq, h_kv · d]` each) and the device values a decode step
@@ -45,7 +46,9 @@ pub(crate) struct Attention<T> {
 
 impl<T: Element> Attention<T> {
     /// `sum = x + attn(h)` (`attn(h)` alone without [`Attention::adds_residual`]), appending the
-    /// pass's K and V to `cache`.
+    /// pass's K and V to `cache`; with `fold_rope` (a fused one-token step on device positions,
+    /// `Block::folds`) RoPE and the append run in `qkv_proj`'s GEMV and the RoPE range stays empty.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn forward(
         &self,
         p: &mut Pass<'_, T>,
@@ -54,10 +57,16 @@ impl<T: Element> Attention<T> {
         mut cache: LayerCache<'_, T>,
         x: &CudaSlice<T>,
         sum: &mut CudaSlice<T>,
+        fold_rope: bool,
     ) -> Result<()> {
         let AttnBuffers { qkv, o } = bufs;
-        self.project_qkv(p, h, qkv)?;
-        self.rope(p, qkv, &mut cache)?;
+        if fold_rope {
+            self.project_qkv_rotated(p, h, qkv, &mut cache)?;
+            p.dispatch.observe(Site::ROPE.range, Some(self.layer), || ());
+        } else {
+            self.project_qkv(p, h, qkv)?;
+            self.rope(p, qkv, &mut cache)?;
+        }
         self.gqa(p, qkv, cache, o)?;
         self.project_o(p, o, x, sum)
     }
@@ -76,9 +85,33 @@ impl<T: Element> Attention<T> {
         })
     }
 
+    /// [`Attention::project_qkv`] of one token with RoPE and the K/V append in its epilogue: the
+    /// position from the cache's device buffer, the rotated K and the V heads to that cache row.
+    fn project_qkv_rotated(
+        &self,
+        p: &mut Pass<'_, T>,
+        mut h: Normed<'_, T>,
+        qkv: &mut CudaSlice<T>,
+        cache: &mut LayerCache<'_, T>,
+    ) -> Result<()> {
+        let (ctx, rows, tables) = (p.ctx, p.tokens.rows(), p.rope);
+        let rotary = Rotary::new(self.heads, self.kv_heads, self.head_dim, cache.max_seq);
+        let LayerCache { k, v, positions, .. } = cache;
+        p.dispatch.run(Site::QKV_PROJ, Some(self.layer), &p.shape, |b| {
+            let then = Then::Rotate(rotary, RotaryOperands::new(tables, positions, &mut **k, &mut **v));
+            self.qkv_proj.forward_normed(b, ctx, rows, &mut h, then, qkv)
+        })
+    }
+
     /// Whether the fused decode GEMV takes `qkv_proj` at one token with the prenorm folded in.
     pub(crate) fn takes_folded_norm(&self) -> bool {
         self.qkv_proj.takes_decode_form(true, false)
+    }
+
+    /// Whether the fused decode GEMV takes `qkv_proj` at one token with RoPE and the K/V append in
+    /// its epilogue (and the prenorm folded in with `norm`).
+    pub(crate) fn takes_rotary(&self, norm: bool) -> bool {
+        self.qkv_proj.takes_rotary(norm, Rotary::new(self.heads, self.kv_heads, self.head_dim, 1))
     }
 
     /// `sum = x + o_proj(o)` (`o_proj(o)` alone without [`Attention::adds_residual`]).

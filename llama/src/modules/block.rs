@@ -89,7 +89,7 @@ impl<T: Element> Block<T> {
         comm: Option<&Comm>,
     ) -> Result<()> {
         let Scratch { h, attn, mlp } = s;
-        let (fold_attn, fold_mlp, gate_up) = self.folds(p);
+        let Folds { attn_norm: fold_attn, mlp_norm: fold_mlp, gate_up, rope } = self.folds(p);
         if fold_attn {
             self.attn_norm.folded(p);
         } else {
@@ -98,7 +98,7 @@ impl<T: Element> Block<T> {
         x.add(|x, sum| {
             let input =
                 if fold_attn { Normed::Folded { x, norm: &self.attn_norm, h } } else { Normed::Done(h) };
-            self.attn.forward(p, input, attn, cache, x, sum)?;
+            self.attn.forward(p, input, attn, cache, x, sum, rope)?;
             self.all_reduce(p, comm, ATTN_ALLREDUCE_RANGE, sum)
         })?;
         if fold_mlp {
@@ -114,25 +114,30 @@ impl<T: Element> Block<T> {
         })
     }
 
-    /// What this layer folds in this pass: `(attention's prenorm into qkv_proj, the MLP's prenorm
-    /// into gate and up, gate and up in one GEMV)`. Only a one-token pass whose modules involved all
-    /// run fused, with the decode GEMV taking the form, and as the pass's
-    /// [`DecodeFusion`](super::DecodeFusion) asks.
-    fn folds(&self, p: &Pass<'_, T>) -> (bool, bool, bool) {
+    /// What this layer folds in this pass ([`Folds`]). Only a one-token pass whose modules involved
+    /// all run fused, with the decode GEMV taking the form, and as the pass's
+    /// [`DecodeFusion`](super::DecodeFusion) asks; RoPE only where the step reads its position on the
+    /// device (the rotary epilogue takes no host position).
+    fn folds(&self, p: &Pass<'_, T>) -> Folds {
         let f = p.fusion;
         if p.tokens.rows() != 1 {
-            return (false, false, false);
+            return Folds::default();
         }
         let layer = Some(self.attn.layer);
         let fused = |site: Site| p.dispatch.backend(site, layer) == Backend::Fused;
         let norm = f.norm_into_projection;
-        let fold_attn =
+        let attn_norm =
             norm && fused(Site::ATTN_PRENORM) && fused(Site::QKV_PROJ) && self.attn.takes_folded_norm();
         let gate_up = f.gate_up && fused(Site::MLP) && self.mlp.takes_gate_up(false);
         // Without gate_up, the up and the gate GEMV each normalize x.
-        let fold_mlp =
+        let mlp_norm =
             norm && fused(Site::MLP_PRENORM) && fused(Site::MLP) && self.mlp.takes_folded_norm(gate_up);
-        (fold_attn, fold_mlp, gate_up)
+        let rope = f.rope_into_qkv
+            && p.positions.on_device
+            && fused(Site::QKV_PROJ)
+            && fused(Site::ROPE)
+            && self.attn.takes_rotary(attn_norm);
+        Folds { attn_norm, mlp_norm, gate_up, rope }
     }
 
     /// Sums the pass's rows of `sum` over the ranks in place, inside `range` (nothing without `comm`).
@@ -166,4 +171,17 @@ impl<T: Element> Block<T> {
         self.mlp_norm.forward(p, x.get(), h)?;
         x.add(|x, sum| self.mlp.forward(p, Normed::Done(h), mlp, x, sum, false))
     }
+}
+
+/// What a layer folds in a fused one-token step ([`Block::folds`]).
+#[derive(Debug, Clone, Copy, Default)]
+struct Folds {
+    /// Attention's prenorm into `qkv_proj`.
+    attn_norm: bool,
+    /// The MLP's prenorm into gate and up.
+    mlp_norm: bool,
+    /// Gate and up in one GEMV.
+    gate_up: bool,
+    /// RoPE and the K/V append into `qkv_proj`.
+    rope: bool,
 }

@@ -2,7 +2,9 @@
 
 use super::norm::Normed;
 use cudnn_llm_ops::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
-use cudnn_llm_ops::{matmul, Backend, Cudnn, Element, Epilogue, MatmulArgs, MatmulOperands, Prologue};
+use cudnn_llm_ops::{
+    matmul, Backend, Cudnn, Element, Epilogue, MatmulArgs, MatmulOperands, Prologue, Rotary, RotaryOperands,
+};
 
 /// What a linear layer's epilogue does with `x · Wᵀ` (fused into the GEMM's graph, or one more naive
 /// kernel).
@@ -16,6 +18,9 @@ pub(crate) enum Then<'a, T: Element> {
     /// `silu(x · Wᵀ) · (x · W_upᵀ)`, both products in one decode GEMV (the up product; fused, one
     /// token).
     SwiGluOf(&'a Linear<T>),
+    /// `x · Wᵀ` as one token's Q/K/V row, rotated and its K and V appended to the caches (the
+    /// rotary epilogue; fused, one token).
+    Rotate(Rotary, RotaryOperands<'a, T>),
 }
 
 /// A weight `[out_features, in_features]` (row-major, as checkpoints store it) applied as `x · Wᵀ`.
@@ -91,6 +96,10 @@ impl<T: Element> Linear<T> {
                 shape = shape.with_up_product();
                 (Epilogue::SWIGLU, operands.up_weight(&up.weight))
             }
+            Then::Rotate(rotary, r) => {
+                shape = shape.with_rotary(rotary);
+                (Epilogue::NONE, operands.rotary(r))
+            }
         };
         matmul(ctx, &shape.with_epilogue(epilogue), operands, backend)
     }
@@ -104,6 +113,16 @@ impl<T: Element> Linear<T> {
         }
         if up {
             shape = shape.with_epilogue(Epilogue::SWIGLU).with_up_product();
+        }
+        shape.decode_gemv(T::DTYPE, T::DTYPE).is_ok()
+    }
+
+    /// Whether the fused decode GEMV takes this layer at one token with `rotary` as its epilogue
+    /// (and the RMSNorm prologue with `norm`).
+    pub(crate) fn takes_rotary(&self, norm: bool, rotary: Rotary) -> bool {
+        let mut shape = MatmulArgs::linear(1, self.in_features, self.out_features).with_rotary(rotary);
+        if norm {
+            shape = shape.with_prologue(Prologue::rms_norm(1e-5));
         }
         shape.decode_gemv(T::DTYPE, T::DTYPE).is_ok()
     }

@@ -27,9 +27,11 @@
 //! A fused decode step of one token can fold launches together ([`DecodeFusion`]): each prenorm
 //! into the projection after it (`qkv_proj`, and the MLP's gate and up), whose decode GEMV
 //! normalizes x itself; the prenorm's range then stays open but empty (its work is counted in
-//! `fwd.layer.attn.qkv_proj` and `fwd.layer.mlp.mlp`); and the MLP's gate and up in one GEMV that
-//! streams both weights (the default folds both, [`DecodeFusion::ALL`]). Prefill, batches, the naive
-//! backend, and a prenorm and projection on different backends run the modules as drawn above.
+//! `fwd.layer.attn.qkv_proj` and `fwd.layer.mlp.mlp`); the MLP's gate and up in one GEMV that
+//! streams both weights; and RoPE with the K/V append into `qkv_proj`'s GEMV (its rotary epilogue;
+//! the `fwd.layer.attn.rope` range stays open but empty), where the step reads its position on the
+//! device. The default folds all three ([`DecodeFusion::ALL`]). Prefill, batches, the naive backend,
+//! paged steps, and modules of one fold on different backends run the modules as drawn above.
 //!
 //! Q, K and V live in one `[tokens, (h_q + 2·h_kv)·d]` buffer (one GEMM against the concatenated
 //! weight, as gpt-fast's `wqkv`); RoPE rotates Q and K there, K and V rows are copied into a
@@ -64,30 +66,51 @@ pub struct DecodeFusion {
     /// The MLP's gate and up projections run as one GEMV that streams both weights and writes
     /// `silu(gate) · up` (the up product): one launch less per layer.
     pub gate_up: bool,
+    /// RoPE and the K/V append run in `qkv_proj`'s decode GEMV (its rotary epilogue: each warp
+    /// owns a head's pair of rotated rows), where the step reads its position on the device and the
+    /// cache is contiguous: one launch less per layer.
+    pub rope_into_qkv: bool,
 }
 
 impl DecodeFusion {
     /// Nothing folded: every module as in prefill.
-    pub const NONE: DecodeFusion = DecodeFusion { norm_into_projection: false, gate_up: false };
+    pub const NONE: DecodeFusion =
+        DecodeFusion { norm_into_projection: false, gate_up: false, rope_into_qkv: false };
     /// The prenorms folded into the projections only.
-    pub const NORM: DecodeFusion = DecodeFusion { norm_into_projection: true, gate_up: false };
+    pub const NORM: DecodeFusion = DecodeFusion { norm_into_projection: true, ..DecodeFusion::NONE };
     /// Gate and up in one GEMV only.
-    pub const GATE_UP: DecodeFusion = DecodeFusion { norm_into_projection: false, gate_up: true };
-    /// Everything folded (the default: on an H200 the 8B step took 4.463 ms against 4.631 with gate
-    /// and up alone and 4.883 unfolded, in one run, since the GEMV scales its sums by the norm instead
-    /// of normalizing x before it streams; `benches/results/h200/decode-roofline.md`).
-    pub const ALL: DecodeFusion = DecodeFusion { norm_into_projection: true, gate_up: true };
+    pub const GATE_UP: DecodeFusion = DecodeFusion { gate_up: true, ..DecodeFusion::NONE };
+    /// The prenorms folded and gate and up in one GEMV; RoPE on its own (on an H200 the 8B step took
+    /// 4.463 ms against 4.631 with gate and up alone and 4.883 unfolded, in one run;
+    /// `benches/results/h200/decode-roofline.md`).
+    pub const NORM_GATE_UP: DecodeFusion =
+        DecodeFusion { norm_into_projection: true, gate_up: true, rope_into_qkv: false };
+    /// Everything folded, RoPE and the K/V append into `qkv_proj` too (the default: on an H200 the
+    /// 8B step took 4.118 ms with it and the GEMV tiles chosen with it, against 4.170 without RoPE
+    /// folded and 4.461 at the earlier tiles, in one run).
+    pub const ALL: DecodeFusion =
+        DecodeFusion { norm_into_projection: true, gate_up: true, rope_into_qkv: true };
     /// Each choice, nothing folded first, for A/B tables.
-    pub const EVERY: [DecodeFusion; 4] =
-        [DecodeFusion::NONE, DecodeFusion::NORM, DecodeFusion::GATE_UP, DecodeFusion::ALL];
+    pub const EVERY: [DecodeFusion; 5] = [
+        DecodeFusion::NONE,
+        DecodeFusion::NORM,
+        DecodeFusion::GATE_UP,
+        DecodeFusion::NORM_GATE_UP,
+        DecodeFusion::ALL,
+    ];
 
-    /// `none`, `norm`, `gate_up` or `norm+gate_up`, for tables.
+    /// `none`, `norm`, `gate_up` or `norm+gate_up`, then `+rope` with RoPE folded (`rope` alone),
+    /// for tables.
     pub fn name(self) -> &'static str {
-        match (self.norm_into_projection, self.gate_up) {
-            (false, false) => "none",
-            (true, false) => "norm",
-            (false, true) => "gate_up",
-            (true, true) => "norm+gate_up",
+        match (self.norm_into_projection, self.gate_up, self.rope_into_qkv) {
+            (false, false, false) => "none",
+            (true, false, false) => "norm",
+            (false, true, false) => "gate_up",
+            (true, true, false) => "norm+gate_up",
+            (false, false, true) => "rope",
+            (true, false, true) => "norm+rope",
+            (false, true, true) => "gate_up+rope",
+            (true, true, true) => "norm+gate_up+rope",
         }
     }
 }

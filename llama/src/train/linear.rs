@@ -41,6 +41,10 @@ impl Linear {
                 shape = shape.with_up_product();
                 (Epilogue::SWIGLU, operands.up_weight(&up.weight))
             }
+            Then::Rotate(rotary, r) => {
+                shape = shape.with_rotary(rotary);
+                (Epilogue::NONE, operands.rotary(r))
+            }
         };
         matmul(ctx, &shape.with_epilogue(epilogue), operands, b)
     }

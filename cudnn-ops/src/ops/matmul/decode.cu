@@ -184,7 +184,7 @@ extern "C" __global__ void __launch_bounds__(128) gemv_##sfx##_m##M(            
     gemv<D, M, R, U>(x, ldx, w, ldw, (int)m, (int)k, (int)n, bias, (int)act, up, res, y);                 \
 }
 #define GEMV_TILES(sfx, D)                                                                                \
-    GEMV_KERNEL(sfx, D, 1, 1, 8)                                                                          \
+    GEMV_KERNEL(sfx, D, 1, 1, 3)                                                                          \
     GEMV_KERNEL(sfx, D, 2, 2, 4)                                                                          \
     GEMV_KERNEL(sfx, D, 4, 2, 4)                                                                          \
     GEMV_KERNEL(sfx, D, 8, 4, 2)
@@ -249,38 +249,95 @@ __device__ __forceinline__ void gemv_row_sums(const uint4* const (&ws)[RW], cons
     }
 }
 
-template <class D, int R, int U, bool NORM, bool DUAL>
+// ROPE (qkv_proj in a decode step): the output row is a token's Q, K and V heads of `d` elements;
+// each warp owns the pair of rows (h·d + j, h·d + j + d/2) of head h, rounds both sums as the
+// projection's output, rotates them by position `*pos` (cos/sin of `[positions, d / 2]`, f32, one
+// rounding, as rope_append does) in the Q and K heads, writes them to y, and writes K and V heads
+// also to row `*pos` of the caches `[max_seq, h_kv · d]`. A position outside the tables or the cache
+// leaves the row unrotated and the caches untouched (as rope_append).
+struct GemvRope {
+    const float* cos;
+    const float* sin;
+    long positions;
+    const int* pos;
+    bits16* kc;
+    bits16* vc;
+    long max_seq;
+    int heads_q, heads_kv, dim;
+};
+
+// Row pair g of a ROPE GEMV (sums a, b of rows h·d + j and h·d + j + d/2, before the bias): rounds
+// them as the projection's output, rotates Q and K heads, writes y and, for K and V heads, the caches.
+template <class D>
+__device__ __forceinline__ void gemv_rope_pair(const GemvRope& rope, long g, int half, float a, float b,
+                                               const bits16* bias, bits16* y) {
+    const int h = (int)(g / half), j = (int)(g % half);
+    const long r0 = (long)h * 2 * half + j, r1 = r0 + half;
+    if (bias) {
+        a += D::load(bias[r0]);
+        b += D::load(bias[r1]);
+    }
+    a = D::load(D::store(a));
+    b = D::load(D::store(b));
+    const long pos = *rope.pos;
+    const bool in = pos >= 0 && pos < rope.positions && pos < rope.max_seq;
+    const bool rotated = h < rope.heads_q + rope.heads_kv;
+    float lo = a, hi = b;
+    if (in && rotated) {
+        const float c = rope.cos[pos * half + j], sn = rope.sin[pos * half + j];
+        lo = a * c - b * sn;
+        hi = b * c + a * sn;
+    }
+    const bits16 slo = D::store(lo), shi = D::store(hi);
+    y[r0] = slo;
+    y[r1] = shi;
+    if (in && h >= rope.heads_q) {
+        const int hh = rotated ? h - rope.heads_q : h - rope.heads_q - rope.heads_kv;
+        bits16* cache = rotated ? rope.kc : rope.vc;
+        const long at = pos * (long)rope.heads_kv * rope.dim + (long)hh * rope.dim + j;
+        cache[at] = slo;
+        cache[at + half] = shi;
+    }
+}
+
+// The row of W that slot r of row group g reads: g·R + r, or with ROPE (R = 2) row j and j + d/2 of
+// head h, for g = h·(d/2) + j.
+template <int R, bool ROPE>
+__device__ __forceinline__ long gemv_group_row(long g, int r, int half) {
+    if (ROPE) return (g / half) * 2 * half + g % half + r * half;
+    return g * R + r;
+}
+
+template <class D, int R, int U, bool NORM, bool DUAL, bool ROPE = false>
 __device__ __forceinline__ void gemv_fused(const bits16* x, const bits16* norm_w, float eps, const bits16* w,
                                            const bits16* w_up, long ldw, int k, int n, const bits16* bias,
-                                           int act, const bits16* up, const bits16* res, bits16* y) {
+                                           int act, const bits16* up, const bits16* res, bits16* y,
+                                           GemvRope rope = {}) {
     constexpr int RW = DUAL ? 2 * R : R;  // rows streamed per warp: W's, then W_up's
-    const int lane = threadIdx.x & 31, chunks = k >> 3;
+    const int lane = threadIdx.x & 31, chunks = k >> 3, half = ROPE ? rope.dim / 2 : 1;
     const long warps = ((long)gridDim.x * blockDim.x) >> 5;
-    const long first = (((long)blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
+    const long groups = ROPE ? n / 2 : (n + R - 1) / R;
+    const long first = ((long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    // Row slot r of group g, clamped into W (the group past the last row reads the last row, unused).
+    auto row_of = [&](long g, int r) { return min(gemv_group_row<R, ROPE>(g, r, half), (long)n - 1); };
     {
         const uint4* ws[RW];
 #pragma unroll
-        for (int r = 0; r < RW; ++r) {
-            const long row = min(first + (r % R), (long)n - 1);
-            ws[r] = (const uint4*)((DUAL && r >= R ? w_up : w) + row * ldw);
-        }
-        gemv_prefetch_then_wait<RW>(ws, lane, 32, first < n ? min(chunks, 32 * U) : 0);
+        for (int r = 0; r < RW; ++r) ws[r] = (const uint4*)((DUAL && r >= R ? w_up : w) + row_of(first, r % R) * ldw);
+        gemv_prefetch_then_wait<RW>(ws, lane, 32, first < groups ? min(chunks, 32 * U) : 0);
     }
     float inv = 1.0f;  // NORM: rsqrt(mean(x²) + ε), from the first row group on
-    for (long row0 = first; row0 < n; row0 += warps * R) {
+    for (long g = first; g < groups; g += warps) {
         const uint4* ws[RW];
 #pragma unroll
-        for (int r = 0; r < RW; ++r) {
-            const long row = row0 + (r % R) < n ? row0 + (r % R) : n - 1;
-            ws[r] = (const uint4*)((DUAL && r >= R ? w_up : w) + row * ldw);
-        }
+        for (int r = 0; r < RW; ++r) ws[r] = (const uint4*)((DUAL && r >= R ? w_up : w) + row_of(g, r % R) * ldw);
         float acc[RW][1];
 #pragma unroll
         for (int r = 0; r < RW; ++r) acc[r][0] = 0.0f;
-        const bool want_ss = NORM && row0 == first;
+        const bool want_ss = NORM && g == first;
         float ss = 0.0f;
         gemv_row_sums<D, RW, U, 32, NORM>(ws, x, norm_w, lane, chunks, acc, ss, want_ss);
-        if (row0 == first) pdl_launch_dependents();
+        if (g == first) pdl_launch_dependents();
         if (want_ss) {
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
@@ -294,7 +351,12 @@ __device__ __forceinline__ void gemv_fused(const bits16* x, const bits16* norm_w
             if (lane == r) v = acc[r][0] * inv;
             if (DUAL && lane == r - R) u = acc[r][0] * inv;
         }
-        const long row = row0 + lane;
+        if (ROPE) {
+            // Every lane holds both sums; lane 0 writes the pair.
+            if (lane == 0) gemv_rope_pair<D>(rope, g, half, acc[0][0] * inv, acc[1][0] * inv, bias, y);
+            continue;
+        }
+        const long row = g * R + lane;
         if (lane < R && row < n) {
             if (bias) v += D::load(bias[row]);
             v = gemv_activation(act, v);
@@ -315,10 +377,25 @@ extern "C" __global__ void __launch_bounds__(128) gemv_##sfx##_m1_##form(       
     gemv_fused<D, R, U, NORM, DUAL>(x, norm_w, eps, w, w_up, ldw, (int)k, (int)n, bias, (int)act, up, res, \
                                     y);                                                                    \
 }
+// gemv_<dtype>_m1_rope, gemv_<dtype>_m1_norm_rope: qkv_proj with RoPE and the K/V append (ROPE
+// above), R = 2 rows (a head's pair) per warp, U chunks of each in flight (decode.rs `FUSED_TILES`).
+#define GEMV_ROPE_KERNEL(sfx, D, form, R, U, NORM)                                                         \
+extern "C" __global__ void __launch_bounds__(128) gemv_##sfx##_m1_##form(                                  \
+        const bits16* x, const bits16* norm_w, float eps, const bits16* w, const bits16* w_up, long ldw,   \
+        long k, long n, const bits16* bias, long act, const bits16* up, const bits16* res, bits16* y,      \
+        const float* cos_t, const float* sin_t, long positions, const int* pos, bits16* kc, bits16* vc,    \
+        long max_seq, long heads_q, long heads_kv, long dim) {                                             \
+    const GemvRope rope = {cos_t, sin_t, positions, pos, kc, vc, max_seq, (int)heads_q, (int)heads_kv,     \
+                           (int)dim};                                                                      \
+    gemv_fused<D, R, U, NORM, false, true>(x, norm_w, eps, w, w_up, ldw, (int)k, (int)n, bias, (int)act,   \
+                                          up, res, y, rope);                                               \
+}
 #define GEMV_FUSED(sfx, D)                                                                                \
-    GEMV_FUSED_KERNEL(sfx, D, norm, 1, 8, true, false)                                                    \
+    GEMV_FUSED_KERNEL(sfx, D, norm, 2, 1, true, false)                                                    \
     GEMV_FUSED_KERNEL(sfx, D, dual, 1, 4, false, true)                                                    \
-    GEMV_FUSED_KERNEL(sfx, D, norm_dual, 1, 4, true, true)
+    GEMV_FUSED_KERNEL(sfx, D, norm_dual, 1, 1, true, true)                                                \
+    GEMV_ROPE_KERNEL(sfx, D, rope, 2, 2, false)                                                           \
+    GEMV_ROPE_KERNEL(sfx, D, norm_rope, 2, 2, true)
 GEMV_FUSED(bf16, GemvBf16)
 GEMV_FUSED(f16, GemvF16)
 

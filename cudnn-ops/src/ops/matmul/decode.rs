@@ -4,10 +4,13 @@
 //! A decode step's matmul reads every weight once and does 2·m flops per weight element: it is memory
 //! bound, and its floor is the weight's bytes over the copy bandwidth. cuDNN's matmul engines reached
 //! 67-90% of that floor on an H200 at one token (issue 12). This kernel streams the weight: each warp
-//! owns a few rows of W (output features), each lane keeps 8 loads of 16 bytes of them in flight,
-//! bypassing L1; x is read through L1, which the warps of an SM share, once per chunk for all the
-//! warp's rows; f32 accumulation and a warp-shuffle sum; the epilogue runs on the lane that writes, in
-//! f32 with one rounding, as the fused graph's does.
+//! owns a few rows of W (output features), each lane keeps a few loads of 16 bytes of them in flight
+//! (3 at one token), bypassing L1; x is read through L1, which the warps of an SM share, once per
+//! chunk for all the warp's rows; f32 accumulation and a warp-shuffle sum; the epilogue runs on the
+//! lane that writes, in f32 with one rounding, as the fused graph's does. How many rows per warp and
+//! loads per lane was measured in whole replayed decode steps, not per call (a call's best and the
+//! step's best differ): what counts is that a projection of few rows per SM runs in one wave of
+//! resident warps ([`FUSED_TILES`]).
 //!
 //! Tokens come in tiles of 1, 2, 4 or 8 ([`TILES`]: the kernel `gemv_<dtype>_m<tile>` for the
 //! smallest tile that holds m; a tile's extra tokens repeat the last one and are not written). The
@@ -29,9 +32,14 @@
 //! launch: `rsqrt(mean(x²) + ε)` is a scalar of the token, so each warp sums `W · (x ∘ norm_w)` as it
 //! streams W, sums x² over the chunks it reads on the way, and scales its sums at the end: nothing
 //! before W streams, and no normalized row in memory), `gemv_<dtype>_m1_dual` (SwiGLU's gate and up:
-//! each warp streams the same rows of both weights) and `gemv_<dtype>_m1_norm_dual` (both). What they
-//! save in a decode step is launches: on an H200 the 8B step with both took 4.463 ms against 4.631
-//! with gate and up alone (`examples/05-decode`, which times the step with and without them).
+//! each warp streams the same rows of both weights) and `gemv_<dtype>_m1_norm_dual` (both); and with
+//! [`MatmulArgs::with_rotary`], `gemv_<dtype>_m1_rope` and `gemv_<dtype>_m1_norm_rope` (qkv_proj
+//! with RoPE and the K/V append: each warp owns a head's pair of rows `j` and `j + d/2`, so the lane
+//! that writes holds both halves of the rotation; the outputs are bit-identical to the projection
+//! followed by the RoPE op). What they save in a decode step is launches and one wave of a small grid:
+//! on an H200 the 8B step with all of them took 4.118 ms against 4.461 with the prenorms folded and
+//! gate and up in one GEMV at the earlier tiles (`examples/05-decode`, which times the step under
+//! every fusion).
 //!
 //! At one token each form also comes with a block of four warps per row group instead of a warp
 //! (`gemv_<dtype>_m1[_<form>]_block`, [`GemvSplit::Block`]): a row of a few thousand elements is then
@@ -46,12 +54,12 @@
 //! while the kernel before it drains, prefetch their first chunks of W into L2, let the next kernel
 //! launch, and wait (`griddepcontrol.wait`) before they read x or write D.
 
-use super::{Activation, Epilogue, MatmulArgs, MatmulOperands, Prologue};
+use super::{Activation, Epilogue, MatmulArgs, MatmulOperands, Prologue, Rotary};
 use crate::checked;
 use crate::dtype::{DataType, Element};
 use crate::kernels::{launch_programmatic, optional_ptr, Arg, Kernels};
 use crate::{Cudnn, Error, GemvSplit, Result};
-use cudarc::driver::LaunchConfig;
+use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
 use std::hash::{DefaultHasher, Hash, Hasher};
 
 /// The most rows of A (tokens) the decode GEMV takes; more run the cuDNN graph.
@@ -69,8 +77,13 @@ pub const DECODE_GEMV_AUTO_TOKENS: usize = 1;
 const TILES: [(usize, usize); 4] = [(1, 1), (2, 2), (4, 2), (8, 4)];
 
 /// The rows of W per warp and the chunks of each row in flight of the one-token fused forms
-/// (`GEMV_FUSED` in `decode.cu`): `(norm, dual, norm_dual)`.
-const FUSED_TILES: [(&str, usize, usize); 3] = [("norm", 1, 8), ("dual", 1, 4), ("norm_dual", 1, 4)];
+/// (`GEMV_FUSED` in `decode.cu`). Chosen on an H200 in whole replayed 8B decode steps
+/// (`benches/results/h200/decode-roofline.md`): a projection of few rows per SM wants its grid in
+/// one wave (the norm form at one row and 8 chunks per warp took 80 registers, so qkv_proj's 1536
+/// blocks ran in two waves; at 2 rows and 1 chunk, 768 blocks in one), and fewer chunks in flight
+/// per lane kept more warps resident (gate-up with the norm at 1 chunk, 64 registers).
+const FUSED_TILES: [(&str, usize, usize); 5] =
+    [("norm", 2, 1), ("dual", 1, 4), ("norm_dual", 1, 1), ("rope", 2, 2), ("norm_rope", 2, 2)];
 
 /// The one-token kernels with a block per row group ([`GemvSplit::Block`], `GEMV_BLOCKS` in
 /// `decode.cu`): the form (`""` for the plain GEMV), rows of W (and of W_up) per block, chunks of each
@@ -108,16 +121,20 @@ pub(super) struct Gemv {
     prologue: Option<Prologue>,
     /// The gate's multiplier is x · W_upᵀ (one token).
     dual: bool,
+    /// RoPE and the K/V append after the product (one token; rows in pairs).
+    rotary: Option<Rotary>,
 }
 
 impl Gemv {
     /// The fused form's name (`norm`, `dual` or `norm_dual`), `None` for the plain GEMV.
     fn fused_form(&self) -> Option<&'static str> {
-        match (self.prologue.is_some(), self.dual) {
-            (false, false) => None,
-            (true, false) => Some("norm"),
-            (false, true) => Some("dual"),
-            (true, true) => Some("norm_dual"),
+        match (self.prologue.is_some(), self.dual, self.rotary.is_some()) {
+            (false, false, false) => None,
+            (true, false, false) => Some("norm"),
+            (false, true, false) => Some("dual"),
+            (true, true, false) => Some("norm_dual"),
+            (false, _, true) => Some("rope"),
+            (true, _, true) => Some("norm_rope"),
         }
     }
 
@@ -141,7 +158,8 @@ impl Gemv {
     ///
     /// [`Exec::gemv_split`]: crate::Exec::gemv_split
     pub(super) fn with_split(self, split: GemvSplit) -> Gemv {
-        let block = self.m == 1 && split == GemvSplit::Block;
+        // The rotary form has no block split (a warp owns a head's row pair).
+        let block = self.m == 1 && split == GemvSplit::Block && self.rotary.is_none();
         if !block {
             return Gemv { block: false, ..self };
         }
@@ -167,8 +185,9 @@ impl Gemv {
     fn describe(&self) -> String {
         let prologue = self.prologue.map(|p| format!("{} ", p.name())).unwrap_or_default();
         let up = if self.dual { " up-product" } else { "" };
+        let rope = self.rotary.map(|r| format!(" {}", r.name())).unwrap_or_default();
         format!(
-            "decode gemv {prologue}[{}, {}] x [{}, {}] {} epilogue {}{up} ({})",
+            "decode gemv {prologue}[{}, {}] x [{}, {}] {} epilogue {}{up}{rope} ({})",
             self.m,
             self.k,
             self.k,
@@ -271,11 +290,13 @@ impl MatmulArgs {
             epilogue: args.epilogue,
             prologue: args.prologue,
             dual: args.up_product,
+            rotary: args.rotary,
         };
         if let Some(form) = g.fused_form() {
             if m != 1 {
                 return Err(refuse(format!(
-                    "{m} rows of A (tokens): the prologue and the up product run at one token (a decode step)"
+                    "{m} rows of A (tokens): the prologue, the up product and the rotary epilogue run at one token \
+                     (a decode step)"
                 )));
             }
             let Some(&(_, rows, _)) = FUSED_TILES.iter().find(|t| t.0 == form) else {
@@ -337,8 +358,32 @@ pub(super) fn launch_gemv<T: Element, O: Element>(
     } else {
         vec![Arg::Ptr(a), i(g.ldx), Arg::Ptr(b), i(g.ldw), i(g.m), i(g.k), i(g.n)]
     };
-    let args: Vec<Arg> = head.into_iter().chain(epilogue).collect();
+    let mut args: Vec<Arg> = head.into_iter().chain(epilogue).collect();
+    // The rotary epilogue's tables, position and caches (checked against `g.rotary` by the caller).
+    let mut guards = Vec::new();
+    if let (Some(r), Some(ops)) = (g.rotary, x.rotary.as_mut()) {
+        let (cos, sin) = ops.tables.half_tables();
+        let (c, gc) = cos.device_ptr(stream);
+        let (s, gs) = sin.device_ptr(stream);
+        let (pos, gp) = ops.position.device_ptr(stream);
+        let (kc, gk) = ops.k.device_ptr_mut(stream);
+        let (vc, gv) = ops.v.device_ptr_mut(stream);
+        guards.extend([gc, gs, gp, gk, gv]);
+        args.extend([
+            Arg::Ptr(c),
+            Arg::Ptr(s),
+            i(ops.tables.positions()),
+            Arg::Ptr(pos),
+            Arg::Ptr(kc),
+            Arg::Ptr(vc),
+            i(r.max_seq),
+            i(r.heads_q),
+            i(r.heads_kv),
+            i(r.head_dim),
+        ]);
+    }
     launch_programmatic(ctx, kernels, &kernel, cfg, &args)?;
+    drop(guards);
     let mut h = DefaultHasher::new();
     g.hash(&mut h);
     kernels.count_run(h.finish(), || g.describe());
@@ -357,6 +402,24 @@ mod tests {
         assert!(e.is_not_supported(), "{expected}: {e:?}");
         let msg = e.to_string();
         assert!(msg.contains("decode gemv") && msg.contains(expected), "expected `{expected}` in: {msg}");
+    }
+
+    #[test]
+    fn the_rotary_form_pairs_rows_and_has_no_block_split() {
+        let rotary = Rotary::new(32, 8, 128, 642);
+        let args = MatmulArgs::linear(1, 4096, 6144).with_rotary(rotary);
+        let g = args.gemv(BF, BF).unwrap();
+        assert_eq!((g.kernel(), g.rows_per_warp), ("gemv_bf16_m1_rope".to_string(), 2));
+        let normed = args.with_prologue(Prologue::rms_norm(1e-5)).gemv(DataType::F16, DataType::F16).unwrap();
+        assert_eq!(normed.kernel(), "gemv_f16_m1_norm_rope");
+        // A warp per pair of rows: 3072 warps, 768 blocks, whatever the split asked for.
+        let blocked = normed.with_split(GemvSplit::Block);
+        assert_eq!(
+            (blocked.kernel(), blocked.config().unwrap().grid_dim.0),
+            ("gemv_f16_m1_norm_rope".into(), 768)
+        );
+        assert!(g.describe().contains("rope(32/8x128)"), "{}", g.describe());
+        refused(MatmulArgs::linear(2, 4096, 6144).with_rotary(rotary).gemv(BF, BF), "at one token");
     }
 
     #[test]
@@ -451,7 +514,7 @@ mod tests {
         let norm = Prologue::rms_norm(1e-5);
         let qkv = MatmulArgs::linear(1, 4096, 6144).with_prologue(norm);
         let g = qkv.gemv(BF, BF).unwrap();
-        assert_eq!((g.kernel(), g.rows_per_warp, g.tile), ("gemv_bf16_m1_norm".to_string(), 1, 1));
+        assert_eq!((g.kernel(), g.rows_per_warp, g.tile), ("gemv_bf16_m1_norm".to_string(), 2, 1));
         assert_eq!(
             g.describe(),
             "decode gemv rms_norm(1e-5) [1, 4096] x [4096, 6144] bf16 epilogue none (gemv_bf16_m1_norm)"
@@ -472,7 +535,7 @@ mod tests {
         // More tokens: refused, named.
         refused(
             MatmulArgs::linear(2, 4096, 6144).with_prologue(norm).gemv(BF, BF),
-            "2 rows of A (tokens): the prologue and the up product run at one token",
+            "2 rows of A (tokens): the prologue, the up product and the rotary epilogue run at one token",
         );
         refused(
             MatmulArgs::linear(2, 64, 64).with_epilogue(Epilogue::SWIGLU).with_up_product().gemv(BF, BF),
@@ -501,7 +564,8 @@ mod tests {
         }
         assert!(src.contains(&format!("__launch_bounds__({BLOCK})")));
         for (form, rows, chunks) in FUSED_TILES {
-            let line = format!("GEMV_FUSED_KERNEL(sfx, D, {form}, {rows}, {chunks}, ");
+            let kernel = if form.ends_with("rope") { "GEMV_ROPE_KERNEL" } else { "GEMV_FUSED_KERNEL" };
+            let line = format!("{kernel}(sfx, D, {form}, {rows}, {chunks}, ");
             assert!(src.contains(&line), "decode.cu lacks the fused form `{line}`");
         }
         for (form, rows, chunks) in BLOCK_TILES {

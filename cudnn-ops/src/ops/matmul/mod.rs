@@ -42,7 +42,12 @@
 //! - the gate step's multiplier as a second product ([`MatmulArgs::with_up_product`]): `U = A · B_up`
 //!   for a second weight of B's layout ([`MatmulOperands::up_weight`]), rounded to the output dtype as
 //!   an up projection's output would be, instead of an input buffer: SwiGLU's gate and up in one
-//!   launch that streams both weights.
+//!   launch that streams both weights;
+//! - RoPE and the K/V append after the product ([`MatmulArgs::with_rotary`]): D is one token's
+//!   `[Q heads, K heads, V heads]` row (`qkv_proj`), rotated in its Q and K heads by the position on
+//!   the device and written, K and V heads also to that row of the caches ([`MatmulOperands::rotary`]),
+//!   exactly as the projection followed by [`rope`](crate::rope) with a K/V append would (the same
+//!   roundings): RoPE's launch folded into the projection's.
 
 pub mod backward;
 mod decode;
@@ -57,11 +62,13 @@ pub use backward::{
 pub use decode::{DECODE_GEMV_AUTO_TOKENS, DECODE_GEMV_MAX_TOKENS};
 pub use epilogue::{Activation, Epilogue};
 
+use crate::checked;
 use crate::dtype::{DataType, Element};
 use crate::error::ensure;
+use crate::ops::rope::RopeTables;
 use crate::ops::Op;
 use crate::{Backend, Cudnn, Error, Result};
-use cudarc::driver::{DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 /// Bytes every device tensor's rows must be aligned to (the alignment the fused graph declares).
 const ALIGN_BYTES: usize = 16;
@@ -187,8 +194,26 @@ pub struct BufferLens {
     pub up_weight: Option<usize>,
     /// The residual R, when given.
     pub residual: Option<usize>,
+    /// The rotary epilogue's tables and buffers, when given.
+    pub rotary: Option<RotaryLens>,
     /// The output D.
     pub d: usize,
+}
+
+/// What [`MatmulArgs::check`] checks of a rotary epilogue's operands ([`RotaryOperands`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct RotaryLens {
+    /// Positions the tables cover.
+    pub table_positions: usize,
+    /// The head dim the tables are for.
+    pub table_dim: usize,
+    /// Elements of the device position.
+    pub position: usize,
+    /// Elements of the K cache.
+    pub k: usize,
+    /// Elements of the V cache.
+    pub v: usize,
 }
 
 /// What the fused backend runs for a matmul ([`MatmulArgs::fused_kernel`]; forced with
@@ -232,6 +257,40 @@ pub struct MatmulArgs {
     /// The gate step's multiplier U is `A · B_up`, a second weight of B's layout
     /// ([`MatmulOperands::up_weight`]), computed in the same kernel (the decode GEMV only).
     pub up_product: bool,
+    /// RoPE and the K/V append after the product (the decode GEMV only; the operands carry the
+    /// tables, the position and the caches).
+    pub rotary: Option<Rotary>,
+}
+
+/// D as one token's `[Q heads, K heads, V heads]` row (`heads_q + 2 · heads_kv` heads of `head_dim`):
+/// the decode GEMV rounds it as the projection's output, rotates the Q and K heads by the position on
+/// the device (f32, one rounding, as [`rope`](crate::rope) does) and writes the K and V heads also to
+/// that row of the caches `[max_seq, heads_kv · head_dim]` ([`MatmulArgs::with_rotary`],
+/// [`MatmulOperands::rotary`]). A position outside the tables or the cache leaves D unrotated and
+/// the caches untouched, as the RoPE op does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct Rotary {
+    /// Query heads.
+    pub heads_q: usize,
+    /// K (and V) heads.
+    pub heads_kv: usize,
+    /// Elements per head (even).
+    pub head_dim: usize,
+    /// Rows of each cache.
+    pub max_seq: usize,
+}
+
+impl Rotary {
+    /// `heads_q` query heads and `heads_kv` K/V heads of `head_dim`, caches of `max_seq` rows.
+    pub fn new(heads_q: usize, heads_kv: usize, head_dim: usize, max_seq: usize) -> Self {
+        Rotary { heads_q, heads_kv, head_dim, max_seq }
+    }
+
+    /// `rope(32/8x128)`, for names and errors.
+    pub fn name(self) -> String {
+        format!("rope({}/{}x{})", self.heads_q, self.heads_kv, self.head_dim)
+    }
 }
 
 /// A step on each row of A before the product ([`MatmulArgs::with_prologue`]); the decode GEMV
@@ -273,7 +332,15 @@ impl Prologue {
 impl MatmulArgs {
     /// A `[batch, m, k]` and B `[batch or 1, k, n]` in any layouts (strided views), no epilogue.
     pub fn new(a: MatrixLayout, b: MatrixLayout) -> Self {
-        MatmulArgs { a, b, epilogue: Epilogue::NONE, form: None, prologue: None, up_product: false }
+        MatmulArgs {
+            a,
+            b,
+            epilogue: Epilogue::NONE,
+            form: None,
+            prologue: None,
+            up_product: false,
+            rotary: None,
+        }
     }
 
     /// Row-major A `[batch, m, k]` and B `[batch, k, n]`, no epilogue.
@@ -315,6 +382,13 @@ impl MatmulArgs {
         MatmulArgs { up_product: true, ..self }
     }
 
+    /// The same product followed by RoPE and the K/V append ([`Rotary`]; the decode GEMV's form at
+    /// one token: the graph and the naive backend refuse it); the operands carry the tables, the
+    /// position and the caches ([`MatmulOperands::rotary`]).
+    pub fn with_rotary(self, rotary: Rotary) -> Self {
+        MatmulArgs { rotary: Some(rotary), ..self }
+    }
+
     /// The prologue and the up product, when there are any: `rms_norm(1e-5) up-product`, for names.
     pub(crate) fn forms(&self) -> Option<String> {
         let parts: Vec<String> = self
@@ -322,6 +396,7 @@ impl MatmulArgs {
             .map(Prologue::name)
             .into_iter()
             .chain(self.up_product.then(|| "up-product".to_string()))
+            .chain(self.rotary.map(Rotary::name))
             .collect();
         (!parts.is_empty()).then(|| parts.join(" "))
     }
@@ -437,6 +512,7 @@ impl MatmulArgs {
             };
             ensure!(len == k, "matmul: prologue {}: norm weight has {len} elements, k is {k}", p.name());
         }
+        self.check_rotary(dtype, out, lens)?;
         if let Some(len) = lens.up_weight {
             ensure!(
                 len >= b_need,
@@ -466,6 +542,71 @@ impl MatmulArgs {
             }
         }
         ensure!(lens.d >= d_len, "matmul: output has {} elements, needs batch*m*n = {d_len}", lens.d);
+        Ok(())
+    }
+
+    /// The rotary epilogue's shape and operands ([`Rotary`]): one token, D of exactly `heads_q +
+    /// 2 · heads_kv` heads, no step but the bias before it, tables for the head dim, caches of
+    /// `max_seq` rows.
+    fn check_rotary(&self, dtype: DataType, out: DataType, lens: &BufferLens) -> Result<()> {
+        let (Some(r), Some(l)) = (self.rotary, lens.rotary) else {
+            ensure!(
+                self.rotary.is_none(),
+                "matmul: the rotary epilogue needs its tables, position and caches (MatmulOperands::rotary),                  none were given"
+            );
+            ensure!(
+                lens.rotary.is_none(),
+                "matmul: rotary operands were given without the rotary epilogue (MatmulArgs::with_rotary)"
+            );
+            return Ok(());
+        };
+        let name = r.name();
+        ensure!(
+            self.batch() == 1 && self.m() == 1,
+            "matmul: {name}: the rotary epilogue takes one token, A is {}",
+            self.a.describe()
+        );
+        ensure!(
+            out == dtype,
+            "matmul: {name}: the output dtype {out} must be the input dtype {dtype} (the caches')"
+        );
+        ensure!(
+            r.heads_q > 0
+                && r.heads_kv > 0
+                && r.head_dim > 0
+                && r.head_dim.is_multiple_of(2)
+                && r.max_seq > 0,
+            "matmul: {name}: heads, an even head dim and max_seq must be > 0 (max_seq {})",
+            r.max_seq
+        );
+        let e = self.epilogue;
+        ensure!(
+            e.activation.is_none() && !e.gate && !e.residual && !self.up_product,
+            "matmul: {name}: the rotary epilogue follows the product (and a bias) only, not `{}`{}",
+            e.name(),
+            if self.up_product { " with the up product" } else { "" }
+        );
+        let heads = checked::add("matmul: heads_q + 2 * heads_kv", r.heads_q, 2 * r.heads_kv)?;
+        let width = checked::mul("matmul: rotary row width", heads, r.head_dim)?;
+        ensure!(
+            self.n() == width,
+            "matmul: {name}: n = {} must be (heads_q + 2 * heads_kv) * head_dim = {width}",
+            self.n()
+        );
+        ensure!(
+            l.table_dim == r.head_dim,
+            "matmul: {name}: the RoPE tables are for head dim {}, not {}",
+            l.table_dim,
+            r.head_dim
+        );
+        ensure!(l.position >= 1, "matmul: {name}: the device position buffer is empty");
+        let cache = checked::mul("matmul: rotary cache elements", r.max_seq, r.heads_kv * r.head_dim)?;
+        for (what, len) in [("K", l.k), ("V", l.v)] {
+            ensure!(
+                len >= cache,
+                "matmul: {name}: the {what} cache has {len} elements, needs max_seq * heads_kv * head_dim = {cache}"
+            );
+        }
         Ok(())
     }
 
@@ -525,14 +666,51 @@ pub struct MatmulOperands<'a, T: Element, O: Element = T> {
     pub norm_weight: Option<&'a dyn DevicePtr<T>>,
     /// The second weight `B_up` of the up product ([`MatmulArgs::with_up_product`]), laid out as B.
     pub up_weight: Option<&'a dyn DevicePtr<T>>,
+    /// The rotary epilogue's tables, position and caches ([`MatmulArgs::with_rotary`]).
+    pub rotary: Option<RotaryOperands<'a, T>>,
     /// The output D, packed `[batch, m, n]`.
     pub d: &'a mut dyn DevicePtrMut<O>,
+}
+
+/// What the rotary epilogue reads and writes besides D ([`Rotary`]).
+#[non_exhaustive]
+pub struct RotaryOperands<'a, T: Element> {
+    /// The cos/sin tables.
+    pub tables: &'a RopeTables<T>,
+    /// The token's position, on the device (`[1]` i32; a decode step's position buffer).
+    pub position: &'a CudaSlice<i32>,
+    /// The K cache `[max_seq, heads_kv · head_dim]`.
+    pub k: &'a mut CudaSlice<T>,
+    /// The V cache, as K.
+    pub v: &'a mut CudaSlice<T>,
+}
+
+impl<'a, T: Element> RotaryOperands<'a, T> {
+    /// The tables, the device position and the K and V caches.
+    pub fn new(
+        tables: &'a RopeTables<T>,
+        position: &'a CudaSlice<i32>,
+        k: &'a mut CudaSlice<T>,
+        v: &'a mut CudaSlice<T>,
+    ) -> Self {
+        RotaryOperands { tables, position, k, v }
+    }
 }
 
 impl<'a, T: Element, O: Element> MatmulOperands<'a, T, O> {
     /// A and B in, D out, no epilogue inputs.
     pub fn new(a: &'a dyn DevicePtr<T>, b: &'a dyn DevicePtr<T>, d: &'a mut dyn DevicePtrMut<O>) -> Self {
-        MatmulOperands { a, b, bias: None, up: None, residual: None, norm_weight: None, up_weight: None, d }
+        MatmulOperands {
+            a,
+            b,
+            bias: None,
+            up: None,
+            residual: None,
+            norm_weight: None,
+            up_weight: None,
+            rotary: None,
+            d,
+        }
     }
 
     /// Adds the bias.
@@ -567,6 +745,12 @@ impl<'a, T: Element, O: Element> MatmulOperands<'a, T, O> {
         self
     }
 
+    /// Adds the rotary epilogue's tables, position and caches.
+    pub fn rotary(mut self, r: RotaryOperands<'a, T>) -> Self {
+        self.rotary = Some(r);
+        self
+    }
+
     /// The buffer lengths.
     pub fn lens(&self) -> BufferLens {
         BufferLens {
@@ -577,6 +761,13 @@ impl<'a, T: Element, O: Element> MatmulOperands<'a, T, O> {
             norm_weight: self.norm_weight.map(|x| x.len()),
             up_weight: self.up_weight.map(|x| x.len()),
             residual: self.residual.map(|x| x.len()),
+            rotary: self.rotary.as_ref().map(|r| RotaryLens {
+                table_positions: r.tables.positions(),
+                table_dim: r.tables.dim(),
+                position: r.position.len(),
+                k: r.k.len(),
+                v: r.v.len(),
+            }),
             d: self.d.len(),
         }
     }
@@ -622,6 +813,61 @@ mod tests {
             d,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn the_rotary_epilogue_checks_its_shape_and_operands_before_anything_runs() {
+        let bf = DataType::BF16;
+        // 4 query heads, 2 K/V heads of 16: rows of 128; caches of 10 rows of 32.
+        let rotary = Rotary::new(4, 2, 16, 10);
+        let args = MatmulArgs::linear(1, 64, 128).with_rotary(rotary);
+        let rl = RotaryLens { table_positions: 20, table_dim: 16, position: 1, k: 320, v: 320 };
+        let ok = BufferLens { rotary: Some(rl), ..lens(&args, Epilogue::NONE) };
+        args.check(bf, bf, &ok).unwrap();
+        args.with_prologue(Prologue::rms_norm(1e-5))
+            .check(bf, bf, &BufferLens { norm_weight: Some(64), ..ok })
+            .unwrap();
+        args.with_epilogue(Epilogue::BIAS).check(bf, bf, &BufferLens { bias: Some(128), ..ok }).unwrap();
+        let plain = lens(&args, Epilogue::NONE);
+        invalid(args.check(bf, bf, &plain), "the rotary epilogue needs its tables, position and caches");
+        invalid(
+            MatmulArgs::linear(1, 64, 128).check(bf, bf, &ok),
+            "rotary operands were given without the rotary epilogue",
+        );
+        let two = MatmulArgs::linear(2, 64, 128).with_rotary(rotary);
+        invalid(
+            two.check(bf, bf, &BufferLens { rotary: Some(rl), ..lens(&two, Epilogue::NONE) }),
+            "takes one token",
+        );
+        let wide = MatmulArgs::linear(1, 64, 136).with_rotary(rotary);
+        invalid(
+            wide.check(bf, bf, &BufferLens { rotary: Some(rl), ..lens(&wide, Epilogue::NONE) }),
+            "n = 136 must be (heads_q + 2 * heads_kv) * head_dim = 128",
+        );
+        invalid(args.check(bf, DataType::F32, &ok), "the output dtype f32 must be the input dtype bf16");
+        let residual = args.with_epilogue(Epilogue::RESIDUAL);
+        invalid(
+            residual.check(bf, bf, &BufferLens { residual: Some(128), ..ok }),
+            "follows the product (and a bias) only",
+        );
+        let odd = MatmulArgs::linear(1, 64, 120).with_rotary(Rotary::new(4, 2, 15, 10));
+        invalid(
+            odd.check(bf, bf, &BufferLens { rotary: Some(rl), ..lens(&odd, Epilogue::NONE) }),
+            "an even head dim",
+        );
+        let lens_with = |r: RotaryLens| BufferLens { rotary: Some(r), ..ok };
+        invalid(
+            args.check(bf, bf, &lens_with(RotaryLens { table_dim: 32, ..rl })),
+            "tables are for head dim 32, not 16",
+        );
+        invalid(args.check(bf, bf, &lens_with(RotaryLens { position: 0, ..rl })), "position buffer is empty");
+        invalid(
+            args.check(bf, bf, &lens_with(RotaryLens { k: 319, ..rl })),
+            "the K cache has 319 elements, needs max_seq * heads_kv * head_dim = 320",
+        );
+        invalid(args.check(bf, bf, &lens_with(RotaryLens { v: 0, ..rl })), "the V cache has 0 elements");
+        // The graph and the naive backend refuse it by name (it is a form of the decode GEMV).
+        assert_eq!(args.forms().as_deref(), Some("rope(4/2x16)"));
     }
 
     #[test]

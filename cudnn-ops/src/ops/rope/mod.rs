@@ -113,6 +113,17 @@ impl<T: Element> RopeTables<T> {
     pub fn positions(&self) -> usize {
         self.positions
     }
+
+    /// The head dim the tables are for.
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// The f32 `[positions, dim / 2]` cos and sin tables the fused kernels read (the decode GEMV's
+    /// rotary epilogue too, `ops/matmul/decode.rs`).
+    pub(crate) fn half_tables(&self) -> (&CudaSlice<f32>, &CudaSlice<f32>) {
+        (&self.cos_half, &self.sin_half)
+    }
 }
 
 impl RopeArgs {
