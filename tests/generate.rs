@@ -539,10 +539,10 @@ fn generate_binary_streams_text_and_reports_rates() {
     assert!(err.contains(" 0 loaded from") && !err.contains(" 0 saved"), "{err}");
     let (_, err) = run(&[]);
     assert!(!err.contains(" 0 loaded from") && err.contains("(0 rejected)"), "{err}");
-    // The device sampling path and the host path (the default) give the same ids (the plans, and so
+    // The device sampling path (the default) and the host path give the same ids (the plans, and so
     // the bits, come from the plan directory), and each says which ran.
-    let (_, device) = run(&["--ids", "--sampling-path", "device"]);
-    let (_, host) = run(&["--ids"]);
+    let (_, device) = run(&["--ids"]);
+    let (_, host) = run(&["--ids", "--sampling-path", "host"]);
     assert!(device.contains("generate: sampling: device greedy, pipelined"), "{device}");
     assert!(host.contains("generate: sampling: host"), "{host}");
     assert_eq!(printed_ids(&device), printed_ids(&host), "the device vs the host sampling path");

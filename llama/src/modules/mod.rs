@@ -86,8 +86,8 @@ impl DecodeFusion {
     pub const NORM_GATE_UP: DecodeFusion =
         DecodeFusion { norm_into_projection: true, gate_up: true, rope_into_qkv: false };
     /// Everything folded, RoPE and the K/V append into `qkv_proj` too (the default: on an H200 the
-    /// 8B step took 4.118 ms with it and the GEMV tiles chosen with it, against 4.170 without RoPE
-    /// folded and 4.461 at the earlier tiles, in one run).
+    /// 8B step took 4.134 ms against 4.196 without RoPE folded and 4.520 with nothing folded, in one
+    /// run).
     pub const ALL: DecodeFusion =
         DecodeFusion { norm_into_projection: true, gate_up: true, rope_into_qkv: true };
     /// Each choice, nothing folded first, for A/B tables.

@@ -186,7 +186,7 @@ fn sampling_line<T: Element>(g: &Generation, generator: &Generator<T>, sampler: 
     } else if generator.mode() != DecodeMode::Graph {
         "--decode launch"
     } else if generator.sampling_path() == SamplingPath::Host {
-        "--sampling-path host, the default"
+        "--sampling-path host"
     } else if generator.graph_refusal().is_some() {
         "the step is not captured"
     } else {

@@ -393,7 +393,7 @@ extern "C" __global__ void __launch_bounds__(128) gemv_##sfx##_m1_##form(       
 #define GEMV_FUSED(sfx, D)                                                                                \
     GEMV_FUSED_KERNEL(sfx, D, norm, 2, 1, true, false)                                                    \
     GEMV_FUSED_KERNEL(sfx, D, dual, 1, 4, false, true)                                                    \
-    GEMV_FUSED_KERNEL(sfx, D, norm_dual, 1, 1, true, true)                                                \
+    GEMV_FUSED_KERNEL(sfx, D, norm_dual, 2, 1, true, true)                                                \
     GEMV_ROPE_KERNEL(sfx, D, rope, 2, 2, false)                                                           \
     GEMV_ROPE_KERNEL(sfx, D, norm_rope, 2, 2, true)
 GEMV_FUSED(bf16, GemvBf16)

@@ -36,10 +36,9 @@
 //! [`MatmulArgs::with_rotary`], `gemv_<dtype>_m1_rope` and `gemv_<dtype>_m1_norm_rope` (qkv_proj
 //! with RoPE and the K/V append: each warp owns a head's pair of rows `j` and `j + d/2`, so the lane
 //! that writes holds both halves of the rotation; the outputs are bit-identical to the projection
-//! followed by the RoPE op). What they save in a decode step is launches and one wave of a small grid:
-//! on an H200 the 8B step with all of them took 4.118 ms against 4.461 with the prenorms folded and
-//! gate and up in one GEMV at the earlier tiles (`examples/05-decode`, which times the step under
-//! every fusion).
+//! followed by the RoPE op). What they save in a decode step is launches: on an H200 the 8B step
+//! with all of them took 4.134 ms against 4.196 without RoPE folded and 4.520 with nothing folded, in
+//! one run (`examples/05-decode`, which times the step under every fusion).
 //!
 //! At one token each form also comes with a block of four warps per row group instead of a warp
 //! (`gemv_<dtype>_m1[_<form>]_block`, [`GemvSplit::Block`]): a row of a few thousand elements is then
@@ -80,10 +79,12 @@ const TILES: [(usize, usize); 4] = [(1, 1), (2, 2), (4, 2), (8, 4)];
 /// (`GEMV_FUSED` in `decode.cu`). Chosen on an H200 in whole replayed 8B decode steps
 /// (`benches/results/h200/decode-roofline.md`): a projection of few rows per SM wants its grid in
 /// one wave (the norm form at one row and 8 chunks per warp took 80 registers, so qkv_proj's 1536
-/// blocks ran in two waves; at 2 rows and 1 chunk, 768 blocks in one), and fewer chunks in flight
-/// per lane kept more warps resident (gate-up with the norm at 1 chunk, 64 registers).
+/// blocks ran in two waves; at 2 rows and 1 chunk, 768 blocks in one), and the gate-up GEMV with
+/// the norm streams 2 rows of each weight per warp, 1 chunk each in flight (8B step 4.133 ms
+/// against 4.255 at 1 row, in one run; what wins is not monotonic in registers or chunks, so each
+/// tile here was measured in the step against its neighbours).
 const FUSED_TILES: [(&str, usize, usize); 5] =
-    [("norm", 2, 1), ("dual", 1, 4), ("norm_dual", 1, 1), ("rope", 2, 2), ("norm_rope", 2, 2)];
+    [("norm", 2, 1), ("dual", 1, 4), ("norm_dual", 2, 1), ("rope", 2, 2), ("norm_rope", 2, 2)];
 
 /// The one-token kernels with a block per row group ([`GemvSplit::Block`], `GEMV_BLOCKS` in
 /// `decode.cu`): the form (`""` for the plain GEMV), rows of W (and of W_up) per block, chunks of each
