@@ -360,7 +360,11 @@ pub(super) fn launch_gemv<T: Element, O: Element>(
         vec![Arg::Ptr(a), i(g.ldx), Arg::Ptr(b), i(g.ldw), i(g.m), i(g.k), i(g.n)]
     };
     let mut args: Vec<Arg> = head.into_iter().chain(epilogue).collect();
-    // The rotary epilogue's tables, position and caches (checked against `g.rotary` by the caller).
+    // The rotary epilogue's tables, position and caches (checked against `g.rotary` by the caller;
+    // the kernel would read arguments it was not given without them).
+    if g.rotary.is_some() != x.rotary.is_some() {
+        return Err(Error::invalid("decode gemv: the rotary epilogue and its operands come together"));
+    }
     let mut guards = Vec::new();
     if let (Some(r), Some(ops)) = (g.rotary, x.rotary.as_mut()) {
         let (cos, sin) = ops.tables.half_tables();
