@@ -204,7 +204,8 @@ pub struct BufferLens {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub struct RotaryLens {
-    /// Positions the tables cover.
+    /// Positions the tables cover (a position past them leaves the row unrotated and unappended, as
+    /// the RoPE op does; not an error, since the position is a device value).
     pub table_positions: usize,
     /// The head dim the tables are for.
     pub table_dim: usize,
