@@ -391,8 +391,8 @@ fn projections(ctx: &Cudnn, copy: f64) -> Result<(), Box<dyn std::error::Error>>
         l2 >> 20
     );
     println!(
-        "gemv: the warp split; block: the one-token block split (GemvSplit), which `auto` takes at one \
-         token for k <= 8192 and fewer than 64 output rows per SM ({} SMs here)",
+        "gemv: the warp split (what `GemvSplit::Auto` runs); block: the one-token block split, forced \
+         ({} SMs here)",
         ctx.info().sm_count
     );
     println!(
