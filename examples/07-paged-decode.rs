@@ -2,25 +2,29 @@
 //! 128, bf16): a batch of 64 sequences of seeded lengths from 128 to 4096 (mixed), one query each, the
 //! lengths on the device. The contiguous cache is `[64, 4096, 8 · 128]` (what `KvCache` keeps); the paged
 //! one a pool of just the pages the lengths need, in a seeded shuffle, read through a page table, for
-//! page sizes 16, 32, 64 and 128 and both page orders. The contiguous keys are gathered out of the pages,
+//! page sizes 16 to 512 and both page orders. The contiguous keys are gathered out of the pages,
 //! so both read the same values: outputs (cuDNN's plans and the split-KV kernel, contiguous and paged)
 //! are compared with cuDNN's contiguous ones before anything is timed. Each form is timed
 //! replaying a CUDA graph of 32 calls (as a captured decode step runs them), CUDA-event medians after
 //! warm-up, with the ratio contiguous / paged (the target: the paged form at 95% of the
 //! contiguous one or better, a ratio >= 0.95):
 //! `cargo run --release --features app --example 07-paged-decode [batch] [min_len] [max_len]`.
+//! With `CUDNN_LLM_KNOB_SEARCH` above 0 it also times every engine configuration cuDNN offers for the
+//! contiguous and the paged plan and prints them (to see whether the heuristics' choice is the fastest).
 use cudnn_llm::bench_util::{environment, median_call_ms};
 use cudnn_llm::cudarc::driver::CudaSlice;
 use cudnn_llm::half::bf16;
 use cudnn_llm::{
-    gather_pages, reference, sdpa, Backend, Cudnn, Error, Layout, PageGather, PageGatherOperands, PageOrder,
-    PageShape, PageTable, SdpaArgs, SdpaKernel, SdpaOperands, SeqLens, TableShape,
+    gather_pages, reference, sdpa, Backend, Cudnn, DataType, Error, Layout, PageGather, PageGatherOperands,
+    PageOrder, PageShape, PageTable, SdpaArgs, SdpaKernel, SdpaOperands, SeqLens, TableShape,
 };
 
 /// Calls per captured graph.
 const CALLS: usize = 32;
 /// Llama-3.1-8B's attention heads.
 const HEADS: (usize, usize, usize) = (32, 8, 128);
+/// Page sizes swept (the contiguous capacity is a multiple of the largest).
+const PAGE_SIZES: [usize; 6] = [16, 32, 64, 128, 256, 512];
 
 fn arg(i: usize, default: usize) -> Result<usize, Box<dyn std::error::Error>> {
     match std::env::args().nth(i) {
@@ -37,7 +41,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let ctx = Cudnn::new(0)?;
     let (hq, hkv, d) = HEADS;
     let w = (hq + 2 * hkv) * d;
-    let cap = max.next_multiple_of(128);
+    let cap = max.next_multiple_of(*PAGE_SIZES.iter().max().unwrap_or(&1));
     let mut r = reference::random_iter(7);
     let lens: Vec<usize> = (0..batch)
         .map(|_| min + ((r.next().unwrap() * 0.5 + 0.5) * (max - min + 1) as f64) as usize)
@@ -64,7 +68,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     (contiguous.k_strides, contiguous.v_strides) = (kv, kv);
     // One random pool's worth of values, reused by every configuration.
     let rows = |ps: usize| (lens.iter().map(|l| l.div_ceil(ps)).sum::<usize>() + 8) * ps;
-    let most_rows = [16, 32, 64, 128].into_iter().map(rows).max().unwrap_or(0);
+    let most_rows = PAGE_SIZES.into_iter().map(rows).max().unwrap_or(0);
     let values: Vec<bf16> = reference::random_iter(2).take(most_rows * hkv * d).map(bf16::from_f64).collect();
     println!(
         "{:>5} {:>11} {:>9} {:>14} {:>18} {:>8} {:>14} {:>14} {:>8} {:>8}",
@@ -79,7 +83,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "ratio",
         "best"
     );
-    for page_size in [16, 32, 64, 128] {
+    for page_size in PAGE_SIZES {
         for order in [PageOrder::HeadMajor, PageOrder::TokenMajor] {
             let need: usize = lens.iter().map(|l| l.div_ceil(page_size)).sum();
             let pages = PageShape::new(need + 8, page_size, hkv, d, order)?;
@@ -125,6 +129,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 sdpa(&ctx, a, x, Backend::Fused)
             };
             let form = paged.fused_kernel(ctx.features(), false).name();
+            // With a knob-search budget (CUDNN_LLM_KNOB_SEARCH), cuDNN's plans are built tuned: their
+            // first run times the heuristics' candidates and the knobs around the fastest.
+            let tuning = ctx.tuning();
+            if tuning.knob_search > 0 {
+                for (what, a) in [("contiguous", contiguous), ("paged", paged)] {
+                    let a = a.normalized();
+                    let Some(form) = a.fused_kernel(ctx.features(), false).graph_form() else { continue };
+                    let plan = ctx.cache().get_or_build(&a.key(DataType::BF16, false), || {
+                        a.graph(DataType::BF16, false, form, ctx.features()).build_tuned(&ctx, tuning)
+                    })?;
+                    println!("{what} page {page_size}: cuDNN candidates {:?}", plan.candidates());
+                }
+            }
             let tag = format!("{page_size:>5} {:>11} {:>9}", order.name(), pages.num_pages);
             // Validate before timing: the same keys give the same outputs, on cuDNN's plans and on
             // the split-KV kernel, each against cuDNN's contiguous plan.
@@ -168,6 +185,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 }?;
                 Ok(median_call_ms(&ctx, 3, 21, 1, || Ok(graph.launch()?))? / CALLS as f64 * 1e3)
             };
+            if tuning.knob_search > 0 {
+                for (what, a) in [("contiguous", contiguous), ("paged", paged)] {
+                    let plan = a.plan(&ctx, DataType::BF16, false)?;
+                    println!("{what} page {page_size}: tuned {} ({:?})", plan.engine(), plan.timings());
+                }
+            }
             let contiguous_us = time(&mut || run_c(contiguous, &mut o_c))?;
             let paged_us = time(&mut || run_p(paged, &mut o_p))?;
             let split_c_us = time(&mut || run_c(split_c, &mut o_c))?;

@@ -20,12 +20,18 @@
 //! of page `table[b][t / page_size]` (the batch strides are then the pools' page strides); the rest is
 //! the same.
 //!
+//! From sm_80 on, head dims 64 and 128 take a tensor-core form of the same kernel: each warp takes
+//! tiles of 8 keys, S = QK^T by `mma.m16n8k16` (the group's query heads padded to 16 rows), the
+//! online softmax on the accumulator fragments, and O^T += V^T P^T by `mma.m16n8k8`; a tile's keys
+//! come through one page-table read when the page size is a multiple of 8.
+//!
 //! Measured on an H200 (cuDNN 9.19, `examples/06-decode-attention`, Llama-3.1-8B heads, replayed in
-//! a CUDA graph): 10.9 us at 545 keys and 15.9 us at 4096, against 8.3 and 9.2 us for cuDNN's padded
-//! graph (15.7 and 21.6 us before the programmatic launch and the parallel merge); as plain launches
-//! 11.0 against 17.1 us. In the whole 8B decode step cuDNN's graph is 0.07 ms faster, and at batch 64
-//! over 128-4096 keys (`examples/07-paged-decode`) cuDNN streams K/V at 3.9 TB/s against this kernel's
-//! 1.6; so the fused backend takes this kernel only where that graph is not there
+//! a CUDA graph, 2026-11-24): the tensor-core form takes 7.0-7.1 us at 545 keys and 10.5-10.7 us at
+//! 4096, against 8.4 and 9.1 us for cuDNN's padded graph (the CUDA-core form took 10.9 and 15.9);
+//! as plain launches 11.1 and 11.4 us against cuDNN's 22.8 and 23.4. In the whole 8B decode step it
+//! gains nothing over cuDNN's graph (4.161 against 4.133 ms), and at batch 64 over 128-4096 keys
+//! (`examples/07-paged-decode`) it takes 178 us contiguous and 193-196 us paged against cuDNN's 144
+//! and 149-158; so the fused backend takes this kernel only where that graph is not there
 //! ([`crate::Exec::set_decode_attention`] forces it, to compare).
 
 use super::{DeviceSeqLens, SdpaArgs, SdpaKernel, SdpaOperands};
@@ -52,6 +58,8 @@ const MIN_KEYS: usize = 32;
 const MAX_KEYS: usize = 512;
 /// Head dims the kernel reads: `d / 8` lanes per key, a power of two up to a warp.
 const HEAD_DIMS: [usize; 6] = [8, 16, 32, 64, 128, 256];
+/// Head dims of the tensor-core form (`sdpa_decode_mma_*`, compute capability 8.0 and later).
+const MMA_HEAD_DIMS: [usize; 2] = [64, 128];
 
 /// How a decode attention is spread over the GPU: fixed per shape and device, not per length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,19 +70,32 @@ pub(super) struct SplitKvLaunch {
     chunks: usize,
     /// CTAs over the keys of one (sequence, K/V head, chunk).
     splits: usize,
+    /// The tensor-core form (`sdpa_decode_mma_*`): a warp per tile of 8 keys through `mma.sync`,
+    /// where the GPU has it (sm_80+) and the head dim is one of [`MMA_HEAD_DIMS`].
+    mma: bool,
 }
 
 impl SplitKvLaunch {
     /// About [`CTAS_PER_SM`] split CTAs per SM and at least one split per [`MAX_KEYS`] keys of the
     /// capacity, but at most [`MAX_SPLITS`] splits and one per [`MIN_KEYS`] keys.
-    fn new(a: &SdpaArgs, sm_count: usize) -> Self {
+    fn new(a: &SdpaArgs, sm_count: usize, compute_capability: (i32, i32)) -> Self {
         let group = a.heads_q / a.heads_kv;
         let heads = group.min(MAX_HEADS).next_power_of_two();
         let chunks = group.div_ceil(heads);
         let ctas = a.batch.saturating_mul(a.heads_kv).saturating_mul(chunks);
         let want = (CTAS_PER_SM * sm_count.max(1)).div_ceil(ctas).max(a.seq_kv.div_ceil(MAX_KEYS));
         let splits = want.min(MAX_SPLITS).min(a.seq_kv.div_ceil(MIN_KEYS)).max(1);
-        SplitKvLaunch { heads, chunks, splits }
+        let mma = compute_capability.0 >= 8 && MMA_HEAD_DIMS.contains(&a.head_dim);
+        SplitKvLaunch { heads, chunks, splits, mma }
+    }
+
+    /// The kernel instance for `sfx` (`bf16` or `f16`).
+    fn kernel(&self, a: &SdpaArgs, sfx: &str) -> String {
+        if self.mma {
+            format!("sdpa_decode_mma_{sfx}_h{}_d{}", self.heads, a.head_dim)
+        } else {
+            format!("sdpa_decode_{sfx}_h{}", self.heads)
+        }
     }
 
     /// Elements of the f32 partials: the outputs (`rows · d`, rows = `b · h_q · splits`), then a
@@ -162,7 +183,8 @@ pub(super) fn split_kv<T: Element>(ctx: &Cudnn, a: SdpaArgs, x: SdpaOperands<'_,
         DataType::F16 => "f16",
         other => return Err(refused(format!("{other} I/O (it takes f16 and bf16)"))),
     };
-    let l = SplitKvLaunch::new(&a, ctx.info().sm_count);
+    let info = ctx.info();
+    let l = SplitKvLaunch::new(&a, info.sm_count, info.compute_capability);
     let (ml_at, total) = l.partials(&a)?;
     let groups = l.groups(&a)?;
     let ctas = checked::mul("sdpa split-KV: CTAs", groups, l.splits)?;
@@ -219,8 +241,9 @@ pub(super) fn split_kv<T: Element>(ctx: &Cudnn, a: SdpaArgs, x: SdpaOperands<'_,
         &[Arg::Ptr(tp), i(max_pages), i(page_size), i(num_pages)],
     ]
     .concat();
+
     // Programmatic: the kernel only prefetches before `pdl_wait` (decode.cu).
-    launch_programmatic(ctx, kernels, &format!("sdpa_decode_{sfx}_h{}", l.heads), cfg, &args)
+    launch_programmatic(ctx, kernels, &l.kernel(&a, sfx), cfg, &args)
 }
 
 #[cfg(test)]
@@ -242,40 +265,67 @@ mod tests {
         a
     }
 
+    const HOPPER: (i32, i32) = (9, 0);
+
     #[test]
     fn splits_fill_the_gpu_and_follow_the_capacity() {
         let a = llama_decode(1, 4096);
         // 8 K/V heads x 33 splits: 264 CTAs, 2 per SM of an H100.
-        assert_eq!(SplitKvLaunch::new(&a, 132), SplitKvLaunch { heads: 4, chunks: 1, splits: 33 });
-        assert_eq!(SplitKvLaunch::new(&llama_decode(3, 4096), 132).splits, 11);
+        assert_eq!(
+            SplitKvLaunch::new(&a, 132, HOPPER),
+            SplitKvLaunch { heads: 4, chunks: 1, splits: 33, mma: true }
+        );
+        assert_eq!(SplitKvLaunch::new(&llama_decode(3, 4096), 132, HOPPER).splits, 11);
         // A short cache is not cut finer than 32 keys a split; a huge batch takes one split.
-        assert_eq!(SplitKvLaunch::new(&llama_decode(1, 642), 132).splits, 21);
-        assert_eq!(SplitKvLaunch::new(&llama_decode(1, 20), 132).splits, 1);
+        assert_eq!(SplitKvLaunch::new(&llama_decode(1, 642), 132, HOPPER).splits, 21);
+        assert_eq!(SplitKvLaunch::new(&llama_decode(1, 20), 132, HOPPER).splits, 1);
         // A large batch fills the GPU with one split each, but a long cache is still cut every 512
         // keys of capacity.
-        assert_eq!(SplitKvLaunch::new(&llama_decode(64, 4096), 132).splits, 8);
-        assert_eq!(SplitKvLaunch::new(&llama_decode(64, 512), 132).splits, 1);
-        assert_eq!(SplitKvLaunch::new(&llama_decode(64, 513), 132).splits, 2);
+        assert_eq!(SplitKvLaunch::new(&llama_decode(64, 4096), 132, HOPPER).splits, 8);
+        assert_eq!(SplitKvLaunch::new(&llama_decode(64, 512), 132, HOPPER).splits, 1);
+        assert_eq!(SplitKvLaunch::new(&llama_decode(64, 513), 132, HOPPER).splits, 2);
         // Few K/V heads: at most 64 splits.
         let mqa = SdpaArgs { heads_kv: 1, ..a };
-        assert_eq!(SplitKvLaunch::new(&mqa, 132), SplitKvLaunch { heads: 8, chunks: 4, splits: 64 });
+        assert_eq!(
+            SplitKvLaunch::new(&mqa, 132, HOPPER),
+            SplitKvLaunch { heads: 8, chunks: 4, splits: 64, mma: true }
+        );
         let one = SdpaArgs { heads_q: 1, heads_kv: 1, ..a };
-        assert_eq!(SplitKvLaunch::new(&one, 132), SplitKvLaunch { heads: 1, chunks: 1, splits: 64 });
+        assert_eq!(
+            SplitKvLaunch::new(&one, 132, HOPPER),
+            SplitKvLaunch { heads: 1, chunks: 1, splits: 64, mma: true }
+        );
         // Groups round up to a kernel instance: 3 -> 4, 6 -> 8, 12 -> two chunks of 8.
         for (group, heads, chunks) in [(1, 1, 1), (2, 2, 1), (3, 4, 1), (6, 8, 1), (8, 8, 1), (12, 8, 2)] {
             let g = SdpaArgs { heads_q: 8 * group, ..a };
-            let l = SplitKvLaunch::new(&g, 132);
+            let l = SplitKvLaunch::new(&g, 132, HOPPER);
             assert_eq!((l.heads, l.chunks), (heads, chunks), "group {group}");
         }
         // The same launch for every length: it depends on the shape and the device alone.
-        assert_eq!(SplitKvLaunch::new(&a, 0).splits, 8);
-        let (ml_at, total) = SplitKvLaunch::new(&a, 132).partials(&a).unwrap();
+        assert_eq!(SplitKvLaunch::new(&a, 0, HOPPER).splits, 8);
+        let (ml_at, total) = SplitKvLaunch::new(&a, 132, HOPPER).partials(&a).unwrap();
         assert_eq!((ml_at, total), (32 * 33 * 128, 32 * 33 * 130));
         assert_eq!(ml_at % 4, 0, "the (max, sum) pairs start 16-byte aligned");
         // One counter per (sequence, K/V head, chunk): 8 here, 3 x 1 x 4 for a batch-3 MQA.
-        assert_eq!(SplitKvLaunch::new(&a, 132).groups(&a).unwrap(), 8);
+        assert_eq!(SplitKvLaunch::new(&a, 132, HOPPER).groups(&a).unwrap(), 8);
         let mqa3 = SdpaArgs { batch: 3, ..mqa };
-        assert_eq!(SplitKvLaunch::new(&mqa3, 132).groups(&mqa3).unwrap(), 12);
+        assert_eq!(SplitKvLaunch::new(&mqa3, 132, HOPPER).groups(&mqa3).unwrap(), 12);
+    }
+
+    #[test]
+    fn the_tensor_core_form_takes_head_dims_64_and_128_from_sm_80() {
+        let a = llama_decode(2, 642);
+        let kernel = |a: &SdpaArgs, cc| SplitKvLaunch::new(a, 132, cc).kernel(a, "bf16");
+        assert_eq!(kernel(&a, HOPPER), "sdpa_decode_mma_bf16_h4_d128");
+        assert_eq!(kernel(&a, (8, 0)), "sdpa_decode_mma_bf16_h4_d128");
+        assert_eq!(kernel(&a, (7, 5)), "sdpa_decode_bf16_h4");
+        let d64 = SdpaArgs { head_dim: 64, ..a };
+        assert_eq!(kernel(&d64, HOPPER), "sdpa_decode_mma_bf16_h4_d64");
+        for d in [8, 16, 32, 256] {
+            assert_eq!(kernel(&SdpaArgs { head_dim: d, ..a }, HOPPER), "sdpa_decode_bf16_h4", "head_dim {d}");
+        }
+        let mqa = SdpaArgs { heads_kv: 1, ..a };
+        assert_eq!(kernel(&mqa, HOPPER), "sdpa_decode_mma_bf16_h8_d128");
     }
 
     #[test]

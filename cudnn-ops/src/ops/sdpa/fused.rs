@@ -124,10 +124,11 @@ impl SdpaArgs {
                     SdpaKernel::Graph(SdpaForm::Unified)
                 }
             }
-            // Measured (H200, cuDNN 9.19, `examples/06-decode-attention`): cuDNN's one-plan padded
-            // graph takes 8.3 us per Llama-3.1-8B decode attention replayed in a CUDA graph, the
-            // split-KV kernel 10.9 us; so the kernel runs by itself only where that graph is not
-            // there: host lengths (a graph would be a plan per length) or cuDNN < 9.15.
+            // Measured (H200, cuDNN 9.19, `examples/06-decode-attention`): the split-KV kernel's
+            // tensor-core form beats cuDNN's one-plan padded graph at 545 keys replayed (7.1 vs
+            // 8.4 us) but not at 4096 (10.7 vs 9.1), nor in the whole 8B step or at batch 64; so the
+            // kernel runs by itself only where that graph is not there: host lengths (a graph would
+            // be a plan per length) or cuDNN < 9.15.
             None if a.split_kv_refusal(stats).is_none() && !(a.padded && features.sdpa_seq_lens()) => {
                 SdpaKernel::SplitKv
             }
