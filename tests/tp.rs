@@ -10,7 +10,7 @@ use cudnn_llm::cudnn_ops::reference::{compare, Tolerance};
 use cudnn_llm::cudnn_ops::Backend;
 use cudnn_llm::llama::nccl::NcclConfig;
 use cudnn_llm::llama::sampling::argmax;
-use cudnn_llm::llama::tp::{TpLlama, TpOptions, WeightSource};
+use cudnn_llm::llama::tp::{Rank, TpLlama, TpOptions, WeightSource};
 use cudnn_llm::llama::weights::Weights;
 use cudnn_llm::llama::{reference, Backends, Error, LlamaConfig, ModuleKind};
 use half::bf16;
@@ -295,35 +295,45 @@ fn communicators_with_cta_limits_all_reduce_exactly_as_the_default_ones() {
     }
 }
 
+/// One all-reduce of 1 Mi bf16 zeros on a rank's stream, waited for.
+fn all_reduce_once(r: &mut Rank<bf16>) -> cudnn_llm::llama::Result<()> {
+    let comm = r.model.comm().ok_or_else(|| Error::Tp("no communicator".into()))?;
+    let mut buf = r.ctx.stream().alloc_zeros::<bf16>(1 << 20).map_err(cudnn_llm::Error::from)?;
+    comm.all_reduce_sum(r.ctx.stream(), &mut buf)?;
+    Ok(r.ctx.synchronize()?)
+}
+
 #[test]
 #[ignore = "needs 2 CUDA GPUs and NCCL"]
 fn a_failing_or_silent_rank_ends_the_call_with_an_error_not_a_hang() {
     let cfg = LlamaConfig::tiny();
-    // Rank 1 fails before its all-reduce while rank 0 waits in one on the GPU.
-    let mut tp = team(&cfg, 2, 1, 16, TpOptions::default().with_timeout(Duration::from_secs(120)));
-    let t = Instant::now();
-    let e = tp
-        .each("injected failure", |r| {
-            if r.index == 1 {
-                return Err(Error::Tp("injected failure".into()));
-            }
-            let comm = r.model.comm().ok_or_else(|| Error::Tp("no communicator".into()))?;
-            let mut buf = r.ctx.stream().alloc_zeros::<bf16>(1 << 20).map_err(cudnn_llm::Error::from)?;
-            comm.all_reduce_sum(r.ctx.stream(), &mut buf)?;
-            Ok(r.ctx.synchronize()?)
-        })
-        .unwrap_err();
-    println!("failure: {e} after {:?}", t.elapsed());
-    assert!(matches!(&e, Error::Rank { rank: 1, .. }), "{e:?}");
-    assert!(t.elapsed() < Duration::from_secs(60), "took {:?}", t.elapsed());
-    let later = tp.forward(&tokens(1, 4, cfg.vocab, 1), &Backends::all(Backend::Fused)).unwrap_err();
-    assert!(
-        later.to_string().contains("torn down") && later.to_string().contains("injected failure"),
-        "{later}"
-    );
-    let t = Instant::now();
-    drop(tp);
-    println!("teardown after a failure: {:?}", t.elapsed());
+    // Rank 1 fails before its all-reduce, at once (the abort may come before rank 0 enqueues) and
+    // after a second (rank 0 is then in its all-reduce; with NCCL's runtime connection it would
+    // be blocked on the host there, which is what connecting at init prevents).
+    for delay in [Duration::ZERO, Duration::from_secs(1)] {
+        let mut tp = team(&cfg, 2, 1, 16, TpOptions::default().with_timeout(Duration::from_secs(120)));
+        let t = Instant::now();
+        let e = tp
+            .each("injected failure", move |r| {
+                if r.index == 1 {
+                    std::thread::sleep(delay);
+                    return Err(Error::Tp("injected failure".into()));
+                }
+                all_reduce_once(r)
+            })
+            .unwrap_err();
+        println!("failure after {delay:?}: {e} after {:?}", t.elapsed());
+        assert!(matches!(&e, Error::Rank { rank: 1, .. }), "{e:?}");
+        assert!(t.elapsed() < Duration::from_secs(60), "took {:?}", t.elapsed());
+        let later = tp.forward(&tokens(1, 4, cfg.vocab, 1), &Backends::all(Backend::Fused)).unwrap_err();
+        assert!(
+            later.to_string().contains("torn down") && later.to_string().contains("injected failure"),
+            "{later}"
+        );
+        let t = Instant::now();
+        drop(tp);
+        println!("teardown after a failure: {:?}", t.elapsed());
+    }
 
     // Rank 1 stays silent past the timeout while rank 0 waits in an all-reduce.
     let mut tp = team(&cfg, 2, 1, 16, TpOptions::default().with_timeout(Duration::from_secs(5)));
@@ -333,10 +343,7 @@ fn a_failing_or_silent_rank_ends_the_call_with_an_error_not_a_hang() {
             if r.index == 1 {
                 std::thread::sleep(Duration::from_secs(8));
             }
-            let comm = r.model.comm().ok_or_else(|| Error::Tp("no communicator".into()))?;
-            let mut buf = r.ctx.stream().alloc_zeros::<bf16>(1 << 20).map_err(cudnn_llm::Error::from)?;
-            comm.all_reduce_sum(r.ctx.stream(), &mut buf)?;
-            Ok(r.ctx.synchronize()?)
+            all_reduce_once(r)
         })
         .unwrap_err();
     println!("timeout: {e} after {:?}", t.elapsed());

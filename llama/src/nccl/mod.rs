@@ -37,6 +37,15 @@
 //! not allow (a program using them can put a host's shared GPUs out of service), and a two-GPU
 //! all-reduce of a decoder's activations gains little from them. The variable is set before NCCL's
 //! first communicator reads it; set it yourself before starting threads that read the environment.
+//!
+//! **Connections are made at init.** NCCL 2.22+ connects a communicator's peers at its first
+//! collective by default (`NCCL_RUNTIME_CONNECT=1`), and that connect blocks the calling thread until
+//! the peers call a collective too. A rank that fails before its first collective then leaves the
+//! others blocked inside `ncclAllReduce` on the host, where no abort reaches them: seen here as a
+//! tear-down test that hung in about one run in three. So [`Comm::init_all`] sets
+//! `NCCL_RUNTIME_CONNECT=0` when it is unset (`ncclCommInitAll` connects every rank before it
+//! returns; enqueueing a collective then never waits for a peer, only its kernel does, which an abort
+//! ends) and refuses any other value ([`NcclError::LazyConnect`]).
 
 mod raw;
 
@@ -278,6 +287,10 @@ fn tuning_env(
 /// NCCL's switch for NVLink SHARP multicast, which stays `0` (see the module docs).
 pub const MULTICAST_ENV: &str = "NCCL_NVLS_ENABLE";
 
+/// NCCL's switch for connecting peers at the first collective instead of at init, which stays `0`
+/// (see the module docs).
+pub const RUNTIME_CONNECT_ENV: &str = "NCCL_RUNTIME_CONNECT";
+
 /// A place the loader tried, and why it failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Candidate {
@@ -324,6 +337,17 @@ pub enum NcclError {
          shared GPUs out of service); unset it or set it to 0"
     )]
     Multicast {
+        /// The variable's value.
+        value: String,
+    },
+    /// `NCCL_RUNTIME_CONNECT` asks for connections at the first collective, where a failed rank
+    /// would leave the others blocked on the host.
+    #[error(
+        "{RUNTIME_CONNECT_ENV}={value}: connections are made at init here (with runtime connection a rank \
+         that fails before its first collective leaves the others blocked in it, out of an abort's reach); \
+         unset it or set it to 0"
+    )]
+    LazyConnect {
         /// The variable's value.
         value: String,
     },
@@ -377,16 +401,29 @@ pub fn library() -> Result<(u32, String), NcclError> {
     Ok((lib.version, lib.library.clone()))
 }
 
-/// Keeps NVLink multicast off before NCCL reads its environment (see the module docs).
-fn multicast_off() -> Result<(), NcclError> {
-    match std::env::var_os(MULTICAST_ENV) {
-        Some(v) if v == "0" => Ok(()),
-        Some(v) => Err(NcclError::Multicast { value: v.to_string_lossy().into_owned() }),
-        None => {
-            std::env::set_var(MULTICAST_ENV, "0");
-            Ok(())
+/// Keeps NVLink multicast off and connections at init before NCCL reads its environment (see the
+/// module docs).
+fn fixed_env() -> Result<(), NcclError> {
+    let current = |name: &str| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned());
+    for name in fixed_env_to_set(current)? {
+        std::env::set_var(name, "0");
+    }
+    Ok(())
+}
+
+/// The variables [`fixed_env`] sets to `0` (those unset), or the error for one set otherwise;
+/// `current` reads the environment, so the policy is testable without NCCL.
+fn fixed_env_to_set(current: impl Fn(&str) -> Option<String>) -> Result<Vec<&'static str>, NcclError> {
+    let mut unset = Vec::new();
+    for name in [MULTICAST_ENV, RUNTIME_CONNECT_ENV] {
+        match current(name) {
+            None => unset.push(name),
+            Some(v) if v == "0" => {}
+            Some(value) if name == MULTICAST_ENV => return Err(NcclError::Multicast { value }),
+            Some(value) => return Err(NcclError::LazyConnect { value }),
         }
     }
+    Ok(unset)
 }
 
 /// A communicator's handle while it lives, or why it is gone.
@@ -491,7 +528,8 @@ impl Comm {
     /// One communicator per device of `devices`, rank i on GPU `devices[i]`, created together from
     /// this one thread: `ncclCommInitAll` for the default `config`, else one group of
     /// `ncclCommInitRankConfig` calls with its attributes. Checks `config`
-    /// ([`NcclConfig::validate`]), keeps NVLink multicast off ([`NcclError::Multicast`] if the
+    /// ([`NcclConfig::validate`]), keeps NVLink multicast off and connections at init
+    /// ([`NcclError::Multicast`], [`NcclError::LazyConnect`] if the
     /// environment asks for it), then opens NCCL. Devices must be distinct and present; NCCL reports
     /// otherwise.
     pub fn init_all(devices: &[usize], config: &NcclConfig) -> Result<Vec<Comm>, NcclError> {
@@ -510,7 +548,7 @@ impl Comm {
             .collect::<Result<Vec<_>, _>>()
             .map_err(|_| NcclError::Argument(format!("devices {devices:?} do not fit an int")))?;
         config.validate()?;
-        multicast_off()?;
+        fixed_env()?;
         let lib = raw::load()?;
         COMMS_MADE.store(true, Ordering::SeqCst);
         let raws: Vec<(raw::RawComm, Option<_>)> = if config.is_default() {
@@ -751,6 +789,23 @@ mod tests {
         assert_eq!(
             e.to_string(),
             "NCCL NCCL_PROTO: is LL in the environment; refusing to replace it with Simple"
+        );
+    }
+
+    #[test]
+    fn multicast_stays_off_and_connections_are_made_at_init() {
+        let unset = |_: &str| None;
+        assert_eq!(fixed_env_to_set(unset).unwrap(), [MULTICAST_ENV, RUNTIME_CONNECT_ENV]);
+        let zeros = |_: &str| Some("0".to_string());
+        assert!(fixed_env_to_set(zeros).unwrap().is_empty());
+        let one = |set: &'static str| move |name: &str| Some(if name == set { "1" } else { "0" }.to_string());
+        let e = fixed_env_to_set(one(MULTICAST_ENV)).unwrap_err();
+        assert_eq!(e, NcclError::Multicast { value: "1".into() });
+        let e = fixed_env_to_set(one(RUNTIME_CONNECT_ENV)).unwrap_err();
+        assert_eq!(e, NcclError::LazyConnect { value: "1".into() });
+        assert!(
+            e.to_string().starts_with("NCCL_RUNTIME_CONNECT=1: connections are made at init here"),
+            "{e}"
         );
     }
 
