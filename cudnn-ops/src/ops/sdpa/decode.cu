@@ -126,21 +126,21 @@ __device__ __forceinline__ void decode_prefetch(const DecodeCta& x, const int* l
     pdl_wait();
 }
 
-// The end of a split CTA: `sources` partial softmaxes per query head in shared memory (source g, head
+// The end of a split CTA: `groups` partial softmaxes per query head in shared memory (source g, head
 // j: max sm_m[g * NH + j], sum sm_l[g * NH + j], unnormalized output sm_acc[(g * NH + j) * dim ..]) are
 // merged into the CTA's f32 partial (row (b * heads_q + h0 + j) * splits + split of part_acc and
 // part_ml); the last CTA of the group to count itself done merges the splits' partials into O.
 // `sm_w` (NH * DECODE_MAX_SPLITS floats; it may be sm_m, read before the barrier) holds the split
 // weights of that merge.
 template <bool BF16, int NH>
-__device__ __forceinline__ void decode_finish(int sources, const float* sm_m, const float* sm_l,
+__device__ __forceinline__ void decode_finish(int groups, const float* sm_m, const float* sm_l,
                                               const float* sm_acc, float* sm_w, float* sm_scale, int* sm_last,
                                               long b, long h0, int nh, long heads_q, long dim, long split,
                                               long splits, long group_id, long len, long per,
                                               float* __restrict__ part_acc, float* __restrict__ part_ml,
                                               int* __restrict__ counters, bits16* __restrict__ o, long o_b,
                                               long o_h) {
-    const int d = (int)dim, groups = sources;
+    const int d = (int)dim;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     __syncthreads();
     for (int i = threadIdx.x; i < nh * d; i += blockDim.x) {
@@ -608,7 +608,7 @@ __device__ __forceinline__ void decode_attention_mma(const bits16* __restrict__ 
 }
 
 #define SDPA_DECODE_MMA(sfx, BF16, NH, D)                                                               \
-extern "C" __global__ void __launch_bounds__(DECODE_WARPS * 32, DECODE_MMA_CTAS)                                          \
+extern "C" __global__ void __launch_bounds__(DECODE_WARPS * 32, DECODE_MMA_CTAS)                        \
 sdpa_decode_mma_##sfx##_h##NH##_d##D(const bits16* q, const bits16* k, const bits16* v, long q_b,       \
                                      long q_h, long k_b, long k_h, long k_s, long v_b, long v_h,        \
                                      long v_s, const int* lens, long cap, long dim, long heads_kv,      \

@@ -241,7 +241,6 @@ pub(super) fn split_kv<T: Element>(ctx: &Cudnn, a: SdpaArgs, x: SdpaOperands<'_,
         &[Arg::Ptr(tp), i(max_pages), i(page_size), i(num_pages)],
     ]
     .concat();
-
     // Programmatic: the kernel only prefetches before `pdl_wait` (decode.cu).
     launch_programmatic(ctx, kernels, &l.kernel(&a, sfx), cfg, &args)
 }
