@@ -6,8 +6,10 @@
 //! - the prefill forward of `--batch` × `--prompt` tokens (median of `--reps`, after the first
 //!   forward, which builds and tunes the plans, and `--warmup` more);
 //! - a decode step (one token per sequence, its logits all-gathered): `--steps` plain launches and
-//!   `--steps` replays of the captured CUDA graph, and the graph replay's wall time from the caller
-//!   (host logits included);
+//!   `--steps` replays of the captured CUDA graph, each timed alone, the graph replay's wall time
+//!   from the caller (host logits included), and `--steps` replays enqueued back to back and timed
+//!   together (`chain`: a generation loop that does not wait for each step; the ranks' launch skew,
+//!   which a step timed alone includes, counts once);
 //! - one all-reduce of a decode step's `[batch, hidden]` and of the prefill's `[batch·prompt, hidden]`;
 //! - the device copy bandwidth, for the per-rank memory floor of a decode step (the bytes one rank
 //!   reads, [`ShardPlan::decode_roofline`]) and that floor plus the step's 2 all-reduces per layer.
@@ -198,10 +200,13 @@ struct Row {
     prefill_efficiency: Option<f64>,
     decode_graph_ms: f64,
     decode_wall_ms: f64,
+    /// Per step of `--steps` replays enqueued back to back and timed together (the slowest rank).
+    decode_chain_ms: f64,
     decode_plain_ms: f64,
     decode_tokens_per_s: f64,
     decode_speedup: Option<f64>,
     decode_efficiency: Option<f64>,
+    decode_chain_speedup: Option<f64>,
     allreduce_decode_us: f64,
     allreduce_prefill_us: f64,
     copy_gbps: f64,
@@ -305,7 +310,7 @@ fn main() -> ExitCode {
     }
     scale(&mut rows);
     println!(
-        "\n{:>5} {:>11} {:>9} {:>11} {:>11} {:>9} {:>11} {:>9} {:>10} {:>9} {:>9}",
+        "\n{:>5} {:>11} {:>9} {:>11} {:>11} {:>9} {:>11} {:>9} {:>9} {:>9} {:>10} {:>9} {:>9}",
         "ranks",
         "prefill ms",
         "speedup",
@@ -313,6 +318,8 @@ fn main() -> ExitCode {
         "decode ms",
         "speedup",
         "efficiency",
+        "chain ms",
+        "speedup",
         "wall ms",
         "allred us",
         "roof %",
@@ -320,7 +327,7 @@ fn main() -> ExitCode {
     );
     for r in &rows {
         println!(
-            "{:>5} {:>11.3} {:>9} {:>11} {:>11.4} {:>9} {:>11} {:>9.4} {:>10.1} {:>8.1}% {:>8.1}%{}",
+            "{:>5} {:>11.3} {:>9} {:>11} {:>11.4} {:>9} {:>11} {:>9.4} {:>9} {:>9.4} {:>10.1} {:>8.1}% {:>8.1}%{}",
             r.ranks,
             r.prefill_ms,
             times(r.prefill_speedup),
@@ -328,6 +335,8 @@ fn main() -> ExitCode {
             r.decode_graph_ms,
             times(r.decode_speedup),
             percent(r.decode_efficiency),
+            r.decode_chain_ms,
+            times(r.decode_chain_speedup),
             r.decode_wall_ms,
             r.allreduce_decode_us,
             r.roofline_pct,
@@ -353,6 +362,7 @@ fn scale(rows: &mut [Row]) {
         r.prefill_efficiency = Some(prefill / r.ranks as f64);
         r.decode_speedup = Some(decode);
         r.decode_efficiency = Some(decode / r.ranks as f64);
+        r.decode_chain_speedup = Some(one.decode_chain_ms / r.decode_chain_ms);
     }
 }
 
@@ -379,8 +389,9 @@ fn measure(
     row: &mut Row,
 ) -> Result<(), Error> {
     let (ranks, batch, prompt, steps) = (row.ranks, opts.batch, opts.prompt, opts.steps);
-    // The prompt, a warm-up step, `steps` plain steps, `steps` replays and up to 8 timed from the caller.
-    let max_seq = prompt + 2 * steps + 10;
+    // The prompt, a warm-up step, `steps` plain steps, `steps` replays, up to 8 timed from the caller
+    // and `steps` back to back.
+    let max_seq = prompt + 3 * steps + 10;
     let t = Instant::now();
     let options = TpOptions::default()
         .with_timeout(Duration::from_secs(opts.timeout))
@@ -443,21 +454,9 @@ fn measure(
     let plain: Vec<f64> = (1..=steps).map(|s| plain_step(&mut tp, s)).collect::<Result<_, _>>()?;
     row.decode_plain_ms = median(plain);
     tp.capture_decode(backends)?;
-    let mut graph = Vec::new();
-    for s in 0..steps {
-        let ids = Arc::new(step_ids(s));
-        graph.push(slowest(tp.each("decode replay", move |r| {
-            let ((), ms) = r.timed(|r| {
-                let Rank { graph, cache, model, ctx, .. } = r;
-                let (graph, cache) = graph
-                    .as_mut()
-                    .zip(cache.as_mut())
-                    .ok_or_else(|| cudnn_llm_llama::Error::Tp("no captured step".into()))?;
-                model.decode(ctx, graph, &ids, cache).map(drop)
-            })?;
-            Ok(ms)
-        })?));
-    }
+    let graph: Vec<f64> = (0..steps)
+        .map(|s| replays_ms(&mut tp, "decode replay", vec![step_ids(s)]))
+        .collect::<Result<_, _>>()?;
     row.decode_graph_ms = median(graph);
     let mut wall = Vec::new();
     for s in 0..steps.min(8) {
@@ -466,10 +465,19 @@ fn measure(
         wall.push(t.elapsed().as_secs_f64() * 1e3);
     }
     row.decode_wall_ms = median(wall);
+    // `steps` replays enqueued back to back in one job per rank and timed together, as a generation
+    // loop that does not wait for each step runs them: the ranks' launch skew counts once, not per
+    // step.
+    row.decode_chain_ms = replays_ms(&mut tp, "decode chain", (0..steps).map(step_ids).collect())?;
     row.decode_tokens_per_s = batch as f64 / (row.decode_graph_ms * 1e-3);
     println!(
-        "decode step (batch {batch}): graph {:.4} ms, plain {:.4} ms, wall {:.4} ms ({:.1} tokens/s)",
-        row.decode_graph_ms, row.decode_plain_ms, row.decode_wall_ms, row.decode_tokens_per_s
+        "decode step (batch {batch}): graph {:.4} ms, {steps} back to back {:.4} ms, plain {:.4} ms, wall {:.4} ms \
+         ({:.1} tokens/s)",
+        row.decode_graph_ms,
+        row.decode_chain_ms,
+        row.decode_plain_ms,
+        row.decode_wall_ms,
+        row.decode_tokens_per_s
     );
 
     // The all-reduces alone, at a decode step's and a prefill's size.
@@ -505,6 +513,23 @@ fn measure(
         row.roofline_with_allreduce_pct
     );
     Ok(())
+}
+
+/// Milliseconds per step of replaying the captured decode step once per entry of `steps` (one id per
+/// sequence each), enqueued back to back in one job per rank and timed together; the slowest rank's.
+fn replays_ms(tp: &mut TpLlama<bf16>, what: &'static str, steps: Vec<Vec<u32>>) -> Result<f64, Error> {
+    let n = steps.len() as f64;
+    Ok(slowest(tp.each(what, move |r| {
+        let ((), ms) = r.timed(|r| {
+            let Rank { graph, cache, model, ctx, .. } = r;
+            let (graph, cache) = graph
+                .as_mut()
+                .zip(cache.as_mut())
+                .ok_or_else(|| cudnn_llm_llama::Error::Tp("no captured step".into()))?;
+            steps.iter().try_for_each(|ids| model.decode(ctx, graph, ids, cache).map(drop))
+        })?;
+        Ok(ms / n)
+    })?))
 }
 
 /// Microseconds per in-place bf16 sum all-reduce of each size of `sizes` (elements), the slowest
