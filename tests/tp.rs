@@ -12,8 +12,9 @@ use cudnn_llm::llama::nccl::NcclConfig;
 use cudnn_llm::llama::sampling::argmax;
 use cudnn_llm::llama::tp::{Rank, TpLlama, TpOptions, WeightSource};
 use cudnn_llm::llama::weights::Weights;
-use cudnn_llm::llama::{reference, Backends, Error, LlamaConfig, ModuleKind};
+use cudnn_llm::llama::{reference, Backends, Error, LlamaConfig, ModuleKind, NoObserver};
 use half::bf16;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Logits of the same bf16 weights on two ranks against one GPU: the ranks round their partial sums
@@ -236,6 +237,81 @@ fn all_reduce_and_all_gather_across_two_gpus() {
             [10.0, 10.0, 10.0, 10.0, 20.0, 20.0, 20.0, 20.0]
         );
         println!("rank {rank}: all-reduce and all-gather exact");
+    }
+}
+
+/// Replayed decode graphs followed at once by a plain step, all enqueued by one job per rank without
+/// a host wait: the plain step's collectives must wait for the replays (NCCL's condition with graph
+/// mixing support off, `Comm::graph_launched`), and its logits equal those of the same calls with the
+/// host waiting for each replay's logits. Also: a rank refuses a paged cache (paged steps do not sum
+/// over the ranks).
+#[test]
+#[ignore = "needs 2 CUDA GPUs and NCCL"]
+fn plain_collectives_right_after_graph_replays_wait_for_them() {
+    let cfg = LlamaConfig::tiny();
+    let (batch, len, replays) = (2, 9, 6);
+    let prompt = tokens(batch, len, cfg.vocab, 5);
+    let step =
+        |s: usize| -> Vec<u32> { (0..batch).map(|b| ((31 * s + 7 * b + 1) % cfg.vocab) as u32).collect() };
+    let fused = Backends::all(Backend::Fused);
+    let mut tp = team(&cfg, 2, 7, len + replays + 4, TpOptions::default());
+    // Prefill, one plain step (plans), the capture: the same start for both orders.
+    let start = |tp: &mut TpLlama<bf16>| {
+        tp.reset_cache(batch, len + replays + 4).unwrap();
+        tp.forward(&prompt, &fused).unwrap();
+        tp.forward(&step(0).iter().map(|&t| vec![t]).collect::<Vec<_>>(), &fused).unwrap();
+        tp.logits(0..batch, &fused).unwrap();
+        tp.capture_decode(&fused).unwrap();
+    };
+    // Each rank's gathered logits of the plain step after the replays, as laid out on the rank.
+    let after = |tp: &mut TpLlama<bf16>, wait: bool| -> Vec<Vec<f32>> {
+        if wait {
+            for s in 1..=replays {
+                tp.decode(&step(s)).unwrap(); // host logits: the host waits for each replay
+            }
+        }
+        let (steps, last) = (Arc::new((1..=replays).map(step).collect::<Vec<_>>()), step(replays + 1));
+        let fused = fused.clone();
+        tp.each("replays, then a plain step", move |r| {
+            let Rank { graph, cache, model, ctx, .. } = r;
+            let (graph, cache) =
+                graph.as_mut().zip(cache.as_mut()).ok_or_else(|| Error::Tp("no graph".into()))?;
+            if !wait {
+                for ids in steps.iter() {
+                    model.decode(ctx, graph, ids, cache)?; // device logits: nothing waits
+                }
+            }
+            let one: Vec<Vec<u32>> = last.iter().map(|&t| vec![t]).collect();
+            model.forward(ctx, &one, cache, &fused, &mut NoObserver)?;
+            let logits = model.logits_rows(ctx, 0..one.len(), &fused, &mut NoObserver)?;
+            let host = ctx.stream().clone_dtoh(&logits).map_err(cudnn_llm::Error::from)?;
+            Ok(host.iter().map(|v| v.to_f32()).collect())
+        })
+        .unwrap()
+    };
+    start(&mut tp);
+    let waited = after(&mut tp, true);
+    start(&mut tp);
+    let queued = after(&mut tp, false);
+    for (rank, (w, q)) in waited.iter().zip(&queued).enumerate() {
+        assert!(w.iter().all(|v| v.is_finite()), "rank {rank}: non-finite logits");
+        assert_eq!(
+            w, q,
+            "rank {rank}: the plain step after queued replays differs from the one after waited replays"
+        );
+        println!(
+            "rank {rank}: the plain step after {replays} queued replays equals the one after waited replays"
+        );
+    }
+    let refused = tp
+        .each("paged cache", |r| {
+            let order = cudnn_llm::cudnn_ops::PageOrder::TokenMajor;
+            Ok(r.model.paged_cache(&r.ctx, 1, 16, 16, 4, order).err().map(|e| e.to_string()))
+        })
+        .unwrap();
+    for (rank, e) in refused.iter().enumerate() {
+        let e = e.as_deref().unwrap_or_else(|| panic!("rank {rank} made a paged cache"));
+        assert!(e.contains("paged caches run on one GPU"), "rank {rank}: {e}");
     }
 }
 

@@ -584,6 +584,9 @@ impl<T: Element> Llama<T> {
     /// Launches `graph` (ids and positions uploaded) and counts its token in `cache`.
     fn replay(&mut self, ctx: &Cudnn, graph: &mut DecodeGraph<T>, cache: &mut KvCache<T>) -> Result<()> {
         graph.graph.launch().map_err(cudnn_llm_ops::Error::from)?;
+        if let Some(comm) = &self.comm {
+            comm.graph_launched(ctx.stream())?;
+        }
         // The replay records no events: mark what it writes as written on this stream, so another
         // stream that reads them is ordered after the replay.
         drop(graph.logits.device_ptr_mut(ctx.stream()));
@@ -628,7 +631,9 @@ impl<T: Element> Llama<T> {
     /// # Safety
     ///
     /// As [`Cudnn::capture`]: no other thread uses buffers or streams of `ctx`'s CUDA context while
-    /// this runs.
+    /// this runs. On a tensor-parallel rank the graph holds the rank's collectives: tell its
+    /// communicator after each launch ([`Comm::graph_launched`] on [`Llama::comm`]), as NCCL's
+    /// condition for graphs requires (`crate::nccl`'s docs).
     pub unsafe fn capture(
         &mut self,
         ctx: &Cudnn,

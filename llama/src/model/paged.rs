@@ -94,7 +94,8 @@ impl<T: Element> Llama<T> {
     /// An empty paged cache for this model: per layer a K and a V pool of `num_pages` pages of
     /// `page_size` positions stored in `order`, and a page table of `max_batch` rows (the most
     /// sequences of one step) of enough pages for `max_seq` positions each (rounded up to whole pages;
-    /// at most the model's RoPE positions).
+    /// at most the model's RoPE positions). An [`Error::Tp`] on a tensor-parallel rank (paged steps
+    /// run on one GPU).
     pub fn paged_cache(
         &self,
         ctx: &Cudnn,
@@ -104,6 +105,13 @@ impl<T: Element> Llama<T> {
         num_pages: usize,
         order: PageOrder,
     ) -> Result<PagedCache<T>> {
+        if self.comm.is_some() {
+            return Err(Error::Tp(
+                "paged caches run on one GPU: a paged step does not sum a tensor-parallel rank's partial \
+                 results over the ranks"
+                    .into(),
+            ));
+        }
         let c = &self.cfg;
         let pages = PageShape::new(num_pages, page_size, c.kv_heads, c.head_dim, order)?;
         let shape = PagedKvShape::new(c.layers, max_batch, max_seq, pages)?;
