@@ -105,13 +105,7 @@ impl<T: Element> Llama<T> {
         num_pages: usize,
         order: PageOrder,
     ) -> Result<PagedCache<T>> {
-        if self.comm.is_some() {
-            return Err(Error::Tp(
-                "paged caches run on one GPU: a paged step does not sum a tensor-parallel rank's partial \
-                 results over the ranks"
-                    .into(),
-            ));
-        }
+        self.one_gpu()?;
         let c = &self.cfg;
         let pages = PageShape::new(num_pages, page_size, c.kv_heads, c.head_dim, order)?;
         let shape = PagedKvShape::new(c.layers, max_batch, max_seq, pages)?;
@@ -255,8 +249,10 @@ impl<T: Element> Llama<T> {
         self.holds(ctx, graph.acts_id, graph.epoch)
     }
 
-    /// The step begun on `cache`, checked against the model (`what` names the call in errors).
+    /// The step begun on `cache`, checked against the model (on one GPU, of the cache's shapes; `what`
+    /// names the call in errors).
     fn paged_step(&self, cache: &PagedCache<T>, what: &str) -> Result<(usize, usize)> {
+        self.one_gpu()?;
         let shape = cache.shape();
         let c = &self.cfg;
         if (shape.layers, shape.pages.heads_kv, shape.pages.head_dim) != (c.layers, c.kv_heads, c.head_dim) {
@@ -280,6 +276,19 @@ impl<T: Element> Llama<T> {
         acts.last = n;
         ctx.stream().memcpy_htod(ids, &mut acts.ids.slice_mut(..n)).map_err(cudnn_llm_ops::Error::from)?;
         Ok(())
+    }
+
+    /// An [`Error::Tp`] on a tensor-parallel rank: paged steps run on one GPU (they do not sum a
+    /// rank's partial results over the ranks).
+    fn one_gpu(&self) -> Result<()> {
+        match self.comm {
+            None => Ok(()),
+            Some(_) => Err(Error::Tp(
+                "paged caches run on one GPU: a paged step does not sum a tensor-parallel rank's partial \
+                 results over the ranks"
+                    .into(),
+            )),
+        }
     }
 
     /// The forward body over ids already uploaded (launches only, so it can be captured).
