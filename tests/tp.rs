@@ -249,7 +249,8 @@ fn all_reduce_and_all_gather_across_two_gpus() {
 #[ignore = "needs 2 CUDA GPUs and NCCL"]
 fn plain_collectives_right_after_graph_replays_wait_for_them() {
     let cfg = LlamaConfig::tiny();
-    let (batch, len, replays) = (2, 9, 6);
+    // Enough replays that the host reaches the plain step's first collective long before they end.
+    let (batch, len, replays) = (2, 9, 24);
     let prompt = tokens(batch, len, cfg.vocab, 5);
     let step =
         |s: usize| -> Vec<u32> { (0..batch).map(|b| ((31 * s + 7 * b + 1) % cfg.vocab) as u32).collect() };
@@ -263,8 +264,9 @@ fn plain_collectives_right_after_graph_replays_wait_for_them() {
         tp.logits(0..batch, &fused).unwrap();
         tp.capture_decode(&fused).unwrap();
     };
-    // Each rank's gathered logits of the plain step after the replays, as laid out on the rank.
-    let after = |tp: &mut TpLlama<bf16>, wait: bool| -> Vec<Vec<f32>> {
+    // Each rank's gathered logits of the plain step after the replays, as laid out on the rank, and
+    // whether the replays had run when the plain step's enqueue returned to the host.
+    let after = |tp: &mut TpLlama<bf16>, wait: bool| -> Vec<(Vec<f32>, bool)> {
         if wait {
             for s in 1..=replays {
                 tp.decode(&step(s)).unwrap(); // host logits: the host waits for each replay
@@ -281,19 +283,28 @@ fn plain_collectives_right_after_graph_replays_wait_for_them() {
                     model.decode(ctx, graph, ids, cache)?; // device logits: nothing waits
                 }
             }
+            let replayed = ctx.stream().record_event(None).map_err(cudnn_llm::Error::from)?;
             let one: Vec<Vec<u32>> = last.iter().map(|&t| vec![t]).collect();
             model.forward(ctx, &one, cache, &fused, &mut NoObserver)?;
+            let ran = replayed.is_complete();
             let logits = model.logits_rows(ctx, 0..one.len(), &fused, &mut NoObserver)?;
             let host = ctx.stream().clone_dtoh(&logits).map_err(cudnn_llm::Error::from)?;
-            Ok(host.iter().map(|v| v.to_f32()).collect())
+            Ok((host.iter().map(|v| v.to_f32()).collect(), ran))
         })
         .unwrap()
     };
+    // The library turns NCCL's graph mixing support off unless the environment says otherwise.
+    let mixing = std::env::var("NCCL_GRAPH_MIXING_SUPPORT");
+    assert_eq!(mixing.as_deref(), Ok("0"), "this test needs NCCL_GRAPH_MIXING_SUPPORT unset or 0");
     start(&mut tp);
     let waited = after(&mut tp, true);
     start(&mut tp);
     let queued = after(&mut tp, false);
-    for (rank, (w, q)) in waited.iter().zip(&queued).enumerate() {
+    for (rank, ((w, _), (q, ran))) in waited.iter().zip(&queued).enumerate() {
+        assert!(
+            ran,
+            "rank {rank}: the plain step's collectives were enqueued before the queued replays had run"
+        );
         assert!(w.iter().all(|v| v.is_finite()), "rank {rank}: non-finite logits");
         assert_eq!(
             w, q,

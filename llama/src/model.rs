@@ -584,9 +584,6 @@ impl<T: Element> Llama<T> {
     /// Launches `graph` (ids and positions uploaded) and counts its token in `cache`.
     fn replay(&mut self, ctx: &Cudnn, graph: &mut DecodeGraph<T>, cache: &mut KvCache<T>) -> Result<()> {
         graph.graph.launch().map_err(cudnn_llm_ops::Error::from)?;
-        if let Some(comm) = &self.comm {
-            comm.graph_launched(ctx.stream())?;
-        }
         // The replay records no events: mark what it writes as written on this stream, so another
         // stream that reads them is ordered after the replay.
         drop(graph.logits.device_ptr_mut(ctx.stream()));
@@ -596,6 +593,10 @@ impl<T: Element> Llama<T> {
         }
         self.chain = graph.picks.as_ref().map(|_| graph.serial);
         cache.len += 1;
+        // Last, so that the bookkeeping above holds whatever this returns: the launch ran.
+        if let Some(comm) = &self.comm {
+            comm.graph_launched(ctx.stream())?;
+        }
         Ok(())
     }
 
@@ -631,9 +632,9 @@ impl<T: Element> Llama<T> {
     /// # Safety
     ///
     /// As [`Cudnn::capture`]: no other thread uses buffers or streams of `ctx`'s CUDA context while
-    /// this runs. On a tensor-parallel rank the graph holds the rank's collectives: tell its
-    /// communicator after each launch ([`Comm::graph_launched`] on [`Llama::comm`]), as NCCL's
-    /// condition for graphs requires (`crate::nccl`'s docs).
+    /// this runs. An [`Error::Tp`] on a tensor-parallel rank, whose graphs must tell the
+    /// communicator of each launch ([`Comm::graph_launched`]): capture its decode steps with
+    /// [`Llama::capture_decode`], whose replays do.
     pub unsafe fn capture(
         &mut self,
         ctx: &Cudnn,
@@ -641,6 +642,13 @@ impl<T: Element> Llama<T> {
         cache: &mut KvCache<T>,
         backends: &Backends,
     ) -> Result<cudnn_llm_ops::cudarc::driver::CudaGraph> {
+        if self.comm.is_some() {
+            return Err(Error::Tp(
+                "capture: a tensor-parallel rank captures its decode steps (capture_decode), whose replays \
+                 tell its communicator of each launch"
+                    .into(),
+            ));
+        }
         backends.check_layers(self.cfg.layers)?;
         let (batch, seq) = self.upload(ctx, tokens, cache)?;
         // SAFETY: the caller's promise (this function's contract is `Cudnn::capture`'s).

@@ -645,8 +645,8 @@ impl Comm {
     }
 
     /// Before a collective on `stream`: outside a capture, waits for the last graph launch that
-    /// [`Comm::graph_launched`] recorded (not holding the communicator's lock, so an abort can end
-    /// the graph's collectives meanwhile).
+    /// [`Comm::graph_launched`] recorded, if the communicator still lives (not holding its lock, so
+    /// an abort can end the graph's collectives meanwhile).
     fn after_graphs(&self, stream: &CudaStream) -> Result<(), NcclError> {
         let cuda = |what: &str, e: cudarc::driver::DriverError| {
             NcclError::Cuda(format!("rank {}: {what} before a collective: {e}", self.rank()))
@@ -656,6 +656,9 @@ impl Comm {
             return Ok(());
         }
         if let Some(done) = self.launched.take() {
+            // A communicator taken by an abort fails the collective at once (its abort may not have
+            // reached the graph's collectives, which the wait would then never see end).
+            self.live(&self.shared.lock())?;
             done.synchronize().map_err(|e| cuda("waiting for the last graph launch", e))?;
         }
         Ok(())

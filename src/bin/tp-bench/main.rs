@@ -9,7 +9,9 @@
 //!   `--steps` replays of the captured CUDA graph, each timed alone, the graph replay's wall time
 //!   from the caller (host logits included), and `--steps` replays enqueued back to back and timed
 //!   together (`chain`: a generation loop that does not wait for each step; the ranks' launch skew,
-//!   which a step timed alone includes, counts once);
+//!   which a step timed alone includes, counts once; each replay uploads its ids and positions from
+//!   pageable host memory, which the driver may do only once the stream is idle, so the chain is
+//!   back to back at best);
 //! - one all-reduce of a decode step's `[batch, hidden]` and of the prefill's `[batch·prompt, hidden]`;
 //! - the device copy bandwidth, for the per-rank memory floor of a decode step (the bytes one rank
 //!   reads, [`ShardPlan::decode_roofline`]) and that floor plus the step's 2 all-reduces per layer.
