@@ -420,8 +420,8 @@ pub fn library() -> Result<(u32, String), NcclError> {
     Ok((lib.version, lib.library.clone()))
 }
 
-/// Keeps NVLink multicast off and connections at init before NCCL reads its environment (see the
-/// module docs).
+/// Keeps NVLink multicast off, connections at init and (unless set) graph mixing support off before
+/// NCCL reads its environment (see the module docs).
 fn fixed_env() -> Result<(), NcclError> {
     let current = |name: &str| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned());
     for name in fixed_env_to_set(current)? {
@@ -553,7 +553,8 @@ impl Comm {
     /// `ncclCommInitRankConfig` calls with its attributes. Checks `config`
     /// ([`NcclConfig::validate`]), keeps NVLink multicast off and connections at init
     /// ([`NcclError::Multicast`], [`NcclError::LazyConnect`] if the
-    /// environment asks for it), then opens NCCL. Devices must be distinct and present; NCCL reports
+    /// environment asks for it) and graph mixing support off unless the environment sets it, then
+    /// opens NCCL. Devices must be distinct and present; NCCL reports
     /// otherwise.
     pub fn init_all(devices: &[usize], config: &NcclConfig) -> Result<Vec<Comm>, NcclError> {
         if devices.is_empty() {
@@ -639,29 +640,32 @@ impl Comm {
     pub fn graph_launched(&self, stream: &CudaStream) -> Result<(), NcclError> {
         let done = stream
             .record_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
-            .map_err(|e| NcclError::Cuda(format!("rank {}: recording a graph launch: {e}", self.rank())))?;
+            .map_err(self.cuda_error("recording a graph launch"))?;
         self.launched.set(Some(done));
         Ok(())
+    }
+
+    /// An [`NcclError::Cuda`] of this rank for a failed CUDA call, `what` naming it.
+    fn cuda_error<'a>(&'a self, what: &'a str) -> impl Fn(cudarc::driver::DriverError) -> NcclError + 'a {
+        move |e| NcclError::Cuda(format!("rank {}: {what}: {e}", self.rank()))
     }
 
     /// Before a collective on `stream`: outside a capture, waits for the last graph launch that
     /// [`Comm::graph_launched`] recorded, if the communicator still lives (not holding its lock, so
     /// an abort can end the graph's collectives meanwhile).
     fn after_graphs(&self, stream: &CudaStream) -> Result<(), NcclError> {
-        let cuda = |what: &str, e: cudarc::driver::DriverError| {
-            NcclError::Cuda(format!("rank {}: {what} before a collective: {e}", self.rank()))
-        };
-        let status = stream.capture_status().map_err(|e| cuda("cuStreamIsCapturing", e))?;
+        // Most collectives follow no graph launch: they make no driver call here.
+        let Some(done) = self.launched.take() else { return Ok(()) };
+        let status =
+            stream.capture_status().map_err(self.cuda_error("cuStreamIsCapturing before a collective"))?;
         if status != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+            self.launched.set(Some(done)); // a capture launches nothing: the next plain collective waits
             return Ok(());
         }
-        if let Some(done) = self.launched.take() {
-            // A communicator taken by an abort fails the collective at once (its abort may not have
-            // reached the graph's collectives, which the wait would then never see end).
-            self.live(&self.shared.lock())?;
-            done.synchronize().map_err(|e| cuda("waiting for the last graph launch", e))?;
-        }
-        Ok(())
+        // A communicator taken by an abort fails the collective at once (its abort may not have
+        // reached the graph's collectives, which the wait would then never see end).
+        self.live(&self.shared.lock())?;
+        done.synchronize().map_err(self.cuda_error("waiting for the last graph launch before a collective"))
     }
 
     /// Checks that `stream` and `buf` are on this communicator's GPU.
