@@ -278,21 +278,22 @@ fn decode_fusion_folds_launches_and_keeps_the_hidden_states() {
     let all = tokens(1, prompt + steps, cfg.vocab, 23);
     let expected = reference::forward(&cfg, &w, &all, 0);
     let fused = Backends::all(Backend::Fused);
-    let runs = |ctx: &Cudnn, form: &str| -> u64 {
-        ctx.kernel_runs().iter().filter(|r| r.name.contains(form)).map(|r| r.calls).sum()
-    };
     // The one-token forms' kernels; RoPE folds where the steps read their positions on the device
     // (the padded attention plan: cuDNN 9.15+).
     const FORMS: [&str; 5] = ["_m1_norm", "_m1_dual", "_m1_norm_dual", "_m1_rope", "_m1_norm_rope"];
+    // Calls of each form so far: either split (warp or block) of it, or its deep tile (the rotary
+    // forms where the grid has few row pairs per SM).
+    let form_runs = |ctx: &Cudnn| -> Vec<u64> {
+        let runs = |name: String| -> u64 {
+            ctx.kernel_runs().iter().filter(|r| r.name.contains(&name)).map(|r| r.calls).sum()
+        };
+        FORMS.iter().map(|f| ["", "_block", "_u4"].iter().map(|t| runs(format!("{f}{t})"))).sum()).collect()
+    };
     let device_positions = ctx.features().sdpa_seq_lens();
     let mut unfused: Vec<Vec<bf16>> = Vec::new();
     for fusion in DecodeFusion::EVERY {
         model.set_decode_fusion(fusion);
-        let before: Vec<u64> = FORMS
-            .iter()
-            // Either split (warp or block) of the form.
-            .map(|f| runs(&ctx, &format!("{f})")) + runs(&ctx, &format!("{f}_block)")))
-            .collect();
+        let before: Vec<u64> = form_runs(&ctx);
         let mut cache = model.cache(&ctx, 1, prompt + steps).unwrap();
         model.forward(&ctx, &[all[0][..prompt].to_vec()], &mut cache, &fused, &mut NoObserver).unwrap();
         for s in prompt..prompt + steps {
@@ -311,11 +312,7 @@ fn decode_fusion_folds_launches_and_keeps_the_hidden_states() {
                 assert!(c.passes(MODEL_TOL), "{} position {s} vs unfused: {c}", fusion.name());
             }
         }
-        let after: Vec<u64> = FORMS
-            .iter()
-            // Either split (warp or block) of the form.
-            .map(|f| runs(&ctx, &format!("{f})")) + runs(&ctx, &format!("{f}_block)")))
-            .collect();
+        let after: Vec<u64> = form_runs(&ctx);
         let ran: Vec<u64> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
         println!("{}: fused-form launches {FORMS:?}: {ran:?}", fusion.name());
         let l = (cfg.layers * steps) as u64;

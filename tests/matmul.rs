@@ -1417,8 +1417,9 @@ fn check_rotary<T: Element>(
 fn the_rotary_epilogue_equals_the_projection_then_rope_with_the_append() {
     let ctx = gpu();
     let mut failures = Vec::new();
-    // Llama-3.1-8B's qkv_proj (and a rank's half of it), small and odd head counts, positions inside,
-    // at the edges of and outside the tables and the cache.
+    // Llama-3.1-8B's qkv_proj (3072 row pairs: 2 chunks in flight on a 132-SM H100 or H200) and a
+    // rank's half of it (1536 pairs, as the smaller ones: the deep form, 4 chunks), small and odd head
+    // counts, positions inside, at the edges of and outside the tables and the cache.
     let cases = [
         ((32, 8, 128), 4096, 600, 544, 517),
         ((16, 4, 128), 4096, 600, 544, 543),

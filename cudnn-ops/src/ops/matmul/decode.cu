@@ -378,7 +378,8 @@ extern "C" __global__ void __launch_bounds__(128) gemv_##sfx##_m1_##form(       
                                     y);                                                                    \
 }
 // gemv_<dtype>_m1_rope, gemv_<dtype>_m1_norm_rope: qkv_proj with RoPE and the K/V append (ROPE
-// above), R = 2 rows (a head's pair) per warp, U chunks of each in flight (decode.rs `FUSED_TILES`).
+// above), R = 2 rows (a head's pair) per warp, U chunks of each in flight (decode.rs `FUSED_TILES`;
+// the `_u4` forms: `DEEP_ROPE_CHUNKS`, for grids of few row pairs per SM).
 #define GEMV_ROPE_KERNEL(sfx, D, form, R, U, NORM)                                                         \
 extern "C" __global__ void __launch_bounds__(128) gemv_##sfx##_m1_##form(                                  \
         const bits16* x, const bits16* norm_w, float eps, const bits16* w, const bits16* w_up, long ldw,   \
@@ -395,7 +396,9 @@ extern "C" __global__ void __launch_bounds__(128) gemv_##sfx##_m1_##form(       
     GEMV_FUSED_KERNEL(sfx, D, dual, 1, 4, false, true)                                                    \
     GEMV_FUSED_KERNEL(sfx, D, norm_dual, 2, 1, true, true)                                                \
     GEMV_ROPE_KERNEL(sfx, D, rope, 2, 2, false)                                                           \
-    GEMV_ROPE_KERNEL(sfx, D, norm_rope, 2, 2, true)
+    GEMV_ROPE_KERNEL(sfx, D, norm_rope, 2, 2, true)                                                       \
+    GEMV_ROPE_KERNEL(sfx, D, rope_u4, 2, 4, false)                                                        \
+    GEMV_ROPE_KERNEL(sfx, D, norm_rope_u4, 2, 4, true)
 GEMV_FUSED(bf16, GemvBf16)
 GEMV_FUSED(f16, GemvF16)
 

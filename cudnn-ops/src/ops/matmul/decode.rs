@@ -86,6 +86,20 @@ const TILES: [(usize, usize); 4] = [(1, 1), (2, 2), (4, 2), (8, 4)];
 const FUSED_TILES: [(&str, usize, usize); 5] =
     [("norm", 2, 1), ("dual", 1, 4), ("norm_dual", 2, 1), ("rope", 2, 2), ("norm_rope", 2, 2)];
 
+/// The chunks of each row in flight of the rotary forms (kernels `gemv_<dtype>_m1_[norm_]rope_u4`)
+/// when the grid holds fewer than [`DEEP_ROPE_PAIRS_PER_SM`] row pairs (warps) per SM, as qkv_proj
+/// on a tensor-parallel rank does: half the warps, so twice the loads in flight per warp keep the
+/// bytes in flight per SM. Measured in whole replayed Llama-3.1-8B decode steps, 3 rounds each
+/// (`benches/results/h200-x2/tensor-parallel.md`, `benches/results/h100-x2/tensor-parallel.md`): a
+/// TP2 rank's qkv_proj (4096 -> 3072, 1536 pairs on 132 SMs) at 4 chunks against 2, median step
+/// 2.881 against 2.931 ms on two H200s and 3.576 against 3.611 on two H100s (3 chunks in between, 1
+/// slower); one GPU's (4096 -> 6144, 3072 pairs) lost at 4 (4.255 against 4.164 ms on an H200, 5.675
+/// against 5.604 on an H100) and keeps 2.
+const DEEP_ROPE_CHUNKS: usize = 4;
+
+/// Row pairs per SM below which the rotary forms take [`DEEP_ROPE_CHUNKS`].
+const DEEP_ROPE_PAIRS_PER_SM: usize = 16;
+
 /// The one-token kernels with a block per row group ([`GemvSplit::Block`], `GEMV_BLOCKS` in
 /// `decode.cu`): the form (`""` for the plain GEMV), rows of W (and of W_up) per block, chunks of each
 /// per thread in flight.
@@ -124,6 +138,8 @@ pub(super) struct Gemv {
     dual: bool,
     /// RoPE and the K/V append after the product (one token; rows in pairs).
     rotary: Option<Rotary>,
+    /// The rotary form with [`DEEP_ROPE_CHUNKS`] in flight ([`Gemv::for_sms`]).
+    deep: bool,
 }
 
 impl Gemv {
@@ -144,6 +160,7 @@ impl Gemv {
     fn kernel(&self) -> String {
         let sfx = if self.dtype == DataType::F16 { "f16" } else { "bf16" };
         match (self.fused_form(), self.block) {
+            (Some(form), false) if self.deep => format!("gemv_{sfx}_m1_{form}_u{DEEP_ROPE_CHUNKS}"),
             (Some(form), false) => format!("gemv_{sfx}_m1_{form}"),
             (None, false) => format!("gemv_{sfx}_m{}", self.tile),
             (Some(form), true) => format!("gemv_{sfx}_m1_{form}_block"),
@@ -167,6 +184,13 @@ impl Gemv {
         let form = self.fused_form().unwrap_or("");
         let rows = BLOCK_TILES.iter().find(|t| t.0 == form).map_or(1, |t| t.1);
         Gemv { block: true, tile: 1, rows_per_warp: rows, ..self }
+    }
+
+    /// This launch on a GPU of `sms` multiprocessors: the rotary form with [`DEEP_ROPE_CHUNKS`] in
+    /// flight when its grid has fewer than [`DEEP_ROPE_PAIRS_PER_SM`] row pairs per SM.
+    pub(super) fn for_sms(self, sms: usize) -> Gemv {
+        let deep = self.rotary.is_some() && !self.block && self.n / 2 < DEEP_ROPE_PAIRS_PER_SM * sms;
+        Gemv { deep, ..self }
     }
 
     /// Blocks of [`BLOCK`] threads, one warp per `rows_per_warp` rows (or one block with `block`).
@@ -292,6 +316,7 @@ impl MatmulArgs {
             prologue: args.prologue,
             dual: args.up_product,
             rotary: args.rotary,
+            deep: false,
         };
         if let Some(form) = g.fused_form() {
             if m != 1 {
@@ -319,7 +344,7 @@ pub(super) fn launch_gemv<T: Element, O: Element>(
     g: &Gemv,
     x: &mut MatmulOperands<'_, T, O>,
 ) -> Result<bool> {
-    let g = &g.with_split(ctx.gemv_split());
+    let g = &g.with_split(ctx.gemv_split()).for_sms(ctx.info().sm_count);
     let (kernels, cfg, kernel) = (Kernels::get(ctx)?, g.config()?, g.kernel());
     let stream = ctx.stream();
     let (a, _ga) = x.a.device_ptr(stream);
@@ -425,6 +450,31 @@ mod tests {
         );
         assert!(g.describe().contains("rope(32/8x128)"), "{}", g.describe());
         refused(MatmulArgs::linear(2, 4096, 6144).with_rotary(rotary).gemv(BF, BF), "at one token");
+    }
+
+    #[test]
+    fn the_rotary_form_streams_deeper_where_its_grid_has_few_row_pairs_per_sm() {
+        // Llama-3.1-8B's qkv_proj on one GPU (3072 pairs) and on each of two ranks (1536), on 132 SMs.
+        let norm = Prologue::rms_norm(1e-5);
+        let one = MatmulArgs::linear(1, 4096, 6144).with_rotary(Rotary::new(32, 8, 128, 642));
+        let rank = MatmulArgs::linear(1, 4096, 3072).with_rotary(Rotary::new(16, 4, 128, 642));
+        let on = |a: MatmulArgs, sms| a.with_prologue(norm).gemv(BF, BF).unwrap().for_sms(sms);
+        assert_eq!(on(one, 132).kernel(), "gemv_bf16_m1_norm_rope");
+        assert_eq!(on(rank, 132).kernel(), "gemv_bf16_m1_norm_rope_u4");
+        assert_eq!(
+            rank.gemv(DataType::F16, DataType::F16).unwrap().for_sms(132).kernel(),
+            "gemv_f16_m1_rope_u4"
+        );
+        // The threshold: 16 pairs per SM, so 3072 pairs are deep below 192 SMs, and the grid is the
+        // same (a warp per pair).
+        assert_eq!(on(one, 193).kernel(), "gemv_bf16_m1_norm_rope_u4");
+        assert_eq!(on(one, 192).kernel(), "gemv_bf16_m1_norm_rope");
+        assert_eq!(on(rank, 132).config().unwrap().grid_dim.0, 1536 / 4);
+        // Only the rotary form: the other one-token forms keep their tiles on any GPU.
+        for a in [MatmulArgs::linear(1, 4096, 3072), MatmulArgs::linear(1, 4096, 3072).with_prologue(norm)] {
+            let g = a.gemv(BF, BF).unwrap();
+            assert_eq!(g.for_sms(132).kernel(), g.kernel());
+        }
     }
 
     #[test]
@@ -572,6 +622,11 @@ mod tests {
             let kernel = if form.ends_with("rope") { "GEMV_ROPE_KERNEL" } else { "GEMV_FUSED_KERNEL" };
             let line = format!("{kernel}(sfx, D, {form}, {rows}, {chunks}, ");
             assert!(src.contains(&line), "decode.cu lacks the fused form `{line}`");
+        }
+        for form in ["rope", "norm_rope"] {
+            let line =
+                format!("GEMV_ROPE_KERNEL(sfx, D, {form}_u{DEEP_ROPE_CHUNKS}, 2, {DEEP_ROPE_CHUNKS}, ");
+            assert!(src.contains(&line), "decode.cu lacks the deep rotary form `{line}`");
         }
         for (form, rows, chunks) in BLOCK_TILES {
             let form = if form.is_empty() { String::new() } else { format!("_{form}") };
