@@ -36,7 +36,9 @@
 //! [`MatmulArgs::with_rotary`], `gemv_<dtype>_m1_rope` and `gemv_<dtype>_m1_norm_rope` (qkv_proj
 //! with RoPE and the K/V append: each warp owns a head's pair of rows `j` and `j + d/2`, so the lane
 //! that writes holds both halves of the rotation; the outputs are bit-identical to the projection
-//! followed by the RoPE op). What they save in a decode step is launches: on an H200 the 8B step
+//! followed by the RoPE op; where the grid has few row pairs per SM, as a tensor-parallel rank's
+//! qkv_proj, they keep twice the loads in flight: `gemv_<dtype>_m1_[norm_]rope_u4`, [`Gemv::for_sms`]).
+//! What they save in a decode step is launches: on an H200 the 8B step
 //! with all of them took 4.134 ms against 4.196 without RoPE folded and 4.520 with nothing folded, in
 //! one run (`examples/05-decode`, which times the step under every fusion).
 //!
