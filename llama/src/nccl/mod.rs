@@ -63,6 +63,7 @@ use cudarc::driver::sys::{CUevent_flags, CUstreamCaptureStatus};
 use cudarc::driver::{CudaEvent, CudaStream, DevicePtrMut};
 use cudarc::nccl::sys::ncclDataType_t;
 use cudnn_llm_ops::{DataType, Element};
+use once_cell::unsync::OnceCell;
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -487,10 +488,12 @@ pub struct Comm {
     shared: Arc<Shared>,
     ranks: usize,
     device: usize,
-    /// Recorded after the last launch of a graph holding this communicator's collectives
-    /// ([`Comm::graph_launched`]); taken by the next collective enqueued outside a capture. A `Cell`:
-    /// `Comm` is not `Sync` (one thread enqueues on a communicator).
-    launched: Cell<Option<CudaEvent>>,
+    /// Recorded again after each launch of a graph holding this communicator's collectives
+    /// ([`Comm::graph_launched`]; made at the first), so it completes when the last launch has run.
+    launched: OnceCell<CudaEvent>,
+    /// A launch was recorded that no collective enqueued outside a capture has waited for yet. A
+    /// `Cell`: `Comm` is not `Sync` (one thread enqueues on a communicator).
+    pending: Cell<bool>,
 }
 
 impl std::fmt::Debug for Comm {
@@ -594,7 +597,8 @@ impl Comm {
                 }),
                 ranks,
                 device,
-                launched: Cell::new(None),
+                launched: OnceCell::new(),
+                pending: Cell::new(false),
             })
             .collect())
     }
@@ -638,10 +642,14 @@ impl Comm {
     /// (see the module docs): the next collective enqueued outside a capture waits on the host until
     /// this launch has run, as NCCL requires with graph mixing support off.
     pub fn graph_launched(&self, stream: &CudaStream) -> Result<(), NcclError> {
-        let done = stream
-            .record_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
-            .map_err(self.cuda_error("recording a graph launch"))?;
-        self.launched.set(Some(done));
+        let done = self.launched.get_or_try_init(|| {
+            stream
+                .context()
+                .new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                .map_err(self.cuda_error("making the graph-launch event"))
+        })?;
+        done.record(stream).map_err(self.cuda_error("recording a graph launch"))?;
+        self.pending.set(true);
         Ok(())
     }
 
@@ -655,13 +663,13 @@ impl Comm {
     /// an abort can end the graph's collectives meanwhile).
     fn after_graphs(&self, stream: &CudaStream) -> Result<(), NcclError> {
         // Most collectives follow no graph launch: they make no driver call here.
-        let Some(done) = self.launched.take() else { return Ok(()) };
+        let Some(done) = self.launched.get().filter(|_| self.pending.get()) else { return Ok(()) };
         let status =
             stream.capture_status().map_err(self.cuda_error("cuStreamIsCapturing before a collective"))?;
         if status != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
-            self.launched.set(Some(done)); // a capture launches nothing: the next plain collective waits
-            return Ok(());
+            return Ok(()); // a capture launches nothing: the next plain collective waits
         }
+        self.pending.set(false);
         // A communicator taken by an abort fails the collective at once (its abort may not have
         // reached the graph's collectives, which the wait would then never see end).
         self.live(&self.shared.lock())?;
