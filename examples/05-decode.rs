@@ -14,6 +14,7 @@ use cudnn_llm::bench_util::{copy_bandwidth_gbps, median, wall_ms};
 use cudnn_llm::cudarc::driver::sys::{CUdevice_attribute, CUevent_flags};
 use cudnn_llm::cudarc::driver::CudaSlice;
 use cudnn_llm::half::bf16;
+use cudnn_llm::llama::profile::StepTimeline;
 use cudnn_llm::llama::roofline::DecodeRoofline;
 use cudnn_llm::llama::weights::Weights;
 use cudnn_llm::llama::{Backends, DecodeFusion, Llama, LlamaConfig, NoObserver};
@@ -153,11 +154,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 }
 
 /// Where a replayed decode step's time goes (the defaults): CUPTI records every kernel of 8 graph
-/// replays; per step, the span from the first kernel's start to the last one's end, the time some
-/// kernel runs, and the idle time between them, then per kernel kind (our kernels by name, cuDNN's by
-/// what they do) its launches, GPU time and the idle time just before it (the launch gap a kernel
-/// waits out after the one before it ends; programmatic launches that overlap the kernel before them
-/// wait none). Skipped, saying why, where CUPTI does not load.
+/// replays, tabled as a [`StepTimeline`]. Skipped, saying why, where CUPTI does not load.
 fn timeline(
     ctx: &Cudnn,
     model: &mut Llama<bf16>,
@@ -192,63 +189,17 @@ fn timeline(
         ctx.synchronize()?;
     }
     let collected = cupti.stop_and_collect()?;
-    let device = ctx.info().ordinal as u32;
-    let mut kernels: Vec<_> =
-        collected.kernels.into_iter().filter(|k| k.device == device && k.end_ns > k.start_ns).collect();
-    kernels.sort_by_key(|k| k.start_ns);
-    if kernels.is_empty() || kernels.len() % STEPS != 0 {
-        println!("\nno replayed-step timeline: {} kernels recorded in {STEPS} replays", kernels.len());
+    let Some(t) = StepTimeline::of(&collected.kernels, ctx.info().ordinal as u32, STEPS) else {
+        println!(
+            "\nno replayed-step timeline: {} kernels recorded in {STEPS} replays",
+            collected.kernels.len()
+        );
         return Ok(());
-    }
-    let per_step = kernels.len() / STEPS;
-    // What a kernel is, for the table: ours by name, cuDNN's and the rest by a word of theirs.
-    let kind = |name: &str| -> String {
-        let n = name.to_ascii_lowercase();
-        let words =
-            [("sdpa", "attention (cuDNN)"), ("fmha", "attention (cuDNN)"), ("norm", "rmsnorm (cuDNN)")];
-        if !name.starts_with("_Z") && !n.starts_with("cudnn") && !n.starts_with("sm") {
-            return name.to_string();
-        }
-        words
-            .iter()
-            .find(|(w, _)| n.contains(w))
-            .map_or_else(|| name.chars().take(48).collect(), |w| w.1.to_string())
     };
-    let (mut spans, mut busy) = (Vec::new(), Vec::new());
-    let mut kinds: std::collections::BTreeMap<String, (usize, f64, f64)> = Default::default();
-    for step in kernels.chunks(per_step) {
-        let (first, mut end) = (step[0].start_ns, step[0].start_ns);
-        let mut running = 0u64;
-        for k in step {
-            let gap = k.start_ns.saturating_sub(end);
-            // Busy time: the union of the kernels' intervals.
-            running += k.end_ns.saturating_sub(k.start_ns.max(end));
-            end = end.max(k.end_ns);
-            let e = kinds.entry(kind(&k.name)).or_default();
-            e.0 += 1;
-            e.1 += (k.end_ns - k.start_ns) as f64 * 1e-3;
-            e.2 += gap as f64 * 1e-3;
-        }
-        spans.push((end - first) as f64 * 1e-3);
-        busy.push(running as f64 * 1e-3);
-    }
-    let (span, busy) = (median(spans), median(busy));
     println!(
-        "\nreplayed step timeline (CUPTI, {STEPS} replays, defaults): {per_step} kernels per step, span {span:.1} us \
-         ({:.1}% of the roofline), some kernel running {busy:.1} us, idle {:.1} us",
-        100.0 * roof.fraction(span * 1e-3, copy),
-        span - busy
+        "\nreplayed step timeline (CUPTI, {STEPS} replays, defaults; {:.1}% of the roofline): {t}",
+        100.0 * roof.fraction(t.span_us * 1e-3, copy)
     );
-    println!(
-        "{:<48} {:>9} {:>12} {:>10} {:>14}",
-        "kernel", "per step", "GPU us/step", "mean us", "idle before us"
-    );
-    let mut rows: Vec<_> = kinds.into_iter().collect();
-    rows.sort_by(|a, b| (b.1 .1 + b.1 .2).total_cmp(&(a.1 .1 + a.1 .2)));
-    for (name, (n, gpu, gap)) in rows {
-        let (n, steps) = (n as f64 / STEPS as f64, STEPS as f64);
-        println!("{name:<48} {n:>9.1} {:>12.1} {:>10.2} {:>14.1}", gpu / steps, gpu / steps / n, gap / steps);
-    }
     Ok(())
 }
 

@@ -1,6 +1,7 @@
-//! tp-bench's NCCL options without a GPU: bad values exit 2 naming the option before anything is
-//! opened, and a setting's values come out in the printed settings, the CSV columns and the file
-//! names (the all-reduce run itself fails here without two GPUs and NCCL, or runs where they are).
+//! tp-bench's NCCL and decode-variant options without a GPU: bad values exit 2 naming the option
+//! before anything is opened, and a setting's values come out in the printed settings, the CSV
+//! columns and the file names (the all-reduce run itself fails here without two GPUs and NCCL, or
+//! runs where they are).
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -17,7 +18,7 @@ fn binary() -> Option<PathBuf> {
 #[test]
 fn bad_nccl_options_exit_2_naming_the_option() {
     let Some(bin) = binary() else { return };
-    let cases: [(&[&str], &str, &str); 8] = [
+    let cases: [(&[&str], &str, &str); 11] = [
         (&["--nccl-max-ctas", "65"], "--nccl-max-ctas", "65 is not between 1 and 64"),
         (&["--nccl-max-ctas", "0"], "--nccl-max-ctas", "0 is not between 1 and 64"),
         (&["--nccl-min-ctas", "8", "--nccl-max-ctas", "4"], "--nccl-min-ctas", "8 is above maxCTAs 4"),
@@ -26,6 +27,13 @@ fn bad_nccl_options_exit_2_naming_the_option() {
         (&["--nccl-min-ctas=-1"], "--nccl-min-ctas", "invalid value"),
         (&["--nccl-proto", "ll"], "--nccl-proto", "is not LL, LL128 or Simple"),
         (&["--nccl-algo", "NVLS"], "--nccl-algo", "is not Ring or Tree"),
+        (
+            &["--decode-variants", "default;attention=flash"],
+            "--decode-variants",
+            "`attention=flash`: a decode variant takes",
+        ),
+        (&["--decode-variants", "split=rows"], "--decode-variants", "`split=rows`"),
+        (&["--decode-variants", "attention=cudnn,pdl=maybe"], "--decode-variants", "`pdl=maybe`"),
     ];
     for (args, option, why) in cases {
         let out =

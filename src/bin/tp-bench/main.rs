@@ -13,8 +13,21 @@
 //!   pageable host memory, which the driver may do only once the stream is idle, so the chain is
 //!   back to back at best);
 //! - one all-reduce of a decode step's `[batch, hidden]` and of the prefill's `[batch·prompt, hidden]`;
+//! - with `--timeline`, last and for the last rank count of `--ranks` only, each rank's replayed
+//!   decode step as a CUPTI timeline (kernel kinds, their GPU time and the idle time before them;
+//!   the all-reduce kernels' time includes waiting for the other ranks). Only then: once CUPTI has
+//!   traced a GPU's context, that GPU runs a process's later graphs slower (on two H200s, a TP2
+//!   step timed after a one-GPU row's trace had about 70 us more idle time on GPU 0 than on GPU 1,
+//!   and took 0.06 ms longer than without it);
+//! - with `--decode-variants`, the decode step again under other context settings (decode attention,
+//!   GEMV split, programmatic launch), each set on every rank and re-captured, in turn for
+//!   `--variant-rounds` rounds on the loaded model (`variant ...` lines: graph replay and back to back);
 //! - the device copy bandwidth, for the per-rank memory floor of a decode step (the bytes one rank
 //!   reads, [`ShardPlan::decode_roofline`]) and that floor plus the step's 2 all-reduces per layer.
+//!
+//! Rows share the process: on two H200s a one-GPU row measured first left GPU 0 about 70 us idler per
+//! TP2 decode step than a TP2 row in a process of its own (2.848 against 2.804 ms back to back; cause
+//! not found); for the closest comparison, run `--ranks 1` and `--ranks 2` as two invocations.
 //!
 //! Then speedup and scaling efficiency (speedup / ranks) against the one-rank row, printed and written
 //! as `tp-<preset>-<layers>l[-<setting>].{csv,md}` under `$BENCH_RESULTS_DIR` (default
@@ -35,7 +48,9 @@
 
 use clap::Parser;
 use cudnn_llm::bench_util::{copy_bandwidth_gbps, csv_and_markdown, environment, median, write_results};
+use cudnn_llm::{DecodeAttention, GemvSplit};
 use cudnn_llm_llama::nccl::{self, Algorithm, NcclConfig, NcclError, Protocol};
+use cudnn_llm_llama::profile::StepTimeline;
 use cudnn_llm_llama::tp::{Rank, ShardPlan, TpLlama, TpOptions, WeightSource};
 use cudnn_llm_llama::{Backends, LlamaConfig, NoObserver};
 use half::bf16;
@@ -101,6 +116,58 @@ struct Options {
     /// Time all-reduces only (decode and prefill sizes, and 8 KB to 64 MB), no model.
     #[arg(long)]
     allreduce_only: bool,
+    /// Also print each rank's replayed decode step timeline (CUPTI, 8 replays back to back), for the
+    /// last rank count only and after everything it times (tracing slows a GPU's later graphs).
+    #[arg(long)]
+    timeline: bool,
+    /// Decode settings to compare in this process, `;`-separated: `default`, or `,`-separated
+    /// `attention=auto|cudnn|split-kv`, `split=auto|warp|block`, `pdl=on|off` (set on every rank,
+    /// the step re-captured and timed, graph and back to back, in turn for `--variant-rounds`).
+    #[arg(long, value_delimiter = ';', value_parser = parse_variant)]
+    decode_variants: Vec<Variant>,
+    /// Rounds over `--decode-variants`.
+    #[arg(long, default_value_t = 3)]
+    variant_rounds: usize,
+}
+
+/// A decode setting of `--decode-variants`: the context knobs every rank takes.
+#[derive(Debug, Clone)]
+struct Variant {
+    name: String,
+    attention: DecodeAttention,
+    split: GemvSplit,
+    pdl: bool,
+}
+
+fn parse_variant(s: &str) -> Result<Variant, String> {
+    let mut v = Variant {
+        name: s.trim().to_string(),
+        attention: DecodeAttention::Auto,
+        split: GemvSplit::Auto,
+        pdl: true,
+    };
+    if v.name == "default" {
+        return Ok(v);
+    }
+    for entry in v.name.clone().split(',') {
+        let bad = || {
+            format!("`{entry}`: a decode variant takes attention=auto|cudnn|split-kv, split=auto|warp|block, pdl=on|off or `default`")
+        };
+        let (key, value) = entry.split_once('=').ok_or_else(bad)?;
+        match key.trim() {
+            "attention" => v.attention = DecodeAttention::parse(value).ok_or_else(bad)?,
+            "split" => v.split = GemvSplit::parse(value).ok_or_else(bad)?,
+            "pdl" => {
+                v.pdl = match value.trim() {
+                    "on" => true,
+                    "off" => false,
+                    _ => return Err(bad()),
+                }
+            }
+            _ => return Err(bad()),
+        }
+    }
+    Ok(v)
 }
 
 fn parse_proto(s: &str) -> Result<Protocol, String> {
@@ -301,7 +368,8 @@ fn main() -> ExitCode {
             nccl_algo: setting.nccl_algo.clone(),
             ..Row::default()
         };
-        if let Err(e) = measure(&opts, &cfg, &source, &backends, &mut row) {
+        let trace = opts.timeline && Some(&ranks) == opts.ranks.last();
+        if let Err(e) = measure(&opts, &cfg, &source, &backends, &mut row, trace) {
             eprintln!("tp-bench: {ranks} rank(s): {e}");
             row.error = e.to_string();
         }
@@ -389,11 +457,14 @@ fn measure(
     source: &WeightSource,
     backends: &Backends,
     row: &mut Row,
+    trace: bool,
 ) -> Result<(), Error> {
     let (ranks, batch, prompt, steps) = (row.ranks, opts.batch, opts.prompt, opts.steps);
-    // The prompt, a warm-up step, `steps` plain steps, `steps` replays, up to 8 timed from the caller
-    // and `steps` back to back.
-    let max_seq = prompt + 3 * steps + 10;
+    // The prompt, a warm-up step, `steps` plain steps, `steps` replays, up to 8 timed from the caller,
+    // `steps` back to back and the timeline's 8.
+    let max_seq = prompt + 3 * steps + 10 + if trace { 8 } else { 0 };
+    // A variant's plain step and replays start again at the prompt's end.
+    let max_seq = max_seq.max(prompt + 2 * steps + 2);
     let t = Instant::now();
     let options = TpOptions::default()
         .with_timeout(Duration::from_secs(opts.timeout))
@@ -471,6 +542,43 @@ fn measure(
     // loop that does not wait for each step runs them: the ranks' launch skew counts once, not per
     // step.
     row.decode_chain_ms = replays_ms(&mut tp, "decode chain", (0..steps).map(step_ids).collect())?;
+    // The decode variants, each set on every rank and re-captured after a plain step from the prompt's
+    // cache (the last one's settings stay for what follows, which does not decode).
+    let mut by_variant: Vec<(Vec<f64>, Vec<f64>)> = vec![Default::default(); opts.decode_variants.len()];
+    for round in 0..if opts.decode_variants.is_empty() { 0 } else { opts.variant_rounds } {
+        for (v, times) in opts.decode_variants.iter().zip(&mut by_variant) {
+            let set = v.clone();
+            tp.each("decode variant", move |r| {
+                r.ctx.set_decode_attention(set.attention);
+                r.ctx.set_gemv_split(set.split);
+                r.ctx.set_programmatic_launch(set.pdl);
+                Ok(())
+            })?;
+            tp.truncate(prompt)?;
+            plain_step(&mut tp, 0)?;
+            tp.capture_decode(backends)?;
+            let graph: Vec<f64> = (0..steps)
+                .map(|s| replays_ms(&mut tp, "decode replay", vec![step_ids(s)]))
+                .collect::<Result<_, _>>()?;
+            tp.truncate(prompt + 1)?;
+            let chain = replays_ms(&mut tp, "decode chain", (0..steps).map(step_ids).collect())?;
+            let graph = median(graph);
+            println!(
+                "variant ranks={ranks} round={round} {}: graph {graph:.4} ms, chain {chain:.4} ms",
+                v.name
+            );
+            times.0.push(graph);
+            times.1.push(chain);
+        }
+    }
+    for (v, (graph, chain)) in opts.decode_variants.iter().zip(by_variant).filter(|(_, t)| !t.0.is_empty()) {
+        println!(
+            "variant ranks={ranks} {}: median graph {:.4} ms, chain {:.4} ms",
+            v.name,
+            median(graph),
+            median(chain)
+        );
+    }
     row.decode_tokens_per_s = batch as f64 / (row.decode_graph_ms * 1e-3);
     println!(
         "decode step (batch {batch}): graph {:.4} ms, {steps} back to back {:.4} ms, plain {:.4} ms, wall {:.4} ms \
@@ -514,6 +622,12 @@ fn measure(
         2 * cfg.layers,
         row.roofline_with_allreduce_pct
     );
+    if trace {
+        // Last: no timing follows in this process (the step as the last decode variant, if any, left
+        // it). The replays restart after the prompt's first step.
+        tp.truncate(prompt + 1)?;
+        timeline(&mut tp, (0..8).map(step_ids).collect())?;
+    }
     Ok(())
 }
 
@@ -532,6 +646,37 @@ fn replays_ms(tp: &mut TpLlama<bf16>, what: &'static str, steps: Vec<Vec<u32>>) 
         })?;
         Ok(ms / n)
     })?))
+}
+
+/// Each rank's [`StepTimeline`] of replays of the captured decode step, one per entry of `steps`,
+/// enqueued back to back (CUPTI records every device's kernels). Skipped, saying why, where CUPTI
+/// does not load.
+fn timeline(tp: &mut TpLlama<bf16>, steps: Vec<Vec<u32>>) -> Result<(), Error> {
+    let cupti = match cudnn_llm_cupti::Cupti::load() {
+        Ok(c) => c,
+        Err(e) => {
+            println!("no replayed-step timeline: {e}");
+            return Ok(());
+        }
+    };
+    let n = steps.len();
+    let devices: Vec<u32> = tp.device_info()?.iter().map(|i| i.ordinal as u32).collect();
+    cupti.start()?;
+    let replayed = replays_ms(tp, "timeline", steps);
+    let collected = cupti.stop_and_collect()?;
+    replayed?;
+    for (r, d) in devices.into_iter().enumerate() {
+        match StepTimeline::of(&collected.kernels, d, n) {
+            Some(t) => {
+                println!("rank {r} (GPU {d}), replayed decode step timeline (CUPTI, {n} replays): {t}")
+            }
+            None => println!(
+                "rank {r} (GPU {d}): no replayed-step timeline ({} kernels recorded)",
+                collected.kernels.len()
+            ),
+        }
+    }
+    Ok(())
 }
 
 /// Microseconds per in-place bf16 sum all-reduce of each size of `sizes` (elements), the slowest
