@@ -136,19 +136,8 @@ pub fn round(x: f64, digits: i32) -> f64 {
     (x * p).round() / p
 }
 
-/// Median of a sample (NaN-free); 0 for an empty one.
-pub fn median(mut v: Vec<f64>) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    let m = v.len() / 2;
-    if v.len() % 2 == 1 {
-        v[m]
-    } else {
-        (v[m - 1] + v[m]) / 2.0
-    }
-}
+/// Median of a sample (one definition, shared with the profile tables).
+pub use cudnn_llm_llama::profile::median;
 
 /// GPU time in milliseconds of `iters` back-to-back calls of `f`, measured with CUDA events on the
 /// context's stream.

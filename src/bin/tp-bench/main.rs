@@ -149,7 +149,7 @@ fn parse_variant(s: &str) -> Result<Variant, String> {
     if v.name == "default" {
         return Ok(v);
     }
-    for entry in v.name.clone().split(',') {
+    for entry in s.trim().split(',') {
         let bad = || {
             format!("`{entry}`: a decode variant takes attention=auto|cudnn|split-kv, split=auto|warp|block, pdl=on|off or `default`")
         };
@@ -460,11 +460,10 @@ fn measure(
     trace: bool,
 ) -> Result<(), Error> {
     let (ranks, batch, prompt, steps) = (row.ranks, opts.batch, opts.prompt, opts.steps);
-    // The prompt, a warm-up step, `steps` plain steps, `steps` replays, up to 8 timed from the caller,
-    // `steps` back to back and the timeline's 8.
-    let max_seq = prompt + 3 * steps + 10 + if trace { 8 } else { 0 };
-    // A variant's plain step and replays start again at the prompt's end.
-    let max_seq = max_seq.max(prompt + 2 * steps + 2);
+    // The prompt, a warm-up step, `steps` plain steps, `steps` replays, up to 8 timed from the caller
+    // and `steps` back to back (a decode variant's plain step and replays start again at the prompt's
+    // end, the timeline's 8 replays after its first step: they fit).
+    let max_seq = prompt + 3 * steps + 10;
     let t = Instant::now();
     let options = TpOptions::default()
         .with_timeout(Duration::from_secs(opts.timeout))
@@ -523,14 +522,18 @@ fn measure(
             Ok(ms)
         })?))
     };
+    // The median of `steps` replays of the captured step, each timed alone.
+    let graph_ms = |tp: &mut TpLlama<bf16>| -> Result<f64, Error> {
+        let each: Vec<f64> = (0..steps)
+            .map(|s| replays_ms(tp, "decode replay", vec![step_ids(s)]))
+            .collect::<Result<_, _>>()?;
+        Ok(median(each))
+    };
     plain_step(&mut tp, 0)?;
     let plain: Vec<f64> = (1..=steps).map(|s| plain_step(&mut tp, s)).collect::<Result<_, _>>()?;
     row.decode_plain_ms = median(plain);
     tp.capture_decode(backends)?;
-    let graph: Vec<f64> = (0..steps)
-        .map(|s| replays_ms(&mut tp, "decode replay", vec![step_ids(s)]))
-        .collect::<Result<_, _>>()?;
-    row.decode_graph_ms = median(graph);
+    row.decode_graph_ms = graph_ms(&mut tp)?;
     let mut wall = Vec::new();
     for s in 0..steps.min(8) {
         let t = Instant::now();
@@ -557,12 +560,9 @@ fn measure(
             tp.truncate(prompt)?;
             plain_step(&mut tp, 0)?;
             tp.capture_decode(backends)?;
-            let graph: Vec<f64> = (0..steps)
-                .map(|s| replays_ms(&mut tp, "decode replay", vec![step_ids(s)]))
-                .collect::<Result<_, _>>()?;
+            let graph = graph_ms(&mut tp)?;
             tp.truncate(prompt + 1)?;
             let chain = replays_ms(&mut tp, "decode chain", (0..steps).map(step_ids).collect())?;
-            let graph = median(graph);
             println!(
                 "variant ranks={ranks} round={round} {}: graph {graph:.4} ms, chain {chain:.4} ms",
                 v.name
