@@ -118,3 +118,46 @@ fn a_settings_values_are_printed_and_written_as_columns_and_file_names() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn each_rank_count_runs_in_a_process_of_its_own_and_the_rows_come_back() {
+    let Some(bin) = binary() else { return };
+    let dir = std::env::temp_dir().join(format!("tp-bench-children-{}", std::process::id()));
+    let args = ["--preset", "tiny", "--ranks", "1,2", "--steps", "2", "--reps", "1", "--warmup", "0"];
+    let out = Command::new(&bin)
+        .args(args)
+        .env("BENCH_RESULTS_DIR", &dir)
+        .env_remove("NCCL_PROTO")
+        .env_remove("NCCL_ALGO")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    for r in [1, 2] {
+        assert!(stdout.contains(&format!("# {r} rank(s): a process of its own")), "{stdout}");
+    }
+    let csv = std::fs::read_to_string(dir.join("tp-tiny-2l.csv"));
+    match out.status.code() {
+        // No GPU (or one): each process says why its row failed, no results are written.
+        Some(1) => {
+            assert!(
+                stderr.contains("tp-bench: 1 rank(s):") && stderr.contains("tp-bench: 2 rank(s):"),
+                "{stderr}"
+            );
+            assert!(csv.is_err(), "no row ran, yet results were written");
+        }
+        // Two GPUs: both rows came back from their processes, the speedup against the first.
+        Some(0) => {
+            let csv = csv.unwrap();
+            let rows: Vec<&str> = csv.lines().skip(1).collect();
+            assert_eq!(rows.len(), 2, "{csv}");
+            assert!(rows[0].starts_with("tiny,2,1,") && rows[1].starts_with("tiny,2,2,"), "{csv}");
+        }
+        other => panic!("exit {other:?}: {stdout}\n{stderr}"),
+    }
+    // In one process: no process of its own.
+    let out =
+        Command::new(&bin).args(args).arg("--same-process").env("BENCH_RESULTS_DIR", &dir).output().unwrap();
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("a process of its own"));
+    std::fs::remove_dir_all(&dir).ok();
+}

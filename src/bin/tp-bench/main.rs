@@ -25,9 +25,11 @@
 //! - the device copy bandwidth, for the per-rank memory floor of a decode step (the bytes one rank
 //!   reads, [`ShardPlan::decode_roofline`]) and that floor plus the step's 2 all-reduces per layer.
 //!
-//! Rows share the process: on two H200s a one-GPU row measured first left GPU 0 about 70 us idler per
-//! TP2 decode step than a TP2 row in a process of its own (2.848 against 2.804 ms back to back; cause
-//! not found); for the closest comparison, run `--ranks 1` and `--ranks 2` as two invocations.
+//! Each rank count runs in a process of its own (this executable again, with `--ranks N` and the
+//! other options; it hands its row back in a file), one after the other: on two H200s a one-GPU row
+//! measured first in the same process left GPU 0 about 70 us idler per TP2 decode step than a TP2
+//! row in a process of its own (2.848 against 2.804 ms back to back; cause not found).
+//! `--same-process` measures every rank count in this process instead.
 //!
 //! Then speedup and scaling efficiency (speedup / ranks) against the one-rank row, printed and written
 //! as `tp-<preset>-<layers>l[-<setting>].{csv,md}` under `$BENCH_RESULTS_DIR` (default
@@ -128,6 +130,13 @@ struct Options {
     /// Rounds over `--decode-variants`.
     #[arg(long, default_value_t = 3)]
     variant_rounds: usize,
+    /// Measure every rank count in this process (by default each runs in a process of its own).
+    #[arg(long)]
+    same_process: bool,
+    /// Write this invocation's one row as JSON to FILE instead of the results files (what the
+    /// parent process asks of each rank count's process).
+    #[arg(long, hide = true)]
+    row_out: Option<PathBuf>,
 }
 
 /// A decode setting of `--decode-variants`: the context knobs every rank takes.
@@ -255,7 +264,7 @@ fn option_error(e: NcclError) -> Error {
 }
 
 /// One rank count's measurements.
-#[derive(Debug, Clone, Default, serde::Serialize)]
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 struct Row {
     model: String,
     layers: usize,
@@ -311,6 +320,9 @@ fn main() -> ExitCode {
                 "--ranks, --prompt, --batch, --steps and --reps must be non-empty and non-zero".into()
             );
         }
+        if opts.row_out.is_some() && opts.ranks.len() != 1 {
+            return Err("--row-out takes one rank count in --ranks".into());
+        }
         if opts.allreduce_only && opts.ranks.iter().all(|&r| r < 2) {
             return Err("--allreduce-only needs a rank count above 1 in --ranks".into());
         }
@@ -352,8 +364,14 @@ fn main() -> ExitCode {
     if opts.allreduce_only {
         return allreduce_only(&opts, &cfg, &setting);
     }
+    let children = !opts.same_process && opts.row_out.is_none() && opts.ranks.len() > 1;
     let mut rows = Vec::new();
-    for &ranks in &opts.ranks {
+    for (i, &ranks) in opts.ranks.iter().enumerate() {
+        let last = i + 1 == opts.ranks.len();
+        if children {
+            rows.push(in_child(&opts, &cfg, &setting, ranks, last));
+            continue;
+        }
         let mut row = Row {
             model: cfg.name.clone(),
             layers: cfg.layers,
@@ -368,12 +386,23 @@ fn main() -> ExitCode {
             nccl_algo: setting.nccl_algo.clone(),
             ..Row::default()
         };
-        let trace = opts.timeline && Some(&ranks) == opts.ranks.last();
+        let trace = opts.timeline && last;
         if let Err(e) = measure(&opts, &cfg, &source, &backends, &mut row, trace) {
             eprintln!("tp-bench: {ranks} rank(s): {e}");
             row.error = e.to_string();
         }
         rows.push(row);
+    }
+    if let Some(path) = &opts.row_out {
+        // A rank count's process: its row goes back to the parent, which writes the files.
+        let written = serde_json::to_string(&rows[0]).map_err(Error::from).and_then(|json| {
+            std::fs::write(path, json).map_err(|e| format!("{}: {e}", path.display()).into())
+        });
+        if let Err(e) = written {
+            eprintln!("tp-bench: cannot hand the row back: {e}");
+            return ExitCode::from(1);
+        }
+        return if rows[0].error.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(1) };
     }
     if rows.iter().all(|r| !r.error.is_empty()) {
         return ExitCode::from(1);
@@ -421,6 +450,68 @@ fn main() -> ExitCode {
         Err(e) => eprintln!("tp-bench: cannot write the results: {e}"),
     }
     ExitCode::SUCCESS
+}
+
+/// The arguments of rank count `ranks`'s process: this invocation's, with `--ranks` replaced and
+/// `--timeline` only for the `last`, and `--row-out` appended by the caller.
+fn child_args(args: &[String], ranks: usize, last: bool) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        if a == "--ranks" {
+            it.next();
+        } else if a.starts_with("--ranks=") || (a == "--timeline" && !last) {
+        } else {
+            out.push(a.clone());
+        }
+    }
+    out.extend(["--ranks".to_string(), ranks.to_string()]);
+    out
+}
+
+/// Rank count `ranks` measured by this executable in a process of its own; its output goes to
+/// ours. A process that fails, or hands no row back, gives a row that says so.
+fn in_child(opts: &Options, cfg: &LlamaConfig, setting: &Setting, ranks: usize, last: bool) -> Row {
+    let mut row = Row {
+        model: cfg.name.clone(),
+        layers: cfg.layers,
+        ranks,
+        batch: opts.batch,
+        prompt: opts.prompt,
+        fuse: opts.fuse.clone(),
+        nccl_min_ctas: setting.nccl_min_ctas,
+        nccl_max_ctas: setting.nccl_max_ctas,
+        nccl_cga_cluster_size: setting.nccl_cga_cluster_size,
+        nccl_proto: setting.nccl_proto.clone(),
+        nccl_algo: setting.nccl_algo.clone(),
+        ..Row::default()
+    };
+    let ran = (|| -> Result<Row, Error> {
+        let exe = std::env::current_exe()?;
+        let file = std::env::temp_dir().join(format!("tp-bench-{}-ranks{ranks}.json", std::process::id()));
+        std::fs::remove_file(&file).ok();
+        let args: Vec<String> = std::env::args().skip(1).collect();
+        println!("\n# {ranks} rank(s): a process of its own");
+        let status = std::process::Command::new(exe)
+            .args(child_args(&args, ranks, last))
+            .arg("--row-out")
+            .arg(&file)
+            .status();
+        let text = std::fs::read_to_string(&file);
+        std::fs::remove_file(&file).ok();
+        match text {
+            Ok(text) => Ok(serde_json::from_str(&text)?),
+            Err(_) => Err(format!("its process ended ({}) without a row", status?).into()),
+        }
+    })();
+    match ran {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("tp-bench: {ranks} rank(s): {e}");
+            row.error = e.to_string();
+            row
+        }
+    }
 }
 
 /// Speedup and efficiency against the one-rank row (none without one: the columns stay empty).
@@ -809,5 +900,23 @@ fn allreduce_only(opts: &Options, cfg: &LlamaConfig, setting: &Setting) -> ExitC
         ExitCode::from(1)
     } else {
         ExitCode::SUCCESS
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::child_args;
+
+    #[test]
+    fn a_rank_counts_process_takes_the_options_with_its_rank_count() {
+        let args: Vec<String> =
+            ["--preset", "tiny", "--ranks", "1,2", "--timeline", "--steps=4", "--ranks=2,1"]
+                .map(String::from)
+                .to_vec();
+        assert_eq!(
+            child_args(&args, 2, true),
+            ["--preset", "tiny", "--timeline", "--steps=4", "--ranks", "2"]
+        );
+        assert_eq!(child_args(&args, 1, false), ["--preset", "tiny", "--steps=4", "--ranks", "1"]);
     }
 }
