@@ -683,10 +683,10 @@ fn decode_gemv_matches_the_reference() {
         }
         // Small and odd shapes, every epilogue (k and n are multiples of 8 on every backend, the shared
         // check's 16-byte rows): k = 8 (one chunk: one lane works), n = 8, n an odd number of 8s (the last
-        // block has idle warps at 5 to 8 tokens), k = 4104 (513 chunks: the remainder loop), a
-        // vocabulary-sized n.
+        // block has idle warps at 5 to 8 tokens), k = 4104 (513 chunks: the remainder loop), k = 7176
+        // (the one-token long-row tile, 897 chunks: its remainder), a vocabulary-sized n.
         for (i, (k, n)) in
-            [(8, 8), (8, 24), (64, 40), (4104, 56), (64, 4104), (256, 50264)].iter().enumerate()
+            [(8, 8), (8, 24), (64, 40), (4104, 56), (7176, 40), (64, 4104), (256, 50264)].iter().enumerate()
         {
             let args = MatmulArgs::linear(m, *k, *n);
             let seed = 900 + 10 * i as u64 + m as u64;
@@ -1110,8 +1110,8 @@ fn both_gemv_splits_match_the_reference_and_the_unfused_path_with_and_without_pd
         ctx.set_programmatic_launch(pdl);
         println!("-- {name}");
         // One token: Llama-3.1-8B's projections (every epilogue a decoder uses), and small and odd
-        // shapes: k = 8 (one chunk), k = 64 (under one round of the block form), k = 4104 (the
-        // remainder loop), n = 8 and 16 (fewer rows than one block holds), 24, 40 and 56 (a last
+        // shapes: k = 8 (one chunk), k = 64 (under one round of the block form), k = 4104 and 7176
+        // (the remainder loops of the one-token tiles), n = 8 and 16 (fewer rows than one block holds), 24, 40 and 56 (a last
         // block that is not full), a vocabulary-sized n. (The matmul API takes n in multiples of 8, 16-byte rows of D: n = 1 or
         // 57 is refused before any launch, so those rows of the kernels are unreachable.)
         let used = [Epilogue::NONE, Epilogue::RESIDUAL, Epilogue::SWIGLU];
@@ -1120,7 +1120,7 @@ fn both_gemv_splits_match_the_reference_and_the_unfused_path_with_and_without_pd
             check_gemv_shape::<bf16>(&ctx, &args, &used, 2000 + i as u64, &mut failures);
         }
         for (i, (k, n)) in
-            [(8, 8), (8, 16), (64, 40), (4104, 56), (1032, 24), (256, 50264)].iter().enumerate()
+            [(8, 8), (8, 16), (64, 40), (4104, 56), (7176, 40), (1032, 24), (256, 50264)].iter().enumerate()
         {
             let args = MatmulArgs::linear(1, *k, *n);
             check_gemv_shape::<bf16>(&ctx, &args, &epilogues(), 2100 + i as u64, &mut failures);
@@ -1135,9 +1135,13 @@ fn both_gemv_splits_match_the_reference_and_the_unfused_path_with_and_without_pd
         }
     }
     let runs = ctx.kernel_runs();
-    for kernel in
-        ["gemv_bf16_m1_block)", "gemv_bf16_m1_norm_dual_block)", "gemv_f16_m1_norm_block)", "gemv_bf16_m1)"]
-    {
+    for kernel in [
+        "gemv_bf16_m1_block)",
+        "gemv_bf16_m1_norm_dual_block)",
+        "gemv_f16_m1_norm_block)",
+        "gemv_bf16_m1)",
+        "gemv_bf16_m1_u2)",
+    ] {
         assert!(runs.iter().any(|r| r.name.ends_with(kernel)), "no run of {kernel}: {runs:?}");
     }
     assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));

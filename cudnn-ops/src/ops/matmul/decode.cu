@@ -183,8 +183,17 @@ extern "C" __global__ void __launch_bounds__(128) gemv_##sfx##_m##M(            
         long act, const bits16* up, const bits16* res, bits16* y) {                                       \
     gemv<D, M, R, U>(x, ldx, w, ldw, (int)m, (int)k, (int)n, bias, (int)act, up, res, y);                 \
 }
+// gemv_<dtype>_m1_u<U>: the one-token tile with U chunks of each row in flight instead of 3 (decode.rs
+// `LONG_ROWS`).
+#define GEMV_KERNEL_U(sfx, D, U)                                                                          \
+extern "C" __global__ void __launch_bounds__(128) gemv_##sfx##_m1_u##U(                                   \
+        const bits16* x, long ldx, const bits16* w, long ldw, long m, long k, long n, const bits16* bias, \
+        long act, const bits16* up, const bits16* res, bits16* y) {                                       \
+    gemv<D, 1, 1, U>(x, ldx, w, ldw, (int)m, (int)k, (int)n, bias, (int)act, up, res, y);                 \
+}
 #define GEMV_TILES(sfx, D)                                                                                \
     GEMV_KERNEL(sfx, D, 1, 1, 3)                                                                          \
+    GEMV_KERNEL_U(sfx, D, 2)                                                                              \
     GEMV_KERNEL(sfx, D, 2, 2, 4)                                                                          \
     GEMV_KERNEL(sfx, D, 4, 2, 4)                                                                          \
     GEMV_KERNEL(sfx, D, 8, 4, 2)

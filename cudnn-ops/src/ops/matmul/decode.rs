@@ -5,8 +5,8 @@
 //! bound, and its floor is the weight's bytes over the copy bandwidth. cuDNN's matmul engines reached
 //! 67-90% of that floor on an H200 at one token (issue 12). This kernel streams the weight: each warp
 //! owns a few rows of W (output features), each lane keeps a few loads of 16 bytes of them in flight
-//! (3 at one token), bypassing L1; x is read through L1, which the warps of an SM share, once per
-//! chunk for all the warp's rows; f32 accumulation and a warp-shuffle sum; the epilogue runs on the
+//! (3 at one token, 2 over rows of [`LONG_ROWS`] elements or more), bypassing L1; x is read through
+//! L1, which the warps of an SM share, once per chunk for all the warp's rows; f32 accumulation and a warp-shuffle sum; the epilogue runs on the
 //! lane that writes, in f32 with one rounding, as the fused graph's does. How many rows per warp and
 //! loads per lane was measured in whole replayed decode steps, not per call (a call's best and the
 //! step's best differ): what counts is that a projection of few rows per SM runs in one wave of
@@ -76,6 +76,16 @@ pub const DECODE_GEMV_AUTO_TOKENS: usize = 1;
 /// The kernels' token tiles and the rows of W each warp owns at that tile (`GEMV_TILES` in
 /// `decode.cu`; a mismatch costs speed, not correctness: warps stride over the rows).
 const TILES: [(usize, usize); 4] = [(1, 1), (2, 2), (4, 2), (8, 4)];
+
+/// The plain one-token GEMV over rows of at least `.0` elements keeps `.1` chunks of each row in flight
+/// (kernel `gemv_<dtype>_m1_u<.1>`) instead of the 3 of [`TILES`]' one-token kernel. Measured in whole
+/// replayed Llama-3.1-8B decode steps, 4 rounds each (`tp-bench --decode-variants`,
+/// `benches/results/h200-x2/tensor-parallel.md`): a TP2 rank's down projection (k 7168) at 2 chunks
+/// against 3, median step 2.7785 against 2.7916 ms back to back on two H200s, 3.4692 against 3.4781
+/// on two H100s; one GPU's (k 14336) 5.5699 against 5.5812 ms on an H100. At k 2048 and 4096
+/// (o_proj, lm_head) 2 chunks gained nothing or lost (a TP2 rank's o_proj 3.5846 against 3.5800 ms
+/// on two H100s).
+const LONG_ROWS: (usize, usize) = (7168, 2);
 
 /// The rows of W per warp and the chunks of each row in flight of the one-token fused forms
 /// (`GEMV_FUSED` in `decode.cu`). Chosen on an H200 in whole replayed 8B decode steps
@@ -157,13 +167,17 @@ impl Gemv {
         }
     }
 
-    /// The kernel's name, `gemv_<dtype>_m<tile>`, or `gemv_<dtype>_m1_<form>` for a fused form; with
+    /// The kernel's name, `gemv_<dtype>_m<tile>` (`gemv_<dtype>_m1_u2` over long rows, [`LONG_ROWS`]),
+    /// or `gemv_<dtype>_m1_<form>` for a fused form; with
     /// a block per row group `gemv_<dtype>_m1_block` or `gemv_<dtype>_m1_<form>_block`.
     fn kernel(&self) -> String {
         let sfx = if self.dtype == DataType::F16 { "f16" } else { "bf16" };
         match (self.fused_form(), self.block) {
             (Some(form), false) if self.deep => format!("gemv_{sfx}_m1_{form}_u{DEEP_ROPE_CHUNKS}"),
             (Some(form), false) => format!("gemv_{sfx}_m1_{form}"),
+            (None, false) if self.tile == 1 && self.k >= LONG_ROWS.0 => {
+                format!("gemv_{sfx}_m1_u{}", LONG_ROWS.1)
+            }
             (None, false) => format!("gemv_{sfx}_m{}", self.tile),
             (Some(form), true) => format!("gemv_{sfx}_m1_{form}_block"),
             (None, true) => format!("gemv_{sfx}_m1_block"),
@@ -625,6 +639,10 @@ mod tests {
             let line = format!("{kernel}(sfx, D, {form}, {rows}, {chunks}, ");
             assert!(src.contains(&line), "decode.cu lacks the fused form `{line}`");
         }
+        assert!(
+            src.contains(&format!("GEMV_KERNEL_U(sfx, D, {})", LONG_ROWS.1)),
+            "decode.cu lacks the long-row tile"
+        );
         for form in ["rope", "norm_rope"] {
             let line =
                 format!("GEMV_ROPE_KERNEL(sfx, D, {form}_u{DEEP_ROPE_CHUNKS}, 2, {DEEP_ROPE_CHUNKS}, ");
@@ -655,7 +673,8 @@ mod tests {
         for args in cases {
             let g = on(args, GemvSplit::Auto);
             assert!(!g.block && !g.kernel().ends_with("_block"), "{args:?}: {}", g.kernel());
-            assert_eq!(on(args, GemvSplit::Block).kernel(), format!("{}_block", g.kernel()), "{args:?}");
+            let warp = g.kernel().replace("_u2", ""); // the long-row tile has no block form of its own
+            assert_eq!(on(args, GemvSplit::Block).kernel(), format!("{warp}_block"), "{args:?}");
         }
         // Forced either way at one token; more tokens keep warps whatever is asked.
         let gate = MatmulArgs::linear(1, 4096, 14336).with_epilogue(swiglu).with_up_product();
@@ -673,5 +692,26 @@ mod tests {
             assert_eq!(g, MatmulArgs::linear(m, 4096, 4096).gemv(BF, BF).unwrap(), "m {m}");
         }
         assert!(g.describe().ends_with("(gemv_f16_m1_norm_block)"), "{}", g.describe());
+    }
+
+    #[test]
+    fn long_rows_take_the_two_chunk_tile_at_one_token_only() {
+        let kernel = |m, k, n| MatmulArgs::linear(m, k, n).gemv(BF, BF).unwrap().kernel();
+        // Llama-3.1-8B's down projection on one GPU (k 14336) and on a TP2 rank (k 7168); o_proj and
+        // lm_head (k 4096, 2048) keep three.
+        assert_eq!(kernel(1, 14336, 4096), "gemv_bf16_m1_u2");
+        assert_eq!(kernel(1, LONG_ROWS.0, 4096), "gemv_bf16_m1_u2");
+        assert_eq!(kernel(1, LONG_ROWS.0 - 8, 4096), "gemv_bf16_m1");
+        assert_eq!(kernel(1, 4096, 128256), "gemv_bf16_m1");
+        // More tokens keep their tiles; the fused forms and the block split keep theirs.
+        assert_eq!(kernel(2, 14336, 4096), "gemv_bf16_m2");
+        let norm = MatmulArgs::linear(1, 14336, 4096).with_prologue(Prologue::rms_norm(1e-5));
+        assert_eq!(norm.gemv(BF, BF).unwrap().kernel(), "gemv_bf16_m1_norm");
+        let g = MatmulArgs::linear(1, 14336, 4096).gemv(BF, BF).unwrap().with_split(GemvSplit::Block);
+        assert_eq!(g.kernel(), "gemv_bf16_m1_block");
+        assert_eq!(
+            MatmulArgs::linear(1, 14336, 4096).gemv(DataType::F16, DataType::F16).unwrap().kernel(),
+            "gemv_f16_m1_u2"
+        );
     }
 }
