@@ -3,8 +3,8 @@
 //! columns and the file names (the all-reduce run itself fails here without two GPUs and NCCL, or
 //! runs where they are).
 
-use std::path::PathBuf;
-use std::process::Command;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
 
 /// The binary, where cargo built it or staged beside this test; `None` (said as SKIPPED) when neither.
 fn binary() -> Option<PathBuf> {
@@ -13,6 +13,21 @@ fn binary() -> Option<PathBuf> {
         eprintln!("SKIPPED: no tp-bench binary where cargo built it or staged beside this test");
     }
     found
+}
+
+/// `bin` with `args`, its results under `dir`, no NCCL protocol or algorithm from the environment:
+/// the output, its stdout and its stderr.
+fn run_into(bin: &Path, args: &[&str], dir: &Path) -> (Output, String, String) {
+    let out = Command::new(bin)
+        .args(args)
+        .env("BENCH_RESULTS_DIR", dir)
+        .env_remove("NCCL_PROTO")
+        .env_remove("NCCL_ALGO")
+        .output()
+        .unwrap();
+    let (stdout, stderr) =
+        (String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into());
+    (out, stdout, stderr)
 }
 
 #[test]
@@ -72,14 +87,7 @@ fn a_settings_values_are_printed_and_written_as_columns_and_file_names() {
         "--timeout",
         "120",
     ];
-    let out = Command::new(&bin)
-        .args(args)
-        .env("BENCH_RESULTS_DIR", &dir)
-        .env_remove("NCCL_PROTO")
-        .env_remove("NCCL_ALGO")
-        .output()
-        .unwrap();
-    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let (out, stdout, stderr) = run_into(&bin, &args, &dir);
     // 0 where two GPUs and NCCL ran it, 1 where they are missing (the row says why).
     assert!(matches!(out.status.code(), Some(0 | 1)), "{stdout}\n{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
@@ -124,14 +132,7 @@ fn each_rank_count_runs_in_a_process_of_its_own_and_the_rows_come_back() {
     let Some(bin) = binary() else { return };
     let dir = std::env::temp_dir().join(format!("tp-bench-children-{}", std::process::id()));
     let args = ["--preset", "tiny", "--ranks", "1,2", "--steps", "2", "--reps", "1", "--warmup", "0"];
-    let out = Command::new(&bin)
-        .args(args)
-        .env("BENCH_RESULTS_DIR", &dir)
-        .env_remove("NCCL_PROTO")
-        .env_remove("NCCL_ALGO")
-        .output()
-        .unwrap();
-    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let (out, stdout, stderr) = run_into(&bin, &args, &dir);
     assert!(!stderr.contains("panicked"), "{stderr}");
     for r in [1, 2] {
         assert!(stdout.contains(&format!("# {r} rank(s): a process of its own")), "{stdout}");

@@ -300,6 +300,26 @@ struct Row {
     error: String,
 }
 
+impl Row {
+    /// The row of `ranks` ranks before anything is measured: what the options say.
+    fn of(opts: &Options, cfg: &LlamaConfig, setting: &Setting, ranks: usize) -> Row {
+        Row {
+            model: cfg.name.clone(),
+            layers: cfg.layers,
+            ranks,
+            batch: opts.batch,
+            prompt: opts.prompt,
+            fuse: opts.fuse.clone(),
+            nccl_min_ctas: setting.nccl_min_ctas,
+            nccl_max_ctas: setting.nccl_max_ctas,
+            nccl_cga_cluster_size: setting.nccl_cga_cluster_size,
+            nccl_proto: setting.nccl_proto.clone(),
+            nccl_algo: setting.nccl_algo.clone(),
+            ..Row::default()
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let opts = Options::parse();
     let plan = (|| -> Result<(LlamaConfig, WeightSource, Backends), Error> {
@@ -368,24 +388,11 @@ fn main() -> ExitCode {
     let mut rows = Vec::new();
     for (i, &ranks) in opts.ranks.iter().enumerate() {
         let last = i + 1 == opts.ranks.len();
+        let mut row = Row::of(&opts, &cfg, &setting, ranks);
         if children {
-            rows.push(in_child(&opts, &cfg, &setting, ranks, last));
+            rows.push(in_child(row, last));
             continue;
         }
-        let mut row = Row {
-            model: cfg.name.clone(),
-            layers: cfg.layers,
-            ranks,
-            batch: opts.batch,
-            prompt: opts.prompt,
-            fuse: opts.fuse.clone(),
-            nccl_min_ctas: setting.nccl_min_ctas,
-            nccl_max_ctas: setting.nccl_max_ctas,
-            nccl_cga_cluster_size: setting.nccl_cga_cluster_size,
-            nccl_proto: setting.nccl_proto.clone(),
-            nccl_algo: setting.nccl_algo.clone(),
-            ..Row::default()
-        };
         let trace = opts.timeline && last;
         if let Err(e) = measure(&opts, &cfg, &source, &backends, &mut row, trace) {
             eprintln!("tp-bench: {ranks} rank(s): {e}");
@@ -469,23 +476,10 @@ fn child_args(args: &[String], ranks: usize, last: bool) -> Vec<String> {
     out
 }
 
-/// Rank count `ranks` measured by this executable in a process of its own; its output goes to
-/// ours. A process that fails, or hands no row back, gives a row that says so.
-fn in_child(opts: &Options, cfg: &LlamaConfig, setting: &Setting, ranks: usize, last: bool) -> Row {
-    let mut row = Row {
-        model: cfg.name.clone(),
-        layers: cfg.layers,
-        ranks,
-        batch: opts.batch,
-        prompt: opts.prompt,
-        fuse: opts.fuse.clone(),
-        nccl_min_ctas: setting.nccl_min_ctas,
-        nccl_max_ctas: setting.nccl_max_ctas,
-        nccl_cga_cluster_size: setting.nccl_cga_cluster_size,
-        nccl_proto: setting.nccl_proto.clone(),
-        nccl_algo: setting.nccl_algo.clone(),
-        ..Row::default()
-    };
+/// `row`'s rank count measured by this executable in a process of its own; its output goes to ours.
+/// A process that fails, or hands no row back, gives `row` with what went wrong.
+fn in_child(mut row: Row, last: bool) -> Row {
+    let ranks = row.ranks;
     let ran = (|| -> Result<Row, Error> {
         let exe = std::env::current_exe()?;
         let file = std::env::temp_dir().join(format!("tp-bench-{}-ranks{ranks}.json", std::process::id()));
