@@ -1,6 +1,6 @@
 //! `cargo run --release --features app --bin tp-bench -- [options]`: tensor parallelism against one
-//! GPU, in one process and one device call. For each rank count of `--ranks` (default `1,2`) it
-//! loads the model (random weights, or `--checkpoint DIR`), then times on every rank with CUDA events
+//! GPU, in one invocation (one device call). For each rank count of `--ranks` (default `1,2`; each in
+//! a process of its own, below) it loads the model (random weights, or `--checkpoint DIR`), then times on every rank with CUDA events
 //! (the slowest rank's time counts):
 //!
 //! - the prefill forward of `--batch` × `--prompt` tokens (median of `--reps`, after the first
