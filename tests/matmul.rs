@@ -1111,8 +1111,8 @@ fn both_gemv_splits_match_the_reference_and_the_unfused_path_with_and_without_pd
         println!("-- {name}");
         // One token: Llama-3.1-8B's projections (every epilogue a decoder uses), and small and odd
         // shapes: k = 8 (one chunk), k = 64 (under one round of the block form), k = 4104 and 7176
-        // (the remainder loops of the one-token tiles), n = 8 and 16 (fewer rows than one block holds), 24, 40 and 56 (a last
-        // block that is not full), a vocabulary-sized n. (The matmul API takes n in multiples of 8, 16-byte rows of D: n = 1 or
+        // (the remainder loops of the one-token tiles), n = 8 and 16 (fewer rows than one block
+        // holds), 24, 40 and 56 (a last block that is not full), a vocabulary-sized n. (The matmul API takes n in multiples of 8, 16-byte rows of D: n = 1 or
         // 57 is refused before any launch, so those rows of the kernels are unreachable.)
         let used = [Epilogue::NONE, Epilogue::RESIDUAL, Epilogue::SWIGLU];
         for (i, (_, k, n, _)) in LLAMA_8B_DECODE.iter().enumerate() {

@@ -33,7 +33,7 @@ fn run_into(bin: &Path, args: &[&str], dir: &Path) -> (Output, String, String) {
 #[test]
 fn bad_nccl_options_exit_2_naming_the_option() {
     let Some(bin) = binary() else { return };
-    let cases: [(&[&str], &str, &str); 11] = [
+    let cases: [(&[&str], &str, &str); 12] = [
         (&["--nccl-max-ctas", "65"], "--nccl-max-ctas", "65 is not between 1 and 64"),
         (&["--nccl-max-ctas", "0"], "--nccl-max-ctas", "0 is not between 1 and 64"),
         (&["--nccl-min-ctas", "8", "--nccl-max-ctas", "4"], "--nccl-min-ctas", "8 is above maxCTAs 4"),
@@ -49,6 +49,7 @@ fn bad_nccl_options_exit_2_naming_the_option() {
         ),
         (&["--decode-variants", "split=rows"], "--decode-variants", "`split=rows`"),
         (&["--decode-variants", "attention=cudnn,pdl=maybe"], "--decode-variants", "`pdl=maybe`"),
+        (&["--decode-variants", "default", "--variant-rounds", "0"], "--variant-rounds", "at least 1"),
     ];
     for (args, option, why) in cases {
         let out =
@@ -147,7 +148,7 @@ fn each_rank_count_runs_in_a_process_of_its_own_and_the_rows_come_back() {
             );
             assert!(csv.is_err(), "no row ran, yet results were written");
         }
-        // Two GPUs: both rows came back from their processes, the speedup against the first.
+        // Two GPUs: both rows came back from their processes, in the order of --ranks.
         Some(0) => {
             let csv = csv.unwrap();
             let rows: Vec<&str> = csv.lines().skip(1).collect();

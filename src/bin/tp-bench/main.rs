@@ -1,7 +1,7 @@
 //! `cargo run --release --features app --bin tp-bench -- [options]`: tensor parallelism against one
 //! GPU, in one invocation (one device call). For each rank count of `--ranks` (default `1,2`; each in
-//! a process of its own, below) it loads the model (random weights, or `--checkpoint DIR`), then times on every rank with CUDA events
-//! (the slowest rank's time counts):
+//! a process of its own, below) it loads the model (random weights, or `--checkpoint DIR`), then
+//! times on every rank with CUDA events (the slowest rank's time counts):
 //!
 //! - the prefill forward of `--batch` × `--prompt` tokens (median of `--reps`, after the first
 //!   forward, which builds and tunes the plans, and `--warmup` more);
@@ -340,6 +340,9 @@ fn main() -> ExitCode {
                 "--ranks, --prompt, --batch, --steps and --reps must be non-empty and non-zero".into()
             );
         }
+        if !opts.decode_variants.is_empty() && opts.variant_rounds == 0 {
+            return Err("--variant-rounds must be at least 1 with --decode-variants".into());
+        }
         if opts.row_out.is_some() && opts.ranks.len() != 1 {
             return Err("--row-out takes one rank count in --ranks".into());
         }
@@ -466,9 +469,10 @@ fn child_args(args: &[String], ranks: usize, last: bool) -> Vec<String> {
     let mut it = args.iter();
     while let Some(a) = it.next() {
         if a == "--ranks" {
-            it.next();
-        } else if a.starts_with("--ranks=") || (a == "--timeline" && !last) {
-        } else {
+            it.next(); // its value
+            continue;
+        }
+        if !a.starts_with("--ranks=") && (a != "--timeline" || last) {
             out.push(a.clone());
         }
     }

@@ -6,8 +6,9 @@
 //! 67-90% of that floor on an H200 at one token (issue 12). This kernel streams the weight: each warp
 //! owns a few rows of W (output features), each lane keeps a few loads of 16 bytes of them in flight
 //! (3 at one token, 2 over rows of [`LONG_ROWS`] elements or more), bypassing L1; x is read through
-//! L1, which the warps of an SM share, once per chunk for all the warp's rows; f32 accumulation and a warp-shuffle sum; the epilogue runs on the
-//! lane that writes, in f32 with one rounding, as the fused graph's does. How many rows per warp and
+//! L1, which the warps of an SM share, once per chunk for all the warp's rows; f32 accumulation and a
+//! warp-shuffle sum; the epilogue runs on the lane that writes, in f32 with one rounding, as the fused
+//! graph's does. How many rows per warp and
 //! loads per lane was measured in whole replayed decode steps, not per call (a call's best and the
 //! step's best differ): what counts is that a projection of few rows per SM runs in one wave of
 //! resident warps ([`FUSED_TILES`]).
@@ -168,8 +169,8 @@ impl Gemv {
     }
 
     /// The kernel's name, `gemv_<dtype>_m<tile>` (`gemv_<dtype>_m1_u2` over long rows, [`LONG_ROWS`]),
-    /// or `gemv_<dtype>_m1_<form>` for a fused form; with
-    /// a block per row group `gemv_<dtype>_m1_block` or `gemv_<dtype>_m1_<form>_block`.
+    /// or `gemv_<dtype>_m1_<form>` for a fused form; with a block per row group `gemv_<dtype>_m1_block`
+    /// or `gemv_<dtype>_m1_<form>_block`.
     fn kernel(&self) -> String {
         let sfx = if self.dtype == DataType::F16 { "f16" } else { "bf16" };
         match (self.fused_form(), self.block) {
