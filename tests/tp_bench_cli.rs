@@ -85,6 +85,8 @@ fn a_settings_values_are_printed_and_written_as_columns_and_file_names() {
         "LL128",
         "--nccl-algo",
         "Ring",
+        "--rank-spin-us",
+        "0",
         "--timeout",
         "120",
     ];
@@ -94,11 +96,12 @@ fn a_settings_values_are_printed_and_written_as_columns_and_file_names() {
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert!(
         stdout.contains(
-            "# NCCL settings `min4-max8-LL128-Ring`: minCTAs=4 maxCTAs=8, NCCL_PROTO=LL128, NCCL_ALGO=Ring"
+            "# settings `min4-max8-LL128-Ring-spin0`: minCTAs=4 maxCTAs=8, NCCL_PROTO=LL128, NCCL_ALGO=Ring, \
+             ranks poll 0 us for a call"
         ),
         "{stdout}"
     );
-    let csv = std::fs::read_to_string(dir.join("tp-allreduce-min4-max8-LL128-Ring.csv")).unwrap();
+    let csv = std::fs::read_to_string(dir.join("tp-allreduce-min4-max8-LL128-Ring-spin0.csv")).unwrap();
     let mut lines = csv.lines();
     let header: Vec<&str> = lines.next().unwrap().split(',').collect();
     let col = |name: &str| {
@@ -113,10 +116,11 @@ fn a_settings_values_are_printed_and_written_as_columns_and_file_names() {
                 col("nccl_max_ctas"),
                 col("nccl_cga_cluster_size"),
                 col("nccl_proto"),
-                col("nccl_algo")
+                col("nccl_algo"),
+                col("rank_spin_us")
             ]
             .map(|c| row[c]),
-            ["4", "8", "", "LL128", "Ring"],
+            ["4", "8", "", "LL128", "Ring", "0"],
             "{csv}"
         );
     }
@@ -138,6 +142,8 @@ fn each_rank_count_runs_in_a_process_of_its_own_and_the_rows_come_back() {
     for r in [1, 2] {
         assert!(stdout.contains(&format!("# {r} rank(s): a process of its own")), "{stdout}");
     }
+    // The settings once, from this process: the rank counts' processes leave them out.
+    assert_eq!(stdout.matches("# settings `default`").count(), 1, "{stdout}");
     let csv = std::fs::read_to_string(dir.join("tp-tiny-2l.csv"));
     match out.status.code() {
         // No GPU (or one): each process says why its row failed, no results are written.

@@ -34,16 +34,36 @@ pub struct TpOptions {
     pub timeout: Duration,
     /// The NCCL communicators' settings (default: NCCL's own).
     pub nccl: NcclConfig,
+    /// How long a rank's thread polls for its next job after one before it blocks (default
+    /// [`TpOptions::DEFAULT_SPIN`]; zero: it blocks at once). Waking a blocked thread takes tens of
+    /// microseconds and the ranks wake unevenly, and the first to start a step waits for the last in
+    /// the step's first collective; a polling rank starts within a microsecond or so of the call. The
+    /// cost is a busy core per rank for at most this long after each call.
+    pub spin: Duration,
 }
 
 impl Default for TpOptions {
     /// GPUs `0..ranks`, ten minutes per call, NCCL's own communicator settings.
     fn default() -> Self {
-        TpOptions { devices: None, timeout: Duration::from_secs(600), nccl: NcclConfig::default() }
+        TpOptions {
+            devices: None,
+            timeout: Duration::from_secs(600),
+            nccl: NcclConfig::default(),
+            spin: Self::DEFAULT_SPIN,
+        }
     }
 }
 
 impl TpOptions {
+    /// [`TpOptions::spin`]'s default: long enough to span what a generation loop does on the host
+    /// between two decode steps.
+    pub const DEFAULT_SPIN: Duration = Duration::from_millis(2);
+
+    /// These options with the ranks' threads polling `spin` for their next job ([`TpOptions::spin`]).
+    pub fn with_spin(self, spin: Duration) -> Self {
+        TpOptions { spin, ..self }
+    }
+
     /// These options with each call waiting at most `timeout`.
     pub fn with_timeout(self, timeout: Duration) -> Self {
         TpOptions { timeout, ..self }
@@ -101,6 +121,19 @@ impl<T: Element> Rank<T> {
 
 /// A job for every rank, run on its thread.
 type Job<T> = Box<dyn FnOnce(&mut Rank<T>) + Send>;
+
+/// A rank's next job: polled for up to `spin`, then waited for; `None` once the team has gone.
+fn next_job<J>(queue: &mpsc::Receiver<J>, spin: Duration) -> Option<J> {
+    let until = Instant::now() + spin;
+    loop {
+        match queue.try_recv() {
+            Ok(job) => return Some(job),
+            Err(mpsc::TryRecvError::Disconnected) => return None,
+            Err(mpsc::TryRecvError::Empty) if Instant::now() < until => std::hint::spin_loop(),
+            Err(mpsc::TryRecvError::Empty) => return queue.recv().ok(),
+        }
+    }
+}
 
 struct Worker<T: Element> {
     jobs: Option<mpsc::Sender<Job<T>>>,
@@ -178,6 +211,7 @@ impl<T: Element> TpLlama<T> {
             torn_down: None,
         };
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).div_ceil(ranks);
+        let spin = options.spin;
         let (ready, answers) = mpsc::channel();
         for (rank, (device, comm)) in devices.into_iter().zip(comms).enumerate() {
             let (jobs, queue) = mpsc::channel::<Job<T>>();
@@ -199,7 +233,7 @@ impl<T: Element> TpLlama<T> {
                 };
                 let _ = ready.send((rank, Ok(())));
                 drop(ready);
-                while let Ok(job) = queue.recv() {
+                while let Some(job) = next_job(&queue, spin) {
                     job(&mut state);
                 }
             };
@@ -535,6 +569,29 @@ mod tests {
         // One row, or one rank: the layout is already row-major.
         assert_eq!(gathered_to_rows(&[1, 2, 3, 4], 2, 1, 4), [1, 2, 3, 4]);
         assert_eq!(gathered_to_rows(&[1, 2, 3, 4], 1, 2, 2), [1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn a_rank_takes_its_jobs_in_order_polling_or_blocked_and_stops_when_the_team_goes() {
+        for spin in [Duration::ZERO, Duration::from_millis(1), Duration::from_secs(60)] {
+            let (send, queue) = mpsc::channel();
+            send.send(1).unwrap();
+            send.send(2).unwrap();
+            assert_eq!(next_job(&queue, spin), Some(1));
+            assert_eq!(next_job(&queue, spin), Some(2));
+            // A job sent after the poll window (or, for the long window, within it) still arrives.
+            let late = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(20));
+                send.send(3).unwrap();
+                send
+            });
+            assert_eq!(next_job(&queue, spin), Some(3));
+            drop(late.join().unwrap());
+            // The sender gone: no job, polling or blocked, without waiting out the window.
+            let t = Instant::now();
+            assert_eq!(next_job(&queue, spin), None);
+            assert!(t.elapsed() < Duration::from_secs(30), "{spin:?}: {:?}", t.elapsed());
+        }
     }
 
     #[test]

@@ -41,7 +41,8 @@
 //! needs a maximum); `--nccl-proto LL|LL128|Simple` and `--nccl-algo Ring|Tree` set `NCCL_PROTO` and
 //! `NCCL_ALGO` for this process before its first communicator (NCCL reads them once per process, so
 //! they hold for every row of the invocation; a different value already in the environment is
-//! refused). `--allreduce-only` skips the model (the ranks hold the 1-layer tiny model) and times
+//! refused). `--rank-spin-us N` sets how long the ranks' threads poll for their next call before
+//! they block (`TpOptions::spin`; 0 blocks at once), and names the files too. `--allreduce-only` skips the model (the ranks hold the 1-layer tiny model) and times
 //! all-reduces alone: a decode step's and the prefill's `[tokens, hidden]` of `--preset`, and 8 KB to
 //! 64 MB in powers of two, written as `tp-allreduce[-<setting>].{csv,md}`; seconds per setting.
 //! Llama-3.1-70B shapes: `--preset llama-3.1-70b --layers 8 --ranks 1,2` (a one-GPU row of all 80
@@ -115,6 +116,10 @@ struct Options {
     /// `NCCL_ALGO` for this process (Ring or Tree), set before its first communicator.
     #[arg(long, value_parser = parse_algo)]
     nccl_algo: Option<Algorithm>,
+    /// Microseconds a rank's thread polls for its next call before it blocks (`TpOptions::spin`;
+    /// 0: it blocks at once). Default: the library's.
+    #[arg(long)]
+    rank_spin_us: Option<u64>,
     /// Time all-reduces only (decode and prefill sizes, and 8 KB to 64 MB), no model.
     #[arg(long)]
     allreduce_only: bool,
@@ -187,7 +192,8 @@ fn parse_algo(s: &str) -> Result<Algorithm, String> {
     s.parse().map_err(|e: NcclError| e.to_string())
 }
 
-/// The NCCL settings of an invocation: its columns in every row and the suffix of its files.
+/// The NCCL settings of an invocation, and how long its ranks poll for calls: its columns in every
+/// row and the suffix of its files.
 #[derive(Debug, Clone, Default)]
 struct Setting {
     nccl_min_ctas: Option<u32>,
@@ -197,6 +203,8 @@ struct Setting {
     nccl_proto: String,
     /// Empty: NCCL's choice.
     nccl_algo: String,
+    /// `None`: the library's.
+    rank_spin_us: Option<u64>,
 }
 
 impl Setting {
@@ -207,6 +215,17 @@ impl Setting {
             nccl_cga_cluster_size: opts.nccl_cga_cluster_size,
             nccl_proto: opts.nccl_proto.map_or(String::new(), |p| p.name().into()),
             nccl_algo: opts.nccl_algo.map_or(String::new(), |a| a.name().into()),
+            rank_spin_us: opts.rank_spin_us,
+        }
+    }
+
+    /// The team's options: these settings, calls waiting at most `timeout` seconds.
+    fn options(&self, timeout: u64) -> TpOptions {
+        let options =
+            TpOptions::default().with_timeout(Duration::from_secs(timeout)).with_nccl(self.config());
+        match self.rank_spin_us {
+            Some(us) => options.with_spin(Duration::from_micros(us)),
+            None => options,
         }
     }
 
@@ -218,14 +237,18 @@ impl Setting {
         c
     }
 
-    /// `min16-max32-cga0-LL128-Ring`, the parts given; `default` for none.
+    /// `min16-max32-cga0-LL128-Ring-spin0`, the parts given; `default` for none.
     fn label(&self) -> String {
-        let numbers =
-            [("min", self.nccl_min_ctas), ("max", self.nccl_max_ctas), ("cga", self.nccl_cga_cluster_size)];
+        let numbers = [
+            ("min", self.nccl_min_ctas.map(u64::from)),
+            ("max", self.nccl_max_ctas.map(u64::from)),
+            ("cga", self.nccl_cga_cluster_size.map(u64::from)),
+        ];
         let parts: Vec<String> = numbers
             .iter()
             .filter_map(|(k, v)| v.map(|v| format!("{k}{v}")))
             .chain([&self.nccl_proto, &self.nccl_algo].into_iter().filter(|s| !s.is_empty()).cloned())
+            .chain(self.rank_spin_us.map(|us| format!("spin{us}")))
             .collect();
         if parts.is_empty() {
             "default".into()
@@ -297,6 +320,7 @@ struct Row {
     nccl_cga_cluster_size: Option<u32>,
     nccl_proto: String,
     nccl_algo: String,
+    rank_spin_us: Option<u64>,
     error: String,
 }
 
@@ -315,6 +339,7 @@ impl Row {
             nccl_cga_cluster_size: setting.nccl_cga_cluster_size,
             nccl_proto: setting.nccl_proto.clone(),
             nccl_algo: setting.nccl_algo.clone(),
+            rank_spin_us: setting.rank_spin_us,
             ..Row::default()
         }
     }
@@ -368,20 +393,23 @@ fn main() -> ExitCode {
         }
     };
     let setting = Setting::of(&opts);
-    if opts.ranks.iter().any(|&r| r > 1) {
+    // A rank count's process leaves the header to its parent.
+    if opts.row_out.is_none() && opts.ranks.iter().any(|&r| r > 1) {
         match nccl::library() {
             Ok((v, lib)) => println!("# NCCL {} ({lib})", nccl::version_string(v)),
             Err(e) => println!("# NCCL: {e}"),
         }
         let env = |name: &str| std::env::var(name).unwrap_or_else(|_| "unset".into());
+        let spin = setting.options(opts.timeout).spin;
         println!(
-            "# NCCL settings `{}`: {}, {}={}, {}={}",
+            "# settings `{}`: {}, {}={}, {}={}, ranks poll {} us for a call",
             setting.label(),
             setting.config(),
             nccl::PROTO_ENV,
             env(nccl::PROTO_ENV),
             nccl::ALGO_ENV,
-            env(nccl::ALGO_ENV)
+            env(nccl::ALGO_ENV),
+            spin.as_micros()
         );
     }
     if opts.allreduce_only {
@@ -554,9 +582,7 @@ fn measure(
     // end, the timeline's 8 replays after its first step: they fit).
     let max_seq = prompt + 3 * steps + 10;
     let t = Instant::now();
-    let options = TpOptions::default()
-        .with_timeout(Duration::from_secs(opts.timeout))
-        .with_nccl(Setting::of(opts).config());
+    let options = Setting::of(opts).options(opts.timeout);
     let mut tp = TpLlama::<bf16>::new(cfg, ranks, source, max_seq, options)?;
     println!("\n## {} ranks: loaded in {:.1} s", ranks, t.elapsed().as_secs_f64());
     for (r, info) in tp.device_info()?.iter().enumerate() {
@@ -818,6 +844,7 @@ struct AllreduceRow {
     nccl_cga_cluster_size: Option<u32>,
     nccl_proto: String,
     nccl_algo: String,
+    rank_spin_us: Option<u64>,
     error: String,
 }
 
@@ -848,13 +875,12 @@ fn allreduce_only(opts: &Options, cfg: &LlamaConfig, setting: &Setting) -> ExitC
             nccl_cga_cluster_size: setting.nccl_cga_cluster_size,
             nccl_proto: setting.nccl_proto.clone(),
             nccl_algo: setting.nccl_algo.clone(),
+            rank_spin_us: setting.rank_spin_us,
             ..AllreduceRow::default()
         };
         let t = Instant::now();
         let measured = (|| -> Result<Vec<f64>, Error> {
-            let options = TpOptions::default()
-                .with_timeout(Duration::from_secs(opts.timeout))
-                .with_nccl(setting.config());
+            let options = setting.options(opts.timeout);
             let mut tp =
                 TpLlama::<bf16>::new(&stand_in, ranks, &WeightSource::Random { seed: 0 }, 16, options)?;
             let elements: Vec<usize> = sizes.iter().map(|s| s.1).collect();
