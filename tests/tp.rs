@@ -4,7 +4,8 @@
 //! steps and replayed decode graphs), the collectives alone, and a failing or silent rank ending the
 //! call with an error instead of a hang, communicators with CTA limits summing as the default ones; `speedup-report --tp 2` (per-rank rows with the all-reduce
 //! ranges, kernel totals against CUDA-event times, the scaling against one GPU). GPU tests are ignored by default; run them with
-//! `--include-ignored` on a machine with two GPUs.
+//! `--include-ignored` on a machine with two GPUs (`four_ranks_...` needs four: the `nvidia-h100-x4`
+//! kind; skip it on two with `--skip four_ranks`).
 
 use cudnn_llm::cudnn_ops::reference::{compare, Tolerance};
 use cudnn_llm::cudnn_ops::Backend;
@@ -116,12 +117,12 @@ fn greedy_feed(
 
 /// Compares two runs call by call (logits within [`TP_TOL`]) and their greedy choices: the same id
 /// wherever the one-GPU logits' top two are further apart than the two runs differ there.
-fn assert_runs_agree(what: &str, one: &Run, two: &Run, vocab: usize) {
+fn assert_runs_agree(what: &str, ranks: usize, one: &Run, two: &Run, vocab: usize) {
     let mut failures = Vec::new();
     for (call, (a, b)) in one.logits.iter().zip(&two.logits).enumerate() {
         let reference: Vec<f64> = a.iter().map(|&v| v as f64).collect();
         let c = compare(b, &reference);
-        println!("{what}: call {call} (0 = prefill), 2 ranks vs 1 GPU: {c}");
+        println!("{what}: call {call} (0 = prefill), {ranks} ranks vs 1 GPU: {c}");
         if !c.passes(TP_TOL) {
             failures.push(format!("call {call}: {c}"));
         }
@@ -133,7 +134,7 @@ fn assert_runs_agree(what: &str, one: &Run, two: &Run, vocab: usize) {
             let diff = ra.iter().zip(rb).map(|(x, y)| (x - y).abs() as f64).fold(0.0, f64::max);
             if ia != ib && margin > 2.0 * diff {
                 failures.push(format!(
-                    "call {call} sequence {seq}: greedy id {ib} on 2 ranks, {ia} on 1 GPU (margin {margin:.4}, max |diff| {diff:.4})"
+                    "call {call} sequence {seq}: greedy id {ib} on {ranks} ranks, {ia} on 1 GPU (margin {margin:.4}, max |diff| {diff:.4})"
                 ));
             } else if ia != ib {
                 println!("{what}: call {call} sequence {seq}: near tie ({ia} vs {ib}, margin {margin:.4} within {diff:.4})");
@@ -144,9 +145,16 @@ fn assert_runs_agree(what: &str, one: &Run, two: &Run, vocab: usize) {
     assert!(failures.is_empty(), "{what}: {failures:#?}");
 }
 
-/// One rank and two ranks of `cfg` on the same random weights: prefill, `plain` plain decode steps,
-/// then replayed graphs, on each backend selection.
-fn one_vs_two(cfg: &LlamaConfig, batch: usize, len: usize, steps: usize, plain: usize, selections: &[&str]) {
+/// One rank and `ranks` ranks of `cfg` on the same random weights: prefill, `plain` plain decode
+/// steps, then replayed graphs, on each backend selection.
+fn one_vs_split(
+    cfg: &LlamaConfig,
+    ranks: usize,
+    (batch, len): (usize, usize),
+    steps: usize,
+    plain: usize,
+    selections: &[&str],
+) {
     let prompt = tokens(batch, len, cfg.vocab, 5);
     let max_seq = len + steps + 1;
     let mut runs = Vec::new();
@@ -156,10 +164,10 @@ fn one_vs_two(cfg: &LlamaConfig, batch: usize, len: usize, steps: usize, plain: 
         runs.push(run(&mut one, &prompt, &feed, plain, &Backends::parse(sel).unwrap()));
     }
     drop(one);
-    let mut two = team(cfg, 2, 7, max_seq, TpOptions::default());
+    let mut split = team(cfg, ranks, 7, max_seq, TpOptions::default());
     for (sel, single) in selections.iter().zip(&runs) {
-        let split = run(&mut two, &prompt, &feed, plain, &Backends::parse(sel).unwrap());
-        assert_runs_agree(&format!("{} `{sel}`", cfg.name), single, &split, cfg.vocab);
+        let parts = run(&mut split, &prompt, &feed, plain, &Backends::parse(sel).unwrap());
+        assert_runs_agree(&format!("{} `{sel}`", cfg.name), ranks, single, &parts, cfg.vocab);
     }
 }
 
@@ -186,7 +194,14 @@ fn two_ranks_match_one_gpu_on_the_tiny_config() {
     }
     // Naive, fused and a mix; 3 plain decode steps, then 5 replayed graphs (fused RoPE and attention,
     // which captured steps need).
-    one_vs_two(&cfg, batch, len, 8, 3, &["fused=all", "fused=all;naive=mlp@1,o_proj", "fused=rope,gqa"]);
+    one_vs_split(
+        &cfg,
+        2,
+        (batch, len),
+        8,
+        3,
+        &["fused=all", "fused=all;naive=mlp@1,o_proj", "fused=rope,gqa"],
+    );
 }
 
 #[test]
@@ -194,14 +209,28 @@ fn two_ranks_match_one_gpu_on_the_tiny_config() {
 fn two_ranks_match_one_gpu_on_the_1b_config_with_tied_embeddings() {
     // Tied: each rank's lm_head is its rows of the embedding.
     let cfg = LlamaConfig::llama_3_2_1b().with_layers(2);
-    one_vs_two(&cfg, 1, 40, 6, 2, &["fused=all"]);
+    one_vs_split(&cfg, 2, (1, 40), 6, 2, &["fused=all"]);
 }
 
 #[test]
 #[ignore = "needs 2 CUDA GPUs and NCCL"]
 fn two_ranks_match_one_gpu_on_8b_shapes_with_2_layers() {
     let cfg = LlamaConfig::llama_3_1_8b().with_layers(2);
-    one_vs_two(&cfg, 1, 64, 6, 2, &["fused=all", ""]);
+    one_vs_split(&cfg, 2, (1, 64), 6, 2, &["fused=all", ""]);
+}
+
+#[test]
+#[ignore = "needs 4 CUDA GPUs and NCCL"]
+fn four_ranks_match_one_gpu_with_kv_heads_replicated_and_split() {
+    // tiny (4 query heads, 2 K/V heads): a query head per rank, each K/V head held by two ranks.
+    let tiny = LlamaConfig::tiny();
+    assert!(tiny.kv_heads < 4);
+    one_vs_split(&tiny, 4, (2, 9), 8, 3, &["fused=all", "", "fused=all;naive=mlp@1,o_proj"]);
+    // 1B shapes, tied (32 query heads, 8 K/V heads): 8 query and 2 K/V heads per rank, a quarter of
+    // the vocabulary each.
+    one_vs_split(&LlamaConfig::llama_3_2_1b().with_layers(2), 4, (1, 40), 6, 2, &["fused=all"]);
+    // 8B shapes: a quarter of the MLP rows (3584) per rank.
+    one_vs_split(&LlamaConfig::llama_3_1_8b().with_layers(2), 4, (1, 64), 6, 2, &["fused=all", ""]);
 }
 
 #[test]
