@@ -42,9 +42,10 @@
 //! `NCCL_ALGO` for this process before its first communicator (NCCL reads them once per process, so
 //! they hold for every row of the invocation; a different value already in the environment is
 //! refused). `--rank-spin-us N` sets how long the ranks' threads poll for their next call before
-//! they block (`TpOptions::spin`; 0 blocks at once), and names the files too. `--allreduce-only` skips the model (the ranks hold the 1-layer tiny model) and times
-//! all-reduces alone: a decode step's and the prefill's `[tokens, hidden]` of `--preset`, and 8 KB to
-//! 64 MB in powers of two, written as `tp-allreduce[-<setting>].{csv,md}`; seconds per setting.
+//! they block (`TpOptions::spin`; 0 blocks at once), and names the files too. `--allreduce-only`
+//! skips the model (the ranks hold the 1-layer tiny model) and times all-reduces alone: a decode
+//! step's and the prefill's `[tokens, hidden]` of `--preset`, and 8 KB to 64 MB in powers of two,
+//! written as `tp-allreduce[-<setting>].{csv,md}`; seconds per setting.
 //! Llama-3.1-70B shapes: `--preset llama-3.1-70b --layers 8 --ranks 1,2` (a one-GPU row of all 80
 //! layers does not leave room for much else on a 141 GB H200). Exit codes: 0 done (rows that failed
 //! say why), 2 bad options, 1 no row ran.
