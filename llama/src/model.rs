@@ -212,7 +212,7 @@ impl<T: Element> Llama<T> {
             .layers
             .iter()
             .enumerate()
-            .map(|(l, w)| Block::new(ctx, cfg, l, w, true))
+            .map(|(l, w)| Block::new(ctx, cfg, l, w, [true, false]))
             .collect::<Result<_>>()?;
         let (embed, norm) = (&weights.embed, &weights.norm);
         Self::assemble(ctx, cfg, blocks, [embed, norm], weights.lm_head.as_ref(), max_positions, None)
@@ -240,8 +240,9 @@ impl<T: Element> Llama<T> {
             return Err(Error::Tp("a rank of several needs its own lm_head rows".into()));
         }
         let first = comm.as_ref().is_none_or(|c| c.rank() == 0);
-        let blocks =
-            (0..cfg.layers).map(|l| Block::new(ctx, cfg, l, &layer(l)?, first)).collect::<Result<_>>()?;
+        let blocks = (0..cfg.layers)
+            .map(|l| Block::new(ctx, cfg, l, &layer(l)?, [first, comm.is_some()]))
+            .collect::<Result<_>>()?;
         Self::assemble(ctx, cfg, blocks, [embed, norm], lm_head, max_positions, comm)
     }
 
@@ -347,12 +348,18 @@ impl<T: Element> Llama<T> {
         }
         let c = &self.cfg;
         let alloc = |n: usize| ctx.stream().alloc_zeros::<T>(rows * n).map_err(cudnn_llm_ops::Error::from);
+        // A rank's decode-sized passes keep x in its communicator's symmetric window, as many rows
+        // as half of it holds (at most `rows`).
+        let window = self.comm.as_ref().and_then(|comm| {
+            let fits = (crate::nccl::WINDOW_BYTES / 2 / std::mem::size_of::<T>() / c.hidden).min(rows);
+            (fits > 0).then(|| comm.window_pair::<T>(ctx.stream(), fits * c.hidden)).flatten()
+        });
         self.acts = Some(Activations {
             id: next_id(),
             rows,
             last: 0,
             ids: ctx.stream().alloc_zeros::<u32>(rows).map_err(cudnn_llm_ops::Error::from)?,
-            x: Residual::new(alloc(c.hidden)?, alloc(c.hidden)?),
+            x: Residual::new(alloc(c.hidden)?, alloc(c.hidden)?).with_window(window),
             scratch: Scratch {
                 h: alloc(c.hidden)?,
                 attn: AttnBuffers { qkv: alloc(c.qkv_width())?, o: alloc(c.attn_width())? },
@@ -734,7 +741,11 @@ impl<T: Element> Llama<T> {
         let mut p = Pass::new(ctx, dispatch, tokens, &self.rope, self.padded_decode);
         p.fusion = self.decode_fusion;
         let acts = self.acts.as_mut().expect("allocated by upload");
-        self.embed.forward(&mut p, &acts.ids, acts.x.first_mut())?;
+        // x in the symmetric window where it fits and the GEMVs before the all-reduces run.
+        let rows = batch * seq;
+        let windowed = self.blocks.iter().all(|b| b.gemvs_before_reduces(backends, rows));
+        let x = if windowed { acts.x.start(rows * self.cfg.hidden) } else { acts.x.first_mut() };
+        self.embed.forward(&mut p, &acts.ids, x)?;
         for (l, block) in self.blocks.iter().enumerate() {
             block.forward(&mut p, &mut acts.x, &mut acts.scratch, cache.layer(l), self.comm.as_ref())?;
         }

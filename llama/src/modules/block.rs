@@ -42,13 +42,15 @@ impl<T: Element> Block<T> {
     /// Uploads layer `layer`'s weights; Q, K and V projections become one `[(h_q + 2·h_kv)·d, hidden]`
     /// weight. `cfg` gives the shapes of `w` (a tensor-parallel rank's: its heads, its MLP rows);
     /// `adds_residual`: the two projections whose output is summed into `x` add `x` in their
-    /// epilogue (every rank but the first of a tensor-parallel model leaves it out).
+    /// epilogue (every rank but the first of a tensor-parallel model leaves it out); `reduced`: those
+    /// two outputs are all-reduced (a tensor-parallel rank), so their GEMVs do not let the next
+    /// kernel start early ([`Linear::before_collective`]).
     pub(crate) fn new(
         ctx: &Cudnn,
         cfg: &LlamaConfig,
         layer: usize,
         w: &LayerWeights<T>,
-        adds_residual: bool,
+        [adds_residual, reduced]: [bool; 2],
     ) -> Result<Self> {
         let upload = |data: &[T]| ctx.stream().clone_htod(data).map_err(cudnn_llm_ops::Error::from);
         let qkv: Vec<T> =
@@ -58,7 +60,8 @@ impl<T: Element> Block<T> {
             attn_norm: RmsNorm::new(upload(&w.attn_norm.data)?, hidden, eps, Site::ATTN_PRENORM, Some(layer)),
             attn: Attention {
                 qkv_proj: Linear::new(upload(&qkv)?, hidden, cfg.qkv_width()),
-                o_proj: Linear::new(upload(&w.o_proj.data)?, cfg.attn_width(), hidden),
+                o_proj: Linear::new(upload(&w.o_proj.data)?, cfg.attn_width(), hidden)
+                    .before_collective(reduced),
                 heads: cfg.heads,
                 kv_heads: cfg.kv_heads,
                 head_dim: cfg.head_dim,
@@ -69,7 +72,7 @@ impl<T: Element> Block<T> {
             mlp: Mlp {
                 gate: Linear::new(upload(&w.gate_proj.data)?, hidden, cfg.ffn),
                 up: Linear::new(upload(&w.up_proj.data)?, hidden, cfg.ffn),
-                down: Linear::new(upload(&w.down_proj.data)?, cfg.ffn, hidden),
+                down: Linear::new(upload(&w.down_proj.data)?, cfg.ffn, hidden).before_collective(reduced),
                 layer,
                 adds_residual,
             },
@@ -112,6 +115,17 @@ impl<T: Element> Block<T> {
             self.mlp.forward(p, input, mlp, x, sum, gate_up)?;
             self.all_reduce(p, comm, MLP_ALLREDUCE_RANGE, sum)
         })
+    }
+
+    /// Whether the two projections before this layer's all-reduces run the fused backend's decode
+    /// GEMV under `backends` in a pass of `rows` rows: fused, at most
+    /// [`DECODE_GEMV_AUTO_TOKENS`](cudnn_llm_ops::DECODE_GEMV_AUTO_TOKENS) rows. Only then may the
+    /// pass keep x in a symmetric window ([`crate::nccl::Comm::window_pair`]), whose all-reduces do
+    /// not wait for the kernel before them.
+    pub(crate) fn gemvs_before_reduces(&self, backends: &crate::Backends, rows: usize) -> bool {
+        let layer = Some(self.attn.layer);
+        rows <= cudnn_llm_ops::DECODE_GEMV_AUTO_TOKENS
+            && [Site::O_PROJ, Site::MLP].iter().all(|s| backends.get(layer, s.kind) == Backend::Fused)
     }
 
     /// What this layer folds in this pass ([`Folds`]). Only a one-token pass whose modules involved

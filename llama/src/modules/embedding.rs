@@ -28,7 +28,7 @@ impl<T: Element> Embedding<T> {
         out: &mut CudaSlice<T>,
     ) -> Result<()> {
         let (rows, ctx) = (p.tokens.rows(), p.ctx);
-        let Linear { weight, in_features: hidden, out_features: vocab } = &self.table;
+        let Linear { weight, in_features: hidden, out_features: vocab, .. } = &self.table;
         let args = EmbeddingArgs::new(rows, *vocab, *hidden);
         let embedded = p
             .dispatch

@@ -28,11 +28,19 @@ pub(crate) struct Linear<T> {
     pub(crate) weight: CudaSlice<T>,
     pub(crate) in_features: usize,
     pub(crate) out_features: usize,
+    /// An all-reduce reads the output next ([`MatmulOperands::before_collective`]).
+    before_collective: bool,
 }
 
 impl<T: Element> Linear<T> {
     pub(crate) fn new(weight: CudaSlice<T>, in_features: usize, out_features: usize) -> Self {
-        Linear { weight, in_features, out_features }
+        Linear { weight, in_features, out_features, before_collective: false }
+    }
+
+    /// This layer with its output all-reduced next (a tensor-parallel rank's o_proj and down): its
+    /// decode GEMV does not let the next kernel start early.
+    pub(crate) fn before_collective(self, yes: bool) -> Self {
+        Linear { before_collective: yes, ..self }
     }
 
     /// `out = then(x · Wᵀ)` over `tokens` rows of `x`, on `backend`.
@@ -84,6 +92,9 @@ impl<T: Element> Linear<T> {
     ) -> cudnn_llm_ops::Result<()> {
         let mut shape = MatmulArgs::linear(tokens, self.in_features, self.out_features);
         let mut operands = MatmulOperands::new(x, &self.weight, out);
+        if self.before_collective {
+            operands = operands.before_collective();
+        }
         if let Some((weight, eps)) = norm {
             shape = shape.with_prologue(Prologue::rms_norm(eps));
             operands = operands.norm_weight(weight);

@@ -57,6 +57,26 @@
 //! holding a communicator's collectives tells it ([`Comm::graph_launched`]; `Llama`'s replays do),
 //! and the next collective enqueued outside a capture first waits on the host for that launch.
 
+//! **Symmetric windows for one-row all-reduces.** With NCCL 2.28.9 or later (and two ranks or
+//! more), [`Comm::init_all`] also makes each rank a symmetric window ([`WINDOW_BYTES`] from
+//! `ncclMemAlloc`, registered with `ncclCommWindowRegister` in one group, as NCCL asks). A
+//! tensor-parallel rank keeps its one-token decode steps' residual stream there
+//! ([`Comm::window_pair`]), so NCCL runs its symmetric kernels on their all-reduces: on two H200s a
+//! TP2 Llama-3.1-8B decode step took 2.64 against 2.78-2.80 ms with plain buffers. Prefill's and
+//! batches' all-reduces stay on plain buffers (the 16 MB all-reduce was slower in a window).
+//!
+//! One rule comes with them: NCCL 2.28's symmetric kernels are launched as programmatic dependents
+//! of the kernel before them (`cudaLaunchAttributeProgrammaticStreamSerialization`) and never call
+//! `griddepcontrol.wait`, so they start as soon as that kernel lets its dependents launch and may
+//! read its output before it is written. The decode GEMVs let the next kernel launch early; before
+//! an all-reduce they must not ([`cudnn_llm_ops::MatmulOperands::before_collective`], set on a rank's
+//! o_proj and down), and a pass keeps x in the window only where those projections run that GEMV.
+//! Without the rule the plain decode steps came out wrong (rel. L2 2e-2 against one GPU on 8B
+//! shapes, while replayed graphs were right), as NCCL 2.28.3 had given wrong steps before
+//! (NVIDIA/nccl#1924 reports graphs). `tests/tp.rs` compares windows against plain buffers bit for
+//! bit. Older libraries make no window; [`WINDOWS_ENV`]`=0` or `TpOptions::with_windows(false)` turn
+//! them off.
+
 mod raw;
 
 use cudarc::driver::sys::{CUevent_flags, CUstreamCaptureStatus};
@@ -297,6 +317,27 @@ fn tuning_env(
     Ok(wanted)
 }
 
+/// Bytes of each rank's symmetric window ([`Comm::window_pair`]: two halves of 2 MiB, 256 rows of a
+/// 4096-wide bf16 residual, 128 of an 8192-wide one).
+pub const WINDOW_BYTES: usize = 4 << 20;
+// Half a window holds 128 rows of the widest preset residual (70B: 8192 bf16).
+const _: () = assert!(WINDOW_BYTES / 2 >= 128 * 8192 * 2);
+
+/// The oldest NCCL whose symmetric windows [`Comm::init_all`] makes (see the module docs).
+pub const WINDOW_MIN_VERSION: u32 = 2_28_09;
+
+/// The variable that turns the symmetric windows off (`0`; `1` or unset: on where NCCL allows).
+pub const WINDOWS_ENV: &str = "CUDNN_LLM_NCCL_WINDOWS";
+
+/// [`WINDOWS_ENV`]: on unless `0`; another value than `0` or `1` is an error naming it.
+fn windows_from_env(value: Option<&str>) -> Result<bool, NcclError> {
+    match value {
+        None | Some("1") => Ok(true),
+        Some("0") => Ok(false),
+        Some(v) => Err(NcclError::Config { option: WINDOWS_ENV.into(), why: format!("`{v}` is not 0 or 1") }),
+    }
+}
+
 /// NCCL's switch for NVLink SHARP multicast, which stays `0` (see the module docs).
 pub const MULTICAST_ENV: &str = "NCCL_NVLS_ENABLE";
 
@@ -494,6 +535,9 @@ pub struct Comm {
     /// A launch was recorded that no collective enqueued outside a capture has waited for yet. A
     /// `Cell`: `Comm` is not `Sync` (one thread enqueues on a communicator).
     pending: Cell<bool>,
+    /// This rank's symmetric window, if NCCL made one (see the module docs); freed on drop, after the
+    /// communicator's destroy or abort.
+    window: Option<raw::RawWindow>,
 }
 
 impl std::fmt::Debug for Comm {
@@ -560,6 +604,16 @@ impl Comm {
     /// opens NCCL. Devices must be distinct and present; NCCL reports
     /// otherwise.
     pub fn init_all(devices: &[usize], config: &NcclConfig) -> Result<Vec<Comm>, NcclError> {
+        Self::init_all_with(devices, config, true)
+    }
+
+    /// [`Comm::init_all`], making symmetric windows only with `windows` (and where NCCL and
+    /// [`WINDOWS_ENV`] allow, see the module docs).
+    pub fn init_all_with(
+        devices: &[usize],
+        config: &NcclConfig,
+        windows: bool,
+    ) -> Result<Vec<Comm>, NcclError> {
         if devices.is_empty() {
             return Err(NcclError::Argument("no devices to make communicators for".into()));
         }
@@ -584,11 +638,23 @@ impl Comm {
             lib.init_all_config(&ordinals, config)?.into_iter().map(|(raw, ctx)| (raw, Some(ctx))).collect()
         };
         let ranks = devices.len();
+        let want = windows
+            && ranks > 1
+            && lib.has_windows(WINDOW_MIN_VERSION)
+            && windows_from_env(std::env::var(WINDOWS_ENV).ok().as_deref())?;
+        let mut windows: Vec<Option<raw::RawWindow>> = if want {
+            let comms: Vec<&raw::RawComm> = raws.iter().map(|(raw, _)| raw).collect();
+            lib.windows(&comms, devices, WINDOW_BYTES)?.into_iter().map(Some).collect()
+        } else {
+            Vec::new()
+        };
+        windows.resize_with(ranks, || None);
         Ok(raws
             .into_iter()
             .zip(devices)
+            .zip(windows)
             .enumerate()
-            .map(|(rank, ((raw, context), &device))| Comm {
+            .map(|(rank, (((raw, context), &device), window))| Comm {
                 shared: Arc::new(Shared {
                     lib,
                     rank,
@@ -599,8 +665,37 @@ impl Comm {
                 device,
                 launched: OnceCell::new(),
                 pending: Cell::new(false),
+                window,
             })
             .collect())
+    }
+
+    /// Whether this rank has a symmetric window (see the module docs).
+    pub fn has_window(&self) -> bool {
+        self.window.is_some()
+    }
+
+    /// This rank's symmetric window as two buffers of `len` elements of `T` on `stream` (its first
+    /// and second half), or `None`: no window (see the module docs), `len` elements do not fit half
+    /// of it, or `stream` is on another GPU. All-reduces of rows within either run NCCL's symmetric
+    /// kernels. The buffers are views: dropping them frees nothing, and they must not outlive this
+    /// communicator, which frees the window.
+    pub fn window_pair<T: cudarc::driver::DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        len: usize,
+    ) -> Option<[WindowBuf<T>; 2]> {
+        let w = self.window.as_ref()?;
+        let half = w.bytes / 2;
+        if stream.context().ordinal() != self.device || len.checked_mul(std::mem::size_of::<T>())? > half {
+            return None;
+        }
+        // SAFETY: each half is `half` bytes of this rank's window on `stream`'s GPU, holding `len`
+        // elements of `T` (checked above), 2 MiB-aligned; `WindowBuf` never frees it through cudarc,
+        // and the window lives until this communicator drops.
+        let view =
+            |at: usize| WindowBuf(Some(unsafe { stream.upgrade_device_ptr::<T>(w.ptr + at as u64, len) }));
+        Some([view(0), view(half)])
     }
 
     /// This communicator's rank.
@@ -750,13 +845,54 @@ impl Comm {
     }
 }
 
+/// A [`Comm::window_pair`] buffer: a cudarc buffer over a communicator's symmetric window, which
+/// dropping it does not free.
+pub struct WindowBuf<T>(Option<cudarc::driver::CudaSlice<T>>);
+
+impl<T> std::ops::Deref for WindowBuf<T> {
+    type Target = cudarc::driver::CudaSlice<T>;
+    fn deref(&self) -> &Self::Target {
+        self.0.as_ref().expect("taken only by drop")
+    }
+}
+
+impl<T> std::ops::DerefMut for WindowBuf<T> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        self.0.as_mut().expect("taken only by drop")
+    }
+}
+
+impl<T> Drop for WindowBuf<T> {
+    /// Lets go of the view (its events, its stream) without freeing the memory, NCCL's.
+    fn drop(&mut self) {
+        if let Some(view) = self.0.take() {
+            view.leak();
+        }
+    }
+}
+
 impl Drop for Comm {
     /// Destroys the communicator (aborts it when an operation left an error on it), outside the
-    /// lock, so that [`abort_all`] never waits on it.
+    /// lock, so that [`abort_all`] never waits on it; a window is deregistered before and freed after.
     fn drop(&mut self) {
+        let lib = self.shared.lib;
+        let window = self.window.take();
         if let Some(raw) = self.shared.take("dropped") {
-            let lib = self.shared.lib;
-            let _ = if lib.async_error(&raw).is_ok() { lib.destroy(raw) } else { lib.abort(raw) };
+            if lib.async_error(&raw).is_ok() {
+                if let Some(w) = window {
+                    let _ = lib.free_window(Some(&raw), w);
+                }
+                let _ = lib.destroy(raw);
+            } else {
+                let _ = lib.abort(raw);
+                if let Some(w) = window {
+                    let _ = lib.free_window(None, w);
+                }
+            }
+        } else if let Some(w) = window {
+            // Aborted by [`abort_all`], whose thread may still be inside `ncclCommAbort`, tearing
+            // down the window's registration: the memory is left to the process (4 MiB a rank).
+            std::mem::forget(w);
         }
     }
 }
@@ -821,6 +957,15 @@ mod tests {
             let e = Comm::init_all(&[0, 1], &config).unwrap_err();
             assert!(matches!(e, NcclError::Config { .. }), "{e:?}");
         }
+    }
+
+    #[test]
+    fn windows_are_on_unless_the_variable_says_0() {
+        assert!(windows_from_env(None).unwrap());
+        assert!(windows_from_env(Some("1")).unwrap());
+        assert!(!windows_from_env(Some("0")).unwrap());
+        let e = windows_from_env(Some("off")).unwrap_err();
+        assert_eq!(e.to_string(), format!("NCCL {WINDOWS_ENV}: `off` is not 0 or 1"));
     }
 
     #[test]

@@ -142,6 +142,34 @@ struct ConfigCalls {
         unsafe extern "C" fn(*mut ncclComm_t, c_int, UniqueId, c_int, *mut ConfigV22800) -> Status,
 }
 
+/// The symmetric-memory calls (NCCL 2.27+): `ncclMemAlloc`, `ncclMemFree`, `ncclCommWindowRegister`,
+/// `ncclCommWindowDeregister`.
+#[derive(Clone, Copy)]
+struct WindowCalls {
+    mem_alloc: unsafe extern "C" fn(*mut *mut c_void, usize) -> Status,
+    mem_free: unsafe extern "C" fn(*mut c_void) -> Status,
+    window_register: unsafe extern "C" fn(ncclComm_t, *mut c_void, usize, *mut *mut c_void, c_int) -> Status,
+    window_deregister: unsafe extern "C" fn(ncclComm_t, *mut c_void) -> Status,
+}
+
+/// `NCCL_WIN_COLL_SYMMETRIC`: a window every rank registers at the same offset and size, which
+/// NCCL's symmetric collective kernels run on.
+const WIN_COLL_SYMMETRIC: c_int = 1;
+
+/// One rank's symmetric window: memory from `ncclMemAlloc` on the rank's GPU, registered with its
+/// communicator. Freed by [`Lib::free_window`] only.
+pub(crate) struct RawWindow {
+    pub(crate) ptr: CUdeviceptr,
+    pub(crate) bytes: usize,
+    handle: *mut c_void,
+    /// The GPU's primary context, current for the free.
+    context: Arc<CudaContext>,
+}
+
+// SAFETY: the window is memory and a registration handle NCCL owns; any thread may free it, and its
+// owner (`super::Shared`) frees it once, holding its lock.
+unsafe impl Send for RawWindow {}
+
 /// An opened, checked NCCL: its function table, where it was found and its version.
 pub(crate) struct Lib {
     get_version: unsafe extern "C" fn(*mut c_int) -> Status,
@@ -171,6 +199,8 @@ pub(crate) struct Lib {
     ) -> Status,
     /// `None` when the library lacks one of them.
     config_calls: Option<ConfigCalls>,
+    /// `None` when the library lacks one of them.
+    window_calls: Option<WindowCalls>,
     /// The candidate that opened.
     pub(crate) library: String,
     /// `ncclGetVersion()`, e.g. 22809 for 2.28.9.
@@ -262,6 +292,15 @@ impl Lib {
                         group_start: symbol(&lib, "ncclGroupStart", l)?,
                         group_end: symbol(&lib, "ncclGroupEnd", l)?,
                         comm_init_rank_config: symbol(&lib, "ncclCommInitRankConfig", l)?,
+                    })
+                })()
+                .ok(),
+                window_calls: (|| {
+                    Ok::<_, NcclError>(WindowCalls {
+                        mem_alloc: symbol(&lib, "ncclMemAlloc", l)?,
+                        mem_free: symbol(&lib, "ncclMemFree", l)?,
+                        window_register: symbol(&lib, "ncclCommWindowRegister", l)?,
+                        window_deregister: symbol(&lib, "ncclCommWindowDeregister", l)?,
                     })
                 })()
                 .ok(),
@@ -365,6 +404,99 @@ impl Lib {
         Ok(comms.into_iter().map(RawComm).zip(contexts).collect())
     }
 
+    /// Whether this library makes symmetric windows ([`Lib::windows`]): it has the calls and is
+    /// `min_version` or later.
+    pub(crate) fn has_windows(&self, min_version: u32) -> bool {
+        self.window_calls.is_some() && self.config_calls.is_some() && self.version >= min_version
+    }
+
+    /// A symmetric window of `bytes` per rank: `ncclMemAlloc` on each rank's GPU, then, in one group,
+    /// `ncclCommWindowRegister` of each on its communicator (`comms[i]` on GPU `devices[i]`, the
+    /// communicators of one clique). Leaves the calling thread's current context as it found it.
+    /// On an error, what was allocated is freed.
+    pub(crate) fn windows(
+        &self,
+        comms: &[&RawComm],
+        devices: &[usize],
+        bytes: usize,
+    ) -> Result<Vec<RawWindow>, NcclError> {
+        let (Some(w), Some(calls)) = (self.window_calls, self.config_calls.as_ref()) else {
+            return Err(NcclError::Argument(format!("{} has no symmetric windows", self.library)));
+        };
+        let previous = cudarc::driver::result::ctx::get_current().ok().flatten();
+        let mut made: Vec<RawWindow> = Vec::new();
+        let result = (|| {
+            for &d in devices {
+                let context = CudaContext::new(d).map_err(cuda_error)?;
+                context.bind_to_thread().map_err(cuda_error)?;
+                let mut ptr: *mut c_void = std::ptr::null_mut();
+                // SAFETY: a valid out-pointer; NCCL allocates `bytes` on the current device.
+                let status = unsafe { (w.mem_alloc)(&mut ptr, bytes) };
+                self.status(status, "ncclMemAlloc", None)?;
+                made.push(RawWindow {
+                    ptr: ptr as CUdeviceptr,
+                    bytes,
+                    handle: std::ptr::null_mut(),
+                    context,
+                });
+            }
+            // SAFETY: no arguments; the group end below follows whatever happens in between.
+            let status = unsafe { (calls.group_start)() };
+            self.status(status, "ncclGroupStart", None)?;
+            let mut first_error = Ok(());
+            for (win, comm) in made.iter_mut().zip(comms) {
+                let registered = win.context.bind_to_thread().map_err(cuda_error).and_then(|()| {
+                    // SAFETY: a live communicator, memory from ncclMemAlloc of `bytes` on its GPU
+                    // (current), and a valid out-pointer for the handle.
+                    let status = unsafe {
+                        (w.window_register)(
+                            comm.0,
+                            win.ptr as *mut c_void,
+                            win.bytes,
+                            &mut win.handle,
+                            WIN_COLL_SYMMETRIC,
+                        )
+                    };
+                    self.status(status, "ncclCommWindowRegister", Some(comm))
+                });
+                if first_error.is_ok() {
+                    first_error = registered;
+                }
+            }
+            // SAFETY: ends the group started above (NCCL registers the windows here).
+            let status = unsafe { (calls.group_end)() };
+            first_error?;
+            self.status(status, "ncclGroupEnd", None)
+        })();
+        if let Err(e) = result {
+            for (win, comm) in made.into_iter().zip(comms) {
+                let _ = self.free_window(Some(comm), win);
+            }
+            restore(previous);
+            return Err(e);
+        }
+        restore(previous);
+        Ok(made)
+    }
+
+    /// Deregisters `win` from `comm` (unless the communicator is gone: `None`) and frees its memory.
+    pub(crate) fn free_window(&self, comm: Option<&RawComm>, win: RawWindow) -> Result<(), NcclError> {
+        let Some(w) = self.window_calls else { return Ok(()) };
+        let previous = cudarc::driver::result::ctx::get_current().ok().flatten();
+        let result = win.context.bind_to_thread().map_err(cuda_error).and_then(|()| {
+            if let (Some(comm), false) = (comm, win.handle.is_null()) {
+                // SAFETY: the handle this communicator's registration returned, deregistered once.
+                let status = unsafe { (w.window_deregister)(comm.0, win.handle) };
+                self.status(status, "ncclCommWindowDeregister", Some(comm))?;
+            }
+            // SAFETY: memory from ncclMemAlloc on the current GPU, freed once (`win` is consumed).
+            let status = unsafe { (w.mem_free)(win.ptr as *mut c_void) };
+            self.status(status, "ncclMemFree", None)
+        });
+        restore(previous);
+        result
+    }
+
     /// `ncclCommDestroy`: waits for the communicator's work, then frees it.
     pub(crate) fn destroy(&self, comm: RawComm) -> Result<(), NcclError> {
         // SAFETY: the handle came from `init_all` and is consumed here, so it is not used again.
@@ -444,6 +576,14 @@ impl Lib {
         // SAFETY: ncclGetLastError takes a live handle or null and returns a string it owns.
         let detail = unsafe { text((self.get_last_error)(raw)) };
         Err(NcclError::Call { call: call.to_string(), code: status, name, detail })
+    }
+}
+
+/// Makes `previous` (the context current on entry, if any) current again.
+fn restore(previous: Option<cudarc::driver::sys::CUcontext>) {
+    if let Some(ctx) = previous {
+        // SAFETY: the context that was current on entry, still retained by its owner.
+        let _ = unsafe { cudarc::driver::result::ctx::set_current(ctx) };
     }
 }
 

@@ -41,6 +41,10 @@ pub struct TpOptions {
     /// H100s polling took 0.15 ms off a TP2 Llama-3.1-8B decode step as the caller sees it. The cost
     /// is a busy core per rank for at most this long after each call.
     pub spin: Duration,
+    /// Each rank keeps its decode steps' residual stream in an NCCL symmetric window, so that their
+    /// all-reduces run NCCL's symmetric kernels (default: on; NCCL 2.28.9 or later only, and
+    /// `CUDNN_LLM_NCCL_WINDOWS=0` turns it off; see [`crate::nccl`]).
+    pub windows: bool,
 }
 
 impl Default for TpOptions {
@@ -52,6 +56,7 @@ impl Default for TpOptions {
             timeout: Duration::from_secs(600),
             nccl: NcclConfig::default(),
             spin: Self::DEFAULT_SPIN,
+            windows: true,
         }
     }
 }
@@ -64,6 +69,11 @@ impl TpOptions {
     /// These options with the ranks' threads polling `spin` for their next job ([`TpOptions::spin`]).
     pub fn with_spin(self, spin: Duration) -> Self {
         TpOptions { spin, ..self }
+    }
+
+    /// These options with the symmetric windows on or off ([`TpOptions::windows`]).
+    pub fn with_windows(self, windows: bool) -> Self {
+        TpOptions { windows, ..self }
     }
 
     /// These options with each call waiting at most `timeout`.
@@ -202,7 +212,7 @@ impl<T: Element> TpLlama<T> {
             )));
         }
         let comms: Vec<Option<Comm>> = if ranks > 1 {
-            Comm::init_all(&devices, &options.nccl)?.into_iter().map(Some).collect()
+            Comm::init_all_with(&devices, &options.nccl, options.windows)?.into_iter().map(Some).collect()
         } else {
             vec![None]
         };

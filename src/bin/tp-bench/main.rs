@@ -589,6 +589,11 @@ fn measure(
     for (r, info) in tp.device_info()?.iter().enumerate() {
         println!("# rank {r}: {}", environment(info));
     }
+    if ranks > 1 {
+        let windows = tp.each("windows", |r| Ok(r.model.comm().is_some_and(|c| c.has_window())))?;
+        let on = if windows.iter().all(|&w| w) { "on" } else { "off" };
+        println!("# decode residual in NCCL symmetric windows: {on}");
+    }
     let b = Arc::new(backends.clone());
     let ids: Arc<Vec<Vec<u32>>> = Arc::new(
         (0..batch)

@@ -123,11 +123,12 @@ __device__ __forceinline__ void gemv_prefetch_then_wait(const uint4* const (&ws)
     pdl_wait();
 }
 
-// Warps stride over groups of R rows (one group each when the grid has a warp per group).
+// Warps stride over groups of R rows (one group each when the grid has a warp per group). With
+// `trigger` 0 the GEMV never lets the next kernel start early (decode.rs `before_collective`).
 template <class D, int M, int R, int U>
 __device__ __forceinline__ void gemv(const bits16* x, long ldx, const bits16* w, long ldw, int m, int k, int n,
                                      const bits16* bias, int act, const bits16* up, const bits16* res,
-                                     bits16* y) {
+                                     bits16* y, int trigger) {
     const int lane = threadIdx.x & 31, chunks = k >> 3;
     const long warps = ((long)gridDim.x * blockDim.x) >> 5;
     const uint4* xs[M];
@@ -152,7 +153,7 @@ __device__ __forceinline__ void gemv(const bits16* x, long ldx, const bits16* w,
         int c = lane;
         for (; c + 32 * (U - 1) < chunks; c += 32 * U) gemv_step<D, M, R, U>(ws, xs, c, acc);
         for (; c < chunks; c += 32) gemv_step<D, M, R, 1>(ws, xs, c, acc);
-        if (row0 == first) pdl_launch_dependents();
+        if (trigger && row0 == first) pdl_launch_dependents();
         float v = 0.0f;
 #pragma unroll
         for (int r = 0; r < R; ++r)
@@ -180,16 +181,16 @@ __device__ __forceinline__ void gemv(const bits16* x, long ldx, const bits16* w,
 #define GEMV_KERNEL(sfx, D, M, R, U)                                                                      \
 extern "C" __global__ void __launch_bounds__(128) gemv_##sfx##_m##M(                                      \
         const bits16* x, long ldx, const bits16* w, long ldw, long m, long k, long n, const bits16* bias, \
-        long act, const bits16* up, const bits16* res, bits16* y) {                                       \
-    gemv<D, M, R, U>(x, ldx, w, ldw, (int)m, (int)k, (int)n, bias, (int)act, up, res, y);                 \
+        long act, const bits16* up, const bits16* res, bits16* y, long trigger) {                         \
+    gemv<D, M, R, U>(x, ldx, w, ldw, (int)m, (int)k, (int)n, bias, (int)act, up, res, y, (int)trigger);   \
 }
 // gemv_<dtype>_m1_u<U>: the one-token tile with U chunks of each row in flight instead of 3 (decode.rs
 // `LONG_ROWS`).
 #define GEMV_KERNEL_U(sfx, D, U)                                                                          \
 extern "C" __global__ void __launch_bounds__(128) gemv_##sfx##_m1_u##U(                                   \
         const bits16* x, long ldx, const bits16* w, long ldw, long m, long k, long n, const bits16* bias, \
-        long act, const bits16* up, const bits16* res, bits16* y) {                                       \
-    gemv<D, 1, 1, U>(x, ldx, w, ldw, (int)m, (int)k, (int)n, bias, (int)act, up, res, y);                 \
+        long act, const bits16* up, const bits16* res, bits16* y, long trigger) {                         \
+    gemv<D, 1, 1, U>(x, ldx, w, ldw, (int)m, (int)k, (int)n, bias, (int)act, up, res, y, (int)trigger);   \
 }
 #define GEMV_TILES(sfx, D)                                                                                \
     GEMV_KERNEL(sfx, D, 1, 1, 3)                                                                          \

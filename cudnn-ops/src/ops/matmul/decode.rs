@@ -54,7 +54,9 @@
 //! On compute capability 9.0+ the GEMVs launch as programmatic dependent launches
 //! ([`Exec::set_programmatic_launch`](crate::Exec::set_programmatic_launch)): a GEMV's blocks may start
 //! while the kernel before it drains, prefetch their first chunks of W into L2, let the next kernel
-//! launch, and wait (`griddepcontrol.wait`) before they read x or write D.
+//! launch, and wait (`griddepcontrol.wait`) before they read x or write D. A plain GEMV whose output a
+//! collective reads next without waiting for it ([`MatmulOperands::before_collective`]: NCCL's
+//! symmetric kernels) never lets the next kernel launch early (its `trigger` argument is 0).
 
 use super::{Activation, Epilogue, MatmulArgs, MatmulOperands, Prologue, Rotary};
 use crate::checked;
@@ -153,6 +155,8 @@ pub(super) struct Gemv {
     rotary: Option<Rotary>,
     /// The rotary form with [`DEEP_ROPE_CHUNKS`] in flight ([`Gemv::for_sms`]).
     deep: bool,
+    /// The plain GEMV never lets the next kernel start early ([`MatmulOperands::before_collective`]).
+    no_trigger: bool,
 }
 
 impl Gemv {
@@ -193,8 +197,9 @@ impl Gemv {
     ///
     /// [`Exec::gemv_split`]: crate::Exec::gemv_split
     pub(super) fn with_split(self, split: GemvSplit) -> Gemv {
-        // The rotary form has no block split (a warp owns a head's row pair).
-        let block = self.m == 1 && split == GemvSplit::Block && self.rotary.is_none();
+        // The rotary form has no block split (a warp owns a head's row pair), nor does a GEMV that
+        // must not let the next kernel start early (the block kernels always do).
+        let block = self.m == 1 && split == GemvSplit::Block && self.rotary.is_none() && !self.no_trigger;
         if !block {
             return Gemv { block: false, ..self };
         }
@@ -334,6 +339,7 @@ impl MatmulArgs {
             dual: args.up_product,
             rotary: args.rotary,
             deep: false,
+            no_trigger: false,
         };
         if let Some(form) = g.fused_form() {
             if m != 1 {
@@ -361,6 +367,15 @@ pub(super) fn launch_gemv<T: Element, O: Element>(
     g: &Gemv,
     x: &mut MatmulOperands<'_, T, O>,
 ) -> Result<bool> {
+    if x.before_collective && g.fused_form().is_some() {
+        return Err(Error::NotSupported {
+            op: g.describe(),
+            reason: "the fused forms let the next kernel start early; only the plain GEMV runs before a \
+                     collective that does not wait for it"
+                .into(),
+        });
+    }
+    let g = Gemv { no_trigger: x.before_collective, ..*g };
     let g = &g.with_split(ctx.gemv_split()).for_sms(ctx.info().sm_count);
     let (kernels, cfg, kernel) = (Kernels::get(ctx)?, g.config()?, g.kernel());
     let stream = ctx.stream();
@@ -402,6 +417,10 @@ pub(super) fn launch_gemv<T: Element, O: Element>(
         vec![Arg::Ptr(a), i(g.ldx), Arg::Ptr(b), i(g.ldw), i(g.m), i(g.k), i(g.n)]
     };
     let mut args: Vec<Arg> = head.into_iter().chain(epilogue).collect();
+    if g.fused_form().is_none() && !g.block {
+        // The plain tiles' `trigger`.
+        args.push(Arg::I64(i64::from(!g.no_trigger)));
+    }
     // The rotary epilogue's tables, position and caches (checked against `g.rotary` by the caller;
     // the kernel would read arguments it was not given without them).
     if g.rotary.is_some() != x.rotary.is_some() {
@@ -693,6 +712,25 @@ mod tests {
             assert_eq!(g, MatmulArgs::linear(m, 4096, 4096).gemv(BF, BF).unwrap(), "m {m}");
         }
         assert!(g.describe().ends_with("(gemv_f16_m1_norm_block)"), "{}", g.describe());
+    }
+
+    #[test]
+    fn before_a_collective_the_plain_gemv_takes_the_warp_form_whose_kernels_take_a_trigger() {
+        // The plain tiles take `trigger` last (launch_gemv passes it); the block kernels always
+        // trigger, so a GEMV before a collective keeps the warp form whatever the split.
+        let src = include_str!("decode.cu");
+        assert_eq!(src.matches("bits16* y, long trigger) {").count(), 2, "GEMV_KERNEL and GEMV_KERNEL_U");
+        assert!(src.contains("if (trigger && row0 == first) pdl_launch_dependents();"));
+        let g = MatmulArgs::linear(1, 4096, 4096).with_epilogue(Epilogue::RESIDUAL).gemv(BF, BF).unwrap();
+        let quiet = Gemv { no_trigger: true, ..g };
+        assert!(g.with_split(GemvSplit::Block).block);
+        let q = quiet.with_split(GemvSplit::Block);
+        assert!(!q.block && q.kernel() == "gemv_bf16_m1", "{}", q.kernel());
+        let down = MatmulArgs::linear(1, 7168, 4096).gemv(BF, BF).unwrap();
+        assert_eq!(
+            Gemv { no_trigger: true, ..down }.with_split(GemvSplit::Block).kernel(),
+            "gemv_bf16_m1_u2"
+        );
     }
 
     #[test]

@@ -669,6 +669,8 @@ pub struct MatmulOperands<'a, T: Element, O: Element = T> {
     pub up_weight: Option<&'a dyn DevicePtr<T>>,
     /// The rotary epilogue's tables, position and caches ([`MatmulArgs::with_rotary`]).
     pub rotary: Option<RotaryOperands<'a, T>>,
+    /// The next kernel reads D without waiting for this call in its code ([`MatmulOperands::before_collective`]).
+    pub before_collective: bool,
     /// The output D, packed `[batch, m, n]`.
     pub d: &'a mut dyn DevicePtrMut<O>,
 }
@@ -710,6 +712,7 @@ impl<'a, T: Element, O: Element> MatmulOperands<'a, T, O> {
             norm_weight: None,
             up_weight: None,
             rotary: None,
+            before_collective: false,
             d,
         }
     }
@@ -749,6 +752,18 @@ impl<'a, T: Element, O: Element> MatmulOperands<'a, T, O> {
     /// Adds the rotary epilogue's tables, position and caches.
     pub fn rotary(mut self, r: RotaryOperands<'a, T>) -> Self {
         self.rotary = Some(r);
+        self
+    }
+
+    /// The kernel after this call reads D without waiting for it in its code: NCCL's symmetric
+    /// collectives (2.28), launched as programmatic dependents of the kernel before them that never
+    /// call `griddepcontrol.wait`, start as soon as that kernel lets its dependents launch. So the
+    /// fused backend's decode GEMV, which lets them launch early (`decode.rs`), does not here; its
+    /// fused forms, which always do, refuse the call ([`Error::NotSupported`]). Other kernels run as
+    /// they always do: only the decode GEMV is known here not to let the next kernel start early
+    /// this way.
+    pub fn before_collective(mut self) -> Self {
+        self.before_collective = true;
         self
     }
 
