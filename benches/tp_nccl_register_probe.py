@@ -1,37 +1,13 @@
 # Does registering the all-reduce buffer with NCCL make the two-GPU all-reduce faster? One process, two GPUs,
-# NCCL through ctypes (the venv's libnccl), torch only for memory, streams and CUDA events.
+# NCCL through ctypes (the venv's libnccl, `nccl_ctypes.py`), torch only for memory, streams and CUDA events.
 # Cases, each in place: a cudaMalloc'd buffer (torch), the same registered with ncclCommRegister, a buffer from
 # ncclMemAlloc, the same registered, and the same in a symmetric window. Sizes: one decode row (1 x 4096
 # bf16), one TP2 prefill block (2048 x 4096) and 64 MB. Prints a table row per case and size (median of the
 # rounds, each the mean of `n` back-to-back all-reduces on both GPUs, the slower GPU counting) and checks
 # every case's sum exactly (small integers).
-import ctypes, glob, os, statistics, sys
+import ctypes, os, statistics, sys
 import torch
-import nvidia.nccl as nccl_pkg
-
-lib = ctypes.CDLL(sorted(glob.glob(os.path.join(list(nccl_pkg.__path__)[0], "lib", "libnccl.so*")))[0])
-vp, sz = ctypes.c_void_p, ctypes.c_size_t
-BF16, SUM, WIN_SYMMETRIC = 9, 0, 1
-
-
-def ok(status, what):
-    if status != 0:
-        msg = lib.ncclGetErrorString(status)
-        raise RuntimeError(f"{what}: {ctypes.cast(msg, ctypes.c_char_p).value.decode()} ({status})")
-
-
-lib.ncclGetErrorString.restype = vp
-lib.ncclAllReduce.argtypes = [vp, vp, sz, ctypes.c_int, ctypes.c_int, vp, vp]
-lib.ncclMemAlloc.argtypes = [ctypes.POINTER(vp), sz]
-lib.ncclCommRegister.argtypes = [vp, vp, sz, ctypes.POINTER(vp)]
-lib.ncclCommDeregister.argtypes = [vp, vp]
-lib.ncclCommDestroy.argtypes = [vp]
-has_window = hasattr(lib, "ncclCommWindowRegister")
-if has_window:
-    lib.ncclCommWindowRegister.argtypes = [vp, vp, sz, ctypes.POINTER(vp), ctypes.c_int]
-    lib.ncclCommWindowDeregister.argtypes = [vp, vp]
-version = ctypes.c_int()
-ok(lib.ncclGetVersion(ctypes.byref(version)), "ncclGetVersion")
+from nccl_ctypes import BF16, SUM, WIN_SYMMETRIC, has_window, lib, nccl_alloc, ok, sz, version, vp
 
 ndev = 2
 comms = (vp * ndev)()
@@ -39,23 +15,11 @@ ok(lib.ncclCommInitAll(comms, ndev, (ctypes.c_int * ndev)(*range(ndev))), "ncclC
 streams = [torch.cuda.Stream(device=d) for d in range(ndev)]
 
 
-class Raw:  # a device pointer torch can view (bf16 as int16)
-    def __init__(self, ptr, count):
-        self.__cuda_array_interface__ = {"shape": (count,), "typestr": "<i2", "data": (ptr, False), "version": 3}
-
-
-def nccl_alloc(d, count):
-    with torch.cuda.device(d):
-        p = vp()
-        ok(lib.ncclMemAlloc(ctypes.byref(p), count * 2), "ncclMemAlloc")
-        return torch.as_tensor(Raw(p.value, count), device=f"cuda:{d}").view(torch.bfloat16)
-
-
 def buffers(kind, count):
     if kind.startswith("cudaMalloc"):
         bufs = [torch.empty(count, dtype=torch.bfloat16, device=f"cuda:{d}") for d in range(ndev)]
     else:
-        bufs = [nccl_alloc(d, count) for d in range(ndev)]
+        bufs = [nccl_alloc(d, count)[1] for d in range(ndev)]
     undo = []
     if kind.endswith("+register"):
         for d in range(ndev):

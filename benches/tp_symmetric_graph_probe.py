@@ -1,6 +1,6 @@
 # Do NCCL symmetric windows make a decode step's one-row all-reduces faster inside CUDA graphs, and are
 # their sums right there? One process, a thread per GPU (as the Rust team), NCCL through ctypes (the
-# library on LD_LIBRARY_PATH), torch for memory, kernels, streams, graphs and CUDA events.
+# wheel's library, `nccl_ctypes.py`), torch for memory, kernels, streams, graphs and CUDA events.
 #
 # Each GPU captures one graph of `LAYERS` steps that mimic a decode step's residual stream: two buffers
 # take turns, step i writes x[i % 2] = (src[i] + x[(i - 1) % 2]) * 0.25 (one elementwise kernel, as the
@@ -10,50 +10,19 @@
 # compared bit for bit with the plain case's after each round of replays (same inputs, same kernels; a
 # sum of two values is exact in either order), then each case is timed: `REPLAYS` replays back to back
 # per round on both GPUs at once, the slower GPU counting, per step (kernel + all-reduce).
-import ctypes, glob, os, statistics, sys, threading
+import ctypes, os, statistics, sys, threading
 import torch
-import nvidia.nccl as nccl_pkg
+from nccl_ctypes import BF16, SUM, WIN_SYMMETRIC, lib, nccl_alloc, ok, sz, version, vp
 
-lib = ctypes.CDLL(sorted(glob.glob(os.path.join(list(nccl_pkg.__path__)[0], "lib", "libnccl.so*")))[0])
-vp, sz = ctypes.c_void_p, ctypes.c_size_t
-BF16, SUM, WIN_SYMMETRIC = 9, 0, 1
 LAYERS, HIDDEN = 64, 4096
 REPLAYS = int(os.environ.get("PROBE_REPLAYS", "50"))
 ROUNDS = int(os.environ.get("PROBE_ROUNDS", "5"))
 
-
-def ok(status, what):
-    if status != 0:
-        msg = lib.ncclGetErrorString(status)
-        raise RuntimeError(f"{what}: {ctypes.cast(msg, ctypes.c_char_p).value.decode()} ({status})")
-
-
-lib.ncclGetErrorString.restype = vp
-lib.ncclAllReduce.argtypes = [vp, vp, sz, ctypes.c_int, ctypes.c_int, vp, vp]
-lib.ncclMemAlloc.argtypes = [ctypes.POINTER(vp), sz]
-lib.ncclMemFree.argtypes = [vp]
-lib.ncclCommWindowRegister.argtypes = [vp, vp, sz, ctypes.POINTER(vp), ctypes.c_int]
-lib.ncclCommWindowDeregister.argtypes = [vp, vp]
-lib.ncclCommDestroy.argtypes = [vp]
-version = ctypes.c_int()
-ok(lib.ncclGetVersion(ctypes.byref(version)), "ncclGetVersion")
 os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")
 os.environ.setdefault("NCCL_GRAPH_MIXING_SUPPORT", "0")
 ndev = 2
 comms = (vp * ndev)()
 ok(lib.ncclCommInitAll(comms, ndev, (ctypes.c_int * ndev)(*range(ndev))), "ncclCommInitAll")
-
-
-class Raw:  # a device pointer torch can view (bf16 as int16)
-    def __init__(self, ptr, count):
-        self.__cuda_array_interface__ = {"shape": (count,), "typestr": "<i2", "data": (ptr, False), "version": 3}
-
-
-def nccl_buffer(d, count):
-    with torch.cuda.device(d):
-        p = vp()
-        ok(lib.ncclMemAlloc(ctypes.byref(p), count * 2), "ncclMemAlloc")
-        return p, torch.as_tensor(Raw(p.value, count), device=f"cuda:{d}").view(torch.bfloat16)
 
 
 def register(ptrs_counts):
@@ -77,7 +46,7 @@ def setup(kind):
             bufs.append((x[:HIDDEN], x[HIDDEN:]))
         return bufs, undo
     # ncclMemAlloc rounds up to its granularity; a window covers what we register.
-    allocs = [[nccl_buffer(d, 1 << 20) for _ in range(2)] for d in range(ndev)]
+    allocs = [[nccl_alloc(d, 1 << 20) for _ in range(2)] for d in range(ndev)]
     if kind == "window-one":  # both buffers in one window (the two halves of one allocation)
         for d in range(ndev):
             t = allocs[d][0][1]
