@@ -119,13 +119,16 @@ impl<T: Element> Block<T> {
 
     /// Whether the two projections before this layer's all-reduces run the fused backend's decode
     /// GEMV under `backends` in a pass of `rows` rows: fused, at most
-    /// [`DECODE_GEMV_AUTO_TOKENS`](cudnn_llm_ops::DECODE_GEMV_AUTO_TOKENS) rows. Only then may the
-    /// pass keep x in a symmetric window ([`crate::nccl::Comm::window_pair`]), whose all-reduces do
-    /// not wait for the kernel before them.
+    /// [`DECODE_GEMV_AUTO_TOKENS`](cudnn_llm_ops::DECODE_GEMV_AUTO_TOKENS) rows, shapes the plain GEMV
+    /// takes. Only then may the pass keep x in a symmetric window
+    /// ([`crate::nccl::Comm::window_pair`]), whose all-reduces do not wait for the kernel before them
+    /// (the GEMV, told so, lets nothing start before it ends; a cuDNN plan's or cuBLAS's kernels are
+    /// not known not to).
     pub(crate) fn gemvs_before_reduces(&self, backends: &crate::Backends, rows: usize) -> bool {
         let layer = Some(self.attn.layer);
         rows <= cudnn_llm_ops::DECODE_GEMV_AUTO_TOKENS
             && [Site::O_PROJ, Site::MLP].iter().all(|s| backends.get(layer, s.kind) == Backend::Fused)
+            && [&self.attn.o_proj, &self.mlp.down].iter().all(|l| l.takes_decode_form(false, false))
     }
 
     /// What this layer folds in this pass ([`Folds`]). Only a one-token pass whose modules involved
