@@ -743,7 +743,8 @@ impl<T: Element> Llama<T> {
         let acts = self.acts.as_mut().expect("allocated by upload");
         // x in the symmetric window where it fits and the GEMVs before the all-reduces run.
         let rows = batch * seq;
-        let windowed = self.blocks.iter().all(|b| b.gemvs_before_reduces(backends, rows));
+        let windowed =
+            acts.x.has_window() && self.blocks.iter().all(|b| b.gemvs_before_reduces(backends, rows));
         let x = if windowed { acts.x.start(rows * self.cfg.hidden) } else { acts.x.first_mut() };
         self.embed.forward(&mut p, &acts.ids, x)?;
         for (l, block) in self.blocks.iter().enumerate() {

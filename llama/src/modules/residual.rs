@@ -26,6 +26,11 @@ impl<T> Residual<T> {
         Residual { window, ..self }
     }
 
+    /// Whether this stream holds a window pair ([`Residual::with_window`]).
+    pub(crate) fn has_window(&self) -> bool {
+        self.window.is_some()
+    }
+
     /// The buffer a pass of `elems` elements starts in (the embedding writes it); it becomes
     /// current: the window's first where the pass fits it, else the first of the plain pair.
     pub(crate) fn start(&mut self, elems: usize) -> &mut CudaSlice<T> {

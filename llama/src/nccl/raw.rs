@@ -167,7 +167,7 @@ pub(crate) struct RawWindow {
 }
 
 // SAFETY: the window is memory and a registration handle NCCL owns; any thread may free it, and its
-// owner (`super::Shared`) frees it once, holding its lock.
+// owner (`super::Comm`, which is not `Sync`) frees it once, in its drop.
 unsafe impl Send for RawWindow {}
 
 /// An opened, checked NCCL: its function table, where it was found and its version.
@@ -395,10 +395,7 @@ impl Lib {
         // SAFETY: ends the group started above (NCCL creates the communicators here).
         let status = unsafe { (calls.group_end)() };
         let ended = self.status(status, "ncclGroupEnd", None);
-        if let Some(ctx) = previous {
-            // SAFETY: the context that was current on entry, still retained by its owner.
-            let _ = unsafe { cudarc::driver::result::ctx::set_current(ctx) };
-        }
+        restore(previous);
         first_error?;
         ended?;
         Ok(comms.into_iter().map(RawComm).zip(contexts).collect())
