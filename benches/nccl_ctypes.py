@@ -1,6 +1,7 @@
-# NCCL through ctypes for the probes (`tp_nccl_register_probe.py`, `tp_symmetric_graph_probe.py`): the
-# library of the nvidia-nccl-cu13 wheel, the argument types of the calls they make, `ok` to turn a status
-# into an exception, the library's version, and bf16 buffers from `ncclMemAlloc` as torch tensors.
+# NCCL through ctypes for the probes (`tp_nccl_register_probe.py`, `tp_symmetric_graph_probe.py`,
+# `tp_ce_allgather_probe.py`): the library of the nvidia-nccl-cu13 wheel, the argument types of the calls
+# they make, `ok` to turn a status into an exception, the library's version, and bf16 buffers from
+# `ncclMemAlloc` as torch tensors.
 import ctypes, glob, os
 import torch
 import nvidia.nccl as nccl_pkg

@@ -1442,3 +1442,55 @@ fn the_rotary_epilogue_equals_the_projection_then_rope_with_the_append() {
     }
     assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
 }
+
+// ---------------------------------------------------------------------------------------------------
+// The sum of a row-parallel matmul's partial products (what a tensor-parallel rank does with the
+// parts it gathered): bit for bit the reference's f32 sum in part order, rounded once.
+
+fn check_sum_partials<T: Element>(ctx: &Cudnn, count: usize, n: usize, offset: usize) {
+    // Values in ±4 over 1e-3 steps: the sums need f32, and rounding each step to T would differ.
+    let parts: Vec<T> =
+        (0..count * n).map(|i| T::from_f64(((i * 7919 + 13) % 8001) as f64 * 1e-3 - 4.0)).collect();
+    let want = cudnn_llm::cudnn_ops::sum_partials_reference(&parts, count).unwrap();
+    // `offset` elements before the parts and the output shift them off 16-byte alignment (the
+    // kernel's element-wise path).
+    let mut padded = vec![T::default(); offset];
+    padded.extend_from_slice(&parts);
+    let dev = ctx.stream().clone_htod(&padded).unwrap();
+    let mut out = poisoned::<T>(ctx, offset + n + 8).unwrap();
+    cudnn_llm::cudnn_ops::sum_partials(
+        ctx,
+        &dev.slice(offset..),
+        count,
+        &mut out.slice_mut(offset..offset + n),
+    )
+    .unwrap();
+    let got = download(ctx, &out).unwrap();
+    let bits = |v: &T| v.to_f64().to_bits();
+    let differ = got[offset..offset + n].iter().zip(&want).filter(|(a, b)| bits(a) != bits(b)).count();
+    assert_eq!(differ, 0, "{} parts of {n} ({:?}, offset {offset}): {differ} differ", count, T::DTYPE);
+    // Nothing outside the output written.
+    assert!(got[..offset].iter().chain(&got[offset + n..]).all(|v| v.to_f64().is_nan()));
+    println!("sum_partials {:?}: {count} parts of {n} at offset {offset} exact", T::DTYPE);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn sum_partials_matches_the_reference_bit_for_bit() {
+    let ctx = bench_util::gpu();
+    for (count, n, offset) in
+        [(2, 4096 * 3, 0), (2, 4099, 0), (3, 1000, 0), (2, 4096, 3), (4, 1, 0), (1, 777, 1)]
+    {
+        check_sum_partials::<bf16>(&ctx, count, n, offset);
+        check_sum_partials::<f16>(&ctx, count, n, offset);
+        check_sum_partials::<f32>(&ctx, count, n, offset);
+    }
+    // A part count of 0 or a length that is not count parts of the output: refused, nothing written.
+    let parts = ctx.stream().clone_htod(&[bf16::ONE; 10]).unwrap();
+    let mut out = poisoned::<bf16>(&ctx, 4).unwrap();
+    for count in [0, 3] {
+        let e = cudnn_llm::cudnn_ops::sum_partials(&ctx, &parts, count, &mut out).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    }
+    assert!(download(&ctx, &out).unwrap().iter().all(|v| v.is_nan()));
+}

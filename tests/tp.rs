@@ -2,7 +2,8 @@
 //! wheel's `nvidia/nccl/lib` on LD_LIBRARY_PATH, or NCCL_LIBRARY naming its `libnccl.so.2`): two-rank
 //! logits against one-GPU logits of the same weights (tiny, 1B and 8B shapes; prefill, plain decode
 //! steps and replayed decode graphs), the collectives alone, and a failing or silent rank ending the
-//! call with an error instead of a hang, communicators with CTA limits summing as the default ones; `speedup-report --tp 2` (per-rank rows with the all-reduce
+//! call with an error instead of a hang, communicators with CTA limits summing as the default ones,
+//! long passes' sums gathered by the copy engines as all-reduced; `speedup-report --tp 2` (per-rank rows with the all-reduce
 //! ranges, kernel totals against CUDA-event times, the scaling against one GPU). GPU tests are ignored by default; run them with
 //! `--include-ignored` on a machine with two GPUs (`four_ranks_...` needs four: the `nvidia-h100-x4`
 //! kind; skip it on two with `--skip four_ranks`).
@@ -248,6 +249,67 @@ fn symmetric_windows_give_the_logits_of_plain_buffers_bit_for_bit() {
         let differ = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
         println!("call {call} (0 = prefill; 1-3 plain steps, then replays): {differ} logits differ");
         assert_eq!(differ, 0, "call {call}: {differ} of {} logits differ with windows", a.len());
+    }
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs and NCCL"]
+fn copy_engine_gathered_sums_give_every_prefill_row_of_all_reduces_bit_for_bit() {
+    // A prefill of 2 x 520 rows with its o_proj and down sums gathered by the copy engines in
+    // chunks of 520 rows (two) or of 208 (five, so the two window slots are reused), against the
+    // same weights all-reducing them. A two-rank sum is one rounding of the f32 sum either way, so
+    // the logits of every row must agree exactly; a chunk summed before its gather landed, or a slot
+    // written again before its sum read it, would not. Also with o_proj naive (its sums all-reduced,
+    // the MLP's gathered). The decode steps after it (all-reduced) are held to the two-rank
+    // tolerance only: two teams of the same weights already differ in their bits there with a
+    // 1040-row cache (seen with both all-reducing).
+    let cfg = LlamaConfig::llama_3_1_8b().with_layers(2);
+    let (batch, len) = (2, 520);
+    let prompt = tokens(batch, len, cfg.vocab, 5);
+    let selections = ["fused=all", "fused=all;naive=o_proj"];
+    let fused = Backends::all(Backend::Fused);
+    let mut reduced: Vec<Vec<f32>> = Vec::new();
+    let mut reduced_run = None;
+    for rows in [0, 1024, 256] {
+        let mut tp = team(&cfg, 2, 7, len + 10, TpOptions::default().with_gather_rows(rows));
+        let bytes = tp.each("gather", |r| Ok(r.model.comm().map_or(0, |c| c.gather_bytes()))).unwrap();
+        println!("gather rows {rows}: window bytes per rank {bytes:?}");
+        if rows > 0 && bytes.contains(&0) {
+            eprintln!("SKIPPED copy-engine gathers: this NCCL makes no window (2.28.9 or later needed)");
+            return;
+        }
+        assert!(rows > 0 || bytes.iter().all(|&b| b == 0));
+        for (s, sel) in selections.iter().enumerate() {
+            let backends = Backends::parse(sel).unwrap();
+            tp.reset_cache(batch, len + 10).unwrap();
+            tp.forward(&prompt, &backends).unwrap();
+            let all = tp.logits(0..batch * len, &backends).unwrap();
+            if rows == 0 {
+                reduced.push(all);
+                continue;
+            }
+            let want = &reduced[s];
+            let rows_differ =
+                all.chunks(cfg.vocab).zip(want.chunks(cfg.vocab)).filter(|(a, b)| a != b).count();
+            println!(
+                "gather rows {rows} `{sel}`: {rows_differ} of {} prefill rows' logits differ",
+                batch * len
+            );
+            assert_eq!(
+                rows_differ, 0,
+                "gather rows {rows} `{sel}`: prefill rows differ from the all-reduced ones"
+            );
+        }
+        let chunks = tp.each("gathered", |r| Ok(r.model.chunks_gathered())).unwrap();
+        println!("gather rows {rows}: chunks gathered per rank {chunks:?}");
+        assert_eq!(rows > 0, chunks[0] > 0, "{chunks:?}");
+        // Decode steps after a gathered prefill (plain, then replayed).
+        let feed: Vec<Vec<u32>> = (0..4).map(|s| vec![(100 + 31 * s) as u32; batch]).collect();
+        let decoded = run(&mut tp, &prompt, &feed, 2, &fused);
+        match &reduced_run {
+            None => reduced_run = Some(decoded),
+            Some(want) => assert_runs_agree(&format!("gather rows {rows}"), 2, want, &decoded, cfg.vocab),
+        }
     }
 }
 

@@ -76,10 +76,10 @@ pub use kv_cache::{
 pub use ops::argmax::{argmax, ArgmaxArgs, ArgmaxOperands, Pick};
 pub use ops::loss::{cross_entropy, CrossEntropyArgs, CrossEntropyOperands, Logits};
 pub use ops::matmul::{
-    linear_backward_data, linear_backward_weight, matmul, swiglu_down_backward, Activation, BufferLens,
-    DataGrad, Epilogue, LinearGradArgs, MatmulArgs, MatmulKernel, MatmulOperands, MatrixLayout, Prologue,
-    Rotary, RotaryLens, RotaryOperands, SwigluForm, SwigluGrads, WeightGrad, DECODE_GEMV_AUTO_TOKENS,
-    DECODE_GEMV_MAX_TOKENS,
+    linear_backward_data, linear_backward_weight, matmul, sum_partials, sum_partials_reference,
+    swiglu_down_backward, Activation, BufferLens, DataGrad, Epilogue, LinearGradArgs, MatmulArgs,
+    MatmulKernel, MatmulOperands, MatrixLayout, Prologue, Rotary, RotaryLens, RotaryOperands, SwigluForm,
+    SwigluGrads, WeightGrad, DECODE_GEMV_AUTO_TOKENS, DECODE_GEMV_MAX_TOKENS,
 };
 pub use ops::optim::{
     adamw, grad_norm, AdamWArgs, AdamWOperands, AdamWTensor, GradNormArgs, GradNormOperands, Grads,

@@ -43,6 +43,7 @@ use crate::modules::embedding::Embedding;
 use crate::modules::linear::{Linear, Then};
 use crate::modules::mlp::MlpBuffers;
 use crate::modules::norm::RmsNorm;
+use crate::modules::reduce::{Gather, RankSum};
 use crate::modules::residual::Residual;
 use crate::modules::{Pass, Tokens};
 use crate::nccl::Comm;
@@ -186,6 +187,9 @@ pub struct Llama<T: Element> {
     /// Fused decode steps share one attention plan with run-time sequence lengths (cuDNN 9.15+);
     /// false once cuDNN refused it, and decode builds a plan per cache length instead.
     padded_decode: bool,
+    /// A tensor-parallel rank's copy-engine gather window for long passes' sums (dropped before the
+    /// communicator that owns its memory).
+    gather: Option<Gather<T>>,
     /// A tensor-parallel rank's communicator: layers all-reduce their residual sums and `lm_head`
     /// (the rank's rows of the vocabulary) all-gathers its logits.
     comm: Option<Comm>,
@@ -246,6 +250,12 @@ impl<T: Element> Llama<T> {
         Self::assemble(ctx, cfg, blocks, [embed, norm], lm_head, max_positions, comm)
     }
 
+    /// Row chunks whose sums over the ranks the copy engines gathered so far (a tensor-parallel
+    /// rank's long passes; see [`crate::tp::TpOptions::gather_rows`]).
+    pub fn chunks_gathered(&self) -> u64 {
+        self.gather.as_ref().map_or(0, Gather::chunks_gathered)
+    }
+
     /// A tensor-parallel rank's communicator (`None` on a model of one GPU).
     pub fn comm(&self) -> Option<&Comm> {
         self.comm.as_ref()
@@ -265,6 +275,10 @@ impl<T: Element> Llama<T> {
         let up = |t: &Tensor<T>| ctx.stream().clone_htod(&t.data).map_err(cudnn_llm_ops::Error::from);
         let head_rows = cfg.vocab / comm.as_ref().map_or(1, Comm::ranks);
         let eps = cfg.rms_eps as f32;
+        let gather = match &comm {
+            Some(c) => Gather::new(ctx, c, cfg.hidden, c.gather_bytes())?,
+            None => None,
+        };
         Ok(Llama {
             cfg: cfg.clone(),
             embed: Embedding::new(up(embed)?, cfg.vocab, cfg.hidden),
@@ -277,6 +291,7 @@ impl<T: Element> Llama<T> {
             acts: None,
             fallbacks: Fallbacks::default(),
             padded_decode: ctx.features().sdpa_seq_lens(),
+            gather,
             comm,
             decode_fusion: DecodeFusion::default(),
             chain: None,
@@ -747,8 +762,12 @@ impl<T: Element> Llama<T> {
             acts.x.has_window() && self.blocks.iter().all(|b| b.gemvs_before_reduces(backends, rows));
         let x = if windowed { acts.x.start(rows * self.cfg.hidden) } else { acts.x.first_mut() };
         self.embed.forward(&mut p, &acts.ids, x)?;
+        let ranks = match &self.comm {
+            Some(c) => Some(RankSum::new(ctx, c, self.gather.as_mut(), self.cfg.hidden)?),
+            None => None,
+        };
         for (l, block) in self.blocks.iter().enumerate() {
-            block.forward(&mut p, &mut acts.x, &mut acts.scratch, cache.layer(l), self.comm.as_ref())?;
+            block.forward(&mut p, &mut acts.x, &mut acts.scratch, cache.layer(l), ranks.as_ref())?;
         }
         self.norm.forward(&mut p, acts.x.get(), &mut acts.out)?;
         self.padded_decode = p.positions.padded;

@@ -2,6 +2,7 @@
 
 use super::linear::{Linear, Then};
 use super::norm::Normed;
+use super::reduce::RankSum;
 use super::{Pass, Positions, Tokens};
 use crate::backends::Site;
 use crate::{Backend, Result};
@@ -58,6 +59,7 @@ impl<T: Element> Attention<T> {
         x: &CudaSlice<T>,
         sum: &mut CudaSlice<T>,
         fold_rope: bool,
+        ranks: Option<&RankSum<'_, T>>,
     ) -> Result<()> {
         let AttnBuffers { qkv, o } = bufs;
         if fold_rope {
@@ -68,7 +70,7 @@ impl<T: Element> Attention<T> {
             self.rope(p, qkv, &mut cache)?;
         }
         self.gqa(p, qkv, cache, o)?;
-        self.project_o(p, o, x, sum)
+        self.project_o(p, o, x, sum, ranks)
     }
 
     /// The QKV projection of the pass's rows of `h` into `qkv` (`h` may be x with the prenorm
@@ -114,18 +116,21 @@ impl<T: Element> Attention<T> {
         self.qkv_proj.takes_rotary(norm, Rotary::new(self.heads, self.kv_heads, self.head_dim, 1))
     }
 
-    /// `sum = x + o_proj(o)` (`o_proj(o)` alone without [`Attention::adds_residual`]).
+    /// `sum = x + o_proj(o)` (`o_proj(o)` alone without [`Attention::adds_residual`]); on a
+    /// tensor-parallel rank through `ranks` ([`RankSum::project`]).
     pub(super) fn project_o(
         &self,
         p: &mut Pass<'_, T>,
         o: &CudaSlice<T>,
         x: &CudaSlice<T>,
         sum: &mut CudaSlice<T>,
+        ranks: Option<&RankSum<'_, T>>,
     ) -> Result<()> {
         let (ctx, rows) = (p.ctx, p.tokens.rows());
         p.dispatch.run(Site::O_PROJ, Some(self.layer), &p.shape, |b| {
-            let then = if self.adds_residual { Then::AddTo(x) } else { Then::Nothing };
-            self.o_proj.forward(b, ctx, rows, o, then, sum)
+            RankSum::project(ranks, ctx, b, rows, sum, |r, out| {
+                self.o_proj.forward_rows(b, ctx, r, o, self.adds_residual.then_some(x), out)
+            })
         })
     }
 

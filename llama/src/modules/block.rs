@@ -4,11 +4,11 @@ use super::attention::{Attention, AttnBuffers, LayerCache};
 use super::linear::Linear;
 use super::mlp::{Mlp, MlpBuffers};
 use super::norm::{Normed, RmsNorm};
+use super::reduce::RankSum;
 use super::residual::Residual;
 use super::Pass;
 use crate::backends::Site;
 use crate::config::LlamaConfig;
-use crate::nccl::Comm;
 use crate::weights::LayerWeights;
 use crate::Backend;
 use crate::Result;
@@ -80,8 +80,8 @@ impl<T: Element> Block<T> {
         })
     }
 
-    /// The layer over the pass's tokens, appending their K and V to `cache`; with `comm` (a
-    /// tensor-parallel rank), each residual sum is all-reduced over the ranks. A fused one-token step
+    /// The layer over the pass's tokens, appending their K and V to `cache`; with `ranks` (a
+    /// tensor-parallel rank), each residual sum is summed over the ranks ([`RankSum`]). A fused one-token step
     /// folds what the pass's [`DecodeFusion`](super::DecodeFusion) asks for ([`Block::folds`]).
     pub(crate) fn forward(
         &self,
@@ -89,7 +89,7 @@ impl<T: Element> Block<T> {
         x: &mut Residual<T>,
         s: &mut Scratch<T>,
         cache: LayerCache<'_, T>,
-        comm: Option<&Comm>,
+        ranks: Option<&RankSum<'_, T>>,
     ) -> Result<()> {
         let Scratch { h, attn, mlp } = s;
         let Folds { attn_norm: fold_attn, mlp_norm: fold_mlp, gate_up, rope } = self.folds(p);
@@ -101,8 +101,8 @@ impl<T: Element> Block<T> {
         x.add(|x, sum| {
             let input =
                 if fold_attn { Normed::Folded { x, norm: &self.attn_norm, h } } else { Normed::Done(h) };
-            self.attn.forward(p, input, attn, cache, x, sum, rope)?;
-            self.all_reduce(p, comm, ATTN_ALLREDUCE_RANGE, sum)
+            self.attn.forward(p, input, attn, cache, x, sum, rope, ranks)?;
+            self.all_reduce(p, ranks, ATTN_ALLREDUCE_RANGE, sum)
         })?;
         if fold_mlp {
             self.mlp_norm.folded(p);
@@ -112,8 +112,8 @@ impl<T: Element> Block<T> {
         x.add(|x, sum| {
             let input =
                 if fold_mlp { Normed::Folded { x, norm: &self.mlp_norm, h } } else { Normed::Done(h) };
-            self.mlp.forward(p, input, mlp, x, sum, gate_up)?;
-            self.all_reduce(p, comm, MLP_ALLREDUCE_RANGE, sum)
+            self.mlp.forward(p, input, mlp, x, sum, gate_up, ranks)?;
+            self.all_reduce(p, ranks, MLP_ALLREDUCE_RANGE, sum)
         })
     }
 
@@ -157,20 +157,18 @@ impl<T: Element> Block<T> {
         Folds { attn_norm, mlp_norm, gate_up, rope }
     }
 
-    /// Sums the pass's rows of `sum` over the ranks in place, inside `range` (nothing without `comm`).
+    /// Completes the sum of the pass's rows of `sum` over the ranks, inside `range` (nothing
+    /// without `ranks`): their all-reduce, or the sums of the gathered chunks ([`RankSum::finish`]).
     fn all_reduce(
         &self,
         p: &mut Pass<'_, T>,
-        comm: Option<&Comm>,
+        ranks: Option<&RankSum<'_, T>>,
         range: &'static str,
         sum: &mut CudaSlice<T>,
     ) -> Result<()> {
-        let Some(comm) = comm else { return Ok(()) };
-        let (stream, n) = (p.ctx.stream(), p.tokens.rows() * self.hidden);
-        let reduced = p
-            .dispatch
-            .observe(range, Some(self.attn.layer), || comm.all_reduce_sum(stream, &mut sum.slice_mut(..n)));
-        Ok(reduced?)
+        let Some(ranks) = ranks else { return Ok(()) };
+        let (ctx, n) = (p.ctx, p.tokens.rows() * self.hidden);
+        p.dispatch.observe(range, Some(self.attn.layer), || ranks.finish(ctx, sum, n))
     }
 
     /// [`Block::forward`] over a paged KV cache's step begun (continuous batching;
@@ -186,7 +184,7 @@ impl<T: Element> Block<T> {
         self.attn_norm.forward(p, x.get(), h)?;
         x.add(|x, sum| self.attn.forward_paged(p, h, attn, cache, x, sum))?;
         self.mlp_norm.forward(p, x.get(), h)?;
-        x.add(|x, sum| self.mlp.forward(p, Normed::Done(h), mlp, x, sum, false))
+        x.add(|x, sum| self.mlp.forward(p, Normed::Done(h), mlp, x, sum, false, None))
     }
 }
 

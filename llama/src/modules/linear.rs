@@ -5,6 +5,7 @@ use cudnn_llm_ops::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use cudnn_llm_ops::{
     matmul, Backend, Cudnn, Element, Epilogue, MatmulArgs, MatmulOperands, Prologue, Rotary, RotaryOperands,
 };
+use std::ops::Range;
 
 /// What a linear layer's epilogue does with `x · Wᵀ` (fused into the GEMM's graph, or one more naive
 /// kernel).
@@ -54,6 +55,32 @@ impl<T: Element> Linear<T> {
         out: &mut dyn DevicePtrMut<T>,
     ) -> cudnn_llm_ops::Result<()> {
         self.call(backend, ctx, tokens, x, None, then, out)
+    }
+
+    /// `out = residual + x · Wᵀ` (`x · Wᵀ` without `residual`) over the rows `rows` of `x` and
+    /// `residual`; `out` holds those rows only (a row-parallel projection's chunk, or every row).
+    pub(crate) fn forward_rows(
+        &self,
+        backend: Backend,
+        ctx: &Cudnn,
+        rows: Range<usize>,
+        x: &CudaSlice<T>,
+        residual: Option<&CudaSlice<T>>,
+        out: &mut dyn DevicePtrMut<T>,
+    ) -> cudnn_llm_ops::Result<()> {
+        let (i, o) = (self.in_features, self.out_features);
+        let short = |what: &str, len: usize, width: usize| {
+            cudnn_llm_ops::Error::InvalidArgument(format!(
+                "linear rows {rows:?}: {what} holds {len} elements, not {} rows of {width}",
+                rows.end
+            ))
+        };
+        let x = x.try_slice(rows.start * i..rows.end * i).ok_or_else(|| short("x", x.len(), i))?;
+        let residual = residual
+            .map(|r| r.try_slice(rows.start * o..rows.end * o).ok_or_else(|| short("residual", r.len(), o)))
+            .transpose()?;
+        let then = residual.as_ref().map_or(Then::Nothing, |r| Then::AddTo(r));
+        self.forward(backend, ctx, rows.len(), &x, then, out)
     }
 
     /// `out = then(input · Wᵀ)`: a folded norm runs in the fused GEMV (or, naive, first into its `h`).

@@ -2,6 +2,7 @@
 
 use super::linear::{Linear, Then};
 use super::norm::Normed;
+use super::reduce::RankSum;
 use super::Pass;
 use crate::backends::Site;
 use crate::{Backend, Result};
@@ -27,7 +28,9 @@ pub(crate) struct Mlp<T> {
 impl<T: Element> Mlp<T> {
     /// `sum = x + mlp(h)` (`mlp(h)` alone without [`Mlp::adds_residual`]): three GEMMs, the SwiGLU
     /// and the residual add in their epilogues; with `gate_up` (a fused one-token step), gate and up
-    /// in one GEMV. `h` may be x with the prenorm folded into the gate and up projections.
+    /// in one GEMV. `h` may be x with the prenorm folded into the gate and up projections. `down`
+    /// runs through `ranks` on a tensor-parallel rank ([`RankSum::project`]).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn forward(
         &self,
         p: &mut Pass<'_, T>,
@@ -36,6 +39,7 @@ impl<T: Element> Mlp<T> {
         x: &CudaSlice<T>,
         sum: &mut CudaSlice<T>,
         gate_up: bool,
+        ranks: Option<&RankSum<'_, T>>,
     ) -> Result<()> {
         let (ctx, rows) = (p.ctx, p.tokens.rows());
         let MlpBuffers { up, act } = bufs;
@@ -46,8 +50,9 @@ impl<T: Element> Mlp<T> {
                 self.up.forward_normed(b, ctx, rows, &mut h, Then::Nothing, up)?;
                 self.gate.forward_normed(b, ctx, rows, &mut h, Then::SwiGlu(up), act)?;
             }
-            let then = if self.adds_residual { Then::AddTo(x) } else { Then::Nothing };
-            self.down.forward(b, ctx, rows, act, then, sum)
+            RankSum::project(ranks, ctx, b, rows, sum, |r, out| {
+                self.down.forward_rows(b, ctx, r, act, self.adds_residual.then_some(x), out)
+            })
         })
     }
 

@@ -45,6 +45,7 @@ pub(crate) mod linear;
 pub(crate) mod mlp;
 pub(crate) mod norm;
 pub(crate) mod paged;
+pub(crate) mod reduce;
 pub(crate) mod residual;
 
 pub use block::{ATTN_ALLREDUCE_RANGE, MLP_ALLREDUCE_RANGE};

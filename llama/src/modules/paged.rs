@@ -45,6 +45,6 @@ impl<T: Element> Attention<T> {
         p.dispatch.run(Site::GQA, at, &attn_shape, |b| {
             cache.attend(ctx, layer, qkv_rows, qkv.as_view(), o.as_view_mut(), b).map(drop)
         })?;
-        self.project_o(p, o, x, sum)
+        self.project_o(p, o, x, sum, None)
     }
 }

@@ -77,6 +77,18 @@
 //! bit. Older libraries make no window; [`WINDOWS_ENV`]`=0` or `TpOptions::with_windows(false)` turn
 //! them off.
 
+//!
+//! **Copy-engine gathers for long passes.** With a gather window asked for
+//! ([`Comm::init_all_with`]'s `gather_bytes`, NCCL 2.28.9 or later, two ranks or more), each rank
+//! also gets a second communicator made with `NCCL_CTA_POLICY_ZERO` and a symmetric window of that
+//! size on it. NCCL runs an in-place all-gather between such windows on the copy engines (a
+//! flag handshake with the peers through stream memory operations, the copies, another handshake;
+//! no kernel), so it can run beside a GEMM without taking its SMs. A tensor-parallel rank uses it
+//! for long prefills: each chunk of a row-parallel projection's rows is gathered from every rank
+//! while the next chunk's GEMM runs, then summed by the rank ([`cudnn_llm_ops::sum_partials`]);
+//! see `TpOptions::gather_rows`. The probe `benches/tp_ce_allgather_probe.py` measured the copy
+//! alone: 23.5 us for a 1024 x 4096 bf16 chunk to the other H200 (357 GB/s).
+
 mod raw;
 
 use cudarc::driver::sys::{CUevent_flags, CUstreamCaptureStatus};
@@ -538,6 +550,21 @@ pub struct Comm {
     /// This rank's symmetric window, if NCCL made one (see the module docs); freed on drop, after the
     /// communicator's destroy or abort.
     window: Option<raw::RawWindow>,
+    /// This rank's copy-engine all-gathers, if made (see the module docs).
+    gather: Option<GatherComm>,
+}
+
+/// A rank's second communicator, made with `NCCL_CTA_POLICY_ZERO`, and its symmetric window: NCCL
+/// runs all-gathers between such windows on the copy engines (see the module docs).
+struct GatherComm {
+    shared: Arc<Shared>,
+    window: Option<raw::RawWindow>,
+}
+
+impl Drop for GatherComm {
+    fn drop(&mut self) {
+        release(&self.shared, self.window.take());
+    }
 }
 
 impl std::fmt::Debug for Comm {
@@ -550,9 +577,10 @@ impl std::fmt::Debug for Comm {
     }
 }
 
-/// A [`Comm`] as another thread sees it: only [`abort_all`] takes it.
+/// A [`Comm`] (and its copy-engine communicator, if any) as another thread sees it: only
+/// [`abort_all`] takes it.
 #[derive(Clone)]
-pub struct AbortHandle(Arc<Shared>);
+pub struct AbortHandle(Vec<Arc<Shared>>);
 
 /// Ends the communicators of `handles` that still live: their owners' later calls fail with
 /// [`NcclError::Aborted`] (`why`) at once, and a helper thread calls `ncclCommAbort` on each, which
@@ -560,8 +588,11 @@ pub struct AbortHandle(Arc<Shared>);
 /// last abort waits for the graphs that captured their collectives to be destroyed (see the module
 /// docs). A thread that cannot start leaves the communicators unaborted (but taken).
 pub fn abort_all(handles: &[AbortHandle], why: &str) {
-    let taken: Vec<(&'static raw::Lib, raw::RawComm)> =
-        handles.iter().filter_map(|h| h.0.take(why).map(|raw| (h.0.lib, raw))).collect();
+    let taken: Vec<(&'static raw::Lib, raw::RawComm)> = handles
+        .iter()
+        .flat_map(|h| &h.0)
+        .filter_map(|shared| shared.take(why).map(|raw| (shared.lib, raw)))
+        .collect();
     if taken.is_empty() {
         return;
     }
@@ -575,7 +606,7 @@ pub fn abort_all(handles: &[AbortHandle], why: &str) {
 
 impl std::fmt::Debug for AbortHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AbortHandle").field("rank", &self.0.rank).finish()
+        f.debug_struct("AbortHandle").field("rank", &self.0.first().map(|s| s.rank)).finish()
     }
 }
 
@@ -594,6 +625,75 @@ fn nccl_type<T: Element>() -> Result<(ncclDataType_t, usize), NcclError> {
     Ok((t, std::mem::size_of::<T>()))
 }
 
+/// A symmetric window of `bytes` on each of `comms` (rank i on GPU `devices[i]`, just made, so
+/// live; [`raw::Lib::windows`]).
+fn make_windows(
+    comms: &[Arc<Shared>],
+    devices: &[usize],
+    bytes: usize,
+) -> Result<Vec<raw::RawWindow>, NcclError> {
+    let Some(lib) = comms.first().map(|c| c.lib) else { return Ok(Vec::new()) };
+    let states: Vec<MutexGuard<'_, State>> = comms.iter().map(|c| c.lock()).collect();
+    let raws: Vec<&raw::RawComm> = states
+        .iter()
+        .filter_map(|s| match &**s {
+            State::Live(raw) => Some(raw),
+            State::Gone(_) => None,
+        })
+        .collect();
+    if raws.len() != comms.len() {
+        return Err(NcclError::Argument("a communicator was aborted before its window was made".into()));
+    }
+    lib.windows(&raws, devices, bytes)
+}
+
+/// Buffers of `len` elements of `T` at the byte offsets `at` of window `w` (on GPU `device`), on
+/// `stream`; `None` when `stream` is on another GPU or one would leave the window.
+fn views<T: cudarc::driver::DeviceRepr>(
+    w: &raw::RawWindow,
+    device: usize,
+    stream: &Arc<CudaStream>,
+    len: usize,
+    at: impl IntoIterator<Item = usize>,
+) -> Option<Vec<WindowBuf<T>>> {
+    let bytes = len.checked_mul(std::mem::size_of::<T>())?;
+    if stream.context().ordinal() != device {
+        return None;
+    }
+    at.into_iter()
+        .map(|at| {
+            (at.checked_add(bytes)? <= w.bytes).then_some(())?;
+            // SAFETY: `bytes` bytes at `at` lie in the window (checked above), on `stream`'s GPU,
+            // holding `len` elements of `T`; `WindowBuf` never frees them through cudarc, and the
+            // window lives until its communicator drops.
+            Some(WindowBuf(Some(unsafe { stream.upgrade_device_ptr::<T>(w.ptr + at as u64, len) })))
+        })
+        .collect()
+}
+
+/// Destroys the communicator `shared` holds (aborts it when an operation left an error on it),
+/// outside its lock, so that [`abort_all`] never waits on it; `window` is deregistered before and
+/// freed after. After an [`abort_all`], whose thread may still be inside `ncclCommAbort` tearing
+/// down the window's registration, the window's memory is left to the process.
+fn release(shared: &Shared, window: Option<raw::RawWindow>) {
+    let lib = shared.lib;
+    if let Some(raw) = shared.take("dropped") {
+        if lib.async_error(&raw).is_ok() {
+            if let Some(w) = window {
+                let _ = lib.free_window(Some(&raw), w);
+            }
+            let _ = lib.destroy(raw);
+        } else {
+            let _ = lib.abort(raw);
+            if let Some(w) = window {
+                let _ = lib.free_window(None, w);
+            }
+        }
+    } else if let Some(w) = window {
+        std::mem::forget(w);
+    }
+}
+
 impl Comm {
     /// One communicator per device of `devices`, rank i on GPU `devices[i]`, created together from
     /// this one thread: `ncclCommInitAll` for the default `config`, else one group of
@@ -604,15 +704,18 @@ impl Comm {
     /// opens NCCL. Devices must be distinct and present; NCCL reports
     /// otherwise.
     pub fn init_all(devices: &[usize], config: &NcclConfig) -> Result<Vec<Comm>, NcclError> {
-        Self::init_all_with(devices, config, true)
+        Self::init_all_with(devices, config, true, 0)
     }
 
-    /// [`Comm::init_all`], making symmetric windows only with `windows` (and where NCCL and
-    /// [`WINDOWS_ENV`] allow, see the module docs).
+    /// [`Comm::init_all`], making the decode windows only with `windows`, and with `gather_bytes`
+    /// above 0 a copy-engine communicator per rank with a gather window of that many bytes
+    /// ([`Comm::gather_in_place`]); both only where NCCL and [`WINDOWS_ENV`] allow (see the module
+    /// docs).
     pub fn init_all_with(
         devices: &[usize],
         config: &NcclConfig,
         windows: bool,
+        gather_bytes: usize,
     ) -> Result<Vec<Comm>, NcclError> {
         if devices.is_empty() {
             return Err(NcclError::Argument("no devices to make communicators for".into()));
@@ -638,36 +741,52 @@ impl Comm {
             lib.init_all_config(&ordinals, config)?.into_iter().map(|(raw, ctx)| (raw, Some(ctx))).collect()
         };
         let ranks = devices.len();
-        let want = windows
-            && ranks > 1
-            && lib.has_windows(WINDOW_MIN_VERSION)
-            && windows_from_env(std::env::var(WINDOWS_ENV).ok().as_deref())?;
-        let mut windows: Vec<Option<raw::RawWindow>> = if want {
-            let comms: Vec<&raw::RawComm> = raws.iter().map(|(raw, _)| raw).collect();
-            lib.windows(&comms, devices, WINDOW_BYTES)?.into_iter().map(Some).collect()
-        } else {
-            Vec::new()
+        let shared = |rank: usize, raw: raw::RawComm, context| {
+            Arc::new(Shared { lib, rank, state: Mutex::new(State::Live(raw)), _context: context })
         };
-        windows.resize_with(ranks, || None);
-        Ok(raws
+        // Made before any window, so that an error below destroys them (their drop).
+        let mut comms: Vec<Comm> = raws
             .into_iter()
             .zip(devices)
-            .zip(windows)
             .enumerate()
-            .map(|(rank, (((raw, context), &device), window))| Comm {
-                shared: Arc::new(Shared {
-                    lib,
-                    rank,
-                    state: Mutex::new(State::Live(raw)),
-                    _context: context,
-                }),
+            .map(|(rank, ((raw, context), &device))| Comm {
+                shared: shared(rank, raw, context),
                 ranks,
                 device,
                 launched: OnceCell::new(),
                 pending: Cell::new(false),
-                window,
+                window: None,
+                gather: None,
             })
-            .collect())
+            .collect();
+        let symmetric = ranks > 1
+            && lib.has_windows(WINDOW_MIN_VERSION)
+            && windows_from_env(std::env::var(WINDOWS_ENV).ok().as_deref())?;
+        if symmetric && windows {
+            let shareds: Vec<Arc<Shared>> = comms.iter().map(|c| c.shared.clone()).collect();
+            for (comm, window) in comms.iter_mut().zip(make_windows(&shareds, devices, WINDOW_BYTES)?) {
+                comm.window = Some(window);
+            }
+        }
+        if symmetric && gather_bytes > 0 {
+            let made = lib.init_all_raw(&ordinals, raw::ConfigV22800::zero_cta(), "CTAPolicy")?;
+            let mut gathers: Vec<GatherComm> = made
+                .into_iter()
+                .enumerate()
+                .map(|(rank, (raw, context))| GatherComm {
+                    shared: shared(rank, raw, Some(context)),
+                    window: None,
+                })
+                .collect();
+            let shareds: Vec<Arc<Shared>> = gathers.iter().map(|g| g.shared.clone()).collect();
+            for (gather, window) in gathers.iter_mut().zip(make_windows(&shareds, devices, gather_bytes)?) {
+                gather.window = Some(window);
+            }
+            for (comm, gather) in comms.iter_mut().zip(gathers) {
+                comm.gather = Some(gather);
+            }
+        }
+        Ok(comms)
     }
 
     /// Whether this rank has a symmetric window (see the module docs).
@@ -687,15 +806,38 @@ impl Comm {
     ) -> Option<[WindowBuf<T>; 2]> {
         let w = self.window.as_ref()?;
         let half = w.bytes / 2;
-        if stream.context().ordinal() != self.device || len.checked_mul(std::mem::size_of::<T>())? > half {
+        if len.checked_mul(std::mem::size_of::<T>())? > half {
             return None;
         }
-        // SAFETY: each half is `half` bytes of this rank's window on `stream`'s GPU, holding `len`
-        // elements of `T` (checked above), 2 MiB-aligned; `WindowBuf` never frees it through cudarc,
-        // and the window lives until this communicator drops.
-        let view =
-            |at: usize| WindowBuf(Some(unsafe { stream.upgrade_device_ptr::<T>(w.ptr + at as u64, len) }));
-        Some([view(0), view(half)])
+        let [a, b]: [WindowBuf<T>; 2] = views(w, self.device, stream, len, [0, half])?.try_into().ok()?;
+        Some([a, b])
+    }
+
+    /// Whether this rank has a copy-engine communicator with its gather window (see the module
+    /// docs).
+    pub fn has_gather(&self) -> bool {
+        self.gather.as_ref().is_some_and(|g| g.window.is_some())
+    }
+
+    /// Bytes of this rank's gather window (0 without one).
+    pub fn gather_bytes(&self) -> usize {
+        self.gather.as_ref().and_then(|g| g.window.as_ref()).map_or(0, |w| w.bytes)
+    }
+
+    /// This rank's gather window as `n` consecutive buffers of `len` elements of `T` on `stream`, or
+    /// `None`: no gather window ([`Comm::has_gather`]), they do not fit it, or `stream` is on another
+    /// GPU. In-place gathers within one ([`Comm::gather_in_place`]) run on the copy engines. Views, as
+    /// [`Comm::window_pair`]'s.
+    pub fn gather_slots<T: cudarc::driver::DeviceRepr>(
+        &self,
+        stream: &Arc<CudaStream>,
+        len: usize,
+        n: usize,
+    ) -> Option<Vec<WindowBuf<T>>> {
+        let w = self.gather.as_ref()?.window.as_ref()?;
+        let bytes = len.checked_mul(std::mem::size_of::<T>())?;
+        (bytes.checked_mul(n)? <= w.bytes).then_some(())?;
+        views(w, self.device, stream, len, (0..n).map(|i| i * bytes))
     }
 
     /// This communicator's rank.
@@ -715,7 +857,9 @@ impl Comm {
 
     /// A handle through which [`abort_all`] ends this communicator from another thread.
     pub fn abort_handle(&self) -> AbortHandle {
-        AbortHandle(self.shared.clone())
+        AbortHandle(
+            std::iter::once(&self.shared).chain(self.gather.as_ref().map(|g| &g.shared)).cloned().collect(),
+        )
     }
 
     /// An error an earlier operation left on the communicator (`ncclCommGetAsyncError`), or
@@ -817,23 +961,50 @@ impl Comm {
         stream: &CudaStream,
         buf: &mut impl DevicePtrMut<T>,
     ) -> Result<(), NcclError> {
+        self.gather_on(&self.shared, "all_gather_in_place", stream, buf)
+    }
+
+    /// [`Comm::all_gather_in_place`] on this rank's copy-engine communicator: with `buf` inside a
+    /// [`Comm::gather_slots`] buffer, at the same offset on every rank, NCCL copies the parts with
+    /// the copy engines and launches no kernel (see the module docs). An [`NcclError::Argument`]
+    /// without one ([`Comm::has_gather`]).
+    pub fn gather_in_place<T: Element>(
+        &self,
+        stream: &CudaStream,
+        buf: &mut impl DevicePtrMut<T>,
+    ) -> Result<(), NcclError> {
+        let Some(gather) = &self.gather else {
+            return Err(NcclError::Argument(format!("rank {}: no copy-engine communicator", self.rank())));
+        };
+        self.gather_on(&gather.shared, "gather_in_place", stream, buf)
+    }
+
+    /// An in-place all-gather on `shared`'s communicator (this one or its copy-engine one).
+    fn gather_on<T: Element>(
+        &self,
+        shared: &Shared,
+        what: &str,
+        stream: &CudaStream,
+        buf: &mut impl DevicePtrMut<T>,
+    ) -> Result<(), NcclError> {
         let element = nccl_type::<T>()?;
-        self.same_device("all_gather_in_place", stream, buf)?;
+        self.same_device(what, stream, buf)?;
         let len = buf.len();
         if !len.is_multiple_of(self.ranks) {
             return Err(NcclError::Argument(format!(
-                "all_gather_in_place: {len} elements do not split into {} equal parts",
+                "{what}: {len} elements do not split into {} equal parts",
                 self.ranks
             )));
         }
         self.after_graphs(stream)?;
-        let state = self.shared.lock();
+        let state = shared.lock();
         let raw = self.live(&state)?;
         let (ptr, _written) = buf.device_ptr_mut(stream);
         // SAFETY: `ptr` addresses `ranks · (len / ranks)` elements on this GPU (checked above), this
-        // rank is `rank()`, and the guard keeps the buffer ordered as in `all_reduce_sum`.
+        // rank is `rank()` of both communicators, and the guard keeps the buffer ordered as in
+        // `all_reduce_sum`.
         unsafe {
-            self.shared.lib.all_gather_in_place(
+            shared.lib.all_gather_in_place(
                 raw,
                 ptr,
                 len / self.ranks,
@@ -872,28 +1043,11 @@ impl<T> Drop for WindowBuf<T> {
 }
 
 impl Drop for Comm {
-    /// Destroys the communicator (aborts it when an operation left an error on it), outside the
-    /// lock, so that [`abort_all`] never waits on it; a window is deregistered before and freed after.
+    /// Destroys the copy-engine communicator, then this one (`release`: aborted instead when an
+    /// operation left an error on it; a window is deregistered before and freed after).
     fn drop(&mut self) {
-        let lib = self.shared.lib;
-        let window = self.window.take();
-        if let Some(raw) = self.shared.take("dropped") {
-            if lib.async_error(&raw).is_ok() {
-                if let Some(w) = window {
-                    let _ = lib.free_window(Some(&raw), w);
-                }
-                let _ = lib.destroy(raw);
-            } else {
-                let _ = lib.abort(raw);
-                if let Some(w) = window {
-                    let _ = lib.free_window(None, w);
-                }
-            }
-        } else if let Some(w) = window {
-            // Aborted by [`abort_all`], whose thread may still be inside `ncclCommAbort`, tearing
-            // down the window's registration: the memory is left to the process (4 MiB a rank).
-            std::mem::forget(w);
-        }
+        drop(self.gather.take());
+        release(&self.shared, self.window.take());
     }
 }
 

@@ -123,7 +123,17 @@ impl ConfigV22800 {
             ..ConfigV22800::INITIALIZER
         }
     }
+
+    /// The initializer with `blocking = 1` and `CTAPolicy = NCCL_CTA_POLICY_ZERO` (NCCL 2.28+): NCCL
+    /// runs a collective on the copy engines where it can (an all-gather between symmetric windows
+    /// of one node), launching no kernel.
+    pub(crate) fn zero_cta() -> ConfigV22800 {
+        ConfigV22800 { blocking: 1, cta_policy: CTA_POLICY_ZERO, ..ConfigV22800::INITIALIZER }
+    }
 }
+
+/// `NCCL_CTA_POLICY_ZERO`.
+const CTA_POLICY_ZERO: c_int = 2;
 
 /// `ncclUniqueId`: 128 opaque bytes, passed by value.
 #[repr(C)]
@@ -340,11 +350,22 @@ impl Lib {
         devices: &[c_int],
         config: &NcclConfig,
     ) -> Result<Vec<(RawComm, Arc<CudaContext>)>, NcclError> {
+        self.init_all_raw(devices, ConfigV22800::from(config), config.first_set())
+    }
+
+    /// [`Lib::init_all_config`] with the struct itself; `option` names the attribute an error
+    /// about a library too old for it names.
+    pub(crate) fn init_all_raw(
+        &self,
+        devices: &[c_int],
+        config: ConfigV22800,
+        option: &str,
+    ) -> Result<Vec<(RawComm, Arc<CudaContext>)>, NcclError> {
         let calls = match &self.config_calls {
             Some(calls) if self.version >= CONFIG_MIN_VERSION => calls,
             _ => {
                 return Err(NcclError::Config {
-                    option: config.first_set().to_string(),
+                    option: option.to_string(),
                     why: format!(
                         "{} is NCCL {}; communicator settings need {} or later (ncclCommInitRankConfig)",
                         self.library,
@@ -382,7 +403,7 @@ impl Lib {
             // As `ncclCommInitAll`, every rank gets its call, and the group end reports.
             let bound = ctx.bind_to_thread().map_err(cuda_error);
             let made = bound.and_then(|()| {
-                let mut cfg = ConfigV22800::from(config);
+                let mut cfg = config;
                 // SAFETY: `comm` is a valid out-pointer, `rank < n`, and `cfg` a live `ncclConfig_t`
                 // laid out as NCCL 2.28 declares it (asserted where it is defined), copied by NCCL in the call.
                 let status = unsafe { (calls.comm_init_rank_config)(comm, n, id, rank as c_int, &mut cfg) };
@@ -664,6 +685,10 @@ mod tests {
         };
         assert_eq!(ints(&init), [c_int::MIN; 12]);
         assert!(init.net_name.is_null() && init.comm_name.is_null());
+        let zero = ConfigV22800::zero_cta();
+        let mut want = [c_int::MIN; 12];
+        (want[0], want[7]) = (1, 2);
+        assert_eq!(ints(&zero), want);
         let set = ConfigV22800::from(&NcclConfig::default().with_min_ctas(2).with_max_ctas(16));
         let mut want = [c_int::MIN; 12];
         (want[0], want[2], want[3]) = (1, 2, 16);

@@ -45,6 +45,14 @@ pub struct TpOptions {
     /// all-reduces run NCCL's symmetric kernels (default: on; NCCL 2.28.9 or later only, and
     /// `CUDNN_LLM_NCCL_WINDOWS=0` turns it off; see [`crate::nccl`]).
     pub windows: bool,
+    /// Rows of a long pass each copy-engine gather chunk holds (default 0: off). With it, a rank
+    /// sums long fused passes' row-parallel projections by gathering every rank's partial rows
+    /// with the copy engines beside the next chunk's GEMM instead of all-reducing them (see
+    /// [`crate::nccl`]; NCCL 2.28.9 or later, two ranks or more; `CUDNN_LLM_NCCL_WINDOWS=0` turns
+    /// it off with the windows). Each rank's gather window takes `2 · ranks · gather_rows · hidden`
+    /// elements. [`TpOptions::GATHER_ROWS`] measured best. Off by default: with the second
+    /// communicator made, the same runs' decode steps came out 0-3% slower (cause not found).
+    pub gather_rows: usize,
 }
 
 impl Default for TpOptions {
@@ -57,6 +65,7 @@ impl Default for TpOptions {
             nccl: NcclConfig::default(),
             spin: Self::DEFAULT_SPIN,
             windows: true,
+            gather_rows: 0,
         }
     }
 }
@@ -65,6 +74,17 @@ impl TpOptions {
     /// [`TpOptions::spin`]'s default: long enough to span what a generation loop does on the host
     /// between two decode steps.
     pub const DEFAULT_SPIN: Duration = Duration::from_millis(2);
+
+    /// The [`TpOptions::gather_rows`] that measured best: a 2048-token Llama-3.1-8B prefill in two
+    /// chunks (TP2 on two H200s 28.62-29.06 ms against 29.52-29.96 all-reduced in the same calls;
+    /// 512, four chunks: 29.99; 256: 34.43).
+    pub const GATHER_ROWS: usize = 1024;
+
+    /// These options with long passes' sums gathered in chunks of `rows` rows (0: all-reduced;
+    /// [`TpOptions::gather_rows`]).
+    pub fn with_gather_rows(self, rows: usize) -> Self {
+        TpOptions { gather_rows: rows, ..self }
+    }
 
     /// These options with the ranks' threads polling `spin` for their next job ([`TpOptions::spin`]).
     pub fn with_spin(self, spin: Duration) -> Self {
@@ -212,7 +232,16 @@ impl<T: Element> TpLlama<T> {
             )));
         }
         let comms: Vec<Option<Comm>> = if ranks > 1 {
-            Comm::init_all_with(&devices, &options.nccl, options.windows)?.into_iter().map(Some).collect()
+            let gather_bytes = [ranks, options.gather_rows, cfg.hidden, std::mem::size_of::<T>()]
+                .iter()
+                .try_fold(crate::modules::reduce::GATHER_SLOTS, |a, &b| a.checked_mul(b))
+                .ok_or_else(|| {
+                    Error::Tp(format!("gather rows {} overflow a window size", options.gather_rows))
+                })?;
+            Comm::init_all_with(&devices, &options.nccl, options.windows, gather_bytes)?
+                .into_iter()
+                .map(Some)
+                .collect()
         } else {
             vec![None]
         };

@@ -121,6 +121,10 @@ struct Options {
     /// 0: it blocks at once). Default: the library's.
     #[arg(long)]
     rank_spin_us: Option<u64>,
+    /// Rows of each copy-engine gather chunk of a long pass's sums (`TpOptions::gather_rows`; 0:
+    /// all-reduced). Default: the library's.
+    #[arg(long)]
+    gather_rows: Option<usize>,
     /// Time all-reduces only (decode and prefill sizes, and 8 KB to 64 MB), no model.
     #[arg(long)]
     allreduce_only: bool,
@@ -206,6 +210,8 @@ struct Setting {
     nccl_algo: String,
     /// `None`: the library's.
     rank_spin_us: Option<u64>,
+    /// `None`: the library's.
+    gather_rows: Option<usize>,
 }
 
 impl Setting {
@@ -217,6 +223,7 @@ impl Setting {
             nccl_proto: opts.nccl_proto.map_or(String::new(), |p| p.name().into()),
             nccl_algo: opts.nccl_algo.map_or(String::new(), |a| a.name().into()),
             rank_spin_us: opts.rank_spin_us,
+            gather_rows: opts.gather_rows,
         }
     }
 
@@ -224,8 +231,12 @@ impl Setting {
     fn options(&self, timeout: u64) -> TpOptions {
         let options =
             TpOptions::default().with_timeout(Duration::from_secs(timeout)).with_nccl(self.config());
-        match self.rank_spin_us {
+        let options = match self.rank_spin_us {
             Some(us) => options.with_spin(Duration::from_micros(us)),
+            None => options,
+        };
+        match self.gather_rows {
+            Some(rows) => options.with_gather_rows(rows),
             None => options,
         }
     }
@@ -250,6 +261,7 @@ impl Setting {
             .filter_map(|(k, v)| v.map(|v| format!("{k}{v}")))
             .chain([&self.nccl_proto, &self.nccl_algo].into_iter().filter(|s| !s.is_empty()).cloned())
             .chain(self.rank_spin_us.map(|us| format!("spin{us}")))
+            .chain(self.gather_rows.map(|rows| format!("gather{rows}")))
             .collect();
         if parts.is_empty() {
             "default".into()
@@ -322,6 +334,7 @@ struct Row {
     nccl_proto: String,
     nccl_algo: String,
     rank_spin_us: Option<u64>,
+    gather_rows: Option<usize>,
     error: String,
 }
 
@@ -341,6 +354,7 @@ impl Row {
             nccl_proto: setting.nccl_proto.clone(),
             nccl_algo: setting.nccl_algo.clone(),
             rank_spin_us: setting.rank_spin_us,
+            gather_rows: setting.gather_rows,
             ..Row::default()
         }
     }
@@ -593,6 +607,8 @@ fn measure(
         let windows = tp.each("windows", |r| Ok(r.model.comm().is_some_and(|c| c.has_window())))?;
         let on = if windows.iter().all(|&w| w) { "on" } else { "off" };
         println!("# decode residual in NCCL symmetric windows: {on}");
+        let gather = tp.each("gather", |r| Ok(r.model.comm().map_or(0, |c| c.gather_bytes())))?;
+        println!("# long passes' sums gathered by the copy engines: {} bytes of window a rank", gather[0]);
     }
     let b = Arc::new(backends.clone());
     let ids: Arc<Vec<Vec<u32>>> = Arc::new(
@@ -621,6 +637,8 @@ fn measure(
         }
     }
     row.prefill_ms = median(prefill);
+    let chunks = tp.each("gathered", |r| Ok(r.model.chunks_gathered()))?;
+    println!("# row chunks gathered by the copy engines per rank: {chunks:?}");
     row.prefill_tokens_per_s = (batch * prompt) as f64 / (row.prefill_ms * 1e-3);
     println!(
         "prefill {batch} x {prompt}: {:.3} ms ({:.0} tokens/s)",
@@ -851,6 +869,7 @@ struct AllreduceRow {
     nccl_proto: String,
     nccl_algo: String,
     rank_spin_us: Option<u64>,
+    gather_rows: Option<usize>,
     error: String,
 }
 
@@ -882,6 +901,7 @@ fn allreduce_only(opts: &Options, cfg: &LlamaConfig, setting: &Setting) -> ExitC
             nccl_proto: setting.nccl_proto.clone(),
             nccl_algo: setting.nccl_algo.clone(),
             rank_spin_us: setting.rank_spin_us,
+            gather_rows: setting.gather_rows,
             ..AllreduceRow::default()
         };
         let t = Instant::now();

@@ -14,7 +14,7 @@ use crate::checked;
 use crate::dtype::{DataType, Element};
 use crate::error::ensure;
 use crate::kernels::{launch, optional_ptr_mut, Arg, Kernels};
-use crate::{Cudnn, Error, Result};
+use crate::{Cudnn, Result};
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
 
 /// Vocabularies up to this size (exclusive) fit a pick word (ids below 2^30; two flag bits above).
@@ -135,15 +135,7 @@ impl<'a, T: Element> ArgmaxOperands<'a, T> {
 }
 
 fn suffix(dtype: DataType) -> Result<&'static str> {
-    match dtype {
-        DataType::BF16 => Ok("bf16"),
-        DataType::F16 => Ok("f16"),
-        DataType::F32 => Ok("f32"),
-        other => Err(Error::NotSupported {
-            op: "argmax".into(),
-            reason: format!("takes bf16, f16 or f32 logits, not {other}"),
-        }),
-    }
+    crate::kernels::float_suffix("argmax", "logits", dtype)
 }
 
 /// The argmax of each row of `logits` into `picks` (and `ids` when given), one launch of a block per
@@ -172,6 +164,7 @@ pub fn argmax<T: Element>(ctx: &Cudnn, args: ArgmaxArgs, x: ArgmaxOperands<'_, T
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Error;
 
     #[test]
     fn shapes_and_lengths_are_checked() {

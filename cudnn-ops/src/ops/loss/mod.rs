@@ -99,15 +99,7 @@ pub fn check_targets(targets: &[i32], vocab: usize, ignore_index: Option<i32>) -
 }
 
 pub(crate) fn suffix(dtype: DataType) -> Result<&'static str> {
-    match dtype {
-        DataType::BF16 => Ok("bf16"),
-        DataType::F16 => Ok("f16"),
-        DataType::F32 => Ok("f32"),
-        other => Err(Error::NotSupported {
-            op: "cross_entropy".into(),
-            reason: format!("takes bf16, f16 or f32 logits, not {other}"),
-        }),
-    }
+    crate::kernels::float_suffix("cross_entropy", "logits", dtype)
 }
 
 /// Where the gradient of a cross-entropy call goes, which also selects its phase.

@@ -54,6 +54,7 @@ mod decode;
 pub mod epilogue;
 mod fused;
 pub mod naive;
+mod partials;
 
 pub use backward::{
     linear_backward_data, linear_backward_weight, swiglu_down_backward, DataGrad, LinearGradArgs, SwigluForm,
@@ -61,6 +62,7 @@ pub use backward::{
 };
 pub use decode::{DECODE_GEMV_AUTO_TOKENS, DECODE_GEMV_MAX_TOKENS};
 pub use epilogue::{Activation, Epilogue};
+pub use partials::{sum_partials, sum_partials_reference};
 
 use crate::checked;
 use crate::dtype::{DataType, Element};

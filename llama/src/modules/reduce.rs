@@ -1,0 +1,238 @@
+//! A tensor-parallel rank's sum of a row-parallel projection (`o_proj`, `down`) over the ranks:
+//! an all-reduce after the projection, or, for long fused passes, the ranks' partial rows gathered
+//! by the copy engines beside the projection's next rows and summed by the rank itself.
+//!
+//! ```text
+//! all-reduce: main  [ GEMM rows 0..n -> sum ][ all-reduce sum ]
+//! gathered:   main  [ GEMM chunk 0 -> slot 0 ][ GEMM chunk 1 -> slot 1 ]        [ sum 0 ][ sum 1 ]
+//!             side                            [ gather 0 ]           [ gather 1 ]
+//! ```
+//!
+//! In the gathered form each chunk's GEMM writes the rank's part of a slot in its communicator's
+//! gather window ([`Comm::gather_slots`]); an in-place all-gather on a side stream copies every
+//! rank's part into every rank's slot with the copy engines (NCCL's zero-CTA path: no kernel, no SM
+//! taken from the next chunk's GEMM); then [`sum_partials`] adds the parts in rank order on the
+//! context's stream, rounding once (for two ranks the bits of NCCL's sum). The streams are ordered by
+//! the slots' own cudarc events: a gather waits for its GEMM's write, a sum for its gather, a GEMM
+//! reusing a slot for the sum that read it. A pass with more chunks than slots sums a chunk before
+//! its slot is written again.
+//!
+//! It applies to passes of at least [`MIN_GATHER_ROWS`] rows on the fused backend, outside a CUDA
+//! graph capture (decode steps and short passes keep the all-reduce: NCCL's one-row all-reduces are
+//! faster than a copy's fixed cost). On two H200s (Llama-3.1-8B, TP2, prefill 1 x 2048, chunks of
+//! 1024 rows) it took 28.62-29.06 ms against 29.52-29.96 all-reduced in the same calls; four chunks
+//! gained nothing and eight lost 4.5 ms (each chunk's gather has a fixed cost, its two flag
+//! handshakes, beside the copy), and gathering `down` alone (`o_proj` all-reduced) gained a third
+//! as much. `benches/results/h200-x2/tensor-parallel.md` has the calls.
+
+use crate::nccl::{Comm, NcclError, WindowBuf};
+use crate::Result;
+use cudnn_llm_ops::cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut};
+use cudnn_llm_ops::{sum_partials, Backend, Cudnn, Element};
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::sync::Arc;
+
+/// Fewest rows of a pass whose sums are gathered.
+pub const MIN_GATHER_ROWS: usize = 512;
+
+/// Slots of the gather window: a chunk's gather overlaps the next chunk's GEMM, which writes the
+/// other slot.
+pub const GATHER_SLOTS: usize = 2;
+
+/// A rank's gather window as [`GATHER_SLOTS`] slots of `ranks · slot_rows · width` elements, and the
+/// side stream its gathers run on.
+pub(crate) struct Gather<T> {
+    side: Arc<CudaStream>,
+    slots: Vec<WindowBuf<T>>,
+    slot_rows: usize,
+    /// Chunks gathered so far.
+    gathered: u64,
+}
+
+impl<T: Element> Gather<T> {
+    /// `comm`'s gather window cut into slots of rows `width` wide, or `None` where the rank has no
+    /// window ([`Comm::has_gather`]) or it holds no row.
+    pub(crate) fn new(ctx: &Cudnn, comm: &Comm, width: usize, window_bytes: usize) -> Result<Option<Self>> {
+        let row_bytes = GATHER_SLOTS * comm.ranks() * width * std::mem::size_of::<T>();
+        let slot_rows = window_bytes / row_bytes.max(1);
+        if !comm.has_gather() || slot_rows == 0 {
+            return Ok(None);
+        }
+        let Some(slots) =
+            comm.gather_slots::<T>(ctx.stream(), comm.ranks() * slot_rows * width, GATHER_SLOTS)
+        else {
+            return Ok(None);
+        };
+        let side = ctx.stream().context().new_stream().map_err(cudnn_llm_ops::Error::from)?;
+        Ok(Some(Gather { side, slots, slot_rows, gathered: 0 }))
+    }
+
+    /// Chunks gathered so far (every projection's, every pass's).
+    pub(crate) fn chunks_gathered(&self) -> u64 {
+        self.gathered
+    }
+}
+
+/// The row ranges a gathered projection of `rows` rows runs in: chunks of at most `slot_rows`, at
+/// least two (so that one gather overlaps a GEMM), equal but the last; `None` under
+/// [`MIN_GATHER_ROWS`].
+pub(crate) fn chunk_rows(rows: usize, slot_rows: usize) -> Option<Vec<Range<usize>>> {
+    if rows < MIN_GATHER_ROWS || slot_rows == 0 {
+        return None;
+    }
+    let chunks = rows.div_ceil(slot_rows).max(2);
+    let size = rows.div_ceil(chunks);
+    Some((0..chunks).map(|c| c * size..((c + 1) * size).min(rows)).filter(|r| !r.is_empty()).collect())
+}
+
+/// One pass's sums over the ranks: [`RankSum::project`] runs a row-parallel projection (and, gathered,
+/// its chunks' gathers), [`RankSum::finish`] completes the sum.
+pub(crate) struct RankSum<'a, T> {
+    comm: &'a Comm,
+    /// The gather window, where this pass may use it.
+    gather: Option<RefCell<&'a mut Gather<T>>>,
+    width: usize,
+    /// Chunks gathered and not summed yet: their slot and rows.
+    pending: RefCell<VecDeque<(usize, Range<usize>)>>,
+    /// The last projection was gathered (`finish` sums its chunks instead of all-reducing).
+    gathered: Cell<bool>,
+    /// A gather that failed to enqueue (`finish` returns it).
+    failed: Cell<Option<NcclError>>,
+}
+
+impl<'a, T: Element> RankSum<'a, T> {
+    /// The sums of a pass on `ctx`'s stream over rows `width` wide; `gather` is used unless the
+    /// stream is capturing a graph.
+    pub(crate) fn new(
+        ctx: &Cudnn,
+        comm: &'a Comm,
+        gather: Option<&'a mut Gather<T>>,
+        width: usize,
+    ) -> Result<Self> {
+        use cudnn_llm_ops::cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let capturing = ctx.stream().capture_status().map_err(cudnn_llm_ops::Error::from)?;
+        let gather = gather.filter(|_| capturing == CU_STREAM_CAPTURE_STATUS_NONE).map(RefCell::new);
+        let (pending, gathered, failed) = (RefCell::default(), Cell::new(false), Cell::new(None));
+        Ok(RankSum { comm, gather, width, pending, gathered, failed })
+    }
+
+    /// Runs the projection `project(rows, out)`, which writes rows `rows` of its output into `out`
+    /// (exactly those rows), over the pass's `rows`: into `sum` whole, or (gathered: `reduce` with a
+    /// window, `backend` fused, [`chunk_rows`] splitting them) chunk by chunk into the gather slots,
+    /// each chunk's gather enqueued after its GEMM.
+    pub(crate) fn project(
+        reduce: Option<&Self>,
+        ctx: &Cudnn,
+        backend: Backend,
+        rows: usize,
+        sum: &mut CudaSlice<T>,
+        mut project: impl FnMut(Range<usize>, &mut dyn DevicePtrMut<T>) -> cudnn_llm_ops::Result<()>,
+    ) -> cudnn_llm_ops::Result<()> {
+        let gathered = reduce.and_then(|r| {
+            let g = r.gather.as_ref().filter(|_| backend == Backend::Fused)?;
+            let chunks = chunk_rows(rows, g.borrow().slot_rows)?;
+            Some((r, g, chunks))
+        });
+        let Some((reduce, gather, chunks)) = gathered else { return project(0..rows, sum) };
+        let (comm, width) = (reduce.comm, reduce.width);
+        let (rank, ranks) = (comm.rank(), comm.ranks());
+        reduce.gathered.set(true);
+        let mut enqueued = false;
+        let ran = (|| -> cudnn_llm_ops::Result<()> {
+            for (j, r) in chunks.into_iter().enumerate() {
+                let slot = j % GATHER_SLOTS;
+                if j >= GATHER_SLOTS {
+                    reduce.sum_next(ctx, sum)?;
+                }
+                let n = r.len() * width;
+                let mut g = gather.borrow_mut();
+                let Gather { side, slots, .. } = &mut **g;
+                project(r.clone(), &mut slots[slot].slice_mut(rank * n..(rank + 1) * n))?;
+                if let Err(e) = comm.gather_in_place(side, &mut slots[slot].slice_mut(..ranks * n)) {
+                    reduce.failed.set(Some(e));
+                    break;
+                }
+                enqueued = true;
+                reduce.pending.borrow_mut().push_back((slot, r));
+                g.gathered += 1;
+            }
+            Ok(())
+        })();
+        match ran {
+            // A gather is enqueued: running the projection again on another backend would leave the
+            // ranks' collectives out of step, so a refusal is no longer one to fall back from.
+            Err(e) if enqueued && e.is_not_supported() => Err(cudnn_llm_ops::Error::InvalidArgument(
+                format!("a gathered projection failed after its first chunk: {e}"),
+            )),
+            Err(e) => {
+                reduce.gathered.set(false);
+                reduce.pending.borrow_mut().clear();
+                Err(e)
+            }
+            Ok(()) => Ok(()),
+        }
+    }
+
+    /// Sums the oldest gathered chunk's parts into its rows of `sum`.
+    fn sum_next(&self, ctx: &Cudnn, sum: &mut CudaSlice<T>) -> cudnn_llm_ops::Result<()> {
+        let Some((slot, r)) = self.pending.borrow_mut().pop_front() else { return Ok(()) };
+        let Some(gather) = &self.gather else { return Ok(()) };
+        let (ranks, n) = (self.comm.ranks(), r.len() * self.width);
+        let g = gather.borrow();
+        sum_partials(
+            ctx,
+            &g.slots[slot].slice(..ranks * n),
+            ranks,
+            &mut sum.slice_mut(r.start * self.width..r.end * self.width),
+        )
+    }
+
+    /// Completes the sum of `sum`'s first `n` elements (the pass's rows) over the ranks on the
+    /// context's stream: sums the gathered chunks of the last projection, or all-reduces them in
+    /// place.
+    pub(crate) fn finish(&self, ctx: &Cudnn, sum: &mut CudaSlice<T>, n: usize) -> Result<()> {
+        if let Some(e) = self.failed.take() {
+            self.pending.borrow_mut().clear();
+            self.gathered.set(false);
+            return Err(e.into());
+        }
+        if !self.gathered.take() {
+            return Ok(self.comm.all_reduce_sum(ctx.stream(), &mut sum.slice_mut(..n))?);
+        }
+        while !self.pending.borrow().is_empty() {
+            self.sum_next(ctx, sum)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_passes_split_into_chunks_of_a_slot_at_most_and_two_at_least() {
+        assert_eq!(chunk_rows(2048, 1024), Some(vec![0..1024, 1024..2048]));
+        assert_eq!(chunk_rows(2048, 4096), Some(vec![0..1024, 1024..2048]));
+        assert_eq!(chunk_rows(2048, 512).unwrap().len(), 4);
+        assert_eq!(chunk_rows(4096, 1024).unwrap()[3], 3072..4096);
+        // Uneven: equal chunks but the last.
+        assert_eq!(chunk_rows(3000, 1024), Some(vec![0..1000, 1000..2000, 2000..3000]));
+        assert_eq!(chunk_rows(1001, 1024), Some(vec![0..501, 501..1001]));
+        assert_eq!(chunk_rows(MIN_GATHER_ROWS, 1024).unwrap().len(), 2);
+        // Short passes and decode steps keep the all-reduce.
+        for rows in [0, 1, 64, MIN_GATHER_ROWS - 1] {
+            assert_eq!(chunk_rows(rows, 1024), None, "{rows} rows");
+        }
+        assert_eq!(chunk_rows(2048, 0), None);
+        // Every row once, in order, each chunk within a slot.
+        for (rows, slot) in [(2048, 1000), (777, 300), (5000, 1024), (513, 4096)] {
+            let chunks = chunk_rows(rows, slot).unwrap();
+            assert!(chunks.iter().all(|r| r.len() <= slot), "{rows} in {slot}: {chunks:?}");
+            let flat: Vec<usize> = chunks.iter().flat_map(|r| r.clone()).collect();
+            assert_eq!(flat, (0..rows).collect::<Vec<_>>());
+        }
+    }
+}
