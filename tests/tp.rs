@@ -259,8 +259,8 @@ fn copy_engine_gathered_sums_give_every_prefill_row_of_all_reduces_bit_for_bit()
     // chunks of 520 rows (two) or of 208 (five, so the two window slots are reused), against the
     // same weights all-reducing them. A two-rank sum is one rounding of the f32 sum either way, so
     // the logits of every row must agree exactly; a chunk summed before its gather landed, or a slot
-    // written again before its sum read it, would not. Also with o_proj naive (its sums all-reduced,
-    // the MLP's gathered). The decode steps after it (all-reduced) are held to the two-rank
+    // written again before its sum read it, would not. Also with o_proj naive (cuBLAS and the residual
+    // kernel writing the slots). The decode steps after it (all-reduced) are held to the two-rank
     // tolerance only: two teams of the same weights already differ in their bits there with a
     // 1040-row cache (seen with both all-reducing).
     let cfg = LlamaConfig::llama_3_1_8b().with_layers(2);

@@ -50,7 +50,7 @@ impl<T: Element> Mlp<T> {
                 self.up.forward_normed(b, ctx, rows, &mut h, Then::Nothing, up)?;
                 self.gate.forward_normed(b, ctx, rows, &mut h, Then::SwiGlu(up), act)?;
             }
-            RankSum::project(ranks, ctx, b, rows, sum, |r, out| {
+            RankSum::project(ranks, ctx, b, rows, sum, |b, r, out| {
                 self.down.forward_rows(b, ctx, r, act, self.adds_residual.then_some(x), out)
             })
         })

@@ -1,5 +1,5 @@
 //! A tensor-parallel rank's sum of a row-parallel projection (`o_proj`, `down`) over the ranks:
-//! an all-reduce after the projection, or, for long fused passes, the ranks' partial rows gathered
+//! an all-reduce after the projection, or, for long passes, the ranks' partial rows gathered
 //! by the copy engines beside the projection's next rows and summed by the rank itself.
 //!
 //! ```text
@@ -17,7 +17,8 @@
 //! reusing a slot for the sum that read it. A pass with more chunks than slots sums a chunk before
 //! its slot is written again.
 //!
-//! It applies to passes of at least [`MIN_GATHER_ROWS`] rows on the fused backend, outside a CUDA
+//! It applies to passes of at least [`MIN_GATHER_ROWS`] rows (either backend: every rank must
+//! choose alike, and a rank's backend may differ where one fell back), outside a CUDA
 //! graph capture (decode steps and short passes keep the all-reduce: NCCL's one-row all-reduces are
 //! faster than a copy's fixed cost). On two H200s (Llama-3.1-8B, TP2, prefill 1 x 2048, chunks of
 //! 1024 rows) it took 28.62-29.06 ms against 29.52-29.96 all-reduced in the same calls; four chunks
@@ -44,8 +45,9 @@ pub const GATHER_SLOTS: usize = 2;
 /// A rank's gather window as [`GATHER_SLOTS`] slots of `ranks · slot_rows · width` elements, and the
 /// side stream its gathers run on.
 pub(crate) struct Gather<T> {
-    side: Arc<CudaStream>,
+    /// Declared (so dropped) before `side`, whose work the drop waits for first.
     slots: Vec<WindowBuf<T>>,
+    side: Arc<CudaStream>,
     slot_rows: usize,
     /// Chunks gathered so far.
     gathered: u64,
@@ -66,12 +68,19 @@ impl<T: Element> Gather<T> {
             return Ok(None);
         };
         let side = ctx.stream().context().new_stream().map_err(cudnn_llm_ops::Error::from)?;
-        Ok(Some(Gather { side, slots, slot_rows, gathered: 0 }))
+        Ok(Some(Gather { slots, side, slot_rows, gathered: 0 }))
     }
 
     /// Chunks gathered so far (every projection's, every pass's).
     pub(crate) fn chunks_gathered(&self) -> u64 {
         self.gathered
+    }
+}
+
+impl<T> Drop for Gather<T> {
+    /// Waits for the side stream's gathers, which write the window the communicator frees after.
+    fn drop(&mut self) {
+        let _ = self.side.synchronize();
     }
 }
 
@@ -104,7 +113,7 @@ pub(crate) struct RankSum<'a, T> {
 
 impl<'a, T: Element> RankSum<'a, T> {
     /// The sums of a pass on `ctx`'s stream over rows `width` wide; `gather` is used unless the
-    /// stream is capturing a graph.
+    /// stream is capturing a graph (NCCL's copy-engine path is not used inside graphs here).
     pub(crate) fn new(
         ctx: &Cudnn,
         comm: &'a Comm,
@@ -112,30 +121,38 @@ impl<'a, T: Element> RankSum<'a, T> {
         width: usize,
     ) -> Result<Self> {
         use cudnn_llm_ops::cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        let capturing = ctx.stream().capture_status().map_err(cudnn_llm_ops::Error::from)?;
-        let gather = gather.filter(|_| capturing == CU_STREAM_CAPTURE_STATUS_NONE).map(RefCell::new);
+        let gather = match gather {
+            Some(g) => {
+                let capturing = ctx.stream().capture_status().map_err(cudnn_llm_ops::Error::from)?;
+                (capturing == CU_STREAM_CAPTURE_STATUS_NONE).then(|| RefCell::new(g))
+            }
+            None => None,
+        };
         let (pending, gathered, failed) = (RefCell::default(), Cell::new(false), Cell::new(None));
         Ok(RankSum { comm, gather, width, pending, gathered, failed })
     }
 
-    /// Runs the projection `project(rows, out)`, which writes rows `rows` of its output into `out`
-    /// (exactly those rows), over the pass's `rows`: into `sum` whole, or (gathered: `reduce` with a
-    /// window, `backend` fused, [`chunk_rows`] splitting them) chunk by chunk into the gather slots,
-    /// each chunk's gather enqueued after its GEMM.
+    /// Runs the projection `project(backend, rows, out)`, which writes rows `rows` of its output
+    /// into `out` (exactly those rows), over the pass's `rows`: into `sum` whole, or (gathered:
+    /// `reduce` with a window and [`chunk_rows`] splitting them) chunk by chunk into the gather
+    /// slots, each chunk's gather enqueued after its GEMM. Every rank must make the same choice
+    /// (their collectives differ), so it depends on the pass's shape only, not on the backend: a
+    /// naive projection gathers too. A fused chunk refused (`NotSupported`) after a gather was
+    /// enqueued runs naive on its own; before, the refusal is returned, for the caller's fallback.
     pub(crate) fn project(
         reduce: Option<&Self>,
         ctx: &Cudnn,
         backend: Backend,
         rows: usize,
         sum: &mut CudaSlice<T>,
-        mut project: impl FnMut(Range<usize>, &mut dyn DevicePtrMut<T>) -> cudnn_llm_ops::Result<()>,
+        mut project: impl FnMut(Backend, Range<usize>, &mut dyn DevicePtrMut<T>) -> cudnn_llm_ops::Result<()>,
     ) -> cudnn_llm_ops::Result<()> {
         let gathered = reduce.and_then(|r| {
-            let g = r.gather.as_ref().filter(|_| backend == Backend::Fused)?;
+            let g = r.gather.as_ref()?;
             let chunks = chunk_rows(rows, g.borrow().slot_rows)?;
             Some((r, g, chunks))
         });
-        let Some((reduce, gather, chunks)) = gathered else { return project(0..rows, sum) };
+        let Some((reduce, gather, chunks)) = gathered else { return project(backend, 0..rows, sum) };
         let (comm, width) = (reduce.comm, reduce.width);
         let (rank, ranks) = (comm.rank(), comm.ranks());
         reduce.gathered.set(true);
@@ -149,7 +166,13 @@ impl<'a, T: Element> RankSum<'a, T> {
                 let n = r.len() * width;
                 let mut g = gather.borrow_mut();
                 let Gather { side, slots, .. } = &mut **g;
-                project(r.clone(), &mut slots[slot].slice_mut(rank * n..(rank + 1) * n))?;
+                let mut mine = slots[slot].slice_mut(rank * n..(rank + 1) * n);
+                match project(backend, r.clone(), &mut mine) {
+                    Err(e) if enqueued && backend == Backend::Fused && e.is_not_supported() => {
+                        project(Backend::Naive, r.clone(), &mut mine)?
+                    }
+                    other => other?,
+                }
                 if let Err(e) = comm.gather_in_place(side, &mut slots[slot].slice_mut(..ranks * n)) {
                     reduce.failed.set(Some(e));
                     break;
@@ -161,11 +184,6 @@ impl<'a, T: Element> RankSum<'a, T> {
             Ok(())
         })();
         match ran {
-            // A gather is enqueued: running the projection again on another backend would leave the
-            // ranks' collectives out of step, so a refusal is no longer one to fall back from.
-            Err(e) if enqueued && e.is_not_supported() => Err(cudnn_llm_ops::Error::InvalidArgument(
-                format!("a gathered projection failed after its first chunk: {e}"),
-            )),
             Err(e) => {
                 reduce.gathered.set(false);
                 reduce.pending.borrow_mut().clear();

@@ -606,7 +606,7 @@ pub fn abort_all(handles: &[AbortHandle], why: &str) {
 
 impl std::fmt::Debug for AbortHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AbortHandle").field("rank", &self.0.first().map(|s| s.rank)).finish()
+        f.debug_struct("AbortHandle").field("rank", &self.0.first().map_or(0, |s| s.rank)).finish()
     }
 }
 
@@ -734,6 +734,10 @@ impl Comm {
         config.validate()?;
         fixed_env()?;
         let lib = raw::load()?;
+        let symmetric = (windows || gather_bytes > 0)
+            && devices.len() > 1
+            && lib.has_windows(WINDOW_MIN_VERSION)
+            && windows_from_env(std::env::var(WINDOWS_ENV).ok().as_deref())?;
         COMMS_MADE.store(true, Ordering::SeqCst);
         let raws: Vec<(raw::RawComm, Option<_>)> = if config.is_default() {
             lib.init_all(&ordinals)?.into_iter().map(|raw| (raw, None)).collect()
@@ -741,16 +745,18 @@ impl Comm {
             lib.init_all_config(&ordinals, config)?.into_iter().map(|(raw, ctx)| (raw, Some(ctx))).collect()
         };
         let ranks = devices.len();
-        let shared = |rank: usize, raw: raw::RawComm, context| {
-            Arc::new(Shared { lib, rank, state: Mutex::new(State::Live(raw)), _context: context })
-        };
-        // Made before any window, so that an error below destroys them (their drop).
+        // Made before any window, so that an error below can abort them.
         let mut comms: Vec<Comm> = raws
             .into_iter()
             .zip(devices)
             .enumerate()
             .map(|(rank, ((raw, context), &device))| Comm {
-                shared: shared(rank, raw, context),
+                shared: Arc::new(Shared {
+                    lib,
+                    rank,
+                    state: Mutex::new(State::Live(raw)),
+                    _context: context,
+                }),
                 ranks,
                 device,
                 launched: OnceCell::new(),
@@ -759,34 +765,53 @@ impl Comm {
                 gather: None,
             })
             .collect();
-        let symmetric = ranks > 1
-            && lib.has_windows(WINDOW_MIN_VERSION)
-            && windows_from_env(std::env::var(WINDOWS_ENV).ok().as_deref())?;
-        if symmetric && windows {
+        let gather_bytes = if symmetric { gather_bytes } else { 0 };
+        if let Err(e) = Self::add_windows(&mut comms, &ordinals, devices, symmetric && windows, gather_bytes)
+        {
+            // Aborted, not destroyed: a destroy may wait for the other ranks, which this one thread
+            // would reach only after it (their drop then frees nothing more).
+            let handles: Vec<AbortHandle> = comms.iter().map(Comm::abort_handle).collect();
+            abort_all(&handles, &format!("a window could not be made: {e}"));
+            return Err(e);
+        }
+        Ok(comms)
+    }
+
+    /// The decode windows (with `windows`) and, with `gather_bytes` above 0, each rank's copy-engine
+    /// communicator and its gather window, on the communicators `init_all_with` just made.
+    fn add_windows(
+        comms: &mut [Comm],
+        ordinals: &[std::ffi::c_int],
+        devices: &[usize],
+        windows: bool,
+        gather_bytes: usize,
+    ) -> Result<(), NcclError> {
+        let Some(lib) = comms.first().map(|c| c.shared.lib) else { return Ok(()) };
+        if windows {
             let shareds: Vec<Arc<Shared>> = comms.iter().map(|c| c.shared.clone()).collect();
             for (comm, window) in comms.iter_mut().zip(make_windows(&shareds, devices, WINDOW_BYTES)?) {
                 comm.window = Some(window);
             }
         }
-        if symmetric && gather_bytes > 0 {
-            let made = lib.init_all_raw(&ordinals, raw::ConfigV22800::zero_cta(), "CTAPolicy")?;
-            let mut gathers: Vec<GatherComm> = made
-                .into_iter()
-                .enumerate()
-                .map(|(rank, (raw, context))| GatherComm {
-                    shared: shared(rank, raw, Some(context)),
-                    window: None,
-                })
-                .collect();
-            let shareds: Vec<Arc<Shared>> = gathers.iter().map(|g| g.shared.clone()).collect();
-            for (gather, window) in gathers.iter_mut().zip(make_windows(&shareds, devices, gather_bytes)?) {
+        if gather_bytes > 0 && !ordinals.is_empty() {
+            let made = lib.init_all_raw(ordinals, raw::ConfigV22800::zero_cta(), "CTAPolicy")?;
+            for (rank, (comm, (raw, context))) in comms.iter_mut().zip(made).enumerate() {
+                let shared = Arc::new(Shared {
+                    lib,
+                    rank,
+                    state: Mutex::new(State::Live(raw)),
+                    _context: Some(context),
+                });
+                comm.gather = Some(GatherComm { shared, window: None });
+            }
+            let shareds: Vec<Arc<Shared>> =
+                comms.iter().filter_map(|c| c.gather.as_ref()).map(|g| g.shared.clone()).collect();
+            let made = make_windows(&shareds, devices, gather_bytes)?;
+            for (gather, window) in comms.iter_mut().filter_map(|c| c.gather.as_mut()).zip(made) {
                 gather.window = Some(window);
             }
-            for (comm, gather) in comms.iter_mut().zip(gathers) {
-                comm.gather = Some(gather);
-            }
         }
-        Ok(comms)
+        Ok(())
     }
 
     /// Whether this rank has a symmetric window (see the module docs).

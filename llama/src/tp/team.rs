@@ -46,7 +46,7 @@ pub struct TpOptions {
     /// `CUDNN_LLM_NCCL_WINDOWS=0` turns it off; see [`crate::nccl`]).
     pub windows: bool,
     /// Rows of a long pass each copy-engine gather chunk holds (default 0: off). With it, a rank
-    /// sums long fused passes' row-parallel projections by gathering every rank's partial rows
+    /// sums long passes' row-parallel projections by gathering every rank's partial rows
     /// with the copy engines beside the next chunk's GEMM instead of all-reducing them (see
     /// [`crate::nccl`]; NCCL 2.28.9 or later, two ranks or more; `CUDNN_LLM_NCCL_WINDOWS=0` turns
     /// it off with the windows). Each rank's gather window takes `2 · ranks · gather_rows · hidden`

@@ -72,12 +72,14 @@ fn suffix(dtype: DataType) -> Result<&'static str> {
     crate::kernels::float_suffix("sum_partials", "elements", dtype)
 }
 
-/// What [`sum_partials`] computes, on the host: the f32 sum in part order, rounded once (the
-/// reference its GPU test compares against, bit for bit).
+/// What [`sum_partials`] computes, on the host: the f32 sum in part order from the first part (so
+/// -0 + -0 is -0, as NCCL's sum), rounded once (the reference its GPU test compares against, bit for
+/// bit).
 pub fn sum_partials_reference<T: Element>(parts: &[T], count: usize) -> Result<Vec<T>> {
     let n = parts.len().checked_div(count).unwrap_or(0);
     check(parts.len(), count, n)?;
-    let sum = |i: usize| (0..count).fold(0.0f32, |a, r| a + parts[r * n + i].to_f64() as f32);
+    let part = |r: usize, i: usize| parts[r * n + i].to_f64() as f32;
+    let sum = |i: usize| (1..count).fold(part(0, i), |a, r| a + part(r, i));
     Ok((0..n).map(|i| T::from_f64(f64::from(sum(i)))).collect())
 }
 
@@ -107,5 +109,8 @@ mod tests {
         let sums = sum_partials_reference(&two, 2).unwrap();
         assert_eq!(sums, [bf16::from_f32(1.75), bf16::from_f32(6.0)]);
         assert!(sum_partials_reference(&two, 3).is_err());
+        // -0 + -0 stays -0 (a sum seeded with +0 would give +0).
+        let zeros = [bf16::NEG_ZERO, bf16::NEG_ZERO];
+        assert_eq!(sum_partials_reference(&zeros, 2).unwrap()[0].to_bits(), bf16::NEG_ZERO.to_bits());
     }
 }
