@@ -45,7 +45,9 @@ pub const GATHER_SLOTS: usize = 2;
 /// A rank's gather window as [`GATHER_SLOTS`] slots of `ranks · slot_rows · width` elements, and the
 /// side stream its gathers run on.
 pub(crate) struct Gather<T> {
-    /// Declared (so dropped) before `side`, whose work the drop waits for first.
+    /// Views only (dropping them frees nothing): the communicator frees the window after its
+    /// destroy, which waits for the gathers still queued; an aborted one leaves it allocated. No
+    /// wait here: a side stream held by a failed peer's handshake would never return.
     slots: Vec<WindowBuf<T>>,
     side: Arc<CudaStream>,
     slot_rows: usize,
@@ -74,13 +76,6 @@ impl<T: Element> Gather<T> {
     /// Chunks gathered so far (every projection's, every pass's).
     pub(crate) fn chunks_gathered(&self) -> u64 {
         self.gathered
-    }
-}
-
-impl<T> Drop for Gather<T> {
-    /// Waits for the side stream's gathers, which write the window the communicator frees after.
-    fn drop(&mut self) {
-        let _ = self.side.synchronize();
     }
 }
 
