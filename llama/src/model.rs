@@ -276,7 +276,7 @@ impl<T: Element> Llama<T> {
         let head_rows = cfg.vocab / comm.as_ref().map_or(1, Comm::ranks);
         let eps = cfg.rms_eps as f32;
         let gather = match &comm {
-            Some(c) => Gather::new(ctx, c, cfg.hidden, c.gather_bytes())?,
+            Some(c) => Gather::new(ctx, c, cfg.hidden)?,
             None => None,
         };
         Ok(Llama {

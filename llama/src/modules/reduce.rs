@@ -56,12 +56,20 @@ pub(crate) struct Gather<T> {
 }
 
 impl<T: Element> Gather<T> {
+    /// Bytes of the gather window whose slots hold `slot_rows` rows `width` wide of each of `ranks`
+    /// ranks (`None` when that overflows); [`Gather::new`] cuts such a window back into those slots.
+    pub(crate) fn window_bytes(ranks: usize, slot_rows: usize, width: usize) -> Option<usize> {
+        [ranks, slot_rows, width, std::mem::size_of::<T>()]
+            .iter()
+            .try_fold(GATHER_SLOTS, |a, &b| a.checked_mul(b))
+    }
+
     /// `comm`'s gather window cut into slots of rows `width` wide, or `None` where the rank has no
-    /// window ([`Comm::has_gather`]) or it holds no row.
-    pub(crate) fn new(ctx: &Cudnn, comm: &Comm, width: usize, window_bytes: usize) -> Result<Option<Self>> {
-        let row_bytes = GATHER_SLOTS * comm.ranks() * width * std::mem::size_of::<T>();
-        let slot_rows = window_bytes / row_bytes.max(1);
-        if !comm.has_gather() || slot_rows == 0 {
+    /// window ([`Comm::gather_bytes`] 0) or it holds no row.
+    pub(crate) fn new(ctx: &Cudnn, comm: &Comm, width: usize) -> Result<Option<Self>> {
+        let row_bytes = Self::window_bytes(comm.ranks(), 1, width).unwrap_or(usize::MAX);
+        let slot_rows = comm.gather_bytes() / row_bytes.max(1);
+        if slot_rows == 0 {
             return Ok(None);
         }
         let Some(slots) =

@@ -518,6 +518,16 @@ struct Shared {
 }
 
 impl Shared {
+    /// Rank `rank`'s live communicator `raw`, holding `context` (a configured one's) while it lives.
+    fn live(
+        lib: &'static raw::Lib,
+        rank: usize,
+        raw: raw::RawComm,
+        context: Option<Arc<cudarc::driver::CudaContext>>,
+    ) -> Arc<Shared> {
+        Arc::new(Shared { lib, rank, state: Mutex::new(State::Live(raw)), _context: context })
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock leaves a handle or a reason, both usable.
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
@@ -751,12 +761,7 @@ impl Comm {
             .zip(devices)
             .enumerate()
             .map(|(rank, ((raw, context), &device))| Comm {
-                shared: Arc::new(Shared {
-                    lib,
-                    rank,
-                    state: Mutex::new(State::Live(raw)),
-                    _context: context,
-                }),
+                shared: Shared::live(lib, rank, raw, context),
                 ranks,
                 device,
                 launched: OnceCell::new(),
@@ -766,7 +771,8 @@ impl Comm {
             })
             .collect();
         let gather_bytes = if symmetric { gather_bytes } else { 0 };
-        if let Err(e) = Self::add_windows(&mut comms, &ordinals, devices, symmetric && windows, gather_bytes)
+        if let Err(e) =
+            Self::add_windows(lib, &mut comms, &ordinals, devices, symmetric && windows, gather_bytes)
         {
             // Aborted, not destroyed: a destroy may wait for the other ranks, which this one thread
             // would reach only after it (their drop then frees nothing more).
@@ -780,29 +786,24 @@ impl Comm {
     /// The decode windows (with `windows`) and, with `gather_bytes` above 0, each rank's copy-engine
     /// communicator and its gather window, on the communicators `init_all_with` just made.
     fn add_windows(
+        lib: &'static raw::Lib,
         comms: &mut [Comm],
         ordinals: &[std::ffi::c_int],
         devices: &[usize],
         windows: bool,
         gather_bytes: usize,
     ) -> Result<(), NcclError> {
-        let Some(lib) = comms.first().map(|c| c.shared.lib) else { return Ok(()) };
         if windows {
             let shareds: Vec<Arc<Shared>> = comms.iter().map(|c| c.shared.clone()).collect();
             for (comm, window) in comms.iter_mut().zip(make_windows(&shareds, devices, WINDOW_BYTES)?) {
                 comm.window = Some(window);
             }
         }
-        if gather_bytes > 0 && !ordinals.is_empty() {
+        if gather_bytes > 0 {
             let made = lib.init_all_raw(ordinals, raw::ConfigV22800::zero_cta(), "CTAPolicy")?;
             for (rank, (comm, (raw, context))) in comms.iter_mut().zip(made).enumerate() {
-                let shared = Arc::new(Shared {
-                    lib,
-                    rank,
-                    state: Mutex::new(State::Live(raw)),
-                    _context: Some(context),
-                });
-                comm.gather = Some(GatherComm { shared, window: None });
+                comm.gather =
+                    Some(GatherComm { shared: Shared::live(lib, rank, raw, Some(context)), window: None });
             }
             let shareds: Vec<Arc<Shared>> =
                 comms.iter().filter_map(|c| c.gather.as_ref()).map(|g| g.shared.clone()).collect();
@@ -838,19 +839,14 @@ impl Comm {
         Some([a, b])
     }
 
-    /// Whether this rank has a copy-engine communicator with its gather window (see the module
-    /// docs).
-    pub fn has_gather(&self) -> bool {
-        self.gather.as_ref().is_some_and(|g| g.window.is_some())
-    }
-
-    /// Bytes of this rank's gather window (0 without one).
+    /// Bytes of this rank's gather window (0 without one: no copy-engine communicator, see the
+    /// module docs).
     pub fn gather_bytes(&self) -> usize {
         self.gather.as_ref().and_then(|g| g.window.as_ref()).map_or(0, |w| w.bytes)
     }
 
     /// This rank's gather window as `n` consecutive buffers of `len` elements of `T` on `stream`, or
-    /// `None`: no gather window ([`Comm::has_gather`]), they do not fit it, or `stream` is on another
+    /// `None`: no gather window ([`Comm::gather_bytes`] 0), they do not fit it, or `stream` is on another
     /// GPU. In-place gathers within one ([`Comm::gather_in_place`]) run on the copy engines. Views, as
     /// [`Comm::window_pair`]'s.
     pub fn gather_slots<T: cudarc::driver::DeviceRepr>(
@@ -992,7 +988,7 @@ impl Comm {
     /// [`Comm::all_gather_in_place`] on this rank's copy-engine communicator: with `buf` inside a
     /// [`Comm::gather_slots`] buffer, at the same offset on every rank, NCCL copies the parts with
     /// the copy engines and launches no kernel (see the module docs). An [`NcclError::Argument`]
-    /// without one ([`Comm::has_gather`]).
+    /// without one.
     pub fn gather_in_place<T: Element>(
         &self,
         stream: &CudaStream,

@@ -232,12 +232,11 @@ impl<T: Element> TpLlama<T> {
             )));
         }
         let comms: Vec<Option<Comm>> = if ranks > 1 {
-            let gather_bytes = [ranks, options.gather_rows, cfg.hidden, std::mem::size_of::<T>()]
-                .iter()
-                .try_fold(crate::modules::reduce::GATHER_SLOTS, |a, &b| a.checked_mul(b))
-                .ok_or_else(|| {
-                    Error::Tp(format!("gather rows {} overflow a window size", options.gather_rows))
-                })?;
+            let gather_bytes =
+                crate::modules::reduce::Gather::<T>::window_bytes(ranks, options.gather_rows, cfg.hidden)
+                    .ok_or_else(|| {
+                        Error::Tp(format!("gather rows {} overflow a window size", options.gather_rows))
+                    })?;
             Comm::init_all_with(&devices, &options.nccl, options.windows, gather_bytes)?
                 .into_iter()
                 .map(Some)
