@@ -1447,31 +1447,39 @@ fn the_rotary_epilogue_equals_the_projection_then_rope_with_the_append() {
 // The sum of a row-parallel matmul's partial products (what a tensor-parallel rank does with the
 // parts it gathered): bit for bit the reference's f32 sum in part order, rounded once.
 
-fn check_sum_partials<T: Element>(ctx: &Cudnn, count: usize, n: usize, offset: usize) {
+fn check_sum_partials<T: Element>(ctx: &Cudnn, count: usize, n: usize, offset: usize, based: bool) {
     // Values in ±4 over 1e-3 steps: the sums need f32, and rounding each step to T would differ.
-    let parts: Vec<T> =
-        (0..count * n).map(|i| T::from_f64(((i * 7919 + 13) % 8001) as f64 * 1e-3 - 4.0)).collect();
-    let want = cudnn_llm::cudnn_ops::sum_partials_reference(&parts, count).unwrap();
-    // `offset` elements before the parts and the output shift them off 16-byte alignment (the
-    // kernel's element-wise path).
-    let mut padded = vec![T::default(); offset];
-    padded.extend_from_slice(&parts);
-    let dev = ctx.stream().clone_htod(&padded).unwrap();
+    let value = |i: usize| T::from_f64(((i * 7919 + 13) % 8001) as f64 * 1e-3 - 4.0);
+    let parts: Vec<T> = (0..count * n).map(value).collect();
+    let base: Vec<T> = (0..n).map(|i| value(i * 31 + 5)).collect();
+    let want =
+        cudnn_llm::cudnn_ops::sum_partials_reference(&parts, count, based.then_some(&base[..])).unwrap();
+    // `offset` elements before the parts, the base and the output shift them off 16-byte alignment
+    // (the kernel's element-wise path).
+    let pad = |v: &[T]| ctx.stream().clone_htod(&[vec![T::default(); offset], v.to_vec()].concat()).unwrap();
+    let (dev, dev_base) = (pad(&parts), pad(&base));
+    let base_view = dev_base.slice(offset..);
     let mut out = poisoned::<T>(ctx, offset + n + 8).unwrap();
     cudnn_llm::cudnn_ops::sum_partials(
         ctx,
         &dev.slice(offset..),
         count,
+        based.then_some(&base_view as &dyn DevicePtr<T>),
         &mut out.slice_mut(offset..offset + n),
     )
     .unwrap();
     let got = download(ctx, &out).unwrap();
     let bits = |v: &T| v.to_f64().to_bits();
     let differ = got[offset..offset + n].iter().zip(&want).filter(|(a, b)| bits(a) != bits(b)).count();
-    assert_eq!(differ, 0, "{} parts of {n} ({:?}, offset {offset}): {differ} differ", count, T::DTYPE);
+    assert_eq!(
+        differ,
+        0,
+        "{count} parts of {n} ({:?}, offset {offset}, base {based}): {differ} differ",
+        T::DTYPE
+    );
     // Nothing outside the output written.
     assert!(got[..offset].iter().chain(&got[offset + n..]).all(|v| v.to_f64().is_nan()));
-    println!("sum_partials {:?}: {count} parts of {n} at offset {offset} exact", T::DTYPE);
+    println!("sum_partials {:?}: {count} parts of {n} at offset {offset}, base {based}: exact", T::DTYPE);
 }
 
 #[test]
@@ -1481,16 +1489,23 @@ fn sum_partials_matches_the_reference_bit_for_bit() {
     for (count, n, offset) in
         [(2, 4096 * 3, 0), (2, 4099, 0), (3, 1000, 0), (2, 4096, 3), (4, 1, 0), (1, 777, 1)]
     {
-        check_sum_partials::<bf16>(&ctx, count, n, offset);
-        check_sum_partials::<f16>(&ctx, count, n, offset);
-        check_sum_partials::<f32>(&ctx, count, n, offset);
+        for based in [false, true] {
+            check_sum_partials::<bf16>(&ctx, count, n, offset, based);
+            check_sum_partials::<f16>(&ctx, count, n, offset, based);
+            check_sum_partials::<f32>(&ctx, count, n, offset, based);
+        }
     }
     // A part count of 0 or a length that is not count parts of the output: refused, nothing written.
     let parts = ctx.stream().clone_htod(&[bf16::ONE; 10]).unwrap();
     let mut out = poisoned::<bf16>(&ctx, 4).unwrap();
     for count in [0, 3] {
-        let e = cudnn_llm::cudnn_ops::sum_partials(&ctx, &parts, count, &mut out).unwrap_err();
+        let e = cudnn_llm::cudnn_ops::sum_partials(&ctx, &parts, count, None, &mut out).unwrap_err();
         assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
     }
+    // A base of another length than the output: refused too.
+    let short = ctx.stream().clone_htod(&[bf16::ONE; 3]).unwrap();
+    let e =
+        cudnn_llm::cudnn_ops::sum_partials(&ctx, &parts.slice(..8), 2, Some(&short), &mut out).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
     assert!(download(&ctx, &out).unwrap().iter().all(|v| v.is_nan()));
 }

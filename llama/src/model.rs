@@ -46,11 +46,12 @@ use crate::modules::norm::RmsNorm;
 use crate::modules::reduce::{Gather, RankSum};
 use crate::modules::residual::Residual;
 use crate::modules::{Pass, Tokens};
-use crate::nccl::Comm;
+use crate::nccl::{Comm, WindowBuf};
 use crate::weights::{LayerWeights, Tensor, Weights};
 use crate::{Backend, Error, Result};
 use cudnn_llm_ops::cudarc::driver::{CudaSlice, CudaView, DevicePtrMut};
 use cudnn_llm_ops::{argmax, check_ids, ArgmaxArgs, ArgmaxOperands, Cudnn, Element, RopeTables, SeqLens};
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use crate::modules::{
@@ -58,6 +59,7 @@ pub use crate::modules::{
 };
 pub use paged::{PagedCache, PagedDecodeGraph};
 
+mod halves;
 mod paged;
 
 /// The range of the all-gather of a tensor-parallel rank's logits (after `fwd.lm_head`).
@@ -142,6 +144,26 @@ struct Activations<T> {
     out: CudaSlice<T>,
 }
 
+impl<T: Element> Activations<T> {
+    /// Zeroed buffers for `rows` tokens of `c`'s shapes, x with the symmetric `window` pair if any.
+    fn new(ctx: &Cudnn, c: &LlamaConfig, rows: usize, window: Option<[WindowBuf<T>; 2]>) -> Result<Self> {
+        let alloc = |n: usize| ctx.stream().alloc_zeros::<T>(rows * n).map_err(cudnn_llm_ops::Error::from);
+        Ok(Activations {
+            id: next_id(),
+            rows,
+            last: 0,
+            ids: ctx.stream().alloc_zeros::<u32>(rows).map_err(cudnn_llm_ops::Error::from)?,
+            x: Residual::new(alloc(c.hidden)?, alloc(c.hidden)?).with_window(window),
+            scratch: Scratch {
+                h: alloc(c.hidden)?,
+                attn: AttnBuffers { qkv: alloc(c.qkv_width())?, o: alloc(c.attn_width())? },
+                mlp: MlpBuffers { up: alloc(c.ffn)?, act: alloc(c.ffn)? },
+            },
+            out: alloc(c.hidden)?,
+        })
+    }
+}
+
 /// One decode step captured as a CUDA graph ([`Llama::capture_decode`], replayed by [`Llama::decode`]);
 /// a greedy one ([`Llama::capture_greedy_decode`]) also picks each sequence's next id on the device.
 pub struct DecodeGraph<T> {
@@ -189,7 +211,10 @@ pub struct Llama<T: Element> {
     padded_decode: bool,
     /// A tensor-parallel rank's copy-engine gather window for long passes' sums (dropped before the
     /// communicator that owns its memory).
-    gather: Option<Gather<T>>,
+    gather: Option<RefCell<Gather<T>>>,
+    /// The second half's buffers of a halved pass (`model/halves.rs`; the first half runs in
+    /// `acts`).
+    half: Option<Activations<T>>,
     /// A tensor-parallel rank's communicator: layers all-reduce their residual sums and `lm_head`
     /// (the rank's rows of the vocabulary) all-gathers its logits.
     comm: Option<Comm>,
@@ -253,7 +278,7 @@ impl<T: Element> Llama<T> {
     /// Row chunks whose sums over the ranks the copy engines gathered so far (a tensor-parallel
     /// rank's long passes; see [`crate::tp::TpOptions::gather_rows`]).
     pub fn chunks_gathered(&self) -> u64 {
-        self.gather.as_ref().map_or(0, Gather::chunks_gathered)
+        self.gather.as_ref().map_or(0, |g| g.borrow().chunks_gathered())
     }
 
     /// A tensor-parallel rank's communicator (`None` on a model of one GPU).
@@ -276,7 +301,7 @@ impl<T: Element> Llama<T> {
         let head_rows = cfg.vocab / comm.as_ref().map_or(1, Comm::ranks);
         let eps = cfg.rms_eps as f32;
         let gather = match &comm {
-            Some(c) => Gather::new(ctx, c, cfg.hidden)?,
+            Some(c) => Gather::new(ctx, c, cfg.hidden)?.map(RefCell::new),
             None => None,
         };
         Ok(Llama {
@@ -292,6 +317,7 @@ impl<T: Element> Llama<T> {
             fallbacks: Fallbacks::default(),
             padded_decode: ctx.features().sdpa_seq_lens(),
             gather,
+            half: None,
             comm,
             decode_fusion: DecodeFusion::default(),
             chain: None,
@@ -362,26 +388,13 @@ impl<T: Element> Llama<T> {
             return Ok(());
         }
         let c = &self.cfg;
-        let alloc = |n: usize| ctx.stream().alloc_zeros::<T>(rows * n).map_err(cudnn_llm_ops::Error::from);
         // A rank's decode-sized passes keep x in its communicator's symmetric window, as many rows
         // as half of it holds (at most `rows`).
         let window = self.comm.as_ref().and_then(|comm| {
             let fits = (crate::nccl::WINDOW_BYTES / 2 / std::mem::size_of::<T>() / c.hidden).min(rows);
             (fits > 0).then(|| comm.window_pair::<T>(ctx.stream(), fits * c.hidden)).flatten()
         });
-        self.acts = Some(Activations {
-            id: next_id(),
-            rows,
-            last: 0,
-            ids: ctx.stream().alloc_zeros::<u32>(rows).map_err(cudnn_llm_ops::Error::from)?,
-            x: Residual::new(alloc(c.hidden)?, alloc(c.hidden)?).with_window(window),
-            scratch: Scratch {
-                h: alloc(c.hidden)?,
-                attn: AttnBuffers { qkv: alloc(c.qkv_width())?, o: alloc(c.attn_width())? },
-                mlp: MlpBuffers { up: alloc(c.ffn)?, act: alloc(c.ffn)? },
-            },
-            out: alloc(c.hidden)?,
-        });
+        self.acts = Some(Activations::new(ctx, c, rows, window)?);
         Ok(())
     }
 
@@ -752,6 +765,9 @@ impl<T: Element> Llama<T> {
         obs: &mut dyn Observer,
     ) -> Result<bool> {
         let tokens = Tokens { batch, seq, start: cache.len };
+        if let Some(at) = self.halves_at(ctx, tokens)? {
+            return self.run_halves(ctx, tokens, at, cache, backends, obs);
+        }
         let dispatch = Dispatch::new(&mut self.fallbacks, backends, obs);
         let mut p = Pass::new(ctx, dispatch, tokens, &self.rope, self.padded_decode);
         p.fusion = self.decode_fusion;
@@ -763,7 +779,7 @@ impl<T: Element> Llama<T> {
         let x = if windowed { acts.x.start(rows * self.cfg.hidden) } else { acts.x.first_mut() };
         self.embed.forward(&mut p, &acts.ids, x)?;
         let ranks = match &self.comm {
-            Some(c) => Some(RankSum::new(ctx, c, self.gather.as_mut(), self.cfg.hidden)?),
+            Some(c) => Some(RankSum::new(ctx, c, self.gather.as_ref(), self.cfg.hidden)?),
             None => None,
         };
         for (l, block) in self.blocks.iter().enumerate() {

@@ -128,8 +128,8 @@ impl<T: Element> Attention<T> {
     ) -> Result<()> {
         let (ctx, rows) = (p.ctx, p.tokens.rows());
         p.dispatch.run(Site::O_PROJ, Some(self.layer), &p.shape, |b| {
-            RankSum::project(ranks, ctx, b, rows, sum, |b, r, out| {
-                self.o_proj.forward_rows(b, ctx, r, o, self.adds_residual.then_some(x), out)
+            RankSum::project(ranks, ctx, b, rows, x, self.adds_residual, sum, |b, r, residual, out| {
+                self.o_proj.forward_rows(b, ctx, r, o, residual, out)
             })
         })
     }

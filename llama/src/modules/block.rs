@@ -91,29 +91,55 @@ impl<T: Element> Block<T> {
         cache: LayerCache<'_, T>,
         ranks: Option<&RankSum<'_, T>>,
     ) -> Result<()> {
-        let Scratch { h, attn, mlp } = s;
-        let Folds { attn_norm: fold_attn, mlp_norm: fold_mlp, gate_up, rope } = self.folds(p);
-        if fold_attn {
+        self.attention(p, x, s, cache, ranks)?;
+        self.sum_over_ranks(p, ranks, ATTN_ALLREDUCE_RANGE, x)?;
+        self.mlp(p, x, s, ranks)?;
+        self.sum_over_ranks(p, ranks, MLP_ALLREDUCE_RANGE, x)
+    }
+
+    /// `x += attn(attn_norm(x))`, on a tensor-parallel rank up to the rank's part of the sum:
+    /// [`Block::sum_over_ranks`] with [`ATTN_ALLREDUCE_RANGE`] completes it (a halved pass runs the
+    /// other half in between).
+    pub(crate) fn attention(
+        &self,
+        p: &mut Pass<'_, T>,
+        x: &mut Residual<T>,
+        s: &mut Scratch<T>,
+        cache: LayerCache<'_, T>,
+        ranks: Option<&RankSum<'_, T>>,
+    ) -> Result<()> {
+        let Scratch { h, attn, .. } = s;
+        let Folds { attn_norm: fold, rope, .. } = self.folds(p);
+        if fold {
             self.attn_norm.folded(p);
         } else {
             self.attn_norm.forward(p, x.get(), h)?;
         }
         x.add(|x, sum| {
-            let input =
-                if fold_attn { Normed::Folded { x, norm: &self.attn_norm, h } } else { Normed::Done(h) };
-            self.attn.forward(p, input, attn, cache, x, sum, rope, ranks)?;
-            self.all_reduce(p, ranks, ATTN_ALLREDUCE_RANGE, sum)
-        })?;
-        if fold_mlp {
+            let input = if fold { Normed::Folded { x, norm: &self.attn_norm, h } } else { Normed::Done(h) };
+            self.attn.forward(p, input, attn, cache, x, sum, rope, ranks)
+        })
+    }
+
+    /// `x += mlp(mlp_norm(x))`, on a tensor-parallel rank up to the rank's part of the sum (as
+    /// [`Block::attention`], with [`MLP_ALLREDUCE_RANGE`]).
+    pub(crate) fn mlp(
+        &self,
+        p: &mut Pass<'_, T>,
+        x: &mut Residual<T>,
+        s: &mut Scratch<T>,
+        ranks: Option<&RankSum<'_, T>>,
+    ) -> Result<()> {
+        let Scratch { h, mlp, .. } = s;
+        let Folds { mlp_norm: fold, gate_up, .. } = self.folds(p);
+        if fold {
             self.mlp_norm.folded(p);
         } else {
             self.mlp_norm.forward(p, x.get(), h)?;
         }
         x.add(|x, sum| {
-            let input =
-                if fold_mlp { Normed::Folded { x, norm: &self.mlp_norm, h } } else { Normed::Done(h) };
-            self.mlp.forward(p, input, mlp, x, sum, gate_up, ranks)?;
-            self.all_reduce(p, ranks, MLP_ALLREDUCE_RANGE, sum)
+            let input = if fold { Normed::Folded { x, norm: &self.mlp_norm, h } } else { Normed::Done(h) };
+            self.mlp.forward(p, input, mlp, x, sum, gate_up, ranks)
         })
     }
 
@@ -157,18 +183,20 @@ impl<T: Element> Block<T> {
         Folds { attn_norm, mlp_norm, gate_up, rope }
     }
 
-    /// Completes the sum of the pass's rows of `sum` over the ranks, inside `range` (nothing
-    /// without `ranks`): their all-reduce, or the sums of the gathered chunks ([`RankSum::finish`]).
-    fn all_reduce(
+    /// Completes the sum of the pass's rows of `x` (the sum [`Block::attention`] or
+    /// [`Block::mlp`] just wrote) over the ranks, inside `range` (nothing without `ranks`): their
+    /// all-reduce, or the sums of the gathered chunks ([`RankSum::finish`]).
+    pub(crate) fn sum_over_ranks(
         &self,
         p: &mut Pass<'_, T>,
         ranks: Option<&RankSum<'_, T>>,
         range: &'static str,
-        sum: &mut CudaSlice<T>,
+        x: &mut Residual<T>,
     ) -> Result<()> {
         let Some(ranks) = ranks else { return Ok(()) };
         let (ctx, n) = (p.ctx, p.tokens.rows() * self.hidden);
-        p.dispatch.observe(range, Some(self.attn.layer), || ranks.finish(ctx, sum, n))
+        let (x, sum) = x.last_add();
+        p.dispatch.observe(range, Some(self.attn.layer), || ranks.finish(ctx, x, sum, n))
     }
 
     /// [`Block::forward`] over a paged KV cache's step begun (continuous batching;

@@ -50,8 +50,8 @@ impl<T: Element> Mlp<T> {
                 self.up.forward_normed(b, ctx, rows, &mut h, Then::Nothing, up)?;
                 self.gate.forward_normed(b, ctx, rows, &mut h, Then::SwiGlu(up), act)?;
             }
-            RankSum::project(ranks, ctx, b, rows, sum, |b, r, out| {
-                self.down.forward_rows(b, ctx, r, act, self.adds_residual.then_some(x), out)
+            RankSum::project(ranks, ctx, b, rows, x, self.adds_residual, sum, |b, r, residual, out| {
+                self.down.forward_rows(b, ctx, r, act, residual, out)
             })
         })
     }

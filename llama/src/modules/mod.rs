@@ -186,4 +186,12 @@ impl<'a, T: cudnn_llm_ops::Element> Pass<'a, T> {
         let positions = Positions::new(tokens, padded);
         Pass { ctx, dispatch, tokens, shape, rope, positions, fusion: DecodeFusion::NONE }
     }
+
+    /// The pass goes on over `tokens`, another part of its rows read the same way (the halves of a
+    /// halved pass: several rows each, positions as host values).
+    pub(crate) fn set_tokens(&mut self, tokens: Tokens) {
+        debug_assert_eq!(Positions::new(tokens, self.positions.padded).on_device, self.positions.on_device);
+        self.shape = format!("{} tokens", tokens.rows());
+        self.tokens = tokens;
+    }
 }

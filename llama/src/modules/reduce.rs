@@ -1,30 +1,39 @@
 //! A tensor-parallel rank's sum of a row-parallel projection (`o_proj`, `down`) over the ranks:
 //! an all-reduce after the projection, or, for long passes, the ranks' partial rows gathered
-//! by the copy engines beside the projection's next rows and summed by the rank itself.
+//! by the copy engines while the rank computes something else, and summed by the rank itself.
 //!
 //! ```text
-//! all-reduce: main  [ GEMM rows 0..n -> sum ][ all-reduce sum ]
-//! gathered:   main  [ GEMM chunk 0 -> slot 0 ][ GEMM chunk 1 -> slot 1 ]        [ sum 0 ][ sum 1 ]
+//! all-reduce: main  [ GEMM rows 0..n (+x on rank 0) -> sum ][ all-reduce sum ]
+//! chunks:     main  [ GEMM chunk 0 -> slot 0 ][ GEMM chunk 1 -> slot 1 ]        [ x+sum 0 ][ x+sum 1 ]
 //!             side                            [ gather 0 ]           [ gather 1 ]
+//! halves:     main  [ A: ... o_proj -> slot 0 ][ B: ... o_proj -> slot 1 ][ A: x+sum 0, MLP ... ][ B: x+sum 1, ...
+//!             side                             [ gather 0 ]               [ gather 1 ]
 //! ```
 //!
-//! In the gathered form each chunk's GEMM writes the rank's part of a slot in its communicator's
-//! gather window ([`Comm::gather_slots`]); an in-place all-gather on a side stream copies every
-//! rank's part into every rank's slot with the copy engines (NCCL's zero-CTA path: no kernel, no SM
-//! taken from the next chunk's GEMM); then [`sum_partials`] adds the parts in rank order on the
-//! context's stream, rounding once (for two ranks the bits of NCCL's sum). The streams are ordered by
-//! the slots' own cudarc events: a gather waits for its GEMM's write, a sum for its gather, a GEMM
-//! reusing a slot for the sum that read it. A pass with more chunks than slots sums a chunk before
-//! its slot is written again.
+//! In the gathered forms a GEMM writes the rank's part of a slot in its communicator's gather window
+//! ([`Comm::gather_slots`]), with no residual on any rank; an in-place all-gather on a side stream
+//! copies every rank's part into every rank's slot with the copy engines (NCCL's zero-CTA path: no
+//! kernel, no SM taken from the GEMMs); then [`sum_partials`] adds the residual `x` and the parts in
+//! rank order on the context's stream, rounding once. So every rank runs the same GEMMs (on two
+//! H200s a rank-0 GEMM with the residual epilogue took about 1 ms more over an 8B prefill, and the
+//! other rank waited for it at every gather), and the sum is one rounding of `x + Σ parts` where the
+//! all-reduce rounds rank 0's `x + part` first. The streams are ordered by the slots' own cudarc
+//! events: a gather waits for its GEMM's write, a sum for its gather, a GEMM reusing a slot for the
+//! sum that read it.
 //!
-//! It applies to passes of at least [`MIN_GATHER_ROWS`] rows (either backend: every rank must
-//! choose alike, and a rank's backend may differ where one fell back), outside a CUDA
-//! graph capture (decode steps and short passes keep the all-reduce: NCCL's one-row all-reduces are
-//! faster than a copy's fixed cost). On two H200s (Llama-3.1-8B, TP2, prefill 1 x 2048, chunks of
-//! 1024 rows) it took 28.62-29.06 ms against 29.52-29.96 all-reduced in the same calls; four chunks
-//! gained nothing and eight lost 4.5 ms (each chunk's gather has a fixed cost, its two flag
-//! handshakes, beside the copy), and gathering `down` alone (`o_proj` all-reduced) gained a third
-//! as much. `benches/results/h200-x2/tensor-parallel.md` has the calls.
+//! Chunks: a pass of at least [`MIN_GATHER_ROWS`] rows runs each projection in row chunks
+//! ([`chunk_rows`]), a chunk's gather beside the next chunk's GEMM; the last chunk's gather is
+//! waited for. Halves: one sequence whose halves each hold [`MIN_GATHER_ROWS`] rows and fit a slot
+//! runs as two halves interleaved module by module ([`RankSum::half`], `model/halves.rs`), each
+//! projection whole into its half's slot, its gather beside the other half's modules; only the last
+//! two are waited for. Either way, every rank chooses alike (by shape, never by backend: a rank's
+//! backend may differ where one fell back), and only outside a CUDA graph capture (decode steps and
+//! short passes keep the all-reduce: NCCL's one-row all-reduces are faster than a copy's fixed
+//! cost). On two H200s (Llama-3.1-8B, TP2, prefill 1 x 2048, 1024-row slots): halves 27.68 ms,
+//! chunks 28.33 (the build before the residual moved into the sum), all-reduced 29.30, in one call;
+//! chunks of 512 rows gained nothing over all-reduces and of 256 lost 4.5 ms (each gather has a
+//! fixed cost, its two flag handshakes, beside the copy). `benches/results/h200-x2/tensor-parallel.md`
+//! has the calls.
 
 use crate::nccl::{Comm, NcclError, WindowBuf};
 use crate::Result;
@@ -104,7 +113,10 @@ pub(crate) fn chunk_rows(rows: usize, slot_rows: usize) -> Option<Vec<Range<usiz
 pub(crate) struct RankSum<'a, T> {
     comm: &'a Comm,
     /// The gather window, where this pass may use it.
-    gather: Option<RefCell<&'a mut Gather<T>>>,
+    gather: Option<&'a RefCell<Gather<T>>>,
+    /// One half of a pass whose halves interleave ([`RankSum::half`]): each projection whole, in
+    /// this slot.
+    lane: Option<usize>,
     width: usize,
     /// Chunks gathered and not summed yet: their slot and rows.
     pending: RefCell<VecDeque<(usize, Range<usize>)>>,
@@ -120,59 +132,103 @@ impl<'a, T: Element> RankSum<'a, T> {
     pub(crate) fn new(
         ctx: &Cudnn,
         comm: &'a Comm,
-        gather: Option<&'a mut Gather<T>>,
+        gather: Option<&'a RefCell<Gather<T>>>,
         width: usize,
     ) -> Result<Self> {
         use cudnn_llm_ops::cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         let gather = match gather {
             Some(g) => {
                 let capturing = ctx.stream().capture_status().map_err(cudnn_llm_ops::Error::from)?;
-                (capturing == CU_STREAM_CAPTURE_STATUS_NONE).then(|| RefCell::new(g))
+                (capturing == CU_STREAM_CAPTURE_STATUS_NONE).then_some(g)
             }
             None => None,
         };
         let (pending, gathered, failed) = (RefCell::default(), Cell::new(false), Cell::new(None));
-        Ok(RankSum { comm, gather, width, pending, gathered, failed })
+        Ok(RankSum { comm, gather, lane: None, width, pending, gathered, failed })
     }
 
-    /// Runs the projection `project(backend, rows, out)`, which writes rows `rows` of its output
-    /// into `out` (exactly those rows), over the pass's `rows`: into `sum` whole, or (gathered:
-    /// `reduce` with a window and [`chunk_rows`] splitting them) chunk by chunk into the gather
-    /// slots, each chunk's gather enqueued after its GEMM. Every rank must make the same choice
-    /// (their collectives differ), so it depends on the pass's shape only, not on the backend: a
-    /// naive projection gathers too. A fused chunk refused (`NotSupported`) after a gather was
-    /// enqueued runs naive on its own; before, the refusal is returned, for the caller's fallback.
+    /// The rows at which a pass of `rows` rows (one sequence) splits into two halves that
+    /// interleave module by module ([`crate::Llama`]'s halved pass), each half's sums gathered
+    /// whole in a slot of its own while the other half computes: `None` unless this pass gathers
+    /// ([`RankSum::new`]: a window, no capture) and each half holds [`MIN_GATHER_ROWS`] rows or
+    /// more and fits a slot. It depends on the shape alone, so every rank splits alike.
+    pub(crate) fn halves_at(&self, rows: usize) -> Option<usize> {
+        let slot_rows = self.gather?.borrow().slot_rows;
+        let first = rows.div_ceil(2);
+        (rows / 2 >= MIN_GATHER_ROWS && first <= slot_rows).then_some(first)
+    }
+
+    /// The sums of half `half` (0 or 1) of a halved pass ([`RankSum::halves_at`]): every
+    /// projection gathers its rows whole into slot `half`, and [`RankSum::finish`], called before
+    /// the half's next projection, sums them.
+    pub(crate) fn half(
+        ctx: &Cudnn,
+        comm: &'a Comm,
+        gather: &'a RefCell<Gather<T>>,
+        width: usize,
+        half: usize,
+    ) -> Result<Self> {
+        debug_assert!(half < GATHER_SLOTS);
+        Ok(RankSum { lane: Some(half), ..Self::new(ctx, comm, Some(gather), width)? })
+    }
+
+    /// Runs the projection `project(backend, rows, residual, out)`, which writes rows `rows` of its
+    /// output (plus those of `residual`, where given) into `out` (exactly those rows), over the pass's
+    /// `rows`: into `sum` whole, `x` added where `adds_residual` (the first rank's epilogue); or
+    /// (gathered: `reduce` with a window and [`chunk_rows`] splitting them) chunk by chunk into the
+    /// gather slots without `x`, each chunk's gather enqueued after its GEMM, and every rank adds
+    /// `x` when it sums the parts (so no rank's GEMM carries an epilogue the others lack). Every
+    /// rank must make the same choice (their collectives differ), so it depends on the pass's shape
+    /// only, not on the backend: a naive projection gathers too. A fused chunk refused
+    /// (`NotSupported`) after a gather was enqueued runs naive on its own; before, the refusal is
+    /// returned, for the caller's fallback.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn project(
         reduce: Option<&Self>,
         ctx: &Cudnn,
         backend: Backend,
         rows: usize,
+        x: &CudaSlice<T>,
+        adds_residual: bool,
         sum: &mut CudaSlice<T>,
-        mut project: impl FnMut(Backend, Range<usize>, &mut dyn DevicePtrMut<T>) -> cudnn_llm_ops::Result<()>,
+        mut project: impl FnMut(
+            Backend,
+            Range<usize>,
+            Option<&CudaSlice<T>>,
+            &mut dyn DevicePtrMut<T>,
+        ) -> cudnn_llm_ops::Result<()>,
     ) -> cudnn_llm_ops::Result<()> {
         let gathered = reduce.and_then(|r| {
-            let g = r.gather.as_ref()?;
-            let chunks = chunk_rows(rows, g.borrow().slot_rows)?;
+            let g = r.gather?;
+            let slot_rows = g.borrow().slot_rows;
+            let chunks = match r.lane {
+                Some(_) => (rows > 0 && rows <= slot_rows).then(|| std::iter::once(0..rows).collect())?,
+                None => chunk_rows(rows, slot_rows)?,
+            };
             Some((r, g, chunks))
         });
-        let Some((reduce, gather, chunks)) = gathered else { return project(backend, 0..rows, sum) };
+        let Some((reduce, gather, chunks)) = gathered else {
+            return project(backend, 0..rows, adds_residual.then_some(x), sum);
+        };
         let (comm, width) = (reduce.comm, reduce.width);
         let (rank, ranks) = (comm.rank(), comm.ranks());
+        // A half's slot holds one projection: the last one's sum ran (`finish`) before this.
+        debug_assert!(reduce.lane.is_none() || reduce.pending.borrow().is_empty());
         reduce.gathered.set(true);
         let mut enqueued = false;
         let ran = (|| -> cudnn_llm_ops::Result<()> {
             for (j, r) in chunks.into_iter().enumerate() {
-                let slot = j % GATHER_SLOTS;
+                let slot = reduce.lane.unwrap_or(j % GATHER_SLOTS);
                 if j >= GATHER_SLOTS {
-                    reduce.sum_next(ctx, sum)?;
+                    reduce.sum_next(ctx, x, sum)?;
                 }
                 let n = r.len() * width;
                 let mut g = gather.borrow_mut();
-                let Gather { side, slots, .. } = &mut **g;
+                let Gather { side, slots, .. } = &mut *g;
                 let mut mine = slots[slot].slice_mut(rank * n..(rank + 1) * n);
-                match project(backend, r.clone(), &mut mine) {
+                match project(backend, r.clone(), None, &mut mine) {
                     Err(e) if enqueued && backend == Backend::Fused && e.is_not_supported() => {
-                        project(Backend::Naive, r.clone(), &mut mine)?
+                        project(Backend::Naive, r.clone(), None, &mut mine)?
                     }
                     other => other?,
                 }
@@ -196,24 +252,32 @@ impl<'a, T: Element> RankSum<'a, T> {
         }
     }
 
-    /// Sums the oldest gathered chunk's parts into its rows of `sum`.
-    fn sum_next(&self, ctx: &Cudnn, sum: &mut CudaSlice<T>) -> cudnn_llm_ops::Result<()> {
+    /// Sums the oldest gathered chunk's parts and its rows of `x` into its rows of `sum`.
+    fn sum_next(&self, ctx: &Cudnn, x: &CudaSlice<T>, sum: &mut CudaSlice<T>) -> cudnn_llm_ops::Result<()> {
         let Some((slot, r)) = self.pending.borrow_mut().pop_front() else { return Ok(()) };
-        let Some(gather) = &self.gather else { return Ok(()) };
-        let (ranks, n) = (self.comm.ranks(), r.len() * self.width);
+        let Some(gather) = self.gather else { return Ok(()) };
+        let (ranks, n, w) = (self.comm.ranks(), r.len() * self.width, self.width);
         let g = gather.borrow();
+        let base = x.slice(r.start * w..r.end * w);
         sum_partials(
             ctx,
             &g.slots[slot].slice(..ranks * n),
             ranks,
-            &mut sum.slice_mut(r.start * self.width..r.end * self.width),
+            Some(&base),
+            &mut sum.slice_mut(r.start * w..r.end * w),
         )
     }
 
     /// Completes the sum of `sum`'s first `n` elements (the pass's rows) over the ranks on the
-    /// context's stream: sums the gathered chunks of the last projection, or all-reduces them in
-    /// place.
-    pub(crate) fn finish(&self, ctx: &Cudnn, sum: &mut CudaSlice<T>, n: usize) -> Result<()> {
+    /// context's stream: sums the gathered chunks of the last projection with `x` (the residual its
+    /// [`RankSum::project`] was given), or all-reduces them in place.
+    pub(crate) fn finish(
+        &self,
+        ctx: &Cudnn,
+        x: &CudaSlice<T>,
+        sum: &mut CudaSlice<T>,
+        n: usize,
+    ) -> Result<()> {
         if let Some(e) = self.failed.take() {
             self.pending.borrow_mut().clear();
             self.gathered.set(false);
@@ -223,7 +287,7 @@ impl<'a, T: Element> RankSum<'a, T> {
             return Ok(self.comm.all_reduce_sum(ctx.stream(), &mut sum.slice_mut(..n))?);
         }
         while !self.pending.borrow().is_empty() {
-            self.sum_next(ctx, sum)?;
+            self.sum_next(ctx, x, sum)?;
         }
         Ok(())
     }

@@ -66,6 +66,18 @@ impl<T> Residual<T> {
         }
     }
 
+    /// The x the last [`Residual::add`] read and the sum it wrote (now x), to complete that sum in
+    /// place (a tensor-parallel rank's sum over the ranks).
+    pub(crate) fn last_add(&mut self) -> (&CudaSlice<T>, &mut CudaSlice<T>) {
+        let current = self.current;
+        let [a, b] = self.pair();
+        if current == 0 {
+            (&*b, a)
+        } else {
+            (&*a, b)
+        }
+    }
+
     /// `x += f(x)`: `add(x, sum)` writes `x + f(x)` into `sum`, which becomes `x` when it succeeds.
     pub(crate) fn add<E>(
         &mut self,

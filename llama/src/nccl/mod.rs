@@ -84,9 +84,9 @@
 //! size on it. NCCL runs an in-place all-gather between such windows on the copy engines (a
 //! flag handshake with the peers through stream memory operations, the copies, another handshake;
 //! no kernel), so it can run beside a GEMM without taking its SMs. A tensor-parallel rank uses it
-//! for long prefills: each chunk of a row-parallel projection's rows is gathered from every rank
-//! while the next chunk's GEMM runs, then summed by the rank ([`cudnn_llm_ops::sum_partials`]);
-//! see `TpOptions::gather_rows`. The probe `benches/tp_ce_allgather_probe.py` measured the copy
+//! for long prefills: a row-parallel projection's partial rows are gathered from every rank while
+//! the rank computes other rows (the other half of the pass, or the next chunk), then summed by the
+//! rank with the residual ([`cudnn_llm_ops::sum_partials`]); see `TpOptions::gather_rows`. The probe `benches/tp_ce_allgather_probe.py` measured the copy
 //! alone: 23.5 us for a 1024 x 4096 bf16 chunk to the other H200 (357 GB/s).
 
 mod raw;

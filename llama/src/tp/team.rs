@@ -45,13 +45,15 @@ pub struct TpOptions {
     /// all-reduces run NCCL's symmetric kernels (default: on; NCCL 2.28.9 or later only, and
     /// `CUDNN_LLM_NCCL_WINDOWS=0` turns it off; see [`crate::nccl`]).
     pub windows: bool,
-    /// Rows of a long pass each copy-engine gather chunk holds (default 0: off). With it, a rank
-    /// sums long passes' row-parallel projections by gathering every rank's partial rows
-    /// with the copy engines beside the next chunk's GEMM instead of all-reducing them (see
-    /// [`crate::nccl`]; NCCL 2.28.9 or later, two ranks or more; `CUDNN_LLM_NCCL_WINDOWS=0` turns
-    /// it off with the windows). Each rank's gather window takes `2 · ranks · gather_rows · hidden`
-    /// elements. [`TpOptions::GATHER_ROWS`] measured best. Off by default: with the second
-    /// communicator made, the same runs' decode steps came out 0-3% slower (cause not found).
+    /// Rows a copy-engine gather slot holds (default 0: off). With it, a rank sums long passes'
+    /// row-parallel projections by gathering every rank's partial rows with the copy engines while
+    /// it computes other rows, instead of all-reducing them: one sequence of up to twice this many
+    /// rows runs as two interleaved halves, longer passes and batches in chunks of at most this
+    /// many rows (`modules/reduce.rs`; NCCL 2.28.9 or later, two ranks or more;
+    /// `CUDNN_LLM_NCCL_WINDOWS=0` turns it off with the windows). Each rank's gather window takes
+    /// `2 · ranks · gather_rows · hidden` elements. [`TpOptions::GATHER_ROWS`] measured best. Off
+    /// by default: with the second communicator made, the same runs' decode steps came out 0-4%
+    /// slower (cause not found).
     pub gather_rows: usize,
 }
 
@@ -76,8 +78,9 @@ impl TpOptions {
     pub const DEFAULT_SPIN: Duration = Duration::from_millis(2);
 
     /// The [`TpOptions::gather_rows`] that measured best: a 2048-token Llama-3.1-8B prefill in two
-    /// chunks (TP2 on two H200s 28.62-29.06 ms against 29.52-29.96 all-reduced in the same calls;
-    /// 512, four chunks: 29.99; 256: 34.43).
+    /// halves of 1024 rows (TP2 on two H200s 27.68 ms against 29.30 all-reduced and 47.64 on one
+    /// GPU in one call; as two chunks, before the halves: 28.62-29.06 against 29.52-29.96; chunks of
+    /// 512 rows: 29.99; of 256: 34.43).
     pub const GATHER_ROWS: usize = 1024;
 
     /// These options with long passes' sums gathered in chunks of `rows` rows (0: all-reduced;

@@ -30,25 +30,38 @@ EPI_KERNELS(bits16, bf16, bf16_to_f32, f32_to_bf16)
 EPI_KERNELS(bits16, f16, f16_to_f32, f32_to_f16)
 EPI_KERNELS(float, f32, f32_to_f32, f32_to_f32)
 
-// y = parts[0] + parts[1] + ... over `count` partial products of one matmul stored one after another
-// (a row-parallel projection's ranks, gathered; partials.rs), summed in f32 in part order starting from
-// the first part (so -0 + -0 stays -0) and rounded once, so every rank that sums the same parts gets
-// the same bits. count >= 1 (checked on the host). Eight elements a thread, read and
-// written 16 bytes at a time where the pointers are 16-byte aligned and n is a multiple of 8.
+// y = base + parts[0] + parts[1] + ... over `count` partial products of one matmul stored one after
+// another (a row-parallel projection's ranks, gathered; partials.rs) and an optional base (the
+// residual; null for none), summed in f32 in that order starting from the first term (so -0 + -0
+// stays -0) and rounded once, so every rank that sums the same terms gets the same bits. count >= 1
+// (checked on the host). Eight elements a thread, read and written 16 bytes at a time where the
+// pointers are 16-byte aligned and n is a multiple of 8.
 #define SUM_PARTS_16(sfx, load, store)                                                                  \
-extern "C" __global__ void sum_parts_##sfx(const bits16* parts, long count, bits16* y, long n) {         \
+extern "C" __global__ void sum_parts_##sfx(const bits16* base, const bits16* parts, long count, bits16* y, \
+                                           long n) {                                                    \
     const long i = ((long)blockIdx.x * blockDim.x + threadIdx.x) * 8;                                  \
     if (i >= n) return;                                                                                 \
     float acc[8];                                                                                       \
-    if ((n & 7) == 0 && ((((unsigned long)parts) | ((unsigned long)y)) & 15) == 0) {                    \
-        for (long r = 0; r < count; ++r) {                                                              \
-            const uint4 v = *(const uint4*)(parts + r * n + i);                                         \
+    const bool seeded = base != 0;                                                                      \
+    if ((n & 7) == 0 && ((((unsigned long)parts) | ((unsigned long)y) | ((unsigned long)base)) & 15) == 0) { \
+        if (seeded) {                                                                                   \
+            const uint4 v = *(const uint4*)(base + i);                                                  \
             const unsigned w[4] = {v.x, v.y, v.z, v.w};                                                 \
             _Pragma("unroll")                                                                           \
             for (int k = 0; k < 4; ++k) {                                                               \
+                acc[2 * k] = load((bits16)(w[k] & 0xffffu));                                            \
+                acc[2 * k + 1] = load((bits16)(w[k] >> 16));                                            \
+            }                                                                                           \
+        }                                                                                               \
+        for (long r = 0; r < count; ++r) {                                                              \
+            const uint4 v = *(const uint4*)(parts + r * n + i);                                         \
+            const unsigned w[4] = {v.x, v.y, v.z, v.w};                                                 \
+            const bool first = r == 0 && !seeded;                                                       \
+            _Pragma("unroll")                                                                           \
+            for (int k = 0; k < 4; ++k) {                                                               \
                 const float lo = load((bits16)(w[k] & 0xffffu)), hi = load((bits16)(w[k] >> 16));       \
-                acc[2 * k] = r == 0 ? lo : acc[2 * k] + lo;                                             \
-                acc[2 * k + 1] = r == 0 ? hi : acc[2 * k + 1] + hi;                                     \
+                acc[2 * k] = first ? lo : acc[2 * k] + lo;                                              \
+                acc[2 * k + 1] = first ? hi : acc[2 * k + 1] + hi;                                      \
             }                                                                                           \
         }                                                                                               \
         unsigned o[4];                                                                                  \
@@ -57,7 +70,7 @@ extern "C" __global__ void sum_parts_##sfx(const bits16* parts, long count, bits
         *(uint4*)(y + i) = make_uint4(o[0], o[1], o[2], o[3]);                                          \
     } else {                                                                                            \
         for (int k = 0; k < 8 && i + k < n; ++k) {                                                      \
-            acc[k] = load(parts[i + k]);                                                                \
+            acc[k] = seeded ? load(base[i + k]) + load(parts[i + k]) : load(parts[i + k]);              \
             for (long r = 1; r < count; ++r) acc[k] += load(parts[r * n + i + k]);                      \
             y[i + k] = store(acc[k]);                                                                   \
         }                                                                                               \
@@ -65,10 +78,10 @@ extern "C" __global__ void sum_parts_##sfx(const bits16* parts, long count, bits
 }
 SUM_PARTS_16(bf16, bf16_to_f32, f32_to_bf16)
 SUM_PARTS_16(f16, f16_to_f32, f32_to_f16)
-extern "C" __global__ void sum_parts_f32(const float* parts, long count, float* y, long n) {
+extern "C" __global__ void sum_parts_f32(const float* base, const float* parts, long count, float* y, long n) {
     const long i = ((long)blockIdx.x * blockDim.x + threadIdx.x) * 8;
     for (int k = 0; k < 8 && i + k < n; ++k) {
-        float acc = parts[i + k];
+        float acc = base != 0 ? base[i + k] + parts[i + k] : parts[i + k];
         for (long r = 1; r < count; ++r) acc += parts[r * n + i + k];
         y[i + k] = acc;
     }
