@@ -33,6 +33,10 @@
 //! [`Llama::capture_paged_decode`], [`Llama::decode_paged`]) the same modules run with RoPE's K/V
 //! append and attention going through cudnn-ops' paged cache, each sequence at its own length: what
 //! continuous batching ([`crate::batching`]) drives.
+//!
+//! A tensor-parallel rank with a copy-engine gather window runs a long single-sequence pass as two
+//! halves of its rows interleaved module by module (`model/halves.rs`), so that each half's sums
+//! over the ranks travel while the other half computes.
 
 use crate::backends::{Backends, ModuleKind, Site};
 use crate::config::LlamaConfig;
