@@ -276,8 +276,15 @@ fn assert_rows_agree(what: &str, got: &[f32], want: &[f32], vocab: usize) {
 /// differ; a chunk summed before its gather landed, a slot written again before its sum read it, or
 /// rows attending to the wrong K/V rows give rows far off). Also with o_proj naive (cuBLAS writing
 /// the slots). Then the decode steps after such a prefill (all-reduced) against the all-reduced
-/// team's. `chunks` gives the chunks each rank gathers over the two prefills of a gathering team.
-fn gathered_vs_all_reduced(cfg: &LlamaConfig, prompt: &[Vec<u32>], small: usize, chunks: [u64; 2]) {
+/// team's. `chunks` and `halved` give the chunks each rank gathers and the passes it runs halved
+/// over the two prefills of each gathering team.
+fn gathered_vs_all_reduced(
+    cfg: &LlamaConfig,
+    prompt: &[Vec<u32>],
+    small: usize,
+    chunks: [u64; 2],
+    halved: [u64; 2],
+) {
     let (batch, len) = (prompt.len(), prompt[0].len());
     let selections = ["fused=all", "fused=all;naive=o_proj"];
     let fused = Backends::all(Backend::Fused);
@@ -308,10 +315,11 @@ fn gathered_vs_all_reduced(cfg: &LlamaConfig, prompt: &[Vec<u32>], small: usize,
                 cfg.vocab,
             );
         }
-        let gathered = tp.each("gathered", |r| Ok(r.model.chunks_gathered())).unwrap();
-        println!("gather rows {rows}: chunks gathered per rank {gathered:?}");
-        let want = if i == 0 { 0 } else { chunks[i - 1] };
-        assert_eq!(gathered, vec![want; 2], "gather rows {rows}");
+        let counts =
+            tp.each("gathered", |r| Ok([r.model.chunks_gathered(), r.model.passes_halved()])).unwrap();
+        println!("gather rows {rows}: chunks gathered and passes halved per rank {counts:?}");
+        let want = if i == 0 { [0, 0] } else { [chunks[i - 1], halved[i - 1]] };
+        assert_eq!(counts, vec![want; 2], "gather rows {rows}: [chunks, halved passes]");
         // Decode steps after a gathered prefill (plain, then replayed).
         let feed: Vec<Vec<u32>> = (0..4).map(|s| vec![(100 + 31 * s) as u32; batch]).collect();
         let decoded = run(&mut tp, prompt, &feed, 2, &fused);
@@ -329,7 +337,7 @@ fn copy_engine_gathered_sums_give_every_prefill_row_of_all_reduces() {
     // chunks of 520 rows (two a projection) or of 208 (five, so the two window slots are reused).
     // Two layers, two projections, two prefills: 16 and 40 chunks.
     let cfg = LlamaConfig::llama_3_1_8b().with_layers(2);
-    gathered_vs_all_reduced(&cfg, &tokens(2, 520, cfg.vocab, 5), 208, [16, 40]);
+    gathered_vs_all_reduced(&cfg, &tokens(2, 520, cfg.vocab, 5), 208, [16, 40], [0, 0]);
 }
 
 #[test]
@@ -341,7 +349,7 @@ fn halved_prefill_gives_every_row_of_the_all_reduced_prefill() {
     // 16 over two prefills. With 512-row slots the halves do not fit, and the pass gathers in
     // chunks (three of at most 512 rows a projection: 24).
     let cfg = LlamaConfig::llama_3_1_8b().with_layers(2);
-    gathered_vs_all_reduced(&cfg, &tokens(1, 1041, cfg.vocab, 11), 512, [16, 24]);
+    gathered_vs_all_reduced(&cfg, &tokens(1, 1041, cfg.vocab, 11), 512, [16, 24], [2, 0]);
 }
 
 #[test]

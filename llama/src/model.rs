@@ -219,6 +219,8 @@ pub struct Llama<T: Element> {
     /// The second half's buffers of a halved pass (`model/halves.rs`; the first half runs in
     /// `acts`).
     half: Option<Activations<T>>,
+    /// Passes run halved so far.
+    halved: u64,
     /// A tensor-parallel rank's communicator: layers all-reduce their residual sums and `lm_head`
     /// (the rank's rows of the vocabulary) all-gathers its logits.
     comm: Option<Comm>,
@@ -285,6 +287,12 @@ impl<T: Element> Llama<T> {
         self.gather.as_ref().map_or(0, |g| g.borrow().chunks_gathered())
     }
 
+    /// Passes run as two interleaved halves so far (a tensor-parallel rank's long single-sequence
+    /// passes; see [`crate::tp::TpOptions::gather_rows`]).
+    pub fn passes_halved(&self) -> u64 {
+        self.halved
+    }
+
     /// A tensor-parallel rank's communicator (`None` on a model of one GPU).
     pub fn comm(&self) -> Option<&Comm> {
         self.comm.as_ref()
@@ -322,6 +330,7 @@ impl<T: Element> Llama<T> {
             padded_decode: ctx.features().sdpa_seq_lens(),
             gather,
             half: None,
+            halved: 0,
             comm,
             decode_fusion: DecodeFusion::default(),
             chain: None,

@@ -15,9 +15,10 @@
 //! cache A's K and V rows were appended to earlier in stream order (attention bottom-right
 //! aligned). Each half's `o_proj` and `down` write the rank's part of the half's own slot of the
 //! gather window whole, the copy engines gather it ([`RankSum::half`]), and the half sums it just
-//! before its next module reads x. So no gather waits on the stream but the last two, where the
+//! before its next module reads x. So the stream waits for no gather but half B's last, where the
 //! chunked form of `modules/reduce.rs` has one gather exposed per projection. Half A runs in the
-//! model's activations, half B in buffers of its own; B's output rows are copied after A's.
+//! model's activations, half B in buffers of its own (kept, as the activations are: for 8B shapes
+//! on two ranks about 70 MB a rank at 1024 rows); B's output rows are copied after A's.
 
 use super::{Activations, KvCache, Llama, Observer};
 use crate::backends::Backends;
@@ -32,7 +33,7 @@ impl<T: Element> Llama<T> {
     /// gather window, one sequence, and halves [`RankSum::halves_at`] takes.
     pub(super) fn halves_at(&self, ctx: &Cudnn, tokens: Tokens) -> Result<Option<usize>> {
         let (Some(comm), Some(gather)) = (&self.comm, &self.gather) else { return Ok(None) };
-        if tokens.batch != 1 {
+        if tokens.batch != 1 || !RankSum::<T>::may_halve(tokens.seq) {
             return Ok(None);
         }
         Ok(RankSum::new(ctx, comm, Some(gather), self.cfg.hidden)?.halves_at(tokens.seq))
@@ -103,6 +104,7 @@ impl<T: Element> Llama<T> {
             .memcpy_dtod(&b.out.slice(..n), &mut a.out.slice_mut(at * hidden..at * hidden + n))
             .map_err(err)?;
         self.padded_decode = p.positions.padded;
+        self.halved += 1;
         cache.len += tokens.seq;
         Ok(p.positions.baked)
     }

@@ -41,12 +41,14 @@ pub(crate) struct Attention<T> {
     pub(crate) head_dim: usize,
     pub(crate) layer: usize,
     /// `o_proj`'s epilogue adds the residual `x`; false on the tensor-parallel ranks but the first,
-    /// whose partial sums the all-reduce adds to the first rank's `x + o_proj(o)`.
+    /// whose partial sums the all-reduce adds to the first rank's `x + o_proj(o)`. (A gathered pass
+    /// adds `x` in the sum over the ranks instead, on every rank: [`RankSum::project`].)
     pub(crate) adds_residual: bool,
 }
 
 impl<T: Element> Attention<T> {
-    /// `sum = x + attn(h)` (`attn(h)` alone without [`Attention::adds_residual`]), appending the
+    /// `sum = x + attn(h)` (`attn(h)` alone without [`Attention::adds_residual`]; on a
+    /// tensor-parallel rank the rank's part, [`RankSum::project`]), appending the
     /// pass's K and V to `cache`; with `fold_rope` (a fused one-token step on device positions,
     /// `Block::folds`) RoPE and the append run in `qkv_proj`'s GEMV and the RoPE range stays empty.
     #[allow(clippy::too_many_arguments)]
@@ -117,7 +119,8 @@ impl<T: Element> Attention<T> {
     }
 
     /// `sum = x + o_proj(o)` (`o_proj(o)` alone without [`Attention::adds_residual`]); on a
-    /// tensor-parallel rank through `ranks` ([`RankSum::project`]).
+    /// tensor-parallel rank through `ranks` ([`RankSum::project`]: gathered, the rank's part goes to
+    /// a window slot, and `sum` is written when the sum over the ranks completes).
     pub(super) fn project_o(
         &self,
         p: &mut Pass<'_, T>,

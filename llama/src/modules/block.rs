@@ -29,7 +29,8 @@ pub(crate) struct Scratch<T> {
 
 /// A pre-norm decoder layer: `x += attn(attn_norm(x)); x += mlp(mlp_norm(x))`. On a tensor-parallel
 /// rank each `+=` is the rank's partial sum (the residual on the first rank only) followed by an
-/// all-reduce.
+/// all-reduce, or, in a gathered pass, the ranks' partial sums gathered and added to the residual
+/// by every rank ([`RankSum`]).
 pub(crate) struct Block<T> {
     attn_norm: RmsNorm<T>,
     attn: Attention<T>,
@@ -42,7 +43,8 @@ impl<T: Element> Block<T> {
     /// Uploads layer `layer`'s weights; Q, K and V projections become one `[(h_q + 2·h_kv)·d, hidden]`
     /// weight. `cfg` gives the shapes of `w` (a tensor-parallel rank's: its heads, its MLP rows);
     /// `adds_residual`: the two projections whose output is summed into `x` add `x` in their
-    /// epilogue (every rank but the first of a tensor-parallel model leaves it out); `reduced`: those
+    /// epilogue where they are all-reduced or alone (every rank but the first of a tensor-parallel
+    /// model leaves it out; a gathered pass adds it in the sum on every rank); `reduced`: those
     /// two outputs are all-reduced (a tensor-parallel rank), so their GEMVs do not let the next
     /// kernel start early ([`Linear::before_collective`]).
     pub(crate) fn new(

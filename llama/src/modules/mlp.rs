@@ -29,7 +29,8 @@ impl<T: Element> Mlp<T> {
     /// `sum = x + mlp(h)` (`mlp(h)` alone without [`Mlp::adds_residual`]): three GEMMs, the SwiGLU
     /// and the residual add in their epilogues; with `gate_up` (a fused one-token step), gate and up
     /// in one GEMV. `h` may be x with the prenorm folded into the gate and up projections. `down`
-    /// runs through `ranks` on a tensor-parallel rank ([`RankSum::project`]).
+    /// runs through `ranks` on a tensor-parallel rank ([`RankSum::project`]: gathered, `sum` is
+    /// written, `x` added, when the sum over the ranks completes).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn forward(
         &self,

@@ -25,8 +25,8 @@
 //! ([`chunk_rows`]), a chunk's gather beside the next chunk's GEMM; the last chunk's gather is
 //! waited for. Halves: one sequence whose halves each hold [`MIN_GATHER_ROWS`] rows and fit a slot
 //! runs as two halves interleaved module by module ([`RankSum::half`], `model/halves.rs`), each
-//! projection whole into its half's slot, its gather beside the other half's modules; only the last
-//! two are waited for. Either way, every rank chooses alike (by shape, never by backend: a rank's
+//! projection whole into its half's slot, its gather beside the other half's modules; only the
+//! second half's last gather is waited for. Either way, every rank chooses alike (by shape, never by backend: a rank's
 //! backend may differ where one fell back), and only outside a CUDA graph capture (decode steps and
 //! short passes keep the all-reduce: NCCL's one-row all-reduces are faster than a copy's fixed
 //! cost). On two H200s (Llama-3.1-8B, TP2, prefill 1 x 2048, 1024-row slots): halves 27.68 ms,
@@ -153,9 +153,15 @@ impl<'a, T: Element> RankSum<'a, T> {
     /// ([`RankSum::new`]: a window, no capture) and each half holds [`MIN_GATHER_ROWS`] rows or
     /// more and fits a slot. It depends on the shape alone, so every rank splits alike.
     pub(crate) fn halves_at(&self, rows: usize) -> Option<usize> {
+        Self::may_halve(rows).then_some(())?;
         let slot_rows = self.gather?.borrow().slot_rows;
         let first = rows.div_ceil(2);
-        (rows / 2 >= MIN_GATHER_ROWS && first <= slot_rows).then_some(first)
+        (first <= slot_rows).then_some(first)
+    }
+
+    /// Whether a pass of `rows` rows is long enough for halves of [`MIN_GATHER_ROWS`] rows each.
+    pub(crate) fn may_halve(rows: usize) -> bool {
+        rows / 2 >= MIN_GATHER_ROWS
     }
 
     /// The sums of half `half` (0 or 1) of a halved pass ([`RankSum::halves_at`]): every
@@ -181,7 +187,9 @@ impl<'a, T: Element> RankSum<'a, T> {
     /// rank must make the same choice (their collectives differ), so it depends on the pass's shape
     /// only, not on the backend: a naive projection gathers too. A fused chunk refused
     /// (`NotSupported`) after a gather was enqueued runs naive on its own; before, the refusal is
-    /// returned, for the caller's fallback.
+    /// returned, for the caller's fallback. A half of a halved pass ([`RankSum::half`]) gathers
+    /// the projection whole into its own slot, and its previous projection's sum must have been
+    /// completed ([`RankSum::finish`]) before.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn project(
         reduce: Option<&Self>,

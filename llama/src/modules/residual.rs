@@ -78,7 +78,8 @@ impl<T> Residual<T> {
         }
     }
 
-    /// `x += f(x)`: `add(x, sum)` writes `x + f(x)` into `sum`, which becomes `x` when it succeeds.
+    /// `x += f(x)`: `add(x, sum)` writes `x + f(x)` into `sum`, which becomes `x` when it succeeds
+    /// (a tensor-parallel rank may complete `sum` later: [`Residual::last_add`]).
     pub(crate) fn add<E>(
         &mut self,
         add: impl FnOnce(&CudaSlice<T>, &mut CudaSlice<T>) -> Result<(), E>,

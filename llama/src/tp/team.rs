@@ -45,15 +45,17 @@ pub struct TpOptions {
     /// all-reduces run NCCL's symmetric kernels (default: on; NCCL 2.28.9 or later only, and
     /// `CUDNN_LLM_NCCL_WINDOWS=0` turns it off; see [`crate::nccl`]).
     pub windows: bool,
-    /// Rows a copy-engine gather slot holds (default 0: off). With it, a rank sums long passes'
-    /// row-parallel projections by gathering every rank's partial rows with the copy engines while
-    /// it computes other rows, instead of all-reducing them: one sequence of up to twice this many
-    /// rows runs as two interleaved halves, longer passes and batches in chunks of at most this
-    /// many rows (`modules/reduce.rs`; NCCL 2.28.9 or later, two ranks or more;
-    /// `CUDNN_LLM_NCCL_WINDOWS=0` turns it off with the windows). Each rank's gather window takes
-    /// `2 · ranks · gather_rows · hidden` elements. [`TpOptions::GATHER_ROWS`] measured best. Off
-    /// by default: with the second communicator made, the same runs' decode steps came out 0-4%
-    /// slower (cause not found).
+    /// Rows a copy-engine gather slot holds (default 0: off). With it, a rank sums the row-parallel
+    /// projections of passes of 512 rows or more by gathering every rank's partial rows with the
+    /// copy engines while it computes other rows, instead of all-reducing them: one sequence of
+    /// 1024 rows or more and at most twice this many runs as two interleaved halves (so never with
+    /// fewer than 512 rows a slot), other passes and batches in chunks of at most this many rows
+    /// (`modules/reduce.rs`; NCCL 2.28.9 or later, two ranks or more; `CUDNN_LLM_NCCL_WINDOWS=0`
+    /// turns it off with the windows). Each rank's gather window takes
+    /// `2 · ranks · gather_rows · hidden` elements, and a halved pass keeps a second set of
+    /// activations for its second half. [`TpOptions::GATHER_ROWS`] measured best. Off by default:
+    /// with the second communicator made, the same runs' decode steps came out 0-4% slower (cause
+    /// not found).
     pub gather_rows: usize,
 }
 

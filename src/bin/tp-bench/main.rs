@@ -121,8 +121,9 @@ struct Options {
     /// 0: it blocks at once). Default: the library's.
     #[arg(long)]
     rank_spin_us: Option<u64>,
-    /// Rows of each copy-engine gather chunk of a long pass's sums (`TpOptions::gather_rows`; 0:
-    /// all-reduced). Default: the library's.
+    /// Rows of each copy-engine gather slot for a long pass's sums, gathered in two interleaved
+    /// halves of the prompt or in chunks (`TpOptions::gather_rows`; 0: all-reduced). Default: the
+    /// library's.
     #[arg(long)]
     gather_rows: Option<usize>,
     /// Time all-reduces only (decode and prefill sizes, and 8 KB to 64 MB), no model.
@@ -637,8 +638,9 @@ fn measure(
         }
     }
     row.prefill_ms = median(prefill);
-    let chunks = tp.each("gathered", |r| Ok(r.model.chunks_gathered()))?;
-    println!("# row chunks gathered by the copy engines per rank: {chunks:?}");
+    let chunks = tp.each("gathered", |r| Ok([r.model.chunks_gathered(), r.model.passes_halved()]))?;
+    let (gathered, halved): (Vec<u64>, Vec<u64>) = chunks.iter().map(|[c, h]| (c, h)).unzip();
+    println!("# row chunks gathered by the copy engines per rank: {gathered:?}, passes halved: {halved:?}");
     row.prefill_tokens_per_s = (batch * prompt) as f64 / (row.prefill_ms * 1e-3);
     println!(
         "prefill {batch} x {prompt}: {:.3} ms ({:.0} tokens/s)",
