@@ -778,8 +778,8 @@ impl<T: Element> Llama<T> {
         obs: &mut dyn Observer,
     ) -> Result<bool> {
         let tokens = Tokens { batch, seq, start: cache.len };
-        if let Some(at) = self.halves_at(ctx, tokens)? {
-            return self.run_halves(ctx, tokens, at, cache, backends, obs);
+        if let Some(baked) = self.run_halves(ctx, tokens, cache, backends, obs)? {
+            return Ok(baked);
         }
         let dispatch = Dispatch::new(&mut self.fallbacks, backends, obs);
         let mut p = Pass::new(ctx, dispatch, tokens, &self.rope, self.padded_decode);

@@ -29,27 +29,25 @@ use crate::Result;
 use cudnn_llm_ops::{Cudnn, Element};
 
 impl<T: Element> Llama<T> {
-    /// The first half's rows when a pass of `tokens` runs halved: a tensor-parallel rank with a
-    /// gather window, one sequence, and halves [`RankSum::halves_at`] takes.
-    pub(super) fn halves_at(&self, ctx: &Cudnn, tokens: Tokens) -> Result<Option<usize>> {
-        let (Some(comm), Some(gather)) = (&self.comm, &self.gather) else { return Ok(None) };
-        if tokens.batch != 1 || !RankSum::<T>::may_halve(tokens.seq) {
-            return Ok(None);
-        }
-        Ok(RankSum::new(ctx, comm, Some(gather), self.cfg.hidden)?.halves_at(tokens.seq))
-    }
-
-    /// [`Llama::run`] of a halved pass, the first half `at` rows.
+    /// [`Llama::run`] of a pass of `tokens` halved, where it runs halved (`None` where not): a
+    /// tensor-parallel rank with a gather window, one sequence, and halves
+    /// [`RankSum::halves_at`] takes.
     pub(super) fn run_halves(
         &mut self,
         ctx: &Cudnn,
         tokens: Tokens,
-        at: usize,
         cache: &mut KvCache<T>,
         backends: &Backends,
         obs: &mut dyn Observer,
-    ) -> Result<bool> {
+    ) -> Result<Option<bool>> {
+        let (Some(comm), Some(gather)) = (&self.comm, &self.gather) else { return Ok(None) };
+        if tokens.batch != 1 || !RankSum::<T>::may_halve(tokens.seq) {
+            return Ok(None);
+        }
         let hidden = self.cfg.hidden;
+        let whole = RankSum::new(ctx, comm, Some(gather), hidden)?;
+        let Some(at) = whole.halves_at(tokens.seq) else { return Ok(None) };
+        let ranks = [whole.half(0), whole.half(1)];
         let halves = [
             Tokens { seq: at, ..tokens },
             Tokens { seq: tokens.seq - at, start: tokens.start + at, ..tokens },
@@ -63,10 +61,6 @@ impl<T: Element> Llama<T> {
         ctx.stream()
             .memcpy_dtod(&a.ids.slice(at..tokens.seq), &mut b.ids.slice_mut(..halves[1].seq))
             .map_err(err)?;
-        let (comm, gather) =
-            (self.comm.as_ref().expect("halves_at"), self.gather.as_ref().expect("halves_at"));
-        let ranks =
-            [RankSum::half(ctx, comm, gather, hidden, 0)?, RankSum::half(ctx, comm, gather, hidden, 1)?];
         let dispatch = Dispatch::new(&mut self.fallbacks, backends, obs);
         let mut p = Pass::new(ctx, dispatch, halves[0], &self.rope, self.padded_decode);
         let mut bufs =
@@ -106,6 +100,6 @@ impl<T: Element> Llama<T> {
         self.padded_decode = p.positions.padded;
         self.halved += 1;
         cache.len += tokens.seq;
-        Ok(p.positions.baked)
+        Ok(Some(p.positions.baked))
     }
 }

@@ -164,18 +164,14 @@ impl<'a, T: Element> RankSum<'a, T> {
         rows / 2 >= MIN_GATHER_ROWS
     }
 
-    /// The sums of half `half` (0 or 1) of a halved pass ([`RankSum::halves_at`]): every
+    /// The sums of half `half` (0 or 1) of this pass, run halved ([`RankSum::halves_at`]): every
     /// projection gathers its rows whole into slot `half`, and [`RankSum::finish`], called before
     /// the half's next projection, sums them.
-    pub(crate) fn half(
-        ctx: &Cudnn,
-        comm: &'a Comm,
-        gather: &'a RefCell<Gather<T>>,
-        width: usize,
-        half: usize,
-    ) -> Result<Self> {
+    pub(crate) fn half(&self, half: usize) -> Self {
         debug_assert!(half < GATHER_SLOTS);
-        Ok(RankSum { lane: Some(half), ..Self::new(ctx, comm, Some(gather), width)? })
+        let (pending, gathered, failed) = (RefCell::default(), Cell::new(false), Cell::new(None));
+        let (comm, gather, width) = (self.comm, self.gather, self.width);
+        RankSum { comm, gather, lane: Some(half), width, pending, gathered, failed }
     }
 
     /// Runs the projection `project(backend, rows, residual, out)`, which writes rows `rows` of its
