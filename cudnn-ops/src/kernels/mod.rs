@@ -299,8 +299,6 @@ pub(crate) fn launch_programmatic(
     }
 }
 
-/// Launches an elementwise kernel over `n` elements: `args`, then `n`. A grid too large for one launch
-/// (the kernels have no grid-stride loop) is an error, not a launch that silently covers fewer elements.
 /// The kernel-name suffix of a float element type (`bf16`, `f16`, `f32`); another type is an
 /// [`Error::NotSupported`] of `op` saying it takes bf16, f16 or f32 `what`.
 pub(crate) fn float_suffix(op: &str, what: &str, dtype: crate::DataType) -> Result<&'static str> {
@@ -315,6 +313,8 @@ pub(crate) fn float_suffix(op: &str, what: &str, dtype: crate::DataType) -> Resu
     }
 }
 
+/// Launches an elementwise kernel over `n` elements: `args`, then `n`. A grid too large for one launch
+/// (the kernels have no grid-stride loop) is an error, not a launch that silently covers fewer elements.
 pub(crate) fn elementwise(ctx: &Exec, kernels: &Kernels, name: &str, n: usize, args: &[Arg]) -> Result<()> {
     let per_block = (BLOCK * ITEMS) as usize;
     let what = format!("{name}: blocks for {n} elements");

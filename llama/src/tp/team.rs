@@ -85,8 +85,8 @@ impl TpOptions {
     /// 512 rows: 29.99; of 256: 34.43).
     pub const GATHER_ROWS: usize = 1024;
 
-    /// These options with long passes' sums gathered in chunks of `rows` rows (0: all-reduced;
-    /// [`TpOptions::gather_rows`]).
+    /// These options with long passes' sums gathered by the copy engines through slots of `rows`
+    /// rows (0: all-reduced; [`TpOptions::gather_rows`]).
     pub fn with_gather_rows(self, rows: usize) -> Self {
         TpOptions { gather_rows: rows, ..self }
     }
