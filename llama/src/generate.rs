@@ -63,7 +63,7 @@ pub enum DecodeMode {
 pub enum SamplingPath {
     /// On the device, inside the captured step, pipelined: the host enqueues [`PIPELINE_STEPS`]
     /// steps, then reads their ids back at once (see the module docs). Opt-in; its GPU tests
-    /// (`tests/argmax.rs`, `device_greedy_equals_host_greedy_*` in `tests/generate.rs`) pass on H100
+    /// (`app/tests/argmax.rs`, `device_greedy_equals_host_greedy_*` in `app/tests/generate.rs`) pass on H100
     /// and H200, and on an H200 it took an 8B step from 4.76 to 4.16 ms in `generate`.
     Device,
     /// On the host: each step's logits are copied back and the host takes their argmax (the step

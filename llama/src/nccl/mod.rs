@@ -73,7 +73,7 @@
 //! o_proj and down), and a pass keeps x in the window only where those projections run that GEMV.
 //! Without the rule the plain decode steps came out wrong (rel. L2 2e-2 against one GPU on 8B
 //! shapes, while replayed graphs were right), as NCCL 2.28.3 had given wrong steps before
-//! (NVIDIA/nccl#1924 reports graphs). `tests/tp.rs` compares windows against plain buffers bit for
+//! (NVIDIA/nccl#1924 reports graphs). `app/tests/tp.rs` compares windows against plain buffers bit for
 //! bit. Older libraries make no window; [`WINDOWS_ENV`]`=0` or `TpOptions::with_windows(false)` turn
 //! them off.
 
@@ -86,7 +86,7 @@
 //! no kernel), so it can run beside a GEMM without taking its SMs. A tensor-parallel rank uses it
 //! for long prefills: a row-parallel projection's partial rows are gathered from every rank while
 //! the rank computes other rows (the other half of the pass, or the next chunk), then summed by the
-//! rank with the residual ([`cudnn_llm_ops::sum_partials`]); see `TpOptions::gather_rows`. The probe `benches/tp_ce_allgather_probe.py` measured the copy
+//! rank with the residual ([`cudnn_llm_ops::sum_partials`]); see `TpOptions::gather_rows`. The probe `app/benches/tp_ce_allgather_probe.py` measured the copy
 //! alone: 23.5 us for a 1024 x 4096 bf16 chunk to the other H200 (357 GB/s).
 
 mod raw;

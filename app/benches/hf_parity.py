@@ -1,0 +1,154 @@
+#!/usr/bin/env python3
+"""Parity of this crate's Llama with transformers on checkpoints transformers itself writes.
+
+For each shape (Llama-3.2-1B with 2 layers, Llama-3.1-8B with 2 layers; `--shapes` adds
+llama-3.1-8b-32layers) it:
+1. builds a random-init `LlamaForCausalLM` (seeded) and writes it with `save_pretrained` (safetensors,
+   bf16; transformers 5 writes the RoPE settings under `rope_parameters`),
+2. runs transformers' forward on that directory in fp32 (the reference) and in bf16 (the yardstick:
+   how far transformers' own bf16 run is from its fp32 run) over 2 sequences of 24 prompt tokens plus
+   4 decode tokens each (one causal forward over all 28 positions),
+3. runs this crate on the same directory (`examples/hf-logits.rs`: a 2 x 24 prefill, then 4 decode
+   steps through the KV cache, all naive and all fused),
+4. compares logits by relative L2 error and top-1 agreement against the fp32 reference, for the
+   prefill rows, the decode rows and all rows.
+
+It fails (exit 1) when the crate's error on any backend exceeds 1.5x transformers' bf16-vs-fp32 error
+on the same rows. Writes `hf_parity.csv` and `hf_parity.md` to `--out`.
+
+    python3 app/benches/hf_parity.py --runner "bash .gpu/run example hf-logits" --out benches/results/h200
+    python3 app/benches/hf_parity.py   # runner: cargo run --release --example hf-logits --
+"""
+import argparse
+import csv
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import torch
+import transformers
+from transformers import LlamaForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from random_checkpoint import build  # noqa: E402
+
+BOUND = 1.5
+BATCH, PROMPT, DECODE = 2, 24, 4
+
+# Checkpoint name -> (shape in random_checkpoint.SHAPES, layers).
+CHECKPOINTS = {"llama-3.2-1b-2layers": ("llama-3.2-1b", 2), "llama-3.1-8b-2layers": ("llama-3.1-8b", 2),
+               # Not in the default run (16 GB written, 32 GB of fp32 weights on the GPU): all 32 layers.
+               "llama-3.1-8b-32layers": ("llama-3.1-8b", 32)}
+DEFAULT = ["llama-3.2-1b-2layers", "llama-3.1-8b-2layers"]
+
+
+def hf_logits(path, dtype, ids):
+    model = LlamaForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+    with torch.inference_mode():
+        out = model(torch.tensor(ids, device="cuda")).logits.float().cpu().numpy()
+    del model
+    torch.cuda.empty_cache()
+    return out  # [batch, positions, vocab]
+
+
+def rel_l2(a, b):
+    return float(np.linalg.norm((a - b).ravel().astype(np.float64)) / np.linalg.norm(b.ravel().astype(np.float64)))
+
+
+def top1(a, b):
+    return float(np.mean(a.argmax(-1) == b.argmax(-1)))
+
+
+def ours(runner, path, prompt, decode, out, vocab):
+    tokens = os.path.join(out, "tokens.json")
+    with open(tokens, "w") as f:
+        json.dump({"prefill": prompt, "decode": decode}, f)
+    cmd = shlex.split(runner) + [path, tokens, out]
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    res = {}
+    for backend in ("naive", "fused"):
+        rows = np.fromfile(os.path.join(out, f"logits-{backend}.f32"), dtype="<f4").reshape(-1, vocab)
+        pre = rows[: BATCH * PROMPT].reshape(BATCH, PROMPT, vocab)
+        dec = rows[BATCH * PROMPT:].reshape(DECODE, BATCH, vocab).transpose(1, 0, 2)
+        res[backend] = np.concatenate([pre, dec], axis=1)  # [batch, positions, vocab]
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runner", default="cargo run --release --example hf-logits --")
+    ap.add_argument("--out", default="benches/results")
+    ap.add_argument("--shapes", default=",".join(DEFAULT), help="comma-separated: " + ", ".join(CHECKPOINTS))
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    rows, failed = [], []
+    rng = np.random.default_rng(a.seed)
+    for name in a.shapes.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, name)
+            shape, layers = CHECKPOINTS[name]
+            build(shape, path, a.seed, layers)
+            with open(os.path.join(path, "config.json")) as f:
+                keys = sorted(json.load(f))
+            print(f"{name}: config.json keys {keys}", flush=True)
+            ids = rng.integers(0, 128256, size=(BATCH, PROMPT + DECODE)).tolist()
+            ref = hf_logits(path, torch.float32, ids)
+            bf = hf_logits(path, torch.bfloat16, ids)
+            prompt = [r[:PROMPT] for r in ids]
+            decode = [[ids[b][PROMPT + t] for b in range(BATCH)] for t in range(DECODE)]
+            mine = ours(a.runner, path, prompt, decode, tmp, ref.shape[-1])
+            parts = {"prefill": slice(0, PROMPT), "decode": slice(PROMPT, PROMPT + DECODE),
+                     "all": slice(0, PROMPT + DECODE)}
+            for part, sl in parts.items():
+                yard = rel_l2(bf[:, sl], ref[:, sl])
+                row = {"model": name, "rows": part, "transformers_bf16_rel_l2": yard,
+                       "transformers_bf16_top1": top1(bf[:, sl], ref[:, sl])}
+                for backend, got in mine.items():
+                    err = rel_l2(got[:, sl], ref[:, sl])
+                    row[f"{backend}_rel_l2"] = err
+                    row[f"{backend}_top1"] = top1(got[:, sl], ref[:, sl])
+                    row[f"{backend}_vs_yardstick"] = err / yard
+                    if err > BOUND * yard:
+                        failed.append(f"{name} {part} {backend}: rel L2 {err:.3e} > {BOUND} x {yard:.3e}")
+                rows.append(row)
+                print(row, flush=True)
+    with open(os.path.join(a.out, "hf_parity.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    gpu = torch.cuda.get_device_name()
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True).stdout.strip()
+    except OSError:
+        driver = "unknown"
+    gpu += f", driver {driver}, torch's cuDNN {torch.backends.cudnn.version()}"
+    with open(os.path.join(a.out, "hf_parity.md"), "w") as f:
+        f.write(f"# Logits parity with transformers {transformers.__version__} (torch {torch.__version__})\n\n")
+        f.write(f"GPU: {gpu}. Random-init checkpoints written by `save_pretrained` (bf16 safetensors, "
+                f"`rope_parameters` with llama3 scaling), {BATCH} sequences x {PROMPT} prompt tokens "
+                f"then {DECODE} decode steps. Reference: transformers fp32 on the same checkpoint. "
+                f"Yardstick: transformers bf16 vs fp32; bound {BOUND}x the yardstick. "
+                f"`app/benches/hf_parity.py`.\n\n")
+        f.write("| model | rows | transformers bf16 rel L2 | top-1 | naive rel L2 | top-1 | x yardstick "
+                "| fused rel L2 | top-1 | x yardstick |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+        for r in rows:
+            f.write(f"| {r['model']} | {r['rows']} | {r['transformers_bf16_rel_l2']:.3e} | "
+                    f"{r['transformers_bf16_top1']:.1%} | {r['naive_rel_l2']:.3e} | {r['naive_top1']:.1%} | "
+                    f"{r['naive_vs_yardstick']:.2f} | {r['fused_rel_l2']:.3e} | {r['fused_top1']:.1%} | "
+                    f"{r['fused_vs_yardstick']:.2f} |\n")
+        f.write(f"\n{'FAILED: ' + '; '.join(failed) if failed else 'All within the bound.'}\n")
+    if failed:
+        print("FAILED:", *failed, sep="\n  ")
+        sys.exit(1)
+    print("parity: all within", BOUND, "x transformers' bf16 error")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,719 @@
+//! `cargo run --release --bin serve-bench -- [options]`: a serving benchmark of
+//! continuous batching ([`BatchEngine`]) over a paged KV cache, on a model preset with seeded random
+//! weights (Llama-3.1-8B shapes by default, `--layers` to cut it) and a seeded synthetic request stream:
+//! Poisson arrivals at `--rate` requests/s, prompt and output lengths uniform in `--prompt-len` and
+//! `--output-len` (prompt lengths in steps of `--prompt-step`, so that the prefill shapes, each its own
+//! plans, are few and warmed up before timing). Requests are admitted first come, first served while
+//! fewer than `--max-batch` sequences are live and the pool has pages for the whole request (prompt and
+//! output), each prefilled alone; all live sequences decode together, one token each per step (a
+//! captured CUDA graph per batch-size bucket in `--mode graph`), and a sequence leaves when it has its
+//! output, giving its pages to the next.
+//!
+//! Reports the decode throughput (generated tokens/s over the run), time to first token (arrival to
+//! the first new id on the host, queueing and prefill included), inter-token latency (between a
+//! sequence's consecutive ids) and end-to-end latency percentiles (p50, p90, p99), the mean batch, and
+//! the attention form (paged, or the contiguous fallback and why): to stdout as markdown, and with
+//! `--out DIR` as `serve.md`, `serve-summary.csv` and `serve-requests.csv` (one row per request).
+//!
+//! Each engine call of the timed run is timed too ([`steps`]): its GPU time (CUDA events around it on
+//! the context's stream, read after the run; `--no-step-timing` leaves them out), its wall time
+//! (launch to ids back) and the host time after it until the next call. The summary gains the decode
+//! steps' GPU, wall and host-after percentiles, the prefills' GPU and wall percentiles, the mean
+//! prefills between consecutive decode steps and the decode-graph captures during the timed run (a
+//! capture there is a stall: a graph gone stale, [`BatchEngine::graph_counts`]); `--out` adds
+//! `serve-steps.csv` (one row per call: kind, rows, bucket, gpu_ms, wall_ms, host_ms).
+//!
+//! Exit codes: 0 done; 2 bad options; 1 no usable GPU, or a failure while serving.
+
+use clap::Parser;
+use cudnn_llm_app::bench_util::{csv_and_markdown, environment, tool_main};
+use cudnn_llm_llama::generate::DecodeMode;
+use cudnn_llm_llama::sampling::SamplingParams;
+use cudnn_llm_llama::weights::Weights;
+use cudnn_llm_llama::{Backends, BatchConfig, BatchEngine, GraphCounts, Llama, LlamaConfig};
+use cudnn_llm_ops::{default_plan_dir, Cudnn, DataType, Element, PageOrder, PLAN_DIR_ENV};
+use half::{bf16, f16};
+use serde::Serialize;
+use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+mod steps;
+mod workload;
+
+use steps::{CallDetail, Dist, StepKind, StepLog, StepRow, StepSummary};
+use workload::{prefill_groups, requests, Request, Span};
+
+type Error = Box<dyn std::error::Error>;
+
+/// What to serve and how.
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "serve-bench",
+    about = "Continuous batching over a paged KV cache on a synthetic request stream"
+)]
+struct Options {
+    /// Model preset, with seeded random weights: llama-3.2-1b, llama-3.1-8b or tiny.
+    #[arg(long, default_value = "llama-3.1-8b")]
+    preset: String,
+    /// Decoder layers (default: the preset's).
+    #[arg(long)]
+    layers: Option<usize>,
+    /// I/O dtype: bf16 or f16.
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    /// Requests in the stream.
+    #[arg(long, default_value_t = 200)]
+    requests: usize,
+    /// Arrivals per second (a Poisson process); `inf`: every request at the start.
+    #[arg(long, default_value_t = 8.0)]
+    rate: f64,
+    /// Prompt lengths, MIN:MAX (uniform).
+    #[arg(long, default_value = "128:1024")]
+    prompt_len: Span,
+    /// Prompt lengths are multiples of this (rounded into the range): few prefill shapes to warm up.
+    #[arg(long, default_value_t = 64)]
+    prompt_step: usize,
+    /// Output lengths (new ids per request), MIN:MAX (uniform).
+    #[arg(long, default_value = "64:512")]
+    output_len: Span,
+    /// The most sequences decoding together.
+    #[arg(long, default_value_t = 64)]
+    max_batch: usize,
+    /// Positions per KV-cache page.
+    #[arg(long, default_value_t = 16)]
+    page_size: usize,
+    /// Pages of each layer's K and V pools (default: --max-batch requests of the longest prompt and
+    /// output).
+    #[arg(long)]
+    pages: Option<usize>,
+    /// Storage order inside a page: head-major or token-major.
+    #[arg(long, default_value = "head-major")]
+    order: String,
+    /// Decode steps: `graph` (a captured CUDA graph per batch-size bucket) or `launch`.
+    #[arg(long, default_value = "graph")]
+    mode: String,
+    /// Prefill batching: the requests admitted in one step are prefilled together, packed in
+    /// forwards of up to this many prompt tokens (a longer prompt alone); 0: one prompt per forward.
+    #[arg(long, default_value_t = 8192)]
+    prefill_tokens: usize,
+    /// Sampling temperature (0: greedy); each request draws from its own stream seeded by --seed.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Seed of the weights, the request stream and the sampling.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Leave out the CUDA events around each decode step and prefill (their GPU times); wall and host
+    /// times are still taken.
+    #[arg(long)]
+    no_step_timing: bool,
+    /// Directory for serve.md, serve-summary.csv, serve-requests.csv and serve-steps.csv.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+/// The options, checked.
+#[derive(Debug, Clone)]
+struct Plan {
+    config: LlamaConfig,
+    dtype: DataType,
+    batch: BatchConfig,
+    mode: DecodeMode,
+    requests: Vec<Request>,
+    /// The distinct prompt lengths of the stream (warmed up before timing).
+    prompt_lengths: Vec<usize>,
+}
+
+impl Options {
+    /// Checks every option (no GPU) and draws the request stream.
+    fn resolve(&self) -> Result<Plan, String> {
+        let mut config = LlamaConfig::preset(&self.preset).map_err(|e| format!("--preset: {e}"))?;
+        if let Some(l) = self.layers {
+            if l == 0 {
+                return Err("--layers must be at least 1".into());
+            }
+            config = config.with_layers(l);
+        }
+        config.check().map_err(|e| format!("--layers: {e}"))?;
+        let dtype = match self.dtype.as_str() {
+            "bf16" => DataType::BF16,
+            "f16" => DataType::F16,
+            other => return Err(format!("--dtype {other}: give bf16 or f16")),
+        };
+        let order = match self.order.as_str() {
+            "head-major" => PageOrder::HeadMajor,
+            "token-major" => PageOrder::TokenMajor,
+            other => return Err(format!("--order {other}: give head-major or token-major")),
+        };
+        let mode = match self.mode.as_str() {
+            "graph" => DecodeMode::Graph,
+            "launch" => DecodeMode::Launch,
+            other => return Err(format!("--mode {other}: give graph or launch")),
+        };
+        if self.requests == 0 {
+            return Err("--requests must be at least 1".into());
+        }
+        if self.rate.is_nan() || self.rate <= 0.0 {
+            return Err(format!("--rate {}: give a rate > 0 (inf: all at once)", self.rate));
+        }
+        if self.prompt_step == 0 {
+            return Err("--prompt-step must be at least 1".into());
+        }
+        if self.page_size == 0 || self.max_batch == 0 {
+            return Err("--page-size and --max-batch must be at least 1".into());
+        }
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Err(format!("--temperature {}: give a finite value >= 0", self.temperature));
+        }
+        // Prompt lengths in steps: the multiples of the step inside the range.
+        let step = self.prompt_step;
+        let p = self.prompt_len;
+        let (lo, hi) = (p.min.next_multiple_of(step), p.max / step * step);
+        if lo > hi {
+            return Err(format!(
+                "--prompt-len {}:{} holds no multiple of --prompt-step {step}",
+                p.min, p.max
+            ));
+        }
+        let steps = Span { min: lo / step, max: hi / step };
+        let max_seq = hi + self.output_len.max;
+        let per_seq = max_seq.div_ceil(self.page_size);
+        let pages = self.pages.unwrap_or(self.max_batch.saturating_mul(per_seq));
+        if pages < per_seq {
+            return Err(format!(
+                "--pages {pages}: the longest request ({hi} prompt + {} output ids) needs {per_seq} pages of {}",
+                self.output_len.max, self.page_size
+            ));
+        }
+        // Activations for the largest forward of the run (the longest prompt, a packed prefill of up to
+        // --prefill-tokens, a decode step of --max-batch): a larger one would reallocate them inside the
+        // timed run and make every captured decode graph stale.
+        let reserve = hi.max(self.max_batch).max(self.prefill_tokens);
+        let batch = BatchConfig::new(self.max_batch, max_seq, self.page_size)
+            .with_pages(pages)
+            .with_order(order)
+            .with_reserve_rows(reserve);
+        batch.check().map_err(|e| e.to_string())?;
+        let mut reqs = requests(self.requests, self.rate, steps, self.output_len, config.vocab, self.seed);
+        for r in &mut reqs {
+            // `steps` drew the number of steps: the prompt is that many steps long.
+            let n = r.prompt.len() * step;
+            r.prompt = r.prompt.iter().cycle().take(n).copied().collect();
+        }
+        let mut prompt_lengths: Vec<usize> = reqs.iter().map(|r| r.prompt.len()).collect();
+        prompt_lengths.sort_unstable();
+        prompt_lengths.dedup();
+        Ok(Plan { config, dtype, batch, mode, requests: reqs, prompt_lengths })
+    }
+}
+
+fn main() -> ExitCode {
+    let opts = Options::parse();
+    tool_main(
+        "serve-bench",
+        || opts.resolve(),
+        |ctx, plan| {
+            // Warm plans across runs, as the other tools: the plan directory from the environment or the
+            // default.
+            if std::env::var_os(PLAN_DIR_ENV).is_none() {
+                ctx.set_plan_dir(default_plan_dir().as_deref());
+            }
+            match plan.dtype {
+                DataType::F16 => run::<f16>(ctx, &opts, &plan),
+                _ => run::<bf16>(ctx, &opts, &plan),
+            }
+        },
+    )
+}
+
+/// One request's timings.
+#[derive(Debug, Clone, Serialize)]
+struct RequestRow {
+    request: usize,
+    arrival_s: f64,
+    prompt_tokens: usize,
+    output_tokens: usize,
+    /// Arrival to admission (waiting for a slot or pages).
+    queue_ms: f64,
+    /// Arrival to the first new id on the host.
+    ttft_ms: f64,
+    /// Mean gap between its consecutive ids (empty for one id).
+    mean_itl_ms: Option<f64>,
+    /// Arrival to its last id.
+    e2e_ms: f64,
+}
+
+/// One line of the summary.
+#[derive(Debug, Clone, Serialize)]
+struct SummaryRow {
+    metric: String,
+    value: String,
+    p50: String,
+    p90: String,
+    p99: String,
+}
+
+/// A live request.
+struct State {
+    request: usize,
+    produced: usize,
+    pages: usize,
+    last_at: f64,
+    itl: Vec<f64>,
+    queue: f64,
+    ttft: f64,
+}
+
+fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error> {
+    let cfg = &plan.config;
+    let b = &plan.batch;
+    let capacity = b.max_seq.div_ceil(b.page_size) * b.page_size;
+    eprintln!("serve-bench: {} random weights ({} layers, seed {}) ...", cfg.name, cfg.layers, opts.seed);
+    let weights = Weights::<T>::random(cfg, opts.seed);
+    let model = Llama::new(ctx, cfg, &weights, capacity)?;
+    drop(weights);
+    let engine = BatchEngine::new(ctx, model, Backends::parse("fused=all")?, b.clone())?;
+    // SAFETY: this binary runs one thread on the context's stream.
+    let mut engine = unsafe { engine.with_mode(plan.mode) };
+    let params = |r: usize| {
+        if opts.temperature == 0.0 {
+            SamplingParams::greedy()
+        } else {
+            SamplingParams::new(opts.temperature, opts.seed.wrapping_add(r as u64))
+        }
+    };
+    warm_up(ctx, &mut engine, plan, opts.prefill_tokens)?;
+    let captures_before = engine.graph_counts();
+    let mut log = StepLog::new(ctx, !opts.no_step_timing);
+
+    let reqs = &plan.requests;
+    let n = reqs.len();
+    let start = Instant::now();
+    let now = || start.elapsed().as_secs_f64();
+    let (mut arrived, mut waiting) = (0, VecDeque::new());
+    let mut live: HashMap<_, State> = HashMap::new();
+    let mut rows: Vec<Option<RequestRow>> = vec![None; n];
+    let (mut reserved, mut steps, mut batch_sum, mut generated) = (0usize, 0usize, 0usize, 0usize);
+    let mut prefills = 0usize;
+    let mut itl_all = Vec::new();
+    let finish = |s: State, t: f64, rows: &mut Vec<Option<RequestRow>>| {
+        let r = &reqs[s.request];
+        rows[s.request] = Some(RequestRow {
+            request: s.request,
+            arrival_s: r.arrival,
+            prompt_tokens: r.prompt.len(),
+            output_tokens: s.produced,
+            queue_ms: s.queue * 1e3,
+            ttft_ms: s.ttft * 1e3,
+            mean_itl_ms: (!s.itl.is_empty()).then(|| s.itl.iter().sum::<f64>() / s.itl.len() as f64 * 1e3),
+            e2e_ms: (t - r.arrival) * 1e3,
+        });
+    };
+    loop {
+        let t = now();
+        while arrived < n && reqs[arrived].arrival <= t {
+            waiting.push_back(arrived);
+            arrived += 1;
+        }
+        // Admission, first come first served: a free row and pages for the whole request.
+        let mut admitted = Vec::new();
+        while let Some(&r) = waiting.front() {
+            let need = engine.pages_for(reqs[r].prompt.len() + reqs[r].output);
+            if engine.live() + admitted.len() >= b.max_batch || reserved + need > b.num_pages {
+                break;
+            }
+            waiting.pop_front();
+            reserved += need;
+            admitted.push((r, need));
+        }
+        // Prefill batching: the admitted prompts packed into forwards of up to --prefill-tokens.
+        let lens: Vec<usize> = admitted.iter().map(|&(r, _)| reqs[r].prompt.len()).collect();
+        for group in prefill_groups(&lens, opts.prefill_tokens) {
+            let at = now();
+            let group = &admitted[group];
+            let asked: Vec<(&[u32], SamplingParams)> =
+                group.iter().map(|&(r, _)| (&reqs[r].prompt[..], params(r))).collect();
+            log.begin()?;
+            let added = engine.add_many(ctx, &asked)?;
+            let tokens = asked.iter().map(|(p, _)| p.len()).sum();
+            log.end(StepKind::Prefill, asked.len(), tokens, CallDetail::default())?;
+            let t = now();
+            prefills += 1;
+            for (&(r, need), (id, _first)) in group.iter().zip(added) {
+                generated += 1;
+                let s = State {
+                    request: r,
+                    produced: 1,
+                    pages: need,
+                    last_at: t,
+                    itl: Vec::new(),
+                    queue: at - reqs[r].arrival,
+                    ttft: t - reqs[r].arrival,
+                };
+                if reqs[r].output == 1 {
+                    engine.remove(id)?;
+                    reserved -= need;
+                    finish(s, t, &mut rows);
+                } else {
+                    live.insert(id, s);
+                }
+            }
+        }
+        if engine.live() == 0 {
+            if arrived == n && waiting.is_empty() {
+                break;
+            }
+            if waiting.is_empty() {
+                let wait = reqs[arrived].arrival - now();
+                if wait > 0.0 {
+                    std::thread::sleep(Duration::from_secs_f64(wait));
+                    log.idle(wait);
+                }
+            }
+            continue;
+        }
+        let captures = engine.graph_counts().captures;
+        log.begin()?;
+        let out = engine.step(ctx)?;
+        let detail = CallDetail {
+            split: Some(engine.last_step_times()),
+            captured: engine.graph_counts().captures > captures,
+        };
+        log.end(StepKind::Decode, out.len(), b.bucket(out.len()).unwrap_or(out.len()), detail)?;
+        let t = now();
+        steps += 1;
+        batch_sum += out.len();
+        for (id, _token) in out {
+            let s = live.get_mut(&id).expect("every live sequence is tracked");
+            s.itl.push(t - s.last_at);
+            itl_all.push(t - s.last_at);
+            s.last_at = t;
+            s.produced += 1;
+            generated += 1;
+            if s.produced == reqs[s.request].output {
+                let s = live.remove(&id).expect("just seen");
+                engine.remove(id)?;
+                reserved -= s.pages;
+                finish(s, t, &mut rows);
+            }
+        }
+    }
+    let elapsed = now();
+    let rows: Vec<RequestRow> = rows.into_iter().flatten().collect();
+    let captures = (captures_before, engine.graph_counts());
+    let step_rows = log.finish()?;
+    let totals = Totals { elapsed, steps, batch_sum, generated, prefills, itl: itl_all, captures };
+    report(ctx, opts, plan, &engine, &rows, &step_rows, totals)
+}
+
+/// Runs every prompt length of the stream once (its prefill plans), with prefill batching
+/// (`prefill_tokens` > 0) one packed prefill of the longest prompts up to that many tokens (the
+/// largest forward of the run, so that the context's shared buffers grow here rather than under a
+/// captured graph), then decode steps at every batch-size bucket, largest first (their plans, and
+/// their captured graphs in graph mode), before anything is timed.
+fn warm_up<T: Element>(
+    ctx: &Cudnn,
+    engine: &mut BatchEngine<T>,
+    plan: &Plan,
+    prefill_tokens: usize,
+) -> Result<(), Error> {
+    let t = Instant::now();
+    for &len in &plan.prompt_lengths {
+        let (id, _) = engine.add(ctx, &vec![0; len], SamplingParams::greedy())?;
+        engine.remove(id)?;
+    }
+    let longest = *plan.prompt_lengths.last().expect("at least one request");
+    let each = engine.pages_for(longest);
+    let packed = (prefill_tokens / longest).min(plan.batch.max_batch).min(plan.batch.num_pages / each);
+    if packed > 1 {
+        let prompt = vec![0; longest];
+        let asked = vec![(&prompt[..], SamplingParams::greedy()); packed];
+        for (id, _) in engine.add_many(ctx, &asked)? {
+            engine.remove(id)?;
+        }
+    }
+    // Largest bucket first: the shared buffers grow to their largest before any smaller bucket's graph
+    // is captured, so no capture goes stale later.
+    let short = plan.prompt_lengths[0];
+    // As many sequences as the pool holds at their longest here (3 steps per bucket).
+    let each = engine.pages_for(short + 3 * plan.batch.buckets.len());
+    let most = plan.batch.max_batch.min(plan.batch.num_pages / each);
+    while engine.live() < most {
+        engine.add(ctx, &vec![0; short], SamplingParams::greedy())?;
+    }
+    for &bucket in plan.batch.buckets.iter().rev().filter(|&&b| b <= most) {
+        while engine.live() > bucket {
+            engine.remove(engine.sequences()[0])?;
+        }
+        // Plain (plans), capture, replay; a sequence that would run out of room stops the warm-up.
+        for _ in 0..3 {
+            if engine
+                .sequences()
+                .iter()
+                .any(|&id| engine.tokens(id).map_or(true, |t| t.len() >= engine.cache().capacity()))
+            {
+                break;
+            }
+            engine.step(ctx)?;
+        }
+    }
+    for id in engine.sequences() {
+        engine.remove(id)?;
+    }
+    let g = engine.graph_counts();
+    eprintln!(
+        "serve-bench: warmed up {} prompt lengths and {} batch buckets in {:.1} s ({} graph captures, {} of \
+         stale graphs, {} refused)",
+        plan.prompt_lengths.len(),
+        plan.batch.buckets.len(),
+        t.elapsed().as_secs_f64(),
+        g.captures,
+        g.stale,
+        g.refused
+    );
+    Ok(())
+}
+
+/// What the run counted.
+struct Totals {
+    elapsed: f64,
+    steps: usize,
+    batch_sum: usize,
+    generated: usize,
+    /// Prefill forwards (one per prompt without prefill batching).
+    prefills: usize,
+    itl: Vec<f64>,
+    /// The engine's graph counts before and after the timed run.
+    captures: (GraphCounts, GraphCounts),
+}
+
+fn report<T: Element>(
+    ctx: &Cudnn,
+    opts: &Options,
+    plan: &Plan,
+    engine: &BatchEngine<T>,
+    rows: &[RequestRow],
+    step_rows: &[StepRow],
+    t: Totals,
+) -> Result<(), Error> {
+    let ttft: Vec<f64> = rows.iter().map(|r| r.ttft_ms).collect();
+    let e2e: Vec<f64> = rows.iter().map(|r| r.e2e_ms).collect();
+    let itl: Vec<f64> = t.itl.iter().map(|s| s * 1e3).collect();
+    let prompt_tokens: usize = rows.iter().map(|r| r.prompt_tokens).sum();
+    let dist = |metric: &str, v: &[f64]| dist_row(metric, Dist::of(v));
+    let form = engine.decode_form().map_or("-", |f| f.name());
+    let summary = vec![
+        line("requests", rows.len().to_string()),
+        line("wall time (s)", format!("{:.2}", t.elapsed)),
+        line("throughput (generated tokens/s)", format!("{:.1}", t.generated as f64 / t.elapsed)),
+        line("prompt tokens/s", format!("{:.1}", prompt_tokens as f64 / t.elapsed)),
+        line("requests/s", format!("{:.2}", rows.len() as f64 / t.elapsed)),
+        line("prefill forwards", t.prefills.to_string()),
+        line("decode steps", t.steps.to_string()),
+        line("mean batch", format!("{:.1}", t.batch_sum as f64 / t.steps.max(1) as f64)),
+        dist("time to first token (ms)", &ttft),
+        dist("inter-token latency (ms)", &itl),
+        dist("end-to-end latency (ms)", &e2e),
+        line("decode attention", form.to_string()),
+        line("paged refusal", engine.paged_refusal().unwrap_or_else(|| "none".into())),
+        line("graph refusal", engine.graph_refusal().unwrap_or("none").to_string()),
+        line("fallbacks", engine.model().fallbacks().len().to_string()),
+    ];
+    let summary = [summary, step_lines(&StepSummary::of(step_rows), t.captures.0, t.captures.1)].concat();
+    let (summary_csv, summary_md) = csv_and_markdown(&summary)?;
+    let (requests_csv, _) = csv_and_markdown(rows)?;
+    let (steps_csv, _) = csv_and_markdown(step_rows)?;
+    let b = &plan.batch;
+    let settings = format!(
+        "{} ({} layers, {}), {} requests at {} /s (seed {}), prompts {}:{} (step {}), outputs {}:{}, \
+         max batch {}, buckets {:?}, pages {} of {} ({}), mode {:?}, temperature {}, prefill batching {}",
+        plan.config.name,
+        plan.config.layers,
+        plan.dtype,
+        opts.requests,
+        opts.rate,
+        opts.seed,
+        opts.prompt_len.min,
+        opts.prompt_len.max,
+        opts.prompt_step,
+        opts.output_len.min,
+        opts.output_len.max,
+        b.max_batch,
+        b.buckets,
+        b.num_pages,
+        b.page_size,
+        b.order.name(),
+        plan.mode,
+        opts.temperature,
+        match opts.prefill_tokens {
+            0 => "off (one prompt per forward)".to_string(),
+            n => format!("up to {n} tokens per forward"),
+        }
+    );
+    let md = format!("# serve-bench\n\n{}\n\n{settings}\n\n{summary_md}", environment(ctx.info()));
+    println!("{md}");
+    if let Some(dir) = &opts.out {
+        std::fs::create_dir_all(dir)?;
+        std::fs::write(dir.join("serve.md"), &md)?;
+        std::fs::write(dir.join("serve-summary.csv"), summary_csv)?;
+        std::fs::write(dir.join("serve-requests.csv"), requests_csv)?;
+        std::fs::write(dir.join("serve-steps.csv"), steps_csv)?;
+        eprintln!(
+            "serve-bench: wrote serve.md, serve-summary.csv, serve-requests.csv, serve-steps.csv to {}",
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
+/// A summary line of one value.
+fn line(metric: &str, value: String) -> SummaryRow {
+    SummaryRow { metric: metric.into(), value, p50: String::new(), p90: String::new(), p99: String::new() }
+}
+
+/// A summary line of a distribution: its mean, p50, p90 and p99 (`-` where empty).
+fn dist_row(metric: &str, d: Dist) -> SummaryRow {
+    let f = |x: Option<f64>| x.map_or("-".into(), |x| format!("{x:.2}"));
+    let [p50, p90, p99] = d.p.map(f);
+    SummaryRow { metric: metric.into(), value: f(d.mean), p50, p90, p99 }
+}
+
+/// The summary's lines of the per-step timings and of the graph captures between `before` and
+/// `after` the timed run.
+fn step_lines(s: &StepSummary, before: GraphCounts, after: GraphCounts) -> Vec<SummaryRow> {
+    let captures = after.captures - before.captures;
+    let (stale, refused) = (after.stale - before.stale, after.refused - before.refused);
+    vec![
+        dist_row("decode step GPU (ms)", s.decode_gpu),
+        dist_row("decode step wall (ms)", s.decode_wall),
+        dist_row("decode step: before the launch (ms)", s.decode_prepare),
+        dist_row("decode step: launch to ids back (ms)", s.decode_run),
+        dist_row("decode step: sampling after (ms)", s.decode_sample),
+        dist_row("host after decode step (ms)", s.decode_host),
+        dist_row("prefill GPU (ms)", s.prefill_gpu),
+        dist_row("prefill wall (ms)", s.prefill_wall),
+        line(
+            "prefills between decode steps (mean)",
+            s.prefills_between.map_or("-".into(), |x| format!("{x:.2}")),
+        ),
+        line(
+            "graph captures during the run",
+            format!("{captures} ({stale} of stale graphs, {refused} refused)"),
+        ),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Plan, String> {
+        let o = Options::try_parse_from([&["serve-bench"][..], args].concat()).map_err(|e| e.to_string())?;
+        o.resolve()
+    }
+
+    #[test]
+    fn defaults_serve_llama_3_1_8b_shapes() {
+        let p = parse(&["--layers", "2", "--requests", "20"]).unwrap();
+        assert_eq!((p.config.hidden, p.config.layers, p.config.heads, p.config.kv_heads), (4096, 2, 32, 8));
+        assert_eq!((p.batch.max_batch, p.batch.page_size, p.batch.max_seq), (64, 16, 1024 + 512));
+        assert_eq!(p.batch.num_pages, 64 * 96);
+        // Packed prefills of up to --prefill-tokens fit the activations reserved.
+        assert_eq!(p.batch.reserve_rows, 8192);
+        let q = parse(&["--layers", "2", "--requests", "20", "--prefill-tokens", "0"]).unwrap();
+        assert_eq!(q.batch.reserve_rows, 1024);
+        let q = parse(&["--layers", "2", "--prefill-tokens", "16", "--max-batch", "100"]).unwrap();
+        assert_eq!(q.batch.reserve_rows, 1024);
+        assert_eq!(p.batch.buckets, vec![1, 2, 4, 8, 16, 32, 64]);
+        assert_eq!((p.mode, p.dtype, p.requests.len()), (DecodeMode::Graph, DataType::BF16, 20));
+        for r in &p.requests {
+            assert!(r.prompt.len() % 64 == 0 && (128..=1024).contains(&r.prompt.len()), "{}", r.prompt.len());
+            assert!((64..=512).contains(&r.output));
+        }
+        assert!(p.prompt_lengths.windows(2).all(|w| w[0] < w[1]));
+    }
+
+    #[test]
+    fn step_timing_is_on_unless_asked_off() {
+        let o = |args: &[&str]| Options::try_parse_from([&["serve-bench"][..], args].concat()).unwrap();
+        assert!(!o(&[]).no_step_timing);
+        assert!(o(&["--no-step-timing"]).no_step_timing);
+        assert!(Options::try_parse_from(["serve-bench", "--no-step-timing=yes"]).is_err());
+    }
+
+    #[test]
+    fn step_lines_give_the_step_percentiles_and_the_captures_of_the_run() {
+        let row = |kind, gpu: Option<f64>, wall: f64, host: f64| StepRow {
+            kind,
+            rows: 4,
+            bucket: 4,
+            gpu_ms: gpu,
+            wall_ms: wall,
+            host_ms: host,
+            prepare_ms: (kind == StepKind::Decode).then_some(0.125),
+            run_ms: (kind == StepKind::Decode).then_some(wall - 0.25),
+            sample_ms: (kind == StepKind::Decode).then_some(0.125),
+            captured: false,
+        };
+        let (d, p) = (StepKind::Decode, StepKind::Prefill);
+        let steps = [
+            row(d, Some(7.0), 9.0, 0.25),
+            row(p, Some(30.0), 32.0, 0.5),
+            row(d, Some(9.0), 11.0, 0.75),
+            row(d, None, 13.0, 0.0),
+        ];
+        let mut before = GraphCounts::default();
+        before.captures = 7;
+        let mut after = before;
+        (after.captures, after.stale) = (9, 2);
+        let lines = step_lines(&StepSummary::of(&steps), before, after);
+        let cells = |m: &str| {
+            let r = lines.iter().find(|r| r.metric == m).unwrap_or_else(|| panic!("no line {m}"));
+            [r.value.clone(), r.p50.clone(), r.p90.clone(), r.p99.clone()]
+        };
+        assert_eq!(cells("decode step GPU (ms)"), ["8.00", "7.00", "9.00", "9.00"]);
+        assert_eq!(cells("decode step wall (ms)"), ["11.00", "11.00", "13.00", "13.00"]);
+        assert_eq!(cells("host after decode step (ms)")[1], "0.25");
+        assert_eq!(cells("decode step: launch to ids back (ms)")[1..], ["10.75", "12.75", "12.75"]);
+        assert_eq!(cells("decode step: before the launch (ms)")[0], "0.12");
+        assert_eq!(cells("decode step: sampling after (ms)")[3], "0.12");
+        assert_eq!(cells("prefill GPU (ms)"), ["30.00", "30.00", "30.00", "30.00"]);
+        assert_eq!(cells("prefill wall (ms)")[0], "32.00");
+        assert_eq!(cells("prefills between decode steps (mean)")[0], "0.50");
+        assert_eq!(cells("graph captures during the run")[0], "2 (2 of stale graphs, 0 refused)");
+        let (csv, _) = csv_and_markdown(&steps[..2]).unwrap();
+        assert_eq!(
+            csv,
+            "kind,rows,bucket,gpu_ms,wall_ms,host_ms,prepare_ms,run_ms,sample_ms,captured\n\
+             decode,4,4,7.0,9.0,0.25,0.125,8.75,0.125,false\n\
+             prefill,4,4,30.0,32.0,0.5,,,,false\n"
+        );
+        let none = step_lines(&StepSummary::of(&[]), before, before);
+        assert!(none.iter().take(9).all(|r| r.value == "-"), "{none:?}");
+    }
+
+    #[test]
+    fn bad_options_name_themselves() {
+        for (args, expected) in [
+            (&["--dtype", "f32"][..], "--dtype f32"),
+            (&["--order", "x"], "--order x"),
+            (&["--mode", "x"], "--mode x"),
+            (&["--rate", "0"], "--rate 0"),
+            (&["--requests", "0"], "--requests"),
+            (&["--layers", "0"], "--layers"),
+            (&["--prompt-len", "10:20", "--prompt-step", "64"], "holds no multiple"),
+            (&["--pages", "3"], "--pages 3"),
+            (&["--max-batch", "0"], "--max-batch"),
+            (&["--temperature=-1"], "--temperature"),
+            (&["--preset", "nope"], "--preset"),
+            (&["--prompt-len", "9:3"], "MIN <= MAX"),
+        ] {
+            let e = parse(args).err().unwrap_or_else(|| panic!("{args:?} passed"));
+            assert!(e.contains(expected), "{args:?}: {e}");
+        }
+        let p = parse(&["--preset", "tiny", "--rate", "inf", "--max-batch", "6", "--pages", "500"]).unwrap();
+        assert!(p.requests.iter().all(|r| r.arrival == 0.0));
+        assert_eq!((p.batch.buckets.clone(), p.batch.num_pages), (vec![1, 2, 4, 6], 500));
+    }
+}
