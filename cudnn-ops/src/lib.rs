@@ -39,6 +39,7 @@ mod cache;
 mod checked;
 mod context;
 mod descriptor;
+mod disk;
 mod dtype;
 mod error;
 mod exec;

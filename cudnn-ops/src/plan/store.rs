@@ -31,9 +31,9 @@
 //! key text is compared on load; a hash collision is a miss, not another key's plan.
 
 use super::engine::EngineChoice;
+use crate::disk::{self, write_atomic, Untrusted};
 use std::cell::{Cell, RefCell};
 use std::ffi::OsStr;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
@@ -56,6 +56,10 @@ const LOWERING_SOURCES: [&str; 14] = [
     include_str!("../ops/sdpa/fused.rs"),
     include_str!("../ops/matmul/backward/fused.rs"),
 ];
+
+/// The largest plan file read (a plan's JSON is tens of kilobytes; a larger file is not one of
+/// ours).
+const MAX_FILE_BYTES: u64 = 16 << 20;
 
 /// This build as stored plans know it: the crate version and [`LOWERING_SOURCES`]' FNV-1a hash.
 pub(crate) fn build_fingerprint() -> String {
@@ -363,57 +367,6 @@ pub(crate) fn file_name(key: &str) -> String {
     format!("{:016x}.plan", fnv1a64(key.as_bytes()))
 }
 
-/// Creates `dir` (and missing parents) readable and writable by this user only, on Unix.
-fn private_dir(dir: &Path) -> std::io::Result<()> {
-    let mut b = std::fs::DirBuilder::new();
-    b.recursive(true);
-    #[cfg(unix)]
-    std::os::unix::fs::DirBuilderExt::mode(&mut b, 0o700);
-    b.create(dir)
-}
-
-/// Creates (or truncates) `path` for writing, readable and writable by this user only, on Unix.
-fn private_file(path: &Path) -> std::io::Result<std::fs::File> {
-    let mut o = std::fs::OpenOptions::new();
-    o.write(true).create(true).truncate(true);
-    #[cfg(unix)]
-    std::os::unix::fs::OpenOptionsExt::mode(&mut o, 0o600);
-    o.open(path)
-}
-
-/// Whether other users may write `path` (group or world write permission, on Unix).
-fn writable_by_others(path: &Path) -> bool {
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::metadata(path).is_ok_and(|m| m.permissions().mode() & 0o022 != 0)
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = path;
-        false
-    }
-}
-
-/// Writes `bytes` to `dir/name` so that no reader ever sees a partial file: into a temporary file
-/// of the same directory (a name no other writer uses: the process id and a process-wide counter),
-/// then renamed over `name`, which replaces a file atomically on POSIX file systems. Two writers of
-/// one name both finish; the last rename wins, and either way the file is whole. There is no
-/// fsync: after a crash a file may be short or empty, which its length and checksum reject.
-pub(crate) fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    private_dir(dir)?;
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let tmp = dir.join(format!(".{name}.{}.{n}.tmp", std::process::id()));
-    let written = private_file(&tmp)
-        .and_then(|mut f| f.write_all(bytes))
-        .and_then(|()| std::fs::rename(&tmp, dir.join(name)));
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    written
-}
-
 /// What went wrong with a plan file (see [`PlanCache::disk_events`](crate::PlanCache::disk_events)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -429,8 +382,10 @@ pub enum DiskEventKind {
     Unloadable,
     /// The plan could not be written (the plan itself works; the next process builds it again).
     WriteFailed,
-    /// Writable by other users (group or world write permission): not loaded, since a plan file
-    /// decides which kernels run on this process's buffers; rebuilt and replaced by this user's.
+    /// Not a file this user alone wrote: a symbolic link, a pipe or device, another user's file, one
+    /// with group or world write permission, one over the size cap, or one in a directory other
+    /// users own or may write. Not loaded, since a plan file decides which kernels run on this
+    /// process's buffers; rebuilt (and replaced by this user's where the directory is this user's).
     Untrusted,
 }
 
@@ -562,18 +517,14 @@ impl Slot {
 
     fn read_file(&self) -> Read {
         let path = self.path();
-        if writable_by_others(&path) {
-            self.reject(
-                DiskEventKind::Untrusted,
-                "writable by other users (group or world write permission)".into(),
-            );
-            return Read::Rejected;
-        }
-        let bytes = match std::fs::read(&path) {
-            Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Read::Missing,
-            Err(e) => {
-                self.reject(DiskEventKind::Corrupt, format!("cannot be read: {e}"));
+        let read = disk::trusted_dir(&self.dir)
+            .map_err(|Untrusted(why)| Untrusted(format!("its {why}")))
+            .and_then(|_| disk::read_own(&path, MAX_FILE_BYTES));
+        let bytes = match read {
+            Ok(Some(b)) => b,
+            Ok(None) => return Read::Missing,
+            Err(Untrusted(why)) => {
+                self.reject(DiskEventKind::Untrusted, why);
                 return Read::Rejected;
             }
         };
@@ -837,6 +788,54 @@ pub(crate) mod tests {
             let why = only_event(&log, DiskEventKind::Corrupt);
             println!("{what}: {why}");
             slot.save(r.graph.clone(), r.engine.clone(), r.workspace, r.json.clone());
+            assert_eq!(store.slot(r.key.clone(), log).record().as_deref(), Some(&r), "{what}");
+        }
+    }
+
+    /// A named pipe, a link to `/dev/zero` or an oversized file where a plan file belongs is an
+    /// `Untrusted` event and a rebuild: never a hang, an unbounded read or a load.
+    #[cfg(unix)]
+    #[test]
+    fn a_pipe_a_link_or_an_oversized_file_is_untrusted_and_replaced() {
+        let dir = temp_dir("hostile");
+        let store = PlanStore::new(dir.path().to_path_buf(), env());
+        let r = record();
+        let path = dir.path().join(file_name(&r.key));
+        let plant: [(&str, &dyn Fn(&Path)); 3] = [
+            ("fifo", &|p| {
+                let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
+                // SAFETY: a valid NUL-terminated path.
+                assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+            }),
+            ("link to /dev/zero", &|p| std::os::unix::fs::symlink("/dev/zero", p).unwrap()),
+            ("oversized", &|p| {
+                let f = std::fs::File::create(p).unwrap();
+                f.set_len(MAX_FILE_BYTES + 1).unwrap();
+            }),
+        ];
+        for (what, plant) in plant {
+            let _ = std::fs::remove_file(&path);
+            plant(&path);
+            let (tx, rx) = std::sync::mpsc::channel();
+            let (store2, key) = (store.clone(), r.key.clone());
+            std::thread::spawn(move || {
+                let log = Rc::new(DiskLog::default());
+                let got = store2.slot(key, log.clone()).record().is_some();
+                tx.send((got, log.events())).unwrap();
+            });
+            let (loaded, events) = rx.recv_timeout(std::time::Duration::from_secs(10)).expect(what);
+            assert!(!loaded, "{what}");
+            assert_eq!(events.len(), 1, "{what}");
+            assert_eq!(events[0].kind, DiskEventKind::Untrusted, "{what}");
+            println!("{what}: {}", events[0].reason);
+            // The next save replaces it with this user's regular file.
+            let log = Rc::new(DiskLog::default());
+            store.slot(r.key.clone(), log.clone()).save(
+                r.graph.clone(),
+                r.engine.clone(),
+                r.workspace,
+                r.json.clone(),
+            );
             assert_eq!(store.slot(r.key.clone(), log).record().as_deref(), Some(&r), "{what}");
         }
     }

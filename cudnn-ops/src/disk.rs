@@ -1,0 +1,235 @@
+//! Files this user wrote, and only those: the one way this crate reads and writes its on-disk caches
+//! (the plan directory; any later cache follows the same rules).
+//!
+//! A cache file decides which GPU kernels run on a process's buffers, so it is read only when it is
+//! what this user's own process would have written:
+//!
+//! - the directory is owned by this user and writable by no one else (it is created `0700`);
+//! - the file is opened without following a symbolic link and without blocking (`O_NOFOLLOW |
+//!   O_NONBLOCK`: a named pipe or a device never stalls the process), then checked on the open
+//!   descriptor (`fstat`), so what is checked is what is read: a regular file, owned by this user,
+//!   with no group or world write permission, no larger than the caller's cap;
+//! - at most the cap is read, whatever the file grows to meanwhile.
+//!
+//! Anything else is an [`Untrusted`] answer with the reason in words; callers record it and rebuild,
+//! never hang, panic or load. Files are written to a temporary name and renamed into place
+//! ([`write_atomic`]), readable and writable by this user only.
+
+use std::io::{Read as _, Write as _};
+use std::path::Path;
+
+/// Why a file or directory is not trusted (or could not be read), in words.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Untrusted(pub(crate) String);
+
+/// The process's effective user id.
+#[cfg(unix)]
+fn this_user() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// `Some(why)` when `meta` (of a file or directory) is not this user's alone: another owner, or group
+/// or world write permission.
+#[cfg(unix)]
+fn not_private(meta: &std::fs::Metadata) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let me = this_user();
+    if meta.uid() != me {
+        return Some(format!("owned by user {}, not by this user ({me})", meta.uid()));
+    }
+    (meta.mode() & 0o022 != 0).then(|| {
+        format!("writable by other users (mode {:o}: group or world write permission)", meta.mode() & 0o777)
+    })
+}
+
+/// Whether `dir` may hold files this process trusts: an existing directory owned by this user and
+/// writable by no one else. `Ok(false)` when it does not exist.
+pub(crate) fn trusted_dir(dir: &Path) -> Result<bool, Untrusted> {
+    let meta = match std::fs::metadata(dir) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(Untrusted(format!("directory {} cannot be read: {e}", dir.display()))),
+    };
+    if !meta.is_dir() {
+        return Err(Untrusted(format!("{} is not a directory", dir.display())));
+    }
+    #[cfg(unix)]
+    if let Some(why) = not_private(&meta) {
+        return Err(Untrusted(format!("directory {} is {why}", dir.display())));
+    }
+    Ok(true)
+}
+
+/// The bytes of `path` if it is a file this user wrote (see the module docs), `Ok(None)` when there
+/// is no such file. `cap` bounds its size in bytes.
+pub(crate) fn read_own(path: &Path, cap: u64) -> Result<Option<Vec<u8>>, Untrusted> {
+    let mut o = std::fs::OpenOptions::new();
+    o.read(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::custom_flags(&mut o, libc::O_NOFOLLOW | libc::O_NONBLOCK);
+    let file = match o.open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        #[cfg(unix)]
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            return Err(Untrusted("a symbolic link (only regular files are read)".into()))
+        }
+        Err(e) => return Err(Untrusted(format!("cannot be opened: {e}"))),
+    };
+    let meta = file.metadata().map_err(|e| Untrusted(format!("cannot be examined: {e}")))?;
+    if !meta.is_file() {
+        return Err(Untrusted(format!("not a regular file ({:?})", meta.file_type())));
+    }
+    #[cfg(unix)]
+    if let Some(why) = not_private(&meta) {
+        return Err(Untrusted(why));
+    }
+    if meta.len() > cap {
+        return Err(Untrusted(format!("{} bytes, over the cap of {cap}", meta.len())));
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    file.take(cap + 1).read_to_end(&mut bytes).map_err(|e| Untrusted(format!("cannot be read: {e}")))?;
+    if bytes.len() as u64 > cap {
+        return Err(Untrusted(format!("grew past the cap of {cap} bytes while read")));
+    }
+    Ok(Some(bytes))
+}
+
+/// Creates `dir` (and missing parents) readable and writable by this user only, on Unix.
+fn private_dir(dir: &Path) -> std::io::Result<()> {
+    let mut b = std::fs::DirBuilder::new();
+    b.recursive(true);
+    #[cfg(unix)]
+    std::os::unix::fs::DirBuilderExt::mode(&mut b, 0o700);
+    b.create(dir)
+}
+
+/// Creates `path` for writing, readable and writable by this user only, on Unix; never through a
+/// symbolic link or onto an existing file.
+fn private_file(path: &Path) -> std::io::Result<std::fs::File> {
+    let mut o = std::fs::OpenOptions::new();
+    o.write(true).create_new(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut o, 0o600);
+    o.open(path)
+}
+
+/// Writes `bytes` to `dir/name` so that no reader ever sees a partial file: into a temporary file
+/// of the same directory (a name no other writer uses: the process id and a process-wide counter),
+/// then renamed over `name`, which replaces a file atomically on POSIX file systems. Two writers of
+/// one name both finish; the last rename wins, and either way the file is whole. There is no
+/// fsync: after a crash a file may be short or empty, which its reader's checks must reject. A
+/// directory this user does not own alone is not written to.
+pub(crate) fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    private_dir(dir)?;
+    trusted_dir(dir)
+        .map_err(|Untrusted(why)| std::io::Error::new(std::io::ErrorKind::PermissionDenied, why))?;
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = dir.join(format!(".{name}.{}.{n}.tmp", std::process::id()));
+    let written = private_file(&tmp)
+        .and_then(|mut f| f.write_all(bytes))
+        .and_then(|()| std::fs::rename(&tmp, dir.join(name)));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
+}
+
+#[cfg(all(test, unix))]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn dir() -> tempfile::TempDir {
+        tempfile::Builder::new().prefix("cudnn-llm-test-disk-").tempdir().unwrap()
+    }
+
+    fn refused(path: &Path) -> String {
+        match read_own(path, 1 << 20) {
+            Err(Untrusted(why)) => why,
+            other => panic!("{} was not refused: {other:?}", path.display()),
+        }
+    }
+
+    #[test]
+    fn a_file_this_user_wrote_reads_back_and_a_missing_one_is_none() {
+        let d = dir();
+        write_atomic(d.path(), "a", b"plan").unwrap();
+        assert_eq!(read_own(&d.path().join("a"), 4).unwrap().as_deref(), Some(&b"plan"[..]));
+        assert_eq!(read_own(&d.path().join("b"), 4).unwrap(), None);
+        let mode = std::fs::metadata(d.path().join("a")).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+    }
+
+    #[test]
+    fn a_named_pipe_is_refused_without_blocking() {
+        let d = dir();
+        let fifo = d.path().join("p");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        // Without O_NONBLOCK the open itself would wait for a writer forever.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || tx.send(read_own(&fifo, 1 << 20)).unwrap());
+        let got = rx.recv_timeout(std::time::Duration::from_secs(10)).expect("reading a FIFO blocked");
+        let why = got.unwrap_err().0;
+        assert!(why.contains("not a regular file"), "{why}");
+    }
+
+    #[test]
+    fn links_are_not_followed_even_to_this_users_own_file() {
+        let d = dir();
+        write_atomic(d.path(), "real", b"x").unwrap();
+        for (name, target) in [("own", d.path().join("real")), ("zero", "/dev/zero".into())] {
+            let link = d.path().join(name);
+            std::os::unix::fs::symlink(&target, &link).unwrap();
+            assert!(refused(&link).contains("symbolic link"), "{name}");
+        }
+    }
+
+    #[test]
+    fn a_file_others_may_write_or_over_the_cap_is_refused() {
+        let d = dir();
+        write_atomic(d.path(), "a", &[7; 100]).unwrap();
+        let path = d.path().join("a");
+        assert!(read_own(&path, 99).unwrap_err().0.contains("over the cap"));
+        for loose in [0o620, 0o602] {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(loose)).unwrap();
+            assert!(refused(&path).contains("writable by other users"), "{loose:o}");
+        }
+    }
+
+    #[test]
+    fn a_file_or_directory_of_another_user_is_refused() {
+        let d = dir();
+        write_atomic(d.path(), "a", b"x").unwrap();
+        let path = d.path().join("a");
+        let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        if unsafe { libc::chown(c.as_ptr(), 4242, 4242) } != 0 {
+            println!("SKIPPED: chown needs root ({})", std::io::Error::last_os_error());
+            return;
+        }
+        assert!(refused(&path).contains("owned by user 4242"));
+        let dc = std::ffi::CString::new(d.path().as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::chown(dc.as_ptr(), 4242, 4242) }, 0);
+        assert!(trusted_dir(d.path()).unwrap_err().0.contains("owned by user 4242"));
+        assert_eq!(
+            write_atomic(d.path(), "b", b"x").unwrap_err().kind(),
+            std::io::ErrorKind::PermissionDenied
+        );
+    }
+
+    #[test]
+    fn a_directory_others_may_write_is_refused_and_not_written() {
+        let d = dir();
+        std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(trusted_dir(d.path()).unwrap_err().0.contains("writable by other users"));
+        assert!(write_atomic(d.path(), "a", b"x").is_err());
+        assert!(!d.path().join("a").exists());
+        assert_eq!(trusted_dir(&d.path().join("none")), Ok(false));
+    }
+}
