@@ -19,6 +19,23 @@ pub fn gpu_or_skip(what: &str) -> Option<Cudnn> {
     }
 }
 
+/// For a test that needs `n` GPUs: whether this machine has them; if not, prints `SKIPPED what: ...`
+/// with the count it found (a multi-GPU test on a machine with fewer GPUs skips, as the guide asks,
+/// rather than failing on a device it cannot open).
+pub fn gpus_or_skip(n: usize, what: &str) -> bool {
+    match cudnn_llm_ops::device_count() {
+        Ok(have) if have >= n => true,
+        Ok(have) => {
+            eprintln!("SKIPPED {what}: needs {n} CUDA GPUs, this machine has {have}");
+            false
+        }
+        Err(e) => {
+            eprintln!("SKIPPED {what}: needs {n} CUDA GPUs, none usable here: {e}");
+            false
+        }
+    }
+}
+
 /// GPU 0 for a GPU test (one marked `#[ignore = "needs a CUDA GPU"]`): run on a machine without a
 /// usable GPU, the test fails here and says why (tests that must pass without one use [`gpu_or_skip`]).
 pub fn gpu() -> Cudnn {
@@ -303,9 +320,19 @@ pub fn csv_and_markdown<R: serde::Serialize>(
     Ok((csv, md))
 }
 
-/// Writes `name.csv` and `name.md` to `$BENCH_RESULTS_DIR` (default `benches/results`) and prints where.
+/// The workspace's `benches/results`: cargo runs a bench in its package's directory (`app/`) and says
+/// so in `CARGO_MANIFEST_DIR`; a staged bench runs from the workspace root.
+fn default_results_dir() -> String {
+    match std::env::var("CARGO_MANIFEST_DIR") {
+        Ok(app) => format!("{app}/../benches/results"),
+        Err(_) => "benches/results".into(),
+    }
+}
+
+/// Writes `name.csv` and `name.md` to `$BENCH_RESULTS_DIR` (default: the workspace's `benches/results`)
+/// and prints where.
 pub fn write_results(name: &str, csv: &str, md: &str) {
-    let dir = std::env::var("BENCH_RESULTS_DIR").unwrap_or_else(|_| "benches/results".into());
+    let dir = std::env::var("BENCH_RESULTS_DIR").unwrap_or_else(|_| default_results_dir());
     std::fs::create_dir_all(&dir).ok();
     for (ext, text) in [("csv", csv), ("md", md)] {
         let path = format!("{dir}/{name}.{ext}");
