@@ -52,6 +52,10 @@ mod plan;
 #[cfg(test)]
 mod proptests;
 mod raw;
+/// What `build.rs` found under `src/`: the kernel sources and the plan-lowering sources.
+mod sources {
+    include!(concat!(env!("OUT_DIR"), "/sources.rs"));
+}
 pub mod reference;
 mod tensor;
 

@@ -67,3 +67,14 @@ __device__ __forceinline__ void pdl_launch_dependents() {
     asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
 }
+
+// The scalar activations of the matmul epilogues, shared by the eager epilogue kernels
+// (ops/matmul/naive.cu) and the decode GEMV (ops/matmul/decode.cu).
+__device__ __forceinline__ float epi_silu(float x) { return x / (1.0f + expf(-x)); }
+__device__ __forceinline__ float epi_gelu(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
+__device__ __forceinline__ float epi_gelu_tanh(float x) {
+    const float beta = 0.79788456080286536f;  // sqrt(2 / pi)
+    const float kappa = 0.044715f;
+    return 0.5f * x * (1.0f + tanhf(beta * (x + kappa * x * x * x)));
+}
+__device__ __forceinline__ float epi_relu(float x) { return x <= 0.0f ? 0.0f : x; }  // NaN propagates

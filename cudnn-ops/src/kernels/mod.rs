@@ -15,25 +15,6 @@ use once_cell::unsync::OnceCell;
 use std::cell::RefCell;
 use std::collections::HashMap;
 
-/// One NVRTC program: the shared helpers and casts first, then each op room's kernels.
-const SOURCE: &str = concat!(
-    include_str!("common.cu"),
-    include_str!("../ops/rmsnorm/naive.cu"),
-    include_str!("../ops/sdpa/fused.cu"),
-    include_str!("../ops/sdpa/decode.cu"),
-    include_str!("../ops/sdpa/naive.cu"),
-    include_str!("../ops/matmul/naive.cu"),
-    include_str!("../ops/matmul/decode.cu"),
-    include_str!("../ops/matmul/backward/naive.cu"),
-    include_str!("../ops/rope/fused.cu"),
-    include_str!("../ops/rope/naive.cu"),
-    include_str!("../ops/rows/rows.cu"),
-    include_str!("../ops/loss/loss.cu"),
-    include_str!("../ops/optim/optim.cu"),
-    include_str!("../ops/rope/backward.cu"),
-    include_str!("../ops/rows/backward.cu"),
-    include_str!("../ops/argmax/argmax.cu"),
-);
 /// Threads per block of the elementwise kernels, and elements each thread handles.
 const BLOCK: u32 = 256;
 const ITEMS: u32 = 4;
@@ -185,7 +166,8 @@ fn ptx((major, minor): (i32, i32)) -> Result<cudarc::nvrtc::Ptx> {
         options: vec![format!("--gpu-architecture=compute_{major}{minor}")],
         ..Default::default()
     };
-    cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| Error::Nvrtc(format!("{e:?}")))
+    cudarc::nvrtc::compile_ptx_with_opts(crate::sources::KERNEL_SOURCE, opts)
+        .map_err(|e| Error::Nvrtc(format!("{e:?}")))
 }
 
 /// Scratch f32 memory of at least `len` elements (grown, never shrunk), as a device address. Like

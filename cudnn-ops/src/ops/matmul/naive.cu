@@ -2,15 +2,6 @@
 // reads and writes the output dtype and computes in f32, as eager's bf16/f16/f32 elementwise kernels do.
 // Broadcast indices use 32-bit division (callers keep n < 2^32).
 
-__device__ __forceinline__ float epi_silu(float x) { return x / (1.0f + expf(-x)); }
-__device__ __forceinline__ float epi_gelu(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
-__device__ __forceinline__ float epi_gelu_tanh(float x) {
-    const float beta = 0.79788456080286536f;  // sqrt(2 / pi)
-    const float kappa = 0.044715f;
-    return 0.5f * x * (1.0f + tanhf(beta * (x + kappa * x * x * x)));
-}
-__device__ __forceinline__ float epi_relu(float x) { return x <= 0.0f ? 0.0f : x; }  // NaN propagates
-
 // One set per output dtype: T the element type, load/store the f32 conversions from kernels/common.cu.
 #define EPI_KERNELS(T, sfx, load, store)                                                                \
 /* y + bias, bias broadcast over rows of length cols */                                                \
