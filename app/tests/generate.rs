@@ -280,6 +280,21 @@ fn binary_bad_options_and_bad_model_directories_exit_2() {
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("tokenizer.json"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
+    // Options that depend on the model are checked against its config before any weight is read
+    // (no weights written at all here) and before any GPU is touched: exit 2, the option named.
+    let (dir, _) = model_dir("fuse-range", &LlamaConfig::tiny(), 1);
+    for f in std::fs::read_dir(&dir).unwrap() {
+        let f = f.unwrap().path();
+        if f.extension().is_some_and(|e| e == "safetensors") {
+            std::fs::remove_file(f).unwrap();
+        }
+    }
+    for fuse in ["fused=gqa@0-18446744073709551615", "fused=all@2", "naive=rope@1-99999999999999999999"] {
+        let (code, err) = run(&["--model", dir.to_str().unwrap(), "--prompt", "hi", "--fuse", fuse]);
+        assert_eq!(code, Some(2), "{fuse}: {err}");
+        assert!(err.contains("--fuse") && !err.contains("panicked"), "{fuse}: {err}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
     // The tiny model's 4 query heads do not split over 3 ranks: refused before any GPU is touched.
     let (dir, _) = model_dir("tp-split", &LlamaConfig::tiny(), 1);
     let (code, err) = run(&["--model", dir.to_str().unwrap(), "--prompt", "hi", "--tp", "3"]);
@@ -577,6 +592,9 @@ fn printed_ids(stderr: &str) -> Vec<u32> {
 #[test]
 #[ignore = "needs 2 CUDA GPUs and NCCL"]
 fn generate_tp2_gives_the_greedy_ids_of_one_gpu() {
+    if !cudnn_llm_app::bench_util::gpus_or_skip(2, "generate_tp2_gives_the_greedy_ids_of_one_gpu") {
+        return;
+    }
     // Two ranks sum bf16 partial products that one GPU sums in one GEMM, so a near-tie may swap: an
     // id that differs from the one-GPU run must be a near-tie of the one-GPU teacher-forced logits,
     // and the sequences are compared up to there (they diverge after). All naive (the same kernels

@@ -5,8 +5,9 @@
 //! call with an error instead of a hang, communicators with CTA limits summing as the default ones,
 //! long passes' sums gathered by the copy engines as all-reduced; `speedup-report --tp 2` (per-rank rows with the all-reduce
 //! ranges, kernel totals against CUDA-event times, the scaling against one GPU). GPU tests are ignored by default; run them with
-//! `--include-ignored` on a machine with two GPUs (`four_ranks_...` needs four: the `nvidia-h100-x4`
-//! kind; skip it on two with `--skip four_ranks`).
+//! `--include-ignored` on a machine with two GPUs. A test that needs more GPUs than the machine has
+//! (`four_ranks_...` needs four) says so (`SKIPPED ...: needs 4 CUDA GPUs, this machine has 2`) and
+//! passes without running.
 
 use cudnn_llm::cudnn_ops::reference::{compare, Tolerance};
 use cudnn_llm::cudnn_ops::Backend;
@@ -175,6 +176,9 @@ fn one_vs_split(
 #[test]
 #[ignore = "needs 2 CUDA GPUs and NCCL"]
 fn two_ranks_match_one_gpu_on_the_tiny_config() {
+    if !cudnn_llm_app::bench_util::gpus_or_skip(2, "two_ranks_match_one_gpu_on_the_tiny_config") {
+        return;
+    }
     let cfg = LlamaConfig::tiny();
     // One GPU against the f64 reference first, so that agreement below means both are right.
     let (batch, len) = (2, 9);
@@ -208,6 +212,12 @@ fn two_ranks_match_one_gpu_on_the_tiny_config() {
 #[test]
 #[ignore = "needs 2 CUDA GPUs and NCCL"]
 fn two_ranks_match_one_gpu_on_the_1b_config_with_tied_embeddings() {
+    if !cudnn_llm_app::bench_util::gpus_or_skip(
+        2,
+        "two_ranks_match_one_gpu_on_the_1b_config_with_tied_embeddings",
+    ) {
+        return;
+    }
     // Tied: each rank's lm_head is its rows of the embedding.
     let cfg = LlamaConfig::llama_3_2_1b().with_layers(2);
     one_vs_split(&cfg, 2, (1, 40), 6, 2, &["fused=all"]);
@@ -216,6 +226,9 @@ fn two_ranks_match_one_gpu_on_the_1b_config_with_tied_embeddings() {
 #[test]
 #[ignore = "needs 2 CUDA GPUs and NCCL"]
 fn two_ranks_match_one_gpu_on_8b_shapes_with_2_layers() {
+    if !cudnn_llm_app::bench_util::gpus_or_skip(2, "two_ranks_match_one_gpu_on_8b_shapes_with_2_layers") {
+        return;
+    }
     let cfg = LlamaConfig::llama_3_1_8b().with_layers(2);
     one_vs_split(&cfg, 2, (1, 64), 6, 2, &["fused=all", ""]);
 }
@@ -223,6 +236,12 @@ fn two_ranks_match_one_gpu_on_8b_shapes_with_2_layers() {
 #[test]
 #[ignore = "needs 2 CUDA GPUs and NCCL"]
 fn symmetric_windows_give_the_logits_of_plain_buffers_bit_for_bit() {
+    if !cudnn_llm_app::bench_util::gpus_or_skip(
+        2,
+        "symmetric_windows_give_the_logits_of_plain_buffers_bit_for_bit",
+    ) {
+        return;
+    }
     // Two ranks with the decode residual in NCCL symmetric windows against the same ranks on plain
     // buffers: NCCL sums two ranks' rows alike either way, so every call must agree exactly. The
     // plain steps came out wrong (rel. L2 2e-2) while the GEMV before each all-reduce let NCCL's
@@ -333,6 +352,12 @@ fn gathered_vs_all_reduced(
 #[test]
 #[ignore = "needs 2 CUDA GPUs and NCCL"]
 fn copy_engine_gathered_sums_give_every_prefill_row_of_all_reduces() {
+    if !cudnn_llm_app::bench_util::gpus_or_skip(
+        2,
+        "copy_engine_gathered_sums_give_every_prefill_row_of_all_reduces",
+    ) {
+        return;
+    }
     // Two sequences of 520 rows: a batch does not run halved, so each projection's sums go in
     // chunks of 520 rows (two a projection) or of 208 (five, so the two window slots are reused).
     // Two layers, two projections, two prefills: 16 and 40 chunks.
@@ -343,6 +368,12 @@ fn copy_engine_gathered_sums_give_every_prefill_row_of_all_reduces() {
 #[test]
 #[ignore = "needs 2 CUDA GPUs and NCCL"]
 fn halved_prefill_gives_every_row_of_the_all_reduced_prefill() {
+    if !cudnn_llm_app::bench_util::gpus_or_skip(
+        2,
+        "halved_prefill_gives_every_row_of_the_all_reduced_prefill",
+    ) {
+        return;
+    }
     // One sequence of 1041 tokens with 1024-row slots runs halved (rows 0..521 and 521..1041
     // interleaved module by module, each half's sums gathered whole while the other computes, the
     // second half a chunked prefill over the first's K/V rows): one chunk per half and projection,
@@ -355,6 +386,12 @@ fn halved_prefill_gives_every_row_of_the_all_reduced_prefill() {
 #[test]
 #[ignore = "needs 4 CUDA GPUs and NCCL"]
 fn four_ranks_match_one_gpu_with_kv_heads_replicated_and_split() {
+    if !cudnn_llm_app::bench_util::gpus_or_skip(
+        4,
+        "four_ranks_match_one_gpu_with_kv_heads_replicated_and_split",
+    ) {
+        return;
+    }
     // tiny (4 query heads, 2 K/V heads): a query head per rank, each K/V head held by two ranks.
     let tiny = LlamaConfig::tiny();
     assert!(tiny.kv_heads < 4);
@@ -369,6 +406,9 @@ fn four_ranks_match_one_gpu_with_kv_heads_replicated_and_split() {
 #[test]
 #[ignore = "needs 2 CUDA GPUs and NCCL"]
 fn all_reduce_and_all_gather_across_two_gpus() {
+    if !cudnn_llm_app::bench_util::gpus_or_skip(2, "all_reduce_and_all_gather_across_two_gpus") {
+        return;
+    }
     let mut tp = team(&LlamaConfig::tiny(), 2, 1, 16, TpOptions::default());
     let out = tp
         .each("collectives", |r| {
@@ -410,6 +450,12 @@ fn all_reduce_and_all_gather_across_two_gpus() {
 #[test]
 #[ignore = "needs 2 CUDA GPUs and NCCL"]
 fn plain_collectives_right_after_graph_replays_wait_for_them() {
+    if !cudnn_llm_app::bench_util::gpus_or_skip(
+        2,
+        "plain_collectives_right_after_graph_replays_wait_for_them",
+    ) {
+        return;
+    }
     let cfg = LlamaConfig::tiny();
     // Enough replays that the host reaches the plain step's first collective long before they end.
     let (batch, len, replays) = (2, 9, 24);
@@ -494,6 +540,12 @@ fn plain_collectives_right_after_graph_replays_wait_for_them() {
 #[test]
 #[ignore = "needs 2 CUDA GPUs and NCCL"]
 fn communicators_with_cta_limits_all_reduce_exactly_as_the_default_ones() {
+    if !cudnn_llm_app::bench_util::gpus_or_skip(
+        2,
+        "communicators_with_cta_limits_all_reduce_exactly_as_the_default_ones",
+    ) {
+        return;
+    }
     const SIZES: [usize; 3] = [1000, 4096, 2048 * 4096];
     let value = |rank: usize, i: usize| ((i * 37 + rank * 11) % 201) as f32 - 100.0;
     let reduce = |nccl: NcclConfig| -> Vec<Vec<Vec<f32>>> {
@@ -555,6 +607,12 @@ fn all_reduce_once(r: &mut Rank<bf16>) -> cudnn_llm::llama::Result<()> {
 #[test]
 #[ignore = "needs 2 CUDA GPUs and NCCL"]
 fn a_failing_or_silent_rank_ends_the_call_with_an_error_not_a_hang() {
+    if !cudnn_llm_app::bench_util::gpus_or_skip(
+        2,
+        "a_failing_or_silent_rank_ends_the_call_with_an_error_not_a_hang",
+    ) {
+        return;
+    }
     let cfg = LlamaConfig::tiny();
     // Rank 1 fails before its all-reduce, at once (the abort may come before rank 0 enqueues) and
     // after a second (rank 0 is then in its all-reduce; with NCCL's runtime connection it would
@@ -610,6 +668,12 @@ const KERNELS_WITHIN_EVENTS: f64 = 1.1;
 #[test]
 #[ignore = "needs 2 CUDA GPUs and NCCL"]
 fn the_report_tp2_mode_writes_rows_per_rank_with_the_all_reduces_and_the_scaling() {
+    if !cudnn_llm_app::bench_util::gpus_or_skip(
+        2,
+        "the_report_tp2_mode_writes_rows_per_rank_with_the_all_reduces_and_the_scaling",
+    ) {
+        return;
+    }
     let bin =
         cudnn_llm_app::bench_util::package_binary(env!("CARGO_BIN_EXE_speedup-report"), "speedup-report")
             .expect("the speedup-report binary was not built");

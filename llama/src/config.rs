@@ -246,7 +246,7 @@ impl LlamaConfig {
     /// ignored. The result passes [`LlamaConfig::check`].
     pub fn from_hf_json(name: &str, json: &str) -> Result<Self> {
         let fail = |m: String| Error::Config(format!("{name}: config.json: {m}"));
-        let root: Value = serde_json::from_str(json).map_err(|e| fail(e.to_string()))?;
+        let root = crate::json::parse_unique(json).map_err(|e| fail(e.to_string()))?;
         let Value::Object(map) = root else {
             return Err(fail("expected a JSON object".into()));
         };
@@ -885,6 +885,17 @@ mod tests {
         });
         assert!(hf_err(&types)
             .contains("`rope_scaling.rope_type` `llama3` disagrees with `rope_scaling.type` `yarn`"));
+    }
+
+    /// serde keeps the last of a key given twice: an ambiguous config.json is an error naming the key,
+    /// at the top level and inside `rope_scaling`.
+    #[test]
+    fn a_key_given_twice_is_an_error_naming_it() {
+        let twice = HF4.replacen("{", "{\n  \"hidden_size\": 128,", 1);
+        assert!(hf_err(&twice).contains("`hidden_size` is given twice"), "{}", hf_err(&twice));
+        let nested = HF4.replacen("\"rope_scaling\": {", "\"rope_scaling\": {\"factor\": 1.0, ", 1);
+        assert_ne!(nested, HF4);
+        assert!(hf_err(&nested).contains("`factor` is given twice"), "{}", hf_err(&nested));
     }
 
     #[test]

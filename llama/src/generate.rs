@@ -565,7 +565,7 @@ pub fn eos_token_ids(dir: &Path, cfg: &LlamaConfig) -> Result<Vec<u32>> {
 
 /// The `eos_token_id` of one JSON object: an id, a list of ids, or absent/null (no ids).
 pub fn parse_eos(json: &str) -> std::result::Result<Vec<u32>, String> {
-    let v: serde_json::Value = serde_json::from_str(json).map_err(|e| e.to_string())?;
+    let v = crate::json::parse_unique(json).map_err(|e| e.to_string())?;
     let id = |v: &serde_json::Value| {
         v.as_u64()
             .and_then(|i| u32::try_from(i).ok())

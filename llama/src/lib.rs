@@ -25,6 +25,7 @@ pub mod backends;
 pub mod batching;
 pub mod config;
 pub mod generate;
+mod json;
 pub mod model;
 mod modules;
 pub mod nccl;

@@ -9,6 +9,7 @@
 //! 2. `Weights::<bf16>::load(&cfg, dir)` memory-maps the checkpoint and converts bf16, f16 or f32 to `T`.
 //! 3. `weights.save(&cfg, file, DataType::BF16)` writes one `safetensors` file with the same names.
 
+use crate::json::UniqueMap;
 use crate::{Error, LlamaConfig, Result};
 use cudnn_llm_ops::half::{bf16, f16};
 use cudnn_llm_ops::reference::random_iter;
@@ -389,35 +390,6 @@ pub(crate) fn locate(path: &Path, wanted: &[(String, Vec<usize>)]) -> Result<Vec
             None => Err(fail(format!("tensor `{name}` is missing from {}", index.display()))),
         })
         .collect()
-}
-
-/// A JSON object read into a map, refusing a key given twice (serde's maps keep the last silently).
-struct UniqueMap<V>(HashMap<String, V>);
-
-impl<'de, V: serde::Deserialize<'de>> serde::Deserialize<'de> for UniqueMap<V> {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        struct Visit<V>(std::marker::PhantomData<V>);
-        impl<'de, V: serde::Deserialize<'de>> serde::de::Visitor<'de> for Visit<V> {
-            type Value = UniqueMap<V>;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a JSON object")
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                mut a: A,
-            ) -> std::result::Result<Self::Value, A::Error> {
-                let mut map = HashMap::new();
-                while let Some((k, v)) = a.next_entry::<String, V>()? {
-                    if map.contains_key(&k) {
-                        return Err(serde::de::Error::custom(format!("`{k}` is given twice")));
-                    }
-                    map.insert(k, v);
-                }
-                Ok(UniqueMap(map))
-            }
-        }
-        d.deserialize_map(Visit(std::marker::PhantomData))
-    }
 }
 
 /// Refuses a `safetensors` header listing a tensor name twice (the `safetensors` crate keeps the

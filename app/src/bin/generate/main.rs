@@ -46,6 +46,7 @@ fn main() -> ExitCode {
     let setup = || {
         let plan = opts.resolve()?;
         let input = read_input(&opts)?;
+        plan.backends.check_layers(input.config.layers).map_err(|e| format!("--fuse: {e}"))?;
         if let Some(n) = plan.tp {
             ShardPlan::new(&input.config, n).map_err(|e| format!("--tp {n}: {e}"))?;
         }

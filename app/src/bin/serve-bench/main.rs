@@ -113,6 +113,9 @@ struct Options {
     out: Option<PathBuf>,
 }
 
+/// The most requests a stream holds (each is drawn up front, with its prompt ids, before the run).
+const MAX_REQUESTS: usize = 1_000_000;
+
 /// The options, checked.
 #[derive(Debug, Clone)]
 struct Plan {
@@ -151,8 +154,8 @@ impl Options {
             "launch" => DecodeMode::Launch,
             other => return Err(format!("--mode {other}: give graph or launch")),
         };
-        if self.requests == 0 {
-            return Err("--requests must be at least 1".into());
+        if !(1..=MAX_REQUESTS).contains(&self.requests) {
+            return Err(format!("--requests {}: give 1 to {MAX_REQUESTS}", self.requests));
         }
         if self.rate.is_nan() || self.rate <= 0.0 {
             return Err(format!("--rate {}: give a rate > 0 (inf: all at once)", self.rate));
@@ -169,7 +172,7 @@ impl Options {
         // Prompt lengths in steps: the multiples of the step inside the range.
         let step = self.prompt_step;
         let p = self.prompt_len;
-        let (lo, hi) = (p.min.next_multiple_of(step), p.max / step * step);
+        let (lo, hi) = (p.min.checked_next_multiple_of(step).unwrap_or(usize::MAX), p.max / step * step);
         if lo > hi {
             return Err(format!(
                 "--prompt-len {}:{} holds no multiple of --prompt-step {step}",
@@ -177,7 +180,17 @@ impl Options {
             ));
         }
         let steps = Span { min: lo / step, max: hi / step };
-        let max_seq = hi + self.output_len.max;
+        // Checked: a range's MAX is any usize the user typed.
+        let max_seq = hi
+            .checked_add(self.output_len.max)
+            .filter(|&n| n <= config.max_positions)
+            .ok_or_else(|| {
+                format!(
+                    "--prompt-len {}:{} with --output-len {}:{}: the longest request ({hi} prompt + {} output \
+                     ids) is longer than the model's {} positions",
+                    p.min, p.max, self.output_len.min, self.output_len.max, self.output_len.max, config.max_positions
+                )
+            })?;
         let per_seq = max_seq.div_ceil(self.page_size);
         let pages = self.pages.unwrap_or(self.max_batch.saturating_mul(per_seq));
         if pages < per_seq {
@@ -708,6 +721,16 @@ mod tests {
             (&["--temperature=-1"], "--temperature"),
             (&["--preset", "nope"], "--preset"),
             (&["--prompt-len", "9:3"], "MIN <= MAX"),
+            // Hostile numbers: overflowing sums, past the model's positions, huge counts, negatives.
+            (&["--output-len", "1:18446744073709551615"], "longer than the model's"),
+            (&["--prompt-len", "18446744073709551615"], "holds no multiple"),
+            (&["--prompt-len", "64:18446744073709551615"], "longer than the model's"),
+            (&["--prompt-len", "64:131072", "--output-len", "1"], "longer than the model's"),
+            (&["--requests", "18446744073709551615"], "--requests 18446744073709551615"),
+            (&["--output-len=-1:4"], "invalid digit"),
+            (&["--prompt-len", "0:4"], "MIN <= MAX"),
+            (&["--page-size", "18446744073709551616"], "too large"),
+            (&["--rate", "nan"], "--rate NaN"),
         ] {
             let e = parse(args).err().unwrap_or_else(|| panic!("{args:?} passed"));
             assert!(e.contains(expected), "{args:?}: {e}");

@@ -156,9 +156,21 @@ impl Options {
             train = train.with_clip(c);
         }
         // The layer ranges are checked once the model's layer count is known.
-        train.check(usize::MAX).map_err(|e| e.to_string().replace("train: ", "--"))?;
+        train.check(usize::MAX).map_err(|e| flag_error(&e.to_string()))?;
         Ok(Plan { start, train })
     }
+}
+
+/// A [`TrainConfig::check`] error, which names the config's field first (`train: weight_decay -1
+/// is ...`), as this binary's flag says it (`--weight-decay -1 is ...`).
+fn flag_error(e: &str) -> String {
+    let e = e.strip_prefix("train: ").unwrap_or(e);
+    let (field, rest) = e.split_once(' ').unwrap_or((e, ""));
+    let flag = match field {
+        "betas" => "--beta1/--beta2".to_string(),
+        f => format!("--{}", f.replace('_', "-")),
+    };
+    format!("{flag} {rest}")
 }
 
 /// Checks one step's shape: `batch` sequences of `seq` tokens split into `micro` micro-batches, each
@@ -252,6 +264,9 @@ mod tests {
             (&["--standalone", "cudnn"], "--standalone cudnn"),
             (&["--lr", "-1"], "--lr -1"),
             (&["--clip", "0"], "--clip 0"),
+            (&["--weight-decay=-1"], "--weight-decay -1 is"),
+            (&["--beta1", "1"], "--beta1/--beta2 (1, "),
+            (&["--eps", "0"], "--eps 0 is"),
             (&["--sequences", "0"], "--sequences"),
             (&["--steps", "0"], "--steps must be at least 1"),
         ] {
