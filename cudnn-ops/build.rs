@@ -53,11 +53,13 @@ fn main() {
     let include = |r: &String| format!("include_str!({:?})", src.join(r).to_string_lossy());
     let list = |v: &[String]| v.iter().map(|r| format!("{r:?}")).collect::<Vec<_>>().join(", ");
     let text = format!(
-        "/// Every `.cu` file under `src/`, `kernels/common.cu` first (found by `build.rs`).\n\
+        "/// Every `.cu` file under `src/`, `kernels/common.cu` first (found by `build.rs`; the tests check it).\n\
+         #[cfg_attr(not(test), allow(dead_code))]\n\
          pub(crate) const KERNEL_FILES: &[&str] = &[{}];\n\
          /// Their text, in [`KERNEL_FILES`]' order: one NVRTC program.\n\
          pub(crate) const KERNEL_SOURCE: &str = concat!({});\n\
-         /// The sources that decide what a graph lowers to (found by `build.rs`).\n\
+         /// The sources that decide what a graph lowers to (found by `build.rs`; the tests check it).\n\
+         #[cfg_attr(not(test), allow(dead_code))]\n\
          pub(crate) const LOWERING_FILES: &[&str] = &[{}];\n\
          /// Their text, in [`LOWERING_FILES`]' order.\n\
          pub(crate) const LOWERING_SOURCES: &[&str] = &[{}];\n",

@@ -1,46 +1,16 @@
-//! Helpers shared by benches, GPU tests, reports and the binaries: opening the GPU without panicking,
-//! timing with CUDA events, medians, random device data and poisoning.
+//! Helpers shared by benches, GPU tests, reports and the binaries: timing with CUDA events, medians,
+//! greedy comparisons, results files; and, re-exported from [`cudnn_llm_ops::testing`], opening the
+//! GPU, random device data and poisoning.
 
-use cudarc::driver::{sys::CUevent_flags, CudaSlice};
+use cudarc::driver::sys::CUevent_flags;
+pub use cudnn_llm_ops::testing::{
+    download, expect_untouched, gpu, gpu_or_skip, gpus_or_skip, poisoned, upload,
+};
 use cudnn_llm_ops::{reference, Cudnn, Element, Result};
 use std::fmt::Display;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
-
-/// Opens GPU 0, or prints why not (`SKIPPED: ...`) and returns `None`.
-pub fn gpu_or_skip(what: &str) -> Option<Cudnn> {
-    match Cudnn::new(0) {
-        Ok(ctx) => Some(ctx),
-        Err(e) => {
-            eprintln!("SKIPPED {what}: {e}");
-            None
-        }
-    }
-}
-
-/// For a test that needs `n` GPUs: whether this machine has them; if not, prints `SKIPPED what: ...`
-/// with the count it found (a multi-GPU test on a machine with fewer GPUs skips, as the guide asks,
-/// rather than failing on a device it cannot open).
-pub fn gpus_or_skip(n: usize, what: &str) -> bool {
-    match cudnn_llm_ops::device_count() {
-        Ok(have) if have >= n => true,
-        Ok(have) => {
-            eprintln!("SKIPPED {what}: needs {n} CUDA GPUs, this machine has {have}");
-            false
-        }
-        Err(e) => {
-            eprintln!("SKIPPED {what}: needs {n} CUDA GPUs, none usable here: {e}");
-            false
-        }
-    }
-}
-
-/// GPU 0 for a GPU test (one marked `#[ignore = "needs a CUDA GPU"]`): run on a machine without a
-/// usable GPU, the test fails here and says why (tests that must pass without one use [`gpu_or_skip`]).
-pub fn gpu() -> Cudnn {
-    Cudnn::new(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU with cuDNN: {e}"))
-}
 
 /// Two logits closer than this × their row's RMS are a near-tie: greedy runs that should agree
 /// (a request alone and in a batch, fused and naive, on one GPU and two) may part there, as bf16
@@ -238,40 +208,6 @@ pub fn median_host_us(
     }
     ctx.synchronize()?;
     Ok(median(samples))
-}
-
-/// Uploads `values` rounded to `T`; returns the device buffer and the rounded values as f64.
-pub fn upload<T: Element>(ctx: &Cudnn, values: &[f64]) -> Result<(CudaSlice<T>, Vec<f64>)> {
-    let host: Vec<T> = reference::to_elements(values);
-    let rounded = host.iter().map(|v| v.to_f64()).collect();
-    Ok((ctx.stream().clone_htod(&host)?, rounded))
-}
-
-/// A device buffer of `n` NaNs, so that unwritten output elements show.
-pub fn poisoned<T: Element>(ctx: &Cudnn, n: usize) -> Result<CudaSlice<T>> {
-    Ok(ctx.stream().clone_htod(&vec![T::nan(); n])?)
-}
-
-/// Fills `d` with 7.0, runs `f`, expects an error whose message contains `expected`, checks that `d`
-/// still holds 7.0 everywhere (bad input touches no memory), and returns the error.
-pub fn expect_untouched(
-    ctx: &Cudnn,
-    d: &mut CudaSlice<half::bf16>,
-    expected: &str,
-    f: impl FnOnce(&mut CudaSlice<half::bf16>) -> Result<()>,
-) -> cudnn_llm_ops::Error {
-    let sevens = vec![half::bf16::from_f32(7.0); d.len()];
-    ctx.stream().memcpy_htod(&sevens, d).unwrap();
-    let err = f(d).expect_err(expected);
-    assert!(err.to_string().contains(expected), "{expected}: {err}");
-    ctx.synchronize().unwrap();
-    assert_eq!(download(ctx, d).unwrap(), sevens, "{expected}: output was written");
-    err
-}
-
-/// Copies a device buffer back to the host.
-pub fn download<T: Element>(ctx: &Cudnn, buf: &CudaSlice<T>) -> Result<Vec<T>> {
-    Ok(ctx.stream().clone_dtoh(buf)?)
 }
 
 /// Device-to-device copy bandwidth in GB/s (bytes read + bytes written), median of `reps` copies of

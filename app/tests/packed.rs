@@ -21,7 +21,7 @@ use half::bf16;
 
 /// Logits of one sequence prefilled packed against alone: bf16 activations through every layer,
 /// where the two attentions (ragged composite graph against the plain causal one) round differently;
-/// each attention alone is within 2e-2 of the f64 reference (tests/ragged.rs, tests/sdpa.rs).
+/// each attention alone is within 2e-2 of the f64 reference (cudnn-ops/tests/ragged.rs, cudnn-ops/tests/sdpa.rs).
 const LOGITS: Tolerance = Tolerance::rel_l2(2e-2);
 /// Positions per page.
 const PAGE: usize = 16;

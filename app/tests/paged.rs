@@ -26,7 +26,7 @@ use cudnn_llm_app::bench_util::{
 };
 use half::bf16;
 
-/// Attention outputs against the f64 reference and against each other, as `tests/sdpa_decode.rs`.
+/// Attention outputs against the f64 reference and against each other, as `cudnn-ops/tests/sdpa_decode.rs`.
 const ATTN: Tolerance = Tolerance::rel_l2(2e-2);
 /// Eager RoPE (bf16 after every elementary op) against the fused rotation (one rounding).
 const ROPE_NAIVE: Tolerance = Tolerance::rel_l2(1e-2);

@@ -23,7 +23,7 @@ use std::process::Command;
 /// Gradients of a bf16 model against f64. Activations and activation gradients are rounded to bf16
 /// at every op: the f64 reference with every stored tensor rounded so (a CPU emulation, without the
 /// kernels' internal roundings) moves this test's gradients by 4e-3 to 8e-3 per tensor; the attention
-/// backward alone is allowed 3e-2 against f64 (tests/sdpa_backward.rs, `GRAD_BF16`), and its dQ, dK
+/// backward alone is allowed 3e-2 against f64 (cudnn-ops/tests/sdpa_backward.rs, `GRAD_BF16`), and its dQ, dK
 /// and dV feed every gradient below it. A missing term, a transposed product, a wrong loss scale or
 /// a tied share left out errs by 0.3 or more.
 const GRAD_TOL: Tolerance = Tolerance::rel_l2(8e-2);

@@ -58,6 +58,7 @@ mod sources {
 }
 pub mod reference;
 mod tensor;
+pub mod testing;
 
 pub use cache::{CacheStats, PlanCache, PlanKey};
 pub use context::{

@@ -826,7 +826,8 @@ pub(crate) mod tests {
         let store = PlanStore::new(dir.path().to_path_buf(), env());
         let r = record();
         let path = dir.path().join(file_name(&r.key));
-        let plant: [(&str, &dyn Fn(&Path)); 3] = [
+        type Plant<'a> = (&'a str, &'a dyn Fn(&Path));
+        let plant: [Plant; 3] = [
             ("fifo", &|p| {
                 let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
                 // SAFETY: a valid NUL-terminated path.

@@ -2,10 +2,10 @@
 //! GPU tests are ignored by default; run them with `--include-ignored` on a GPU machine.
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
-use cudnn_llm::cudnn_ops::{
+use cudnn_llm_ops::testing::{download, gpu, poisoned, upload};
+use cudnn_llm_ops::{
     reference, rms_norm, Backend, Cudnn, DataType, Element, Error, RmsNormArgs, RmsNormOperands,
 };
-use cudnn_llm_app::bench_util::{download, gpu, poisoned, upload};
 use half::{bf16, f16};
 
 const EPS: f32 = 1e-5;
@@ -159,14 +159,14 @@ fn plan_cache_builds_once_per_shape() {
     assert!(plan.build_time().as_nanos() > 0);
 }
 
-/// [`cudnn_llm_app::bench_util::expect_untouched`], and the error is an `InvalidArgument`.
+/// [`cudnn_llm_ops::testing::expect_untouched`], and the error is an `InvalidArgument`.
 fn expect_untouched(
     ctx: &Cudnn,
     y: &mut CudaSlice<bf16>,
     expected: &str,
     f: impl FnOnce(&mut CudaSlice<bf16>) -> cudnn_llm_ops::Result<()>,
 ) {
-    let err = cudnn_llm_app::bench_util::expect_untouched(ctx, y, expected, f);
+    let err = cudnn_llm_ops::testing::expect_untouched(ctx, y, expected, f);
     assert!(matches!(err, Error::InvalidArgument(_)), "{expected}: {err}");
 }
 

@@ -8,13 +8,13 @@
 //! backward the stats and O a training forward wrote instead.
 
 use cudarc::driver::CudaSlice;
-use cudnn_llm::cudnn_ops::reference::backward::{from_bhsd, sdpa_backward as reference_backward, to_bhsd};
-use cudnn_llm::cudnn_ops::reference::{self, AttentionShape, Tolerance};
-use cudnn_llm::cudnn_ops::{
+use cudnn_llm_ops::reference::backward::{from_bhsd, sdpa_backward as reference_backward, to_bhsd};
+use cudnn_llm_ops::reference::{self, AttentionShape, Tolerance};
+use cudnn_llm_ops::testing::{download, gpu, poisoned, upload};
+use cudnn_llm_ops::{
     sdpa, sdpa_backward, Backend, Cudnn, DataType, Element, Error, Layout, Mask, SdpaArgs, SdpaForm,
     SdpaGrads, SdpaOperands,
 };
-use cudnn_llm_app::bench_util::{download, gpu, poisoned, upload};
 use half::{bf16, f16};
 
 /// bf16 gradients: P and dS enter their GEMMs rounded to bf16 (8-bit mantissa) on both backends,
@@ -24,7 +24,7 @@ const GRAD_BF16: Tolerance = Tolerance::rel_l2(3e-2);
 const GRAD_F16: Tolerance = Tolerance::rel_l2(1e-2);
 /// Fused against naive at a size the f64 reference would take minutes for: two bf16 roundings apart.
 const FUSED_VS_NAIVE_BF16: Tolerance = Tolerance::rel_l2(3e-2);
-/// Log-sum-exp rows are f32 on both sides (as in tests/sdpa.rs).
+/// Log-sum-exp rows are f32 on both sides (as in cudnn-ops/tests/sdpa.rs).
 const STATS_TOL: Tolerance = Tolerance::rel_l2(1e-4);
 
 fn tol<T: Element>() -> Tolerance {

@@ -5,16 +5,16 @@
 //! tests are ignored by default; run them with `--include-ignored` on a GPU machine.
 
 use cudarc::driver::{CudaSlice, DevicePtr};
-use cudnn_llm::cudnn_ops::reference::{self, backward as rb, Tolerance};
-use cudnn_llm::cudnn_ops::{
+use cudnn_llm_ops::reference::{self, backward as rb, Tolerance};
+use cudnn_llm_ops::testing::{download, gpu, poisoned, upload};
+use cudnn_llm_ops::{
     linear_backward_data, linear_backward_weight, rms_norm_backward, swiglu_down_backward, Backend, Cudnn,
     DataGrad, DataType, Element, Error, LinearGradArgs, RmsNormArgs, RmsNormGrads, SwigluGrads, WeightGrad,
 };
-use cudnn_llm_app::bench_util::{download, gpu, poisoned, upload};
 use half::{bf16, f16};
 
 /// cuDNN may run f32 matmuls on tensor cores as TF32 (inputs rounded to 10 mantissa bits): a relative
-/// error near 1e-3, as in tests/matmul.rs.
+/// error near 1e-3, as in cudnn-ops/tests/matmul.rs.
 const F32_MATMUL_TOL: Tolerance = Tolerance::rel_l2(5e-3);
 /// f32 RMSNorm gradients: f32 arithmetic with row and column sums of a few thousand terms.
 const F32_NORM_TOL: Tolerance = Tolerance::rel_l2(1e-5);

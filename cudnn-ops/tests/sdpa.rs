@@ -3,11 +3,9 @@
 //! default; run them with `--include-ignored` on a GPU machine.
 
 use cudarc::driver::{CudaSlice, DevicePtrMut};
-use cudnn_llm::cudnn_ops::reference::{self, AttentionShape, Tolerance};
-use cudnn_llm::cudnn_ops::{
-    sdpa, Backend, Cudnn, Element, Error, Layout, Mask, SdpaArgs, SdpaForm, SdpaOperands,
-};
-use cudnn_llm_app::bench_util::{download, gpu, poisoned, upload};
+use cudnn_llm_ops::reference::{self, AttentionShape, Tolerance};
+use cudnn_llm_ops::testing::{download, gpu, poisoned, upload};
+use cudnn_llm_ops::{sdpa, Backend, Cudnn, Element, Error, Layout, Mask, SdpaArgs, SdpaForm, SdpaOperands};
 use half::{bf16, f16};
 
 /// Attention outputs: bf16 as the issue asks; f16 has three more mantissa bits.
@@ -17,7 +15,7 @@ const ATTN_F16: Tolerance = Tolerance::rel_l2(5e-3);
 const STATS_TOL: Tolerance = Tolerance::rel_l2(1e-4);
 
 fn tol<T: Element>() -> Tolerance {
-    if T::DTYPE == cudnn_llm::DataType::BF16 {
+    if T::DTYPE == cudnn_llm_ops::DataType::BF16 {
         ATTN_BF16
     } else {
         ATTN_F16
@@ -217,15 +215,15 @@ fn both_graph_forms_and_head_dim_256() {
         for train in [false, true] {
             let a = SdpaArgs::new(2, 16, 4, 128, 192, 128, Layout::Bshd).with_form(form);
             check_case::<bf16>(&ctx, a, Layout::Bshd, train, &mut failures);
-            let plan = a.plan(&ctx, cudnn_llm::DataType::BF16, train).unwrap();
+            let plan = a.plan(&ctx, cudnn_llm_ops::DataType::BF16, train).unwrap();
             assert_eq!(plan.form(), form.name());
             println!("{} training={train}: {} {}", form.name(), plan.engine(), plan.name());
         }
     }
     // Automatic choice: unified for unmasked (9.13.1+) unless rejected, composite for causal.
     let auto = SdpaArgs::new(1, 8, 8, 64, 64, 64, Layout::Bhsd);
-    let unmasked = auto.plan(&ctx, cudnn_llm::DataType::F16, false).unwrap();
-    let causal = auto.with_mask(Mask::CausalTopLeft).plan(&ctx, cudnn_llm::DataType::F16, false).unwrap();
+    let unmasked = auto.plan(&ctx, cudnn_llm_ops::DataType::F16, false).unwrap();
+    let causal = auto.with_mask(Mask::CausalTopLeft).plan(&ctx, cudnn_llm_ops::DataType::F16, false).unwrap();
     println!("automatic forms on cuDNN {version}: unmasked {}, causal {}", unmasked.form(), causal.form());
     assert_eq!(causal.form(), "composite");
     if version >= 91301 {
@@ -360,7 +358,7 @@ fn bad_inputs_touch_nothing_and_naive_reports_out_of_memory() {
 
 /// One padded cuDNN plan for decode steps of any length: per-sequence lengths from device buffers.
 /// (The fused backend runs such a decode on the split-KV kernel unless a graph form is asked for;
-/// `tests/sdpa_decode.rs` tests that kernel and compares the two.)
+/// `cudnn-ops/tests/sdpa_decode.rs` tests that kernel and compares the two.)
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn padded_decode_matches_exact_lengths() {

@@ -4,15 +4,15 @@
 //! `--include-ignored` on a GPU machine.
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
-use cudnn_llm::cudnn_ops::reference::{self, backward as rb, Tolerance};
-use cudnn_llm::cudnn_ops::{
+use cudnn_llm_ops::reference::{self, backward as rb, Tolerance};
+use cudnn_llm_ops::testing::gpu;
+use cudnn_llm_ops::testing::{download, poisoned, upload};
+use cudnn_llm_ops::{
     adamw, cross_entropy, embedding_backward, grad_norm, rope, rope_backward, AdamWArgs, AdamWOperands,
     AdamWTensor, Backend, CrossEntropyArgs, CrossEntropyOperands, Cudnn, Element, EmbeddingArgs,
     EmbeddingBackwardOperands, EmbeddingGrad, GradNormArgs, GradNormOperands, MultiTensor, RopeArgs,
     RopeBackwardOperands, RopeOperands, RopeTables,
 };
-use cudnn_llm_app::bench_util::gpu;
-use cudnn_llm_app::bench_util::{download, poisoned, upload};
 use half::{bf16, f16};
 
 /// The loss is one f32 sum over rows of f32 log-sum-exps computed with `__expf`/`__logf` (a few
@@ -24,7 +24,7 @@ const CE_F32_TOL: Tolerance = Tolerance::rel_l2(1e-4);
 const OPTIM_F32_TOL: Tolerance = Tolerance::rel_l2(1e-5);
 
 fn ce_tol<T: Element>() -> Tolerance {
-    if T::DTYPE == cudnn_llm::cudnn_ops::DataType::F32 {
+    if T::DTYPE == cudnn_llm_ops::DataType::F32 {
         CE_F32_TOL
     } else {
         reference::tolerance(T::DTYPE)

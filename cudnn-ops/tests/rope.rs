@@ -2,8 +2,8 @@
 //! GPU tests are ignored by default; run them with `--include-ignored` on a GPU machine.
 
 use cudarc::driver::CudaSlice;
-use cudnn_llm::cudnn_ops::{reference, rope, Backend, Cudnn, Element, RopeArgs, RopeOperands, RopeTables};
-use cudnn_llm_app::bench_util::{download, gpu, upload};
+use cudnn_llm_ops::testing::{download, gpu, upload};
+use cudnn_llm_ops::{reference, rope, Backend, Cudnn, Element, RopeArgs, RopeOperands, RopeTables};
 use half::{bf16, f16};
 
 /// Angles `pos · θ_j` for `positions` rows of `dim / 2` frequencies (plain RoPE; the model adds

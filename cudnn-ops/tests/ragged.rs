@@ -6,20 +6,20 @@
 //! `cargo test --test ragged -- --include-ignored` on a GPU machine.
 
 use cudarc::driver::CudaSlice;
-use cudnn_llm::cudnn_ops::reference::{self, Tolerance};
-use cudnn_llm::cudnn_ops::{
+use cudnn_llm_ops::reference::{self, Tolerance};
+use cudnn_llm_ops::testing::{download, expect_untouched, gpu, poisoned, upload};
+use cudnn_llm_ops::{
     sdpa, sdpa_ragged, Backend, Cudnn, DeviceRagged, Element, Layout, Mask, RaggedArgs, RaggedOperands,
     RowStrides, SdpaArgs, SdpaOperands,
 };
-use cudnn_llm_app::bench_util::{download, expect_untouched, gpu, poisoned, upload};
 use half::{bf16, f16};
 
-/// bf16 attention outputs, as tests/sdpa.rs; f16 has three more mantissa bits.
+/// bf16 attention outputs, as cudnn-ops/tests/sdpa.rs; f16 has three more mantissa bits.
 const ATTN_BF16: Tolerance = Tolerance::rel_l2(2e-2);
 const ATTN_F16: Tolerance = Tolerance::rel_l2(5e-3);
 
 fn tol<T: Element>() -> Tolerance {
-    if T::DTYPE == cudnn_llm::DataType::BF16 {
+    if T::DTYPE == cudnn_llm_ops::DataType::BF16 {
         ATTN_BF16
     } else {
         ATTN_F16
@@ -66,7 +66,7 @@ fn run_ragged<T: Element>(
     batch: &DeviceRagged,
     x: &Packed<T>,
     backend: Backend,
-) -> cudnn_llm::cudnn_ops::Result<Vec<T>> {
+) -> cudnn_llm_ops::Result<Vec<T>> {
     let mut o = poisoned::<T>(ctx, batch.queries().buffer_len())?;
     sdpa_ragged(ctx, args, RaggedOperands::new(&x.q, &x.k, &x.v, &mut o, batch), backend)?;
     download(ctx, &o)
@@ -79,7 +79,7 @@ fn run_alone<T: Element>(
     args: RaggedArgs,
     batch: &DeviceRagged,
     x: &Packed<T>,
-) -> cudnn_llm::cudnn_ops::Result<Vec<T>> {
+) -> cudnn_llm_ops::Result<Vec<T>> {
     let mut o = poisoned::<T>(ctx, batch.queries().buffer_len())?;
     let (qo, kvo) = (batch.queries().offsets(), batch.keys().offsets());
     for (i, &n) in batch.seq_lens().iter().enumerate() {

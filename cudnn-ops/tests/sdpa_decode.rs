@@ -6,19 +6,19 @@
 //! touch nothing. GPU tests are ignored by default; run them with `--include-ignored` on a GPU machine.
 
 use cudarc::driver::CudaSlice;
-use cudnn_llm::cudnn_ops::reference::{self, AttentionShape, Tolerance};
-use cudnn_llm::cudnn_ops::{
+use cudnn_llm_ops::reference::{self, AttentionShape, Tolerance};
+use cudnn_llm_ops::testing::{download, expect_untouched, gpu, poisoned, upload};
+use cudnn_llm_ops::{
     sdpa, Backend, Cudnn, Element, Error, Layout, Mask, SdpaArgs, SdpaForm, SdpaKernel, SdpaOperands, SeqLens,
 };
-use cudnn_llm_app::bench_util::{download, expect_untouched, gpu, poisoned, upload};
 use half::{bf16, f16};
 
-/// Attention outputs against the f64 reference, as `tests/sdpa.rs`: one rounding of O plus f32 sums.
+/// Attention outputs against the f64 reference, as `cudnn-ops/tests/sdpa.rs`: one rounding of O plus f32 sums.
 const ATTN_BF16: Tolerance = Tolerance::rel_l2(2e-2);
 const ATTN_F16: Tolerance = Tolerance::rel_l2(5e-3);
 
 fn tol<T: Element>() -> Tolerance {
-    if T::DTYPE == cudnn_llm::DataType::BF16 {
+    if T::DTYPE == cudnn_llm_ops::DataType::BF16 {
         ATTN_BF16
     } else {
         ATTN_F16

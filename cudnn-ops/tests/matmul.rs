@@ -4,12 +4,12 @@
 //! reference of the large shapes fast).
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
-use cudnn_llm::cudnn_ops::{
+use cudnn_llm_ops::testing::{self, download, expect_untouched, poisoned, upload};
+use cudnn_llm_ops::{
     knob_name, matmul, reference, rms_norm, rope, Activation, Backend, Cudnn, DataType, Element, Epilogue,
     Error, GemvSplit, L2Flush, MatmulArgs, MatmulKernel, MatmulOperands, MatrixLayout, Prologue, RmsNormArgs,
     RmsNormOperands, RopeArgs, RopeOperands, RopeTables, DECODE_GEMV_MAX_TOKENS,
 };
-use cudnn_llm_app::bench_util::{self, download, expect_untouched, poisoned, upload};
 use half::{bf16, f16};
 
 /// cuDNN may run f32 matmuls on tensor cores as TF32 (inputs rounded to 10 mantissa bits), which gives a
@@ -94,7 +94,7 @@ fn gpu() -> Cudnn {
 /// A context that autotunes the heuristics' configurations, without a knob search whatever the
 /// environment says.
 fn tuned_gpu() -> Cudnn {
-    let ctx = bench_util::gpu();
+    let ctx = testing::gpu();
     ctx.set_knob_search(0);
     ctx
 }
@@ -1206,7 +1206,7 @@ impl Chain {
     }
 
     /// Enqueues the chain (nothing waits for it).
-    fn run(&mut self, ctx: &Cudnn) -> cudnn_llm::cudnn_ops::Result<()> {
+    fn run(&mut self, ctx: &Cudnn) -> cudnn_llm_ops::Result<()> {
         let (hidden, ffn) = (4096, CHAIN_FFN);
         let norm = Prologue::rms_norm(NORM_EPS);
         let qkv = MatmulArgs::linear(1, hidden, 6144).with_prologue(norm);
@@ -1263,7 +1263,7 @@ impl Chain {
 #[ignore = "needs a CUDA GPU"]
 fn a_captured_decode_chain_replays_with_pdl_as_it_runs_without() {
     // The chain launched plainly without PDL is the baseline (each kernel's correctness is tested
-    // above and in tests/rope.rs); with PDL, plainly and replayed from a CUDA graph, every output must
+    // above and in cudnn-ops/tests/rope.rs); with PDL, plainly and replayed from a CUDA graph, every output must
     // be bit-identical to it (the kernels and their reduction orders are the same): a kernel that read
     // its input before the previous one finished would read poison (NaN) or a stale value.
     let ctx = gpu();
@@ -1337,7 +1337,7 @@ fn check_rotary<T: Element>(
     norm: bool,
     seed: u64,
 ) -> Option<String> {
-    use cudnn_llm::cudnn_ops::{Rotary, RotaryOperands};
+    use cudnn_llm_ops::{Rotary, RotaryOperands};
     let n = (hq + 2 * hkv) * d;
     let half = d / 2;
     let scale = 3.0 / (k as f64).sqrt();
@@ -1452,15 +1452,14 @@ fn check_sum_partials<T: Element>(ctx: &Cudnn, count: usize, n: usize, offset: u
     let value = |i: usize| T::from_f64(((i * 7919 + 13) % 8001) as f64 * 1e-3 - 4.0);
     let parts: Vec<T> = (0..count * n).map(value).collect();
     let base: Vec<T> = (0..n).map(|i| value(i * 31 + 5)).collect();
-    let want =
-        cudnn_llm::cudnn_ops::sum_partials_reference(&parts, count, based.then_some(&base[..])).unwrap();
+    let want = cudnn_llm_ops::sum_partials_reference(&parts, count, based.then_some(&base[..])).unwrap();
     // `offset` elements before the parts, the base and the output shift them off 16-byte alignment
     // (the kernel's element-wise path).
     let pad = |v: &[T]| ctx.stream().clone_htod(&[vec![T::default(); offset], v.to_vec()].concat()).unwrap();
     let (dev, dev_base) = (pad(&parts), pad(&base));
     let base_view = dev_base.slice(offset..);
     let mut out = poisoned::<T>(ctx, offset + n + 8).unwrap();
-    cudnn_llm::cudnn_ops::sum_partials(
+    cudnn_llm_ops::sum_partials(
         ctx,
         &dev.slice(offset..),
         count,
@@ -1485,7 +1484,7 @@ fn check_sum_partials<T: Element>(ctx: &Cudnn, count: usize, n: usize, offset: u
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn sum_partials_matches_the_reference_bit_for_bit() {
-    let ctx = bench_util::gpu();
+    let ctx = testing::gpu();
     for (count, n, offset) in
         [(2, 4096 * 3, 0), (2, 4099, 0), (3, 1000, 0), (2, 4096, 3), (4, 1, 0), (1, 777, 1)]
     {
@@ -1499,13 +1498,12 @@ fn sum_partials_matches_the_reference_bit_for_bit() {
     let parts = ctx.stream().clone_htod(&[bf16::ONE; 10]).unwrap();
     let mut out = poisoned::<bf16>(&ctx, 4).unwrap();
     for count in [0, 3] {
-        let e = cudnn_llm::cudnn_ops::sum_partials(&ctx, &parts, count, None, &mut out).unwrap_err();
+        let e = cudnn_llm_ops::sum_partials(&ctx, &parts, count, None, &mut out).unwrap_err();
         assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
     }
     // A base of another length than the output: refused too.
     let short = ctx.stream().clone_htod(&[bf16::ONE; 3]).unwrap();
-    let e =
-        cudnn_llm::cudnn_ops::sum_partials(&ctx, &parts.slice(..8), 2, Some(&short), &mut out).unwrap_err();
+    let e = cudnn_llm_ops::sum_partials(&ctx, &parts.slice(..8), 2, Some(&short), &mut out).unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
     assert!(download(&ctx, &out).unwrap().iter().all(|v| v.is_nan()));
 }

@@ -4,11 +4,11 @@
 //! arithmetic, property tests) is in cudnn-ops' unit tests.
 
 use cudarc::driver::CudaSlice;
-use cudnn_llm::cudnn_ops::{
+use cudnn_llm_ops::testing::{download, gpu, poisoned, upload};
+use cudnn_llm_ops::{
     embedding, reference, rms_norm, sdpa, Backend, Bindings, DataType, EmbeddingArgs, EmbeddingOperands,
     Error, Layout, NormPhase, RmsNormArgs, RmsNormOperands, SdpaArgs, SdpaOperands, SeqLens,
 };
-use cudnn_llm_app::bench_util::{download, gpu, poisoned, upload};
 use half::bf16;
 
 fn values(n: usize, seed: u64) -> Vec<f64> {
