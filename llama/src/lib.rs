@@ -16,7 +16,7 @@
 //! | [`roofline`] | the bytes a decode step reads, its memory floor |
 //! | [`trace`] | an observer recording NVTX ranges, CUDA events and host timestamps per module call |
 //! | [`tp`] | tensor parallelism over the GPUs of one host: the sharding math, sharded loading, one thread per rank ([`tp::TpLlama`]) |
-//! | [`nccl`] | NCCL opened at run time: communicators, in-place all-reduce and all-gather on a rank's stream, aborts |
+//! | [`nccl`] | the `cudnn-llm-nccl` crate, re-exported: NCCL opened at run time, communicators, in-place all-reduce and all-gather on a rank's stream, aborts |
 //! | [`train`] | training: the forward that saves activations, the loss, the backward through every module, gradient accumulation, clipping, AdamW ([`Trainer`]) |
 //! | [`reference`](mod@reference) | an f64 CPU forward of the whole model, and the training loss with its gradients, for tests |
 #![deny(missing_docs, rustdoc::broken_intra_doc_links)]
@@ -28,7 +28,7 @@ pub mod generate;
 mod json;
 pub mod model;
 mod modules;
-pub mod nccl;
+pub use cudnn_llm_nccl as nccl;
 pub mod profile;
 pub mod reference;
 pub mod roofline;

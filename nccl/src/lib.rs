@@ -56,6 +56,7 @@
 //! collective enqueued outside a graph while a graph launch may still run: whoever launches a graph
 //! holding a communicator's collectives tells it ([`Comm::graph_launched`]; `Llama`'s replays do),
 //! and the next collective enqueued outside a capture first waits on the host for that launch.
+#![deny(missing_docs, rustdoc::broken_intra_doc_links)]
 
 //! **Symmetric windows for one-row all-reduces.** With NCCL 2.28.9 or later (and two ranks or
 //! more), [`Comm::init_all`] also makes each rank a symmetric window ([`WINDOW_BYTES`] from
