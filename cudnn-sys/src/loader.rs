@@ -7,20 +7,7 @@ use std::path::PathBuf;
 /// The oldest cuDNN the graph code supports (9.0.0).
 pub const MIN_VERSION: usize = 9_00_00;
 
-macro_rules! required_symbols {
-    ($($sym:ident),* $(,)?) => {
-        /// Symbols the safe layer calls; a library missing any of them is refused at load time, so
-        /// that no call can later hit bindgen's "Expected function" panic.
-        pub const REQUIRED_SYMBOLS: &[&str] = &[$(stringify!($sym)),*];
-
-        fn first_missing(lib: &CudnnLib) -> Option<&'static str> {
-            $(if lib.$sym.is_err() { return Some(stringify!($sym)); })*
-            None
-        }
-    };
-}
-
-required_symbols!(
+cudnn_llm_dylib::required_symbols!(CudnnLib:
     cudnnGetVersion,
     cudnnGetCudartVersion,
     cudnnGetErrorString,
@@ -37,20 +24,13 @@ required_symbols!(
     cudnnBackendExecute,
 );
 
-/// Where the loader looked for the library, and why that place failed.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Candidate {
-    /// A path or a bare soname handed to the system loader.
-    pub name: String,
-    /// The loader's error text.
-    pub error: String,
-}
+pub use cudnn_llm_dylib::Candidate;
 
 /// Why cuDNN could not be used. Each variant says what was tried.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LoadError {
     /// No candidate could be opened.
-    #[error("cuDNN not found; tried {}. Install cuDNN 9 (e.g. `pip install nvidia-cudnn-cu13`) and put its lib directory on LD_LIBRARY_PATH, or set CUDNN_LIBRARY=/path/to/libcudnn.so.9", list(.tried))]
+    #[error("cuDNN not found; tried {}. Install cuDNN 9 (e.g. `pip install nvidia-cudnn-cu13`) and put its lib directory on LD_LIBRARY_PATH, or set CUDNN_LIBRARY=/path/to/libcudnn.so.9", cudnn_llm_dylib::tried(.tried))]
     NotFound {
         /// Every candidate with its error.
         tried: Vec<Candidate>,
@@ -84,10 +64,6 @@ pub enum LoadError {
     },
 }
 
-fn list(tried: &[Candidate]) -> String {
-    tried.iter().map(|c| format!("`{}` ({})", c.name, c.error)).collect::<Vec<_>>().join(", ")
-}
-
 /// Formats `cudnnGetVersion()`'s encoding as `major.minor.patch`.
 pub fn version_string(v: usize) -> String {
     format!("{}.{}.{}", v / 10000, (v % 10000) / 100, v % 100)
@@ -117,10 +93,10 @@ static LOADED: OnceCell<Result<Loaded, LoadError>> = OnceCell::new();
 pub fn load() -> Result<&'static Loaded, LoadError> {
     LOADED
         .get_or_init(|| {
-            let candidates = match std::env::var_os("CUDNN_LIBRARY") {
-                Some(path) if !path.is_empty() => vec![PathBuf::from(path)],
-                _ => vec![PathBuf::from("libcudnn.so.9"), PathBuf::from("libcudnn.so")],
-            };
+            let candidates = cudnn_llm_dylib::candidates(
+                std::env::var_os("CUDNN_LIBRARY"),
+                ["libcudnn.so.9", "libcudnn.so"].map(PathBuf::from),
+            );
             load_from(&candidates)
         })
         .as_ref()
@@ -129,16 +105,14 @@ pub fn load() -> Result<&'static Loaded, LoadError> {
 
 /// Opens the first candidate that loads and checks it (uncached; [`load`] is the usual entry).
 pub fn load_from(candidates: &[PathBuf]) -> Result<Loaded, LoadError> {
-    let mut tried = Vec::new();
-    for candidate in candidates {
-        let name = candidate.display().to_string();
+    let open = |path: &std::path::Path| {
         // SAFETY: opening a shared library runs its initialisers; cuDNN's are sound to run at any time.
-        match unsafe { CudnnLib::new(candidate) } {
-            Ok(lib) => return check(lib, name),
-            Err(e) => tried.push(Candidate { name, error: e.to_string() }),
-        }
+        unsafe { CudnnLib::new(path) }
+    };
+    match cudnn_llm_dylib::open_first(candidates, open) {
+        Ok((lib, name)) => check(lib, name),
+        Err(tried) => Err(LoadError::NotFound { tried }),
     }
-    Err(LoadError::NotFound { tried })
 }
 
 fn check(lib: CudnnLib, library: String) -> Result<Loaded, LoadError> {

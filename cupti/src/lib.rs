@@ -89,14 +89,7 @@ pub struct Collected {
     pub unreadable: usize,
 }
 
-/// A place the loader tried, and why it failed.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Candidate {
-    /// A path or a bare soname handed to the system loader.
-    pub name: String,
-    /// The loader's error text.
-    pub error: String,
-}
+pub use cudnn_llm_dylib::Candidate;
 
 /// Why CUPTI could not be used. Every variant says what was tried or which call failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -106,7 +99,7 @@ pub enum Error {
         "CUPTI not found; tried {}. Install CUPTI for CUDA 13 (the CUDA toolkit's extras/CUPTI/lib64, or \
          `pip install nvidia-cuda-cupti` for nvidia/cu13/lib) and put it on LD_LIBRARY_PATH, or set \
          {LIBRARY_ENV}=/path/to/libcupti.so.13",
-        list(.tried)
+        cudnn_llm_dylib::tried(.tried)
     )]
     NotFound {
         /// Every candidate with its error.
@@ -149,27 +142,10 @@ pub enum Error {
     },
 }
 
-fn list(tried: &[Candidate]) -> String {
-    tried.iter().map(|c| format!("`{}` ({})", c.name, c.error)).collect::<Vec<_>>().join(", ")
-}
-
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-macro_rules! required_symbols {
-    ($($sym:ident),* $(,)?) => {
-        /// The symbols this crate calls; a library missing any is refused at load time, so that no call
-        /// can hit bindgen's "Expected function" panic.
-        pub const REQUIRED_SYMBOLS: &[&str] = &[$(stringify!($sym)),*];
-
-        fn first_missing(lib: &CuptiLib) -> Option<&'static str> {
-            $(if lib.$sym.is_err() { return Some(stringify!($sym)); })*
-            None
-        }
-    };
-}
-
-required_symbols!(
+cudnn_llm_dylib::required_symbols!(CuptiLib:
     cuptiGetVersion,
     cuptiGetResultString,
     cuptiGetTimestamp,
@@ -202,8 +178,8 @@ fn candidates_from(
     cuda_roots: [Option<OsString>; 2],
     usr_local: &[PathBuf],
 ) -> Vec<PathBuf> {
-    if let Some(path) = library.filter(|p| !p.is_empty()) {
-        return vec![PathBuf::from(path)];
+    if library.as_ref().is_some_and(|p| !p.is_empty()) {
+        return cudnn_llm_dylib::candidates(library, []);
     }
     let mut out = vec![PathBuf::from("libcupti.so.13"), PathBuf::from("libcupti.so")];
     let mut roots: Vec<PathBuf> =
@@ -255,15 +231,10 @@ impl Cupti {
 
     /// Opens the first candidate that loads (a path, or a soname for the system loader) and checks it.
     pub fn load_from(candidates: &[PathBuf]) -> Result<Self> {
-        let mut tried = Vec::new();
-        for candidate in candidates {
-            let name = candidate.display().to_string();
-            match open(candidate) {
-                Ok(lib) => return Self::check(lib, name),
-                Err(error) => tried.push(Candidate { name, error }),
-            }
+        match cudnn_llm_dylib::open_first(candidates, open) {
+            Ok((lib, name)) => Self::check(lib, name),
+            Err(tried) => Err(Error::NotFound { tried }),
         }
-        Err(Error::NotFound { tried })
     }
 
     fn check(lib: &'static CuptiLib, library: String) -> Result<Self> {

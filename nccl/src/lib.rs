@@ -362,14 +362,7 @@ pub const RUNTIME_CONNECT_ENV: &str = "NCCL_RUNTIME_CONNECT";
 /// environment says otherwise (see the module docs).
 pub const GRAPH_MIXING_ENV: &str = "NCCL_GRAPH_MIXING_SUPPORT";
 
-/// A place the loader tried, and why it failed.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Candidate {
-    /// A path or a bare soname handed to the system loader.
-    pub name: String,
-    /// The loader's error text.
-    pub error: String,
-}
+pub use cudnn_llm_dylib::Candidate;
 
 /// Why NCCL could not be used, or a collective failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -380,7 +373,7 @@ pub enum NcclError {
         "NCCL not found; tried {}. Install NCCL 2 (e.g. `pip install nvidia-nccl-cu13`) and put its lib \
          directory (site-packages/nvidia/nccl/lib) on LD_LIBRARY_PATH, or set \
          {LIBRARY_ENV}=/path/to/libnccl.so.2",
-        list(.tried)
+        cudnn_llm_dylib::tried(.tried)
     )]
     NotFound {
         /// Every candidate with its error.
@@ -456,10 +449,6 @@ pub enum NcclError {
     /// A CUDA call around a collective failed (the message names it).
     #[error("{0}")]
     Cuda(String),
-}
-
-fn list(tried: &[Candidate]) -> String {
-    tried.iter().map(|c| format!("`{}` ({})", c.name, c.error)).collect::<Vec<_>>().join(", ")
 }
 
 /// `major.minor.patch` of an `ncclGetVersion()` number (2.9 and later: `major·10000 + minor·100 +

@@ -5,7 +5,7 @@
 //!
 //! NCCL docs: <https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/api.html>.
 
-use super::{Candidate, NcclConfig, NcclError, CONFIG_MIN_VERSION, LIBRARY_ENV, MIN_VERSION};
+use super::{NcclConfig, NcclError, CONFIG_MIN_VERSION, LIBRARY_ENV, MIN_VERSION};
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
 use cudarc::driver::CudaContext;
 use cudarc::nccl::sys::{ncclComm_t, ncclDataType_t, ncclRedOp_t};
@@ -237,10 +237,7 @@ pub(crate) fn default_candidates() -> Vec<PathBuf> {
 
 /// [`default_candidates`] for a given value of `$NCCL_LIBRARY`.
 fn candidates_from(library: Option<std::ffi::OsString>) -> Vec<PathBuf> {
-    match library {
-        Some(path) if !path.is_empty() => vec![PathBuf::from(path)],
-        _ => vec![PathBuf::from("libnccl.so.2"), PathBuf::from("libnccl.so")],
-    }
+    cudnn_llm_dylib::candidates(library, ["libnccl.so.2", "libnccl.so"].map(PathBuf::from))
 }
 
 static LOADED: OnceLock<Result<Lib, NcclError>> = OnceLock::new();
@@ -253,16 +250,14 @@ pub(crate) fn load() -> Result<&'static Lib, NcclError> {
 
 /// Opens the first candidate that loads, then checks its symbols and version (uncached).
 pub(crate) fn load_from(candidates: &[PathBuf]) -> Result<Lib, NcclError> {
-    let mut tried = Vec::new();
-    for candidate in candidates {
-        let name = candidate.display().to_string();
+    let open = |path: &std::path::Path| {
         // SAFETY: opening a shared library runs its initialisers; NCCL's only set up process state.
-        match unsafe { libloading::Library::new(candidate) } {
-            Ok(lib) => return Lib::check(lib, name),
-            Err(e) => tried.push(Candidate { name, error: e.to_string() }),
-        }
+        unsafe { libloading::Library::new(path) }
+    };
+    match cudnn_llm_dylib::open_first(candidates, open) {
+        Ok((lib, name)) => Lib::check(lib, name),
+        Err(tried) => Err(NcclError::NotFound { tried }),
     }
-    Err(NcclError::NotFound { tried })
 }
 
 /// A symbol of `lib` as a function pointer of type `F`.
