@@ -72,14 +72,15 @@ pub use exec::{
 };
 pub use features::Features;
 pub use graph::{
-    Binary, Graph, Mask, NormPhase, Reduce, RmsNormGradOutputs, RmsNormOutputs, SdpaBackwardOptions,
-    SdpaForm, SdpaGradients, SdpaOptions, SdpaOutputs, TensorId, Unary,
+    Binary, Graph, LayerNormOutputs, Mask, NormPhase, Reduce, RmsNormGradOutputs, RmsNormOutputs,
+    SdpaBackwardOptions, SdpaForm, SdpaGradients, SdpaOptions, SdpaOutputs, TensorId, Unary,
 };
 pub use kernels::KernelRun;
 pub use kv_cache::{
     AttendForm, KvCache, KvCacheShape, PageAllocator, PagedForm, PagedKvCache, PagedKvShape, QkvRows, SeqId,
 };
 pub use ops::argmax::{argmax, ArgmaxArgs, ArgmaxOperands, Pick};
+pub use ops::layernorm::{layer_norm, LayerNormArgs, LayerNormOperands};
 pub use ops::loss::{cross_entropy, CrossEntropyArgs, CrossEntropyOperands, Logits};
 pub use ops::matmul::{
     linear_backward_data, linear_backward_weight, matmul, sum_partials, sum_partials_reference,

@@ -1,7 +1,7 @@
 //! Builder methods: each records a node and returns its (virtual) outputs.
 
-use super::node::{Binary, MatmulOverrides, Node, Pointwise, Reduce, Unary};
-use super::{Graph, NormPhase, RmsNormGradOutputs, RmsNormOutputs, TensorId};
+use super::node::{Binary, MatmulOverrides, Node, NormMode, Pointwise, Reduce, Unary};
+use super::{Graph, LayerNormOutputs, NormPhase, RmsNormGradOutputs, RmsNormOutputs, TensorId};
 use crate::dtype::DataType;
 use crate::tensor::packed_strides;
 
@@ -16,19 +16,54 @@ impl Graph {
         epsilon: TensorId,
         phase: NormPhase,
     ) -> RmsNormOutputs {
+        let (y, _, inv_rms) = self.norm(NormMode::Rms, x, scale, None, epsilon, phase);
+        RmsNormOutputs { y, inv_rms }
+    }
+
+    /// Layer normalization over every dimension but the first:
+    /// `y = (x − mean) / sqrt(var + ε) * scale + bias` (the biased variance, as PyTorch's
+    /// `layer_norm`), computed in f32. X is `[rows, hidden, 1, 1]`-like, scale and bias
+    /// `[1, hidden, 1, 1]`, epsilon a by-value f32 scalar; in training also the f32 mean and inverse
+    /// standard deviation per row.
+    pub fn layernorm(
+        &mut self,
+        x: TensorId,
+        scale: TensorId,
+        bias: TensorId,
+        epsilon: TensorId,
+        phase: NormPhase,
+    ) -> LayerNormOutputs {
+        let (y, mean, inv_std) = self.norm(NormMode::Layer, x, scale, Some(bias), epsilon, phase);
+        LayerNormOutputs { y, mean, inv_std }
+    }
+
+    /// A norm forward node: Y like X, and in training the f32 statistics `[rows, 1, ...]` the mode
+    /// has (the mean for layer norm only, the inverse RMS or standard deviation for both).
+    fn norm(
+        &mut self,
+        mode: NormMode,
+        x: TensorId,
+        scale: TensorId,
+        bias: Option<TensorId>,
+        epsilon: TensorId,
+        phase: NormPhase,
+    ) -> (TensorId, Option<TensorId>, Option<TensorId>) {
         let xs = self.spec(x).clone();
         let y = self.intermediate(format!("{}::Y", self.name), &xs.dims, &xs.strides, xs.dtype);
-        let inv_rms = (phase == NormPhase::Training).then(|| {
+        let stat = |g: &mut Self, name: &str| {
             // A rank-0 X has no rows: the statistic gets rank 0 too, and validation rejects both.
             let mut dims = vec![1; xs.dims.len()];
             if let (Some(d), Some(&rows)) = (dims.first_mut(), xs.dims.first()) {
                 *d = rows;
             }
             let strides = packed_strides(&dims);
-            self.intermediate(format!("{}::inv_rms", self.name), &dims, &strides, DataType::F32)
-        });
-        self.nodes.push(Node::RmsNorm { x, scale, epsilon, y, inv_rms, phase });
-        RmsNormOutputs { y, inv_rms }
+            g.intermediate(format!("{}::{name}", g.name), &dims, &strides, DataType::F32)
+        };
+        let training = phase == NormPhase::Training;
+        let mean = (training && mode == NormMode::Layer).then(|| stat(self, "mean"));
+        let inv_var = training.then(|| stat(self, if mode == NormMode::Rms { "inv_rms" } else { "inv_std" }));
+        self.nodes.push(Node::Norm { mode, x, scale, bias, epsilon, y, mean, inv_var, phase });
+        (y, mean, inv_var)
     }
 
     /// The backward of [`Graph::rmsnorm`] (cuDNN's norm backward in RMS mode), from the forward's saved

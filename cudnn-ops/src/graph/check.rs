@@ -10,8 +10,8 @@ const FLOATS: [DataType; 3] = [DataType::F32, DataType::F16, DataType::BF16];
 impl Graph {
     pub(super) fn check_node(&self, node: &Node) -> Result<()> {
         match *node {
-            Node::RmsNorm { x, scale, epsilon, y, inv_rms, .. } => {
-                self.check_rmsnorm(x, scale, epsilon, y, inv_rms)
+            Node::Norm { x, scale, bias, epsilon, y, mean, inv_var, .. } => {
+                self.check_norm(x, [Some(scale), bias], epsilon, y, [mean, inv_var])
             }
             Node::RmsNormBackward { dy, x, scale, inv_rms, dx, dscale } => {
                 self.check_rmsnorm_backward(dy, x, scale, inv_rms, dx, dscale)
@@ -440,16 +440,18 @@ impl Graph {
         Ok(())
     }
 
-    fn check_rmsnorm(
+    /// A norm forward: X, the scale and bias (`[1, hidden, ...]`) and Y float tensors, epsilon a
+    /// by-value f32 scalar, each statistic f32 `[rows, 1, ...]`.
+    fn check_norm(
         &self,
         x: TensorId,
-        scale: TensorId,
+        params: [Option<TensorId>; 2],
         eps: TensorId,
         y: TensorId,
-        inv: Option<TensorId>,
+        stats: [Option<TensorId>; 2],
     ) -> Result<()> {
-        let (xs, ss, es) = (self.spec(x), self.spec(scale), self.spec(eps));
-        for id in [x, scale, y] {
+        let (xs, es) = (self.spec(x), self.spec(eps));
+        for id in [Some(x), Some(y)].into_iter().chain(params).flatten() {
             if !FLOATS.contains(&self.spec(id).dtype) {
                 return Err(self.fail(id, format!("dtype {} is not f32, f16 or bf16", self.spec(id).dtype)));
             }
@@ -462,11 +464,17 @@ impl Graph {
         }
         let mut expected = xs.dims.clone();
         expected[0] = 1;
-        if ss.dims != expected {
-            return Err(self.fail(
-                scale,
-                format!("dims {:?} do not match X {:?}: expected {expected:?}", ss.dims, xs.dims),
-            ));
+        for p in params.into_iter().flatten() {
+            if self.spec(p).dims != expected {
+                return Err(self.fail(
+                    p,
+                    format!(
+                        "dims {:?} do not match X {:?}: expected {expected:?}",
+                        self.spec(p).dims,
+                        xs.dims
+                    ),
+                ));
+            }
         }
         if !es.by_value || es.dtype != DataType::F32 || es.dims.iter().any(|&d| d != 1) {
             return Err(self.fail(eps, "epsilon must be a by-value f32 scalar (all dims 1)"));
@@ -474,11 +482,11 @@ impl Graph {
         if self.spec(y).dims != xs.dims {
             return Err(self.fail(y, format!("dims {:?} differ from X {:?}", self.spec(y).dims, xs.dims)));
         }
-        if let Some(inv) = inv {
-            let s = self.spec(inv);
+        for stat in stats.into_iter().flatten() {
+            let s = self.spec(stat);
             if s.dtype != DataType::F32 || s.dims[0] != xs.dims[0] || s.dims[1..].iter().any(|&d| d != 1) {
                 return Err(self.fail(
-                    inv,
+                    stat,
                     format!("must be f32 [{}, 1, ...], is {} {:?}", xs.dims[0], s.dtype, s.dims),
                 ));
             }

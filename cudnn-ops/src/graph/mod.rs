@@ -75,6 +75,18 @@ pub struct RmsNormOutputs {
     pub inv_rms: Option<TensorId>,
 }
 
+/// Outputs of [`Graph::layernorm`].
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub struct LayerNormOutputs {
+    /// The normalized, scaled and shifted output (dims and strides of X, dtype of X).
+    pub y: TensorId,
+    /// f32 mean per row, `[rows, 1, ...]`; only in the training phase.
+    pub mean: Option<TensorId>,
+    /// f32 inverse standard deviation per row, `[rows, 1, ...]`; only in the training phase.
+    pub inv_std: Option<TensorId>,
+}
+
 /// Outputs of [`Graph::rmsnorm_backward`].
 #[derive(Debug, Clone, Copy)]
 #[non_exhaustive]

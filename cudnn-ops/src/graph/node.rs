@@ -174,14 +174,42 @@ impl MatmulOverrides {
     }
 }
 
+/// Which normalization a [`Node::Norm`] computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum NormMode {
+    /// Root mean square (no mean subtracted, no bias).
+    Rms,
+    /// Mean and variance, with a bias.
+    Layer,
+}
+
+impl NormMode {
+    /// The operation's name in errors.
+    fn operation(self) -> &'static str {
+        match self {
+            NormMode::Rms => "rmsnorm operation",
+            NormMode::Layer => "layernorm operation",
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) enum Node {
-    RmsNorm {
+    /// cuDNN's norm forward: RMS (`y = x · rsqrt(mean(x²) + ε) · scale`) or layer
+    /// (`y = (x − mean) · rsqrt(var + ε) · scale + bias`) normalization of each row; in training the
+    /// f32 statistics per row (the inverse RMS or standard deviation, and the layer norm's mean).
+    Norm {
+        mode: NormMode,
         x: TensorId,
         scale: TensorId,
+        /// The layer norm's bias (like scale); none in RMS mode.
+        bias: Option<TensorId>,
         epsilon: TensorId,
         y: TensorId,
-        inv_rms: Option<TensorId>,
+        /// The layer norm's f32 mean per row (training only).
+        mean: Option<TensorId>,
+        /// The f32 inverse RMS or standard deviation per row (training only).
+        inv_var: Option<TensorId>,
         phase: NormPhase,
     },
     /// cuDNN's norm backward in RMS mode, from the forward's saved f32 inverse RMS (no epsilon: it is
@@ -241,7 +269,9 @@ pub(crate) enum Node {
 impl Node {
     pub(crate) fn inputs(&self) -> Vec<TensorId> {
         match *self {
-            Node::RmsNorm { x, scale, epsilon, .. } => vec![x, scale, epsilon],
+            Node::Norm { x, scale, bias, epsilon, .. } => {
+                [Some(x), Some(scale), bias, Some(epsilon)].into_iter().flatten().collect()
+            }
             Node::RmsNormBackward { dy, x, scale, inv_rms, .. } => vec![dy, x, scale, inv_rms],
             Node::Pointwise { x, b, t, .. } => [Some(x), b, t].into_iter().flatten().collect(),
             Node::Matmul { a, b, overrides, .. } => {
@@ -261,7 +291,7 @@ impl Node {
 
     pub(crate) fn outputs(&self) -> Vec<TensorId> {
         match *self {
-            Node::RmsNorm { y, inv_rms, .. } => [Some(y), inv_rms].into_iter().flatten().collect(),
+            Node::Norm { y, mean, inv_var, .. } => [Some(y), mean, inv_var].into_iter().flatten().collect(),
             Node::RmsNormBackward { dx, dscale, .. } => vec![dx, dscale],
             Node::Pointwise { y, .. } | Node::Reduction { y, .. } | Node::Reshape { y, .. } => vec![y],
             Node::Matmul { c, .. } => vec![c],
@@ -272,12 +302,13 @@ impl Node {
     /// Creates and finalizes the operation descriptor; `t` maps tensors to their descriptors.
     pub(crate) fn lower<'a>(&self, t: impl Fn(TensorId) -> &'a Descriptor) -> Result<Descriptor> {
         match *self {
-            Node::RmsNorm { x, scale, epsilon, y, inv_rms, phase } => {
+            Node::Norm { mode, x, scale, bias, epsilon, y, mean, inv_var, phase } => {
                 let mut op = Descriptor::new(D::CUDNN_BACKEND_OPERATION_NORM_FORWARD_DESCRIPTOR)?;
-                op.set(
-                    A::CUDNN_ATTR_OPERATION_NORM_FWD_MODE,
-                    Attr::NormMode(sys::cudnnBackendNormMode_t::CUDNN_RMS_NORM),
-                )?;
+                let raw_mode = match mode {
+                    NormMode::Rms => sys::cudnnBackendNormMode_t::CUDNN_RMS_NORM,
+                    NormMode::Layer => sys::cudnnBackendNormMode_t::CUDNN_LAYER_NORM,
+                };
+                op.set(A::CUDNN_ATTR_OPERATION_NORM_FWD_MODE, Attr::NormMode(raw_mode))?;
                 let raw_phase = match phase {
                     NormPhase::Inference => sys::cudnnBackendNormFwdPhase_t::CUDNN_NORM_FWD_INFERENCE,
                     NormPhase::Training => sys::cudnnBackendNormFwdPhase_t::CUDNN_NORM_FWD_TRAINING,
@@ -285,12 +316,18 @@ impl Node {
                 op.set(A::CUDNN_ATTR_OPERATION_NORM_FWD_PHASE, Attr::NormPhase(raw_phase))?;
                 op.set(A::CUDNN_ATTR_OPERATION_NORM_FWD_XDESC, Attr::Descriptors(&[t(x)]))?;
                 op.set(A::CUDNN_ATTR_OPERATION_NORM_FWD_SCALE_DESC, Attr::Descriptors(&[t(scale)]))?;
+                if let Some(bias) = bias {
+                    op.set(A::CUDNN_ATTR_OPERATION_NORM_FWD_BIAS_DESC, Attr::Descriptors(&[t(bias)]))?;
+                }
                 op.set(A::CUDNN_ATTR_OPERATION_NORM_FWD_EPSILON_DESC, Attr::Descriptors(&[t(epsilon)]))?;
                 op.set(A::CUDNN_ATTR_OPERATION_NORM_FWD_YDESC, Attr::Descriptors(&[t(y)]))?;
-                if let Some(inv) = inv_rms {
+                if let Some(mean) = mean {
+                    op.set(A::CUDNN_ATTR_OPERATION_NORM_FWD_MEAN_DESC, Attr::Descriptors(&[t(mean)]))?;
+                }
+                if let Some(inv) = inv_var {
                     op.set(A::CUDNN_ATTR_OPERATION_NORM_FWD_INV_VARIANCE_DESC, Attr::Descriptors(&[t(inv)]))?;
                 }
-                op.finalize("rmsnorm operation")?;
+                op.finalize(mode.operation())?;
                 Ok(op)
             }
             Node::RmsNormBackward { dy, x, scale, inv_rms, dx, dscale } => {

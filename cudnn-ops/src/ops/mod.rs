@@ -6,6 +6,7 @@
 //! |---|---|---|---|
 //! | [`rmsnorm`] | [`rms_norm`](rmsnorm::rms_norm) | `NORM_FORWARD` graph | 8 eager kernels ([`rmsnorm::naive`]) |
 //! | | [`rms_norm_backward`](rmsnorm::rms_norm_backward) | `NORM_BACKWARD` graph (+ residual add, 9.21) | 19 eager autograd kernels |
+//! | [`layernorm`] | [`layer_norm`](layernorm::layer_norm) | `NORM_FORWARD` (LAYER_NORM) graph | eager's one `layer_norm` kernel ([`layernorm::naive`]) |
 //! | [`sdpa`] | [`sdpa`](sdpa::sdpa) | SDPA graph (unified or composite; paged K/V through page tables on the unified one); a decode: the split-KV kernel (one launch, contiguous or paged K/V) | math-path attention ([`sdpa::naive`]) |
 //! | | [`sdpa_backward`](sdpa::sdpa_backward) | composite backward graph | math-path autograd ([`sdpa::naive`]) |
 //! | [`matmul`] | [`matmul`](matmul::matmul) | matmul + epilogue graph; a custom GEMV for a Linear layer over at most 8 tokens ([`MatmulKernel`](matmul::MatmulKernel)) | cuBLAS GEMM + one kernel per step ([`matmul::naive`]) |
@@ -25,6 +26,7 @@
 //! `mod.rs`.
 
 pub mod argmax;
+pub mod layernorm;
 pub mod loss;
 pub mod matmul;
 pub mod optim;
