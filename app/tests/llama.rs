@@ -404,3 +404,49 @@ fn both_decode_attentions_give_the_reference_hidden_states_plain_and_replayed() 
         assert!(c.passes(MODEL_TOL), "position {}: split-KV vs cuDNN {c}", prompt + 1 + i);
     }
 }
+
+/// A model, cache or page pool that cannot fit the GPU is an `OutOfMemory` error with both sizes,
+/// raised before it allocates (free memory as before), and the context stays usable.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn what_does_not_fit_is_an_error_before_it_allocates() {
+    use cudnn_llm::cudnn_ops::{Error as OpsError, KvCache as OpsKvCache, KvCacheShape, PagedKvCache};
+    use cudnn_llm::cudnn_ops::{PageOrder, PageShape, PagedKvShape};
+    use cudnn_llm::llama::Error;
+    let ctx = gpu();
+    let out_of_memory = |what: &str, e: Error| match e {
+        Error::Ops(OpsError::OutOfMemory { what: w, needed, free }) => {
+            println!("{what}: {w}: needs {needed} bytes, {free} free");
+            assert!(needed > free, "{what}");
+        }
+        other => panic!("{what}: not OutOfMemory: {other}"),
+    };
+    // Llama-3.1-70B in bf16 (141 GB of weights) on one GPU: refused before a weight is made.
+    let (free_before, total) = ctx.memory_info().unwrap();
+    println!("{} of {} bytes free", free_before, total);
+    let e = Llama::<bf16>::ensure_fits(&ctx, &LlamaConfig::llama_3_1_70b(), 4096).unwrap_err();
+    out_of_memory("70B weights", e);
+    // A model that fits, then a KV cache of 512 x 131072 positions (550 GB) for it.
+    let cfg = LlamaConfig::llama_3_1_8b().with_layers(2);
+    let mut model = Llama::new(&ctx, &cfg, &Weights::<bf16>::random(&cfg, 1), 131072).unwrap();
+    let free = ctx.memory_info().unwrap().0;
+    out_of_memory("cache", model.cache(&ctx, 512, 131072).err().expect("a 550 GB cache"));
+    // The library's caches, contiguous and paged.
+    let shape = KvCacheShape::new(32, 64, 1 << 20, 8, 128).unwrap();
+    out_of_memory(
+        "ops cache",
+        Error::Ops(OpsKvCache::<bf16>::new(&ctx, shape).err().expect("an 8.8 TB cache")),
+    );
+    let pages = PageShape::new(1 << 22, 16, 8, 128, PageOrder::HeadMajor).unwrap();
+    let paged = PagedKvShape::new(32, 64, 4096, pages).unwrap();
+    out_of_memory("paged", Error::Ops(PagedKvCache::<bf16>::new(&ctx, paged).err().expect("a 2.2 TB pool")));
+    let after = ctx.memory_info().unwrap().0;
+    assert!(after + (64 << 20) >= free, "the refused allocations took memory: {free} -> {after}");
+    // The context and the model still work: a cache that fits, and a forward.
+    let mut cache = model.cache(&ctx, 1, 64).unwrap();
+    let toks = tokens(1, 8, cfg.vocab, 3);
+    let fused = Backends::parse("fused=all").unwrap();
+    let out = model.forward(&ctx, &toks, &mut cache, &fused, &mut NoObserver).unwrap();
+    let h = ctx.stream().clone_dtoh(out).unwrap();
+    assert!(h[..8 * cfg.hidden].iter().all(|v| v.is_finite()));
+}

@@ -76,3 +76,22 @@ fn bad_model_dirs_sizes_and_layer_ranges_exit_2_naming_the_option() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot be used with"));
 }
+
+/// Llama-3.1-70B on one GPU does not fit: the report says so (how much it needs, how much is free)
+/// and exits 1 within seconds, before any of its 70 billion weights is made on the host.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_model_that_does_not_fit_exits_1_before_making_weights() {
+    let Some(bin) = binary() else { return };
+    let out_dir = std::env::temp_dir().join("oom-report");
+    let t = std::time::Instant::now();
+    let out = Command::new(&bin)
+        .args(["--config", "llama-3.1-70b", "--out", &out_dir.to_string_lossy()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    println!("{err}");
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("out of device memory") && err.contains("bytes are free"), "{err}");
+    assert!(t.elapsed().as_secs() < 60, "took {:?}: weights were made first", t.elapsed());
+}

@@ -14,6 +14,10 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;
 
+/// Device memory [`Exec::ensure_free`] keeps free beyond what a caller asks for: cuDNN's and
+/// cuBLAS's workspaces and handles, and the driver's own allocations, come out of it.
+pub const MEMORY_HEADROOM: usize = 256 << 20;
+
 /// What the context runs on, for reports.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
@@ -359,6 +363,18 @@ impl Exec {
     pub fn memory_info(&self) -> Result<(usize, usize)> {
         self.bind()?;
         Ok(cudarc::driver::result::mem_get_info()?)
+    }
+
+    /// Checks, before something large is allocated, that `needed` bytes are free with
+    /// [`MEMORY_HEADROOM`] to spare for what cuDNN, cuBLAS and the driver allocate on their own:
+    /// [`Error::OutOfMemory`] naming `what` (with both sizes) otherwise. A model, cache or pool that
+    /// cannot fit then fails before it has allocated most of itself, and the context stays usable.
+    pub fn ensure_free(&self, needed: usize, what: impl FnOnce() -> String) -> Result<()> {
+        let (free, _) = self.memory_info()?;
+        if needed > free.saturating_sub(MEMORY_HEADROOM) {
+            return Err(Error::OutOfMemory { what: what(), needed, free });
+        }
+        Ok(())
     }
 
     /// Bytes of stream-ordered device memory (every buffer this context and cudarc allocate; not

@@ -68,7 +68,7 @@ pub use dtype::{DataType, Element};
 pub use error::{Error, Result};
 pub use exec::{
     device_count, open_device, DecodeAttention, DeviceInfo, Exec, GemvSplit, DECODE_ATTENTION_ENV,
-    GEMV_SPLIT_ENV, PDL_ENV,
+    GEMV_SPLIT_ENV, MEMORY_HEADROOM, PDL_ENV,
 };
 pub use features::Features;
 pub use graph::{

@@ -235,7 +235,7 @@ impl<T: Element> Llama<T> {
     /// Uploads `weights` (the Q, K and V projections concatenated into one matrix) and RoPE tables for
     /// positions `0..max_positions`.
     pub fn new(ctx: &Cudnn, cfg: &LlamaConfig, weights: &Weights<T>, max_positions: usize) -> Result<Self> {
-        check_model(cfg, max_positions)?;
+        Self::ensure_fits(ctx, cfg, max_positions)?;
         if weights.layers.len() != cfg.layers {
             return Err(Error::Weights(format!(
                 "{} layers of weights for a {}-layer config",
@@ -251,6 +251,25 @@ impl<T: Element> Llama<T> {
             .collect::<Result<_>>()?;
         let (embed, norm) = (&weights.embed, &weights.norm);
         Self::assemble(ctx, cfg, blocks, [embed, norm], weights.lm_head.as_ref(), max_positions, None)
+    }
+
+    /// Checks the config (as [`Llama::new`] does) and that its weights and RoPE tables for
+    /// `max_positions` positions fit the device's free memory, before any weight is read or made:
+    /// [`cudnn_llm_ops::Error::OutOfMemory`] with both sizes otherwise (70B in bf16 on one GPU, say).
+    /// Activations and caches are checked when they are allocated.
+    pub fn ensure_fits(ctx: &Cudnn, cfg: &LlamaConfig, max_positions: usize) -> Result<()> {
+        check_model(cfg, max_positions)?;
+        let bytes = model_bytes(cfg, T::DTYPE.size(), cfg.parameters(), max_positions)?;
+        ctx.ensure_free(bytes, || {
+            format!(
+                "{} ({} layers, {} parameters in {}) with RoPE tables",
+                cfg.name,
+                cfg.layers,
+                cfg.parameters(),
+                T::DTYPE
+            )
+        })?;
+        Ok(())
     }
 
     /// One rank's shard of a tensor-parallel model ([`crate::tp`] computes the shapes and slices):
@@ -271,6 +290,13 @@ impl<T: Element> Llama<T> {
         comm: Option<Comm>,
     ) -> Result<Self> {
         check_model(cfg, max_positions)?;
+        // The rank's parameters: its layers' shards, the whole embedding and its lm_head rows.
+        let untied_head = if cfg.tie_embeddings { 0 } else { cfg.vocab.saturating_mul(cfg.hidden) };
+        let params = cfg.parameters().saturating_sub(untied_head) + lm_head.map_or(0, |h| h.data.len());
+        let bytes = model_bytes(cfg, T::DTYPE.size(), params, max_positions)?;
+        ctx.ensure_free(bytes, || {
+            format!("a rank's shard of {} ({params} parameters in {})", cfg.name, T::DTYPE)
+        })?;
         if comm.is_some() && lm_head.is_none() {
             return Err(Error::Tp("a rank of several needs its own lm_head rows".into()));
         }
@@ -366,7 +392,15 @@ impl<T: Element> Llama<T> {
                 self.rope.positions()
             )));
         }
-        let n = batch * max_seq * self.cfg.kv_heads * self.cfg.head_dim;
+        let too_large = || Error::Config(format!("a cache of {batch} x {max_seq} positions overflows"));
+        let n = [batch, max_seq, self.cfg.kv_heads, self.cfg.head_dim]
+            .into_iter()
+            .try_fold(1usize, usize::checked_mul)
+            .ok_or_else(too_large)?;
+        let bytes = n.checked_mul(2 * self.cfg.layers * T::DTYPE.size()).ok_or_else(too_large)?;
+        ctx.ensure_free(bytes, || {
+            format!("a KV cache of {} layers x {batch} sequences x {max_seq} positions", self.cfg.layers)
+        })?;
         let alloc = || ctx.stream().alloc_zeros::<T>(n).map_err(cudnn_llm_ops::Error::from);
         let mut k = Vec::with_capacity(self.cfg.layers);
         let mut v = Vec::with_capacity(self.cfg.layers);
@@ -921,6 +955,16 @@ fn lm_head<T: Element>(
 
 /// Checks what every model needs before any upload: a config [`LlamaConfig::check`] accepts and
 /// RoPE tables this crate builds.
+/// Bytes of `params` weights of `elem` bytes and the f32 RoPE cos/sin tables of `max_positions` rows.
+fn model_bytes(cfg: &LlamaConfig, elem: usize, params: usize, max_positions: usize) -> Result<usize> {
+    let rope = max_positions.checked_mul(cfg.head_dim).and_then(|n| n.checked_mul(4));
+    params
+        .checked_mul(elem)
+        .zip(rope)
+        .and_then(|(w, r)| w.checked_add(r))
+        .ok_or_else(|| Error::Config(format!("{}: the model's size in bytes overflows", cfg.name)))
+}
+
 fn check_model(cfg: &LlamaConfig, max_positions: usize) -> Result<()> {
     cfg.check()?;
     if max_positions > crate::config::MAX_POSITIONS {

@@ -95,6 +95,11 @@ impl<T: Element> KvCache<T> {
             });
         }
         let KvCacheShape { layers, batch, max_seq, .. } = shape;
+        let bytes =
+            crate::checked::product("kv cache: bytes", &[2, layers, shape.layer_len(), T::DTYPE.size()])?;
+        ctx.ensure_free(bytes, || {
+            format!("a KV cache of {layers} layers x {batch} sequences x {max_seq} positions")
+        })?;
         let s = ctx.stream();
         let mut k = Vec::with_capacity(layers);
         let mut v = Vec::with_capacity(layers);

@@ -191,6 +191,13 @@ impl<T: Element> PagedKvCache<T> {
             });
         }
         let table = shape.table_shape()?;
+        let bytes = crate::checked::product(
+            "paged kv cache: bytes",
+            &[2, shape.layers, shape.pages.num_pages, shape.pages.page_len(), T::DTYPE.size()],
+        )?;
+        ctx.ensure_free(bytes, || {
+            format!("a paged KV cache of {} layers x {} pages", shape.layers, shape.pages.num_pages)
+        })?;
         let s = ctx.stream();
         let (mut k, mut v) = (Vec::with_capacity(shape.layers), Vec::with_capacity(shape.layers));
         for _ in 0..shape.layers {

@@ -118,6 +118,8 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> R
     let bandwidth = copy_bandwidth_gbps(ctx, COPY_BYTES, 10)?;
     let max_seq = input.max_seq;
     let model = {
+        // Before any weight is read: a model that cannot fit fails here.
+        Llama::<T>::ensure_fits(ctx, cfg, max_seq)?;
         let weights = Weights::<T>::load(cfg, &opts.model)?;
         Llama::new(ctx, cfg, &weights, max_seq)?
     };

@@ -67,6 +67,8 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Resolved) -> Result<(), E
         plan.dtype,
         ctx.info().name
     );
+    // Before any weight is read or made on the host: a model that cannot fit fails here.
+    Llama::<T>::ensure_fits(ctx, &plan.config, plan.max_seq)?;
     let weights = match &plan.model_dir {
         Some(dir) => Weights::<T>::load(&plan.config, dir)?,
         None => Weights::<T>::random(&plan.config, 0),

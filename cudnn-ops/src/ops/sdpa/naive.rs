@@ -41,9 +41,6 @@ use crate::ops::Naive;
 use crate::{Cudnn, Error, Result};
 use cudarc::driver::LaunchConfig;
 
-/// Headroom left free for cuBLAS's workspace and the rest of the process.
-const HEADROOM: usize = 256 << 20;
-
 /// Kernels launched per call (cuBLAS may split a GEMM into more than one kernel; counted as one).
 pub fn kernel_count(args: &SdpaArgs) -> usize {
     let args = args.normalized();
@@ -112,7 +109,7 @@ fn checked_scratch(
     let held = kernels.scratch_len();
     if total > held {
         let (free, _) = ctx.memory_info()?;
-        let available = (free + 4 * held).saturating_sub(HEADROOM);
+        let available = (free + 4 * held).saturating_sub(crate::exec::MEMORY_HEADROOM);
         if 4 * total > available {
             return Err(Error::OutOfMemory { what: what(), needed: 4 * total, free: available });
         }
