@@ -23,6 +23,9 @@ const RANK_STACK: usize = 8 << 20;
 /// aborted, so they return promptly unless a rank hangs outside NCCL).
 const GRACE: Duration = Duration::from_secs(30);
 
+/// The longest wait a team call takes, whatever its timeout says.
+const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
 /// Settings of a [`TpLlama`].
 #[derive(Debug, Clone)]
 #[non_exhaustive]
@@ -357,7 +360,8 @@ impl<T: Element> TpLlama<T> {
         let mut values: Vec<Option<R>> = (0..n).map(|_| None).collect();
         let mut answered = vec![false; n];
         let mut failure: Option<Error> = None;
-        let mut deadline = Instant::now() + self.timeout;
+        // A timeout past what an `Instant` holds (`Duration::MAX`) waits a century, not a panic.
+        let mut deadline = Instant::now() + self.timeout.min(CENTURY);
         while answered.iter().any(|a| !a) {
             match answers.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
                 Ok((rank, answer)) => {

@@ -31,7 +31,9 @@ use cudnn_llm_llama::generate::DecodeMode;
 use cudnn_llm_llama::sampling::SamplingParams;
 use cudnn_llm_llama::weights::Weights;
 use cudnn_llm_llama::{Backends, BatchConfig, BatchEngine, GraphCounts, Llama, LlamaConfig};
-use cudnn_llm_ops::{default_plan_dir, Cudnn, DataType, Element, PageOrder, PLAN_DIR_ENV};
+use cudnn_llm_ops::{
+    default_plan_dir, Cudnn, DataType, Element, PageOrder, PageShape, PagedKvShape, PLAN_DIR_ENV,
+};
 use half::{bf16, f16};
 use serde::Serialize;
 use std::collections::{HashMap, VecDeque};
@@ -113,6 +115,9 @@ struct Options {
     out: Option<PathBuf>,
 }
 
+/// The most sequences decoding together (a CUDA graph per bucket up to it, activations for it).
+const MAX_BATCH: usize = 1 << 16;
+
 /// The most requests a stream holds (each is drawn up front, with its prompt ids, before the run).
 const MAX_REQUESTS: usize = 1_000_000;
 
@@ -166,6 +171,9 @@ impl Options {
         if self.page_size == 0 || self.max_batch == 0 {
             return Err("--page-size and --max-batch must be at least 1".into());
         }
+        if self.max_batch > MAX_BATCH {
+            return Err(format!("--max-batch {}: give at most {MAX_BATCH}", self.max_batch));
+        }
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
             return Err(format!("--temperature {}: give a finite value >= 0", self.temperature));
         }
@@ -191,6 +199,18 @@ impl Options {
                     p.min, p.max, self.output_len.min, self.output_len.max, self.output_len.max, config.max_positions
                 )
             })?;
+        if self.page_size > max_seq {
+            return Err(format!(
+                "--page-size {}: longer than the longest request ({max_seq} positions)",
+                self.page_size
+            ));
+        }
+        if self.prefill_tokens > self.max_batch * max_seq {
+            return Err(format!(
+                "--prefill-tokens {}: more than --max-batch {} requests of {max_seq} positions",
+                self.prefill_tokens, self.max_batch
+            ));
+        }
         let per_seq = max_seq.div_ceil(self.page_size);
         let pages = self.pages.unwrap_or(self.max_batch.saturating_mul(per_seq));
         if pages < per_seq {
@@ -208,6 +228,11 @@ impl Options {
             .with_order(order)
             .with_reserve_rows(reserve);
         batch.check().map_err(|e| e.to_string())?;
+        // The page pool's and table's shapes, checked here as the cache will (page ids fit i32).
+        let shape = PageShape::new(pages, self.page_size, config.kv_heads, config.head_dim, order)
+            .map_err(|e| format!("--pages {pages}: {e}"))?;
+        PagedKvShape::new(config.layers, self.max_batch, max_seq, shape)
+            .map_err(|e| format!("--pages {pages}, --max-batch {}: {e}", self.max_batch))?;
         let mut reqs = requests(self.requests, self.rate, steps, self.output_len, config.vocab, self.seed);
         for r in &mut reqs {
             // `steps` drew the number of steps: the prompt is that many steps long.

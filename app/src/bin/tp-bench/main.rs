@@ -361,6 +361,12 @@ impl Row {
     }
 }
 
+/// The most rows one prefill forward of the bench runs (`--batch` × `--prompt`).
+const MAX_PREFILL_ROWS: usize = 1 << 24;
+
+/// The most repetitions a loop-count option takes.
+const MAX_COUNT: usize = 1_000_000;
+
 fn main() -> ExitCode {
     let opts = Options::parse();
     let plan = (|| -> Result<(LlamaConfig, WeightSource, Backends), Error> {
@@ -380,6 +386,29 @@ fn main() -> ExitCode {
             return Err(
                 "--ranks, --prompt, --batch, --steps and --reps must be non-empty and non-zero".into()
             );
+        }
+        // Checked against the model before anything is made: the cache holds the prompt and the
+        // steps, a prefill's rows stay within 32-bit counts, loop counts stay countable.
+        if opts.prompt.checked_add(opts.steps).is_none_or(|n| n >= cfg.max_positions) {
+            return Err(format!(
+                "--prompt {} and --steps {}: the model has {} positions",
+                opts.prompt, opts.steps, cfg.max_positions
+            )
+            .into());
+        }
+        if opts.batch.checked_mul(opts.prompt).is_none_or(|n| n > MAX_PREFILL_ROWS) {
+            return Err(format!(
+                "--batch {} x --prompt {}: more than {MAX_PREFILL_ROWS} rows",
+                opts.batch, opts.prompt
+            )
+            .into());
+        }
+        for (name, n) in
+            [("--warmup", opts.warmup), ("--reps", opts.reps), ("--variant-rounds", opts.variant_rounds)]
+        {
+            if n > MAX_COUNT {
+                return Err(format!("{name} {n}: give at most {MAX_COUNT}").into());
+            }
         }
         if !opts.decode_variants.is_empty() && opts.variant_rounds == 0 {
             return Err("--variant-rounds must be at least 1 with --decode-variants".into());

@@ -128,6 +128,14 @@ impl Options {
         if self.sequences == Some(0) || self.symbols == Some(0) {
             return Err("--sequences and --symbols must be at least 1".into());
         }
+        if let Some(n) = self.sequences {
+            if n.checked_mul(self.seq).is_none_or(|t| t > MAX_SYNTHETIC_TOKENS) {
+                return Err(format!(
+                    "--sequences {n} x --seq {}: more than {MAX_SYNTHETIC_TOKENS} synthetic tokens",
+                    self.seq
+                ));
+            }
+        }
         let start = match &self.model {
             Some(dir) => Start::Checkpoint(dir.clone()),
             None => {
@@ -155,8 +163,9 @@ impl Options {
         if let Some(c) = self.clip {
             train = train.with_clip(c);
         }
-        // The layer ranges are checked once the model's layer count is known.
-        train.check(usize::MAX).map_err(|e| flag_error(&e.to_string()))?;
+        // The hyperparameters now; --fuse's layer ranges once the model's layer count is known.
+        let no_ranges = Backends::parse("").map_err(|e| e.to_string())?;
+        train.clone().with_backends(no_ranges).check(1).map_err(|e| flag_error(&e.to_string()))?;
         Ok(Plan { start, train })
     }
 }
@@ -173,6 +182,12 @@ fn flag_error(e: &str) -> String {
     format!("{flag} {rest}")
 }
 
+/// The most tokens one micro-batch holds (its activations index with 32-bit counts).
+pub const MAX_STEP_TOKENS: usize = 1 << 24;
+
+/// The most tokens of synthetic sequences made up front (`--sequences` × `--seq`).
+pub const MAX_SYNTHETIC_TOKENS: usize = 1 << 28;
+
 /// Checks one step's shape: `batch` sequences of `seq` tokens split into `micro` micro-batches, each
 /// of a multiple of 8 tokens; `names` are what the errors call the batch and the sequence length.
 pub fn check_step_shape(batch: usize, seq: usize, micro: usize, names: (&str, &str)) -> Result<(), String> {
@@ -186,7 +201,9 @@ pub fn check_step_shape(batch: usize, seq: usize, micro: usize, names: (&str, &s
     if micro == 0 || !batch.is_multiple_of(micro) {
         return Err(format!("--micro-batches {micro} must divide {b} {batch} into equal micro-batches"));
     }
-    let per = batch / micro * seq;
+    let per = (batch / micro).checked_mul(seq).filter(|&t| t <= MAX_STEP_TOKENS).ok_or_else(|| {
+        format!("{b} {batch} x {s} {seq}: more than {MAX_STEP_TOKENS} tokens a micro-batch")
+    })?;
     if !per.is_multiple_of(8) {
         return Err(format!(
             "a micro-batch of {} sequences × {s} {seq} = {per} tokens: the weight gradients need a multiple of 8",

@@ -71,11 +71,22 @@ fn read_input(opts: &Options, plan: &Plan) -> Result<Input, String> {
         config = config.with_layers(n);
     }
     plan.train.backends.check_layers(config.layers).map_err(|e| format!("--fuse: {e}"))?;
+    if opts.tokens.is_none() && opts.seq > config.max_positions {
+        return Err(format!("--seq {}: the model has {} positions", opts.seq, config.max_positions));
+    }
     // A given batch is checked before the weights are read.
     let given = match &opts.tokens {
         Some(path) => Some(cli::read_tokens(path, config.vocab, opts.micro_batches)?),
         None => None,
     };
+    if let Some(len) = given.as_ref().and_then(|s| s.first()).map(Vec::len) {
+        if len > config.max_positions {
+            return Err(format!(
+                "--tokens: sequences of {len} ids; the model has {} positions",
+                config.max_positions
+            ));
+        }
+    }
     let weights = match checkpoint {
         // The config's layers: a checkpoint's later layers are not read.
         Some(dir) => Weights::<bf16>::load(&config, dir).map_err(|e| e.to_string())?,
