@@ -421,11 +421,14 @@ fn what_does_not_fit_is_an_error_before_it_allocates() {
         }
         other => panic!("{what}: not OutOfMemory: {other}"),
     };
-    // Llama-3.1-70B in bf16 (141 GB of weights) on one GPU: refused before a weight is made.
+    // Llama-3.1-70B's shapes at 100 layers (174 GB of bf16 weights; the 80-layer model's 141 GB fit an
+    // H200's 150 GB) on one GPU: refused before a weight is made.
     let (free_before, total) = ctx.memory_info().unwrap();
     println!("{} of {} bytes free", free_before, total);
-    let e = Llama::<bf16>::ensure_fits(&ctx, &LlamaConfig::llama_3_1_70b(), 4096).unwrap_err();
-    out_of_memory("70B weights", e);
+    let big = LlamaConfig::llama_3_1_70b().with_layers(100);
+    assert!(big.parameters() * 2 > total, "a GPU of {total} bytes holds this test's model");
+    let e = Llama::<bf16>::ensure_fits(&ctx, &big, 4096).unwrap_err();
+    out_of_memory("70B shapes, 100 layers", e);
     // A model that fits, then a KV cache of 512 x 131072 positions (550 GB) for it.
     let cfg = LlamaConfig::llama_3_1_8b().with_layers(2);
     let mut model = Llama::new(&ctx, &cfg, &Weights::<bf16>::random(&cfg, 1), 131072).unwrap();

@@ -118,6 +118,9 @@ struct Options {
 /// The most sequences decoding together (a CUDA graph per bucket up to it, activations for it).
 const MAX_BATCH: usize = 1 << 16;
 
+/// The most prompt tokens one packed prefill takes (its activations are reserved up front).
+const MAX_PREFILL_TOKENS: usize = 1 << 20;
+
 /// The most requests a stream holds (each is drawn up front, with its prompt ids, before the run).
 const MAX_REQUESTS: usize = 1_000_000;
 
@@ -205,10 +208,10 @@ impl Options {
                 self.page_size
             ));
         }
-        if self.prefill_tokens > self.max_batch * max_seq {
+        if self.prefill_tokens > MAX_PREFILL_TOKENS {
             return Err(format!(
-                "--prefill-tokens {}: more than --max-batch {} requests of {max_seq} positions",
-                self.prefill_tokens, self.max_batch
+                "--prefill-tokens {}: give at most {MAX_PREFILL_TOKENS}",
+                self.prefill_tokens
             ));
         }
         let per_seq = max_seq.div_ceil(self.page_size);
