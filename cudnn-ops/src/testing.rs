@@ -73,3 +73,15 @@ pub fn expect_untouched(
 pub fn download<T: Element>(ctx: &Cudnn, buf: &CudaSlice<T>) -> Result<Vec<T>> {
     Ok(ctx.stream().clone_dtoh(buf)?)
 }
+
+/// [`expect_untouched`], and the error must be an [`crate::Error::InvalidArgument`] (an argument the
+/// checks refuse, not a failure of cuDNN or the driver).
+pub fn expect_invalid(
+    ctx: &Cudnn,
+    d: &mut CudaSlice<half::bf16>,
+    expected: &str,
+    f: impl FnOnce(&mut CudaSlice<half::bf16>) -> Result<()>,
+) {
+    let err = expect_untouched(ctx, d, expected, f);
+    assert!(matches!(err, crate::Error::InvalidArgument(_)), "{expected}: {err}");
+}

@@ -1,8 +1,10 @@
 //! PyTorch eager's `torch.nn.functional.layer_norm` on CUDA: one kernel (`naive.cu`), a block per row,
 //! the row's mean and biased variance in f32, then `(x − mean) · rstd · weight + bias` in f32 rounded
-//! once to the I/O type. Eager's own `vectorized_layer_norm_kernel` does the same in one launch (with
-//! Welford statistics), so this baseline is not a chain of elementwise kernels as RMSNorm's is: the
-//! fused graph is measured against one kernel.
+//! once to the I/O type. Eager's own `vectorized_layer_norm_kernel` also runs one launch, with Welford
+//! statistics and vector loads, so this baseline is not a chain of elementwise kernels as RMSNorm's is.
+//! It reads each element three times with scalar loads, and on an H200 it is about 2x slower than
+//! PyTorch's kernel on large inputs (`benches/results/h200/layernorm.md`): the bench's `torch ms` column,
+//! not this one, is the eager anchor there.
 
 use super::{LayerNormArgs, LayerNormOperands};
 use crate::kernels::{float_suffix, launch, optional_ptr_mut, Arg, Kernels};
