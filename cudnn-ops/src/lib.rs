@@ -35,6 +35,7 @@
 pub use cudarc;
 pub use half;
 
+mod backend;
 mod cache;
 mod checked;
 mod context;
@@ -52,14 +53,13 @@ mod plan;
 #[cfg(test)]
 mod proptests;
 mod raw;
-/// What `build.rs` found under `src/`: the kernel sources and the plan-lowering sources.
-mod sources {
-    include!(concat!(env!("OUT_DIR"), "/sources.rs"));
-}
 pub mod reference;
+mod sources;
 mod tensor;
 pub mod testing;
+mod version;
 
+pub use backend::Backend;
 pub use cache::{CacheStats, PlanCache, PlanKey};
 pub use context::{
     default_plan_dir, Cudnn, AUTOTUNE_ENV, DEFAULT_AUTOTUNE, KNOB_SEARCH_ENV, PLAN_DIR_ENV, TUNE_FLUSH_ENV,
@@ -112,34 +112,4 @@ pub use plan::{
     Tuning,
 };
 pub use tensor::{packed_strides, TensorSpec, DEFAULT_ALIGNMENT, MAX_RANK};
-
-/// Which implementation a module runs on.
-///
-/// Exhaustive on purpose: every op comes as a fused graph and as its eager baseline, and callers
-/// match on the two (a third implementation would change what every comparison means, a breaking
-/// change either way).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Backend {
-    /// cuDNN graphs.
-    Fused,
-    /// One kernel per elementary op, as PyTorch eager.
-    Naive,
-}
-
-impl Backend {
-    /// `fused` or `naive`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Backend::Fused => "fused",
-            Backend::Naive => "naive",
-        }
-    }
-}
-
-/// The cuDNN version of the headers `cudnn-llm-sys` was generated from (e.g. 91900).
-pub const HEADER_VERSION: usize = cudnn_llm_sys::HEADER_VERSION;
-
-/// `major.minor.patch` of a `cudnnGetVersion()` number.
-pub fn version_string(v: usize) -> String {
-    cudnn_llm_sys::version_string(v)
-}
+pub use version::{version_string, HEADER_VERSION};

@@ -1,0 +1,3 @@
+//! What `build.rs` found under `src/`: the kernel sources and the plan-lowering sources.
+
+include!(concat!(env!("OUT_DIR"), "/sources.rs"));
