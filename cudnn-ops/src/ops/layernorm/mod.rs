@@ -4,7 +4,7 @@
 //! `NORM_FORWARD` (LAYER_NORM) graph per shape, dtype and phase ([`LayerNormArgs::graph`]). Naive:
 //! PyTorch eager's `layer_norm` CUDA path, row moments then the affine transform ([`naive`]). The
 //! training phase (statistics buffers in the operands) also writes each row's f32 mean and inverse
-//! standard deviation, as eager's `native_layer_norm` returns them. [`reference`] is the f64 CPU
+//! standard deviation, as eager's `native_layer_norm` returns them. [`reference()`] is the f64 CPU
 //! reference both are checked against.
 //!
 //! This room was added by following `docs/adding-an-op.md`.
