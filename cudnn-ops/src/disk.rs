@@ -11,16 +11,32 @@
 //!   with no group or world write permission, no larger than the caller's cap;
 //! - at most the cap is read, whatever the file grows to meanwhile.
 //!
-//! Anything else is an [`Untrusted`] answer with the reason in words; callers record it and rebuild,
-//! never hang, panic or load. Files are written to a temporary name and renamed into place
+//! Anything else is a [`Refused`] answer with the reason in words (untrusted, or an ordinary I/O
+//! failure); callers record it and rebuild, never hang, panic or load. Files are written to a temporary name and renamed into place
 //! ([`write_atomic`]), readable and writable by this user only.
 
 use std::io::{Read as _, Write as _};
 use std::path::Path;
 
-/// Why a file or directory is not trusted (or could not be read), in words.
+/// Why a file or directory is not read, in words.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Untrusted(pub(crate) String);
+pub(crate) enum Refused {
+    /// Not this user's alone, or not a regular file (a link, a pipe, a device), or over the cap.
+    Untrusted(String),
+    /// An ordinary I/O failure (permissions, a disk error, too many open files).
+    Unreadable(String),
+}
+
+impl Refused {
+    /// The reason, in words.
+    pub(crate) fn reason(&self) -> &str {
+        match self {
+            Refused::Untrusted(why) | Refused::Unreadable(why) => why,
+        }
+    }
+}
+
+use Refused::{Unreadable, Untrusted};
 
 /// The process's effective user id.
 #[cfg(unix)]
@@ -45,11 +61,11 @@ fn not_private(meta: &std::fs::Metadata) -> Option<String> {
 
 /// Whether `dir` may hold files this process trusts: an existing directory owned by this user and
 /// writable by no one else. `Ok(false)` when it does not exist.
-pub(crate) fn trusted_dir(dir: &Path) -> Result<bool, Untrusted> {
+pub(crate) fn trusted_dir(dir: &Path) -> Result<bool, Refused> {
     let meta = match std::fs::metadata(dir) {
         Ok(m) => m,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
-        Err(e) => return Err(Untrusted(format!("directory {} cannot be read: {e}", dir.display()))),
+        Err(e) => return Err(Unreadable(format!("directory {} cannot be read: {e}", dir.display()))),
     };
     if !meta.is_dir() {
         return Err(Untrusted(format!("{} is not a directory", dir.display())));
@@ -63,7 +79,7 @@ pub(crate) fn trusted_dir(dir: &Path) -> Result<bool, Untrusted> {
 
 /// The bytes of `path` if it is a file this user wrote (see the module docs), `Ok(None)` when there
 /// is no such file. `cap` bounds its size in bytes.
-pub(crate) fn read_own(path: &Path, cap: u64) -> Result<Option<Vec<u8>>, Untrusted> {
+pub(crate) fn read_own(path: &Path, cap: u64) -> Result<Option<Vec<u8>>, Refused> {
     let mut o = std::fs::OpenOptions::new();
     o.read(true);
     #[cfg(unix)]
@@ -75,9 +91,9 @@ pub(crate) fn read_own(path: &Path, cap: u64) -> Result<Option<Vec<u8>>, Untrust
         Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
             return Err(Untrusted("a symbolic link (only regular files are read)".into()))
         }
-        Err(e) => return Err(Untrusted(format!("cannot be opened: {e}"))),
+        Err(e) => return Err(Unreadable(format!("cannot be opened: {e}"))),
     };
-    let meta = file.metadata().map_err(|e| Untrusted(format!("cannot be examined: {e}")))?;
+    let meta = file.metadata().map_err(|e| Unreadable(format!("cannot be examined: {e}")))?;
     if !meta.is_file() {
         return Err(Untrusted(format!("not a regular file ({:?})", meta.file_type())));
     }
@@ -89,7 +105,7 @@ pub(crate) fn read_own(path: &Path, cap: u64) -> Result<Option<Vec<u8>>, Untrust
         return Err(Untrusted(format!("{} bytes, over the cap of {cap}", meta.len())));
     }
     let mut bytes = Vec::with_capacity(meta.len() as usize);
-    file.take(cap + 1).read_to_end(&mut bytes).map_err(|e| Untrusted(format!("cannot be read: {e}")))?;
+    file.take(cap + 1).read_to_end(&mut bytes).map_err(|e| Unreadable(format!("cannot be read: {e}")))?;
     if bytes.len() as u64 > cap {
         return Err(Untrusted(format!("grew past the cap of {cap} bytes while read")));
     }
@@ -125,7 +141,7 @@ pub(crate) fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Res
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     private_dir(dir)?;
     trusted_dir(dir)
-        .map_err(|Untrusted(why)| std::io::Error::new(std::io::ErrorKind::PermissionDenied, why))?;
+        .map_err(|r| std::io::Error::new(std::io::ErrorKind::PermissionDenied, r.reason().to_string()))?;
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let tmp = dir.join(format!(".{name}.{}.{n}.tmp", std::process::id()));
     let written = private_file(&tmp)
@@ -149,7 +165,7 @@ mod tests {
     fn refused(path: &Path) -> String {
         match read_own(path, 1 << 20) {
             Err(Untrusted(why)) => why,
-            other => panic!("{} was not refused: {other:?}", path.display()),
+            other => panic!("{} was not refused as untrusted: {other:?}", path.display()),
         }
     }
 
@@ -174,8 +190,8 @@ mod tests {
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || tx.send(read_own(&fifo, 1 << 20)).unwrap());
         let got = rx.recv_timeout(std::time::Duration::from_secs(10)).expect("reading a FIFO blocked");
-        let why = got.unwrap_err().0;
-        assert!(why.contains("not a regular file"), "{why}");
+        let why = got.unwrap_err();
+        assert!(matches!(&why, Untrusted(w) if w.contains("not a regular file")), "{why:?}");
     }
 
     #[test]
@@ -194,7 +210,7 @@ mod tests {
         let d = dir();
         write_atomic(d.path(), "a", &[7; 100]).unwrap();
         let path = d.path().join("a");
-        assert!(read_own(&path, 99).unwrap_err().0.contains("over the cap"));
+        assert!(matches!(read_own(&path, 99), Err(Untrusted(w)) if w.contains("over the cap")));
         for loose in [0o620, 0o602] {
             std::fs::set_permissions(&path, std::fs::Permissions::from_mode(loose)).unwrap();
             assert!(refused(&path).contains("writable by other users"), "{loose:o}");
@@ -216,7 +232,7 @@ mod tests {
         let dc = std::ffi::CString::new(d.path().as_os_str().as_encoded_bytes()).unwrap();
         // SAFETY: a valid NUL-terminated path.
         assert_eq!(unsafe { libc::chown(dc.as_ptr(), 4242, 4242) }, 0);
-        assert!(trusted_dir(d.path()).unwrap_err().0.contains("owned by user 4242"));
+        assert!(trusted_dir(d.path()).unwrap_err().reason().contains("owned by user 4242"));
         assert_eq!(
             write_atomic(d.path(), "b", b"x").unwrap_err().kind(),
             std::io::ErrorKind::PermissionDenied
@@ -227,7 +243,7 @@ mod tests {
     fn a_directory_others_may_write_is_refused_and_not_written() {
         let d = dir();
         std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
-        assert!(trusted_dir(d.path()).unwrap_err().0.contains("writable by other users"));
+        assert!(trusted_dir(d.path()).unwrap_err().reason().contains("writable by other users"));
         assert!(write_atomic(d.path(), "a", b"x").is_err());
         assert!(!d.path().join("a").exists());
         assert_eq!(trusted_dir(&d.path().join("none")), Ok(false));

@@ -370,6 +370,9 @@ impl Exec {
     /// [`Error::OutOfMemory`] naming `what` (with both sizes) otherwise. A model, cache or pool that
     /// cannot fit then fails before it has allocated most of itself, and the context stays usable.
     pub fn ensure_free(&self, needed: usize, what: impl FnOnce() -> String) -> Result<()> {
+        // Buffers dropped on the stream return to the driver only once the stream has run their
+        // frees: until then the driver counts them as used.
+        self.synchronize()?;
         let (free, _) = self.memory_info()?;
         if needed > free.saturating_sub(MEMORY_HEADROOM) {
             return Err(Error::OutOfMemory { what: what(), needed, free });

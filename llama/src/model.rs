@@ -953,11 +953,10 @@ fn lm_head<T: Element>(
     Ok(gathered?)
 }
 
-/// Checks what every model needs before any upload: a config [`LlamaConfig::check`] accepts and
-/// RoPE tables this crate builds.
-/// Bytes of `params` weights of `elem` bytes and the f32 RoPE cos/sin tables of `max_positions` rows.
+/// Bytes of `params` weights of `elem` bytes and the RoPE tables of `max_positions` rows (the f32
+/// cos/sin of half a head each, and the full-width cos/sin in the model's dtype).
 fn model_bytes(cfg: &LlamaConfig, elem: usize, params: usize, max_positions: usize) -> Result<usize> {
-    let rope = max_positions.checked_mul(cfg.head_dim).and_then(|n| n.checked_mul(4));
+    let rope = max_positions.checked_mul(cfg.head_dim).and_then(|n| n.checked_mul(4 + 2 * elem));
     params
         .checked_mul(elem)
         .zip(rope)
@@ -965,6 +964,8 @@ fn model_bytes(cfg: &LlamaConfig, elem: usize, params: usize, max_positions: usi
         .ok_or_else(|| Error::Config(format!("{}: the model's size in bytes overflows", cfg.name)))
 }
 
+/// Checks what every model needs before any upload: a config [`LlamaConfig::check`] accepts and
+/// RoPE tables this crate builds.
 fn check_model(cfg: &LlamaConfig, max_positions: usize) -> Result<()> {
     cfg.check()?;
     if max_positions > crate::config::MAX_POSITIONS {

@@ -56,8 +56,7 @@
 //! collective enqueued outside a graph while a graph launch may still run: whoever launches a graph
 //! holding a communicator's collectives tells it ([`Comm::graph_launched`]; `Llama`'s replays do),
 //! and the next collective enqueued outside a capture first waits on the host for that launch.
-#![deny(missing_docs, rustdoc::broken_intra_doc_links)]
-
+//!
 //! **Symmetric windows for one-row all-reduces.** With NCCL 2.28.9 or later (and two ranks or
 //! more), [`Comm::init_all`] also makes each rank a symmetric window ([`WINDOW_BYTES`] from
 //! `ncclMemAlloc`, registered with `ncclCommWindowRegister` in one group, as NCCL asks). A
@@ -89,6 +88,7 @@
 //! the rank computes other rows (the other half of the pass, or the next chunk), then summed by the
 //! rank with the residual ([`cudnn_llm_ops::sum_partials`]); see `TpOptions::gather_rows`. The probe `app/benches/tp_ce_allgather_probe.py` measured the copy
 //! alone: 23.5 us for a 1024 x 4096 bf16 chunk to the other H200 (357 GB/s).
+#![deny(missing_docs, rustdoc::broken_intra_doc_links)]
 
 mod raw;
 

@@ -31,7 +31,7 @@
 //! key text is compared on load; a hash collision is a miss, not another key's plan.
 
 use super::engine::EngineChoice;
-use crate::disk::{self, write_atomic, Untrusted};
+use crate::disk::{self, write_atomic, Refused};
 use std::cell::{Cell, RefCell};
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
@@ -366,8 +366,10 @@ pub enum DiskEventKind {
     WriteFailed,
     /// Not a file this user alone wrote: a symbolic link, a pipe or device, another user's file, one
     /// with group or world write permission, one over the size cap, or one in a directory other
-    /// users own or may write. Not loaded, since a plan file decides which kernels run on this
-    /// process's buffers; rebuilt (and replaced by this user's where the directory is this user's).
+    /// users own or may write (a directory made by `mkdir` under umask 002, mode 775, is one: make it
+    /// 700, or let the library create it). Not loaded, since a plan file decides which kernels run on
+    /// this process's buffers; rebuilt (and replaced by this user's where the directory is this
+    /// user's; in another directory nothing is written, a `WriteFailed` event).
     Untrusted,
 }
 
@@ -499,14 +501,16 @@ impl Slot {
 
     fn read_file(&self) -> Read {
         let path = self.path();
-        let read = disk::trusted_dir(&self.dir)
-            .map_err(|Untrusted(why)| Untrusted(format!("its {why}")))
-            .and_then(|_| disk::read_own(&path, MAX_FILE_BYTES));
+        let read = disk::trusted_dir(&self.dir).and_then(|_| disk::read_own(&path, MAX_FILE_BYTES));
         let bytes = match read {
             Ok(Some(b)) => b,
             Ok(None) => return Read::Missing,
-            Err(Untrusted(why)) => {
+            Err(Refused::Untrusted(why)) => {
                 self.reject(DiskEventKind::Untrusted, why);
+                return Read::Rejected;
+            }
+            Err(Refused::Unreadable(why)) => {
+                self.reject(DiskEventKind::Corrupt, why);
                 return Read::Rejected;
             }
         };
@@ -835,11 +839,15 @@ pub(crate) mod tests {
             }),
             ("link to /dev/zero", &|p| std::os::unix::fs::symlink("/dev/zero", p).unwrap()),
             ("oversized", &|p| {
+                use std::os::unix::fs::PermissionsExt;
                 let f = std::fs::File::create(p).unwrap();
                 f.set_len(MAX_FILE_BYTES + 1).unwrap();
+                // Private whatever the umask, so that the size alone refuses it.
+                std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o600)).unwrap();
             }),
         ];
-        for (what, plant) in plant {
+        let reasons = ["not a regular file", "symbolic link", "over the cap"];
+        for ((what, plant), reason) in plant.into_iter().zip(reasons) {
             let _ = std::fs::remove_file(&path);
             plant(&path);
             let (tx, rx) = std::sync::mpsc::channel();
@@ -853,6 +861,7 @@ pub(crate) mod tests {
             assert!(!loaded, "{what}");
             assert_eq!(events.len(), 1, "{what}");
             assert_eq!(events[0].kind, DiskEventKind::Untrusted, "{what}");
+            assert!(events[0].reason.contains(reason), "{what}: {}", events[0].reason);
             println!("{what}: {}", events[0].reason);
             // The next save replaces it with this user's regular file.
             let log = Rc::new(DiskLog::default());

@@ -121,6 +121,9 @@ const MAX_BATCH: usize = 1 << 16;
 /// The most prompt tokens one packed prefill takes (its activations are reserved up front).
 const MAX_PREFILL_TOKENS: usize = 1 << 20;
 
+/// The most prompt ids a stream draws up front (all its requests' prompts).
+const MAX_STREAM_TOKENS: usize = 1 << 28;
+
 /// The most requests a stream holds (each is drawn up front, with its prompt ids, before the run).
 const MAX_REQUESTS: usize = 1_000_000;
 
@@ -202,10 +205,17 @@ impl Options {
                     p.min, p.max, self.output_len.min, self.output_len.max, self.output_len.max, config.max_positions
                 )
             })?;
-        if self.page_size > max_seq {
+        if self.page_size > config.max_positions {
             return Err(format!(
-                "--page-size {}: longer than the longest request ({max_seq} positions)",
-                self.page_size
+                "--page-size {}: longer than the model's {} positions",
+                self.page_size, config.max_positions
+            ));
+        }
+        // Every request's prompt ids are drawn up front.
+        if self.requests.checked_mul(hi).is_none_or(|t| t > MAX_STREAM_TOKENS) {
+            return Err(format!(
+                "--requests {} x --prompt-len up to {hi}: more than {MAX_STREAM_TOKENS} prompt ids",
+                self.requests
             ));
         }
         if self.prefill_tokens > MAX_PREFILL_TOKENS {

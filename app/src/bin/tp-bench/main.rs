@@ -361,6 +361,13 @@ impl Row {
     }
 }
 
+/// The positions the bench's cache holds: the prompt, a warm-up step, `steps` plain steps, `steps`
+/// replays, up to 8 timed from the caller and `steps` back to back (a decode variant's plain step and
+/// replays start again at the prompt's end, the timeline's 8 replays after its first step: they fit).
+fn bench_max_seq(prompt: usize, steps: usize) -> Option<usize> {
+    steps.checked_mul(3)?.checked_add(prompt)?.checked_add(10)
+}
+
 /// The most rows one prefill forward of the bench runs (`--batch` × `--prompt`).
 const MAX_PREFILL_ROWS: usize = 1 << 24;
 
@@ -387,11 +394,12 @@ fn main() -> ExitCode {
                 "--ranks, --prompt, --batch, --steps and --reps must be non-empty and non-zero".into()
             );
         }
-        // Checked against the model before anything is made: the cache holds the prompt and the
-        // steps, a prefill's rows stay within 32-bit counts, loop counts stay countable.
-        if opts.prompt.checked_add(opts.steps).is_none_or(|n| n >= cfg.max_positions) {
+        // Checked against the model before anything is made: the cache `measure` makes fits the
+        // model's positions, a prefill's rows stay within 32-bit counts, loop counts stay countable.
+        if bench_max_seq(opts.prompt, opts.steps).is_none_or(|n| n > cfg.max_positions) {
             return Err(format!(
-                "--prompt {} and --steps {}: the model has {} positions",
+                "--prompt {} and --steps {}: a cache of the prompt and 3 x the steps (+10) exceeds the model's \
+                 {} positions",
                 opts.prompt, opts.steps, cfg.max_positions
             )
             .into());
@@ -622,10 +630,7 @@ fn measure(
     trace: bool,
 ) -> Result<(), Error> {
     let (ranks, batch, prompt, steps) = (row.ranks, opts.batch, opts.prompt, opts.steps);
-    // The prompt, a warm-up step, `steps` plain steps, `steps` replays, up to 8 timed from the caller
-    // and `steps` back to back (a decode variant's plain step and replays start again at the prompt's
-    // end, the timeline's 8 replays after its first step: they fit).
-    let max_seq = prompt + 3 * steps + 10;
+    let max_seq = bench_max_seq(prompt, steps).ok_or("--prompt and --steps overflow")?;
     let t = Instant::now();
     let options = Setting::of(opts).options(opts.timeout);
     let mut tp = TpLlama::<bf16>::new(cfg, ranks, source, max_seq, options)?;

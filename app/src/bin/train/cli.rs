@@ -128,10 +128,14 @@ impl Options {
         if self.sequences == Some(0) || self.symbols == Some(0) {
             return Err("--sequences and --symbols must be at least 1".into());
         }
-        if let Some(n) = self.sequences {
-            if n.checked_mul(self.seq).is_none_or(|t| t > MAX_SYNTHETIC_TOKENS) {
+        if self.tokens.is_none() {
+            // The sequences made up front, and a step's batch of them, stay countable on the host.
+            let held = self.sequences.unwrap_or(self.batch).max(self.batch);
+            if held.checked_mul(self.seq).is_none_or(|t| t > MAX_SYNTHETIC_TOKENS) {
                 return Err(format!(
-                    "--sequences {n} x --seq {}: more than {MAX_SYNTHETIC_TOKENS} synthetic tokens",
+                    "--batch {} / --sequences {} x --seq {}: more than {MAX_SYNTHETIC_TOKENS} tokens held",
+                    self.batch,
+                    self.sequences.map_or("-".into(), |n| n.to_string()),
                     self.seq
                 ));
             }
@@ -185,7 +189,7 @@ fn flag_error(e: &str) -> String {
 /// The most tokens one micro-batch holds (its activations index with 32-bit counts).
 pub const MAX_STEP_TOKENS: usize = 1 << 24;
 
-/// The most tokens of synthetic sequences made up front (`--sequences` × `--seq`).
+/// The most tokens of sequences held on the host (`--sequences` or `--batch`, × `--seq`).
 pub const MAX_SYNTHETIC_TOKENS: usize = 1 << 28;
 
 /// Checks one step's shape: `batch` sequences of `seq` tokens split into `micro` micro-batches, each
