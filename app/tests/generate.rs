@@ -280,6 +280,26 @@ fn binary_bad_options_and_bad_model_directories_exit_2() {
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("tokenizer.json"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
+    // --chat: the checkpoint's template renders the prompt before any weight is read; a checkpoint
+    // without one, or a template that refuses the messages, is a usage error naming --chat.
+    let (dir, _) = model_dir("chat", &LlamaConfig::tiny(), 1);
+    let d = dir.to_str().unwrap();
+    for (args, want) in [
+        (vec!["--model", d, "--chat", "hi"], "--chat: "),
+        (vec!["--model", d, "--prompt", "hi", "--chat", "hi"], "cannot be used with"),
+        (vec!["--model", d, "--prompt", "hi", "--system", "be brief"], "--system goes with --chat"),
+    ] {
+        let (code, err) = run(&args);
+        assert_eq!(code, Some(2), "{args:?}: {err}");
+        assert!(err.contains(want) && !err.contains("panicked"), "{args:?}: {err}");
+    }
+    let refusing =
+        r#"{"chat_template": "{{ raise_exception('only one message, please') if messages | length > 1 }}x"}"#;
+    std::fs::write(dir.join("tokenizer_config.json"), refusing).unwrap();
+    let (code, err) = run(&["--model", d, "--chat", "hi", "--system", "be brief"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--chat: ") && err.contains("only one message, please"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
     // Options that depend on the model are checked against its config before any weight is read
     // (no weights written at all here) and before any GPU is touched: exit 2, the option named.
     let (dir, _) = model_dir("fuse-range", &LlamaConfig::tiny(), 1);

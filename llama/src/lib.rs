@@ -4,6 +4,7 @@
 //! | module | what it holds |
 //! |---|---|
 //! | [`config`] | the Llama-3.2-1B / Llama-3.1-8B / Llama-3.1-70B presets, a tiny test preset, Hugging Face `config.json` |
+//! | [`chat`] | chat templates (Jinja, as transformers' `apply_chat_template`) from a checkpoint directory or a GGUF file |
 //! | [`gguf`] | llama.cpp GGUF files (v2, v3): metadata as a config, tensors dequantized (F32, F16, BF16, Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K, Q8_K), Q/K rows in Hugging Face's order |
 //! | [`weights`] | host weights: seeded random init, Hugging Face safetensors checkpoints (single or sharded) |
 //! | [`backends`] | which backend each module kind (and layer) runs on, and its string form |
@@ -24,6 +25,7 @@
 
 pub mod backends;
 pub mod batching;
+pub mod chat;
 pub mod config;
 pub mod generate;
 pub mod gguf;

@@ -17,8 +17,17 @@ pub struct Options {
     #[arg(long)]
     pub model: PathBuf,
     /// The prompt (encoded with the tokenizer's special tokens, e.g. <|begin_of_text|>).
+    #[arg(long, required_unless_present = "chat", conflicts_with = "chat")]
+    pub prompt: Option<String>,
+    /// A user message for an Instruct checkpoint: rendered with the checkpoint's chat template
+    /// (tokenizer_config.json's `chat_template`, or chat_template.jinja) and its generation prompt,
+    /// then encoded without adding special tokens (the template writes them), as transformers'
+    /// `apply_chat_template` does.
     #[arg(long)]
-    pub prompt: String,
+    pub chat: Option<String>,
+    /// A system message before --chat's user message.
+    #[arg(long)]
+    pub system: Option<String>,
     /// Most new tokens; generation stops earlier at an end-of-sequence id.
     #[arg(long, default_value_t = 128)]
     pub max_new_tokens: usize,

@@ -9,6 +9,7 @@
 
 use clap::Parser;
 use cudnn_llm_app::bench_util::{copy_bandwidth_gbps, tool_main};
+use cudnn_llm_llama::chat::{ChatTemplate, Message};
 use cudnn_llm_llama::generate::{eos_token_ids, Generation, StopReason};
 use cudnn_llm_llama::roofline::DecodeRoofline;
 use cudnn_llm_llama::tp::ShardPlan;
@@ -78,9 +79,28 @@ fn read_input(opts: &Options) -> Result<Input, String> {
     let config = LlamaConfig::from_dir(dir).map_err(|e| e.to_string())?;
     let tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json")).map_err(|e| e.to_string())?;
     let eos = eos_token_ids(dir, &config).map_err(|e| e.to_string())?;
-    let prompt = tokenizer.encode(&opts.prompt, true).map_err(|e| e.to_string())?;
+    if opts.system.is_some() && opts.chat.is_none() {
+        return Err("--system goes with --chat (a system message before the user's)".into());
+    }
+    let prompt = match (&opts.prompt, &opts.chat) {
+        (Some(text), _) => tokenizer.encode(text, true).map_err(|e| e.to_string())?,
+        (None, Some(user)) => {
+            let template = ChatTemplate::from_dir(dir).map_err(|e| format!("--chat: {e}"))?.ok_or_else(|| {
+                format!(
+                    "--chat: {} has no chat template (tokenizer_config.json's chat_template or chat_template.jinja)",
+                    dir.display()
+                )
+            })?;
+            let mut messages: Vec<Message> =
+                opts.system.iter().map(|s| Message::new("system", s.as_str())).collect();
+            messages.push(Message::new("user", user.as_str()));
+            let text = template.render(&messages, true).map_err(|e| format!("--chat: {e}"))?;
+            tokenizer.encode(&text, false).map_err(|e| e.to_string())?
+        }
+        (None, None) => return Err("give --prompt or --chat".into()),
+    };
     if prompt.is_empty() {
-        return Err("--prompt encodes to no tokens".into());
+        return Err("the prompt encodes to no tokens".into());
     }
     if let Some(id) = prompt.iter().find(|&&id| id as usize >= config.vocab) {
         return Err(format!("the tokenizer gives id {id}, past the model's vocabulary of {}", config.vocab));
