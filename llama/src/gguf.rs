@@ -22,6 +22,11 @@ use cudnn_llm_ops::Element;
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
+/// Whether `path` names a GGUF file (an existing file whose extension is `gguf`, in any case).
+pub fn is_gguf_path(path: &Path) -> bool {
+    path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+}
+
 /// A metadata value.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]

@@ -14,7 +14,8 @@ pub struct Options {
     #[arg(long, default_value = "llama-3.1-8b")]
     pub config: String,
     /// A Hugging Face checkpoint directory to run instead of a preset: its config.json, and
-    /// model.safetensors or model.safetensors.index.json with the shards it names.
+    /// model.safetensors or model.safetensors.index.json with the shards it names. Or a llama.cpp
+    /// `.gguf` file (its config and dequantized weights; the one-GPU report only).
     #[arg(long, value_name = "DIR", conflicts_with = "config")]
     pub model: Option<PathBuf>,
     /// Decoder layers (default: the model's). With --model, the first LAYERS layers of the checkpoint
@@ -71,7 +72,7 @@ pub struct Options {
 pub struct Resolved {
     /// The model shape.
     pub config: LlamaConfig,
-    /// The checkpoint directory to load weights from (`--model`); `None`: random weights.
+    /// The checkpoint directory or GGUF file to load weights from (`--model`); `None`: random weights.
     pub model_dir: Option<PathBuf>,
     /// `--seq + --decode-steps`: the positions the KV cache and RoPE tables hold (`--seq` with
     /// `--train`).
@@ -93,6 +94,16 @@ impl Options {
     /// selection and dtype; errors say what is wrong and name the option. Reads no weights.
     pub fn resolve(&self) -> Result<Resolved, String> {
         let mut config = match &self.model {
+            Some(file) if cudnn_llm_llama::gguf::is_gguf_path(file) => {
+                if self.tp.is_some() || self.train {
+                    return Err(format!(
+                        "--model {}: a GGUF file runs the one-GPU report only",
+                        file.display()
+                    ));
+                }
+                let g = cudnn_llm_llama::gguf::Gguf::open(file).map_err(|e| format!("--model: {e}"))?;
+                g.config().map_err(|e| format!("--model: {e}"))?
+            }
             Some(dir) => LlamaConfig::from_dir(dir).map_err(|e| format!("--model {}: {e}", dir.display()))?,
             None => LlamaConfig::preset(&self.config).map_err(|e| e.to_string())?,
         };

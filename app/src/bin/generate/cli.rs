@@ -13,7 +13,8 @@ use std::path::PathBuf;
 )]
 pub struct Options {
     /// Checkpoint directory: config.json, model.safetensors (or an index and shards), tokenizer.json;
-    /// generation_config.json is read too when present (end-of-sequence ids).
+    /// generation_config.json is read too when present (end-of-sequence ids). Or a llama.cpp `.gguf`
+    /// file: config, tokenizer, chat template and weights (dequantized) from the file.
     #[arg(long)]
     pub model: PathBuf,
     /// The prompt (encoded with the tokenizer's special tokens, e.g. <|begin_of_text|>).

@@ -11,6 +11,7 @@ use clap::Parser;
 use cudnn_llm_app::bench_util::{copy_bandwidth_gbps, tool_main};
 use cudnn_llm_llama::chat::{ChatTemplate, Message};
 use cudnn_llm_llama::generate::{eos_token_ids, Generation, StopReason};
+use cudnn_llm_llama::gguf::Gguf;
 use cudnn_llm_llama::roofline::DecodeRoofline;
 use cudnn_llm_llama::tp::ShardPlan;
 use cudnn_llm_llama::weights::Weights;
@@ -32,8 +33,10 @@ type Error = Box<dyn std::error::Error>;
 /// Bytes of each device-to-device copy measuring the bandwidth.
 const COPY_BYTES: usize = 1 << 30;
 
-/// What the checkpoint directory gives before any GPU work.
+/// What the checkpoint gives before any GPU work.
 struct Input {
+    /// The GGUF file, when --model names one (its weights are read later, after the GPU checks).
+    gguf: Option<Gguf>,
     config: LlamaConfig,
     tokenizer: Tokenizer,
     eos: Vec<u32>,
@@ -49,6 +52,11 @@ fn main() -> ExitCode {
         let input = read_input(&opts)?;
         plan.backends.check_layers(input.config.layers).map_err(|e| format!("--fuse: {e}"))?;
         if let Some(n) = plan.tp {
+            if input.gguf.is_some() {
+                return Err(format!(
+                    "--tp {n}: a GGUF file runs on one GPU; give a checkpoint directory to split it"
+                ));
+            }
             ShardPlan::new(&input.config, n).map_err(|e| format!("--tp {n}: {e}"))?;
         }
         Ok::<_, String>((plan, input))
@@ -70,24 +78,43 @@ fn main() -> ExitCode {
     })
 }
 
-/// Reads config.json, tokenizer.json and the end-of-sequence ids, and encodes the prompt.
+/// Reads the checkpoint's config, tokenizer and end-of-sequence ids (config.json, tokenizer.json and
+/// generation_config.json of a directory, or a GGUF file's metadata), and encodes the prompt.
 fn read_input(opts: &Options) -> Result<Input, String> {
     let dir = &opts.model;
-    if !dir.is_dir() {
-        return Err(format!("--model {}: not a directory", dir.display()));
+    let is_gguf = cudnn_llm_llama::gguf::is_gguf_path(dir);
+    if !dir.is_dir() && !is_gguf {
+        return Err(format!("--model {}: not a directory or a .gguf file", dir.display()));
     }
-    let config = LlamaConfig::from_dir(dir).map_err(|e| e.to_string())?;
-    let tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json")).map_err(|e| e.to_string())?;
-    let eos = eos_token_ids(dir, &config).map_err(|e| e.to_string())?;
+    let gguf = if is_gguf { Some(Gguf::open(dir).map_err(|e| e.to_string())?) } else { None };
+    let (config, tokenizer, eos) = match &gguf {
+        Some(g) => {
+            let config = g.config().map_err(|e| e.to_string())?;
+            let tokenizer = Tokenizer::from_gguf(g).map_err(|e| e.to_string())?;
+            let eos = config.eos_token_ids.clone();
+            (config, tokenizer, eos)
+        }
+        None => {
+            let config = LlamaConfig::from_dir(dir).map_err(|e| e.to_string())?;
+            let tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json")).map_err(|e| e.to_string())?;
+            let eos = eos_token_ids(dir, &config).map_err(|e| e.to_string())?;
+            (config, tokenizer, eos)
+        }
+    };
     if opts.system.is_some() && opts.chat.is_none() {
         return Err("--system goes with --chat (a system message before the user's)".into());
     }
     let prompt = match (&opts.prompt, &opts.chat) {
         (Some(text), _) => tokenizer.encode(text, true).map_err(|e| e.to_string())?,
         (None, Some(user)) => {
-            let template = ChatTemplate::from_dir(dir).map_err(|e| format!("--chat: {e}"))?.ok_or_else(|| {
+            let template = match &gguf {
+                Some(g) => ChatTemplate::from_gguf(g),
+                None => ChatTemplate::from_dir(dir).map_err(|e| format!("--chat: {e}"))?,
+            };
+            let template = template.ok_or_else(|| {
                 format!(
-                    "--chat: {} has no chat template (tokenizer_config.json's chat_template or chat_template.jinja)",
+                    "--chat: {} has no chat template (tokenizer_config.json's chat_template, chat_template.jinja \
+                     or a GGUF file's tokenizer.chat_template)",
                     dir.display()
                 )
             })?;
@@ -116,7 +143,7 @@ fn read_input(opts: &Options) -> Result<Input, String> {
                 )
             },
         )?;
-    Ok(Input { config, tokenizer, eos, prompt, max_seq })
+    Ok(Input { gguf, config, tokenizer, eos, prompt, max_seq })
 }
 
 fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> Result<(), Error> {
@@ -140,7 +167,10 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> R
     let model = {
         // Before any weight is read: a model that cannot fit fails here.
         Llama::<T>::ensure_fits(ctx, cfg, max_seq)?;
-        let weights = Weights::<T>::load(cfg, &opts.model)?;
+        let weights = match &input.gguf {
+            Some(g) => g.weights::<T>(cfg)?,
+            None => Weights::<T>::load(cfg, &opts.model)?,
+        };
         Llama::new(ctx, cfg, &weights, max_seq)?
     };
     // SAFETY: this binary runs on one thread and makes no other stream of the context.

@@ -70,6 +70,9 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Resolved) -> Result<(), E
     // Before any weight is read or made on the host: a model that cannot fit fails here.
     Llama::<T>::ensure_fits(ctx, &plan.config, plan.max_seq)?;
     let weights = match &plan.model_dir {
+        Some(file) if cudnn_llm_llama::gguf::is_gguf_path(file) => {
+            cudnn_llm_llama::gguf::Gguf::open(file)?.weights::<T>(&plan.config)?
+        }
         Some(dir) => Weights::<T>::load(&plan.config, dir)?,
         None => Weights::<T>::random(&plan.config, 0),
     };
