@@ -45,9 +45,16 @@ def main(path):
         ids = backend.encode(text).ids
         cases.append({"text": text, "ids": ids, "decoded": backend.decode(ids, skip_special_tokens=False),
                       "decoded_skip_special": backend.decode(ids, skip_special_tokens=True)})
+    # A chat prompt as `apply_chat_template(..., add_generation_prompt=True, tokenize=True)` gives it:
+    # the template rendered (chat_fixtures.py's jinja2 settings), encoded without added special tokens.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from chat_fixtures import render
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    text = render(md["tokenizer.chat_template"], messages, True, "<|im_start|>", "<|im_end|>")
+    chat = {"messages": messages, "text": text, "ids": backend.encode(text, add_special_tokens=False).ids}
     with open(OUT, "w") as fh:
         json.dump({"file": os.path.basename(path), "vocab_size": backend.get_vocab_size(with_added_tokens=True),
-                   "cases": cases}, fh, indent=1, ensure_ascii=False)
+                   "cases": cases, "chat": chat}, fh, indent=1, ensure_ascii=False)
     print("wrote", OUT)
 
 

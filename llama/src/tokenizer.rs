@@ -57,6 +57,18 @@ impl Tokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// The ids of `messages` rendered with a chat `template` (and its generation prompt when
+    /// `add_generation_prompt`), encoded without added special tokens since the template writes
+    /// them: what transformers' `apply_chat_template(..., tokenize=True)` gives.
+    pub fn encode_chat(
+        &self,
+        template: &crate::chat::ChatTemplate,
+        messages: &[crate::chat::Message],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>> {
+        self.encode(&template.render(messages, add_generation_prompt)?, false)
+    }
+
     /// Text of `ids`; `skip_special` leaves special tokens (BOS, EOS) out.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
         self.inner.decode(ids, skip_special).map_err(|e| Error::Tokenizer(format!("decode: {e}")))
@@ -356,5 +368,12 @@ mod tests {
                 "{text:?}"
             );
         }
+        // The chat prompt, as apply_chat_template(tokenize=True) gives it.
+        let template = crate::chat::ChatTemplate::from_gguf(&g).unwrap();
+        let chat = &want["chat"];
+        let user = chat["messages"][0]["content"].as_str().unwrap();
+        let ids: Vec<u32> =
+            chat["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        assert_eq!(t.encode_chat(&template, &[crate::chat::Message::new("user", user)], true).unwrap(), ids);
     }
 }

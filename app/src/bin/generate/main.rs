@@ -121,8 +121,7 @@ fn read_input(opts: &Options) -> Result<Input, String> {
             let mut messages: Vec<Message> =
                 opts.system.iter().map(|s| Message::new("system", s.as_str())).collect();
             messages.push(Message::new("user", user.as_str()));
-            let text = template.render(&messages, true).map_err(|e| format!("--chat: {e}"))?;
-            tokenizer.encode(&text, false).map_err(|e| e.to_string())?
+            tokenizer.encode_chat(&template, &messages, true).map_err(|e| format!("--chat: {e}"))?
         }
         (None, None) => return Err("give --prompt or --chat".into()),
     };
