@@ -171,10 +171,16 @@ const MAX_DIMS: usize = 4;
 /// How deep arrays of arrays may nest.
 const MAX_ARRAY_DEPTH: usize = 2;
 
+/// The most metadata values (array elements included) a file may hold: a value takes up to 32 bytes
+/// in memory for one byte in the file, so a hostile file must not make millions of them.
+const MAX_VALUES: usize = 1 << 24;
+
 /// A bounds-checked little-endian reader over the file's bytes.
 struct Cursor<'a> {
     bytes: &'a [u8],
     at: usize,
+    /// Metadata values read so far.
+    values: usize,
 }
 
 impl<'a> Cursor<'a> {
@@ -207,6 +213,10 @@ impl<'a> Cursor<'a> {
         String::from_utf8(b.to_vec()).map_err(|_| format!("{what}: not UTF-8"))
     }
     fn value(&mut self, ty: u32, depth: usize, what: &str) -> std::result::Result<Value, String> {
+        self.values += 1;
+        if self.values > MAX_VALUES {
+            return Err(format!("{what}: more than {MAX_VALUES} metadata values"));
+        }
         Ok(match ty {
             0 => Value::Uint(self.take(1, what)?[0] as u64),
             1 => Value::Int(self.take(1, what)?[0] as i8 as i64),
@@ -307,7 +317,7 @@ type Layout = (u32, BTreeMap<String, Value>, Vec<TensorInfo>);
 /// Checks the whole layout: header, metadata, tensor infos, and every tensor's bytes inside the data
 /// section.
 fn parse(bytes: &[u8]) -> std::result::Result<Layout, String> {
-    let mut c = Cursor { bytes, at: 0 };
+    let mut c = Cursor { bytes, at: 0, values: 0 };
     if c.take(4, "magic")? != b"GGUF" {
         return Err("not a GGUF file (magic)".into());
     }
@@ -877,6 +887,15 @@ mod tests {
         let mut w = Writer::tiny();
         w.kv[8].2 = 4u32.to_le_bytes().to_vec();
         expect(&w, "`llama.rope.dimension_count` 4 differs");
+        // An array of more values than the reader makes (each would take 32 bytes for its one byte).
+        let mut w = Writer::tiny();
+        let n = MAX_VALUES as u64 + 1;
+        w.kv.push((
+            "general.huge".into(),
+            9,
+            [&0u32.to_le_bytes()[..], &n.to_le_bytes(), &vec![0u8; n as usize]].concat(),
+        ));
+        expect(&w, "metadata values");
         // A string length past the file.
         let mut w = Writer::tiny();
         w.kv[0].2 = [&u64::MAX.to_le_bytes()[..], b"llama"].concat();
