@@ -9,8 +9,11 @@
 //! 2. `template.render(&messages, true)?` is the prompt text, ending with the template's generation
 //!    prompt; encode it without adding special tokens (the template wrote them), as transformers does.
 //!
-//! A template that calls what is not provided (`strftime_now`, tools) fails with an error naming
-//! it; nothing is rendered partially.
+//! A template that calls what is not provided (`strftime_now`) fails with an error naming it;
+//! nothing is rendered partially. (A template that first asks whether `strftime_now` is defined
+//! takes its own fallback, where transformers would give today's date.) `tools` and `documents` are
+//! none, as transformers passes them without tools. Differences left: `tojson` writes compact JSON
+//! with sorted keys, and `None`/`True` print as `none`/`true`.
 
 use crate::gguf::{Gguf, Value};
 use crate::{Error, Result};
@@ -145,6 +148,9 @@ impl ChatTemplate {
         let context = minijinja::context! {
             messages => minijinja::Value::from(minijinja::value::Serde(messages)),
             add_generation_prompt => add_generation_prompt,
+            // transformers passes these as None when the caller gives none.
+            tools => minijinja::Value::from(()),
+            documents => minijinja::Value::from(()),
             bos_token => self.bos_token.clone().unwrap_or_default(),
             eos_token => self.eos_token.clone().unwrap_or_default(),
         };

@@ -7,7 +7,8 @@
 //!    read); a key or tensor name given twice is refused.
 //! 2. [`Gguf::config`]: the `llama.*` metadata as a [`LlamaConfig`]. Every `llama.*` key the decoder
 //!    does not implement is an error naming it, as for `config.json` (another `general.architecture`,
-//!    RoPE scaling, experts, a head size other than `hidden / heads`).
+//!    RoPE scaling, experts, a head size other than `hidden / heads`), and so is a tensor it would
+//!    not read (Llama-3.1's `rope_freqs.weight`, a bias).
 //! 3. [`Gguf::weights`]: the tensors under their Hugging Face names, dequantized (F32, F16, BF16,
 //!    Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q8_K; any other type is an error naming it), the
 //!    Q and K rows put back in Hugging Face's order (llama.cpp's converter interleaves each head's two
@@ -281,8 +282,21 @@ impl Gguf {
     pub fn config(&self) -> Result<LlamaConfig> {
         let name =
             Path::new(&self.path).file_stem().map_or("gguf".into(), |s| s.to_string_lossy().into_owned());
-        config_from(&name, &self.metadata, self.tensor("output.weight").is_none())
-            .map_err(|e| self.fail(format!("metadata: {e}")))
+        let cfg = config_from(&name, &self.metadata, self.tensor("output.weight").is_none())
+            .map_err(|e| self.fail(format!("metadata: {e}")))?;
+        // A tensor this decoder would not read changes the model (Llama-3.1's `rope_freqs.weight`
+        // carries its RoPE scaling, a `.bias` a bias): an error naming it, not a silent omission.
+        let known: std::collections::HashSet<String> =
+            Weights::<f32>::names(&cfg).iter().filter_map(|(hf, _)| gguf_name(hf)).collect();
+        if let Some(t) = self.tensors.iter().find(|t| !known.contains(&t.name)) {
+            let why = match t.name.as_str() {
+                "rope_freqs.weight" => " (RoPE frequency factors: Llama-3.1-style scaling)",
+                n if n.ends_with(".bias") => " (a bias)",
+                _ => "",
+            };
+            return Err(self.fail(format!("tensor `{}`{why} is not supported by this decoder", t.name)));
+        }
+        Ok(cfg)
     }
 
     /// The weights for `cfg` (from [`Gguf::config`], possibly with fewer layers) under their Hugging
@@ -347,7 +361,7 @@ fn parse(bytes: &[u8]) -> std::result::Result<Layout, String> {
             _ => return Err(format!("general.alignment {v:?} is not a power of two")),
         },
     };
-    let mut infos = Vec::with_capacity(n_tensors);
+    let mut infos = Vec::with_capacity(n_tensors.min(1 << 16));
     let mut names = HashMap::new();
     for i in 0..n_tensors {
         let name = c.string(&format!("tensor {i} name"))?;
@@ -409,7 +423,7 @@ fn half(b: &[u8]) -> f32 {
 /// are an error.
 pub fn dequantize(ty: GgmlType, bytes: &[u8], n: usize) -> std::result::Result<Vec<f32>, String> {
     let (block, block_bytes) = ty.block();
-    if !n.is_multiple_of(block) || bytes.len() != n / block * block_bytes {
+    if !n.is_multiple_of(block) || (n / block).checked_mul(block_bytes) != Some(bytes.len()) {
         return Err(format!("{} bytes are not {n} {ty:?} values", bytes.len()));
     }
     let mut out = Vec::with_capacity(n);
@@ -505,6 +519,9 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
 /// converter stored with each head's two rotary halves interleaved (row `2i` of a head was HF's row
 /// `i`, row `2i + 1` HF's row `i + head_dim / 2`).
 pub fn unpermute(values: &[f32], heads: usize, cols: usize) -> Vec<f32> {
+    if heads == 0 || cols == 0 {
+        return values.to_vec();
+    }
     let rows = values.len() / cols;
     let head_dim = rows / heads;
     let half = head_dim / 2;
@@ -638,7 +655,21 @@ fn config_from(
         tie_embeddings: tied,
         max_positions: need("llama.context_length")?,
         bos_token_id: token("tokenizer.ggml.bos_token_id")?,
-        eos_token_ids: token("tokenizer.ggml.eos_token_id")?.into_iter().collect(),
+        // llama.cpp stops at the end-of-turn and end-of-message tokens too (Llama-3-Instruct's
+        // `<|eot_id|>`).
+        eos_token_ids: {
+            let mut ids = Vec::new();
+            for key in
+                ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"]
+            {
+                if let Some(id) = token(key)? {
+                    if !ids.contains(&id) {
+                        ids.push(id);
+                    }
+                }
+            }
+            ids
+        },
     };
     cfg.check().map_err(|e| e.to_string())?;
     Ok(cfg)
@@ -684,6 +715,7 @@ mod tests {
             let want: Vec<f64> =
                 f["values"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
             let got = dequantize(ty(name), &bytes, want.len()).unwrap();
+            assert_eq!(got.len(), want.len(), "{name}");
             let worst = got
                 .iter()
                 .zip(&want)
@@ -887,6 +919,12 @@ mod tests {
         let mut w = Writer::tiny();
         w.kv[8].2 = 4u32.to_le_bytes().to_vec();
         expect(&w, "`llama.rope.dimension_count` 4 differs");
+        // A tensor the decoder would not read (Llama-3.1's RoPE frequency factors, a bias).
+        for extra in ["rope_freqs.weight", "blk.0.attn_q.bias"] {
+            let mut w = Writer::tiny();
+            w.tensors.push((extra.into(), vec![16], 0, vec![0u8; 64]));
+            expect(&w, &format!("tensor `{extra}`"));
+        }
         // An array of more values than the reader makes (each would take 32 bytes for its one byte).
         let mut w = Writer::tiny();
         let n = MAX_VALUES as u64 + 1;

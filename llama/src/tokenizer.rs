@@ -206,9 +206,11 @@ fn gguf_tokenizer(m: &std::collections::BTreeMap<String, crate::gguf::Value>) ->
     let in_alphabet = |t: &str| t.chars().all(|c| spelled.contains(&c));
     let mut vocab = serde_json::Map::new();
     for (id, t) in tokens.iter().enumerate() {
-        let key =
+        let key: String =
             if in_alphabet(t) { t.to_string() } else { t.bytes().map(|b| alphabet[b as usize]).collect() };
-        vocab.insert(key, json!(id));
+        if let Some(first) = vocab.insert(key.clone(), json!(id)) {
+            return Err(fail(format!("tokens {first} and {id} are both `{key}` in the byte alphabet")));
+        }
     }
     let added: Vec<serde_json::Value> = types
         .iter()
