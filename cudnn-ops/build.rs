@@ -2,7 +2,8 @@
 //! forgotten (writes `$OUT_DIR/sources.rs`, included by `kernels` and `plan::store`):
 //!
 //! - the CUDA kernels: every `.cu` file under `src/` (`kernels/common.cu` first, it defines what the
-//!   others use; then the rooms' files in path order), compiled as one NVRTC program;
+//!   others use; then the rooms' files in path order), each room's file compiled as its own NVRTC
+//!   program after `common.cu`;
 //! - the sources that decide what a graph lowers to: `descriptor.rs`, everything under `graph/` and
 //!   `plan/`, and every file under `ops/` that builds a graph (`Graph::new(`). Their hash is part of a
 //!   stored plan's environment, so a build whose lowering changed does not load older plans.
@@ -56,15 +57,18 @@ fn main() {
         "/// Every `.cu` file under `src/`, `kernels/common.cu` first (found by `build.rs`; the tests check it).\n\
          #[cfg_attr(not(test), allow(dead_code))]\n\
          pub(crate) const KERNEL_FILES: &[&str] = &[{}];\n\
-         /// Their text, in [`KERNEL_FILES`]' order: one NVRTC program.\n\
-         pub(crate) const KERNEL_SOURCE: &str = concat!({});\n\
+         /// `kernels/common.cu`, the start of every room's NVRTC program.\n\
+         pub(crate) const KERNEL_COMMON: &str = {};\n\
+         /// The other files of [`KERNEL_FILES`] and their text: one NVRTC program each, after [`KERNEL_COMMON`].\n\
+         pub(crate) const KERNEL_ROOMS: &[(&str, &str)] = &[{}];\n\
          /// The sources that decide what a graph lowers to (found by `build.rs`; the tests check it).\n\
          #[cfg_attr(not(test), allow(dead_code))]\n\
          pub(crate) const LOWERING_FILES: &[&str] = &[{}];\n\
          /// Their text, in [`LOWERING_FILES`]' order.\n\
          pub(crate) const LOWERING_SOURCES: &[&str] = &[{}];\n",
         list(&kernels),
-        kernels.iter().map(include).collect::<Vec<_>>().join(", "),
+        include(&kernels[0]),
+        kernels[1..].iter().map(|r| format!("({r:?}, {})", include(r))).collect::<Vec<_>>().join(", "),
         list(&lowering),
         lowering.iter().map(include).collect::<Vec<_>>().join(", "),
     );

@@ -18,6 +18,7 @@ on the same rows. Writes `hf_parity.csv` and `hf_parity.md` to `--out`.
 
     python3 app/benches/hf_parity.py --runner "bash .gpu/run example hf-logits" --out benches/results/h200
     python3 app/benches/hf_parity.py   # runner: cargo run --release --example hf-logits --
+    python3 app/benches/hf_parity.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out ...   # needs `pip install gguf`
 """
 import argparse
 import csv
@@ -47,7 +48,12 @@ DEFAULT = ["llama-3.2-1b-2layers", "llama-3.1-8b-2layers"]
 
 
 def hf_logits(path, dtype, ids):
-    model = LlamaForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+    if path.endswith(".gguf"):  # transformers' GGUF loader: every tensor dequantized to fp32, then cast
+        model = LlamaForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                                 gguf_file=os.path.basename(path), dtype=dtype)
+    else:
+        model = LlamaForCausalLM.from_pretrained(path, dtype=dtype)
+    model = model.cuda().eval()
     with torch.inference_mode():
         out = model(torch.tensor(ids, device="cuda")).logits.float().cpu().numpy()
     del model
@@ -85,19 +91,25 @@ def main():
     ap.add_argument("--out", default="benches/results")
     ap.add_argument("--shapes", default=",".join(DEFAULT), help="comma-separated: " + ", ".join(CHECKPOINTS))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gguf", help="a GGUF file (e.g. SmolLM2-135M-Instruct.Q4_1.gguf) instead of --shapes")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     rows, failed = [], []
     rng = np.random.default_rng(a.seed)
-    for name in a.shapes.split(","):
+    for name in ([os.path.basename(a.gguf)] if a.gguf else a.shapes.split(",")):
         with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, name)
-            shape, layers = CHECKPOINTS[name]
-            build(shape, path, a.seed, layers)
-            with open(os.path.join(path, "config.json")) as f:
-                keys = sorted(json.load(f))
-            print(f"{name}: config.json keys {keys}", flush=True)
-            ids = rng.integers(0, 128256, size=(BATCH, PROMPT + DECODE)).tolist()
+            if a.gguf:
+                from gguf import GGUFReader
+                path = os.path.abspath(a.gguf)
+                vocab = len(GGUFReader(path).fields["tokenizer.ggml.tokens"].data)
+            else:
+                path, vocab = os.path.join(tmp, name), 128256
+                shape, layers = CHECKPOINTS[name]
+                build(shape, path, a.seed, layers)
+                with open(os.path.join(path, "config.json")) as f:
+                    keys = sorted(json.load(f))
+                print(f"{name}: config.json keys {keys}", flush=True)
+            ids = rng.integers(0, vocab, size=(BATCH, PROMPT + DECODE)).tolist()
             ref = hf_logits(path, torch.float32, ids)
             bf = hf_logits(path, torch.bfloat16, ids)
             prompt = [r[:PROMPT] for r in ids]
@@ -118,7 +130,7 @@ def main():
                         failed.append(f"{name} {part} {backend}: rel L2 {err:.3e} > {BOUND} x {yard:.3e}")
                 rows.append(row)
                 print(row, flush=True)
-    with open(os.path.join(a.out, "hf_parity.csv"), "w", newline="") as f:
+    with open(os.path.join(a.out, "hf_parity.csv" if not a.gguf else "hf_parity_gguf.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
@@ -129,10 +141,13 @@ def main():
     except OSError:
         driver = "unknown"
     gpu += f", driver {driver}, torch's cuDNN {torch.backends.cudnn.version()}"
-    with open(os.path.join(a.out, "hf_parity.md"), "w") as f:
+    with open(os.path.join(a.out, "hf_parity.md" if not a.gguf else "hf_parity_gguf.md"), "w") as f:
         f.write(f"# Logits parity with transformers {transformers.__version__} (torch {torch.__version__})\n\n")
-        f.write(f"GPU: {gpu}. Random-init checkpoints written by `save_pretrained` (bf16 safetensors, "
-                f"`rope_parameters` with llama3 scaling), {BATCH} sequences x {PROMPT} prompt tokens "
+        what = (f"The GGUF file `{os.path.basename(a.gguf)}` (trained weights, dequantized to fp32 by "
+                f"transformers' loader and to bf16 by ours)" if a.gguf else
+                "Random-init checkpoints written by `save_pretrained` (bf16 safetensors, "
+                "`rope_parameters` with llama3 scaling)")
+        f.write(f"GPU: {gpu}. {what}, random token ids, {BATCH} sequences x {PROMPT} prompt tokens "
                 f"then {DECODE} decode steps. Reference: transformers fp32 on the same checkpoint. "
                 f"Yardstick: transformers bf16 vs fp32; bound {BOUND}x the yardstick. "
                 f"`app/benches/hf_parity.py`.\n\n")

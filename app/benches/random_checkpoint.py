@@ -74,7 +74,7 @@ def main():
     a = ap.parse_args()
     build(a.shape, a.out, a.seed, a.layers)
     here = os.path.dirname(os.path.abspath(__file__))
-    with open(os.path.join(here, "..", "README.md")) as f:
+    with open(os.path.join(here, "..", "..", "README.md")) as f:
         corpus = f.read().split("\n\n")
     tokenizer(a.out, corpus)
     print("wrote", a.out, sorted(os.listdir(a.out)))

@@ -2,14 +2,16 @@
 //! transformers (`python3 app/benches/hf_parity.py` drives it):
 //!
 //! ```text
-//! cargo run --release --example hf-logits -- MODEL_DIR TOKENS_JSON OUT_DIR
+//! cargo run --release --example hf-logits -- MODEL TOKENS_JSON OUT_DIR
 //! ```
 //!
+//! `MODEL` is a checkpoint directory (config.json and safetensors) or a GGUF file (dequantized at load).
 //! `TOKENS_JSON` is `{"prefill": [[ids...], ...], "decode": [[id per sequence], ...]}`: a prefill of
 //! equal-length sequences, then decode steps of one token per sequence. For each backend (all naive,
 //! all fused) it writes `OUT_DIR/logits-{naive,fused}.f32`: little-endian f32 rows of `vocab` values,
 //! the prefill's rows (sequence-major, every position) followed by each decode step's rows.
 use cudnn_llm::half::bf16;
+use cudnn_llm::llama::gguf::{is_gguf_path, Gguf};
 use cudnn_llm::llama::weights::Weights;
 use cudnn_llm::llama::{Backends, Llama, LlamaConfig, NoObserver};
 use cudnn_llm::Cudnn;
@@ -24,13 +26,21 @@ struct Tokens {
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let [model_dir, tokens, out] = args.as_slice() else {
-        return Err("usage: hf-logits MODEL_DIR TOKENS_JSON OUT_DIR".into());
+        return Err("usage: hf-logits MODEL TOKENS_JSON OUT_DIR".into());
     };
     let (model_dir, out) = (PathBuf::from(model_dir), PathBuf::from(out));
     let toks: Tokens = serde_json::from_str(&std::fs::read_to_string(tokens)?)?;
-    let json = std::fs::read_to_string(model_dir.join("config.json"))?;
-    let cfg = LlamaConfig::from_hf_json(&model_dir.display().to_string(), &json)?;
-    let weights = Weights::<bf16>::load(&cfg, &model_dir)?;
+    let (cfg, weights) = if is_gguf_path(&model_dir) {
+        let gguf = Gguf::open(&model_dir)?;
+        let cfg = gguf.config()?;
+        let weights = gguf.weights::<bf16>(&cfg)?;
+        (cfg, weights)
+    } else {
+        let json = std::fs::read_to_string(model_dir.join("config.json"))?;
+        let cfg = LlamaConfig::from_hf_json(&model_dir.display().to_string(), &json)?;
+        let weights = Weights::<bf16>::load(&cfg, &model_dir)?;
+        (cfg, weights)
+    };
     let ctx = Cudnn::new(0)?;
     let (batch, seq) = (toks.prefill.len(), toks.prefill.first().map_or(0, Vec::len));
     let total = seq + toks.decode.len();

@@ -213,9 +213,18 @@ pub fn median_host_us(
 /// Device-to-device copy bandwidth in GB/s (bytes read + bytes written), median of `reps` copies of
 /// `bytes` bytes.
 pub fn copy_bandwidth_gbps(ctx: &Cudnn, bytes: usize, reps: usize) -> Result<f64> {
-    let src =
-        ctx.stream().clone_htod(&reference::to_elements::<f32>(&reference::random_values(1, bytes / 4)))?;
-    let mut dst = ctx.stream().alloc_zeros::<f32>(bytes / 4)?;
+    // Random non-zero values: a 4 MiB block made on the host, tiled on the device.
+    const BLOCK: usize = 1 << 20;
+    let n = bytes / 4;
+    let block = ctx
+        .stream()
+        .clone_htod(&reference::to_elements::<f32>(&reference::random_values(1, BLOCK.min(n))))?;
+    let mut src = ctx.stream().alloc_zeros::<f32>(n)?;
+    for at in (0..n).step_by(BLOCK) {
+        let len = BLOCK.min(n - at);
+        ctx.stream().memcpy_dtod(&block.slice(..len), &mut src.slice_mut(at..at + len))?;
+    }
+    let mut dst = ctx.stream().alloc_zeros::<f32>(n)?;
     let ms = median_call_ms(ctx, 3, reps, 1, || Ok(ctx.stream().memcpy_dtod(&src, &mut dst)?))?;
     Ok(2.0 * bytes as f64 / (ms * 1e-3) / 1e9)
 }

@@ -101,6 +101,8 @@ impl PlanCache {
             return Ok(plan);
         }
         self.misses.set(self.misses.get() + 1);
+        let started = std::time::Instant::now();
+        let outermost = self.building.borrow().is_empty();
         let slot = self.store.borrow().as_ref().map(|s| {
             let text = format!("{}\n{key:?}", std::any::type_name::<K>());
             Rc::new(s.slot(text, self.disk.clone()))
@@ -124,6 +126,9 @@ impl PlanCache {
             slot.count();
         }
         let plan = Rc::new(built?);
+        if outermost {
+            crate::startup::record("plans", started.elapsed(), "");
+        }
         let entry = Entry { key: Box::new(key.clone()), plan: plan.clone() };
         self.plans.borrow_mut().entry(hash).or_default().push(entry);
         Ok(plan)

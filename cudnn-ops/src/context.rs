@@ -90,14 +90,17 @@ impl Cudnn {
     /// allocating: that is an `unsafe` promise to order every other stream by hand, and buffers
     /// allocated afterwards are no longer tracked.
     pub fn new(ordinal: usize) -> Result<Self> {
-        let ctx = open_device(ordinal)?;
-        let stream = ctx.new_stream()?;
+        let stream = crate::startup::timed(
+            "context",
+            || open_device(ordinal).and_then(|ctx| Ok(ctx.new_stream()?)),
+            |_| format!("driver and device {ordinal}"),
+        )?;
         Self::with_stream(stream)
     }
 
     /// A context whose cuDNN work goes to `stream`.
     pub fn with_stream(stream: Arc<CudaStream>) -> Result<Self> {
-        let exec = Exec::open(stream)?;
+        let exec = crate::startup::timed("handles", || Exec::open(stream), |_| "cuDNN and cuBLAS".into())?;
         let ctx = Cudnn {
             cache: PlanCache::default(),
             kernels: OnceCell::new(),
@@ -199,6 +202,12 @@ impl Cudnn {
     /// temporary name and renamed, so processes sharing the directory never read a partial one. The
     /// directory is created on the first write; [`PlanCache::stats`] counts disk hits, misses,
     /// rejections and writes.
+    ///
+    /// The custom kernels (the naive baselines' and the decode room's) keep their compiled CUBINs in
+    /// its `kernels/` folder, one per op room, keyed by the room's source, the GPU architecture, NVRTC
+    /// and the driver, under the same trust rules: the directory the context has at its first kernel
+    /// launch is the one used. [`startup::phases`](crate::startup::phases) says what was compiled and
+    /// what was loaded.
     pub fn set_plan_dir(&self, dir: Option<&Path>) {
         let store = dir.map(|d| PlanStore::new(d.to_path_buf(), self.environment()));
         self.cache.set_store(store);
@@ -292,7 +301,7 @@ impl Kernels {
     /// not in `kernels/`: the context owns the registry, and the kernels know only the [`Exec`] they
     /// launch on.
     pub(crate) fn get(ctx: &Cudnn) -> Result<&Kernels> {
-        Ok(ctx.kernels.get_or_init(Kernels::new))
+        Ok(ctx.kernels.get_or_init(|| Kernels::new(ctx.plan_dir())))
     }
 }
 

@@ -55,6 +55,7 @@ mod proptests;
 mod raw;
 pub mod reference;
 mod sources;
+pub mod startup;
 mod tensor;
 pub mod testing;
 mod version;

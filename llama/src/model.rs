@@ -235,6 +235,19 @@ impl<T: Element> Llama<T> {
     /// Uploads `weights` (the Q, K and V projections concatenated into one matrix) and RoPE tables for
     /// positions `0..max_positions`.
     pub fn new(ctx: &Cudnn, cfg: &LlamaConfig, weights: &Weights<T>, max_positions: usize) -> Result<Self> {
+        cudnn_llm_ops::startup::timed(
+            "weights upload",
+            || Self::upload_weights(ctx, cfg, weights, max_positions),
+            |_| String::new(),
+        )
+    }
+
+    fn upload_weights(
+        ctx: &Cudnn,
+        cfg: &LlamaConfig,
+        weights: &Weights<T>,
+        max_positions: usize,
+    ) -> Result<Self> {
         Self::ensure_fits(ctx, cfg, max_positions)?;
         if weights.layers.len() != cfg.layers {
             return Err(Error::Weights(format!(

@@ -209,6 +209,10 @@ impl<T: Element> Weights<T> {
     /// is not a plain file name in the index's directory) is an [`Error::Weights`] naming the tensor
     /// and the file. A config [`LlamaConfig::check`] refuses is an [`Error::Config`].
     pub fn load(cfg: &LlamaConfig, path: &Path) -> Result<Self> {
+        cudnn_llm_ops::startup::timed("weights read", || Self::read(cfg, path), |_| "safetensors".into())
+    }
+
+    fn read(cfg: &LlamaConfig, path: &Path) -> Result<Self> {
         cfg.check()?;
         let wanted = Self::names(cfg);
         let files = locate(path, &wanted)?;

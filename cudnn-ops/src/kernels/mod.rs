@@ -1,19 +1,20 @@
-//! The NVRTC runtime every custom kernel runs on: one program (the shared helpers of `common.cu`, then
-//! each op room's `.cu`), compiled on first use and cached per context, its functions looked up once;
-//! launch helpers; the grown-never-shrunk scratch the eager baselines keep their intermediates in; and
+//! The NVRTC runtime every custom kernel runs on: one program per op room (the shared helpers of
+//! `common.cu`, then the room's `.cu`), compiled to CUBINs in parallel on first use, kept on disk next
+//! to the plans ([`store`]) and cached per context, their functions looked up once; launch helpers; the grown-never-shrunk scratch the eager baselines keep their intermediates in; and
 //! the cuBLAS GEMM of the naive matmul and attention ([`blas`]).
 
 pub(crate) mod blas;
+mod store;
 
 use crate::exec::Exec;
 use crate::{Error, Result};
 use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 
-use cudarc::nvrtc::CompileOptions;
 use once_cell::unsync::OnceCell;
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::path::PathBuf;
 
 /// Threads per block of the elementwise kernels, and elements each thread handles.
 const BLOCK: u32 = 256;
@@ -22,7 +23,9 @@ const ITEMS: u32 = 4;
 /// The compiled kernels (compiled on the first launch), the scratch memory the eager baselines'
 /// intermediates live in, and the buffers fused ops own.
 pub struct Kernels {
-    module: OnceCell<Arc<CudaModule>>,
+    /// The kernel cache's folder (in the plan directory when the context had one at its first launch).
+    dir: Option<PathBuf>,
+    modules: OnceCell<Vec<Arc<CudaModule>>>,
     functions: RefCell<HashMap<String, CudaFunction>>,
     scratch: RefCell<Option<CudaSlice<f32>>>,
     /// Clamped sequence lengths of padded attention (see [`crate::SdpaOperands::seq_lens`]).
@@ -52,11 +55,12 @@ pub struct KernelRun {
 
 impl Kernels {
     /// An empty registry: nothing compiles here (an op that only needs an op-owned buffer needs no
-    /// NVRTC); the program compiles on the first launch. The context owns it (`Kernels::get`, in
-    /// `context.rs`).
-    pub(crate) fn new() -> Self {
+    /// NVRTC); the programs compile (or load from the kernel cache in `plan_dir`) on the first launch.
+    /// The context owns it (`Kernels::get`, in `context.rs`).
+    pub(crate) fn new(plan_dir: Option<PathBuf>) -> Self {
         Kernels {
-            module: OnceCell::new(),
+            dir: plan_dir.as_deref().map(store::dir_in),
+            modules: OnceCell::new(),
             functions: RefCell::new(HashMap::new()),
             scratch: RefCell::new(None),
             seq_lens: RefCell::new(None),
@@ -114,16 +118,25 @@ impl Kernels {
         self.scratch.borrow().as_ref().map_or(0, |s| s.len())
     }
 
-    /// The kernel called `name` (looked up once, then cached); the program compiles on the first call.
+    /// The kernel called `name` (looked up once, then cached); the programs compile on the first call.
     fn function(&self, ctx: &Exec, name: &str) -> Result<CudaFunction> {
         if let Some(f) = self.functions.borrow().get(name) {
             return Ok(f.clone());
         }
-        let module = self.module.get_or_try_init(|| {
-            let ptx = ptx(ctx.info().compute_capability)?;
-            Ok::<_, Error>(ctx.stream().context().load_module(ptx)?)
+        let modules = self.modules.get_or_try_init(|| {
+            let t = std::time::Instant::now();
+            let (cubins, detail) = cubins(ctx, self.dir.as_deref())?;
+            let modules = cubins
+                .into_iter()
+                .map(|c| Ok(ctx.stream().context().load_module(cudarc::nvrtc::Ptx::from_binary(c))?))
+                .collect::<Result<Vec<_>>>()?;
+            crate::startup::record("kernels", t.elapsed(), detail);
+            Ok::<_, Error>(modules)
         })?;
-        let f = module.load_function(name)?;
+        let f = modules
+            .iter()
+            .find_map(|m| m.load_function(name).ok())
+            .ok_or_else(|| Error::Nvrtc(format!("no kernel named {name} in any room's program")))?;
         self.functions.borrow_mut().insert(name.to_string(), f.clone());
         Ok(f)
     }
@@ -157,17 +170,78 @@ fn grown<'a, T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
     Ok(std::cell::RefMut::map(s, |s| s.as_mut().expect("just allocated")))
 }
 
-/// Compiles the kernel source for a compute capability (no GPU needed, only libnvrtc).
-fn ptx((major, minor): (i32, i32)) -> Result<cudarc::nvrtc::Ptx> {
+/// The program of each room: `common.cu`, then the room's file.
+fn programs() -> impl Iterator<Item = (&'static str, [&'static str; 2])> {
+    crate::sources::KERNEL_ROOMS.iter().map(|&(room, text)| (room, [crate::sources::KERNEL_COMMON, text]))
+}
+
+/// Every room's CUBIN for this device, from the kernel cache in `dir` where it holds one for this
+/// source, architecture, NVRTC and driver, else compiled (the rooms in parallel, one thread each) and
+/// stored there; and a line saying which.
+fn cubins(ctx: &Exec, dir: Option<&std::path::Path>) -> Result<(Vec<Vec<u8>>, String)> {
     if !crate::raw::nvrtc::library_present() {
         return Err(Error::Nvrtc("libnvrtc.so was not found: install the CUDA 13 NVRTC library".into()));
     }
-    let opts = CompileOptions {
-        options: vec![format!("--gpu-architecture=compute_{major}{minor}")],
-        ..Default::default()
-    };
-    cudarc::nvrtc::compile_ptx_with_opts(crate::sources::KERNEL_SOURCE, opts)
-        .map_err(|e| Error::Nvrtc(format!("{e:?}")))
+    let arch = ctx.info().compute_capability;
+    let nvrtc = crate::raw::nvrtc::version().map_err(Error::Nvrtc)?;
+    let driver = ctx.info().driver_version;
+    let rooms: Vec<_> = programs().collect();
+    let keys: Vec<String> =
+        rooms.iter().map(|(room, text)| store::key(room, text, arch, nvrtc, driver)).collect();
+    let mut unusable = Vec::new();
+    let mut found: Vec<Option<Vec<u8>>> = keys
+        .iter()
+        .map(|k| match dir.map(|d| store::load(d, k)) {
+            Some(store::Lookup::Hit(image)) => Some(image),
+            Some(store::Lookup::Unusable(why)) => {
+                unusable.push(why);
+                None
+            }
+            _ => None,
+        })
+        .collect();
+    let loaded = found.iter().flatten().count();
+    let compiled: Vec<(usize, std::result::Result<Vec<u8>, String>)> = std::thread::scope(|s| {
+        let jobs: Vec<_> = rooms
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| found[*i].is_none())
+            .map(|(i, (room, [common, text]))| {
+                s.spawn(move || (i, crate::raw::nvrtc::compile_cubin(&[*common, *text].concat(), room, arch)))
+            })
+            .collect();
+        jobs.into_iter().map(|j| j.join().expect("an NVRTC thread panicked")).collect()
+    });
+    let mut unsaved = None;
+    for (i, cubin) in compiled {
+        let cubin = cubin.map_err(Error::Nvrtc)?;
+        if let Some(d) = dir {
+            if let Err(e) = store::save(d, &keys[i], &cubin) {
+                unsaved.get_or_insert_with(|| format!("not stored in {}: {e}", d.display()));
+            }
+        }
+        found[i] = Some(cubin);
+    }
+    let mut detail = format!(
+        "{} rooms: {} compiled (NVRTC {}.{}, sm_{}{}), {loaded} loaded",
+        rooms.len(),
+        rooms.len() - loaded,
+        nvrtc.0,
+        nvrtc.1,
+        arch.0,
+        arch.1
+    );
+    match dir {
+        Some(d) => detail += &format!(" from {}", d.display()),
+        None => detail += " (no plan directory: nothing kept on disk)",
+    }
+    if let Some(why) = unusable.first() {
+        detail += &format!("; {} unusable, e.g. {why}", unusable.len());
+    }
+    if let Some(why) = unsaved {
+        detail += &format!("; {why}");
+    }
+    Ok((found.into_iter().map(|c| c.expect("loaded or compiled")).collect(), detail))
 }
 
 /// Scratch f32 memory of at least `len` elements (grown, never shrunk), as a device address. Like
@@ -319,15 +393,17 @@ mod tests {
             eprintln!("SKIPPED kernels_compile_where_nvrtc_is_installed: no libnvrtc on the library path");
             return;
         }
-        for cc in [(8, 0), (9, 0)] {
-            if let Err(e) = super::ptx(cc) {
-                panic!(
-                    "kernels do not compile for sm_{}{}: {}",
-                    cc.0,
-                    cc.1,
-                    e.to_string().replace("\\n", "\n")
-                );
+        // Each room alone after common.cu (its program), for the architectures the crate runs on.
+        std::thread::scope(|s| {
+            for cc in [(8, 0), (9, 0)] {
+                for (room, [common, text]) in super::programs() {
+                    s.spawn(move || {
+                        if let Err(e) = crate::raw::nvrtc::compile_cubin(&[common, text].concat(), room, cc) {
+                            panic!("{room} does not compile for sm_{}{}: {e}", cc.0, cc.1);
+                        }
+                    });
+                }
             }
-        }
+        });
     }
 }

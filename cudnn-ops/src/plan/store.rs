@@ -31,7 +31,7 @@
 //! key text is compared on load; a hash collision is a miss, not another key's plan.
 
 use super::engine::EngineChoice;
-use crate::disk::{self, write_atomic, Refused};
+use crate::disk::{self, crc32, fnv1a64, write_atomic, Refused};
 use std::cell::{Cell, RefCell};
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
@@ -315,33 +315,6 @@ impl<'a> Reader<'a> {
     fn string(&mut self) -> Result<String, String> {
         String::from_utf8(self.bytes()?.to_vec()).map_err(|_| "a string is not UTF-8".to_string())
     }
-}
-
-/// CRC-32 as in IEEE 802.3, zlib and PNG (reflected polynomial `0xEDB88320`, initial and final
-/// value `0xFFFFFFFF`): `crc32(b"123456789") == 0xCBF43926`. Table-driven; plan files are small.
-pub(crate) fn crc32(bytes: &[u8]) -> u32 {
-    const TABLE: [u32; 256] = {
-        let mut table = [0u32; 256];
-        let mut i = 0;
-        while i < 256 {
-            let mut c = i as u32;
-            let mut k = 0;
-            while k < 8 {
-                c = if c & 1 != 0 { 0xEDB8_8320 ^ (c >> 1) } else { c >> 1 };
-                k += 1;
-            }
-            table[i] = c;
-            i += 1;
-        }
-        table
-    };
-    !bytes.iter().fold(!0u32, |c, &b| TABLE[((c ^ b as u32) & 0xFF) as usize] ^ (c >> 8))
-}
-
-/// 64-bit FNV-1a (offset basis `0xcbf29ce484222325`, prime `0x100000001b3`), the stable hash that
-/// names a key's file: `fnv1a64(b"") == 0xcbf29ce484222325`, `fnv1a64(b"a") == 0xaf63dc4c8601ec8c`.
-pub(crate) fn fnv1a64(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
 }
 
 /// The file name of a key's plan.

@@ -8,6 +8,7 @@
 //! generating.
 
 use clap::Parser;
+use cudnn_llm::cudnn_ops::startup;
 use cudnn_llm_app::bench_util::{copy_bandwidth_gbps, tool_main};
 use cudnn_llm_llama::chat::{ChatTemplate, Message};
 use cudnn_llm_llama::generate::{eos_token_ids, Generation, StopReason};
@@ -160,8 +161,6 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> R
     if input.eos.is_empty() {
         eprintln!("generate: no eos_token_id in config.json or generation_config.json: stopping at --max-new-tokens only");
     }
-    // Measured before the model is resident, so that the 2 GiB of copy buffers fit next to it later.
-    let bandwidth = copy_bandwidth_gbps(ctx, COPY_BYTES, 10)?;
     let max_seq = input.max_seq;
     let model = {
         // Before any weight is read: a model that cannot fit fails here.
@@ -177,14 +176,16 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> R
         unsafe { Generator::new(ctx, model, plan.backends.clone(), max_seq)?.with_mode(plan.decode) };
     generator.set_sampling_path(plan.sampling_path);
     if !opts.no_warmup {
-        warm_up(ctx, &mut generator, &input.prompt)?;
+        startup::timed("warm-up", || warm_up(ctx, &mut generator, &input.prompt), |_| String::new())?;
     }
+    let mut first_token: Option<Option<Duration>> = None;
     let mut sampler = Sampler::new(plan.sampling)?;
     let mut text = input.tokenizer.stream(true);
     let mut stdout = std::io::stdout().lock();
     let mut failed: Option<Error> = None;
     let generation =
         generator.generate(ctx, &input.prompt, opts.max_new_tokens, &mut sampler, &input.eos, |id| {
+            first_token.get_or_insert_with(startup::since_process_start);
             let printed = text.step(id).map_err(Error::from).and_then(|chunk| {
                 Ok(chunk.map(|c| stdout.write_all(c.as_bytes()).and_then(|()| stdout.flush())).transpose()?)
             });
@@ -217,9 +218,19 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> R
         print_ids(&generation.tokens);
     }
     let elem = std::mem::size_of::<T>();
-    report(&rates, |i| DecodeRoofline::new(cfg, 1, rates.prompt_tokens + i, elem), Ok(bandwidth), "");
+    // After the text, off the path to the first token; 2 x 1 GiB next to the model and its cache (an
+    // error, e.g. out of memory, leaves the roofline line without a bandwidth, saying why).
+    let bandwidth = copy_bandwidth_gbps(ctx, COPY_BYTES, 10).map_err(|e| e.to_string());
+    report(&rates, |i| DecodeRoofline::new(cfg, 1, rates.prompt_tokens + i, elem), bandwidth, "");
     report_plans(ctx);
+    report_startup(first_token.flatten());
     Ok(())
+}
+
+/// Where the time before the first token went (the library's start-up record), on stderr.
+pub(crate) fn report_startup(first_token: Option<Duration>) {
+    let at = first_token.map_or("unknown".into(), startup::millis);
+    eprintln!("generate: startup: first token handed to the output {at} after exec; {}", startup::summary());
 }
 
 /// Which sampling path chose the decode steps' ids (the line `generate: sampling: ...`).
