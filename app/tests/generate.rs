@@ -380,6 +380,9 @@ fn greedy_decode_is_the_argmax_of_a_full_forward_and_of_the_f64_reference() {
     let mut g = unsafe { g.with_mode(DecodeMode::Graph) };
     assert_eq!(greedy(&ctx, &mut g, &prompt, n), fused_ids, "graph replay vs plain launches");
     assert!(g.replaying() && g.graph_refusal().is_none(), "{:?}", g.graph_refusal());
+    // The replayed step's kernels: at least one per layer, and no more than its nodes.
+    let (kernels, nodes) = g.step_kernels().unwrap().unwrap();
+    assert!(kernels >= cfg.layers && kernels <= nodes, "{kernels} kernels, {nodes} nodes");
     assert!(g.model().fallbacks().is_empty(), "{:?}", g.model().fallbacks());
     std::fs::remove_dir_all(&dir).unwrap();
 }

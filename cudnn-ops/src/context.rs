@@ -116,6 +116,13 @@ impl Cudnn {
         Ok(ctx)
     }
 
+    /// How many kernels one replay of `graph` launches (its kernel nodes; NCCL's and cuDNN's count
+    /// like ours), and how many nodes it has in all: what bounds a small model's decode step when its
+    /// bytes do not.
+    pub fn graph_kernels(graph: &cudarc::driver::CudaGraph) -> Result<(usize, usize)> {
+        crate::raw::driver::graph_kernels(graph)
+    }
+
     /// Captures what `f` enqueues on this context's stream as a CUDA graph (thread-local capture
     /// mode), and returns `f`'s value with the instantiated graph. The capture is ended whatever `f`
     /// returns (or if it panics); `f`'s error comes first, then the capture's, and a capture that

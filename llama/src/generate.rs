@@ -242,6 +242,12 @@ impl<T: Element> Generator<T> {
         self.mode == DecodeMode::Graph && self.graph.is_some()
     }
 
+    /// Kernels one replay of the captured decode step launches, and its nodes in all; `None` before a
+    /// step was captured (or in [`DecodeMode::Launch`]).
+    pub fn step_kernels(&self) -> Option<Result<(usize, usize)>> {
+        self.graph.as_ref().map(|g| g.kernels())
+    }
+
     /// Why decode steps launch plainly in [`DecodeMode::Graph`] (the capture's refusal), if they do.
     pub fn graph_refusal(&self) -> Option<&str> {
         self.refusal.as_deref()

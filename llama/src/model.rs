@@ -192,6 +192,11 @@ impl<T> std::fmt::Debug for DecodeGraph<T> {
 }
 
 impl<T> DecodeGraph<T> {
+    /// Kernels one replay launches, and the graph's nodes in all ([`Cudnn::graph_kernels`]).
+    pub fn kernels(&self) -> Result<(usize, usize)> {
+        Ok(Cudnn::graph_kernels(&self.graph)?)
+    }
+
     /// A greedy graph's pick words `[batch]` as its last replay wrote them (read them with
     /// [`cudnn_llm_ops::Pick::from_word`]); `None` for a graph without the argmax.
     pub fn picks(&self) -> Option<&CudaSlice<u32>> {

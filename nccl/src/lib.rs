@@ -91,6 +91,7 @@
 #![deny(missing_docs, rustdoc::broken_intra_doc_links)]
 
 mod raw;
+pub mod rendezvous;
 
 use cudarc::driver::sys::{CUevent_flags, CUstreamCaptureStatus};
 use cudarc::driver::{CudaEvent, CudaStream, DevicePtrMut};
@@ -533,6 +534,37 @@ impl Shared {
     }
 }
 
+/// NCCL's unique id: the 128 bytes that make the processes given them one communicator
+/// ([`Comm::init_rank`]). Opaque; it names rank 0's host and a port NCCL listens on.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct UniqueId([u8; 128]);
+
+impl UniqueId {
+    /// A new id (`ncclGetUniqueId`), made once, by rank 0.
+    pub fn new() -> Result<UniqueId, NcclError> {
+        Ok(UniqueId(raw::load()?.unique_id()?))
+    }
+
+    /// Its bytes, to send to the other ranks.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    /// The id in `bytes` (exactly 128, as [`UniqueId::as_bytes`] gave them).
+    pub fn from_bytes(bytes: &[u8]) -> Result<UniqueId, NcclError> {
+        let b: [u8; 128] = bytes
+            .try_into()
+            .map_err(|_| NcclError::Argument(format!("a unique id is 128 bytes, not {}", bytes.len())))?;
+        Ok(UniqueId(b))
+    }
+}
+
+impl std::fmt::Debug for UniqueId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("UniqueId(..)")
+    }
+}
+
 /// One rank's NCCL communicator, on one GPU. `Send`, not `Sync`: the thread driving the GPU owns
 /// it; other threads reach it only through an [`AbortHandle`]. Dropping it destroys the
 /// communicator, or aborts it when an operation left an error on it (the last of a process's
@@ -750,14 +782,8 @@ impl Comm {
             .into_iter()
             .zip(devices)
             .enumerate()
-            .map(|(rank, ((raw, context), &device))| Comm {
-                shared: Shared::live(lib, rank, raw, context),
-                ranks,
-                device,
-                launched: OnceCell::new(),
-                pending: Cell::new(false),
-                window: None,
-                gather: None,
+            .map(|(rank, ((raw, context), &device))| {
+                Comm::plain(Shared::live(lib, rank, raw, context), ranks, device)
             })
             .collect();
         let gather_bytes = if symmetric { gather_bytes } else { 0 };
@@ -771,6 +797,44 @@ impl Comm {
             return Err(e);
         }
         Ok(comms)
+    }
+
+    /// This process's communicator as rank `rank` of `ranks`, on GPU `device`, joining the others
+    /// through `id` (rank 0 makes it with [`UniqueId::new`] and gives it to every rank, e.g. over
+    /// [`rendezvous`]). Blocks until every rank has called it. The settings of [`Comm::init_all`]
+    /// hold (`config` checked, NVLink multicast off, connections at init); symmetric windows and the
+    /// copy-engine gather are not made (they are made collectively by one process's ranks).
+    pub fn init_rank(
+        device: usize,
+        rank: usize,
+        ranks: usize,
+        id: &UniqueId,
+        config: &NcclConfig,
+    ) -> Result<Comm, NcclError> {
+        if ranks == 0 || rank >= ranks {
+            return Err(NcclError::Argument(format!(
+                "rank {rank} of {ranks}: a rank is below the rank count"
+            )));
+        }
+        config.validate()?;
+        fixed_env()?;
+        let lib = raw::load()?;
+        COMMS_MADE.store(true, Ordering::SeqCst);
+        let (raw, context) = lib.init_rank(device, rank, ranks, id.0, raw::ConfigV22800::from(config))?;
+        Ok(Comm::plain(Shared::live(lib, rank, raw, Some(context)), ranks, device))
+    }
+
+    /// A communicator of `ranks` on `device` with no window or gather communicator (yet).
+    fn plain(shared: Arc<Shared>, ranks: usize, device: usize) -> Comm {
+        Comm {
+            shared,
+            ranks,
+            device,
+            launched: OnceCell::new(),
+            pending: Cell::new(false),
+            window: None,
+            gather: None,
+        }
     }
 
     /// The decode windows (with `windows`) and, with `gather_bytes` above 0, each rank's copy-engine

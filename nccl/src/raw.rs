@@ -417,6 +417,64 @@ impl Lib {
         Ok(comms.into_iter().map(RawComm).zip(contexts).collect())
     }
 
+    /// The calls that take a configuration, or an error naming `what` on a library too old for them.
+    fn config_calls(&self, what: &str) -> Result<&ConfigCalls, NcclError> {
+        match &self.config_calls {
+            Some(calls) if self.version >= CONFIG_MIN_VERSION => Ok(calls),
+            _ => Err(NcclError::Config {
+                option: what.to_string(),
+                why: format!(
+                    "{} is NCCL {}; ranks as processes need {} or later (ncclCommInitRankConfig)",
+                    self.library,
+                    super::version_string(self.version),
+                    super::version_string(CONFIG_MIN_VERSION)
+                ),
+            }),
+        }
+    }
+
+    /// A new unique id (`ncclGetUniqueId`): the 128 bytes every rank of one communicator is given.
+    pub(crate) fn unique_id(&self) -> Result<[u8; 128], NcclError> {
+        let calls = self.config_calls("unique id")?;
+        let mut id = UniqueId { internal: [0; 128] };
+        // SAFETY: `id` is a valid out-pointer for a unique id.
+        let status = unsafe { (calls.get_unique_id)(&mut id) };
+        self.status(status, "ncclGetUniqueId", None)?;
+        Ok(id.internal.map(|c| c as u8))
+    }
+
+    /// This process's rank `rank` of `ranks` in the communicator of unique id `id`, on GPU `device`
+    /// (made current for the call, the previous context restored), with `config`. Blocks until every
+    /// rank called it (or NCCL fails). Returns the communicator with the primary context it was made
+    /// in, for the caller to hold while the communicator lives.
+    pub(crate) fn init_rank(
+        &self,
+        device: usize,
+        rank: usize,
+        ranks: usize,
+        id: [u8; 128],
+        config: ConfigV22800,
+    ) -> Result<(RawComm, Arc<CudaContext>), NcclError> {
+        let calls = self.config_calls("ranks as processes")?;
+        let int = |v: usize, what: &str| {
+            c_int::try_from(v).map_err(|_| NcclError::Argument(format!("{what} {v} does not fit an int")))
+        };
+        let (rank, ranks) = (int(rank, "rank")?, int(ranks, "rank count")?);
+        let previous = cudarc::driver::result::ctx::get_current().ok().flatten();
+        let ctx = CudaContext::new(device).map_err(cuda_error)?;
+        let made = ctx.bind_to_thread().map_err(cuda_error).and_then(|()| {
+            let mut comm: ncclComm_t = std::ptr::null_mut();
+            let mut cfg = config;
+            let id = UniqueId { internal: id.map(|b| b as c_char) };
+            // SAFETY: `comm` is a valid out-pointer, `rank < ranks` (checked by the caller), and `cfg` a
+            // live `ncclConfig_t` laid out as NCCL 2.28 declares it, copied by NCCL in the call.
+            let status = unsafe { (calls.comm_init_rank_config)(&mut comm, ranks, id, rank, &mut cfg) };
+            self.status(status, "ncclCommInitRankConfig", None).map(|()| RawComm(comm))
+        });
+        restore(previous);
+        Ok((made?, ctx))
+    }
+
     /// Whether this library makes symmetric windows ([`Lib::windows`]): it has the calls and is
     /// `min_version` or later.
     pub(crate) fn has_windows(&self, min_version: u32) -> bool {

@@ -140,3 +140,24 @@ pub(crate) unsafe fn launch_programmatic(
     unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()).result()? };
     Ok(())
 }
+
+/// How many nodes of `graph` (a captured, instantiated graph) launch kernels, and how many nodes it
+/// has.
+pub(crate) fn graph_kernels(graph: &cudarc::driver::CudaGraph) -> Result<(usize, usize)> {
+    let g = graph.cu_graph();
+    let mut count = 0usize;
+    // SAFETY: `g` is the live graph `graph` owns; a null node array asks for the count only.
+    unsafe { sys::cuGraphGetNodes(g, std::ptr::null_mut(), &mut count).result()? };
+    let mut nodes: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); count];
+    let mut filled = count;
+    // SAFETY: `nodes` has room for `filled` handles, which the driver writes.
+    unsafe { sys::cuGraphGetNodes(g, nodes.as_mut_ptr(), &mut filled).result()? };
+    let mut kernels = 0;
+    for &node in &nodes[..filled.min(count)] {
+        let mut kind = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+        // SAFETY: `node` is a node of the live graph; `kind` a valid out-pointer.
+        unsafe { sys::cuGraphNodeGetType(node, &mut kind).result()? };
+        kernels += usize::from(kind == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL);
+    }
+    Ok((kernels, filled.min(count)))
+}

@@ -221,7 +221,11 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> R
     // After the text, off the path to the first token; 2 x 1 GiB next to the model and its cache (an
     // error, e.g. out of memory, leaves the roofline line without a bandwidth, saying why).
     let bandwidth = copy_bandwidth_gbps(ctx, COPY_BYTES, 10).map_err(|e| e.to_string());
-    report(&rates, |i| DecodeRoofline::new(cfg, 1, rates.prompt_tokens + i, elem), bandwidth, "");
+    let kernels = Some(match generator.step_kernels() {
+        Some(counted) => counted.map_err(|e| format!("the step's kernels could not be counted: {e}")),
+        None => Err("the step launches its kernels one by one (no captured graph)".into()),
+    });
+    report(&rates, |i| DecodeRoofline::new(cfg, 1, rates.prompt_tokens + i, elem), bandwidth, "", kernels);
     report_plans(ctx);
     report_startup(first_token.flatten());
     Ok(())
@@ -328,7 +332,16 @@ fn print_ids(ids: &[u32]) {
 
 /// The rates and the roofline line, on stderr: `roof(i)` is decode step i's bytes (per rank with
 /// `--tp`, `per` then says so), against the measured copy bandwidth.
-fn report(g: &Rates, roof: impl Fn(usize) -> DecodeRoofline, bandwidth_gbps: Result<f64, String>, per: &str) {
+///
+/// `kernels`: the kernels and nodes of the replayed decode step's graph (or why they are not known),
+/// which say what bounds a step far from its memory floor; `None` says nothing of them.
+fn report(
+    g: &Rates,
+    roof: impl Fn(usize) -> DecodeRoofline,
+    bandwidth_gbps: Result<f64, String>,
+    per: &str,
+    kernels: Option<Result<(usize, usize), String>>,
+) {
     eprintln!("generate: {} new tokens, stopped by {:?}", g.tokens, g.stop);
     let prefill_rate = g.prompt_tokens as f64 / g.prefill.as_secs_f64();
     eprintln!(
@@ -366,4 +379,17 @@ fn report(g: &Rates, roof: impl Fn(usize) -> DecodeRoofline, bandwidth_gbps: Res
         bandwidth_gbps,
         100.0 * floor_ms / step_ms
     );
+    if let (true, Some(kernels)) = (floor_ms < 0.5 * step_ms, kernels) {
+        let why = match kernels {
+            Ok((k, nodes)) => format!(
+                "one replay of the step launches {k} kernels ({nodes} graph nodes), {:.2} us of the step per kernel",
+                step_ms * 1e3 / k.max(1) as f64
+            ),
+            Err(e) => e,
+        };
+        eprintln!(
+            "roofline: under half the memory floor, the step is bound by its kernels and the gaps between \
+             them, not by its bytes: {why}"
+        );
+    }
 }

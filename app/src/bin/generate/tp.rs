@@ -190,7 +190,7 @@ pub(crate) fn run<T: Element>(
         decode_steps: tokens.len() - 1,
     };
     let (split, elem) = (*g.tp.plan(), std::mem::size_of::<T>());
-    report(&rates, |i| split.decode_roofline(cfg, 1, prompt.len() + i, elem), bandwidth, " per rank");
+    report(&rates, |i| split.decode_roofline(cfg, 1, prompt.len() + i, elem), bandwidth, " per rank", None);
     g.tp.each("plans", |r| {
         if r.index == 0 {
             report_plans(&r.ctx);

@@ -1,0 +1,764 @@
+//! Ranks as processes: how one process per GPU finds the others and gets the NCCL unique id that makes
+//! them one communicator, over TCP, with the environment `torchrun` sets (`RANK`, `WORLD_SIZE`,
+//! `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`), so that torchrun, `cudnn-llm-launch` or any launcher
+//! setting them can start the ranks, on one host or many.
+//!
+//! Rank 0 listens on `MASTER_PORT`; every other rank connects to `MASTER_ADDR:MASTER_PORT` (retrying
+//! until rank 0 listens) and says who it is; when all `WORLD_SIZE − 1` have, rank 0 sends each the
+//! payload (the unique id). Everything has a deadline: a rank that never comes, or a rank 0 that cannot
+//! be reached, is an error naming the rank and the cause on every rank that is up, not a hang.
+//!
+//! After the exchange the connections stay open as the ranks' lifelines ([`Session::watch`]): a rank
+//! whose process ends without [`Session::finish`] (a crash, a kill) closes its connection, rank 0 sees
+//! it at once and tells the others, and each rank's watcher calls its handler with a message naming
+//! the rank (the caller aborts its NCCL communicator there, so that no rank waits forever in a
+//! collective for one that is gone). Heartbeats every [`HEARTBEAT`] also catch a host that vanishes
+//! without closing anything, after [`Session::watch`]'s silence limit.
+//!
+//! # Wire format
+//!
+//! Hello (rank → rank 0): `CDNNRDZV`, version `u32`, rank `u32`, world size `u32`. Payload (rank 0 →
+//! rank): `CDNNRDZV`, version `u32`, byte count `u32`, bytes. Then messages both ways: a tag byte
+//! (`H` heartbeat, `B` goodbye, `A` abort followed by a `u32` byte count and UTF-8 text). Integers are
+//! little-endian.
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const MAGIC: [u8; 8] = *b"CDNNRDZV";
+const VERSION: u32 = 1;
+/// The most ranks a job may have (NCCL's own limits are far below).
+pub const MAX_WORLD: usize = 1 << 16;
+/// The largest payload exchanged (a unique id is 128 bytes).
+const MAX_PAYLOAD: usize = 1 << 16;
+/// The longest abort message read.
+const MAX_MESSAGE: usize = 1 << 12;
+/// How often each rank tells the others it is alive.
+pub const HEARTBEAT: Duration = Duration::from_millis(500);
+
+/// Why a rank could not join, or lost, the others.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RendezvousError {
+    /// The environment does not describe a rank: a variable missing or not a number, a rank past the
+    /// world size.
+    #[error("{0}")]
+    Environment(String),
+    /// The exchange failed: a rank missing at the deadline, rank 0 unreachable, a rank that said
+    /// something else than expected, an I/O error.
+    #[error("rendezvous (rank {rank} of {world}): {why}")]
+    Failed {
+        /// This process's rank.
+        rank: usize,
+        /// The world size.
+        world: usize,
+        /// What happened, naming the rank it concerns.
+        why: String,
+    },
+}
+
+/// Where and who this rank is: the variables torchrun sets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankEnv {
+    /// `RANK`: this process's rank, `0..world`.
+    pub rank: usize,
+    /// `WORLD_SIZE`: how many ranks.
+    pub world: usize,
+    /// `LOCAL_RANK`: this process's rank on its host (its GPU), `RANK` when unset.
+    pub local_rank: usize,
+    /// `MASTER_ADDR`: rank 0's host.
+    pub master_addr: String,
+    /// `MASTER_PORT`: the port rank 0 listens on.
+    pub master_port: u16,
+}
+
+impl RankEnv {
+    /// From the process's environment. `None` when `WORLD_SIZE` is unset (not launched as ranks); an
+    /// error naming the variable when one is missing or not what it must be.
+    pub fn from_env() -> Result<Option<RankEnv>, RendezvousError> {
+        Self::from_vars(|k| std::env::var(k).ok())
+    }
+
+    /// [`RankEnv::from_env`] with `var` as the environment.
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Option<RankEnv>, RendezvousError> {
+        let Some(world) = var("WORLD_SIZE") else { return Ok(None) };
+        let num = |name: &str, v: &str, max: usize| -> Result<usize, RendezvousError> {
+            v.trim().parse::<usize>().ok().filter(|&n| n <= max).ok_or_else(|| {
+                RendezvousError::Environment(format!("{name}={v:?}: not a number up to {max}"))
+            })
+        };
+        let need = |name: &str| {
+            var(name).ok_or_else(|| {
+                RendezvousError::Environment(format!(
+                    "WORLD_SIZE is set but {name} is not (set by torchrun or cudnn-llm-launch)"
+                ))
+            })
+        };
+        let world = num("WORLD_SIZE", &world, MAX_WORLD)?;
+        if world == 0 {
+            return Err(RendezvousError::Environment("WORLD_SIZE=0: a job has at least one rank".into()));
+        }
+        let rank = num("RANK", &need("RANK")?, MAX_WORLD)?;
+        if rank >= world {
+            return Err(RendezvousError::Environment(format!("RANK={rank} is not below WORLD_SIZE={world}")));
+        }
+        let local_rank = match var("LOCAL_RANK") {
+            Some(v) => num("LOCAL_RANK", &v, MAX_WORLD)?,
+            None => rank,
+        };
+        let master_addr = need("MASTER_ADDR")?;
+        if master_addr.trim().is_empty() {
+            return Err(RendezvousError::Environment("MASTER_ADDR is empty".into()));
+        }
+        let port = need("MASTER_PORT")?;
+        let master_port = num("MASTER_PORT", &port, u16::MAX as usize)? as u16;
+        if master_port == 0 {
+            return Err(RendezvousError::Environment(
+                "MASTER_PORT=0: give the port rank 0 listens on".into(),
+            ));
+        }
+        Ok(Some(RankEnv {
+            rank,
+            world,
+            local_rank,
+            master_addr: master_addr.trim().to_string(),
+            master_port,
+        }))
+    }
+}
+
+/// A rank that joined the others: the payload rank 0 gave, and the open connections that watch the
+/// other ranks' lives.
+pub struct Session {
+    rank: usize,
+    world: usize,
+    payload: Vec<u8>,
+    /// Rank 0: one stream per other rank (index rank − 1). Others: the stream to rank 0.
+    links: Vec<(usize, TcpStream)>,
+    /// Set by [`Session::finish`]: a closing connection is then no failure.
+    done: Arc<AtomicBool>,
+    writers: Arc<Mutex<Vec<(usize, TcpStream)>>>,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .finish_non_exhaustive()
+    }
+}
+
+fn fail(rank: usize, world: usize, why: impl Into<String>) -> RendezvousError {
+    RendezvousError::Failed { rank, world, why: why.into() }
+}
+
+fn hello(rank: usize, world: usize) -> Vec<u8> {
+    let mut m = MAGIC.to_vec();
+    m.extend_from_slice(&VERSION.to_le_bytes());
+    m.extend_from_slice(&(rank as u32).to_le_bytes());
+    m.extend_from_slice(&(world as u32).to_le_bytes());
+    m
+}
+
+fn read_u32(s: &mut impl Read) -> std::io::Result<u32> {
+    let mut b = [0u8; 4];
+    s.read_exact(&mut b)?;
+    Ok(u32::from_le_bytes(b))
+}
+
+/// Reads a magic and version; an error in words otherwise.
+fn read_header(s: &mut impl Read) -> Result<(), String> {
+    let mut m = [0u8; 8];
+    s.read_exact(&mut m).map_err(|e| format!("nothing read: {e}"))?;
+    if m != MAGIC {
+        return Err("not a cudnn-llm rank (wrong greeting)".into());
+    }
+    let v = read_u32(s).map_err(|e| e.to_string())?;
+    if v != VERSION {
+        return Err(format!("protocol version {v}, this build speaks {VERSION}"));
+    }
+    Ok(())
+}
+
+impl Session {
+    /// Joins the job `env` describes: rank 0 listens on `MASTER_PORT` and sends every other rank
+    /// `payload()` (called once, on rank 0 only, after all ranks said hello); the others connect and
+    /// receive it. Fails after `timeout` naming who is missing.
+    pub fn join(
+        env: &RankEnv,
+        timeout: Duration,
+        payload: impl FnOnce() -> Result<Vec<u8>, String>,
+    ) -> Result<Session, RendezvousError> {
+        if env.rank == 0 {
+            let listener = TcpListener::bind(("0.0.0.0", env.master_port)).map_err(|e| {
+                fail(0, env.world, format!("rank 0 cannot listen on port {}: {e}", env.master_port))
+            })?;
+            Self::serve(listener, env.world, timeout, payload)
+        } else {
+            Self::connect(&env.master_addr, env.master_port, env.rank, env.world, timeout)
+        }
+    }
+
+    /// Rank 0's side on a bound `listener`.
+    pub fn serve(
+        listener: TcpListener,
+        world: usize,
+        timeout: Duration,
+        payload: impl FnOnce() -> Result<Vec<u8>, String>,
+    ) -> Result<Session, RendezvousError> {
+        let deadline = Instant::now() + timeout;
+        let mut peers: Vec<Option<TcpStream>> = (1..world).map(|_| None).collect();
+        listener.set_nonblocking(true).map_err(|e| fail(0, world, e.to_string()))?;
+        let abort_all = |peers: &mut [Option<TcpStream>], why: &str| {
+            for s in peers.iter_mut().flatten() {
+                let _ = send_abort(s, why);
+            }
+        };
+        while peers.iter().any(Option::is_none) {
+            match listener.accept() {
+                Ok((mut s, from)) => {
+                    let greeted = (|| -> Result<usize, String> {
+                        s.set_nonblocking(false).map_err(|e| e.to_string())?;
+                        s.set_read_timeout(Some(remaining(deadline).max(Duration::from_millis(100))))
+                            .map_err(|e| e.to_string())?;
+                        read_header(&mut s)?;
+                        let rank = read_u32(&mut s).map_err(|e| e.to_string())? as usize;
+                        let theirs = read_u32(&mut s).map_err(|e| e.to_string())? as usize;
+                        if theirs != world {
+                            return Err(format!("rank {rank} says WORLD_SIZE={theirs}, rank 0 has {world}"));
+                        }
+                        if rank == 0 || rank >= world {
+                            return Err(format!("a rank says it is rank {rank} of {world}"));
+                        }
+                        if peers[rank - 1].is_some() {
+                            return Err(format!("two processes say they are rank {rank}"));
+                        }
+                        Ok(rank)
+                    })();
+                    match greeted {
+                        Ok(rank) => peers[rank - 1] = Some(s),
+                        Err(why) => {
+                            let why = format!("{why} (from {from})");
+                            let _ = send_abort(&mut s, &why);
+                            abort_all(&mut peers, &why);
+                            return Err(fail(0, world, why));
+                        }
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        let missing: Vec<String> = peers
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, p)| p.is_none())
+                            .map(|(i, _)| (i + 1).to_string())
+                            .collect();
+                        let why = format!(
+                            "rank(s) {} did not join within {:.0?} (not started, or cannot reach MASTER_ADDR)",
+                            missing.join(", "),
+                            timeout
+                        );
+                        abort_all(&mut peers, &why);
+                        return Err(fail(0, world, why));
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(e) => return Err(fail(0, world, format!("accepting ranks: {e}"))),
+            }
+        }
+        let bytes = match payload() {
+            Ok(b) if b.len() <= MAX_PAYLOAD => b,
+            Ok(b) => {
+                return Err(fail(0, world, format!("a payload of {} bytes is over {MAX_PAYLOAD}", b.len())))
+            }
+            Err(why) => {
+                abort_all(&mut peers, &format!("rank 0 failed: {why}"));
+                return Err(fail(0, world, why));
+            }
+        };
+        let mut links = Vec::new();
+        for (i, s) in peers.into_iter().enumerate() {
+            let mut s = s.expect("every rank joined");
+            let mut m = MAGIC.to_vec();
+            m.extend_from_slice(&VERSION.to_le_bytes());
+            m.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+            m.extend_from_slice(&bytes);
+            s.write_all(&m)
+                .map_err(|e| fail(0, world, format!("rank {} lost while sent the payload: {e}", i + 1)))?;
+            links.push((i + 1, s));
+        }
+        Ok(Session::new(0, world, bytes, links))
+    }
+
+    /// A non-zero rank's side: connects to `addr:port` (retrying until `timeout`), says hello and
+    /// receives the payload.
+    pub fn connect(
+        addr: &str,
+        port: u16,
+        rank: usize,
+        world: usize,
+        timeout: Duration,
+    ) -> Result<Session, RendezvousError> {
+        let deadline = Instant::now() + timeout;
+        let targets: Vec<SocketAddr> = (addr, port)
+            .to_socket_addrs()
+            .map_err(|e| fail(rank, world, format!("MASTER_ADDR {addr}: {e}")))?
+            .collect();
+        let mut last = String::from("no address");
+        let mut s = loop {
+            match targets.iter().find_map(|t| {
+                TcpStream::connect_timeout(t, Duration::from_millis(500))
+                    .map_err(|e| last = e.to_string())
+                    .ok()
+            }) {
+                Some(s) => break s,
+                None if Instant::now() >= deadline => {
+                    return Err(fail(
+                        rank,
+                        world,
+                        format!("cannot reach rank 0 at {addr}:{port} within {timeout:.0?}: {last}"),
+                    ))
+                }
+                None => std::thread::sleep(Duration::from_millis(50)),
+            }
+        };
+        let io = |e: std::io::Error| fail(rank, world, format!("talking to rank 0 at {addr}:{port}: {e}"));
+        s.set_nodelay(true).map_err(io)?;
+        s.write_all(&hello(rank, world)).map_err(io)?;
+        s.set_read_timeout(Some(remaining(deadline).max(Duration::from_millis(100)))).map_err(io)?;
+        let mut m = [0u8; 8];
+        s.read_exact(&mut m)
+            .map_err(|e| fail(rank, world, format!("rank 0 sent nothing within {timeout:.0?}: {e}")))?;
+        if m != MAGIC {
+            // An abort instead of the payload: rank 0 says why.
+            if m[0] == b'A' {
+                let mut rest = m[1..].to_vec();
+                let mut more = Vec::new();
+                let _ = Read::by_ref(&mut s).take(MAX_MESSAGE as u64).read_to_end(&mut more);
+                rest.extend(more);
+                let len = u32::from_le_bytes(rest[..4].try_into().expect("4 bytes")) as usize;
+                let text = String::from_utf8_lossy(&rest[4..(4 + len).min(rest.len())]).into_owned();
+                return Err(fail(rank, world, format!("rank 0 gave up: {text}")));
+            }
+            return Err(fail(rank, world, format!("{addr}:{port} is not a cudnn-llm rank 0")));
+        }
+        let v = read_u32(&mut s).map_err(io)?;
+        if v != VERSION {
+            return Err(fail(
+                rank,
+                world,
+                format!("rank 0 speaks protocol version {v}, this build {VERSION}"),
+            ));
+        }
+        let n = read_u32(&mut s).map_err(io)? as usize;
+        if n > MAX_PAYLOAD {
+            return Err(fail(rank, world, format!("rank 0 sent a payload of {n} bytes, over {MAX_PAYLOAD}")));
+        }
+        let mut payload = vec![0u8; n];
+        s.read_exact(&mut payload).map_err(io)?;
+        Ok(Session::new(rank, world, payload, vec![(0, s)]))
+    }
+
+    fn new(rank: usize, world: usize, payload: Vec<u8>, links: Vec<(usize, TcpStream)>) -> Session {
+        let writers = links.iter().filter_map(|(r, s)| s.try_clone().ok().map(|s| (*r, s))).collect();
+        Session {
+            rank,
+            world,
+            payload,
+            links,
+            done: Arc::new(AtomicBool::new(false)),
+            writers: Arc::new(Mutex::new(writers)),
+        }
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// How many ranks.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// What rank 0 sent (on rank 0, what it sent).
+    pub fn payload(&self) -> &[u8] {
+        &self.payload
+    }
+
+    /// Watches the other ranks from background threads: when one ends without [`Session::finish`]
+    /// (its connection closes, it sends an abort, or it is silent for `silence`), `on_failure` is
+    /// called once with a message naming the rank and the cause, and rank 0 passes the news to every
+    /// other rank. Also starts this rank's heartbeats.
+    pub fn watch(&mut self, silence: Duration, on_failure: impl Fn(String) + Send + Sync + 'static) {
+        let on_failure = Arc::new(on_failure);
+        let fired = Arc::new(AtomicBool::new(false));
+        let links = std::mem::take(&mut self.links);
+        for (peer, mut s) in links {
+            let (done, writers, fired, on_failure) =
+                (self.done.clone(), self.writers.clone(), fired.clone(), on_failure.clone());
+            let me = self.rank;
+            std::thread::spawn(move || {
+                let _ = s.set_read_timeout(Some(silence));
+                let why = loop {
+                    let mut tag = [0u8; 1];
+                    match s.read_exact(&mut tag) {
+                        Ok(()) if tag[0] == b'H' => continue,
+                        Ok(()) if tag[0] == b'B' => break None,
+                        Ok(()) if tag[0] == b'A' => {
+                            let text = read_u32(&mut s)
+                                .ok()
+                                .map(|n| n as usize)
+                                .filter(|&n| n <= MAX_MESSAGE)
+                                .and_then(|n| {
+                                    let mut b = vec![0u8; n];
+                                    s.read_exact(&mut b)
+                                        .ok()
+                                        .map(|()| String::from_utf8_lossy(&b).into_owned())
+                                });
+                            break Some(
+                                text.unwrap_or_else(|| format!("rank {peer} sent an unreadable abort")),
+                            );
+                        }
+                        Ok(()) => break Some(format!("rank {peer} sent an unknown message")),
+                        Err(e)
+                            if matches!(
+                                e.kind(),
+                                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                            ) =>
+                        {
+                            break Some(format!(
+                                "rank {peer} was silent for {silence:.0?} (its host is gone or hangs)"
+                            ))
+                        }
+                        Err(_) => {
+                            break Some(format!(
+                                "rank {peer} closed its connection (it exited or was killed)"
+                            ))
+                        }
+                    }
+                };
+                let Some(why) = why else { return };
+                if done.load(Ordering::SeqCst) || fired.swap(true, Ordering::SeqCst) {
+                    return;
+                }
+                if me == 0 {
+                    // Tell every other rank which one is gone.
+                    let mut ws = writers.lock().unwrap_or_else(|p| p.into_inner());
+                    for (r, w) in ws.iter_mut() {
+                        if *r != peer {
+                            let _ = send_abort(w, &why);
+                        }
+                    }
+                }
+                on_failure(why);
+            });
+        }
+        let (done, writers) = (self.done.clone(), self.writers.clone());
+        std::thread::spawn(move || {
+            while !done.load(Ordering::SeqCst) {
+                {
+                    let mut ws = writers.lock().unwrap_or_else(|p| p.into_inner());
+                    ws.retain_mut(|(_, w)| w.write_all(b"H").is_ok());
+                }
+                std::thread::sleep(HEARTBEAT);
+            }
+        });
+    }
+
+    /// Tells the other ranks this one fails with `why` (they see it as an abort naming this rank).
+    pub fn abort(&self, why: &str) {
+        let text = format!("rank {} failed: {why}", self.rank);
+        let mut ws = self.writers.lock().unwrap_or_else(|p| p.into_inner());
+        for (_, w) in ws.iter_mut() {
+            let _ = send_abort(w, &text);
+        }
+    }
+
+    /// Ends this rank's part cleanly: a goodbye to the others, so that its closing connection is no
+    /// failure, and no more failures reported here.
+    pub fn finish(self) {
+        if self.done.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let mut ws = self.writers.lock().unwrap_or_else(|p| p.into_inner());
+        for (_, w) in ws.iter_mut() {
+            let _ = w.write_all(b"B");
+            let _ = w.shutdown(Shutdown::Write);
+        }
+    }
+}
+
+/// A session dropped without [`Session::finish`] (an error path of its process) tells the others so,
+/// as an abort naming this rank, and closes its connections.
+impl Drop for Session {
+    fn drop(&mut self) {
+        if self.done.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let text = format!("rank {} ended without finishing", self.rank);
+        let mut ws = self.writers.lock().unwrap_or_else(|p| p.into_inner());
+        for (_, w) in ws.iter_mut() {
+            let _ = send_abort(w, &text);
+            let _ = w.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+fn send_abort(s: &mut TcpStream, why: &str) -> std::io::Result<()> {
+    let text = &why.as_bytes()[..why.len().min(MAX_MESSAGE)];
+    let mut m = vec![b'A'];
+    m.extend_from_slice(&(text.len() as u32).to_le_bytes());
+    m.extend_from_slice(text);
+    s.write_all(&m)
+}
+
+fn remaining(deadline: Instant) -> Duration {
+    deadline.saturating_duration_since(Instant::now())
+}
+
+#[cfg(test)]
+mod tests {
+    //! Fake ranks: threads of this process on loopback, rank 0 on a port the system picks.
+    use super::*;
+    use std::sync::mpsc;
+
+    const T: Duration = Duration::from_secs(10);
+
+    fn listener() -> (TcpListener, u16) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        (l, port)
+    }
+
+    fn vars(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let pairs: Vec<(String, String)> =
+            pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        move |k| pairs.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
+    }
+
+    #[test]
+    fn the_environment_torchrun_sets_is_read_and_checked() {
+        let ok = [("RANK", "3"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "node0"), ("MASTER_PORT", "29500")];
+        let env = RankEnv::from_vars(vars(&ok)).unwrap().unwrap();
+        assert_eq!(
+            env,
+            RankEnv { rank: 3, world: 4, local_rank: 3, master_addr: "node0".into(), master_port: 29500 }
+        );
+        let with_local = [&ok[..], &[("LOCAL_RANK", "1")]].concat();
+        assert_eq!(RankEnv::from_vars(vars(&with_local)).unwrap().unwrap().local_rank, 1);
+        assert_eq!(RankEnv::from_vars(vars(&[])).unwrap(), None, "not launched as ranks");
+        for (bad, says) in [
+            (vec![("WORLD_SIZE", "4"), ("MASTER_ADDR", "a"), ("MASTER_PORT", "1")], "RANK is not"),
+            (
+                vec![("RANK", "4"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "a"), ("MASTER_PORT", "1")],
+                "not below",
+            ),
+            (
+                vec![("RANK", "0"), ("WORLD_SIZE", "0"), ("MASTER_ADDR", "a"), ("MASTER_PORT", "1")],
+                "WORLD_SIZE=0",
+            ),
+            (
+                vec![("RANK", "x"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "a"), ("MASTER_PORT", "1")],
+                "RANK=\"x\"",
+            ),
+            (
+                vec![("RANK", "0"), ("WORLD_SIZE", "99999999"), ("MASTER_ADDR", "a"), ("MASTER_PORT", "1")],
+                "WORLD_SIZE",
+            ),
+            (vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")], "MASTER_ADDR is not"),
+            (
+                vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", " "), ("MASTER_PORT", "1")],
+                "MASTER_ADDR is empty",
+            ),
+            (
+                vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "a"), ("MASTER_PORT", "70000")],
+                "MASTER_PORT",
+            ),
+            (
+                vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "a"), ("MASTER_PORT", "0")],
+                "MASTER_PORT=0",
+            ),
+            (vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "a")], "MASTER_PORT is not"),
+        ] {
+            let e = RankEnv::from_vars(vars(&bad)).unwrap_err().to_string();
+            assert!(e.contains(says), "{bad:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn four_ranks_get_rank_zeros_payload_whoever_starts_first() {
+        let (l, port) = listener();
+        // Two ranks start before rank 0 listens (they retry), one after.
+        let early: Vec<_> = [1, 2]
+            .into_iter()
+            .map(|r| std::thread::spawn(move || Session::connect("127.0.0.1", port, r, 4, T)))
+            .collect();
+        std::thread::sleep(Duration::from_millis(100));
+        let zero = std::thread::spawn(move || Session::serve(l, 4, T, || Ok(b"unique id".to_vec())));
+        let late = std::thread::spawn(move || Session::connect("localhost", port, 3, 4, T));
+        let zero = zero.join().unwrap().unwrap();
+        assert_eq!((zero.rank(), zero.world(), zero.payload()), (0, 4, &b"unique id"[..]));
+        for (r, h) in early.into_iter().chain([late]).enumerate() {
+            let s = h.join().unwrap().unwrap();
+            assert_eq!(s.payload(), b"unique id");
+            assert_eq!(s.world(), 4);
+            assert!(s.rank() == r + 1 || (r == 2 && s.rank() == 3));
+            s.finish();
+        }
+        zero.finish();
+    }
+
+    #[test]
+    fn a_rank_that_never_comes_is_named_on_every_rank_that_did() {
+        let (l, port) = listener();
+        let short = Duration::from_millis(600);
+        let peer = std::thread::spawn(move || Session::connect("127.0.0.1", port, 1, 3, T));
+        let t = Instant::now();
+        let e = Session::serve(l, 3, short, || Ok(vec![1])).unwrap_err().to_string();
+        assert!(e.contains("rank(s) 2 did not join"), "{e}");
+        assert!(t.elapsed() < Duration::from_secs(5));
+        let e = peer.join().unwrap().unwrap_err().to_string();
+        assert!(e.contains("rank 0 gave up") && e.contains("rank(s) 2 did not join"), "{e}");
+    }
+
+    #[test]
+    fn an_unreachable_rank_zero_is_an_error_after_the_timeout() {
+        let (l, port) = listener();
+        drop(l); // nothing listens there now
+        let t = Instant::now();
+        let e =
+            Session::connect("127.0.0.1", port, 1, 2, Duration::from_millis(400)).unwrap_err().to_string();
+        assert!(e.contains("cannot reach rank 0 at 127.0.0.1:") && e.contains("rank 1 of 2"), "{e}");
+        assert!(t.elapsed() >= Duration::from_millis(400) && t.elapsed() < Duration::from_secs(5));
+    }
+
+    #[test]
+    fn disagreeing_ranks_are_refused() {
+        for (rank, world, says) in [(1, 3, "says WORLD_SIZE=3"), (5, 2, "rank 5 of 2")] {
+            let (l, port) = listener();
+            let peer = std::thread::spawn(move || Session::connect("127.0.0.1", port, rank, world, T));
+            let e = Session::serve(l, 2, T, || Ok(vec![])).unwrap_err().to_string();
+            assert!(e.contains(says), "{e}");
+            assert!(peer.join().unwrap().is_err());
+        }
+        // Two processes claiming one rank.
+        let (l, port) = listener();
+        let a = std::thread::spawn(move || Session::connect("127.0.0.1", port, 1, 3, T));
+        let b = std::thread::spawn(move || Session::connect("127.0.0.1", port, 1, 3, T));
+        let e = Session::serve(l, 3, T, || Ok(vec![])).unwrap_err().to_string();
+        assert!(e.contains("two processes say they are rank 1"), "{e}");
+        assert!(a.join().unwrap().is_err() && b.join().unwrap().is_err());
+        // Something else than a rank on the port.
+        let (l, port) = listener();
+        let stranger = std::thread::spawn(move || {
+            let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+            s.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+        });
+        let e = Session::serve(l, 2, T, || Ok(vec![])).unwrap_err().to_string();
+        assert!(e.contains("not a cudnn-llm rank"), "{e}");
+        stranger.join().unwrap();
+    }
+
+    /// Three ranks; `kill` ends without `finish` (its process dying); every other rank's watcher reports
+    /// it by name, promptly.
+    fn a_dead_rank_is_reported_everywhere(kill: usize) {
+        let (l, port) = listener();
+        let peers: Vec<_> = (1..3)
+            .map(|r| std::thread::spawn(move || Session::connect("127.0.0.1", port, r, 3, T)))
+            .collect();
+        let mut sessions = vec![Session::serve(l, 3, T, || Ok(vec![7])).unwrap()];
+        sessions.extend(peers.into_iter().map(|h| h.join().unwrap().unwrap()));
+        let (tx, rx) = mpsc::channel();
+        for s in sessions.iter_mut() {
+            let (tx, me) = (tx.clone(), s.rank());
+            if me != kill {
+                s.watch(Duration::from_secs(30), move |why| tx.send((me, why)).unwrap());
+            }
+        }
+        let t = Instant::now();
+        drop(sessions.remove(kill)); // its sockets close, as when its process dies
+        let mut heard: Vec<(usize, String)> =
+            (0..2).map(|_| rx.recv_timeout(Duration::from_secs(5)).unwrap()).collect();
+        heard.sort();
+        assert!(t.elapsed() < Duration::from_secs(5));
+        let expected: Vec<usize> = (0..3).filter(|&r| r != kill).collect();
+        assert_eq!(heard.iter().map(|(r, _)| *r).collect::<Vec<_>>(), expected);
+        for (r, why) in &heard {
+            // Rank 0 sees rank `kill`'s connection close; the others hear of it from rank 0 (or, when
+            // rank 0 is the one that died, see its connection close).
+            assert!(why.contains(&format!("rank {kill}")), "rank {r} heard {why:?}");
+        }
+        assert!(rx.recv_timeout(Duration::from_millis(300)).is_err(), "one report per rank");
+        for s in sessions {
+            s.finish();
+        }
+    }
+
+    #[test]
+    fn a_peer_that_dies_is_reported_by_name_to_every_other_rank() {
+        a_dead_rank_is_reported_everywhere(2);
+    }
+
+    #[test]
+    fn a_rank_zero_that_dies_is_reported_to_every_other_rank() {
+        a_dead_rank_is_reported_everywhere(0);
+    }
+
+    #[test]
+    fn a_silent_rank_is_reported_and_a_clean_finish_is_no_failure() {
+        let (l, port) = listener();
+        let peer = std::thread::spawn(move || Session::connect("127.0.0.1", port, 1, 2, T));
+        let mut zero = Session::serve(l, 2, T, || Ok(vec![])).unwrap();
+        let one = peer.join().unwrap().unwrap();
+        let (tx, rx) = mpsc::channel();
+        // Rank 1 never starts its heartbeats (a host gone without closing its sockets).
+        zero.watch(Duration::from_millis(300), move |why| tx.send(why).unwrap());
+        let why = rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert!(why.contains("rank 1 was silent"), "{why}");
+        drop(one);
+        // Clean: both finish; nobody reports anything.
+        let (l, port) = listener();
+        let peer = std::thread::spawn(move || Session::connect("127.0.0.1", port, 1, 2, T));
+        let mut zero = Session::serve(l, 2, T, || Ok(vec![])).unwrap();
+        let mut one = peer.join().unwrap().unwrap();
+        let (tx, rx) = mpsc::channel();
+        let tx1 = tx.clone();
+        zero.watch(Duration::from_secs(30), move |why| tx.send(why).unwrap());
+        one.watch(Duration::from_secs(30), move |why| tx1.send(why).unwrap());
+        std::thread::sleep(HEARTBEAT * 2);
+        one.finish();
+        zero.finish();
+        assert!(rx.recv_timeout(Duration::from_millis(500)).is_err());
+    }
+
+    #[test]
+    fn an_abort_names_the_rank_that_sent_it() {
+        let (l, port) = listener();
+        let peers: Vec<_> = (1..3)
+            .map(|r| std::thread::spawn(move || Session::connect("127.0.0.1", port, r, 3, T)))
+            .collect();
+        let mut zero = Session::serve(l, 3, T, || Ok(vec![])).unwrap();
+        let mut others: Vec<Session> = peers.into_iter().map(|h| h.join().unwrap().unwrap()).collect();
+        let (tx, rx) = mpsc::channel();
+        let tx0 = tx.clone();
+        zero.watch(Duration::from_secs(30), move |why| tx0.send((0, why)).unwrap());
+        let tx2 = tx.clone();
+        others[1].watch(Duration::from_secs(30), move |why| tx2.send((2, why)).unwrap());
+        others[0].abort("CUDA out of memory");
+        let mut heard: Vec<(usize, String)> =
+            (0..2).map(|_| rx.recv_timeout(Duration::from_secs(5)).unwrap()).collect();
+        heard.sort();
+        for (r, why) in &heard {
+            assert!(why.contains("rank 1 failed: CUDA out of memory"), "rank {r}: {why}");
+        }
+        drop(tx);
+        for s in others {
+            s.finish();
+        }
+        zero.finish();
+    }
+}
