@@ -15,6 +15,7 @@ use once_cell::unsync::OnceCell;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::rc::Rc;
 
 /// Threads per block of the elementwise kernels, and elements each thread handles.
 const BLOCK: u32 = 256;
@@ -28,15 +29,8 @@ pub struct Kernels {
     modules: OnceCell<Vec<Arc<CudaModule>>>,
     functions: RefCell<HashMap<String, CudaFunction>>,
     scratch: RefCell<Option<CudaSlice<f32>>>,
-    /// Clamped sequence lengths of padded attention (see [`crate::SdpaOperands::seq_lens`]).
-    seq_lens: RefCell<Option<CudaSlice<i32>>>,
-    /// The fused attention backward's f32 row sums and dQ accumulator (see
-    /// [`crate::ops::sdpa::sdpa_backward`]).
-    sdpa_backward: RefCell<Option<CudaSlice<f32>>>,
-    /// The split-KV decode attention's f32 partials and its i32 counters of finished CTAs (see
-    /// `ops/sdpa/decode.rs`).
-    sdpa_decode: RefCell<Option<CudaSlice<f32>>>,
-    sdpa_decode_counters: RefCell<Option<CudaSlice<i32>>>,
+    /// The buffers fused ops own, by the name of their [`Owned`] slot (each a `Rc<RefCell<Held<T>>>`).
+    owned: RefCell<HashMap<&'static str, Box<dyn std::any::Any>>>,
     /// Custom kernels that ran where a cuDNN plan could have (the decode GEMV), by a hash of their
     /// configuration.
     runs: RefCell<HashMap<u64, KernelRun>>,
@@ -63,10 +57,7 @@ impl Kernels {
             modules: OnceCell::new(),
             functions: RefCell::new(HashMap::new()),
             scratch: RefCell::new(None),
-            seq_lens: RefCell::new(None),
-            sdpa_backward: RefCell::new(None),
-            sdpa_decode: RefCell::new(None),
-            sdpa_decode_counters: RefCell::new(None),
+            owned: RefCell::new(HashMap::new()),
             runs: RefCell::new(HashMap::new()),
         }
     }
@@ -84,33 +75,53 @@ impl Kernels {
         v
     }
 
-    /// An op-owned f32 buffer of at least `len` elements (grown, never shrunk; zeroed when allocated)
-    /// for the fused attention backward's row sums and dQ accumulator; only this context's stream
-    /// uses it, so stream order alone keeps it safe.
-    pub(crate) fn sdpa_backward(&self, ctx: &Exec, len: usize) -> Result<Grown<'_, f32>> {
-        grown(&self.sdpa_backward, ctx, len)
-    }
-
-    /// The split-KV decode attention's op-owned buffers, grown (never shrunk; zeroed when allocated)
-    /// to at least `partials` f32 and `counters` i32 elements: the partial results its CTAs write and
-    /// the last CTA of each group reads, and the per-group counters of finished CTAs, which that last
-    /// CTA sets back to zero (so they are zero between launches). Only this context's stream uses
-    /// them. Allocated by the first call of a shape, so a CUDA graph captured after one plain call
-    /// allocates nothing.
-    pub(crate) fn sdpa_decode(
-        &self,
-        ctx: &Exec,
-        partials: usize,
-        counters: usize,
-    ) -> Result<(Grown<'_, f32>, Grown<'_, i32>)> {
-        Ok((grown(&self.sdpa_decode, ctx, partials)?, grown(&self.sdpa_decode_counters, ctx, counters)?))
-    }
-
-    /// An op-owned i32 buffer of at least `len` elements (grown, never shrunk) for clamped sequence
-    /// lengths; only this context's stream uses it, so stream order alone keeps it safe.
-    pub(crate) fn seq_lens(&self, ctx: &Exec, len: usize) -> Result<std::cell::Ref<'_, CudaSlice<i32>>> {
-        drop(grown(&self.seq_lens, ctx, len)?);
-        Ok(std::cell::Ref::map(self.seq_lens.borrow(), |s| s.as_ref().expect("just allocated")))
+    /// The buffer of `slot` (see [`Owned`]), grown to at least `len` elements (never shrunk; zeroed
+    /// when allocated), held by the returned guard until it drops. Only this context's stream uses
+    /// it, so stream order alone keeps it safe. A reallocation moves the buffer epoch (a captured graph
+    /// holding the old address is stale), and is refused while the stream captures a CUDA graph
+    /// (the allocation and its zeroing would be graph nodes that never ran): run the op once before
+    /// capturing. Asking for a slot whose guard is alive is an error, not a second buffer.
+    pub(crate) fn owned<T>(&self, ctx: &Exec, slot: Owned<T>, len: usize) -> Result<OwnedBuf<T>>
+    where
+        T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + 'static,
+    {
+        let cell: Rc<RefCell<Held<T>>> = {
+            let mut slots = self.owned.borrow_mut();
+            let any =
+                slots.entry(slot.name).or_insert_with(|| Box::new(Rc::new(RefCell::new(Held::<T>::empty()))));
+            any.downcast_ref::<Rc<RefCell<Held<T>>>>()
+                .ok_or_else(|| {
+                    Error::invalid(format!(
+                        "op-owned buffer `{}` asked for with another element type",
+                        slot.name
+                    ))
+                })?
+                .clone()
+        };
+        let mut held = cell.borrow_mut();
+        if held.in_use {
+            return Err(Error::invalid(format!(
+                "op-owned buffer `{}` is already in use by this context",
+                slot.name
+            )));
+        }
+        if held.buf.as_ref().is_none_or(|s| s.len() < len) {
+            let capturing = ctx.stream().capture_status()?;
+            if capturing != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+                return Err(Error::invalid(format!(
+                    "op-owned buffer `{}` would grow to {len} elements while the stream captures a CUDA graph; \
+                     run the op once before capturing",
+                    slot.name
+                )));
+            }
+            held.buf = None;
+            held.buf = Some(ctx.stream().alloc_zeros::<T>(len.max(1))?);
+            ctx.bump_epoch();
+        }
+        held.in_use = true;
+        let buf = held.buf.take();
+        drop(held);
+        Ok(OwnedBuf { buf, cell })
     }
 
     /// Scratch f32 elements currently held.
@@ -142,32 +153,66 @@ impl Kernels {
     }
 }
 
-/// An op-owned buffer, borrowed for one call.
-pub(crate) type Grown<'a, T> = std::cell::RefMut<'a, CudaSlice<T>>;
+/// The name of a buffer a fused op owns in its context, declared in the op's room next to the code
+/// that uses it (`const PARTIALS: Owned<f32> = Owned::new("split-KV decode partials");`) and asked
+/// for with [`Kernels::owned`]: no registry lists the ops' buffers.
+pub(crate) struct Owned<T> {
+    name: &'static str,
+    _element: std::marker::PhantomData<fn() -> T>,
+}
 
-/// The buffer in `cell`, reallocated (zeroed) when it holds fewer than `len` elements; a reallocation
-/// moves the buffer epoch (a captured graph holding the old address is stale). A reallocation while
-/// the stream captures a CUDA graph is refused (the allocation and its zeroing would be graph nodes
-/// that never ran, and the buffer kept afterwards would be unmapped), touching nothing.
-fn grown<'a, T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
-    cell: &'a RefCell<Option<CudaSlice<T>>>,
-    ctx: &Exec,
-    len: usize,
-) -> Result<Grown<'a, T>> {
-    let mut s = cell.borrow_mut();
-    if s.as_ref().is_none_or(|s| s.len() < len) {
-        let capturing = ctx.stream().capture_status()?;
-        if capturing != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
-            return Err(crate::Error::invalid(format!(
-                "an op-owned buffer would grow to {len} elements while the stream captures a CUDA graph; \
-                 run the op once before capturing"
-            )));
-        }
-        *s = None;
-        *s = Some(ctx.stream().alloc_zeros::<T>(len.max(1))?);
-        ctx.bump_epoch();
+impl<T> Owned<T> {
+    /// The slot called `name` (unique across the crate's ops).
+    pub(crate) const fn new(name: &'static str) -> Self {
+        Owned { name, _element: std::marker::PhantomData }
     }
-    Ok(std::cell::RefMut::map(s, |s| s.as_mut().expect("just allocated")))
+}
+
+impl<T> Clone for Owned<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for Owned<T> {}
+
+/// A slot's buffer while no guard holds it, and whether one does.
+struct Held<T> {
+    buf: Option<CudaSlice<T>>,
+    in_use: bool,
+}
+
+impl<T> Held<T> {
+    fn empty() -> Self {
+        Held { buf: None, in_use: false }
+    }
+}
+
+/// An op-owned buffer, held for one call ([`Kernels::owned`]); it goes back to its slot on drop.
+pub(crate) struct OwnedBuf<T> {
+    buf: Option<CudaSlice<T>>,
+    cell: Rc<RefCell<Held<T>>>,
+}
+
+impl<T> std::ops::Deref for OwnedBuf<T> {
+    type Target = CudaSlice<T>;
+    fn deref(&self) -> &CudaSlice<T> {
+        self.buf.as_ref().expect("held until drop")
+    }
+}
+
+impl<T> std::ops::DerefMut for OwnedBuf<T> {
+    fn deref_mut(&mut self) -> &mut CudaSlice<T> {
+        self.buf.as_mut().expect("held until drop")
+    }
+}
+
+impl<T> Drop for OwnedBuf<T> {
+    fn drop(&mut self) {
+        let mut held = self.cell.borrow_mut();
+        held.buf = self.buf.take();
+        held.in_use = false;
+    }
 }
 
 /// The program of each room: `common.cu`, then the room's file.
@@ -386,6 +431,37 @@ pub(crate) fn elementwise(ctx: &Exec, kernels: &Kernels, name: &str, n: usize, a
 
 #[cfg(test)]
 mod tests {
+    /// Op-owned buffers: one per slot, grown (zeroed, moving the buffer epoch) and never shrunk, back
+    /// in the slot when the guard drops, refused while held or under another element type.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn op_owned_buffers_grow_return_and_refuse_a_second_holder() {
+        use super::{Kernels, Owned};
+        use cudarc::driver::DevicePtr;
+        const A: Owned<f32> = Owned::new("test slot a");
+        const A_AS_I32: Owned<i32> = Owned::new("test slot a");
+        let ctx = crate::testing::gpu();
+        let k = Kernels::get(&ctx).unwrap();
+        let e0 = ctx.buffer_epoch();
+        let buf = k.owned(&ctx, A, 100).unwrap();
+        assert!(buf.len() >= 100);
+        assert_eq!(ctx.stream().clone_dtoh(&*buf).unwrap(), vec![0.0; buf.len()], "zeroed when allocated");
+        let e1 = ctx.buffer_epoch();
+        assert!(e1 > e0, "an allocation moves the epoch");
+        let e = k.owned(&ctx, A, 10).err().unwrap().to_string();
+        assert!(e.contains("already in use"), "{e}");
+        let e = k.owned(&ctx, A_AS_I32, 10).err().unwrap().to_string();
+        assert!(e.contains("another element type"), "{e}");
+        let addr = buf.device_ptr(ctx.stream()).0;
+        drop(buf);
+        let again = k.owned(&ctx, A, 50).unwrap();
+        assert_eq!(again.device_ptr(ctx.stream()).0, addr, "the same buffer, not shrunk");
+        assert_eq!(ctx.buffer_epoch(), e1, "no allocation, no new epoch");
+        drop(again);
+        let bigger = k.owned(&ctx, A, 1000).unwrap();
+        assert!(bigger.len() >= 1000 && ctx.buffer_epoch() > e1);
+    }
+
     /// Compiles every kernel where libnvrtc can be loaded (CI fetches it from PyPI; no GPU needed).
     #[test]
     fn kernels_compile_where_nvrtc_is_installed() {

@@ -39,12 +39,19 @@ use crate::dtype::{DataType, Element};
 use crate::exec::DecodeAttention;
 use crate::features::Features;
 use crate::graph::Mask;
-use crate::kernels::{launch_programmatic, optional_ptr, Arg, Kernels};
+use crate::kernels::{launch_programmatic, optional_ptr, Arg, Kernels, Owned};
 use crate::{checked, Cudnn, Error, Result};
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
 
 /// Threads of a split CTA (`DECODE_WARPS` warps in `decode.cu`).
 const THREADS: u32 = 128;
+/// The partial results the split-KV CTAs write and the last CTA of each group reads (f32), owned by
+/// the context. Allocated by the first call of a shape, so a CUDA graph captured after one plain call
+/// allocates nothing.
+const PARTIALS: Owned<f32> = Owned::new("split-KV decode attention partials");
+/// Per group, the count of finished CTAs; the group's last CTA sets it back to zero, so the counters
+/// are zero between launches (they are zero when allocated).
+const COUNTERS: Owned<i32> = Owned::new("split-KV decode attention counters");
 /// Most query heads a split CTA holds (the largest `sdpa_decode_*_h*` instance).
 const MAX_HEADS: usize = 8;
 /// Split CTAs per SM the split count aims for.
@@ -223,7 +230,8 @@ pub(super) fn split_kv<T: Element>(ctx: &Cudnn, a: SdpaArgs, x: SdpaOperands<'_,
         None => (0, 1, 0),
     };
     let kernels = Kernels::get(ctx)?;
-    let (mut part, mut counters) = kernels.sdpa_decode(ctx, total, groups)?;
+    let mut part = kernels.owned(ctx, PARTIALS, total)?;
+    let mut counters = kernels.owned(ctx, COUNTERS, groups)?;
     let (pp, _gp) = part.device_ptr_mut(s);
     let (cp, _gc) = counters.device_ptr_mut(s);
     let (op, _go) = o.device_ptr_mut(s);

@@ -9,12 +9,18 @@ use super::seq_lens::{kv_offset, launch_clamp};
 use super::{Backward, DeviceSeqLens, SdpaArgs, SdpaGrads, SdpaKernel, SdpaOperands};
 use crate::dtype::{DataType, Element};
 use crate::graph::{Graph, SdpaBackwardOptions, SdpaForm, SdpaOptions};
-use crate::kernels::Kernels;
+use crate::kernels::{Kernels, Owned};
 use crate::ops::Fused;
 use crate::plan::{Bindings, Plan};
 use crate::tensor::TensorSpec;
 use crate::{Cudnn, Error, Features, Result};
 use std::rc::Rc;
+
+/// `kv_lens` and `q_lens` of padded attention clamped into the plan's sequence lengths, for this call's
+/// plan (see [`crate::SdpaOperands::seq_lens`]).
+const CLAMPED_LENS: Owned<i32> = Owned::new("padded attention clamped lengths");
+/// The fused attention backward's f32 row sums and dQ accumulator, in one buffer.
+const BACKWARD_BUFFERS: Owned<f32> = Owned::new("attention backward row sums and dQ accumulator");
 
 /// The uids [`SdpaArgs::graph`] gives the tensors a call binds. O and stats are node outputs created
 /// after the graph's intermediates (numbered from 5, 7 with sequence lengths, 9 with page tables),
@@ -237,7 +243,7 @@ impl<T: Element> Fused<T> for SdpaArgs {
         let lens = match seq_lens {
             Some(DeviceSeqLens::Raw(seq_len_q, seq_len_kv)) => {
                 let kernels = Kernels::get(ctx)?;
-                owned = kernels.seq_lens(ctx, 2 * kv_offset(batch))?;
+                owned = kernels.owned(ctx, CLAMPED_LENS, 2 * kv_offset(batch))?;
                 launch_clamp(
                     ctx,
                     kernels,
@@ -365,7 +371,7 @@ impl<T: Element> Fused<T> for Backward {
         }
         let plan = a.backward_plan(ctx, T::DTYPE)?;
         let (rows, accum_at, total) = a.backward_buffers()?;
-        let mut buffer = Kernels::get(ctx)?.sdpa_backward(ctx, total)?;
+        let mut buffer = Kernels::get(ctx)?.owned(ctx, BACKWARD_BUFFERS, total)?;
         let (mut softmax_sum, mut rest) = buffer.split_at_mut(accum_at);
         let mut softmax_sum = softmax_sum.slice_mut(..rows);
         let mut dq_accum = rest.slice_mut(..total - accum_at);
