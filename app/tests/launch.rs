@@ -161,3 +161,35 @@ fn bad_command_lines_are_usage_errors() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("rank 0: cannot start /no/such/program"), "{err}");
 }
+
+/// Two `tp-bench --allreduce-only` ranks as processes: with NCCL and two GPUs they time the all-reduces
+/// (rank 0 prints the table); without them rank 0 cannot make the unique id, and every rank ends
+/// with an error naming the cause, the launcher with the failed rank's code, all within the timeout.
+#[test]
+fn tp_bench_ranks_as_processes_measure_or_fail_together() {
+    let t = Instant::now();
+    let out = launch()
+        .args(["--nproc", "2", "--grace", "5", "--", env!("CARGO_BIN_EXE_tp-bench")])
+        .args(["--allreduce-only", "--preset", "tiny", "--timeout", "20"])
+        .env("BENCH_RESULTS_DIR", std::env::temp_dir().join("cudnn-llm-launch-test"))
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(t.elapsed() < Duration::from_secs(60), "{:?}", t.elapsed());
+    if out.status.success() {
+        assert!(stdout.contains("2 ranks as processes"), "{stdout}\n{stderr}");
+    } else {
+        assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+        assert!(stderr.contains("tp-bench: rank 0 of 2: rendezvous (rank 0 of 2):"), "{stderr}");
+        assert!(stderr.contains("cudnn-llm-launch: rank"), "{stderr}");
+    }
+    // Without --allreduce-only, a rank is told what the process mode runs so far.
+    let out = Command::new(env!("CARGO_BIN_EXE_tp-bench"))
+        .args(["--preset", "tiny"])
+        .envs([("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("runs --allreduce-only only so far"), "{err}");
+}

@@ -108,11 +108,15 @@ fn run(a: &Args, (world, first, addr, port): (usize, usize, String, u16)) -> Exi
             .env("LOCAL_WORLD_SIZE", a.nproc.to_string())
             .env("MASTER_ADDR", &addr)
             .env("MASTER_PORT", port.to_string());
-        // SAFETY: between fork and exec the child only makes one async-signal-safe call (prctl), and
-        // checks whether the launcher died before it (then it exits at once, as the signal would).
+        // SAFETY: between fork and exec the child makes only async-signal-safe calls (setpgid, prctl,
+        // getppid, _exit): its own process group (so that ending a rank ends what it started), a
+        // parent-death signal, and an exit if the launcher died before the signal was armed.
         unsafe {
             let parent = libc::getpid();
             std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+                if libc::setpgid(0, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
@@ -150,7 +154,7 @@ fn run(a: &Args, (world, first, addr, port): (usize, usize, String, u16)) -> Exi
             }
         }
         if let Some((rank, what, exit)) = failed {
-            eprintln!("cudnn-llm-launch: rank {rank} {what}; ending the other ranks");
+            say(&format!("cudnn-llm-launch: rank {rank} {what}; ending the other ranks"));
             end(&mut children, grace);
             return ExitCode::from(exit);
         }
@@ -161,15 +165,16 @@ fn run(a: &Args, (world, first, addr, port): (usize, usize, String, u16)) -> Exi
     }
 }
 
-/// SIGTERM to every rank still running, SIGKILL to those left after `grace`; waits for all.
+/// `line` and a newline on stderr in one write, so that it does not interleave with the ranks' lines.
+fn say(line: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
+}
+
+/// SIGTERM to every rank's process group (the rank and what it started), SIGKILL to the groups of
+/// ranks left after `grace`; waits for the ranks.
 fn end(children: &mut [(usize, Child)], grace: Duration) {
-    for (_, c) in children.iter_mut() {
-        if !matches!(c.try_wait(), Ok(None)) {
-            continue; // reaped: its pid may belong to another process now
-        }
-        // SAFETY: kill sends a signal to our own child's pid, which is not reaped yet (so not reused).
-        unsafe { libc::kill(c.id() as libc::pid_t, libc::SIGTERM) };
-    }
+    signal_groups(children, libc::SIGTERM);
     let deadline = Instant::now() + grace;
     loop {
         let mut running = Vec::new();
@@ -179,17 +184,30 @@ fn end(children: &mut [(usize, Child)], grace: Duration) {
             }
         }
         if running.is_empty() {
+            // What the ranks started and left behind.
+            signal_groups(children, libc::SIGKILL);
             return;
         }
         if Instant::now() >= deadline {
-            eprintln!("cudnn-llm-launch: rank(s) {running:?} still running after {grace:.0?}: SIGKILL");
+            say(&format!("cudnn-llm-launch: rank(s) {running:?} still running after {grace:.0?}: SIGKILL"));
+            signal_groups(children, libc::SIGKILL);
             for (_, c) in children.iter_mut() {
-                let _ = c.kill();
                 let _ = c.wait();
             }
             return;
         }
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Sends `signal` to each rank's process group (its pid: each rank leads its own group).
+fn signal_groups(children: &[(usize, Child)], signal: libc::c_int) {
+    for (_, c) in children {
+        let Ok(group) = libc::pid_t::try_from(c.id()) else { continue };
+        // SAFETY: kill only sends a signal. The group id is a rank's pid; Linux does not hand out a pid
+        // while a process group of that id has members, so the signal reaches the rank's group or
+        // no one (ESRCH).
+        unsafe { libc::kill(-group, signal) };
     }
 }
 

@@ -53,7 +53,8 @@
 use clap::Parser;
 use cudnn_llm::{DecodeAttention, GemvSplit};
 use cudnn_llm_app::bench_util::{copy_bandwidth_gbps, csv_and_markdown, environment, median, write_results};
-use cudnn_llm_llama::nccl::{self, Algorithm, NcclConfig, NcclError, Protocol};
+use cudnn_llm_llama::nccl::rendezvous::{RankEnv, Session};
+use cudnn_llm_llama::nccl::{self, Algorithm, Comm, NcclConfig, NcclError, Protocol, UniqueId};
 use cudnn_llm_llama::profile::StepTimeline;
 use cudnn_llm_llama::tp::{Rank, ShardPlan, TpLlama, TpOptions, WeightSource};
 use cudnn_llm_llama::{Backends, LlamaConfig, NoObserver};
@@ -376,7 +377,7 @@ const MAX_COUNT: usize = 1_000_000;
 
 fn main() -> ExitCode {
     let opts = Options::parse();
-    let plan = (|| -> Result<(LlamaConfig, WeightSource, Backends), Error> {
+    let plan = (|| -> Result<(LlamaConfig, WeightSource, Backends, Option<RankEnv>), Error> {
         let cfg = match &opts.checkpoint {
             Some(dir) => LlamaConfig::from_dir(dir)?,
             None => LlamaConfig::preset(&opts.preset)?,
@@ -424,7 +425,17 @@ fn main() -> ExitCode {
         if opts.row_out.is_some() && opts.ranks.len() != 1 {
             return Err("--row-out takes one rank count in --ranks".into());
         }
-        if opts.allreduce_only && opts.ranks.iter().all(|&r| r < 2) {
+        let rank_env = RankEnv::from_env()?;
+        if let Some(env) = &rank_env {
+            if !opts.allreduce_only {
+                return Err(format!(
+                    "launched as rank {} of {} (WORLD_SIZE is set): as processes, tp-bench runs --allreduce-only \
+                     only so far",
+                    env.rank, env.world
+                )
+                .into());
+            }
+        } else if opts.allreduce_only && opts.ranks.iter().all(|&r| r < 2) {
             return Err("--allreduce-only needs a rank count above 1 in --ranks".into());
         }
         if !opts.allreduce_only {
@@ -436,9 +447,9 @@ fn main() -> ExitCode {
         let backends = Backends::parse(&opts.fuse)?;
         // Last, once every option is known good: NCCL reads these at its first communicator.
         nccl::set_tuning_env(opts.nccl_proto, opts.nccl_algo).map_err(option_error)?;
-        Ok((cfg, source, backends))
+        Ok((cfg, source, backends, rank_env))
     })();
-    let (cfg, source, backends) = match plan {
+    let (cfg, source, backends, rank_env) = match plan {
         Ok(p) => p,
         Err(e) => {
             eprintln!("tp-bench: {e}");
@@ -466,7 +477,10 @@ fn main() -> ExitCode {
         );
     }
     if opts.allreduce_only {
-        return allreduce_only(&opts, &cfg, &setting);
+        return match rank_env {
+            Some(env) => allreduce_as_processes(&env, &opts, &cfg, &setting),
+            None => allreduce_only(&opts, &cfg, &setting),
+        };
     }
     let children = !opts.same_process && opts.row_out.is_none() && opts.ranks.len() > 1;
     let mut rows = Vec::new();
@@ -987,6 +1001,105 @@ fn allreduce_only(opts: &Options, cfg: &LlamaConfig, setting: &Setting) -> ExitC
     } else {
         ExitCode::SUCCESS
     }
+}
+
+/// `line` and a newline on stderr in one write, so that the lines of ranks sharing it do not interleave.
+fn say(line: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
+}
+
+/// `--allreduce-only` with one rank per process, started by `cudnn-llm-launch` or torchrun (`WORLD_SIZE`
+/// and the rest set): the ranks join through the TCP rendezvous, make their communicator from rank 0's
+/// unique id ([`Comm::init_rank`]) and time the sizes of [`allreduce_sizes`] (3 untimed, then the median
+/// of 5 samples of 10 back to back between CUDA events); rank 0 prints its times and writes
+/// `tp-allreduce-processes`. A rank that fails or dies ends the others, naming it.
+fn allreduce_as_processes(env: &RankEnv, opts: &Options, cfg: &LlamaConfig, setting: &Setting) -> ExitCode {
+    let sizes = allreduce_sizes(cfg, opts.batch, opts.prompt);
+    let rank = env.rank;
+    let measured = (|| -> Result<Vec<f64>, Error> {
+        let timeout = Duration::from_secs(opts.timeout);
+        let new_id = || UniqueId::new().map(|id| id.as_bytes().to_vec()).map_err(|e| e.to_string());
+        let mut session = Session::join(env, timeout, new_id)?;
+        session.watch(Duration::from_secs(opts.timeout.clamp(5, 600)), move |why| {
+            say(&format!("tp-bench: rank {rank}: {why}; ending this rank"));
+            std::process::exit(1);
+        });
+        let id = UniqueId::from_bytes(session.payload())?;
+        let ctx = cudnn_llm::Cudnn::new(env.local_rank)?;
+        let comm = Comm::init_rank(env.local_rank, env.rank, env.world, &id, &setting.config())?;
+        let stream = ctx.stream();
+        let cuda = stream.context();
+        let timing = Some(cudnn_llm::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let (start, end) = (cuda.new_event(timing)?, cuda.new_event(timing)?);
+        let mut us = Vec::new();
+        for &(_, n) in &sizes {
+            let mut buf = stream.alloc_zeros::<bf16>(n)?;
+            for _ in 0..3 {
+                comm.all_reduce_sum(stream, &mut buf)?;
+            }
+            let mut samples = Vec::new();
+            for _ in 0..5 {
+                start.record(stream)?;
+                for _ in 0..10 {
+                    comm.all_reduce_sum(stream, &mut buf)?;
+                }
+                end.record(stream)?;
+                samples.push(start.elapsed_ms(&end)? as f64 * 1e3 / 10.0);
+            }
+            us.push(median(samples));
+        }
+        drop(comm);
+        session.finish();
+        Ok(us)
+    })();
+    let us = match measured {
+        Ok(us) => us,
+        Err(e) => {
+            say(&format!("tp-bench: rank {rank} of {}: {e}", env.world));
+            return ExitCode::from(1);
+        }
+    };
+    if rank != 0 {
+        return ExitCode::SUCCESS;
+    }
+    let ranks = env.world;
+    println!(
+        "\n## {ranks} ranks as processes (rank 0's times)\n{:>8} {:>12} {:>11} {:>10} {:>10}",
+        "what", "bytes", "us", "algbw", "busbw"
+    );
+    let mut rows = Vec::new();
+    for (&(what, elements), us) in sizes.iter().zip(us) {
+        let bytes = 2 * elements;
+        let algbw_gbps = bytes as f64 / (us * 1e-6) / 1e9;
+        let row = AllreduceRow {
+            ranks,
+            what: what.into(),
+            elements,
+            bytes,
+            us,
+            algbw_gbps,
+            busbw_gbps: algbw_gbps * 2.0 * (ranks - 1) as f64 / ranks as f64,
+            nccl_min_ctas: setting.nccl_min_ctas,
+            nccl_max_ctas: setting.nccl_max_ctas,
+            nccl_cga_cluster_size: setting.nccl_cga_cluster_size,
+            nccl_proto: setting.nccl_proto.clone(),
+            nccl_algo: setting.nccl_algo.clone(),
+            ..AllreduceRow::default()
+        };
+        println!(
+            "{:>8} {:>12} {:>11.2} {:>6.1} GB/s {:>6.1} GB/s",
+            row.what, row.bytes, row.us, row.algbw_gbps, row.busbw_gbps
+        );
+        rows.push(row);
+    }
+    match csv_and_markdown(&rows) {
+        Ok((csv, md)) => {
+            write_results(&format!("tp-allreduce-processes{}", setting.file_suffix()), &csv, &md)
+        }
+        Err(e) => eprintln!("tp-bench: cannot write the results: {e}"),
+    }
+    ExitCode::SUCCESS
 }
 
 #[cfg(test)]
