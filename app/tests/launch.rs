@@ -35,7 +35,8 @@ fn pids(dir: &Path, n: usize) -> Vec<u32> {
 fn every_rank_gets_the_environment_torchrun_sets() {
     let out = launch()
         .args(["--nproc", "3", "--", "sh", "-c"])
-        .arg("echo \"$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT\"")
+        .arg("echo \"$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT $CUDNN_LLM_JOB\"")
+        .env_remove("CUDNN_LLM_JOB")
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -44,25 +45,24 @@ fn every_rank_gets_the_environment_torchrun_sets() {
     assert_eq!(lines.len(), 3);
     let port = lines[0].split(' ').nth(5).unwrap().to_string();
     assert!(port.parse::<u16>().unwrap() > 0);
+    let job = lines[0].split(' ').nth(6).unwrap().to_string();
+    assert!(!job.is_empty(), "a fresh job token on one host");
     for (r, l) in lines.iter().enumerate() {
-        assert_eq!(l, &format!("{r} 3 {r} 3 127.0.0.1 {port}"));
+        assert_eq!(l, &format!("{r} 3 {r} 3 127.0.0.1 {port} {job}"));
     }
     // The second host of two: ranks 4..8, the given address and port.
     let out = launch()
         .args(["--nnodes", "2", "--node-rank", "1", "--nproc", "4", "--master-addr", "node0"])
-        .args([
-            "--master-port",
-            "29500",
-            "--",
-            "sh",
-            "-c",
-            "echo $RANK $WORLD_SIZE $LOCAL_RANK $MASTER_ADDR:$MASTER_PORT",
-        ])
+        .args(["--master-port", "29500", "--job", "j7", "--", "sh", "-c"])
+        .arg("echo $RANK $WORLD_SIZE $LOCAL_RANK $MASTER_ADDR:$MASTER_PORT $CUDNN_LLM_JOB")
         .output()
         .unwrap();
     let mut lines: Vec<String> = String::from_utf8(out.stdout).unwrap().lines().map(String::from).collect();
     lines.sort();
-    assert_eq!(lines, ["4 8 0 node0:29500", "5 8 1 node0:29500", "6 8 2 node0:29500", "7 8 3 node0:29500"]);
+    assert_eq!(
+        lines,
+        ["4 8 0 node0:29500 j7", "5 8 1 node0:29500 j7", "6 8 2 node0:29500 j7", "7 8 3 node0:29500 j7"]
+    );
 }
 
 #[test]
@@ -72,8 +72,9 @@ fn a_failing_rank_ends_the_others_and_gives_its_exit_code() {
     let out = launch()
         .args(["--nproc", "3", "--grace", "5", "--", "sh", "-c"])
         .arg(format!(
-            "echo $$ > {}/$RANK; if [ $RANK = 1 ]; then sleep 0.3; exit 3; fi; exec sleep 60",
-            dir.path().display()
+            "echo $$ > {d}/$RANK; if [ $RANK = 1 ]; then while [ $(ls {d} | wc -l) -lt 3 ]; do sleep 0.05; done; \
+             exit 3; fi; exec sleep 60",
+            d = dir.path().display()
         ))
         .output()
         .unwrap();
@@ -102,8 +103,9 @@ fn a_rank_that_ignores_sigterm_is_killed_after_the_grace_period() {
     let out = launch()
         .args(["--nproc", "2", "--grace", "0.5", "--", "sh", "-c"])
         .arg(format!(
-            "echo $$ > {}/$RANK; if [ $RANK = 0 ]; then sleep 0.3; exit 1; fi; trap '' TERM; while :; do sleep 0.1; done",
-            dir.path().display()
+            "if [ $RANK = 0 ]; then echo $$ > {d}/0; while [ ! -s {d}/1 ]; do sleep 0.05; done; exit 1; fi; \
+             trap '' TERM; echo $$ > {d}/1; while :; do sleep 0.1; done",
+            d = dir.path().display()
         ))
         .output()
         .unwrap();
@@ -136,6 +138,30 @@ fn no_rank_outlives_a_killed_launcher() {
     }
     for pid in ranks {
         assert!(!alive(pid), "rank process {pid} outlived the killed launcher");
+    }
+}
+
+#[test]
+fn a_terminated_launcher_ends_its_ranks_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let l = launch()
+        .args(["--nproc", "2", "--grace", "5", "--", "sh", "-c"])
+        .arg(format!("echo $$ > {}/$RANK; sleep 60", dir.path().display()))
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let ranks = pids(dir.path(), 2);
+    assert_eq!(ranks.len(), 2);
+    let t = Instant::now();
+    // SAFETY: a signal to the launcher, our own unreaped child.
+    unsafe { libc::kill(l.id() as libc::pid_t, libc::SIGTERM) };
+    let out = l.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(128 + 15), "{err}");
+    assert!(err.contains("signal 15: ending the ranks"), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    for pid in ranks {
+        assert!(!alive(pid), "rank process {pid} outlived the launcher");
     }
 }
 

@@ -86,6 +86,9 @@ pub struct PlanCache {
     /// The slots of the misses whose build closures run now, innermost last: what a graph built
     /// inside one loads from and saves to ([`PlanCache::building`]).
     building: RefCell<Vec<Rc<Slot>>>,
+    /// Misses being built now, nested ones included (with or without a plan directory): only the
+    /// outermost's time goes to the start-up record.
+    depth: std::cell::Cell<usize>,
 }
 
 impl PlanCache {
@@ -102,7 +105,16 @@ impl PlanCache {
         }
         self.misses.set(self.misses.get() + 1);
         let started = std::time::Instant::now();
-        let outermost = self.building.borrow().is_empty();
+        let outermost = self.depth.get() == 0;
+        self.depth.set(self.depth.get() + 1);
+        /// Leaves the nesting count when the build returns (or unwinds).
+        struct Leave<'a>(&'a std::cell::Cell<usize>);
+        impl Drop for Leave<'_> {
+            fn drop(&mut self) {
+                self.0.set(self.0.get() - 1);
+            }
+        }
+        let leave = Leave(&self.depth);
         let slot = self.store.borrow().as_ref().map(|s| {
             let text = format!("{}\n{key:?}", std::any::type_name::<K>());
             Rc::new(s.slot(text, self.disk.clone()))
@@ -125,6 +137,7 @@ impl PlanCache {
         if let Some(slot) = slot {
             slot.count();
         }
+        drop(leave);
         let plan = Rc::new(built?);
         if outermost {
             crate::startup::record("plans", started.elapsed(), "");

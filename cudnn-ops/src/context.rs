@@ -212,8 +212,8 @@ impl Cudnn {
     ///
     /// The custom kernels (the naive baselines' and the decode room's) keep their compiled CUBINs in
     /// its `kernels/` folder, one per op room, keyed by the room's source, the GPU architecture, NVRTC
-    /// and the driver, under the same trust rules: the directory the context has at its first kernel
-    /// launch is the one used. [`startup::phases`](crate::startup::phases) says what was compiled and
+    /// and the driver, under the same trust rules: the directory the context has when it first uses
+    /// its kernels or op-owned buffers is the one used. [`startup::phases`](crate::startup::phases) says what was compiled and
     /// what was loaded.
     pub fn set_plan_dir(&self, dir: Option<&Path>) {
         let store = dir.map(|d| PlanStore::new(d.to_path_buf(), self.environment()));

@@ -38,7 +38,6 @@ impl Refused {
 
 use Refused::{Unreadable, Untrusted};
 
-/// The process's effective user id.
 /// CRC-32 as in IEEE 802.3, zlib and PNG (reflected polynomial `0xEDB88320`, initial and final
 /// value `0xFFFFFFFF`): `crc32(b"123456789") == 0xCBF43926`. Table-driven; plan files are small.
 pub(crate) fn crc32(bytes: &[u8]) -> u32 {
@@ -66,6 +65,7 @@ pub(crate) fn fnv1a64(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
 }
 
+/// The process's effective user id.
 #[cfg(unix)]
 fn this_user() -> u32 {
     // SAFETY: geteuid has no preconditions and cannot fail.

@@ -114,8 +114,15 @@ mod tests {
 
     #[test]
     fn the_process_started_before_now_and_not_long_ago() {
-        if let Some(age) = since_process_start() {
+        let age = since_process_start();
+        if cfg!(target_os = "linux") {
+            let age = age.expect("/proc/self/stat and /proc/uptime are read on Linux");
             assert!(age < Duration::from_secs(24 * 3600), "{age:?}");
+            std::thread::sleep(Duration::from_millis(30));
+            assert!(
+                since_process_start().unwrap() + Duration::from_millis(15) >= age,
+                "the age goes forward"
+            );
         }
     }
 }

@@ -3,41 +3,49 @@
 //! `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`), so that torchrun, `cudnn-llm-launch` or any launcher
 //! setting them can start the ranks, on one host or many.
 //!
-//! Rank 0 listens on `MASTER_PORT`; every other rank connects to `MASTER_ADDR:MASTER_PORT` (retrying
-//! until rank 0 listens) and says who it is; when all `WORLD_SIZE − 1` have, rank 0 sends each the
-//! payload (the unique id). Everything has a deadline: a rank that never comes, or a rank 0 that cannot
-//! be reached, is an error naming the rank and the cause on every rank that is up, not a hang.
+//! Rank 0 listens on `MASTER_PORT`; every other rank connects to `MASTER_ADDR:MASTER_PORT` (retrying,
+//! name lookup included, until rank 0 listens) and says who it is and which job it belongs to
+//! (`CUDNN_LLM_JOB`, which `cudnn-llm-launch` sets to a fresh token, else torchrun's
+//! `TORCHELASTIC_RUN_ID`); when all `WORLD_SIZE − 1` have, rank 0 sends each the payload (the unique
+//! id). A connection that is not a rank of this job (another job's rank on a reused port, a port
+//! scanner, a client that says nothing for [`GREETING`]) is closed and ignored; ranks of this job that
+//! disagree (the world size, a rank claimed twice) end the rendezvous. Everything has a deadline: a rank
+//! that never comes, or a rank 0 that cannot be reached, is an error naming the rank and the cause on
+//! every rank that is up, not a hang.
 //!
 //! After the exchange the connections stay open as the ranks' lifelines ([`Session::watch`]): a rank
 //! whose process ends without [`Session::finish`] (a crash, a kill) closes its connection, rank 0 sees
-//! it at once and tells the others, and each rank's watcher calls its handler with a message naming
-//! the rank (the caller aborts its NCCL communicator there, so that no rank waits forever in a
+//! it at once and tells the others, and each rank's watcher calls its handler once with a message
+//! naming the rank (the caller aborts its NCCL communicator there, so that no rank waits forever in a
 //! collective for one that is gone). Heartbeats every [`HEARTBEAT`] also catch a host that vanishes
 //! without closing anything, after [`Session::watch`]'s silence limit.
 //!
 //! # Wire format
 //!
-//! Hello (rank → rank 0): `CDNNRDZV`, version `u32`, rank `u32`, world size `u32`. Payload (rank 0 →
-//! rank): `CDNNRDZV`, version `u32`, byte count `u32`, bytes. Then messages both ways: a tag byte
-//! (`H` heartbeat, `B` goodbye, `A` abort followed by a `u32` byte count and UTF-8 text). Integers are
-//! little-endian.
+//! Hello (rank → rank 0): `CDNNRDZV`, version `u32`, rank `u32`, world size `u32`, job (`u32` byte
+//! count, at most 256, and UTF-8). Payload (rank 0 → rank): `CDNNRDZV`, version `u32`, byte count
+//! `u32`, bytes. Then messages both ways: a tag byte (`H` heartbeat, `B` goodbye, `A` abort followed by
+//! a `u32` byte count and UTF-8 text). Integers are little-endian.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 const MAGIC: [u8; 8] = *b"CDNNRDZV";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 /// The most ranks a job may have (NCCL's own limits are far below).
 pub const MAX_WORLD: usize = 1 << 16;
 /// The largest payload exchanged (a unique id is 128 bytes).
 const MAX_PAYLOAD: usize = 1 << 16;
 /// The longest abort message read.
 const MAX_MESSAGE: usize = 1 << 12;
+/// The longest job token.
+const MAX_JOB: usize = 256;
 /// How often each rank tells the others it is alive.
 pub const HEARTBEAT: Duration = Duration::from_millis(500);
+/// How long rank 0 waits for a connection's hello before closing it as a stranger.
+pub const GREETING: Duration = Duration::from_secs(5);
 
 /// Why a rank could not join, or lost, the others.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -46,8 +54,8 @@ pub enum RendezvousError {
     /// world size.
     #[error("{0}")]
     Environment(String),
-    /// The exchange failed: a rank missing at the deadline, rank 0 unreachable, a rank that said
-    /// something else than expected, an I/O error.
+    /// The exchange failed: a rank missing at the deadline, rank 0 unreachable, ranks that disagree,
+    /// an I/O error.
     #[error("rendezvous (rank {rank} of {world}): {why}")]
     Failed {
         /// This process's rank.
@@ -72,6 +80,8 @@ pub struct RankEnv {
     pub master_addr: String,
     /// `MASTER_PORT`: the port rank 0 listens on.
     pub master_port: u16,
+    /// `CUDNN_LLM_JOB`, else `TORCHELASTIC_RUN_ID`, else empty: the job the ranks must share.
+    pub job: String,
 }
 
 impl RankEnv {
@@ -119,14 +129,27 @@ impl RankEnv {
                 "MASTER_PORT=0: give the port rank 0 listens on".into(),
             ));
         }
+        let job = var("CUDNN_LLM_JOB").or_else(|| var("TORCHELASTIC_RUN_ID")).unwrap_or_default();
+        if job.len() > MAX_JOB {
+            return Err(RendezvousError::Environment(format!("CUDNN_LLM_JOB: over {MAX_JOB} bytes")));
+        }
         Ok(Some(RankEnv {
             rank,
             world,
             local_rank,
             master_addr: master_addr.trim().to_string(),
             master_port,
+            job,
         }))
     }
+}
+
+/// Whether the session ended cleanly, and whether its failure was reported: checked and set under one
+/// lock, so that a report never follows [`Session::finish`] and comes at most once.
+#[derive(Default)]
+struct Flags {
+    done: bool,
+    fired: bool,
 }
 
 /// A rank that joined the others: the payload rank 0 gave, and the open connections that watch the
@@ -135,10 +158,9 @@ pub struct Session {
     rank: usize,
     world: usize,
     payload: Vec<u8>,
-    /// Rank 0: one stream per other rank (index rank − 1). Others: the stream to rank 0.
+    /// Rank 0: one stream per other rank. Others: the stream to rank 0. Taken by [`Session::watch`].
     links: Vec<(usize, TcpStream)>,
-    /// Set by [`Session::finish`]: a closing connection is then no failure.
-    done: Arc<AtomicBool>,
+    flags: Arc<Mutex<Flags>>,
     writers: Arc<Mutex<Vec<(usize, TcpStream)>>>,
 }
 
@@ -155,11 +177,17 @@ fn fail(rank: usize, world: usize, why: impl Into<String>) -> RendezvousError {
     RendezvousError::Failed { rank, world, why: why.into() }
 }
 
-fn hello(rank: usize, world: usize) -> Vec<u8> {
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn hello(rank: usize, world: usize, job: &str) -> Vec<u8> {
     let mut m = MAGIC.to_vec();
     m.extend_from_slice(&VERSION.to_le_bytes());
     m.extend_from_slice(&(rank as u32).to_le_bytes());
     m.extend_from_slice(&(world as u32).to_le_bytes());
+    m.extend_from_slice(&(job.len() as u32).to_le_bytes());
+    m.extend_from_slice(job.as_bytes());
     m
 }
 
@@ -169,10 +197,13 @@ fn read_u32(s: &mut impl Read) -> std::io::Result<u32> {
     Ok(u32::from_le_bytes(b))
 }
 
-/// Reads a magic and version; an error in words otherwise.
-fn read_header(s: &mut impl Read) -> Result<(), String> {
+/// A connection's hello: `Ok((rank, world))` from a rank of job `job`, `Err` (in words) from anything
+/// else: a stranger, to be closed and ignored.
+fn greeting(s: &mut TcpStream, job: &str, wait: Duration) -> Result<(usize, usize), String> {
+    s.set_nonblocking(false).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(wait.max(Duration::from_millis(50)))).map_err(|e| e.to_string())?;
     let mut m = [0u8; 8];
-    s.read_exact(&mut m).map_err(|e| format!("nothing read: {e}"))?;
+    s.read_exact(&mut m).map_err(|e| format!("no hello: {e}"))?;
     if m != MAGIC {
         return Err("not a cudnn-llm rank (wrong greeting)".into());
     }
@@ -180,73 +211,91 @@ fn read_header(s: &mut impl Read) -> Result<(), String> {
     if v != VERSION {
         return Err(format!("protocol version {v}, this build speaks {VERSION}"));
     }
-    Ok(())
+    let rank = read_u32(s).map_err(|e| e.to_string())? as usize;
+    let world = read_u32(s).map_err(|e| e.to_string())? as usize;
+    let n = read_u32(s).map_err(|e| e.to_string())? as usize;
+    if n > MAX_JOB {
+        return Err(format!("a job token of {n} bytes"));
+    }
+    let mut theirs = vec![0u8; n];
+    s.read_exact(&mut theirs).map_err(|e| e.to_string())?;
+    if theirs != job.as_bytes() {
+        return Err(format!("rank {rank} of another job ({:?})", String::from_utf8_lossy(&theirs)));
+    }
+    Ok((rank, world))
 }
 
 impl Session {
     /// Joins the job `env` describes: rank 0 listens on `MASTER_PORT` and sends every other rank
     /// `payload()` (called once, on rank 0 only, after all ranks said hello); the others connect and
-    /// receive it. Fails after `timeout` naming who is missing.
+    /// receive it. Fails after `timeout` naming who is missing. A job of one rank listens for no one.
     pub fn join(
         env: &RankEnv,
         timeout: Duration,
         payload: impl FnOnce() -> Result<Vec<u8>, String>,
     ) -> Result<Session, RendezvousError> {
+        if env.world == 1 {
+            let bytes = payload().map_err(|why| fail(0, 1, why))?;
+            return Session::new(0, 1, bytes, Vec::new());
+        }
         if env.rank == 0 {
             let listener = TcpListener::bind(("0.0.0.0", env.master_port)).map_err(|e| {
                 fail(0, env.world, format!("rank 0 cannot listen on port {}: {e}", env.master_port))
             })?;
-            Self::serve(listener, env.world, timeout, payload)
+            Self::serve(listener, env.world, &env.job, timeout, payload)
         } else {
-            Self::connect(&env.master_addr, env.master_port, env.rank, env.world, timeout)
+            Self::connect(&env.master_addr, env.master_port, env.rank, env.world, &env.job, timeout)
         }
     }
 
-    /// Rank 0's side on a bound `listener`.
+    /// Rank 0's side on a bound `listener`, for the ranks of job `job`.
     pub fn serve(
         listener: TcpListener,
         world: usize,
+        job: &str,
         timeout: Duration,
         payload: impl FnOnce() -> Result<Vec<u8>, String>,
     ) -> Result<Session, RendezvousError> {
         let deadline = Instant::now() + timeout;
         let mut peers: Vec<Option<TcpStream>> = (1..world).map(|_| None).collect();
-        listener.set_nonblocking(true).map_err(|e| fail(0, world, e.to_string()))?;
-        let abort_all = |peers: &mut [Option<TcpStream>], why: &str| {
+        // Every failure from here tells the ranks that already joined, then returns the error.
+        let give_up = |peers: &mut Vec<Option<TcpStream>>, why: String| {
             for s in peers.iter_mut().flatten() {
-                let _ = send_abort(s, why);
+                let _ = send_abort(s, &why);
             }
+            fail(0, world, why)
         };
+        if let Err(e) = listener.set_nonblocking(true) {
+            return Err(give_up(&mut peers, e.to_string()));
+        }
+        let mut strangers = 0usize;
+        let mut last_stranger = String::new();
         while peers.iter().any(Option::is_none) {
             match listener.accept() {
                 Ok((mut s, from)) => {
-                    let greeted = (|| -> Result<usize, String> {
-                        s.set_nonblocking(false).map_err(|e| e.to_string())?;
-                        s.set_read_timeout(Some(remaining(deadline).max(Duration::from_millis(100))))
-                            .map_err(|e| e.to_string())?;
-                        read_header(&mut s)?;
-                        let rank = read_u32(&mut s).map_err(|e| e.to_string())? as usize;
-                        let theirs = read_u32(&mut s).map_err(|e| e.to_string())? as usize;
-                        if theirs != world {
-                            return Err(format!("rank {rank} says WORLD_SIZE={theirs}, rank 0 has {world}"));
-                        }
-                        if rank == 0 || rank >= world {
-                            return Err(format!("a rank says it is rank {rank} of {world}"));
-                        }
-                        if peers[rank - 1].is_some() {
-                            return Err(format!("two processes say they are rank {rank}"));
-                        }
-                        Ok(rank)
-                    })();
-                    match greeted {
-                        Ok(rank) => peers[rank - 1] = Some(s),
+                    let (rank, theirs) = match greeting(&mut s, job, remaining(deadline).min(GREETING)) {
+                        Ok(hello) => hello,
                         Err(why) => {
-                            let why = format!("{why} (from {from})");
-                            let _ = send_abort(&mut s, &why);
-                            abort_all(&mut peers, &why);
-                            return Err(fail(0, world, why));
+                            strangers += 1;
+                            last_stranger = format!("{why} (from {from})");
+                            continue; // closed as `s` drops
                         }
+                    };
+                    let disagreement = if theirs != world {
+                        Some(format!("rank {rank} says WORLD_SIZE={theirs}, rank 0 has {world}"))
+                    } else if rank == 0 || rank >= world {
+                        Some(format!("a rank says it is rank {rank} of {world}"))
+                    } else if peers[rank - 1].is_some() {
+                        Some(format!("two processes say they are rank {rank}"))
+                    } else {
+                        None
+                    };
+                    if let Some(why) = disagreement {
+                        let why = format!("{why} (from {from})");
+                        let _ = send_abort(&mut s, &why);
+                        return Err(give_up(&mut peers, why));
                     }
+                    peers[rank - 1] = Some(s);
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     if Instant::now() >= deadline {
@@ -256,64 +305,75 @@ impl Session {
                             .filter(|(_, p)| p.is_none())
                             .map(|(i, _)| (i + 1).to_string())
                             .collect();
-                        let why = format!(
+                        let mut why = format!(
                             "rank(s) {} did not join within {:.0?} (not started, or cannot reach MASTER_ADDR)",
                             missing.join(", "),
                             timeout
                         );
-                        abort_all(&mut peers, &why);
-                        return Err(fail(0, world, why));
+                        if strangers > 0 {
+                            why += &format!(
+                                "; {strangers} other connection(s) refused, the last: {last_stranger}"
+                            );
+                        }
+                        return Err(give_up(&mut peers, why));
                     }
                     std::thread::sleep(Duration::from_millis(5));
                 }
-                Err(e) => return Err(fail(0, world, format!("accepting ranks: {e}"))),
+                // A connection that failed before it was accepted (reset, a protocol error): the next.
+                Err(_) => std::thread::sleep(Duration::from_millis(5)),
             }
         }
         let bytes = match payload() {
             Ok(b) if b.len() <= MAX_PAYLOAD => b,
             Ok(b) => {
-                return Err(fail(0, world, format!("a payload of {} bytes is over {MAX_PAYLOAD}", b.len())))
+                return Err(give_up(
+                    &mut peers,
+                    format!("a payload of {} bytes is over {MAX_PAYLOAD}", b.len()),
+                ))
             }
-            Err(why) => {
-                abort_all(&mut peers, &format!("rank 0 failed: {why}"));
-                return Err(fail(0, world, why));
-            }
+            Err(why) => return Err(give_up(&mut peers, format!("rank 0 failed: {why}"))),
         };
-        let mut links = Vec::new();
-        for (i, s) in peers.into_iter().enumerate() {
-            let mut s = s.expect("every rank joined");
-            let mut m = MAGIC.to_vec();
-            m.extend_from_slice(&VERSION.to_le_bytes());
-            m.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
-            m.extend_from_slice(&bytes);
-            s.write_all(&m)
-                .map_err(|e| fail(0, world, format!("rank {} lost while sent the payload: {e}", i + 1)))?;
-            links.push((i + 1, s));
+        let mut m = MAGIC.to_vec();
+        m.extend_from_slice(&VERSION.to_le_bytes());
+        m.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+        m.extend_from_slice(&bytes);
+        for i in 0..peers.len() {
+            let sent = peers[i].as_mut().expect("every rank joined").write_all(&m);
+            if let Err(e) = sent {
+                peers[i] = None;
+                return Err(give_up(&mut peers, format!("rank {} lost while sent the payload: {e}", i + 1)));
+            }
         }
-        Ok(Session::new(0, world, bytes, links))
+        let links =
+            peers.into_iter().enumerate().map(|(i, s)| (i + 1, s.expect("every rank joined"))).collect();
+        Session::new(0, world, bytes, links)
     }
 
-    /// A non-zero rank's side: connects to `addr:port` (retrying until `timeout`), says hello and
-    /// receives the payload.
+    /// A non-zero rank's side: connects to `addr:port` (looking the name up and connecting again until
+    /// `timeout`), says hello as rank `rank` of job `job` and receives the payload.
     pub fn connect(
         addr: &str,
         port: u16,
         rank: usize,
         world: usize,
+        job: &str,
         timeout: Duration,
     ) -> Result<Session, RendezvousError> {
         let deadline = Instant::now() + timeout;
-        let targets: Vec<SocketAddr> = (addr, port)
-            .to_socket_addrs()
-            .map_err(|e| fail(rank, world, format!("MASTER_ADDR {addr}: {e}")))?
-            .collect();
-        let mut last = String::from("no address");
+        let mut last = String::from("nothing tried");
         let mut s = loop {
-            match targets.iter().find_map(|t| {
-                TcpStream::connect_timeout(t, Duration::from_millis(500))
-                    .map_err(|e| last = e.to_string())
-                    .ok()
-            }) {
+            let targets: Vec<SocketAddr> = match (addr, port).to_socket_addrs() {
+                Ok(t) => t.collect(),
+                Err(e) => {
+                    last = format!("name lookup: {e}");
+                    Vec::new()
+                }
+            };
+            let wait = remaining(deadline).clamp(Duration::from_millis(10), Duration::from_millis(500));
+            let found = targets
+                .iter()
+                .find_map(|t| TcpStream::connect_timeout(t, wait).map_err(|e| last = e.to_string()).ok());
+            match found {
                 Some(s) => break s,
                 None if Instant::now() >= deadline => {
                     return Err(fail(
@@ -327,22 +387,19 @@ impl Session {
         };
         let io = |e: std::io::Error| fail(rank, world, format!("talking to rank 0 at {addr}:{port}: {e}"));
         s.set_nodelay(true).map_err(io)?;
-        s.write_all(&hello(rank, world)).map_err(io)?;
+        s.write_all(&hello(rank, world, job)).map_err(io)?;
         s.set_read_timeout(Some(remaining(deadline).max(Duration::from_millis(100)))).map_err(io)?;
-        let mut m = [0u8; 8];
-        s.read_exact(&mut m)
+        let mut tag = [0u8; 1];
+        s.read_exact(&mut tag)
             .map_err(|e| fail(rank, world, format!("rank 0 sent nothing within {timeout:.0?}: {e}")))?;
-        if m != MAGIC {
+        if tag[0] == b'A' {
             // An abort instead of the payload: rank 0 says why.
-            if m[0] == b'A' {
-                let mut rest = m[1..].to_vec();
-                let mut more = Vec::new();
-                let _ = Read::by_ref(&mut s).take(MAX_MESSAGE as u64).read_to_end(&mut more);
-                rest.extend(more);
-                let len = u32::from_le_bytes(rest[..4].try_into().expect("4 bytes")) as usize;
-                let text = String::from_utf8_lossy(&rest[4..(4 + len).min(rest.len())]).into_owned();
-                return Err(fail(rank, world, format!("rank 0 gave up: {text}")));
-            }
+            let text = read_text(&mut s).unwrap_or_else(|| "(unreadable)".into());
+            return Err(fail(rank, world, format!("rank 0 gave up: {text}")));
+        }
+        let mut rest = [0u8; 7];
+        s.read_exact(&mut rest).map_err(io)?;
+        if tag[0] != MAGIC[0] || rest != MAGIC[1..] {
             return Err(fail(rank, world, format!("{addr}:{port} is not a cudnn-llm rank 0")));
         }
         let v = read_u32(&mut s).map_err(io)?;
@@ -359,19 +416,28 @@ impl Session {
         }
         let mut payload = vec![0u8; n];
         s.read_exact(&mut payload).map_err(io)?;
-        Ok(Session::new(rank, world, payload, vec![(0, s)]))
+        Session::new(rank, world, payload, vec![(0, s)])
     }
 
-    fn new(rank: usize, world: usize, payload: Vec<u8>, links: Vec<(usize, TcpStream)>) -> Session {
-        let writers = links.iter().filter_map(|(r, s)| s.try_clone().ok().map(|s| (*r, s))).collect();
-        Session {
+    fn new(
+        rank: usize,
+        world: usize,
+        payload: Vec<u8>,
+        links: Vec<(usize, TcpStream)>,
+    ) -> Result<Session, RendezvousError> {
+        let writers = links
+            .iter()
+            .map(|(r, s)| s.try_clone().map(|s| (*r, s)))
+            .collect::<std::io::Result<Vec<_>>>()
+            .map_err(|e| fail(rank, world, format!("cannot keep the connections: {e}")))?;
+        Ok(Session {
             rank,
             world,
             payload,
             links,
-            done: Arc::new(AtomicBool::new(false)),
+            flags: Arc::new(Mutex::new(Flags::default())),
             writers: Arc::new(Mutex::new(writers)),
-        }
+        })
     }
 
     /// This process's rank.
@@ -392,14 +458,12 @@ impl Session {
     /// Watches the other ranks from background threads: when one ends without [`Session::finish`]
     /// (its connection closes, it sends an abort, or it is silent for `silence`), `on_failure` is
     /// called once with a message naming the rank and the cause, and rank 0 passes the news to every
-    /// other rank. Also starts this rank's heartbeats.
+    /// other rank. Also starts this rank's heartbeats. Nothing is reported after [`Session::finish`]
+    /// or [`Session::abort`].
     pub fn watch(&mut self, silence: Duration, on_failure: impl Fn(String) + Send + Sync + 'static) {
         let on_failure = Arc::new(on_failure);
-        let fired = Arc::new(AtomicBool::new(false));
-        let links = std::mem::take(&mut self.links);
-        for (peer, mut s) in links {
-            let (done, writers, fired, on_failure) =
-                (self.done.clone(), self.writers.clone(), fired.clone(), on_failure.clone());
+        for (peer, mut s) in std::mem::take(&mut self.links) {
+            let (flags, writers, on_failure) = (self.flags.clone(), self.writers.clone(), on_failure.clone());
             let me = self.rank;
             std::thread::spawn(move || {
                 let _ = s.set_read_timeout(Some(silence));
@@ -407,48 +471,37 @@ impl Session {
                     let mut tag = [0u8; 1];
                     match s.read_exact(&mut tag) {
                         Ok(()) if tag[0] == b'H' => continue,
-                        Ok(()) if tag[0] == b'B' => break None,
+                        Ok(()) if tag[0] == b'B' => return,
                         Ok(()) if tag[0] == b'A' => {
-                            let text = read_u32(&mut s)
-                                .ok()
-                                .map(|n| n as usize)
-                                .filter(|&n| n <= MAX_MESSAGE)
-                                .and_then(|n| {
-                                    let mut b = vec![0u8; n];
-                                    s.read_exact(&mut b)
-                                        .ok()
-                                        .map(|()| String::from_utf8_lossy(&b).into_owned())
-                                });
-                            break Some(
-                                text.unwrap_or_else(|| format!("rank {peer} sent an unreadable abort")),
-                            );
+                            break read_text(&mut s)
+                                .unwrap_or_else(|| format!("rank {peer} sent an unreadable abort"))
                         }
-                        Ok(()) => break Some(format!("rank {peer} sent an unknown message")),
+                        Ok(()) => break format!("rank {peer} sent an unknown message"),
                         Err(e)
                             if matches!(
                                 e.kind(),
                                 std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
                             ) =>
                         {
-                            break Some(format!(
+                            break format!(
                                 "rank {peer} was silent for {silence:.0?} (its host is gone or hangs)"
-                            ))
+                            )
                         }
                         Err(_) => {
-                            break Some(format!(
-                                "rank {peer} closed its connection (it exited or was killed)"
-                            ))
+                            break format!("rank {peer} closed its connection (it exited or was killed)")
                         }
                     }
                 };
-                let Some(why) = why else { return };
-                if done.load(Ordering::SeqCst) || fired.swap(true, Ordering::SeqCst) {
-                    return;
+                {
+                    let mut f = lock(&flags);
+                    if f.done || f.fired {
+                        return;
+                    }
+                    f.fired = true;
                 }
                 if me == 0 {
                     // Tell every other rank which one is gone.
-                    let mut ws = writers.lock().unwrap_or_else(|p| p.into_inner());
-                    for (r, w) in ws.iter_mut() {
+                    for (r, w) in lock(&writers).iter_mut() {
                         if *r != peer {
                             let _ = send_abort(w, &why);
                         }
@@ -457,23 +510,22 @@ impl Session {
                 on_failure(why);
             });
         }
-        let (done, writers) = (self.done.clone(), self.writers.clone());
-        std::thread::spawn(move || {
-            while !done.load(Ordering::SeqCst) {
-                {
-                    let mut ws = writers.lock().unwrap_or_else(|p| p.into_inner());
-                    ws.retain_mut(|(_, w)| w.write_all(b"H").is_ok());
-                }
-                std::thread::sleep(HEARTBEAT);
+        let (flags, writers) = (self.flags.clone(), self.writers.clone());
+        std::thread::spawn(move || loop {
+            if lock(&flags).done {
+                return;
             }
+            lock(&writers).retain_mut(|(_, w)| w.write_all(b"H").is_ok());
+            std::thread::sleep(HEARTBEAT);
         });
     }
 
-    /// Tells the other ranks this one fails with `why` (they see it as an abort naming this rank).
+    /// Tells the other ranks this one fails with `why` (they see it as an abort naming this rank); this
+    /// rank's watchers report nothing more (its own failure is the caller's to report).
     pub fn abort(&self, why: &str) {
+        lock(&self.flags).fired = true;
         let text = format!("rank {} failed: {why}", self.rank);
-        let mut ws = self.writers.lock().unwrap_or_else(|p| p.into_inner());
-        for (_, w) in ws.iter_mut() {
+        for (_, w) in lock(&self.writers).iter_mut() {
             let _ = send_abort(w, &text);
         }
     }
@@ -481,13 +533,27 @@ impl Session {
     /// Ends this rank's part cleanly: a goodbye to the others, so that its closing connection is no
     /// failure, and no more failures reported here.
     pub fn finish(self) {
-        if self.done.swap(true, Ordering::SeqCst) {
-            return;
+        self.close(None);
+    }
+
+    /// Marks the session done (once) and says goodbye, or aborts with `abort`, to every other rank.
+    fn close(&self, abort: Option<String>) {
+        {
+            let mut f = lock(&self.flags);
+            if f.done {
+                return;
+            }
+            f.done = true;
         }
-        let mut ws = self.writers.lock().unwrap_or_else(|p| p.into_inner());
-        for (_, w) in ws.iter_mut() {
-            let _ = w.write_all(b"B");
-            let _ = w.shutdown(Shutdown::Write);
+        for (_, w) in lock(&self.writers).iter_mut() {
+            let _ = match &abort {
+                Some(text) => send_abort(w, text),
+                None => w.write_all(b"B"),
+            };
+            let _ = w.shutdown(Shutdown::Both);
+        }
+        for (_, s) in &self.links {
+            let _ = s.shutdown(Shutdown::Both);
         }
     }
 }
@@ -496,15 +562,7 @@ impl Session {
 /// as an abort naming this rank, and closes its connections.
 impl Drop for Session {
     fn drop(&mut self) {
-        if self.done.swap(true, Ordering::SeqCst) {
-            return;
-        }
-        let text = format!("rank {} ended without finishing", self.rank);
-        let mut ws = self.writers.lock().unwrap_or_else(|p| p.into_inner());
-        for (_, w) in ws.iter_mut() {
-            let _ = send_abort(w, &text);
-            let _ = w.shutdown(Shutdown::Both);
-        }
+        self.close(Some(format!("rank {} ended without finishing", self.rank)));
     }
 }
 
@@ -514,6 +572,14 @@ fn send_abort(s: &mut TcpStream, why: &str) -> std::io::Result<()> {
     m.extend_from_slice(&(text.len() as u32).to_le_bytes());
     m.extend_from_slice(text);
     s.write_all(&m)
+}
+
+/// The text of an abort, after its tag.
+fn read_text(s: &mut impl Read) -> Option<String> {
+    let n = read_u32(s).ok().map(|n| n as usize).filter(|&n| n <= MAX_MESSAGE)?;
+    let mut b = vec![0u8; n];
+    s.read_exact(&mut b).ok()?;
+    Some(String::from_utf8_lossy(&b).into_owned())
 }
 
 fn remaining(deadline: Instant) -> Duration {
@@ -526,12 +592,21 @@ mod tests {
     use super::*;
     use std::sync::mpsc;
 
-    const T: Duration = Duration::from_secs(10);
+    const T: Duration = Duration::from_secs(20);
+    const JOB: &str = "job-1";
 
     fn listener() -> (TcpListener, u16) {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = l.local_addr().unwrap().port();
         (l, port)
+    }
+
+    fn peer(
+        port: u16,
+        rank: usize,
+        world: usize,
+    ) -> std::thread::JoinHandle<Result<Session, RendezvousError>> {
+        std::thread::spawn(move || Session::connect("127.0.0.1", port, rank, world, JOB, T))
     }
 
     fn vars(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
@@ -546,11 +621,22 @@ mod tests {
         let env = RankEnv::from_vars(vars(&ok)).unwrap().unwrap();
         assert_eq!(
             env,
-            RankEnv { rank: 3, world: 4, local_rank: 3, master_addr: "node0".into(), master_port: 29500 }
+            RankEnv {
+                rank: 3,
+                world: 4,
+                local_rank: 3,
+                master_addr: "node0".into(),
+                master_port: 29500,
+                job: String::new()
+            }
         );
-        let with_local = [&ok[..], &[("LOCAL_RANK", "1")]].concat();
-        assert_eq!(RankEnv::from_vars(vars(&with_local)).unwrap().unwrap().local_rank, 1);
+        let more = [&ok[..], &[("LOCAL_RANK", "1"), ("TORCHELASTIC_RUN_ID", "run7")]].concat();
+        let env = RankEnv::from_vars(vars(&more)).unwrap().unwrap();
+        assert_eq!((env.local_rank, env.job.as_str()), (1, "run7"));
+        let ours = [&more[..], &[("CUDNN_LLM_JOB", "abc")]].concat();
+        assert_eq!(RankEnv::from_vars(vars(&ours)).unwrap().unwrap().job, "abc");
         assert_eq!(RankEnv::from_vars(vars(&[])).unwrap(), None, "not launched as ranks");
+        let long = "x".repeat(300);
         for (bad, says) in [
             (vec![("WORLD_SIZE", "4"), ("MASTER_ADDR", "a"), ("MASTER_PORT", "1")], "RANK is not"),
             (
@@ -583,6 +669,16 @@ mod tests {
                 "MASTER_PORT=0",
             ),
             (vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "a")], "MASTER_PORT is not"),
+            (
+                vec![
+                    ("RANK", "0"),
+                    ("WORLD_SIZE", "2"),
+                    ("MASTER_ADDR", "a"),
+                    ("MASTER_PORT", "1"),
+                    ("CUDNN_LLM_JOB", &long),
+                ],
+                "CUDNN_LLM_JOB",
+            ),
         ] {
             let e = RankEnv::from_vars(vars(&bad)).unwrap_err().to_string();
             assert!(e.contains(says), "{bad:?}: {e}");
@@ -591,86 +687,111 @@ mod tests {
 
     #[test]
     fn four_ranks_get_rank_zeros_payload_whoever_starts_first() {
+        // Two ranks start before rank 0 listens: they retry until it does.
         let (l, port) = listener();
-        // Two ranks start before rank 0 listens (they retry), one after.
-        let early: Vec<_> = [1, 2]
-            .into_iter()
-            .map(|r| std::thread::spawn(move || Session::connect("127.0.0.1", port, r, 4, T)))
-            .collect();
-        std::thread::sleep(Duration::from_millis(100));
-        let zero = std::thread::spawn(move || Session::serve(l, 4, T, || Ok(b"unique id".to_vec())));
-        let late = std::thread::spawn(move || Session::connect("localhost", port, 3, 4, T));
+        drop(l);
+        let early = [peer(port, 1, 4), peer(port, 2, 4)];
+        std::thread::sleep(Duration::from_millis(200));
+        let l = TcpListener::bind(("127.0.0.1", port)).unwrap();
+        let zero = std::thread::spawn(move || Session::serve(l, 4, JOB, T, || Ok(b"unique id".to_vec())));
+        let late = std::thread::spawn(move || Session::connect("localhost", port, 3, 4, JOB, T));
         let zero = zero.join().unwrap().unwrap();
         assert_eq!((zero.rank(), zero.world(), zero.payload()), (0, 4, &b"unique id"[..]));
-        for (r, h) in early.into_iter().chain([late]).enumerate() {
+        let mut ranks = Vec::new();
+        for h in early.into_iter().chain([late]) {
             let s = h.join().unwrap().unwrap();
-            assert_eq!(s.payload(), b"unique id");
-            assert_eq!(s.world(), 4);
-            assert!(s.rank() == r + 1 || (r == 2 && s.rank() == 3));
+            assert_eq!((s.payload(), s.world()), (&b"unique id"[..], 4));
+            ranks.push(s.rank());
             s.finish();
         }
+        assert_eq!(ranks, [1, 2, 3]);
         zero.finish();
+        // A job of one rank needs no one.
+        let env = RankEnv {
+            rank: 0,
+            world: 1,
+            local_rank: 0,
+            master_addr: "x".into(),
+            master_port: 1,
+            job: "".into(),
+        };
+        assert_eq!(Session::join(&env, T, || Ok(vec![9])).unwrap().payload(), [9]);
     }
 
     #[test]
     fn a_rank_that_never_comes_is_named_on_every_rank_that_did() {
         let (l, port) = listener();
-        let short = Duration::from_millis(600);
-        let peer = std::thread::spawn(move || Session::connect("127.0.0.1", port, 1, 3, T));
+        let one = peer(port, 1, 3);
         let t = Instant::now();
-        let e = Session::serve(l, 3, short, || Ok(vec![1])).unwrap_err().to_string();
+        let e = Session::serve(l, 3, JOB, Duration::from_secs(3), || Ok(vec![1])).unwrap_err().to_string();
         assert!(e.contains("rank(s) 2 did not join"), "{e}");
-        assert!(t.elapsed() < Duration::from_secs(5));
-        let e = peer.join().unwrap().unwrap_err().to_string();
+        assert!(t.elapsed() < Duration::from_secs(10));
+        let e = one.join().unwrap().unwrap_err().to_string();
         assert!(e.contains("rank 0 gave up") && e.contains("rank(s) 2 did not join"), "{e}");
     }
 
     #[test]
     fn an_unreachable_rank_zero_is_an_error_after_the_timeout() {
-        let (l, port) = listener();
-        drop(l); // nothing listens there now
+        // Port 1 on loopback: nothing listens there.
         let t = Instant::now();
         let e =
-            Session::connect("127.0.0.1", port, 1, 2, Duration::from_millis(400)).unwrap_err().to_string();
-        assert!(e.contains("cannot reach rank 0 at 127.0.0.1:") && e.contains("rank 1 of 2"), "{e}");
+            Session::connect("127.0.0.1", 1, 1, 2, JOB, Duration::from_millis(400)).unwrap_err().to_string();
+        assert!(e.contains("cannot reach rank 0 at 127.0.0.1:1") && e.contains("rank 1 of 2"), "{e}");
         assert!(t.elapsed() >= Duration::from_millis(400) && t.elapsed() < Duration::from_secs(5));
+        let e =
+            Session::connect("no-such-host.invalid", 1, 1, 2, JOB, Duration::from_millis(300)).unwrap_err();
+        assert!(e.to_string().contains("name lookup"), "{e}");
     }
 
     #[test]
-    fn disagreeing_ranks_are_refused() {
+    fn ranks_that_disagree_end_the_rendezvous() {
         for (rank, world, says) in [(1, 3, "says WORLD_SIZE=3"), (5, 2, "rank 5 of 2")] {
             let (l, port) = listener();
-            let peer = std::thread::spawn(move || Session::connect("127.0.0.1", port, rank, world, T));
-            let e = Session::serve(l, 2, T, || Ok(vec![])).unwrap_err().to_string();
+            let p = peer(port, rank, world);
+            let e = Session::serve(l, 2, JOB, T, || Ok(vec![])).unwrap_err().to_string();
             assert!(e.contains(says), "{e}");
-            assert!(peer.join().unwrap().is_err());
+            assert!(p.join().unwrap().is_err());
         }
-        // Two processes claiming one rank.
         let (l, port) = listener();
-        let a = std::thread::spawn(move || Session::connect("127.0.0.1", port, 1, 3, T));
-        let b = std::thread::spawn(move || Session::connect("127.0.0.1", port, 1, 3, T));
-        let e = Session::serve(l, 3, T, || Ok(vec![])).unwrap_err().to_string();
+        let (a, b) = (peer(port, 1, 3), peer(port, 1, 3));
+        let e = Session::serve(l, 3, JOB, T, || Ok(vec![])).unwrap_err().to_string();
         assert!(e.contains("two processes say they are rank 1"), "{e}");
         assert!(a.join().unwrap().is_err() && b.join().unwrap().is_err());
-        // Something else than a rank on the port.
+    }
+
+    #[test]
+    fn strangers_and_other_jobs_are_closed_and_ignored() {
         let (l, port) = listener();
-        let stranger = std::thread::spawn(move || {
+        // Something else than a rank, a client that says nothing, and a rank of another job.
+        let http = std::thread::spawn(move || {
             let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
             s.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
         });
-        let e = Session::serve(l, 2, T, || Ok(vec![])).unwrap_err().to_string();
-        assert!(e.contains("not a cudnn-llm rank"), "{e}");
-        stranger.join().unwrap();
+        let other = std::thread::spawn(move || {
+            Session::connect("127.0.0.1", port, 1, 2, "job-2", Duration::from_secs(2))
+        });
+        let one = peer(port, 1, 2);
+        let zero = Session::serve(l, 2, JOB, T, || Ok(vec![5])).unwrap();
+        assert_eq!(one.join().unwrap().unwrap().payload(), [5]);
+        http.join().unwrap();
+        assert!(other.join().unwrap().is_err(), "another job's rank gets nothing");
+        zero.finish();
+        // Only strangers: the timeout says so.
+        let (l, port) = listener();
+        let other = std::thread::spawn(move || {
+            Session::connect("127.0.0.1", port, 1, 2, "job-2", Duration::from_secs(2))
+        });
+        let e = Session::serve(l, 2, JOB, Duration::from_secs(1), || Ok(vec![])).unwrap_err().to_string();
+        assert!(e.contains("rank(s) 1 did not join") && e.contains("of another job (\"job-2\")"), "{e}");
+        assert!(other.join().unwrap().is_err());
     }
 
-    /// Three ranks; `kill` ends without `finish` (its process dying); every other rank's watcher reports
-    /// it by name, promptly.
+    /// Three ranks; `kill` ends without `finish`, its sockets closed as when its process dies; every
+    /// other rank's watcher reports it by name, promptly.
     fn a_dead_rank_is_reported_everywhere(kill: usize) {
         let (l, port) = listener();
-        let peers: Vec<_> = (1..3)
-            .map(|r| std::thread::spawn(move || Session::connect("127.0.0.1", port, r, 3, T)))
-            .collect();
-        let mut sessions = vec![Session::serve(l, 3, T, || Ok(vec![7])).unwrap()];
+        let peers = [peer(port, 1, 3), peer(port, 2, 3)];
+        let mut sessions = vec![Session::serve(l, 3, JOB, T, || Ok(vec![7])).unwrap()];
         sessions.extend(peers.into_iter().map(|h| h.join().unwrap().unwrap()));
         let (tx, rx) = mpsc::channel();
         for s in sessions.iter_mut() {
@@ -680,7 +801,10 @@ mod tests {
             }
         }
         let t = Instant::now();
-        drop(sessions.remove(kill)); // its sockets close, as when its process dies
+        let dead = sessions.remove(kill);
+        for (_, s) in &dead.links {
+            s.shutdown(Shutdown::Both).unwrap();
+        }
         let mut heard: Vec<(usize, String)> =
             (0..2).map(|_| rx.recv_timeout(Duration::from_secs(5)).unwrap()).collect();
         heard.sort();
@@ -688,11 +812,10 @@ mod tests {
         let expected: Vec<usize> = (0..3).filter(|&r| r != kill).collect();
         assert_eq!(heard.iter().map(|(r, _)| *r).collect::<Vec<_>>(), expected);
         for (r, why) in &heard {
-            // Rank 0 sees rank `kill`'s connection close; the others hear of it from rank 0 (or, when
-            // rank 0 is the one that died, see its connection close).
             assert!(why.contains(&format!("rank {kill}")), "rank {r} heard {why:?}");
         }
         assert!(rx.recv_timeout(Duration::from_millis(300)).is_err(), "one report per rank");
+        drop(dead);
         for s in sessions {
             s.finish();
         }
@@ -709,11 +832,24 @@ mod tests {
     }
 
     #[test]
+    fn a_session_dropped_unfinished_aborts_naming_its_rank() {
+        let (l, port) = listener();
+        let one = peer(port, 1, 2);
+        let mut zero = Session::serve(l, 2, JOB, T, || Ok(vec![])).unwrap();
+        let one = one.join().unwrap().unwrap();
+        let (tx, rx) = mpsc::channel();
+        zero.watch(Duration::from_secs(30), move |why| tx.send(why).unwrap());
+        drop(one);
+        let why = rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert!(why.contains("rank 1 ended without finishing"), "{why}");
+    }
+
+    #[test]
     fn a_silent_rank_is_reported_and_a_clean_finish_is_no_failure() {
         let (l, port) = listener();
-        let peer = std::thread::spawn(move || Session::connect("127.0.0.1", port, 1, 2, T));
-        let mut zero = Session::serve(l, 2, T, || Ok(vec![])).unwrap();
-        let one = peer.join().unwrap().unwrap();
+        let one = peer(port, 1, 2);
+        let mut zero = Session::serve(l, 2, JOB, T, || Ok(vec![])).unwrap();
+        let one = one.join().unwrap().unwrap();
         let (tx, rx) = mpsc::channel();
         // Rank 1 never starts its heartbeats (a host gone without closing its sockets).
         zero.watch(Duration::from_millis(300), move |why| tx.send(why).unwrap());
@@ -722,9 +858,9 @@ mod tests {
         drop(one);
         // Clean: both finish; nobody reports anything.
         let (l, port) = listener();
-        let peer = std::thread::spawn(move || Session::connect("127.0.0.1", port, 1, 2, T));
-        let mut zero = Session::serve(l, 2, T, || Ok(vec![])).unwrap();
-        let mut one = peer.join().unwrap().unwrap();
+        let one = peer(port, 1, 2);
+        let mut zero = Session::serve(l, 2, JOB, T, || Ok(vec![])).unwrap();
+        let mut one = one.join().unwrap().unwrap();
         let (tx, rx) = mpsc::channel();
         let tx1 = tx.clone();
         zero.watch(Duration::from_secs(30), move |why| tx.send(why).unwrap());
@@ -736,29 +872,32 @@ mod tests {
     }
 
     #[test]
-    fn an_abort_names_the_rank_that_sent_it() {
+    fn an_abort_names_the_rank_that_sent_it_and_silences_its_own_watchers() {
         let (l, port) = listener();
-        let peers: Vec<_> = (1..3)
-            .map(|r| std::thread::spawn(move || Session::connect("127.0.0.1", port, r, 3, T)))
-            .collect();
-        let mut zero = Session::serve(l, 3, T, || Ok(vec![])).unwrap();
+        let peers = [peer(port, 1, 3), peer(port, 2, 3)];
+        let mut zero = Session::serve(l, 3, JOB, T, || Ok(vec![])).unwrap();
         let mut others: Vec<Session> = peers.into_iter().map(|h| h.join().unwrap().unwrap()).collect();
         let (tx, rx) = mpsc::channel();
-        let tx0 = tx.clone();
-        zero.watch(Duration::from_secs(30), move |why| tx0.send((0, why)).unwrap());
+        for (r, s) in [(0, &mut zero), (1, &mut others[0])] {
+            let tx = tx.clone();
+            s.watch(Duration::from_secs(30), move |why| tx.send((r, why)).unwrap());
+        }
         let tx2 = tx.clone();
         others[1].watch(Duration::from_secs(30), move |why| tx2.send((2, why)).unwrap());
         others[0].abort("CUDA out of memory");
         let mut heard: Vec<(usize, String)> =
             (0..2).map(|_| rx.recv_timeout(Duration::from_secs(5)).unwrap()).collect();
         heard.sort();
+        assert_eq!(heard.iter().map(|(r, _)| *r).collect::<Vec<_>>(), [0, 2]);
         for (r, why) in &heard {
             assert!(why.contains("rank 1 failed: CUDA out of memory"), "rank {r}: {why}");
         }
+        // Rank 0 ends; the aborting rank's watcher stays quiet (its failure is its own to report).
+        drop(zero);
+        assert!(rx.recv_timeout(Duration::from_millis(500)).is_err());
         drop(tx);
         for s in others {
             s.finish();
         }
-        zero.finish();
     }
 }

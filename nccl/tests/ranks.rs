@@ -14,6 +14,21 @@ fn two_ranks_joined_through_the_rendezvous_all_reduce() {
     if !gpus_or_skip(2, "two_ranks_joined_through_the_rendezvous_all_reduce") {
         return;
     }
+    // NCCL's settings before any thread: `Comm::init_rank` then finds them set and sets nothing while
+    // the other rank's NCCL may read the environment.
+    for (name, value) in
+        [("NCCL_NVLS_ENABLE", "0"), ("NCCL_RUNTIME_CONNECT", "0"), ("NCCL_GRAPH_MIXING_SUPPORT", "0")]
+    {
+        if std::env::var_os(name).is_none() {
+            std::env::set_var(name, value);
+        }
+    }
+    // A rank that fails leaves the other in NCCL's init: end the test rather than hang the suite.
+    std::thread::spawn(|| {
+        std::thread::sleep(Duration::from_secs(180));
+        eprintln!("two_ranks_joined_through_the_rendezvous_all_reduce: no result in 180 s");
+        std::process::exit(1);
+    });
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
     let rank = |r: usize, session: Session| {
@@ -32,8 +47,9 @@ fn two_ranks_joined_through_the_rendezvous_all_reduce() {
         session.finish();
     };
     let t = Duration::from_secs(60);
-    let one = std::thread::spawn(move || rank(1, Session::connect("127.0.0.1", port, 1, 2, t).unwrap()));
-    let zero = Session::serve(listener, 2, t, || {
+    let one =
+        std::thread::spawn(move || rank(1, Session::connect("127.0.0.1", port, 1, 2, "test", t).unwrap()));
+    let zero = Session::serve(listener, 2, "test", t, || {
         Ok(UniqueId::new().map_err(|e| e.to_string())?.as_bytes().to_vec())
     })
     .unwrap();

@@ -136,18 +136,23 @@ impl Kernels {
         }
         let modules = self.modules.get_or_try_init(|| {
             let t = std::time::Instant::now();
-            let (cubins, detail) = cubins(ctx, self.dir.as_deref())?;
-            let modules = cubins
-                .into_iter()
-                .map(|c| Ok(ctx.stream().context().load_module(cudarc::nvrtc::Ptx::from_binary(c))?))
-                .collect::<Result<Vec<_>>>()?;
+            let (modules, detail) = modules(ctx, self.dir.as_deref())?;
             crate::startup::record("kernels", t.elapsed(), detail);
             Ok::<_, Error>(modules)
         })?;
-        let f = modules
-            .iter()
-            .find_map(|m| m.load_function(name).ok())
-            .ok_or_else(|| Error::Nvrtc(format!("no kernel named {name} in any room's program")))?;
+        // A name no room defines is "not found" in every module; any other error is the driver's.
+        let mut found = None;
+        for m in modules {
+            match m.load_function(name) {
+                Ok(f) => {
+                    found = Some(f);
+                    break;
+                }
+                Err(e) if e.0 == cudarc::driver::sys::cudaError_enum::CUDA_ERROR_NOT_FOUND => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let f = found.ok_or_else(|| Error::Nvrtc(format!("no kernel named {name} in any room's program")))?;
         self.functions.borrow_mut().insert(name.to_string(), f.clone());
         Ok(f)
     }
@@ -220,53 +225,94 @@ fn programs() -> impl Iterator<Item = (&'static str, [&'static str; 2])> {
     crate::sources::KERNEL_ROOMS.iter().map(|&(room, text)| (room, [crate::sources::KERNEL_COMMON, text]))
 }
 
-/// Every room's CUBIN for this device, from the kernel cache in `dir` where it holds one for this
-/// source, architecture, NVRTC and driver, else compiled (the rooms in parallel, one thread each) and
-/// stored there; and a line saying which.
-fn cubins(ctx: &Exec, dir: Option<&std::path::Path>) -> Result<(Vec<Vec<u8>>, String)> {
+/// Compiles the rooms `which` (indices into [`programs`]) for `arch`, on at most as many threads as
+/// the machine has cores.
+fn compile_rooms(which: &[usize], arch: (i32, i32)) -> Vec<(usize, std::result::Result<Vec<u8>, String>)> {
+    let rooms: Vec<_> = programs().collect();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(which.len()).max(1);
+    let mut out: Vec<_> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut mine = Vec::new();
+                    while let Some(&i) = which.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
+                        let (room, [common, text]) = rooms[i];
+                        mine.push((
+                            i,
+                            crate::raw::nvrtc::compile_cubin(&[common, text].concat(), room, arch),
+                        ));
+                    }
+                    mine
+                })
+            })
+            .collect();
+        workers.into_iter().flat_map(|w| w.join().expect("an NVRTC thread panicked")).collect()
+    });
+    out.sort_by_key(|(i, _)| *i);
+    out
+}
+
+/// Every room's module for this device: its CUBIN from the kernel cache in `dir` where it holds one
+/// for this source, options, NVRTC and driver, else compiled (rooms in parallel) and stored there; a
+/// cached CUBIN the driver does not load is compiled again and replaced. Also a line saying which.
+fn modules(ctx: &Exec, dir: Option<&std::path::Path>) -> Result<(Vec<Arc<CudaModule>>, String)> {
     if !crate::raw::nvrtc::library_present() {
         return Err(Error::Nvrtc("libnvrtc.so was not found: install the CUDA 13 NVRTC library".into()));
     }
     let arch = ctx.info().compute_capability;
     let nvrtc = crate::raw::nvrtc::version().map_err(Error::Nvrtc)?;
+    let options = crate::raw::nvrtc::options(arch);
     let driver = ctx.info().driver_version;
     let rooms: Vec<_> = programs().collect();
     let keys: Vec<String> =
-        rooms.iter().map(|(room, text)| store::key(room, text, arch, nvrtc, driver)).collect();
-    let mut unusable = Vec::new();
-    let mut found: Vec<Option<Vec<u8>>> = keys
+        rooms.iter().map(|(room, text)| store::key(room, text, &options, nvrtc, driver)).collect();
+    let mut notes = Vec::new();
+    let mut cubins: Vec<Option<Vec<u8>>> = keys
         .iter()
         .map(|k| match dir.map(|d| store::load(d, k)) {
             Some(store::Lookup::Hit(image)) => Some(image),
             Some(store::Lookup::Unusable(why)) => {
-                unusable.push(why);
+                notes.push(format!("unusable: {why}"));
                 None
             }
             _ => None,
         })
         .collect();
-    let loaded = found.iter().flatten().count();
-    let compiled: Vec<(usize, std::result::Result<Vec<u8>, String>)> = std::thread::scope(|s| {
-        let jobs: Vec<_> = rooms
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| found[*i].is_none())
-            .map(|(i, (room, [common, text]))| {
-                s.spawn(move || (i, crate::raw::nvrtc::compile_cubin(&[*common, *text].concat(), room, arch)))
-            })
-            .collect();
-        jobs.into_iter().map(|j| j.join().expect("an NVRTC thread panicked")).collect()
-    });
+    let cached: Vec<bool> = cubins.iter().map(Option::is_some).collect();
     let mut unsaved = None;
-    for (i, cubin) in compiled {
-        let cubin = cubin.map_err(Error::Nvrtc)?;
-        if let Some(d) = dir {
-            if let Err(e) = store::save(d, &keys[i], &cubin) {
-                unsaved.get_or_insert_with(|| format!("not stored in {}: {e}", d.display()));
+    let mut store_compiled = |cubins: &mut Vec<Option<Vec<u8>>>, which: &[usize]| -> Result<()> {
+        for (i, cubin) in compile_rooms(which, arch) {
+            let cubin = cubin.map_err(Error::Nvrtc)?;
+            if let Some(d) = dir {
+                if let Err(e) = store::save(d, &keys[i], &cubin) {
+                    unsaved.get_or_insert_with(|| format!("not stored in {}: {e}", d.display()));
+                }
             }
+            cubins[i] = Some(cubin);
         }
-        found[i] = Some(cubin);
+        Ok(())
+    };
+    let missing: Vec<usize> = (0..rooms.len()).filter(|&i| cubins[i].is_none()).collect();
+    store_compiled(&mut cubins, &missing)?;
+    let load =
+        |cubin: &[u8]| ctx.stream().context().load_module(cudarc::nvrtc::Ptx::from_binary(cubin.to_vec()));
+    let mut modules = Vec::with_capacity(rooms.len());
+    let mut recompiled = 0;
+    for i in 0..rooms.len() {
+        let module = match load(cubins[i].as_deref().expect("loaded or compiled")) {
+            Ok(m) => m,
+            Err(e) if cached[i] => {
+                notes.push(format!("the cached {} did not load ({e:?}): compiled again", rooms[i].0));
+                recompiled += 1;
+                store_compiled(&mut cubins, &[i])?;
+                load(cubins[i].as_deref().expect("just compiled"))?
+            }
+            Err(e) => return Err(e.into()),
+        };
+        modules.push(module);
     }
+    let loaded = cached.iter().filter(|&&c| c).count() - recompiled;
     let mut detail = format!(
         "{} rooms: {} compiled (NVRTC {}.{}, sm_{}{}), {loaded} loaded",
         rooms.len(),
@@ -280,13 +326,13 @@ fn cubins(ctx: &Exec, dir: Option<&std::path::Path>) -> Result<(Vec<Vec<u8>>, St
         Some(d) => detail += &format!(" from {}", d.display()),
         None => detail += " (no plan directory: nothing kept on disk)",
     }
-    if let Some(why) = unusable.first() {
-        detail += &format!("; {} unusable, e.g. {why}", unusable.len());
+    if let Some(first) = notes.first() {
+        detail += &format!("; {} note(s), e.g. {first}", notes.len());
     }
     if let Some(why) = unsaved {
         detail += &format!("; {why}");
     }
-    Ok((found.into_iter().map(|c| c.expect("loaded or compiled")).collect(), detail))
+    Ok((modules, detail))
 }
 
 /// Scratch f32 memory of at least `len` elements (grown, never shrunk), as a device address. Like
@@ -438,17 +484,50 @@ mod tests {
             eprintln!("SKIPPED kernels_compile_where_nvrtc_is_installed: no libnvrtc on the library path");
             return;
         }
-        // Each room alone after common.cu (its program), for the architectures the crate runs on.
-        std::thread::scope(|s| {
-            for cc in [(8, 0), (9, 0)] {
-                for (room, [common, text]) in super::programs() {
-                    s.spawn(move || {
-                        if let Err(e) = crate::raw::nvrtc::compile_cubin(&[common, text].concat(), room, cc) {
-                            panic!("{room} does not compile for sm_{}{}: {e}", cc.0, cc.1);
-                        }
-                    });
+        // Each room alone after common.cu (its program), for the architectures the crate runs on, on
+        // as many threads as there are cores.
+        let all: Vec<usize> = (0..super::programs().count()).collect();
+        for cc in [(8, 0), (9, 0)] {
+            for (i, cubin) in super::compile_rooms(&all, cc) {
+                let room = super::programs().nth(i).unwrap().0;
+                if let Err(e) = cubin {
+                    panic!("{room} does not compile for sm_{}{}: {e}", cc.0, cc.1);
                 }
             }
-        });
+        }
+    }
+
+    /// Every buffer a fused op owns has a name of its own: two ops declaring one name would share a
+    /// buffer (and a counter that must be zero between launches could be left non-zero by the other).
+    #[test]
+    fn op_owned_buffer_names_are_unique() {
+        fn walk(dir: &std::path::Path, names: &mut Vec<(String, String)>) {
+            for e in std::fs::read_dir(dir).unwrap() {
+                let p = e.unwrap().path();
+                if p.is_dir() {
+                    walk(&p, names);
+                } else if p.extension().is_some_and(|x| x == "rs") {
+                    let text = std::fs::read_to_string(&p).unwrap();
+                    for part in text.split("Owned::new(\"").skip(1) {
+                        let name = part.split('"').next().unwrap().to_string();
+                        names.push((name, p.display().to_string()));
+                    }
+                }
+            }
+        }
+        let mut names = Vec::new();
+        walk(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"), &mut names);
+        // The ops' four, and this file's doc example and test slots.
+        assert!(names.len() >= 4, "{names:?}");
+        let mut seen = std::collections::HashMap::new();
+        for (name, file) in &names {
+            if file.ends_with("kernels/mod.rs") || file.ends_with("context.rs") {
+                continue; // the doc example and the registry's own test
+            }
+            if let Some(other) = seen.insert(name.clone(), file.clone()) {
+                panic!("op-owned buffer `{name}` is declared in {other} and in {file}");
+            }
+        }
+        assert!(seen.len() >= 4, "{seen:?}");
     }
 }

@@ -4,7 +4,8 @@
 //! cap), so that a new process loads what an earlier one compiled instead of running NVRTC again.
 //!
 //! A file is keyed by everything its CUBIN depends on: the room's name and the hash of its program's
-//! text (`common.cu` and the room's file), the GPU architecture, NVRTC's version and the driver's.
+//! text (`common.cu` and the room's file), the compile options (the GPU architecture among them),
+//! NVRTC's version and the driver's.
 //! The file name is the key's FNV-1a hash; the whole key is stored and compared on load, so a
 //! collision or a file of another build is a miss, never a wrong kernel.
 //!
@@ -30,16 +31,21 @@ const FORMAT_VERSION: u32 = 1;
 const MAX_FILE_BYTES: u64 = 64 << 20;
 
 /// What a room's CUBIN was compiled from and for.
-pub(crate) fn key(room: &str, program: &[&str], arch: (i32, i32), nvrtc: (i32, i32), driver: i32) -> String {
+pub(crate) fn key(
+    room: &str,
+    program: &[&str],
+    options: &[String],
+    nvrtc: (i32, i32),
+    driver: i32,
+) -> String {
     let mut h = Vec::new();
     for text in program {
         h.extend_from_slice(&fnv1a64(text.as_bytes()).to_le_bytes());
     }
     format!(
-        "room {room} source {:016x} sm_{}{} nvrtc {}.{} driver {driver} crate {}",
+        "room {room} source {:016x} options [{}] nvrtc {}.{} driver {driver} crate {}",
         fnv1a64(&h),
-        arch.0,
-        arch.1,
+        options.join(" "),
         nvrtc.0,
         nvrtc.1,
         env!("CARGO_PKG_VERSION")
@@ -141,6 +147,10 @@ pub(crate) fn save(dir: &Path, key: &str, image: &[u8]) -> std::io::Result<()> {
 mod tests {
     use super::*;
 
+    fn opts(major: i32, minor: i32) -> Vec<String> {
+        vec![format!("--gpu-architecture=sm_{major}{minor}")]
+    }
+
     fn dir() -> tempfile::TempDir {
         tempfile::Builder::new().prefix("cudnn-llm-kernels").tempdir().unwrap()
     }
@@ -149,30 +159,31 @@ mod tests {
     fn a_saved_cubin_loads_back_under_its_key_only() {
         let d = dir();
         let kdir = dir_in(d.path());
-        let k = key("ops/rmsnorm/naive.cu", &["common", "room"], (9, 0), (13, 0), 13000);
+        let k = key("ops/rmsnorm/naive.cu", &["common", "room"], &opts(9, 0), (13, 0), 13000);
         assert_eq!(load(&kdir, &k), Lookup::Miss);
         save(&kdir, &k, b"\x7fELF cubin bytes").unwrap();
         assert_eq!(load(&kdir, &k), Lookup::Hit(b"\x7fELF cubin bytes".to_vec()));
-        // Every part of the key separates files: another source, architecture, NVRTC or driver misses.
+        // Every part of the key separates files: another source, architecture (options), NVRTC or
+        // driver misses.
         for other in [
-            key("ops/rmsnorm/naive.cu", &["common", "room2"], (9, 0), (13, 0), 13000),
-            key("ops/rmsnorm/naive.cu", &["common", "room"], (8, 0), (13, 0), 13000),
-            key("ops/rmsnorm/naive.cu", &["common", "room"], (9, 0), (13, 1), 13000),
-            key("ops/rmsnorm/naive.cu", &["common", "room"], (9, 0), (13, 0), 13010),
-            key("ops/sdpa/naive.cu", &["common", "room"], (9, 0), (13, 0), 13000),
+            key("ops/rmsnorm/naive.cu", &["common", "room2"], &opts(9, 0), (13, 0), 13000),
+            key("ops/rmsnorm/naive.cu", &["common", "room"], &opts(8, 0), (13, 0), 13000),
+            key("ops/rmsnorm/naive.cu", &["common", "room"], &opts(9, 0), (13, 1), 13000),
+            key("ops/rmsnorm/naive.cu", &["common", "room"], &opts(9, 0), (13, 0), 13010),
+            key("ops/sdpa/naive.cu", &["common", "room"], &opts(9, 0), (13, 0), 13000),
         ] {
             assert_ne!(other, k);
             assert_eq!(load(&kdir, &other), Lookup::Miss);
         }
         // A file renamed to another key's name is that key's miss, not its kernel.
-        let other = key("ops/sdpa/naive.cu", &["common", "room"], (9, 0), (13, 0), 13000);
+        let other = key("ops/sdpa/naive.cu", &["common", "room"], &opts(9, 0), (13, 0), 13000);
         std::fs::copy(kdir.join(file_name(&k)), kdir.join(file_name(&other))).unwrap();
         assert!(matches!(load(&kdir, &other), Lookup::Unusable(why) if why.contains("another source")));
     }
 
     #[test]
     fn damaged_truncated_and_foreign_files_are_unusable() {
-        let k = key("room", &["x"], (9, 0), (13, 0), 13000);
+        let k = key("room", &["x"], &opts(9, 0), (13, 0), 13000);
         let good = encode(&k, &[1, 2, 3, 4, 5]);
         assert_eq!(decode(&good, &k).unwrap(), vec![1, 2, 3, 4, 5]);
         for n in 0..good.len() {
@@ -201,7 +212,7 @@ mod tests {
         use std::os::unix::fs::PermissionsExt;
         let d = dir();
         let kdir = dir_in(d.path());
-        let k = key("room", &["x"], (9, 0), (13, 0), 13000);
+        let k = key("room", &["x"], &opts(9, 0), (13, 0), 13000);
         save(&kdir, &k, b"cubin").unwrap();
         std::fs::set_permissions(&kdir, std::fs::Permissions::from_mode(0o777)).unwrap();
         assert!(matches!(load(&kdir, &k), Lookup::Unusable(why) if why.contains("writable by other users")));

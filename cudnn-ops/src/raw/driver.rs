@@ -142,7 +142,7 @@ pub(crate) unsafe fn launch_programmatic(
 }
 
 /// How many nodes of `graph` (a captured, instantiated graph) launch kernels, and how many nodes it
-/// has.
+/// has (a child-graph node counts as one node, its kernels not at all; stream capture makes none).
 pub(crate) fn graph_kernels(graph: &cudarc::driver::CudaGraph) -> Result<(usize, usize)> {
     let g = graph.cu_graph();
     let mut count = 0usize;

@@ -30,22 +30,30 @@ impl Drop for Program {
     }
 }
 
-/// Compiles `source` (named `name` in diagnostics) for `sm_{major}{minor}` and returns the CUBIN, or
-/// the compiler's log. Call only after [`library_present`]. Programs are independent: several threads
-/// may compile at once.
-pub(crate) fn compile_cubin(source: &str, name: &str, (major, minor): (i32, i32)) -> Result<Vec<u8>, String> {
+/// The options every program compiles with, for `sm_{major}{minor}` (part of a cached CUBIN's key).
+pub(crate) fn options((major, minor): (i32, i32)) -> Vec<String> {
+    vec![format!("--gpu-architecture=sm_{major}{minor}")]
+}
+
+/// Compiles `source` (named `name` in diagnostics) with [`options`] for `arch` and returns the CUBIN,
+/// or the compiler's log. Call only after [`library_present`]. Programs are independent: several
+/// threads may compile at once.
+pub(crate) fn compile_cubin(source: &str, name: &str, arch: (i32, i32)) -> Result<Vec<u8>, String> {
     let src = CString::new(source).map_err(|_| format!("{name}: a NUL byte in the source"))?;
     let cname = CString::new(name).map_err(|_| format!("{name}: a NUL byte in the name"))?;
     let prog = Program(result::create_program(&src, Some(&cname)).map_err(|e| format!("{name}: {e:?}"))?);
-    let options = [format!("--gpu-architecture=sm_{major}{minor}")];
+    let options = options(arch);
     // SAFETY: the program is live; the options are NUL-free strings cudarc turns into C strings that
     // outlive the call.
     if let Err(e) = unsafe { result::compile_program(prog.0, &options) } {
         // SAFETY: the program is live and was compiled (unsuccessfully), so it has a log.
         let log = unsafe { result::get_program_log(prog.0) }
             .map(|raw| {
-                // SAFETY: NVRTC's log is NUL-terminated within the buffer it sized.
-                unsafe { CStr::from_ptr(raw.as_ptr()) }.to_string_lossy().into_owned()
+                let bytes: Vec<u8> = raw.iter().map(|&c| c as u8).collect();
+                CStr::from_bytes_until_nul(&bytes).map_or_else(
+                    |_| String::from_utf8_lossy(&bytes).into_owned(),
+                    |c| c.to_string_lossy().into_owned(),
+                )
             })
             .unwrap_or_default();
         return Err(format!("{name}: {e:?}\n{log}"));
