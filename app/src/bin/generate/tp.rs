@@ -5,7 +5,7 @@
 //! then captures its step, NCCL's collectives included, and replays it from then on.
 
 use crate::cli::{Options, Plan, PlanDir};
-use crate::{print_ids, report, report_plans, Error, Input, Rates, COPY_BYTES};
+use crate::{print_ids, report, report_plans, report_startup, Error, Input, Rates, COPY_BYTES};
 use cudnn_llm_app::bench_util::copy_bandwidth_gbps;
 use cudnn_llm_llama::generate::StopReason;
 use cudnn_llm_llama::tp::{TpLlama, TpOptions, WeightSource};
@@ -135,6 +135,7 @@ pub(crate) fn run<T: Element>(
     let mut logits = g.prefill(prompt)?;
     let mut id = sampler.sample(&logits)?;
     let prefill = t.elapsed();
+    let first_token = cudnn_llm::cudnn_ops::startup::since_process_start();
     let (mut decode, mut tokens) = (Duration::ZERO, Vec::with_capacity(opts.max_new_tokens));
     let stop = loop {
         tokens.push(id);
@@ -197,6 +198,7 @@ pub(crate) fn run<T: Element>(
         }
         Ok(())
     })?;
+    report_startup(first_token);
     Ok(())
 }
 
