@@ -157,7 +157,7 @@ fn measure_all<T: Element>(
     if opts.decode_steps >= 2 {
         let steps = opts.decode_steps - 1; // after the warm step that builds the plans
         match decode_graph(ctx, model, &mut cache, &prompt, &plan.fused, steps, opts.repeat) {
-            Ok((plain, replay)) => {
+            Ok((plain, replay, kernels)) => {
                 let f = &mut m.scenarios[1].forward_ms;
                 f.push(("fused step + logits, plain launches (wall)".into(), plain));
                 f.push(("fused step + logits, CUDA graph replay (wall)".into(), replay));
@@ -165,14 +165,29 @@ fn measure_all<T: Element>(
                 let cached = opts.seq + 1 + (steps - 1) / 2;
                 let roof = DecodeRoofline::new(cfg, opts.batch, cached, std::mem::size_of::<T>());
                 let line = match copy_bandwidth_gbps(ctx, 1 << 30, 10) {
-                    Ok(copy) => format!(
-                        "{:.2} GB read per step, floor {:.3} ms at the {copy:.0} GB/s copy bandwidth: graph replay \
-                         {:.1}%, plain launches {:.1}% of it",
-                        roof.bytes() as f64 / 1e9,
-                        roof.floor_ms(copy),
-                        100.0 * roof.fraction(replay, copy),
-                        100.0 * roof.fraction(plain, copy)
-                    ),
+                    Ok(copy) => {
+                        let mut line = format!(
+                            "{:.2} GB read per step, floor {:.3} ms at the {copy:.0} GB/s copy bandwidth: graph \
+                             replay {:.1}%, plain launches {:.1}% of it",
+                            roof.bytes() as f64 / 1e9,
+                            roof.floor_ms(copy),
+                            100.0 * roof.fraction(replay, copy),
+                            100.0 * roof.fraction(plain, copy)
+                        );
+                        // Far from the floor, bytes do not bound the step: say what does.
+                        if roof.fraction(replay, copy) < 0.5 {
+                            line += &match &kernels {
+                                Ok((k, nodes)) => format!(
+                                    "; under half the floor, the step is bound by its kernels and the gaps \
+                                     between them: one replay launches {k} kernels ({nodes} graph nodes), {:.2} us \
+                                     of the step per kernel",
+                                    replay * 1e3 / (*k).max(1) as f64
+                                ),
+                                Err(e) => format!("; the step's kernels could not be counted: {e}"),
+                            };
+                        }
+                        line
+                    }
                     Err(e) => format!("copy bandwidth not measured: {e}"),
                 };
                 m.extra.push(("decode roofline (step + logits)".into(), line));

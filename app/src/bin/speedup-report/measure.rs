@@ -195,9 +195,13 @@ pub(crate) fn graph_replay<T: Element>(
     Ok((median(plain), median(replay)))
 }
 
+/// Kernels one replay of a captured decode step launches and its graph's nodes, or why not counted.
+pub(crate) type StepKernels = Result<(usize, usize), String>;
+
 /// Median wall ms of one fused decode step with its logits, launched plainly and replayed as a
 /// captured graph ([`Llama::capture_decode`]), alternating, at the cache lengths of the decode
-/// scenario (after `prompt` and one warm step; `steps` steps, each timed alone with a synchronize).
+/// scenario (after `prompt` and one warm step; `steps` steps, each timed alone with a synchronize),
+/// and the captured step's kernels.
 pub(crate) fn decode_graph<T: Element>(
     ctx: &Cudnn,
     model: &mut Llama<T>,
@@ -206,7 +210,7 @@ pub(crate) fn decode_graph<T: Element>(
     backends: &Backends,
     steps: usize,
     repeat: usize,
-) -> Result<(f64, f64), Error> {
+) -> Result<(f64, f64, StepKernels), Error> {
     let batch = prompt.len();
     let step_tokens = |s: usize| vec![(s % 1000) as u32 + 7; batch];
     cache.clear();
@@ -239,5 +243,6 @@ pub(crate) fn decode_graph<T: Element>(
         plain.push(p / steps as f64);
         replay.push(r / steps as f64);
     }
-    Ok((median(plain), median(replay)))
+    let kernels = graph.kernels().map_err(|e| e.to_string());
+    Ok((median(plain), median(replay), kernels))
 }
