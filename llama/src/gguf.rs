@@ -328,26 +328,8 @@ impl Gguf {
             let data = values.into_iter().map(|v| T::from_f64(v as f64)).collect();
             Ok(Tensor { shape, data })
         };
-        // Tensors dequantize independently: one thread per core takes the next tensor left.
-        let next = std::sync::atomic::AtomicUsize::new(0);
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(wanted.len()).max(1);
-        let mut done: Vec<(usize, Result<Tensor<T>>)> = std::thread::scope(|s| {
-            let workers: Vec<_> = (0..threads)
-                .map(|_| {
-                    s.spawn(|| {
-                        let mut mine = Vec::new();
-                        loop {
-                            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                            let Some(w) = wanted.get(i) else { break mine };
-                            mine.push((i, one(w)));
-                        }
-                    })
-                })
-                .collect();
-            workers.into_iter().flat_map(|w| w.join().expect("a dequantizing thread panicked")).collect()
-        });
-        done.sort_by_key(|(i, _)| *i);
-        let tensors = done.into_iter().map(|(_, t)| t).collect::<Result<Vec<_>>>()?;
+        // Tensors dequantize independently, on every core.
+        let tensors = crate::weights::map_parallel(&wanted, one).into_iter().collect::<Result<Vec<_>>>()?;
         Ok(Weights::from_tensors(cfg, tensors))
     }
 }

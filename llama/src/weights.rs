@@ -228,14 +228,13 @@ impl<T: Element> Weights<T> {
                 SafeTensors::deserialize(map).map_err(st_fail(p))
             })
             .collect::<Result<Vec<_>>>()?;
-        let tensors = wanted
-            .into_iter()
-            .zip(&files)
-            .map(|((name, shape), file)| {
-                let table = &tables[shards.binary_search(&file).expect("every file was mapped")];
-                read(table, name, shape, file)
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let jobs: Vec<_> = wanted.into_iter().zip(&files).collect();
+        let tensors = map_parallel(&jobs, |((name, shape), file)| {
+            let table = &tables[shards.binary_search(file).expect("every file was mapped")];
+            read(table, name.clone(), shape.clone(), file)
+        })
+        .into_iter()
+        .collect::<Result<Vec<_>>>()?;
         Ok(Self::from_tensors(cfg, tensors))
     }
 
@@ -477,6 +476,30 @@ pub(crate) fn fail(message: String) -> Error {
 /// Maps a `safetensors` error to one naming `path`.
 pub(crate) fn st_fail(path: &Path) -> impl Fn(safetensors::SafeTensorError) -> Error + '_ {
     move |e| fail(format!("{}: {e}", path.display()))
+}
+
+/// `f` of every item, in order, computed on one thread per core, each taking the next item left (the
+/// tensors of a checkpoint convert independently).
+pub(crate) fn map_parallel<I: Sync, O: Send>(items: &[I], f: impl Fn(&I) -> O + Sync) -> Vec<O> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(items.len()).max(1);
+    let mut done: Vec<(usize, O)> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(item) = items.get(i) else { break mine };
+                        mine.push((i, f(item)));
+                    }
+                })
+            })
+            .collect();
+        workers.into_iter().flat_map(|w| w.join().expect("a worker thread panicked")).collect()
+    });
+    done.sort_by_key(|(i, _)| *i);
+    done.into_iter().map(|(_, o)| o).collect()
 }
 
 #[cfg(test)]
