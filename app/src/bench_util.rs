@@ -86,6 +86,13 @@ pub fn bench_main<E: Display>(name: &str, run: impl FnOnce(&Cudnn) -> std::resul
     }
 }
 
+/// `line` and a newline on stderr in one write, so that the lines of processes sharing stderr (ranks
+/// under a launcher) do not interleave.
+pub fn say(line: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
+}
+
 /// The body of a binary's `main`: `setup` (the options resolved, input read), its error a usage error
 /// (exit 2); GPU 0 opened, else why not (exit 1); then `run` on both, its error exiting 1. Each message
 /// starts with `name: `.

@@ -295,18 +295,21 @@ fn modules(ctx: &Exec, dir: Option<&std::path::Path>) -> Result<(Vec<Arc<CudaMod
     };
     let missing: Vec<usize> = (0..rooms.len()).filter(|&i| cubins[i].is_none()).collect();
     store_compiled(&mut cubins, &missing)?;
-    let load =
-        |cubin: &[u8]| ctx.stream().context().load_module(cudarc::nvrtc::Ptx::from_binary(cubin.to_vec()));
+    let load = |cubin: Option<Vec<u8>>| {
+        ctx.stream()
+            .context()
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin.expect("loaded or compiled")))
+    };
     let mut modules = Vec::with_capacity(rooms.len());
     let mut recompiled = 0;
     for i in 0..rooms.len() {
-        let module = match load(cubins[i].as_deref().expect("loaded or compiled")) {
+        let module = match load(cubins[i].take()) {
             Ok(m) => m,
             Err(e) if cached[i] => {
                 notes.push(format!("the cached {} did not load ({e:?}): compiled again", rooms[i].0));
                 recompiled += 1;
                 store_compiled(&mut cubins, &[i])?;
-                load(cubins[i].as_deref().expect("just compiled"))?
+                load(cubins[i].take())?
             }
             Err(e) => return Err(e.into()),
         };

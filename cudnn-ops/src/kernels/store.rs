@@ -19,7 +19,7 @@
 //! | CUBIN | `u64` LE byte count, bytes |
 //! | checksum | CRC-32 of everything before it (`u32` LE) |
 
-use crate::disk::{self, crc32, fnv1a64, write_atomic};
+use crate::disk::{self, crc32, fnv1a64, write_atomic, Reader, Writer};
 use std::path::{Path, PathBuf};
 
 const MAGIC: [u8; 8] = *b"CDNNKERN";
@@ -62,16 +62,15 @@ fn file_name(key: &str) -> String {
 }
 
 fn encode(key: &str, image: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(image.len() + key.len() + 32);
-    out.extend_from_slice(&MAGIC);
-    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-    out.extend_from_slice(&(key.len() as u32).to_le_bytes());
-    out.extend_from_slice(key.as_bytes());
-    out.extend_from_slice(&(image.len() as u64).to_le_bytes());
-    out.extend_from_slice(image);
-    let crc = crc32(&out);
-    out.extend_from_slice(&crc.to_le_bytes());
-    out
+    let mut w = Writer(Vec::with_capacity(image.len() + key.len() + 32));
+    w.raw(&MAGIC);
+    w.u32(FORMAT_VERSION);
+    w.str(key);
+    w.u64(image.len() as u64);
+    w.raw(image);
+    let crc = crc32(&w.0);
+    w.u32(crc);
+    w.0
 }
 
 /// The CUBIN in `bytes` if they are a whole, undamaged file of this format for `key`; else why not.
@@ -81,28 +80,21 @@ fn decode(bytes: &[u8], key: &str) -> Result<Vec<u8>, String> {
     if crc32(&bytes[..body]) != stored {
         return Err("checksum mismatch (damaged or truncated)".into());
     }
-    let mut at = 0usize;
-    let mut take = |n: usize| -> Result<&[u8], String> {
-        let end = at.checked_add(n).filter(|&e| e <= body).ok_or("truncated")?;
-        let s = &bytes[at..end];
-        at = end;
-        Ok(s)
-    };
-    if take(8)? != MAGIC {
+    let mut r = Reader { bytes: &bytes[..body], at: 0 };
+    let truncated = |_| "truncated".to_string();
+    if r.take(8).map_err(truncated)? != MAGIC {
         return Err("not a kernel cache file".into());
     }
-    let version = u32::from_le_bytes(take(4)?.try_into().expect("4 bytes"));
+    let version = r.u32().map_err(truncated)?;
     if version != FORMAT_VERSION {
         return Err(format!("format version {version}, not {FORMAT_VERSION}"));
     }
-    let klen = u32::from_le_bytes(take(4)?.try_into().expect("4 bytes")) as usize;
-    if take(klen)? != key.as_bytes() {
+    if r.bytes().map_err(truncated)? != key.as_bytes() {
         return Err("written for another source, GPU architecture, NVRTC or driver".into());
     }
-    let ilen =
-        usize::try_from(u64::from_le_bytes(take(8)?.try_into().expect("8 bytes"))).map_err(|_| "too long")?;
-    let image = take(ilen)?.to_vec();
-    if at != body {
+    let ilen = usize::try_from(r.u64().map_err(truncated)?).map_err(|_| "too long")?;
+    let image = r.take(ilen).map_err(truncated)?.to_vec();
+    if r.at != body {
         return Err("trailing bytes".into());
     }
     Ok(image)

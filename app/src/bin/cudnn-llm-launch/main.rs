@@ -16,6 +16,7 @@
 //! killed, the ranks get SIGKILL from the kernel (a parent-death signal), so no rank outlives it.
 
 use clap::Parser;
+use cudnn_llm_app::bench_util::say;
 use std::process::{Child, Command, ExitCode};
 use std::time::{Duration, Instant};
 
@@ -260,12 +261,6 @@ fn exited(child: &Child) -> Option<Exit> {
             _ => Exit::Signal(info.si_status()),
         })
     }
-}
-
-/// `line` and a newline on stderr in one write, so that it does not interleave with the ranks' lines.
-fn say(line: &str) {
-    use std::io::Write;
-    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
 }
 
 /// SIGTERM to every rank's process group (the rank and what it started), SIGKILL to the groups after

@@ -52,7 +52,9 @@
 
 use clap::Parser;
 use cudnn_llm::{DecodeAttention, GemvSplit};
-use cudnn_llm_app::bench_util::{copy_bandwidth_gbps, csv_and_markdown, environment, median, write_results};
+use cudnn_llm_app::bench_util::{
+    copy_bandwidth_gbps, csv_and_markdown, environment, median, say, write_results,
+};
 use cudnn_llm_llama::nccl::rendezvous::{RankEnv, Session};
 use cudnn_llm_llama::nccl::{self, Algorithm, Comm, NcclConfig, NcclError, Protocol, UniqueId};
 use cudnn_llm_llama::profile::StepTimeline;
@@ -1001,12 +1003,6 @@ fn allreduce_only(opts: &Options, cfg: &LlamaConfig, setting: &Setting) -> ExitC
     } else {
         ExitCode::SUCCESS
     }
-}
-
-/// `line` and a newline on stderr in one write, so that the lines of ranks sharing it do not interleave.
-fn say(line: &str) {
-    use std::io::Write;
-    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
 }
 
 /// `--allreduce-only` with one rank per process, started by `cudnn-llm-launch` or torchrun (`WORLD_SIZE`
