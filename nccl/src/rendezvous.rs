@@ -256,7 +256,7 @@ impl Session {
         timeout: Duration,
         payload: impl FnOnce() -> Result<Vec<u8>, String>,
     ) -> Result<Session, RendezvousError> {
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(timeout);
         let mut peers: Vec<Option<TcpStream>> = (1..world).map(|_| None).collect();
         // Every failure from here tells the ranks that already joined, then returns the error.
         let give_up = |peers: &mut Vec<Option<TcpStream>>, why: String| {
@@ -359,7 +359,7 @@ impl Session {
         job: &str,
         timeout: Duration,
     ) -> Result<Session, RendezvousError> {
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(timeout);
         let mut last = String::from("nothing tried");
         let mut s = loop {
             let targets: Vec<SocketAddr> = match (addr, port).to_socket_addrs() {
@@ -582,6 +582,14 @@ fn read_text(s: &mut impl Read) -> Option<String> {
     Some(String::from_utf8_lossy(&b).into_owned())
 }
 
+/// The instant `timeout` from now, at most a century away (a longer timeout, `Duration::MAX`
+/// included, waits a century rather than overflowing the clock).
+fn deadline_after(timeout: Duration) -> Instant {
+    const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+    let now = Instant::now();
+    now.checked_add(timeout.min(CENTURY)).unwrap_or(now)
+}
+
 fn remaining(deadline: Instant) -> Duration {
     deadline.saturating_duration_since(Instant::now())
 }
@@ -716,6 +724,15 @@ mod tests {
             job: "".into(),
         };
         assert_eq!(Session::join(&env, T, || Ok(vec![9])).unwrap().payload(), [9]);
+    }
+
+    #[test]
+    fn any_timeout_is_taken_even_one_past_the_clock() {
+        let (l, port) = listener();
+        let one = std::thread::spawn(move || Session::connect("127.0.0.1", port, 1, 2, JOB, Duration::MAX));
+        let zero = Session::serve(l, 2, JOB, Duration::MAX, || Ok(vec![3])).unwrap();
+        assert_eq!(one.join().unwrap().unwrap().payload(), [3]);
+        zero.finish();
     }
 
     #[test]
