@@ -94,7 +94,7 @@ pub fn say(line: &str) {
 }
 
 /// The body of a binary's `main`: `setup` (the options resolved, input read), its error a usage error
-/// (exit 2); GPU 0 opened, else why not (exit 1); then `run` on both, its error exiting 1. Each message
+/// (exit 2); GPU 0 (a rank of a job of processes: `LOCAL_RANK`) opened, else why not (exit 1); then `run` on both, its error exiting 1. Each message
 /// starts with `name: `.
 pub fn tool_main<P, E: Display, F: Display>(
     name: &str,
@@ -108,7 +108,10 @@ pub fn tool_main<P, E: Display, F: Display>(
             return ExitCode::from(2);
         }
     };
-    let ctx = match Cudnn::new(0) {
+    // A rank of a job of processes (WORLD_SIZE set) works on its own GPU, LOCAL_RANK.
+    let device =
+        cudnn_llm_llama::nccl::rendezvous::RankEnv::from_env().ok().flatten().map_or(0, |e| e.local_rank);
+    let ctx = match Cudnn::new(device) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("{name}: cannot run without a usable GPU: {e}");

@@ -188,28 +188,39 @@ fn bad_command_lines_are_usage_errors() {
     assert!(err.contains("rank 0: cannot start /no/such/program"), "{err}");
 }
 
-/// Two `tp-bench --allreduce-only` ranks as processes: with NCCL and two GPUs they time the all-reduces
-/// (rank 0 prints the table); without them rank 0 cannot make the unique id, and every rank ends
-/// with an error naming the cause, the launcher with the failed rank's code, all within the timeout.
-#[test]
-fn tp_bench_ranks_as_processes_measure_or_fail_together() {
+/// Two `tp-bench` ranks launched as processes with `args`: stdout and stderr, with the exit code
+/// `None` on success; either way within 60 s (every rank fails within its 20 s timeout without NCCL).
+fn two_tp_bench_ranks(args: &[&str]) -> (Option<i32>, String, String) {
     let t = Instant::now();
     let out = launch()
         .args(["--nproc", "2", "--grace", "5", "--", env!("CARGO_BIN_EXE_tp-bench")])
-        .args(["--allreduce-only", "--preset", "tiny", "--timeout", "20"])
+        .args(args)
+        .args(["--timeout", "20"])
         .env("BENCH_RESULTS_DIR", std::env::temp_dir().join("cudnn-llm-launch-test"))
         .output()
         .unwrap();
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(t.elapsed() < Duration::from_secs(60), "{:?}", t.elapsed());
-    if out.status.success() {
-        assert!(stdout.contains("2 ranks as processes"), "{stdout}\n{stderr}");
-    } else {
-        assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
-        assert!(stderr.contains("tp-bench: rank 0 of 2: rendezvous (rank 0 of 2):"), "{stderr}");
+    let failed = if out.status.success() { None } else { Some(out.status.code().unwrap_or(-1)) };
+    if failed.is_some() {
+        assert_eq!(failed, Some(1), "{stdout}\n{stderr}");
         assert!(stderr.contains("cudnn-llm-launch: rank"), "{stderr}");
     }
-    // Without --allreduce-only, a rank is told what the process mode runs so far.
+    (failed, stdout.into_owned(), stderr.into_owned())
+}
+
+/// Two `tp-bench --allreduce-only` ranks as processes: with NCCL and two GPUs they time the all-reduces
+/// (rank 0 prints the table); without them rank 0 cannot make the unique id, and every rank ends
+/// with an error naming the cause, the launcher with the failed rank's code, all within the timeout.
+#[test]
+fn tp_bench_ranks_as_processes_measure_or_fail_together() {
+    match two_tp_bench_ranks(&["--allreduce-only", "--preset", "tiny"]) {
+        (None, stdout, stderr) => assert!(stdout.contains("2 ranks as processes"), "{stdout}\n{stderr}"),
+        (Some(_), _, stderr) => {
+            assert!(stderr.contains("tp-bench: rank 0 of 2: rendezvous (rank 0 of 2):"), "{stderr}")
+        }
+    }
+    // A rank's --ranks must be the world size.
     let out = Command::new(env!("CARGO_BIN_EXE_tp-bench"))
         .args(["--preset", "tiny"])
         .envs([("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")])
@@ -217,5 +228,24 @@ fn tp_bench_ranks_as_processes_measure_or_fail_together() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
-    assert!(err.contains("runs --allreduce-only only so far"), "{err}");
+    assert!(err.contains("give --ranks 2 (the world size)"), "{err}");
+}
+
+/// The model's ranks as processes (`TpLlama::join`): two `tp-bench --ranks 2` ranks measure the tiny
+/// model with NCCL and two GPUs (rank 0 alone prints); without them each rank ends with an error
+/// naming the cause and the launcher with a rank's code, within the timeout.
+#[test]
+fn tp_bench_model_ranks_as_processes_measure_or_fail_together() {
+    let args = ["--preset", "tiny", "--ranks", "2", "--prompt", "16", "--steps", "2"];
+    match two_tp_bench_ranks(&args) {
+        (None, stdout, stderr) => {
+            let once = stdout.matches("2 ranks as processes (rank 0's times)").count();
+            assert_eq!(once, 1, "{stdout}\n{stderr}");
+        }
+        (Some(_), stdout, stderr) => {
+            let named = ["tp-bench: rank 0 of 2: ", "tp-bench: rank 1 of 2: "];
+            assert!(named.iter().any(|n| stderr.contains(n)), "{stderr}");
+            assert!(!stdout.contains("ranks as processes"), "nothing measured: {stdout}");
+        }
+    }
 }

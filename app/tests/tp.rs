@@ -3,7 +3,8 @@
 //! logits against one-GPU logits of the same weights (tiny, 1B and 8B shapes; prefill, plain decode
 //! steps and replayed decode graphs), the collectives alone, and a failing or silent rank ending the
 //! call with an error instead of a hang, communicators with CTA limits summing as the default ones,
-//! long passes' sums gathered by the copy engines as all-reduced; `speedup-report --tp 2` (per-rank rows with the all-reduce
+//! long passes' sums gathered by the copy engines as all-reduced; two rank processes against two
+//! rank threads (bit for bit, and a dying rank named); `speedup-report --tp 2` (per-rank rows with the all-reduce
 //! ranges, kernel totals against CUDA-event times, the scaling against one GPU). GPU tests are ignored by default; run them with
 //! `--include-ignored` on a machine with two GPUs. A test that needs more GPUs than the machine has
 //! (`four_ranks_...` needs four) says so (`SKIPPED ...: needs 4 CUDA GPUs, this machine has 2`) and
@@ -794,4 +795,182 @@ fn the_report_tp2_mode_writes_rows_per_rank_with_the_all_reduces_and_the_scaling
         extra("kernel attribution").starts_with("CUPTI activity records, per rank by device id (0 kernels")
     );
     assert!(extra("tensor parallelism").starts_with("2 ranks on GPU 0 "));
+}
+
+/// Where the rank processes of [`two_processes_give_the_logits_of_two_threads_on_8b_shapes`] find the
+/// ids to feed and rank 0 writes its logits (set by that test only).
+const RANK_FILES_ENV: &str = "CUDNN_LLM_TP_TEST_FILES";
+
+/// Set by the processes test for its second job, in which rank 1 dies.
+const DIE_ENV: &str = "CUDNN_LLM_TP_TEST_DIE";
+
+/// 8B shapes, 2 layers: the model of the processes test.
+fn processes_case() -> (LlamaConfig, Vec<Vec<u32>>, usize) {
+    let cfg = LlamaConfig::llama_3_1_8b().with_layers(2);
+    let prompt = tokens(1, 64, cfg.vocab, 5);
+    (cfg, prompt, 3)
+}
+
+/// A rank of the job of processes [`two_processes_give_the_logits_of_two_threads_on_8b_shapes`]
+/// starts (this test binary again, with `WORLD_SIZE` and the rest set); started any other way it has
+/// nothing to do.
+#[test]
+#[ignore = "a rank process of two_processes_give_the_logits_of_two_threads_on_8b_shapes"]
+fn rank_process_of_the_processes_test() {
+    let Some(files) = std::env::var_os(RANK_FILES_ENV) else { return };
+    let files = std::path::PathBuf::from(files);
+    let env = cudnn_llm::llama::tp::RankEnv::from_env().unwrap().expect("WORLD_SIZE set by the test");
+    let (cfg, prompt, plain) = processes_case();
+    let feed: Vec<Vec<u32>> = std::fs::read_to_string(files.join("feed"))
+        .unwrap()
+        .lines()
+        .map(|l| l.split(' ').map(|t| t.parse().unwrap()).collect())
+        .collect();
+    let max_seq = prompt[0].len() + feed.len() + 1;
+    let options = TpOptions::default().with_timeout(Duration::from_secs(120));
+    let mut tp =
+        TpLlama::<bf16>::join(&cfg, &env, &WeightSource::Random { seed: 7 }, max_seq, options).unwrap();
+    assert_eq!((tp.ranks_here(), tp.leads()), (env.rank..env.rank + 1, env.rank == 0));
+    if std::env::var_os(DIE_ENV).is_some() {
+        // Rank 1 dies after loading; rank 0's next calls must fail naming it, not hang.
+        if env.rank == 1 {
+            std::process::exit(3);
+        }
+        let t = Instant::now();
+        let fused = Backends::all(Backend::Fused);
+        let failed = (|| -> Result<(), Error> {
+            tp.reset_cache(1, max_seq)?;
+            for _ in 0..20 {
+                tp.forward(&prompt, &fused)?;
+                tp.truncate(0)?;
+            }
+            Ok(())
+        })();
+        let why = failed.expect_err("rank 1 is gone").to_string();
+        let line = format!("{why}\nafter {:.2} s", t.elapsed().as_secs_f64());
+        std::fs::write(files.join("rank0-error"), line).unwrap();
+        return;
+    }
+    let got = run(&mut tp, &prompt, &feed, plain, &Backends::all(Backend::Fused));
+    // Every rank holds the all-gathered logits; each writes its own, and the test compares them.
+    let bytes: Vec<u8> = got.logits.iter().flatten().flat_map(|v| v.to_le_bytes()).collect();
+    std::fs::write(files.join(format!("rank{}", env.rank)), bytes).unwrap();
+    // Then as `generate` runs: rank 0 sends each next id and runs it, rank 1 runs what it receives,
+    // until rank 0 ends its team (first, while rank 1 waits for a message).
+    let fused = Backends::all(Backend::Fused);
+    tp.truncate(prompt[0].len()).unwrap();
+    if tp.leads() {
+        for id in [11u32, 12, 13] {
+            tp.broadcast(&id.to_le_bytes()).unwrap();
+            tp.forward(&[vec![id]], &fused).unwrap();
+        }
+        drop(tp);
+    } else {
+        let mut followed = 0;
+        while let Some(m) = tp.receive().unwrap() {
+            let id = u32::from_le_bytes(m[..4].try_into().unwrap());
+            tp.forward(&[vec![id]], &fused).unwrap();
+            followed += 1;
+        }
+        assert_eq!((followed, tp.cache_len().unwrap()), (3, prompt[0].len() + 3));
+    }
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs and NCCL"]
+fn two_processes_give_the_logits_of_two_threads_on_8b_shapes() {
+    if !cudnn_llm_app::bench_util::gpus_or_skip(
+        2,
+        "two_processes_give_the_logits_of_two_threads_on_8b_shapes",
+    ) {
+        return;
+    }
+    let (cfg, prompt, plain) = processes_case();
+    let fused = Backends::all(Backend::Fused);
+    // Greedy ids of one GPU, the threads' run, then the processes' (one after the other: GPU memory).
+    let mut one = team(&cfg, 1, 7, prompt[0].len() + 8, TpOptions::default());
+    let feed = greedy_feed(&mut one, &prompt, 6, &fused);
+    let single = run(&mut one, &prompt, &feed, plain, &fused);
+    drop(one);
+    let mut threads = team(&cfg, 2, 7, prompt[0].len() + 8, TpOptions::default());
+    let two = run(&mut threads, &prompt, &feed, plain, &fused);
+    drop(threads);
+    let files = std::env::temp_dir().join(format!("cudnn-llm-tp-processes-{}", std::process::id()));
+    std::fs::create_dir_all(&files).unwrap();
+    let text: Vec<String> =
+        feed.iter().map(|ids| ids.iter().map(u32::to_string).collect::<Vec<_>>().join(" ")).collect();
+    std::fs::write(files.join("feed"), text.join("\n")).unwrap();
+    let codes = rank_processes(&files, false);
+    assert_eq!(codes, [Some(0), Some(0)], "the rank processes' exit codes (None: killed after 300 s)");
+    let vocab = cfg.vocab;
+    for rank in 0..2 {
+        let bytes = std::fs::read(files.join(format!("rank{rank}"))).unwrap();
+        let flat: Vec<f32> =
+            bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        let processes = Run { logits: flat.chunks(vocab).map(<[f32]>::to_vec).collect() };
+        let same = processes
+            .logits
+            .iter()
+            .flatten()
+            .zip(two.logits.iter().flatten())
+            .filter(|(a, b)| a == b)
+            .count();
+        println!(
+            "rank {rank} of 2 processes: {same} of {} logits bit for bit those of 2 threads",
+            two.logits.iter().map(Vec::len).sum::<usize>()
+        );
+        assert_runs_agree(&format!("{} as processes (rank {rank})", cfg.name), 2, &two, &processes, vocab);
+        assert_runs_agree(&format!("{} as processes vs 1 GPU", cfg.name), 2, &single, &processes, vocab);
+    }
+    // Again, with rank 1 dying once loaded: rank 0's call fails naming it, in bounded time.
+    let codes = rank_processes(&files, true);
+    assert_eq!(codes, [Some(0), Some(3)], "rank 0 reports (exit 0), rank 1 died (exit 3)");
+    let why = std::fs::read_to_string(files.join("rank0-error")).unwrap();
+    println!("rank 0, once rank 1 died: {why}");
+    assert!(why.contains("rank 1"), "{why}");
+    let _ = std::fs::remove_dir_all(&files);
+}
+
+/// Runs the two rank processes of the processes test (rank 1 dying with `die`) and returns their exit
+/// codes, `None` for one killed after 300 s.
+fn rank_processes(files: &std::path::Path, die: bool) -> Vec<Option<i32>> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let started = Instant::now();
+    let mut ranks: Vec<std::process::Child> = (0..2)
+        .map(|rank| {
+            let mut c = std::process::Command::new(std::env::current_exe().unwrap());
+            c.args(["--exact", "rank_process_of_the_processes_test", "--include-ignored", "--nocapture"])
+                .env(RANK_FILES_ENV, files)
+                .envs([
+                    ("RANK", rank.to_string()),
+                    ("LOCAL_RANK", rank.to_string()),
+                    ("WORLD_SIZE", "2".into()),
+                    ("MASTER_ADDR", "127.0.0.1".into()),
+                    ("MASTER_PORT", port.to_string()),
+                    ("CUDNN_LLM_JOB", format!("tp-test-{}-{die}", std::process::id())),
+                ]);
+            if die {
+                c.env(DIE_ENV, "1");
+            }
+            c.spawn().unwrap()
+        })
+        .collect();
+    // Both ranks end on their own (a failing one ends the other through the rendezvous link).
+    let mut codes = vec![None; 2];
+    while codes.iter().any(Option::is_none) && started.elapsed() < Duration::from_secs(300) {
+        for (c, r) in codes.iter_mut().zip(&mut ranks) {
+            if c.is_none() {
+                *c = r.try_wait().unwrap().map(|s| s.code().unwrap_or(-1));
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for r in &mut ranks {
+        let _ = r.kill();
+    }
+    println!(
+        "rank processes (rank 1 dies: {die}): exit codes {codes:?} after {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    codes
 }

@@ -25,11 +25,19 @@
 //! Hello (rank → rank 0): `CDNNRDZV`, version `u32`, rank `u32`, world size `u32`, job (`u32` byte
 //! count, at most 256, and UTF-8). Payload (rank 0 → rank): `CDNNRDZV`, version `u32`, byte count
 //! `u32`, bytes. Then messages both ways: a tag byte (`H` heartbeat, `B` goodbye, `A` abort followed by
-//! a `u32` byte count and UTF-8 text). Integers are little-endian.
+//! a `u32` byte count and UTF-8 text), and from rank 0 `M` followed by a `u32` byte count and the
+//! bytes of a [`Session::broadcast`]. Integers are little-endian.
+//!
+//! # Messages
+//!
+//! Once watching, rank 0 can [`Session::broadcast`] bytes to every other rank, which take them in order
+//! with [`Session::receive`] (a leader's token stream: what the followers run next). A follower waiting
+//! there learns of rank 0's clean end (`Ok(None)`) or of any rank's failure (an error naming it) as
+//! its watchers do.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 const MAGIC: [u8; 8] = *b"CDNNRDZV";
@@ -42,6 +50,10 @@ const MAX_PAYLOAD: usize = 1 << 16;
 const MAX_MESSAGE: usize = 1 << 12;
 /// The longest job token.
 const MAX_JOB: usize = 256;
+/// The longest wait anything here takes, whatever a timeout says.
+const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+/// The largest [`Session::broadcast`] message (a prompt of a million token ids fits).
+pub const MAX_MESSAGE_BYTES: usize = 1 << 26;
 /// How often each rank tells the others it is alive.
 pub const HEARTBEAT: Duration = Duration::from_millis(500);
 /// How long rank 0 waits for a connection's hello before closing it as a stranger.
@@ -162,6 +174,18 @@ pub struct Session {
     links: Vec<(usize, TcpStream)>,
     flags: Arc<Mutex<Flags>>,
     writers: Arc<Mutex<Vec<(usize, TcpStream)>>>,
+    /// What rank 0's watcher hands on (a follower's): taken by [`Session::watch`].
+    inbox_sender: Option<mpsc::Sender<Inbound>>,
+    inbox: Mutex<mpsc::Receiver<Inbound>>,
+}
+
+/// What a follower's watcher of rank 0 hands to [`Session::receive`].
+enum Inbound {
+    Message(Vec<u8>),
+    /// Rank 0 said goodbye.
+    Finished,
+    /// A rank failed: why.
+    Failed(String),
 }
 
 impl std::fmt::Debug for Session {
@@ -295,6 +319,8 @@ impl Session {
                         let _ = send_abort(&mut s, &why);
                         return Err(give_up(&mut peers, why));
                     }
+                    // Messages are small and waited for: no batching of small writes.
+                    let _ = s.set_nodelay(true);
                     peers[rank - 1] = Some(s);
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
@@ -430,6 +456,7 @@ impl Session {
             .map(|(r, s)| s.try_clone().map(|s| (*r, s)))
             .collect::<std::io::Result<Vec<_>>>()
             .map_err(|e| fail(rank, world, format!("cannot keep the connections: {e}")))?;
+        let (inbox_sender, inbox) = mpsc::channel();
         Ok(Session {
             rank,
             world,
@@ -437,6 +464,8 @@ impl Session {
             links,
             flags: Arc::new(Mutex::new(Flags::default())),
             writers: Arc::new(Mutex::new(writers)),
+            inbox_sender: Some(inbox_sender),
+            inbox: Mutex::new(inbox),
         })
     }
 
@@ -462,16 +491,31 @@ impl Session {
     /// or [`Session::abort`].
     pub fn watch(&mut self, silence: Duration, on_failure: impl Fn(String) + Send + Sync + 'static) {
         let on_failure = Arc::new(on_failure);
+        let inbox = self.inbox_sender.take();
         for (peer, mut s) in std::mem::take(&mut self.links) {
             let (flags, writers, on_failure) = (self.flags.clone(), self.writers.clone(), on_failure.clone());
             let me = self.rank;
+            // A follower's one link is to rank 0, the only sender of messages.
+            let inbox = if me != 0 { inbox.clone() } else { None };
             std::thread::spawn(move || {
                 let _ = s.set_read_timeout(Some(silence));
+                let hand_on = |what: Inbound| {
+                    if let Some(inbox) = &inbox {
+                        let _ = inbox.send(what);
+                    }
+                };
                 let why = loop {
                     let mut tag = [0u8; 1];
                     match s.read_exact(&mut tag) {
                         Ok(()) if tag[0] == b'H' => continue,
-                        Ok(()) if tag[0] == b'B' => return,
+                        Ok(()) if tag[0] == b'B' => {
+                            hand_on(Inbound::Finished);
+                            return;
+                        }
+                        Ok(()) if tag[0] == b'M' && inbox.is_some() => match read_message(&mut s) {
+                            Ok(bytes) => hand_on(Inbound::Message(bytes)),
+                            Err(why) => break format!("rank {peer} sent an unreadable message: {why}"),
+                        },
                         Ok(()) if tag[0] == b'A' => {
                             break read_text(&mut s)
                                 .unwrap_or_else(|| format!("rank {peer} sent an unreadable abort"))
@@ -507,6 +551,7 @@ impl Session {
                         }
                     }
                 }
+                hand_on(Inbound::Failed(why.clone()));
                 on_failure(why);
             });
         }
@@ -518,6 +563,56 @@ impl Session {
             lock(&writers).retain_mut(|(_, w)| w.write_all(b"H").is_ok());
             std::thread::sleep(HEARTBEAT);
         });
+    }
+
+    /// Rank 0: sends `bytes` to every other rank, which take them with [`Session::receive`] in the
+    /// order sent. An error names a rank that could not be written to (it is gone; its watcher on
+    /// rank 0 reports it too), or says this is not rank 0, or the message is over
+    /// [`MAX_MESSAGE_BYTES`].
+    pub fn broadcast(&self, bytes: &[u8]) -> Result<(), RendezvousError> {
+        if self.rank != 0 {
+            return Err(fail(self.rank, self.world, "only rank 0 broadcasts"));
+        }
+        if bytes.len() > MAX_MESSAGE_BYTES {
+            return Err(fail(
+                0,
+                self.world,
+                format!("a message of {} bytes is over {MAX_MESSAGE_BYTES}", bytes.len()),
+            ));
+        }
+        let mut m = Vec::with_capacity(5 + bytes.len());
+        m.push(b'M');
+        m.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+        m.extend_from_slice(bytes);
+        for (r, w) in lock(&self.writers).iter_mut() {
+            w.write_all(&m)
+                .map_err(|e| fail(0, self.world, format!("rank {r} cannot be sent a message: {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// A non-zero rank, after [`Session::watch`]: rank 0's next [`Session::broadcast`], waited for up
+    /// to `timeout`; `Ok(None)` once rank 0 finished ([`Session::finish`]). An error names a rank that
+    /// failed (as the watchers report it), or says nothing came within `timeout`.
+    pub fn receive(&self, timeout: Duration) -> Result<Option<Vec<u8>>, RendezvousError> {
+        if self.rank == 0 {
+            return Err(fail(0, self.world, "rank 0 sends messages, it does not receive them"));
+        }
+        if self.inbox_sender.is_some() {
+            return Err(fail(self.rank, self.world, "receive before watch: nothing reads rank 0's link"));
+        }
+        let inbox = lock(&self.inbox);
+        match inbox.recv_timeout(timeout.min(CENTURY)) {
+            Ok(Inbound::Message(bytes)) => Ok(Some(bytes)),
+            Ok(Inbound::Finished) => Ok(None),
+            Ok(Inbound::Failed(why)) => Err(fail(self.rank, self.world, why)),
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                Err(fail(self.rank, self.world, format!("nothing from rank 0 within {timeout:.0?}")))
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                Err(fail(self.rank, self.world, "rank 0's link is closed"))
+            }
+        }
     }
 
     /// Tells the other ranks this one fails with `why` (they see it as an abort naming this rank); this
@@ -574,6 +669,17 @@ fn send_abort(s: &mut TcpStream, why: &str) -> std::io::Result<()> {
     s.write_all(&m)
 }
 
+/// A message's bytes, after its tag.
+fn read_message(s: &mut impl Read) -> Result<Vec<u8>, String> {
+    let n = read_u32(s).map_err(|e| e.to_string())? as usize;
+    if n > MAX_MESSAGE_BYTES {
+        return Err(format!("{n} bytes, over {MAX_MESSAGE_BYTES}"));
+    }
+    let mut b = vec![0u8; n];
+    s.read_exact(&mut b).map_err(|e| e.to_string())?;
+    Ok(b)
+}
+
 /// The text of an abort, after its tag.
 fn read_text(s: &mut impl Read) -> Option<String> {
     let n = read_u32(s).ok().map(|n| n as usize).filter(|&n| n <= MAX_MESSAGE)?;
@@ -585,7 +691,6 @@ fn read_text(s: &mut impl Read) -> Option<String> {
 /// The instant `timeout` from now, at most a century away (a longer timeout, `Duration::MAX`
 /// included, waits a century rather than overflowing the clock).
 fn deadline_after(timeout: Duration) -> Instant {
-    const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
     let now = Instant::now();
     now.checked_add(timeout.min(CENTURY)).unwrap_or(now)
 }
@@ -846,6 +951,61 @@ mod tests {
     #[test]
     fn a_rank_zero_that_dies_is_reported_to_every_other_rank() {
         a_dead_rank_is_reported_everywhere(0);
+    }
+
+    #[test]
+    fn rank_0s_messages_reach_every_follower_in_order_then_its_goodbye() {
+        let (l, port) = listener();
+        let (one, two) = (peer(port, 1, 3), peer(port, 2, 3));
+        let mut zero = Session::serve(l, 3, JOB, T, || Ok(vec![])).unwrap();
+        let mut followers = vec![one.join().unwrap().unwrap(), two.join().unwrap().unwrap()];
+        // Before watching nothing reads the link: an error, not a hang.
+        let early = followers[0].receive(Duration::from_millis(10)).unwrap_err().to_string();
+        assert!(early.contains("receive before watch"), "{early}");
+        zero.watch(T, |why| panic!("rank 0 saw a failure: {why}"));
+        for f in &mut followers {
+            f.watch(T, |why| panic!("a follower saw a failure: {why}"));
+        }
+        let big: Vec<u8> = (0..1_000_003u32).map(|i| (i % 251) as u8).collect();
+        let sent = [b"prefill 1 2 3".to_vec(), Vec::new(), big];
+        for m in &sent {
+            zero.broadcast(m).unwrap();
+        }
+        let over = zero.broadcast(&vec![0; MAX_MESSAGE_BYTES + 1]).unwrap_err().to_string();
+        assert!(over.contains("over"), "{over}");
+        let not_zero = followers[1].broadcast(b"x").unwrap_err().to_string();
+        assert!(not_zero.contains("only rank 0"), "{not_zero}");
+        assert!(zero.receive(T).is_err(), "rank 0 receives nothing");
+        for f in &followers {
+            for m in &sent {
+                assert_eq!(f.receive(T).unwrap().as_deref(), Some(&m[..]));
+            }
+            let quiet = f.receive(Duration::from_millis(50)).unwrap_err().to_string();
+            assert!(quiet.contains("nothing from rank 0 within"), "{quiet}");
+        }
+        zero.finish();
+        for f in &followers {
+            assert_eq!(f.receive(T).unwrap(), None, "rank 0's goodbye");
+        }
+        for f in followers {
+            f.finish();
+        }
+    }
+
+    #[test]
+    fn a_follower_waiting_for_a_message_learns_which_rank_died() {
+        let (l, port) = listener();
+        let (one, two) = (peer(port, 1, 3), peer(port, 2, 3));
+        let mut zero = Session::serve(l, 3, JOB, T, || Ok(vec![])).unwrap();
+        let (mut one, two) = (one.join().unwrap().unwrap(), two.join().unwrap().unwrap());
+        zero.watch(T, |_| {});
+        one.watch(T, |_| {});
+        let waiting = std::thread::spawn(move || one.receive(T).map(|_| ()).unwrap_err().to_string());
+        std::thread::sleep(Duration::from_millis(50));
+        drop(two); // rank 2's process ends without finishing
+        let why = waiting.join().unwrap();
+        assert!(why.contains("rank 2"), "{why}");
+        drop(zero);
     }
 
     #[test]

@@ -18,7 +18,7 @@
 //! |---|---|
 //! | [`ShardPlan`] | which slice of each Hugging Face tensor a rank holds ([`Part`], [`Slice`]), the rank's shapes ([`ShardPlan::local`]), the fused QKV rows, typed errors for what does not split |
 //! | [`WeightSource`], [`Checkpoint`] | a rank's slices from a memory-mapped checkpoint (only their bytes read) or drawn as [`Weights::random`](crate::weights::Weights::random) draws them |
-//! | [`TpLlama`], [`Rank`] | the ranks: one thread each, jobs run on all of them, teardown when one fails |
+//! | [`TpLlama`], [`Rank`] | the ranks: one thread each, jobs run on all of them, teardown when one fails; or this process's rank of a job of processes ([`TpLlama::join`], [`RankEnv`]) |
 //! | [`crate::nccl`] | NCCL opened at run time, the communicators and the two collectives |
 //!
 //! **A rank is the decoder at smaller shapes.** Its layers are the single-GPU modules on its local
@@ -39,6 +39,12 @@
 //! unevenly across ranks, and every rank waits for the last in a step's first all-reduce (on two
 //! H100s, polling took 0.15 ms off a TP2 decode step as the caller sees it).
 //!
+//! **Or one process per rank.** [`TpLlama::join`] makes this process one rank of a job of processes
+//! (on one host or many), started by `cudnn-llm-launch` or torchrun: the ranks meet over TCP
+//! ([`crate::nccl::rendezvous`]), make their communicators from rank 0's NCCL unique id, and each loads
+//! only its slices. Every process makes the same calls; [`TpLlama::broadcast`] and
+//! [`TpLlama::receive`] carry rank 0's tokens to the others.
+//!
 //! **Failures do not hang.** A call waits for every rank up to [`TpOptions::timeout`]; a rank that
 //! returns an error, panics or stays silent gets every communicator aborted (`ncclCommAbort` makes
 //! the others' pending collectives return), the call returns the first error and the team refuses
@@ -54,6 +60,7 @@ mod load;
 mod shard;
 mod team;
 
+pub use crate::nccl::rendezvous::RankEnv;
 pub use load::{random_slice, Checkpoint, WeightSource};
 pub use shard::{Part, ShardPlan, Slice};
 pub use team::{gathered_to_rows, Rank, TpLlama, TpOptions};

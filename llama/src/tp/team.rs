@@ -7,12 +7,13 @@ use super::shard::ShardPlan;
 use crate::backends::Backends;
 use crate::config::LlamaConfig;
 use crate::model::{DecodeGraph, KvCache, Llama, NoObserver};
-use crate::nccl::{AbortHandle, Comm, NcclConfig};
+use crate::nccl::rendezvous::{RankEnv, RendezvousError, Session};
+use crate::nccl::{AbortHandle, Comm, NcclConfig, UniqueId};
 use crate::{Error, Result};
 use cudnn_llm_ops::cudarc::driver::sys::CUevent_flags;
 use cudnn_llm_ops::{Cudnn, DeviceInfo, Element};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -22,6 +23,11 @@ const RANK_STACK: usize = 8 << 20;
 /// How long the other ranks get to finish once one failed or timed out (their collectives were
 /// aborted, so they return promptly unless a rank hangs outside NCCL).
 const GRACE: Duration = Duration::from_secs(30);
+
+/// Bounds of how long a rank of a job of processes hears nothing from another before it takes it
+/// for gone (the call timeout, within these; heartbeats come every half second).
+const SILENCE_MIN: Duration = Duration::from_secs(5);
+const SILENCE_MAX: Duration = Duration::from_secs(60);
 
 /// The longest wait a team call takes, whatever its timeout says.
 const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
@@ -193,18 +199,37 @@ impl Drop for SetOnDrop {
     }
 }
 
-/// A Llama-3 decoder split over the GPUs of this host, Megatron style ([`crate::tp`]): one thread
-/// per rank, NCCL between them. Calls run on every rank and wait for all of them; a rank that fails
+/// A Llama-3 decoder split over GPUs, Megatron style ([`crate::tp`]): one thread per rank this
+/// process holds (every rank with [`TpLlama::new`], its own with [`TpLlama::join`]), NCCL between
+/// them. Calls run on every rank and wait for all of them; a rank that fails
 /// or does not answer within the timeout aborts every communicator (so no rank stays blocked in a
 /// collective), the call returns the first error, and the team refuses further calls.
 pub struct TpLlama<T: Element> {
     cfg: LlamaConfig,
     plan: ShardPlan,
+    /// The GPUs of the ranks this process holds.
     devices: Vec<usize>,
+    /// The first rank this process holds (0 unless it is a rank of a job of processes).
+    first: usize,
     workers: Vec<Worker<T>>,
     aborts: Vec<AbortHandle>,
     timeout: Duration,
     torn_down: Option<String>,
+    /// The other processes' ranks ([`TpLlama::join`]).
+    link: Option<Link>,
+}
+
+/// A rank's ties to the other processes of its job.
+struct Link {
+    session: Session,
+    /// The first failure the session's watchers heard of (naming the rank).
+    failure: Arc<Mutex<Option<String>>>,
+}
+
+impl Link {
+    fn failure(&self) -> Option<String> {
+        self.failure.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
 }
 
 impl<T: Element> TpLlama<T> {
@@ -223,7 +248,7 @@ impl<T: Element> TpLlama<T> {
     ) -> Result<Self> {
         let plan = ShardPlan::new(cfg, ranks)?;
         options.nccl.validate()?;
-        let devices = options.devices.unwrap_or_else(|| (0..ranks).collect());
+        let devices = options.devices.clone().unwrap_or_else(|| (0..ranks).collect());
         let mut distinct = devices.clone();
         distinct.sort_unstable();
         distinct.dedup();
@@ -252,19 +277,110 @@ impl<T: Element> TpLlama<T> {
         } else {
             vec![None]
         };
+        let here = devices.into_iter().zip(comms).enumerate().map(|(r, (d, c))| (r, d, c)).collect();
+        Self::start(cfg, plan, here, source, max_positions, &options, None)
+    }
+
+    /// This process's rank of a job of processes, one per GPU, started by `cudnn-llm-launch`,
+    /// torchrun or any launcher that sets their environment (`env`, [`RankEnv::from_env`]): the
+    /// ranks meet through [`Session::join`] (rank 0 hands out NCCL's unique id), each makes its
+    /// communicator ([`Comm::init_rank`]) and loads its own slices from `source` on GPU
+    /// `LOCAL_RANK`. Every process then makes the same calls in the same order, as the ranks of one
+    /// process do (`each` runs its job on this process's rank only and returns its one value;
+    /// [`TpLlama::logits`] and [`TpLlama::decode`] return the all-gathered logits on every rank);
+    /// [`TpLlama::broadcast`] and [`TpLlama::receive`] carry what rank 0 alone knows (the next
+    /// tokens) to the others. A rank whose process dies, fails or falls silent ends every other
+    /// rank's calls with an error naming it: its link closes or goes quiet, and each rank aborts its
+    /// communicator. Errors before anything is made, in this order: [`ShardPlan::new`]'s, the NCCL
+    /// settings', an [`Error::Tp`] for given devices or copy-engine gather rows (a process's rank is
+    /// on GPU `LOCAL_RANK`, and the gather needs every rank in one process), NCCL missing, and a
+    /// `LOCAL_RANK` past the GPUs present. The decode all-reduces run NCCL's regular kernels (the
+    /// symmetric windows are made by one process for all its ranks).
+    pub fn join(
+        cfg: &LlamaConfig,
+        env: &RankEnv,
+        source: &WeightSource,
+        max_positions: usize,
+        options: TpOptions,
+    ) -> Result<Self> {
+        let plan = ShardPlan::new(cfg, env.world)?;
+        options.nccl.validate()?;
+        if options.devices.is_some() {
+            return Err(Error::Tp(format!(
+                "rank {} of a job of processes takes GPU LOCAL_RANK={}: give no devices",
+                env.rank, env.local_rank
+            )));
+        }
+        if options.gather_rows > 0 {
+            return Err(Error::Tp(
+                "copy-engine gather rows need every rank in one process (TpLlama::new)".into(),
+            ));
+        }
+        if env.world > 1 {
+            crate::nccl::library()?;
+        }
+        let (device, present) = (env.local_rank, cudnn_llm_ops::device_count()?);
+        if device >= present {
+            return Err(Error::Tp(format!(
+                "rank {} takes GPU LOCAL_RANK={device}, but {present} are present",
+                env.rank
+            )));
+        }
+        let world = env.world;
+        let tp = |e: RendezvousError| Error::Tp(e.to_string());
+        let mut session = Session::join(env, options.timeout, || {
+            if world == 1 {
+                return Ok(Vec::new());
+            }
+            UniqueId::new().map(|id| id.as_bytes().to_vec()).map_err(|e| e.to_string())
+        })
+        .map_err(tp)?;
+        let comm = if world > 1 {
+            let id = UniqueId::from_bytes(session.payload())?;
+            let made = Comm::init_rank(device, env.rank, world, &id, &options.nccl);
+            Some(made.inspect_err(|e| session.abort(&format!("its communicator: {e}")))?)
+        } else {
+            None
+        };
+        let failure = Arc::new(Mutex::new(None::<String>));
+        let aborts: Vec<AbortHandle> = comm.iter().map(Comm::abort_handle).collect();
+        let heard = failure.clone();
+        session.watch(options.timeout.clamp(SILENCE_MIN, SILENCE_MAX), move |why| {
+            heard.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(why.clone());
+            crate::nccl::abort_all(&aborts, &why);
+        });
+        let here = vec![(env.rank, device, comm)];
+        Self::start(cfg, plan, here, source, max_positions, &options, Some(Link { session, failure }))
+    }
+
+    /// Starts a thread for each of `here`'s ranks (index, GPU, communicator), which loads its shard,
+    /// and waits for them.
+    fn start(
+        cfg: &LlamaConfig,
+        plan: ShardPlan,
+        here: Vec<(usize, usize, Option<Comm>)>,
+        source: &WeightSource,
+        max_positions: usize,
+        options: &TpOptions,
+        link: Option<Link>,
+    ) -> Result<Self> {
         let mut team = TpLlama {
             cfg: cfg.clone(),
             plan,
-            devices: devices.clone(),
-            workers: Vec::with_capacity(ranks),
-            aborts: comms.iter().flatten().map(Comm::abort_handle).collect(),
+            devices: here.iter().map(|(_, d, _)| *d).collect(),
+            first: here.first().map_or(0, |(r, _, _)| *r),
+            workers: Vec::with_capacity(here.len()),
+            aborts: here.iter().filter_map(|(_, _, c)| c.as_ref().map(Comm::abort_handle)).collect(),
             timeout: options.timeout,
             torn_down: None,
+            link,
         };
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).div_ceil(ranks);
+        // One share of the cores per rank of this host (a job of processes: per rank of the job).
+        let threads =
+            std::thread::available_parallelism().map_or(1, |n| n.get()).div_ceil(plan.ranks.min(64));
         let spin = options.spin;
         let (ready, answers) = mpsc::channel();
-        for (rank, (device, comm)) in devices.into_iter().zip(comms).enumerate() {
+        for (at, (rank, device, comm)) in here.into_iter().enumerate() {
             let (jobs, queue) = mpsc::channel::<Job<T>>();
             let (cfg, source, ready) = (cfg.clone(), source.clone(), ready.clone());
             let ended = Arc::new(AtomicBool::new(false));
@@ -278,11 +394,11 @@ impl<T: Element> TpLlama<T> {
                 let mut state = match built {
                     Ok(state) => state,
                     Err(e) => {
-                        let _ = ready.send((rank, Err(e)));
+                        let _ = ready.send((at, Err(e)));
                         return;
                     }
                 };
-                let _ = ready.send((rank, Ok(())));
+                let _ = ready.send((at, Ok(())));
                 drop(ready);
                 while let Some(job) = next_job(&queue, spin) {
                     job(&mut state);
@@ -315,9 +431,65 @@ impl<T: Element> TpLlama<T> {
         &self.plan
     }
 
-    /// The ranks' GPU ordinals.
+    /// The GPU ordinals of the ranks this process holds, in rank order (all of them, or with
+    /// [`TpLlama::join`] its own).
     pub fn devices(&self) -> &[usize] {
         &self.devices
+    }
+
+    /// The ranks this process holds: `0..ranks`, or its own rank of a job of processes.
+    pub fn ranks_here(&self) -> std::ops::Range<usize> {
+        self.first..self.first + self.workers.len()
+    }
+
+    /// Whether this process holds rank 0, the one that owns the tokens (always, unless it is another
+    /// rank of a job of processes).
+    pub fn leads(&self) -> bool {
+        self.first == 0
+    }
+
+    /// Rank 0 of a job of processes: hands `bytes` to every other rank's [`TpLlama::receive`], in
+    /// order (nothing to do when this process holds every rank). Errors on another rank, and for a
+    /// rank that cannot be reached.
+    pub fn broadcast(&mut self, bytes: &[u8]) -> Result<()> {
+        self.check("broadcast")?;
+        match &self.link {
+            Some(link) => link.session.broadcast(bytes).map_err(|e| self.peer_error(e.to_string())),
+            None => Ok(()),
+        }
+    }
+
+    /// Another rank of a job of processes: rank 0's next [`TpLlama::broadcast`], `None` once rank 0
+    /// has finished (dropped its team cleanly). Waits up to the call timeout; a rank that failed or
+    /// died is an error naming it, and tears this team down. Errors on rank 0.
+    pub fn receive(&mut self) -> Result<Option<Vec<u8>>> {
+        self.check("receive")?;
+        let got = match &self.link {
+            Some(link) if self.first != 0 => link.session.receive(self.timeout),
+            _ => return Err(Error::Tp("receive: this process holds rank 0, which sends".into())),
+        };
+        got.map_err(|e| {
+            let why = e.to_string();
+            self.tear_down(&why);
+            Error::Tp(why)
+        })
+    }
+
+    /// An error if the team was torn down.
+    fn check(&self, what: &str) -> Result<()> {
+        match &self.torn_down {
+            Some(why) => Err(Error::Tp(format!("{what}: the ranks were torn down ({why})"))),
+            None => Ok(()),
+        }
+    }
+
+    /// `here`, with the failure another process's rank reported first, when there was one (the cause,
+    /// where `here` is its consequence: an aborted collective).
+    fn peer_error(&self, here: String) -> Error {
+        match self.link.as_ref().and_then(Link::failure) {
+            Some(why) => Error::Tp(format!("{why} (here: {here})")),
+            None => Error::Tp(here),
+        }
     }
 
     /// Why the team was torn down, if it was (then every call fails).
@@ -335,9 +507,7 @@ impl<T: Element> TpLlama<T> {
         R: Send + 'static,
         F: Fn(&mut Rank<T>) -> Result<R> + Send + Sync + 'static,
     {
-        if let Some(why) = &self.torn_down {
-            return Err(Error::Tp(format!("{what}: the ranks were torn down ({why})")));
-        }
+        self.check(what)?;
         let f = Arc::new(f);
         let (reply, answers) = mpsc::channel();
         for (rank, worker) in self.workers.iter().enumerate() {
@@ -369,6 +539,7 @@ impl<T: Element> TpLlama<T> {
                     match answer {
                         Ok(v) => values[rank] = Some(v),
                         Err(e) if failure.is_none() => {
+                            let rank = self.first + rank;
                             self.tear_down(&format!("rank {rank} failed in {what}: {e}"));
                             failure = Some(Error::Rank { rank, error: Box::new(e) });
                             deadline = Instant::now() + GRACE;
@@ -377,7 +548,8 @@ impl<T: Element> TpLlama<T> {
                     }
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) if failure.is_none() => {
-                    let silent: Vec<usize> = (0..n).filter(|&r| !answered[r]).collect();
+                    let silent: Vec<usize> =
+                        (0..n).filter(|&r| !answered[r]).map(|r| self.first + r).collect();
                     let why = format!("ranks {silent:?} did not finish {what} within {:?}", self.timeout);
                     self.tear_down(&why);
                     failure = Some(Error::Tp(why));
@@ -388,7 +560,11 @@ impl<T: Element> TpLlama<T> {
             }
         }
         if let Some(e) = failure {
-            return Err(e);
+            // A rank of another process that failed first is the cause.
+            return Err(match self.link.as_ref().and_then(Link::failure) {
+                Some(_) => self.peer_error(e.to_string()),
+                None => e,
+            });
         }
         let values: Vec<R> = values.into_iter().flatten().collect();
         if values.len() != n {
@@ -413,6 +589,10 @@ impl<T: Element> TpLlama<T> {
             }
         }
         crate::nccl::abort_all(&self.aborts, why);
+        if let Some(link) = &self.link {
+            // The other processes' ranks learn of it now rather than at their next collective.
+            link.session.abort(why);
+        }
     }
 
     /// Each rank's GPU, cuDNN and driver, in rank order.
@@ -465,10 +645,10 @@ impl<T: Element> TpLlama<T> {
     /// Logits `[rows.len(), vocab]` of the last forward's output rows `rows`, on the host: every rank
     /// its vocabulary slice, all-gathered on the GPUs, rank 0's copy downloaded.
     pub fn logits(&mut self, rows: std::ops::Range<usize>, backends: &Backends) -> Result<Vec<f32>> {
-        let (n, backends) = (rows.len(), Arc::new(backends.clone()));
+        let (n, backends, first) = (rows.len(), Arc::new(backends.clone()), self.first);
         let per_rank = self.each("logits", move |r| {
             let dev = r.model.logits_rows(&r.ctx, rows.clone(), &backends, &mut NoObserver)?;
-            first_rank_host(r, &dev)
+            first_rank_host(r, first, &dev)
         })?;
         Ok(gathered_to_rows(&per_rank[0], self.plan.ranks, n, self.cfg.vocab))
     }
@@ -494,13 +674,13 @@ impl<T: Element> TpLlama<T> {
     /// Replays the captured decode step for `tokens` (one per sequence) on every rank and returns
     /// their logits `[batch, vocab]` on the host.
     pub fn decode(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        let (batch, step) = (tokens.len(), Arc::new(tokens.to_vec()));
+        let (batch, step, first) = (tokens.len(), Arc::new(tokens.to_vec()), self.first);
         let per_rank = self.each("decode", move |r| {
             let Rank { graph, cache, model, ctx, index } = r;
             let graph = graph.as_mut().ok_or_else(|| Error::Tp("decode: capture_decode first".into()))?;
             let cache = cache.as_mut().ok_or_else(|| Error::Tp("decode: call reset_cache first".into()))?;
             let dev = model.decode(ctx, graph, &step, cache)?;
-            if *index == 0 {
+            if *index == first {
                 Ok(ctx.stream().clone_dtoh(dev).map_err(cudnn_llm_ops::Error::from)?)
             } else {
                 ctx.synchronize()?;
@@ -516,6 +696,15 @@ impl<T: Element> Drop for TpLlama<T> {
     /// Ends the rank threads (each drops its shard and destroys its communicator); threads of a
     /// torn-down team that do not end within the grace period are left behind rather than waited for.
     fn drop(&mut self) {
+        // The other processes' ranks first (a goodbye, or why not): a follower waiting for rank 0's
+        // next message ends its own ranks now, and NCCL's teardown of a communicator waits for every
+        // rank's (so ending ours before telling them would wait forever).
+        if let Some(link) = self.link.take() {
+            match &self.torn_down {
+                None => link.session.finish(),
+                Some(why) => link.session.abort(why), // then dropped: its links close
+            }
+        }
         for w in &mut self.workers {
             w.jobs = None;
         }
@@ -561,13 +750,14 @@ fn build_rank<T: Element>(
     Ok(Rank { graph: None, cache: None, model, ctx, index: rs.rank })
 }
 
-/// Rank 0's copy of a gathered device buffer as f32 (empty on the other ranks, which wait for their
-/// work instead).
+/// The first rank's (`first`, this process's first) copy of a gathered device buffer as f32 (empty
+/// on the other ranks, which wait for their work instead).
 fn first_rank_host<T: Element>(
     r: &mut Rank<T>,
+    first: usize,
     dev: &cudnn_llm_ops::cudarc::driver::CudaSlice<T>,
 ) -> Result<Vec<f32>> {
-    if r.index != 0 {
+    if r.index != first {
         r.ctx.synchronize()?;
         return Ok(Vec::new());
     }

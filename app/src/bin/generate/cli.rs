@@ -74,7 +74,9 @@ pub struct Options {
     /// Tensor parallelism: split the model over N GPUs of this host (GPUs 0..N, one thread, context
     /// and NCCL communicator each; NCCL is loaded at run time, NCCL_LIBRARY names it). The logits
     /// are gathered on rank 0 and sampled there; the output is the same, with a line naming the
-    /// ranks.
+    /// ranks. Started as the ranks of a job (`cudnn-llm-launch --nproc N -- generate ...`, or
+    /// torchrun: WORLD_SIZE set), each process holds one rank on GPU LOCAL_RANK, N is the world size,
+    /// and rank 0 tokenizes, samples and prints while the others follow its token stream.
     #[arg(long, value_name = "N")]
     pub tp: Option<usize>,
     /// Also print the generated ids on stderr (`generate: ids 5 17 ...`), e.g. to compare runs.

@@ -14,7 +14,7 @@ use cudnn_llm_llama::chat::{ChatTemplate, Message};
 use cudnn_llm_llama::generate::{eos_token_ids, Generation, StopReason};
 use cudnn_llm_llama::gguf::Gguf;
 use cudnn_llm_llama::roofline::DecodeRoofline;
-use cudnn_llm_llama::tp::ShardPlan;
+use cudnn_llm_llama::tp::{RankEnv, ShardPlan};
 use cudnn_llm_llama::weights::Weights;
 use cudnn_llm_llama::{DecodeMode, Generator, Llama, LlamaConfig, Sampler, SamplingPath, Tokenizer};
 use cudnn_llm_ops::{default_plan_dir, Cudnn, DataType, Element, PLAN_DIR_ENV};
@@ -52,7 +52,18 @@ fn main() -> ExitCode {
         let plan = opts.resolve()?;
         let input = read_input(&opts)?;
         plan.backends.check_layers(input.config.layers).map_err(|e| format!("--fuse: {e}"))?;
-        if let Some(n) = plan.tp {
+        let env = RankEnv::from_env().map_err(|e| e.to_string())?;
+        let ranks = match (&env, plan.tp) {
+            (Some(env), Some(n)) if n != env.world => {
+                return Err(format!(
+                    "--tp {n}, but launched as rank {} of {} (WORLD_SIZE is set): give --tp {} or none",
+                    env.rank, env.world, env.world
+                ))
+            }
+            (Some(env), _) => Some(tp::Ranks::Processes(env.clone())),
+            (None, n) => n.map(tp::Ranks::Threads),
+        };
+        if let Some(n) = ranks.as_ref().map(tp::Ranks::count) {
             if input.gguf.is_some() {
                 return Err(format!(
                     "--tp {n}: a GGUF file runs on one GPU; give a checkpoint directory to split it"
@@ -60,9 +71,9 @@ fn main() -> ExitCode {
             }
             ShardPlan::new(&input.config, n).map_err(|e| format!("--tp {n}: {e}"))?;
         }
-        Ok::<_, String>((plan, input))
+        Ok::<_, String>((plan, input, ranks))
     };
-    tool_main("generate", setup, |ctx, (plan, input)| {
+    tool_main("generate", setup, |ctx, (plan, input, ranks)| {
         // A command-line tool wants warm plans: on by default here, unlike the library.
         match &plan.plan_dir {
             PlanDir::EnvOrDefault if std::env::var_os(PLAN_DIR_ENV).is_some() => {} // applied by Cudnn::new
@@ -70,7 +81,7 @@ fn main() -> ExitCode {
             PlanDir::Off => ctx.set_plan_dir(None),
             PlanDir::Dir(dir) => ctx.set_plan_dir(Some(dir)),
         }
-        match (plan.dtype, plan.tp) {
+        match (plan.dtype, ranks) {
             (DataType::F16, Some(n)) => tp::run::<f16>(ctx, &opts, &plan, &input, n),
             (_, Some(n)) => tp::run::<bf16>(ctx, &opts, &plan, &input, n),
             (DataType::F16, None) => run::<f16>(ctx, &opts, &plan, &input),

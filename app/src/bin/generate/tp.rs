@@ -2,21 +2,84 @@
 //! `Cudnn` context and NCCL communicator per GPU, GPUs `0..N`). Each step's logits are all-gathered
 //! on the GPUs and rank 0's copy is sampled on the host, as on one GPU. With `--decode graph` (and
 //! RoPE and attention fused in every layer) the first decode step launches plainly and every rank
-//! then captures its step, NCCL's collectives included, and replays it from then on.
+//! then captures its step, NCCL's collectives included, and replays it from then on. Started as
+//! the ranks of a job of processes, each process holds one rank ([`TpLlama::join`]); rank 0 runs this
+//! same loop and broadcasts each prefill's ids and each step's id (with its capture and replay
+//! decisions), which the other ranks follow ([`TpGen::follow`]) until rank 0 finishes.
 
 use crate::cli::{Options, Plan, PlanDir};
 use crate::{print_ids, report, report_plans, report_startup, Error, Input, Rates, COPY_BYTES};
 use cudnn_llm_app::bench_util::copy_bandwidth_gbps;
 use cudnn_llm_llama::generate::StopReason;
-use cudnn_llm_llama::tp::{TpLlama, TpOptions, WeightSource};
+use cudnn_llm_llama::tp::{RankEnv, TpLlama, TpOptions, WeightSource};
 use cudnn_llm_llama::{nccl, Backend, Backends, DecodeMode, ModuleKind, Sampler};
 use cudnn_llm_ops::{default_plan_dir, Cudnn, Element, PLAN_DIR_ENV};
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+/// How the ranks are held: every rank in this process (`--tp N`), or this process's rank of a job
+/// of processes (launched with `WORLD_SIZE` and the rest set).
+#[derive(Debug, Clone)]
+pub(crate) enum Ranks {
+    Threads(usize),
+    Processes(RankEnv),
+}
+
+impl Ranks {
+    /// How many ranks the model is split over.
+    pub(crate) fn count(&self) -> usize {
+        match self {
+            Ranks::Threads(n) => *n,
+            Ranks::Processes(env) => env.world,
+        }
+    }
+}
+
+/// What rank 0 tells the other processes' ranks to run next: the token stream they follow.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Command {
+    /// A new sequence of these ids.
+    Prefill(Vec<u32>),
+    /// One id after the cached ones; capture the step first (`capture`), and replay the captured
+    /// step (`replay`) rather than launch it.
+    Step { id: u32, capture: bool, replay: bool },
+}
+
+impl Command {
+    fn encode(&self) -> Vec<u8> {
+        match self {
+            Command::Prefill(ids) => {
+                let mut m = vec![b'P'];
+                m.extend(ids.iter().flat_map(|i| i.to_le_bytes()));
+                m
+            }
+            Command::Step { id, capture, replay } => {
+                let mut m = vec![b'S'];
+                m.extend(id.to_le_bytes());
+                m.extend([*capture as u8, *replay as u8]);
+                m
+            }
+        }
+    }
+
+    fn decode(m: &[u8]) -> Result<Command, Error> {
+        let ids =
+            |b: &[u8]| b.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        match m.split_first() {
+            Some((b'P', rest)) if rest.len() % 4 == 0 && !rest.is_empty() => Ok(Command::Prefill(ids(rest))),
+            Some((b'S', rest)) if rest.len() == 6 && rest[4] < 2 && rest[5] < 2 => Ok(Command::Step {
+                id: u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]),
+                capture: rest[4] == 1,
+                replay: rest[5] == 1,
+            }),
+            _ => Err(format!("rank 0 sent a message this build does not read ({} bytes)", m.len()).into()),
+        }
+    }
+}
+
 /// One sequence on the split model: its prefill, then decode steps launched plainly or, once
-/// captured, replayed.
+/// captured, replayed. Rank 0 decides; as processes, the other ranks run what it sends.
 struct TpGen<T: Element> {
     tp: TpLlama<T>,
     backends: Backends,
@@ -31,6 +94,12 @@ struct TpGen<T: Element> {
 impl<T: Element> TpGen<T> {
     /// Runs `ids` as a new sequence and returns the logits of the last of them.
     fn prefill(&mut self, ids: &[u32]) -> Result<Vec<f32>, Error> {
+        self.tp.broadcast(&Command::Prefill(ids.to_vec()).encode())?;
+        self.run_prefill(ids)
+    }
+
+    /// A prefill, on every rank.
+    fn run_prefill(&mut self, ids: &[u32]) -> Result<Vec<f32>, Error> {
         self.tp.truncate(0)?;
         self.tp.forward(&[ids.to_vec()], &self.backends)?;
         self.prefilled = true;
@@ -46,16 +115,39 @@ impl<T: Element> TpGen<T> {
             })?;
             self.captured = !stale.contains(&true);
         }
-        if self.graph && self.launched > 0 && !self.captured {
+        let capture = self.graph && self.launched > 0 && !self.captured;
+        let replay = self.captured || capture;
+        self.tp.broadcast(&Command::Step { id, capture, replay }.encode())?;
+        self.run_step(id, capture, replay)
+    }
+
+    /// A step as rank 0 decided it.
+    fn run_step(&mut self, id: u32, capture: bool, replay: bool) -> Result<Vec<f32>, Error> {
+        if capture {
             self.tp.capture_decode(&self.backends)?;
             self.captured = true;
         }
-        if self.captured {
+        if replay {
             return Ok(self.tp.decode(&[id])?);
         }
         self.tp.forward(&[vec![id]], &self.backends)?;
         self.launched += 1;
         Ok(self.tp.logits(0..1, &self.backends)?)
+    }
+
+    /// Another process's rank: runs what rank 0 sends until it finishes.
+    fn follow(&mut self) -> Result<(), Error> {
+        while let Some(m) = self.tp.receive()? {
+            match Command::decode(&m)? {
+                Command::Prefill(ids) => {
+                    self.run_prefill(&ids)?;
+                }
+                Command::Step { id, capture, replay } => {
+                    self.run_step(id, capture, replay)?;
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -73,32 +165,44 @@ pub(crate) fn run<T: Element>(
     opts: &Options,
     plan: &Plan,
     input: &Input,
-    ranks: usize,
+    ranks: Ranks,
 ) -> Result<(), Error> {
     let cfg = &input.config;
     // Measured before the model is resident, as on one GPU; the ranks' GPUs are of one host.
     let bandwidth = copy_bandwidth_gbps(ctx, COPY_BYTES, 10).map_err(|e| e.to_string());
     let source = WeightSource::checkpoint(cfg, &opts.model)?;
-    let tp = TpLlama::<T>::new(cfg, ranks, &source, input.max_seq, tp_options())?;
-    let mut tp = tp;
+    let mut tp = match &ranks {
+        Ranks::Threads(n) => TpLlama::<T>::new(cfg, *n, &source, input.max_seq, tp_options())?,
+        Ranks::Processes(env) => TpLlama::<T>::join(cfg, env, &source, input.max_seq, tp_options())?,
+    };
+    let (leads, count) = (tp.leads(), ranks.count());
     let infos = tp.device_info()?;
     let gpus: Vec<String> =
         infos.iter().zip(tp.devices()).map(|(i, d)| format!("GPU {d} {}", i.name)).collect();
     let nccl_line = match nccl::library() {
-        Ok((v, lib)) if ranks > 1 => format!(", NCCL {} ({lib})", nccl::version_string(v)),
+        Ok((v, lib)) if count > 1 => format!(", NCCL {} ({lib})", nccl::version_string(v)),
         _ => String::new(),
     };
-    eprintln!(
-        "generate: {} ({} layers, {}) on {ranks} ranks, tensor parallel ({}{nccl_line}), backends `{}`, {} prompt \
-         tokens",
-        cfg.name,
-        cfg.layers,
-        plan.dtype,
-        gpus.join(", "),
-        plan.backends.to_selection(),
-        input.prompt.len()
-    );
-    if input.eos.is_empty() {
+    let how = match &ranks {
+        Ranks::Threads(_) => format!("tensor parallel ({}{nccl_line})", gpus.join(", ")),
+        Ranks::Processes(env) => format!(
+            "tensor parallel, a process per rank (rank 0 on {}{nccl_line}; rendezvous at {}:{})",
+            gpus.join(", "),
+            env.master_addr,
+            env.master_port
+        ),
+    };
+    if leads {
+        eprintln!(
+            "generate: {} ({} layers, {}) on {count} ranks, {how}, backends `{}`, {} prompt tokens",
+            cfg.name,
+            cfg.layers,
+            plan.dtype,
+            plan.backends.to_selection(),
+            input.prompt.len()
+        );
+    }
+    if leads && input.eos.is_empty() {
         eprintln!("generate: no eos_token_id in config.json or generation_config.json: stopping at --max-new-tokens only");
     }
     // The plan directory of every rank's context, as the one-GPU path sets it.
@@ -118,6 +222,10 @@ pub(crate) fn run<T: Element>(
     let graph = plan.decode == DecodeMode::Graph && graphable(&plan.backends, cfg.layers);
     let mut g =
         TpGen { tp, backends: plan.backends.clone(), graph, captured: false, launched: 0, prefilled: false };
+    if !leads {
+        // Rank 0 tokenizes, samples and prints; this rank runs what it sends until it finishes.
+        return g.follow();
+    }
     let prompt = &input.prompt;
     if !opts.no_warmup {
         // A prefill and two decode steps (plans built and tuned, the step captured), then a fresh
@@ -206,4 +314,26 @@ pub(crate) fn run<T: Element>(
 /// share of Llama-3.1-70B takes minutes) before the ranks are torn down.
 fn tp_options() -> TpOptions {
     TpOptions::default().with_timeout(std::time::Duration::from_secs(900))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Command;
+
+    #[test]
+    fn rank_0s_commands_read_back_as_sent_and_anything_else_is_refused() {
+        for c in [
+            Command::Prefill(vec![128000, 9906, 0, u32::MAX]),
+            Command::Step { id: 42, capture: true, replay: true },
+            Command::Step { id: 0, capture: false, replay: false },
+        ] {
+            assert_eq!(Command::decode(&c.encode()).unwrap(), c);
+        }
+        for bad in
+            [&b""[..], b"P", b"P\x01\x02\x03", b"S\x01\x00\x00\x00\x01", b"S\x01\x00\x00\x00\x02\x00", b"X"]
+        {
+            let e = Command::decode(bad).unwrap_err().to_string();
+            assert!(e.contains("does not read"), "{bad:?}: {e}");
+        }
+    }
 }

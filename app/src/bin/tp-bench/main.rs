@@ -25,6 +25,13 @@
 //! - the device copy bandwidth, for the per-rank memory floor of a decode step (the bytes one rank
 //!   reads, [`ShardPlan::decode_roofline`]) and that floor plus the step's 2 all-reduces per layer.
 //!
+//! **Ranks as processes.** Started as the ranks of a job (`cudnn-llm-launch --nproc N -- tp-bench
+//! --ranks N ...`, or torchrun: `WORLD_SIZE` and the rest set), each process holds one rank
+//! ([`TpLlama::join`]) and runs the same measurements; every time is rank 0's (not the slowest
+//! rank's), rank 0 alone prints and writes `tp-<preset>-<layers>l[-<setting>]-processes.{csv,md}`.
+//! `--ranks` must be the world size; `--timeline` and `--gather-rows` need the ranks in one process.
+//! With `--allreduce-only`, the all-reduces alone (below).
+//!
 //! Each rank count runs in a process of its own (this executable again, with `--ranks N` and the
 //! other options; it hands its row back in a file), one after the other: on two H200s a one-GPU row
 //! measured first in the same process left GPU 0 about 70 us idler per TP2 decode step than a TP2
@@ -63,10 +70,23 @@ use cudnn_llm_llama::{Backends, LlamaConfig, NoObserver};
 use half::bf16;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 type Error = Box<dyn std::error::Error>;
+
+/// Set on the ranks above 0 of a job of processes: rank 0 speaks for the job.
+static QUIET: AtomicBool = AtomicBool::new(false);
+
+/// `std::println!`, silent on the ranks above 0 of a job of processes ([`QUIET`]).
+macro_rules! println {
+    ($($t:tt)*) => {
+        if !QUIET.load(Ordering::Relaxed) {
+            std::println!($($t)*)
+        }
+    };
+}
 
 /// What to measure.
 #[derive(Debug, Clone, Parser)]
@@ -429,13 +449,14 @@ fn main() -> ExitCode {
         }
         let rank_env = RankEnv::from_env()?;
         if let Some(env) = &rank_env {
-            if !opts.allreduce_only {
-                return Err(format!(
-                    "launched as rank {} of {} (WORLD_SIZE is set): as processes, tp-bench runs --allreduce-only \
-                     only so far",
-                    env.rank, env.world
-                )
-                .into());
+            let whose = format!("launched as rank {} of {} (WORLD_SIZE is set)", env.rank, env.world);
+            if !opts.allreduce_only && opts.ranks != [env.world] {
+                return Err(format!("{whose}: give --ranks {} (the world size)", env.world).into());
+            }
+            if opts.timeline || opts.gather_rows.is_some() || opts.row_out.is_some() {
+                return Err(
+                    format!("{whose}: --timeline and --gather-rows need every rank in one process").into()
+                );
             }
         } else if opts.allreduce_only && opts.ranks.iter().all(|&r| r < 2) {
             return Err("--allreduce-only needs a rank count above 1 in --ranks".into());
@@ -459,6 +480,7 @@ fn main() -> ExitCode {
         }
     };
     let setting = Setting::of(&opts);
+    QUIET.store(rank_env.as_ref().is_some_and(|e| e.rank != 0), Ordering::Relaxed);
     // A rank count's process leaves the header to its parent.
     if opts.row_out.is_none() && opts.ranks.iter().any(|&r| r > 1) {
         match nccl::library() {
@@ -484,7 +506,7 @@ fn main() -> ExitCode {
             None => allreduce_only(&opts, &cfg, &setting),
         };
     }
-    let children = !opts.same_process && opts.row_out.is_none() && opts.ranks.len() > 1;
+    let children = rank_env.is_none() && !opts.same_process && opts.row_out.is_none() && opts.ranks.len() > 1;
     let mut rows = Vec::new();
     for (i, &ranks) in opts.ranks.iter().enumerate() {
         let last = i + 1 == opts.ranks.len();
@@ -494,11 +516,17 @@ fn main() -> ExitCode {
             continue;
         }
         let trace = opts.timeline && last;
-        if let Err(e) = measure(&opts, &cfg, &source, &backends, &mut row, trace) {
-            eprintln!("tp-bench: {ranks} rank(s): {e}");
+        if let Err(e) = measure(&opts, &cfg, &source, &backends, &mut row, trace, rank_env.as_ref()) {
+            match &rank_env {
+                Some(env) => say(&format!("tp-bench: rank {} of {ranks}: {e}", env.rank)),
+                None => eprintln!("tp-bench: {ranks} rank(s): {e}"),
+            }
             row.error = e.to_string();
         }
         rows.push(row);
+    }
+    if QUIET.load(Ordering::Relaxed) {
+        return if rows[0].error.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(1) };
     }
     if let Some(path) = &opts.row_out {
         // A rank count's process: its row goes back to the parent, which writes the files.
@@ -552,7 +580,9 @@ fn main() -> ExitCode {
     }
     match csv_and_markdown(&rows) {
         Ok((csv, md)) => {
-            write_results(&format!("tp-{}-{}l{}", cfg.name, cfg.layers, setting.file_suffix()), &csv, &md)
+            let processes = if rank_env.is_some() { "-processes" } else { "" };
+            let name = format!("tp-{}-{}l{}{processes}", cfg.name, cfg.layers, setting.file_suffix());
+            write_results(&name, &csv, &md)
         }
         Err(e) => eprintln!("tp-bench: cannot write the results: {e}"),
     }
@@ -644,13 +674,18 @@ fn measure(
     backends: &Backends,
     row: &mut Row,
     trace: bool,
+    env: Option<&RankEnv>,
 ) -> Result<(), Error> {
     let (ranks, batch, prompt, steps) = (row.ranks, opts.batch, opts.prompt, opts.steps);
     let max_seq = bench_max_seq(prompt, steps).ok_or("--prompt and --steps overflow")?;
     let t = Instant::now();
     let options = Setting::of(opts).options(opts.timeout);
-    let mut tp = TpLlama::<bf16>::new(cfg, ranks, source, max_seq, options)?;
-    println!("\n## {} ranks: loaded in {:.1} s", ranks, t.elapsed().as_secs_f64());
+    let mut tp = match env {
+        Some(env) => TpLlama::<bf16>::join(cfg, env, source, max_seq, options)?,
+        None => TpLlama::<bf16>::new(cfg, ranks, source, max_seq, options)?,
+    };
+    let how = if env.is_some() { " as processes (rank 0's times)" } else { "" };
+    println!("\n## {ranks} ranks{how}: loaded in {:.1} s", t.elapsed().as_secs_f64());
     for (r, info) in tp.device_info()?.iter().enumerate() {
         println!("# rank {r}: {}", environment(info));
     }
