@@ -47,12 +47,14 @@ CHECKPOINTS = {"llama-3.2-1b-2layers": ("llama-3.2-1b", 2), "llama-3.1-8b-2layer
 DEFAULT = ["llama-3.2-1b-2layers", "llama-3.1-8b-2layers"]
 
 
-def hf_logits(path, dtype, ids):
+def hf_logits(path, dtype, ids, attn=None):
+    """transformers' logits; `attn` its attention implementation (None: its default, `sdpa`)."""
+    kw = {"attn_implementation": attn} if attn else {}
     if path.endswith(".gguf"):  # transformers' GGUF loader: every tensor dequantized to fp32, then cast
         model = LlamaForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                                 gguf_file=os.path.basename(path), dtype=dtype)
+                                                 gguf_file=os.path.basename(path), dtype=dtype, **kw)
     else:
-        model = LlamaForCausalLM.from_pretrained(path, dtype=dtype)
+        model = LlamaForCausalLM.from_pretrained(path, dtype=dtype, **kw)
     model = model.cuda().eval()
     with torch.inference_mode():
         out = model(torch.tensor(ids, device="cuda")).logits.float().cpu().numpy()
@@ -112,6 +114,9 @@ def main():
             ids = rng.integers(0, vocab, size=(BATCH, PROMPT + DECODE)).tolist()
             ref = hf_logits(path, torch.float32, ids)
             bf = hf_logits(path, torch.bfloat16, ids)
+            # PyTorch eager attention (softmax in fp32, its probabilities rounded to bf16 before the
+            # product with V), as this crate's naive backend does: a second yardstick, reported only.
+            bf_eager = hf_logits(path, torch.bfloat16, ids, attn="eager")
             prompt = [r[:PROMPT] for r in ids]
             decode = [[ids[b][PROMPT + t] for b in range(BATCH)] for t in range(DECODE)]
             mine = ours(a.runner, path, prompt, decode, tmp, ref.shape[-1])
@@ -119,13 +124,16 @@ def main():
                      "all": slice(0, PROMPT + DECODE)}
             for part, sl in parts.items():
                 yard = rel_l2(bf[:, sl], ref[:, sl])
+                eager = rel_l2(bf_eager[:, sl], ref[:, sl])
                 row = {"model": name, "rows": part, "transformers_bf16_rel_l2": yard,
-                       "transformers_bf16_top1": top1(bf[:, sl], ref[:, sl])}
+                       "transformers_bf16_top1": top1(bf[:, sl], ref[:, sl]),
+                       "transformers_bf16_eager_rel_l2": eager}
                 for backend, got in mine.items():
                     err = rel_l2(got[:, sl], ref[:, sl])
                     row[f"{backend}_rel_l2"] = err
                     row[f"{backend}_top1"] = top1(got[:, sl], ref[:, sl])
                     row[f"{backend}_vs_yardstick"] = err / yard
+                    row[f"{backend}_vs_eager"] = err / eager
                     if err > BOUND * yard:
                         failed.append(f"{name} {part} {backend}: rel L2 {err:.3e} > {BOUND} x {yard:.3e}")
                 rows.append(row)
@@ -158,6 +166,13 @@ def main():
                     f"{r['transformers_bf16_top1']:.1%} | {r['naive_rel_l2']:.3e} | {r['naive_top1']:.1%} | "
                     f"{r['naive_vs_yardstick']:.2f} | {r['fused_rel_l2']:.3e} | {r['fused_top1']:.1%} | "
                     f"{r['fused_vs_yardstick']:.2f} |\n")
+        f.write("\nThe same against transformers bf16 with `attn_implementation=\"eager\"` (PyTorch eager "
+                "attention: probabilities rounded to bf16 before the product with V, as the naive backend "
+                "does), reported only:\n\n| model | rows | eager bf16 rel L2 | naive x eager | fused x eager |\n"
+                "|---|---|---:|---:|---:|\n")
+        for r in rows:
+            f.write(f"| {r['model']} | {r['rows']} | {r['transformers_bf16_eager_rel_l2']:.3e} | "
+                    f"{r['naive_vs_eager']:.2f} | {r['fused_vs_eager']:.2f} |\n")
         f.write(f"\n{'FAILED: ' + '; '.join(failed) if failed else 'All within the bound.'}\n")
     if failed:
         print("FAILED:", *failed, sep="\n  ")

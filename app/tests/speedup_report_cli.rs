@@ -27,6 +27,24 @@ fn bad_options_exit_2_with_the_reason() {
 }
 
 #[test]
+fn a_rank_of_a_job_takes_the_world_size_as_its_tp() {
+    let Some(bin) = binary() else { return };
+    let rank = [("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")];
+    for (extra, says) in [
+        (&["--tp", "4"][..], "--tp 4, but launched as rank 1 of 2 (WORLD_SIZE is set): give --tp 2 or none"),
+        (&["--train"][..], "--train runs on one GPU"),
+    ] {
+        let out = Command::new(&bin).args(["--config", "tiny"]).args(extra).envs(rank).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {err}");
+        assert!(err.contains(says), "{extra:?}: {err}");
+    }
+    let out = Command::new(&bin).args(["--config", "tiny"]).envs(rank).env("RANK", "7").output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("RANK=7 is not below WORLD_SIZE=2"));
+}
+
+#[test]
 fn no_gpu_exits_1_saying_what_is_missing() {
     let Some(bin) = binary() else { return };
     if cudnn_llm::Cudnn::new(0).is_ok() {

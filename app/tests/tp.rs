@@ -795,6 +795,32 @@ fn the_report_tp2_mode_writes_rows_per_rank_with_the_all_reduces_and_the_scaling
         extra("kernel attribution").starts_with("CUPTI activity records, per rank by device id (0 kernels")
     );
     assert!(extra("tensor parallelism").starts_with("2 ranks on GPU 0 "));
+
+    // The same report with the ranks as processes: rank 0 writes it with every rank's rows.
+    let processes = tempfile::tempdir().unwrap();
+    let codes = as_ranks(2, &format!("report-test-{}", std::process::id()), |_| {
+        let mut c = std::process::Command::new(&bin);
+        c.args(args).args(["--no-baseline", "--out", &processes.path().to_string_lossy()]);
+        c
+    });
+    assert_eq!(codes, [Some(0), Some(0)]);
+    let json = std::fs::read_to_string(processes.path().join("report-tp2.json")).unwrap();
+    let report = cudnn_llm_app::report::Report::from_json(&json).unwrap();
+    let got: Vec<&str> = report.scenarios.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(got, names);
+    for s in &report.scenarios {
+        let ranges: Vec<&str> = s.rows.iter().map(|r| r.range.as_str()).collect();
+        for want in ["fwd.embed", "fwd.layer.attn.allreduce", "fwd.layer.mlp.allreduce"] {
+            assert!(ranges.contains(&want), "{}: no {want} row: {ranges:?}", s.name);
+        }
+    }
+    let how = report.meta.extra.iter().find(|(k, _)| k == "tensor parallelism").map(|(_, v)| v.as_str());
+    assert!(
+        how.is_some_and(|v| v.starts_with("2 ranks on GPU 0 ")
+            && v.contains("GPU 1")
+            && v.contains("(one process,")),
+        "{how:?}"
+    );
 }
 
 /// Where the rank processes of [`two_processes_give_the_logits_of_two_threads_on_8b_shapes`] find the
@@ -934,29 +960,40 @@ fn two_processes_give_the_logits_of_two_threads_on_8b_shapes() {
 /// Runs the two rank processes of the processes test (rank 1 dying with `die`) and returns their exit
 /// codes, `None` for one killed after 300 s.
 fn rank_processes(files: &std::path::Path, die: bool) -> Vec<Option<i32>> {
+    as_ranks(2, &format!("tp-test-{}-{die}", std::process::id()), |_| {
+        let mut c = std::process::Command::new(std::env::current_exe().unwrap());
+        c.args(["--exact", "rank_process_of_the_processes_test", "--include-ignored", "--nocapture"])
+            .env(RANK_FILES_ENV, files);
+        if die {
+            c.env(DIE_ENV, "1");
+        }
+        c
+    })
+}
+
+/// Runs `world` processes, `command(rank)` each, as the ranks of job `job` on this host (the
+/// environment torchrun sets, rank 0 listening on a free loopback port), and returns their exit codes,
+/// `None` for one killed after 300 s.
+fn as_ranks(world: usize, job: &str, command: impl Fn(usize) -> std::process::Command) -> Vec<Option<i32>> {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let started = Instant::now();
-    let mut ranks: Vec<std::process::Child> = (0..2)
+    let mut ranks: Vec<std::process::Child> = (0..world)
         .map(|rank| {
-            let mut c = std::process::Command::new(std::env::current_exe().unwrap());
-            c.args(["--exact", "rank_process_of_the_processes_test", "--include-ignored", "--nocapture"])
-                .env(RANK_FILES_ENV, files)
+            command(rank)
                 .envs([
                     ("RANK", rank.to_string()),
                     ("LOCAL_RANK", rank.to_string()),
-                    ("WORLD_SIZE", "2".into()),
+                    ("WORLD_SIZE", world.to_string()),
                     ("MASTER_ADDR", "127.0.0.1".into()),
                     ("MASTER_PORT", port.to_string()),
-                    ("CUDNN_LLM_JOB", format!("tp-test-{}-{die}", std::process::id())),
-                ]);
-            if die {
-                c.env(DIE_ENV, "1");
-            }
-            c.spawn().unwrap()
+                    ("CUDNN_LLM_JOB", job.to_string()),
+                ])
+                .spawn()
+                .unwrap()
         })
         .collect();
-    // Both ranks end on their own (a failing one ends the other through the rendezvous link).
-    let mut codes = vec![None; 2];
+    // Every rank ends on its own (a failing one ends the others through the rendezvous link).
+    let mut codes = vec![None; world];
     while codes.iter().any(Option::is_none) && started.elapsed() < Duration::from_secs(300) {
         for (c, r) in codes.iter_mut().zip(&mut ranks) {
             if c.is_none() {
@@ -968,9 +1005,6 @@ fn rank_processes(files: &std::path::Path, die: bool) -> Vec<Option<i32>> {
     for r in &mut ranks {
         let _ = r.kill();
     }
-    println!(
-        "rank processes (rank 1 dies: {die}): exit codes {codes:?} after {:.1} s",
-        started.elapsed().as_secs_f64()
-    );
+    println!("{job}: exit codes {codes:?} after {:.1} s", started.elapsed().as_secs_f64());
     codes
 }

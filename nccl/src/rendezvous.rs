@@ -25,15 +25,17 @@
 //! Hello (rank → rank 0): `CDNNRDZV`, version `u32`, rank `u32`, world size `u32`, job (`u32` byte
 //! count, at most 256, and UTF-8). Payload (rank 0 → rank): `CDNNRDZV`, version `u32`, byte count
 //! `u32`, bytes. Then messages both ways: a tag byte (`H` heartbeat, `B` goodbye, `A` abort followed by
-//! a `u32` byte count and UTF-8 text), and from rank 0 `M` followed by a `u32` byte count and the
-//! bytes of a [`Session::broadcast`]. Integers are little-endian.
+//! a `u32` byte count and UTF-8 text), and `M` followed by a `u32` byte count and the bytes of a
+//! [`Session::broadcast`] (from rank 0) or a [`Session::send`] (to rank 0). Integers are
+//! little-endian.
 //!
 //! # Messages
 //!
 //! Once watching, rank 0 can [`Session::broadcast`] bytes to every other rank, which take them in order
 //! with [`Session::receive`] (a leader's token stream: what the followers run next). A follower waiting
 //! there learns of rank 0's clean end (`Ok(None)`) or of any rank's failure (an error naming it) as
-//! its watchers do.
+//! its watchers do. The other way, each rank can [`Session::send`] bytes that rank 0 takes one of
+//! every rank at a time with [`Session::gather`] (per-rank results for rank 0's report).
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -79,6 +81,9 @@ pub enum RendezvousError {
     },
 }
 
+/// The port rank 0's rendezvous listens on, when not `MASTER_PORT` (see [`RankEnv::master_port`]).
+pub const PORT_ENV: &str = "CUDNN_LLM_RENDEZVOUS_PORT";
+
 /// Where and who this rank is: the variables torchrun sets.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RankEnv {
@@ -90,7 +95,9 @@ pub struct RankEnv {
     pub local_rank: usize,
     /// `MASTER_ADDR`: rank 0's host.
     pub master_addr: String,
-    /// `MASTER_PORT`: the port rank 0 listens on.
+    /// The port rank 0 listens on: [`PORT_ENV`] if set, else `MASTER_PORT`, or the port after it
+    /// under torchrun, whose agent serves its own store on `MASTER_PORT` (it sets
+    /// `TORCHELASTIC_USE_AGENT_STORE=True`).
     pub master_port: u16,
     /// `CUDNN_LLM_JOB`, else `TORCHELASTIC_RUN_ID`, else empty: the job the ranks must share.
     pub job: String,
@@ -141,6 +148,22 @@ impl RankEnv {
                 "MASTER_PORT=0: give the port rank 0 listens on".into(),
             ));
         }
+        // torchrun's agent serves its own store on MASTER_PORT (and says so): ours takes the next
+        // port, unless CUDNN_LLM_RENDEZVOUS_PORT names one.
+        let master_port = match var(PORT_ENV) {
+            Some(p) => match num(PORT_ENV, &p, u16::MAX as usize)? {
+                0 => return Err(RendezvousError::Environment(format!("{PORT_ENV}=0: give a port"))),
+                p => p as u16,
+            },
+            None if var("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.eq_ignore_ascii_case("true")) => {
+                master_port.checked_add(1).ok_or_else(|| {
+                    RendezvousError::Environment(format!(
+                        "MASTER_PORT={master_port} is torchrun's store and no port follows it: set {PORT_ENV}"
+                    ))
+                })?
+            }
+            None => master_port,
+        };
         let job = var("CUDNN_LLM_JOB").or_else(|| var("TORCHELASTIC_RUN_ID")).unwrap_or_default();
         if job.len() > MAX_JOB {
             return Err(RendezvousError::Environment(format!("CUDNN_LLM_JOB: over {MAX_JOB} bytes")));
@@ -177,11 +200,14 @@ pub struct Session {
     /// What rank 0's watcher hands on (a follower's): taken by [`Session::watch`].
     inbox_sender: Option<mpsc::Sender<Inbound>>,
     inbox: Mutex<mpsc::Receiver<Inbound>>,
+    /// Rank 0: each other rank's messages that came before the gather they belong to.
+    early: Mutex<Vec<std::collections::VecDeque<Vec<u8>>>>,
 }
 
 /// What a follower's watcher of rank 0 hands to [`Session::receive`].
 enum Inbound {
-    Message(Vec<u8>),
+    /// A message: from rank 0 on a follower; on rank 0, from the rank named.
+    Message(usize, Vec<u8>),
     /// Rank 0 said goodbye.
     Finished,
     /// A rank failed: why.
@@ -466,6 +492,7 @@ impl Session {
             writers: Arc::new(Mutex::new(writers)),
             inbox_sender: Some(inbox_sender),
             inbox: Mutex::new(inbox),
+            early: Mutex::new(vec![Default::default(); world.saturating_sub(1)]),
         })
     }
 
@@ -495,8 +522,8 @@ impl Session {
         for (peer, mut s) in std::mem::take(&mut self.links) {
             let (flags, writers, on_failure) = (self.flags.clone(), self.writers.clone(), on_failure.clone());
             let me = self.rank;
-            // A follower's one link is to rank 0, the only sender of messages.
-            let inbox = if me != 0 { inbox.clone() } else { None };
+            // A follower's one link is to rank 0; rank 0 hears every other rank's messages.
+            let inbox = inbox.clone();
             std::thread::spawn(move || {
                 let _ = s.set_read_timeout(Some(silence));
                 let hand_on = |what: Inbound| {
@@ -509,11 +536,13 @@ impl Session {
                     match s.read_exact(&mut tag) {
                         Ok(()) if tag[0] == b'H' => continue,
                         Ok(()) if tag[0] == b'B' => {
-                            hand_on(Inbound::Finished);
+                            if me != 0 {
+                                hand_on(Inbound::Finished);
+                            }
                             return;
                         }
-                        Ok(()) if tag[0] == b'M' && inbox.is_some() => match read_message(&mut s) {
-                            Ok(bytes) => hand_on(Inbound::Message(bytes)),
+                        Ok(()) if tag[0] == b'M' => match read_message(&mut s) {
+                            Ok(bytes) => hand_on(Inbound::Message(peer, bytes)),
                             Err(why) => break format!("rank {peer} sent an unreadable message: {why}"),
                         },
                         Ok(()) if tag[0] == b'A' => {
@@ -573,9 +602,19 @@ impl Session {
         if self.rank != 0 {
             return Err(fail(self.rank, self.world, "only rank 0 broadcasts"));
         }
+        let m = self.message(bytes)?;
+        for (r, w) in lock(&self.writers).iter_mut() {
+            w.write_all(&m)
+                .map_err(|e| fail(0, self.world, format!("rank {r} cannot be sent a message: {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// `bytes` framed as a message, or an error past [`MAX_MESSAGE_BYTES`].
+    fn message(&self, bytes: &[u8]) -> Result<Vec<u8>, RendezvousError> {
         if bytes.len() > MAX_MESSAGE_BYTES {
             return Err(fail(
-                0,
+                self.rank,
                 self.world,
                 format!("a message of {} bytes is over {MAX_MESSAGE_BYTES}", bytes.len()),
             ));
@@ -584,11 +623,61 @@ impl Session {
         m.push(b'M');
         m.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
         m.extend_from_slice(bytes);
-        for (r, w) in lock(&self.writers).iter_mut() {
+        Ok(m)
+    }
+
+    /// A non-zero rank: sends `bytes` to rank 0, which takes one message of every rank with
+    /// [`Session::gather`]. Errors on rank 0, past [`MAX_MESSAGE_BYTES`], and when rank 0 cannot be
+    /// written to.
+    pub fn send(&self, bytes: &[u8]) -> Result<(), RendezvousError> {
+        if self.rank == 0 {
+            return Err(fail(0, self.world, "rank 0 gathers, it does not send to itself"));
+        }
+        let m = self.message(bytes)?;
+        for (_, w) in lock(&self.writers).iter_mut() {
             w.write_all(&m)
-                .map_err(|e| fail(0, self.world, format!("rank {r} cannot be sent a message: {e}")))?;
+                .map_err(|e| fail(self.rank, self.world, format!("rank 0 cannot be sent a message: {e}")))?;
         }
         Ok(())
+    }
+
+    /// Rank 0, after [`Session::watch`]: the next [`Session::send`] of every other rank, in rank
+    /// order (`[rank 1's, rank 2's, ...]`), waited for up to `timeout` in all. A rank that failed, or
+    /// one that sent nothing in time, is an error naming it.
+    pub fn gather(&self, timeout: Duration) -> Result<Vec<Vec<u8>>, RendezvousError> {
+        if self.rank != 0 {
+            return Err(fail(self.rank, self.world, "only rank 0 gathers"));
+        }
+        if self.inbox_sender.is_some() {
+            return Err(fail(0, self.world, "gather before watch: nothing reads the other ranks' links"));
+        }
+        let deadline = deadline_after(timeout);
+        let inbox = lock(&self.inbox);
+        let mut early = lock(&self.early);
+        let mut got: Vec<Option<Vec<u8>>> = (1..self.world).map(|r| early[r - 1].pop_front()).collect();
+        while let Some(missing) = got.iter().position(Option::is_none) {
+            match inbox.recv_timeout(remaining(deadline)) {
+                Ok(Inbound::Message(peer, bytes)) if (1..self.world).contains(&peer) => {
+                    match &got[peer - 1] {
+                        None => got[peer - 1] = Some(bytes),
+                        Some(_) => early[peer - 1].push_back(bytes), // its next gather's
+                    }
+                }
+                Ok(Inbound::Message(..) | Inbound::Finished) => {}
+                Ok(Inbound::Failed(why)) => return Err(fail(0, self.world, why)),
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    return Err(fail(
+                        0,
+                        self.world,
+                        format!("rank {} sent nothing within {timeout:.0?}", missing + 1),
+                    ))
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(fail(0, self.world, "the other ranks' links are closed"))
+                }
+            }
+        }
+        Ok(got.into_iter().flatten().collect())
     }
 
     /// A non-zero rank, after [`Session::watch`]: rank 0's next [`Session::broadcast`], waited for up
@@ -603,7 +692,7 @@ impl Session {
         }
         let inbox = lock(&self.inbox);
         match inbox.recv_timeout(timeout.min(CENTURY)) {
-            Ok(Inbound::Message(bytes)) => Ok(Some(bytes)),
+            Ok(Inbound::Message(_, bytes)) => Ok(Some(bytes)),
             Ok(Inbound::Finished) => Ok(None),
             Ok(Inbound::Failed(why)) => Err(fail(self.rank, self.world, why)),
             Err(mpsc::RecvTimeoutError::Timeout) => {
@@ -726,6 +815,29 @@ mod tests {
         let pairs: Vec<(String, String)> =
             pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         move |k| pairs.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
+    }
+
+    #[test]
+    fn under_torchrun_the_rendezvous_takes_the_port_after_its_store() {
+        let base =
+            [("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")];
+        let port = |extra: &[(&str, &str)]| {
+            let all: Vec<(&str, &str)> = base.iter().chain(extra).copied().collect();
+            RankEnv::from_vars(vars(&all)).map(|e| e.unwrap().master_port)
+        };
+        assert_eq!(port(&[]).unwrap(), 29500);
+        assert_eq!(port(&[("TORCHELASTIC_USE_AGENT_STORE", "True")]).unwrap(), 29501);
+        assert_eq!(port(&[("TORCHELASTIC_USE_AGENT_STORE", "False")]).unwrap(), 29500);
+        assert_eq!(port(&[("TORCHELASTIC_USE_AGENT_STORE", "True"), (PORT_ENV, "40000")]).unwrap(), 40000);
+        for bad in ["0", "65536", "x"] {
+            assert!(port(&[(PORT_ENV, bad)]).unwrap_err().to_string().contains(PORT_ENV), "{bad}");
+        }
+        let top: Vec<(&str, &str)> = base[..3]
+            .iter()
+            .copied()
+            .chain([("MASTER_PORT", "65535"), ("TORCHELASTIC_USE_AGENT_STORE", "True")])
+            .collect();
+        assert!(RankEnv::from_vars(vars(&top)).unwrap_err().to_string().contains("no port follows it"));
     }
 
     #[test]
@@ -990,6 +1102,37 @@ mod tests {
         for f in followers {
             f.finish();
         }
+    }
+
+    #[test]
+    fn rank_0_gathers_one_message_of_every_rank_in_rank_order() {
+        let (l, port) = listener();
+        let (one, two) = (peer(port, 1, 3), peer(port, 2, 3));
+        let mut zero = Session::serve(l, 3, JOB, T, || Ok(vec![])).unwrap();
+        let (mut one, mut two) = (one.join().unwrap().unwrap(), two.join().unwrap().unwrap());
+        let early = zero.gather(T).unwrap_err().to_string();
+        assert!(early.contains("gather before watch"), "{early}");
+        zero.watch(T, |_| {});
+        one.watch(T, |_| {});
+        two.watch(T, |_| {});
+        // Rank 2 sends twice before rank 1 sends at all: the second waits for the next gather.
+        two.send(b"two-a").unwrap();
+        two.send(b"two-b").unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        one.send(b"one-a").unwrap();
+        assert_eq!(zero.gather(T).unwrap(), [b"one-a".to_vec(), b"two-a".to_vec()]);
+        one.send(b"").unwrap();
+        assert_eq!(zero.gather(T).unwrap(), [Vec::new(), b"two-b".to_vec()]);
+        let late = zero.gather(Duration::from_millis(50)).unwrap_err().to_string();
+        assert!(late.contains("rank 1 sent nothing within"), "{late}");
+        assert!(zero.send(b"x").unwrap_err().to_string().contains("does not send"));
+        assert!(one.gather(T).unwrap_err().to_string().contains("only rank 0 gathers"));
+        // A rank that dies while rank 0 gathers is named.
+        one.send(b"one-c").unwrap();
+        drop(two);
+        let why = zero.gather(T).unwrap_err().to_string();
+        assert!(why.contains("rank 2"), "{why}");
+        one.finish();
     }
 
     #[test]

@@ -475,6 +475,26 @@ impl<T: Element> TpLlama<T> {
         })
     }
 
+    /// Per-rank bytes to the process holding rank 0: there, every rank's `mine` in rank order
+    /// (`Some`; with every rank in this process, `mine` alone, which the caller made from every
+    /// rank's values); on another rank of a job of processes, `mine` sent to rank 0 and `None`. Rank 0
+    /// waits up to the call timeout for the others; a rank that failed or sent nothing is an error
+    /// naming it, and tears this team down.
+    pub fn gather(&mut self, mine: Vec<u8>) -> Result<Option<Vec<Vec<u8>>>> {
+        self.check("gather")?;
+        let Some(link) = &self.link else { return Ok(Some(vec![mine])) };
+        let got = if self.first == 0 {
+            link.session.gather(self.timeout).map(|others| Some([vec![mine], others].concat()))
+        } else {
+            link.session.send(&mine).map(|()| None)
+        };
+        got.map_err(|e| {
+            let why = e.to_string();
+            self.tear_down(&why);
+            Error::Tp(why)
+        })
+    }
+
     /// An error if the team was torn down.
     fn check(&self, what: &str) -> Result<()> {
         match &self.torn_down {

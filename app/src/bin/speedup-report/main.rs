@@ -23,6 +23,7 @@ use cudnn_llm_app::report::cli::{Options, Resolved};
 use cudnn_llm_app::report::{chart, FirstCall, Meta, ModuleRow, Report, Scenario, Side};
 use cudnn_llm_app::BUILD;
 use cudnn_llm_llama::roofline::DecodeRoofline;
+use cudnn_llm_llama::tp::RankEnv;
 use cudnn_llm_llama::weights::Weights;
 use cudnn_llm_llama::{Backend, Backends, Fallback, Llama, NoObserver, Site};
 use cudnn_llm_ops::{Cudnn, DataType, Element};
@@ -45,11 +46,30 @@ fn main() -> ExitCode {
     let opts = Options::parse();
     tool_main(
         "speedup-report",
-        || opts.resolve(),
-        |ctx, plan| match plan.dtype {
+        || {
+            let mut plan = opts.resolve()?;
+            // Started as the ranks of a job of processes: one rank here, the world size the --tp.
+            let env = RankEnv::from_env().map_err(|e| e.to_string())?;
+            if let Some(env) = &env {
+                match plan.tp {
+                    Some(n) if n != env.world => {
+                        return Err(format!(
+                        "--tp {n}, but launched as rank {} of {} (WORLD_SIZE is set): give --tp {} or none",
+                        env.rank, env.world, env.world
+                    ))
+                    }
+                    _ if opts.train => {
+                        return Err("launched as ranks (WORLD_SIZE is set): --train runs on one GPU".into())
+                    }
+                    _ => plan.tp = Some(env.world),
+                }
+            }
+            Ok((plan, env))
+        },
+        |ctx, (plan, env)| match plan.dtype {
             _ if opts.train => train::run(ctx, &opts, &plan),
-            DataType::F16 if plan.tp.is_some() => tp::run::<f16>(ctx, &opts, &plan),
-            _ if plan.tp.is_some() => tp::run::<bf16>(ctx, &opts, &plan),
+            DataType::F16 if plan.tp.is_some() => tp::run::<f16>(ctx, &opts, &plan, env.as_ref()),
+            _ if plan.tp.is_some() => tp::run::<bf16>(ctx, &opts, &plan, env.as_ref()),
             DataType::F16 => run::<f16>(ctx, &opts, &plan),
             _ => run::<bf16>(ctx, &opts, &plan),
         },
@@ -141,7 +161,12 @@ fn measure_all<T: Element>(
             let rows = opts.batch * opts.seq * cfg.hidden;
             m.hidden.push(ctx.stream().clone_dtoh(&out.slice(..rows))?);
         }
-        m.scenarios.push(scenario(work.name.clone(), &measured, &forward_ranges(), model.fallbacks()));
+        m.scenarios.push(scenario(
+            work.name.clone(),
+            &measured,
+            &forward_ranges(),
+            &fell_back(model.fallbacks()),
+        ));
     }
     bar.finish_and_clear();
     // The whole prefill forward replayed as a CUDA graph (plans are built and tuned by now).
@@ -386,9 +411,16 @@ fn forward_ranges() -> Vec<&'static str> {
         .collect()
 }
 
+/// Each fallback's range and reason (what a scenario's rows note; the rank processes of `--tp` send
+/// them to rank 0 so).
+fn fell_back(fallbacks: &[Fallback]) -> Vec<(String, String)> {
+    fallbacks.iter().map(|f| (f.range.to_string(), f.reason.clone())).collect()
+}
+
 /// The scenario `name`: a row per range of `names` that ran (naive `m[0]`, fused `m[1]`), per forward
-/// (averaged over the measured forwards), noting the fused model's `fallbacks`.
-fn scenario(name: String, m: &[Measured], names: &[&str], fallbacks: &[Fallback]) -> Scenario {
+/// (averaged over the measured forwards), noting the fused model's fallbacks (`fell_back`: range and
+/// reason, [`fell_back`]).
+fn scenario(name: String, m: &[Measured], names: &[&str], fell_back: &[(String, String)]) -> Scenario {
     let (naive, fused) = (&m[0], &m[1]);
     let mut rows = Vec::new();
     let empty = Sums::default();
@@ -407,7 +439,7 @@ fn scenario(name: String, m: &[Measured], names: &[&str], fallbacks: &[Fallback]
             }
         };
         let fell: Vec<&str> =
-            fallbacks.iter().filter(|f| f.range == name).map(|f| f.reason.as_str()).collect();
+            fell_back.iter().filter(|(range, _)| range == name).map(|(_, reason)| reason.as_str()).collect();
         let note = if fell.is_empty() { String::new() } else { format!("fell back: {}", fell[0]) };
         rows.push(ModuleRow::new(
             name,

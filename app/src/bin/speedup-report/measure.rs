@@ -13,7 +13,7 @@ use indicatif::ProgressBar;
 use std::collections::BTreeMap;
 
 /// Per range name: calls, kernels, kernel ms (CUPTI) and event ms, summed over the measured forwards.
-#[derive(Default, Clone, Copy)]
+#[derive(Default, Clone, Copy, serde::Serialize, serde::Deserialize)]
 pub(crate) struct Sums {
     pub(crate) calls: f64,
     pub(crate) kernels: f64,
@@ -21,7 +21,7 @@ pub(crate) struct Sums {
     pub(crate) event_ms: f64,
 }
 
-#[derive(Clone)]
+#[derive(Clone, serde::Serialize, serde::Deserialize)]
 pub(crate) struct Measured {
     /// Kernel records were collected (CUPTI worked throughout).
     pub(crate) with_kernels: bool,

@@ -1,5 +1,8 @@
 //! `speedup-report --tp N`: the per-module report of a model split over N GPUs of this host
-//! ([`TpLlama`]: one thread, `Cudnn` context and NCCL communicator per GPU, GPUs `0..N`).
+//! ([`TpLlama`]: one thread, `Cudnn` context and NCCL communicator per GPU, GPUs `0..N`). Started as
+//! the ranks of a job of processes (`cudnn-llm-launch --nproc N -- speedup-report ...`), each process
+//! measures its own rank ([`TpLlama::join`]) and sends its rows to rank 0, which writes the report
+//! (the one-GPU baseline runs on rank 0's GPU once the ranks are done).
 //!
 //! For each scenario (prefill, then decode steps) and each selection (all naive, then the fused
 //! one), every rank runs what the one-GPU report runs: a cold and a warm call of every module (host
@@ -18,16 +21,16 @@
 
 use crate::kernels::{clock, Kernels};
 use crate::measure::{Measured, Sums, Work};
-use crate::{agreement, check, gpu_clocks, meta, plan_lines, scenario, works, write, Error};
+use crate::{agreement, check, fell_back, gpu_clocks, meta, plan_lines, scenario, works, write, Error};
 use cudnn_llm::reference;
 use cudnn_llm_app::bench_util::median;
 use cudnn_llm_app::report::cli::{Options, Resolved};
 use cudnn_llm_app::report::{Report, Scenario};
 use cudnn_llm_llama::model::{ATTN_ALLREDUCE_RANGE, EMBED_RANGE, MLP_ALLREDUCE_RANGE};
 use cudnn_llm_llama::profile::{attribute, KernelRecord, RangeRecord, UNATTRIBUTED};
-use cudnn_llm_llama::tp::{Rank, TpLlama, TpOptions, WeightSource};
+use cudnn_llm_llama::tp::{Rank, RankEnv, TpLlama, TpOptions, WeightSource};
 use cudnn_llm_llama::trace::Tracer;
-use cudnn_llm_llama::{nccl, Backend, Backends, Fallback, NoObserver, Observer, Site};
+use cudnn_llm_llama::{nccl, Backend, Backends, NoObserver, Observer, Site};
 use cudnn_llm_ops::{Cudnn, Element};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::collections::BTreeMap;
@@ -107,29 +110,43 @@ fn selections(plan: &Resolved) -> [(&'static str, Backends); 2] {
 
 /// Runs the tensor-parallel report and writes `report-tpN.{md,csv,json,svg}`; fused and naive
 /// prefill outputs that disagree fail the run after the report is written.
-pub(crate) fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Resolved) -> Result<(), Error> {
+pub(crate) fn run<T: Element>(
+    ctx: &Cudnn,
+    opts: &Options,
+    plan: &Resolved,
+    env: Option<&RankEnv>,
+) -> Result<(), Error> {
     let ranks = plan.tp.ok_or("speedup-report: the tensor-parallel report without --tp")?;
     let clocks_start = gpu_clocks();
     let cfg = &plan.config;
-    eprintln!(
-        "speedup-report --tp {ranks}: {} x {} layers, {}, batch {} x seq {}",
-        cfg.name, cfg.layers, plan.dtype, opts.batch, opts.seq
-    );
+    let leads = env.is_none_or(|e| e.rank == 0);
+    if leads {
+        let how = if env.is_some() { ", a process per rank" } else { "" };
+        eprintln!(
+            "speedup-report --tp {ranks}{how}: {} x {} layers, {}, batch {} x seq {}",
+            cfg.name, cfg.layers, plan.dtype, opts.batch, opts.seq
+        );
+    }
     let source = match &plan.model_dir {
         Some(dir) => WeightSource::checkpoint(cfg, dir)?,
         None => WeightSource::Random { seed: 0 },
     };
     let loading = Instant::now();
-    let mut tp = TpLlama::<T>::new(cfg, ranks, &source, plan.max_seq, tp_options())?;
+    let mut tp = match env {
+        Some(env) => TpLlama::<T>::join(cfg, env, &source, plan.max_seq, tp_options())?,
+        None => TpLlama::<T>::new(cfg, ranks, &source, plan.max_seq, tp_options())?,
+    };
     let load_s = loading.elapsed().as_secs_f64();
     let infos = tp.device_info()?;
-    let devices = tp.devices().to_vec();
+    let gpus: Vec<String> =
+        infos.iter().zip(tp.devices()).map(|(i, d)| format!("GPU {d} {}", i.name)).collect();
     tp.reset_cache(opts.batch, plan.max_seq)?;
     let base = tp.each("device memory", |r| Ok(r.ctx.pool_memory()?.0))?;
     let kernels = Kernels::probe();
     let (prompt, works) = works(opts, cfg.vocab);
     let selections = selections(plan);
-    let bar = ProgressBar::new(plan.forwards as u64).with_style(
+    let bar = if leads { ProgressBar::new(plan.forwards as u64) } else { ProgressBar::hidden() };
+    let bar = bar.with_style(
         ProgressStyle::with_template("{msg:>32} [{bar:30}] {pos}/{len} forwards").expect("a valid template"),
     );
     let mut stray = 0;
@@ -144,7 +161,8 @@ pub(crate) fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Resolved) -> R
     for (_, b) in &selections {
         hidden.push(hidden_states(&mut tp, &prompt, b, cfg.hidden)?);
     }
-    let fallbacks = tp.each("fallbacks", |r| Ok(r.model.fallbacks().to_vec()))?;
+    let fallbacks = tp.each("fallbacks", |r| Ok(fell_back(r.model.fallbacks())))?;
+    let rank0_fallbacks = tp.each("rank 0's fallbacks", |r| Ok(r.model.fallbacks().to_vec()))?.swap_remove(0);
     let plans = tp.each("plans", |r| Ok(plan_lines(&r.ctx)))?;
     let runs = tp.each("kernel runs", |r| {
         Ok(r.ctx
@@ -154,7 +172,15 @@ pub(crate) fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Resolved) -> R
             .collect::<Vec<_>>())
     })?;
     let peak = tp.each("peak memory", |r| Ok(r.ctx.pool_memory()?.1))?;
+    // Every rank's rows, on the process holding rank 0 (as processes, each sends its own there).
+    let here = PerRank { gpus, devices: tp.devices().to_vec(), base, peak, fallbacks, measured, stray };
+    let everyone = match tp.gather(serde_json::to_vec(&here)?)? {
+        None => return Ok(()), // another rank's process: rank 0 reports
+        Some(parts) if parts.len() == 1 => here,
+        Some(parts) => PerRank::merge(parts)?,
+    };
     drop(tp);
+    let PerRank { gpus, devices, base, peak, fallbacks, measured, stray } = everyone;
 
     let names = tp_ranges();
     let mut scenarios: Vec<Scenario> = Vec::new();
@@ -223,14 +249,14 @@ pub(crate) fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Resolved) -> R
         Ok(_) => "one rank: no NCCL".into(),
         Err(e) => format!("NCCL: {e}"),
     };
-    let gpus: Vec<String> = infos.iter().zip(&devices).map(|(i, d)| format!("GPU {d} {}", i.name)).collect();
     extra.push((
         "tensor parallelism".into(),
         format!(
-            "{ranks} ranks on {} (one thread, Cudnn context and NCCL communicator each), {nccl_line}; Megatron \
+            "{ranks} ranks on {} ({}, Cudnn context and NCCL communicator each), {nccl_line}; Megatron \
              split: heads and FFN rows per rank, an all-reduce after o_proj and after the MLP's down, \
              vocabulary-parallel lm_head; loaded in {load_s:.1} s",
-            gpus.join(", ")
+            gpus.join(", "),
+            if env.is_some() { "one process" } else { "one thread" }
         ),
     ));
     extra.push((
@@ -268,13 +294,59 @@ pub(crate) fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Resolved) -> R
         extra.push((format!("kernel {} (rank 0)", i + 1), k.clone()));
     }
     let shape = format!("{} layers, batch {}, seq {}, TP{ranks}", cfg.layers, opts.batch, opts.seq);
-    let rank0: &[Fallback] = fallbacks.first().map_or(&[], |f| f.as_slice());
-    let meta = meta(ctx, plan, &shape, plan.dtype.to_string(), extra, rank0);
+    let meta = meta(ctx, plan, &shape, plan.dtype.to_string(), extra, &rank0_fallbacks);
     let report = Report { meta, scenarios };
     write(&report, opts, &format!("report-tp{ranks}"))?;
     match disagree {
         Some(e) => Err(e.into()),
         None => Ok(()),
+    }
+}
+
+/// What each rank measured, in rank order: what a process sends to rank 0's (as JSON) when the ranks
+/// are processes.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct PerRank {
+    /// `GPU d name` of each rank.
+    gpus: Vec<String>,
+    devices: Vec<usize>,
+    /// Device memory before any forward, and at its peak.
+    base: Vec<u64>,
+    peak: Vec<u64>,
+    /// Each rank's fallbacks (range, reason).
+    fallbacks: Vec<Vec<(String, String)>>,
+    /// `[work][selection][rank]`.
+    measured: Vec<Vec<Vec<Measured>>>,
+    /// Kernels on GPUs of no rank.
+    stray: usize,
+}
+
+impl PerRank {
+    /// The processes' parts (JSON, in rank order) as one.
+    fn merge(parts: Vec<Vec<u8>>) -> Result<PerRank, Error> {
+        let mut all: Option<PerRank> = None;
+        for bytes in parts {
+            let p: PerRank = serde_json::from_slice(&bytes)?;
+            let Some(a) = all.as_mut() else {
+                all = Some(p);
+                continue;
+            };
+            a.gpus.extend(p.gpus);
+            a.devices.extend(p.devices);
+            a.base.extend(p.base);
+            a.peak.extend(p.peak);
+            a.fallbacks.extend(p.fallbacks);
+            a.stray += p.stray;
+            if a.measured.len() != p.measured.len() {
+                return Err("the ranks measured different scenarios".into());
+            }
+            for (work, theirs) in a.measured.iter_mut().zip(p.measured) {
+                for (selection, ranks) in work.iter_mut().zip(theirs) {
+                    selection.extend(ranks);
+                }
+            }
+        }
+        all.ok_or_else(|| "no rank's measurements".into())
     }
 }
 
