@@ -110,7 +110,7 @@ pub fn tool_main<P, E: Display, F: Display>(
     };
     // A rank of a job of processes (WORLD_SIZE set) works on its own GPU, LOCAL_RANK.
     let device =
-        cudnn_llm_llama::nccl::rendezvous::RankEnv::from_env().ok().flatten().map_or(0, |e| e.local_rank);
+        cudnn_llm_llama::nccl::rendezvous::RankEnv::of_several().ok().flatten().map_or(0, |e| e.local_rank);
     let ctx = match Cudnn::new(device) {
         Ok(c) => c,
         Err(e) => {

@@ -202,6 +202,10 @@ fn two_tp_bench_ranks(args: &[&str]) -> (Option<i32>, String, String) {
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(t.elapsed() < Duration::from_secs(60), "{:?}", t.elapsed());
     let failed = if out.status.success() { None } else { Some(out.status.code().unwrap_or(-1)) };
+    // Where the ranks can run (two GPUs, NCCL), they must.
+    let can_run = cudnn_llm::cudnn_ops::device_count().is_ok_and(|n| n >= 2)
+        && cudnn_llm::llama::nccl::library().is_ok();
+    assert!(!(can_run && failed.is_some()), "two GPUs and NCCL are here: {stdout}\n{stderr}");
     if failed.is_some() {
         assert_eq!(failed, Some(1), "{stdout}\n{stderr}");
         assert!(stderr.contains("cudnn-llm-launch: rank"), "{stderr}");

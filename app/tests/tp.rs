@@ -890,7 +890,7 @@ fn rank_process_of_the_processes_test() {
             tp.broadcast(&id.to_le_bytes()).unwrap();
             tp.forward(&[vec![id]], &fused).unwrap();
         }
-        drop(tp);
+        tp.finish();
     } else {
         let mut followed = 0;
         while let Some(m) = tp.receive().unwrap() {
@@ -899,6 +899,7 @@ fn rank_process_of_the_processes_test() {
             followed += 1;
         }
         assert_eq!((followed, tp.cache_len().unwrap()), (3, prompt[0].len() + 3));
+        tp.finish();
     }
 }
 

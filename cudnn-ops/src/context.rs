@@ -100,6 +100,7 @@ impl Cudnn {
 
     /// A context whose cuDNN work goes to `stream`.
     pub fn with_stream(stream: Arc<CudaStream>) -> Result<Self> {
+        crate::faults::from_env()?;
         let exec = crate::startup::timed("handles", || Exec::open(stream), |_| "cuDNN and cuBLAS".into())?;
         let ctx = Cudnn {
             cache: PlanCache::default(),

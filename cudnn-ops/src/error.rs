@@ -72,6 +72,14 @@ pub enum Error {
         /// Bytes free on the device when checked.
         free: usize,
     },
+    /// A failure injected by a test ([`crate::faults`]): the `count`th injected at `site`.
+    #[error("injected failure: the {} injected `{site}` failure (CUDNN_LLM_FAULTS or faults::fail_nth)", ordinal(*.count))]
+    Injected {
+        /// The site's name (`alloc`, `plan`, `compile`, `collective`, `replay`).
+        site: &'static str,
+        /// How many failures this site has injected, this one included.
+        count: u64,
+    },
     /// A paged KV cache has fewer free pages than a step needs (its sequences grow into new pages).
     /// Nothing was allocated; free pages (remove a finished sequence) or make a larger pool.
     #[error("out of KV cache pages: {what} needs {needed} more pages, {free} of {total} are free")]
@@ -115,3 +123,15 @@ macro_rules! ensure {
     };
 }
 pub(crate) use ensure;
+
+/// `1st`, `2nd`, `3rd`, `4th`, ...
+fn ordinal(n: u64) -> String {
+    let suffix = match (n % 10, n % 100) {
+        (1, 11) | (2, 12) | (3, 13) => "th",
+        (1, _) => "st",
+        (2, _) => "nd",
+        (3, _) => "rd",
+        _ => "th",
+    };
+    format!("{n}{suffix}")
+}

@@ -5,6 +5,7 @@
 //!
 //! [`Cudnn`]: crate::Cudnn
 
+use crate::faults::Zeros;
 use crate::features::Features;
 use crate::raw::{self, Handle, HandleId, RawHandle};
 use crate::{Error, Result};
@@ -324,7 +325,7 @@ impl Exec {
         let mut ws = self.workspace.borrow_mut();
         if ws.as_ref().is_none_or(|w| w.len() < bytes) {
             let size = bytes.next_power_of_two().max(1 << 20);
-            *ws = Some(Rc::new(self.stream.alloc_zeros::<u8>(size)?));
+            *ws = Some(Rc::new(self.stream.zeros::<u8>(size)?));
             self.bump_epoch();
         }
         Ok(ws.clone())

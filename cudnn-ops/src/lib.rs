@@ -44,6 +44,7 @@ mod disk;
 mod dtype;
 mod error;
 mod exec;
+pub mod faults;
 mod features;
 mod graph;
 mod kernels;

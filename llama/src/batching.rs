@@ -32,6 +32,7 @@ use crate::model::{Llama, NoObserver, PagedCache, PagedDecodeGraph};
 use crate::sampling::{pick_result, Sampler, SamplingParams};
 use crate::{Error, Result};
 use cudnn_llm_ops::cudarc::driver::CudaSlice;
+use cudnn_llm_ops::faults::Zeros;
 use cudnn_llm_ops::{argmax, ArgmaxArgs, ArgmaxOperands, Cudnn, Element, PageOrder, PagedForm, Pick, SeqId};
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -506,7 +507,7 @@ fn choose<T: Element>(
     let mut words = Vec::new();
     if greedy.iter().any(|&g| g) {
         if picks.as_ref().is_none_or(|p| p.len() < n) {
-            *picks = Some(ctx.stream().alloc_zeros::<u32>(n).map_err(cudnn_llm_ops::Error::from)?);
+            *picks = Some(ctx.stream().zeros::<u32>(n)?);
         }
         let picks = picks.as_mut().expect("allocated above");
         argmax(ctx, ArgmaxArgs::new(n, vocab), ArgmaxOperands::new(dev, picks))?;

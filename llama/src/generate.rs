@@ -38,6 +38,7 @@ use crate::model::{DecodeGraph, KvCache, Llama, NoObserver, Observer};
 use crate::sampling::{pick_result, Sampler};
 use crate::{Error, Result};
 use cudnn_llm_ops::cudarc::driver::CudaSlice;
+use cudnn_llm_ops::faults::Zeros;
 use cudnn_llm_ops::{Cudnn, Element, Pick};
 use std::collections::VecDeque;
 use std::ops::ControlFlow;
@@ -389,7 +390,7 @@ impl<T: Element> Generator<T> {
         self.fits(steps)?;
         if self.window.as_ref().is_none_or(|w| w.len() < steps) {
             let n = steps.max(PIPELINE_STEPS);
-            self.window = Some(ctx.stream().alloc_zeros::<u32>(n).map_err(cudnn_llm_ops::Error::from)?);
+            self.window = Some(ctx.stream().zeros::<u32>(n)?);
         }
         let window = self.window.as_mut().expect("allocated above");
         let graph = self.graph.as_mut().expect("graph_ready");

@@ -54,6 +54,7 @@ use crate::nccl::{Comm, WindowBuf};
 use crate::weights::{LayerWeights, Tensor, Weights};
 use crate::{Backend, Error, Result};
 use cudnn_llm_ops::cudarc::driver::{CudaSlice, CudaView, DevicePtrMut};
+use cudnn_llm_ops::faults::Zeros;
 use cudnn_llm_ops::{argmax, check_ids, ArgmaxArgs, ArgmaxOperands, Cudnn, Element, RopeTables, SeqLens};
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -151,12 +152,12 @@ struct Activations<T> {
 impl<T: Element> Activations<T> {
     /// Zeroed buffers for `rows` tokens of `c`'s shapes, x with the symmetric `window` pair if any.
     fn new(ctx: &Cudnn, c: &LlamaConfig, rows: usize, window: Option<[WindowBuf<T>; 2]>) -> Result<Self> {
-        let alloc = |n: usize| ctx.stream().alloc_zeros::<T>(rows * n).map_err(cudnn_llm_ops::Error::from);
+        let alloc = |n: usize| ctx.stream().zeros::<T>(rows * n);
         Ok(Activations {
             id: next_id(),
             rows,
             last: 0,
-            ids: ctx.stream().alloc_zeros::<u32>(rows).map_err(cudnn_llm_ops::Error::from)?,
+            ids: ctx.stream().zeros::<u32>(rows)?,
             x: Residual::new(alloc(c.hidden)?, alloc(c.hidden)?).with_window(window),
             scratch: Scratch {
                 h: alloc(c.hidden)?,
@@ -419,7 +420,7 @@ impl<T: Element> Llama<T> {
         ctx.ensure_free(bytes, || {
             format!("a KV cache of {} layers x {batch} sequences x {max_seq} positions", self.cfg.layers)
         })?;
-        let alloc = || ctx.stream().alloc_zeros::<T>(n).map_err(cudnn_llm_ops::Error::from);
+        let alloc = || ctx.stream().zeros::<T>(n);
         let mut k = Vec::with_capacity(self.cfg.layers);
         let mut v = Vec::with_capacity(self.cfg.layers);
         for _ in 0..self.cfg.layers {
@@ -427,9 +428,9 @@ impl<T: Element> Llama<T> {
             v.push(alloc()?);
         }
         let s = ctx.stream();
-        let kv_lens = s.alloc_zeros::<i32>(batch).map_err(cudnn_llm_ops::Error::from)?;
+        let kv_lens = s.zeros::<i32>(batch)?;
         let q_lens = s.clone_htod(&vec![1i32; batch]).map_err(cudnn_llm_ops::Error::from)?;
-        let positions = s.alloc_zeros::<i32>(batch).map_err(cudnn_llm_ops::Error::from)?;
+        let positions = s.zeros::<i32>(batch)?;
         let seq_lens = SeqLens::new(ctx, batch, 1, max_seq)?;
         let ramp: Vec<i32> = (0..=max_seq as i32).flat_map(|p| std::iter::repeat_n(p, batch)).collect();
         let ramp = s.clone_htod(&ramp).map_err(cudnn_llm_ops::Error::from)?;
@@ -562,14 +563,10 @@ impl<T: Element> Llama<T> {
         if !self.padded_decode || !(0..self.cfg.layers).all(fused) {
             return Err(host_positions());
         }
-        let mut logits = ctx
-            .stream()
-            .alloc_zeros::<T>(cache.batch * self.cfg.vocab)
-            .map_err(cudnn_llm_ops::Error::from)?;
+        let mut logits = ctx.stream().zeros::<T>(cache.batch * self.cfg.vocab)?;
         let mut picks = match greedy {
             true => {
-                let mut picks =
-                    ctx.stream().alloc_zeros::<u32>(cache.batch).map_err(cudnn_llm_ops::Error::from)?;
+                let mut picks = ctx.stream().zeros::<u32>(cache.batch)?;
                 // Loads the kernel outside the capture: the picks of the zeroed logits, all id 0.
                 argmax(ctx, ArgmaxArgs::new(1, 1), ArgmaxOperands::new(&logits, &mut picks))?;
                 Some(picks)
@@ -683,6 +680,7 @@ impl<T: Element> Llama<T> {
 
     /// Launches `graph` (ids and positions uploaded) and counts its token in `cache`.
     fn replay(&mut self, ctx: &Cudnn, graph: &mut DecodeGraph<T>, cache: &mut KvCache<T>) -> Result<()> {
+        cudnn_llm_ops::faults::hit(cudnn_llm_ops::faults::Site::Replay)?;
         graph.graph.launch().map_err(cudnn_llm_ops::Error::from)?;
         // The replay records no events: mark what it writes as written on this stream, so another
         // stream that reads them is ordered after the replay.
@@ -915,13 +913,13 @@ impl<T: Element> Llama<T> {
         }
         let (n, hidden) = (rows.len(), self.cfg.hidden);
         let s = ctx.stream();
-        let mut x = s.alloc_zeros::<T>(n * hidden).map_err(cudnn_llm_ops::Error::from)?;
+        let mut x = s.zeros::<T>(n * hidden)?;
         for (i, &r) in rows.iter().enumerate() {
             let src = acts.out.slice(r * hidden..(r + 1) * hidden);
             s.memcpy_dtod(&src, &mut x.slice_mut(i * hidden..(i + 1) * hidden))
                 .map_err(cudnn_llm_ops::Error::from)?;
         }
-        let mut out = s.alloc_zeros::<T>(n * self.cfg.vocab).map_err(cudnn_llm_ops::Error::from)?;
+        let mut out = s.zeros::<T>(n * self.cfg.vocab)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed.table);
         let dispatch = Dispatch::new(&mut self.fallbacks, backends, obs);
         lm_head(ctx, head, self.comm.as_ref(), dispatch, (&x.as_view(), n), &mut out)?;
@@ -939,7 +937,7 @@ impl<T: Element> Llama<T> {
         obs: &mut dyn Observer,
     ) -> Result<CudaSlice<T>> {
         let n = rows.len() * self.cfg.vocab;
-        let mut out = ctx.stream().alloc_zeros::<T>(n).map_err(cudnn_llm_ops::Error::from)?;
+        let mut out = ctx.stream().zeros::<T>(n)?;
         self.head(ctx, rows, backends, obs, &mut out)?;
         Ok(out)
     }

@@ -447,6 +447,9 @@ pub enum NcclError {
     /// Arguments a collective cannot take (the message names them); nothing was enqueued.
     #[error("{0}")]
     Argument(String),
+    /// A failure a test injected ([`cudnn_llm_ops::faults`]); nothing was enqueued.
+    #[error("{0}")]
+    Injected(String),
     /// A CUDA call around a collective failed (the message names it).
     #[error("{0}")]
     Cuda(String),
@@ -613,6 +616,15 @@ impl std::fmt::Debug for Comm {
 /// [`abort_all`] takes it.
 #[derive(Clone)]
 pub struct AbortHandle(Vec<Arc<Shared>>);
+
+/// A collective's fault-injection check ([`cudnn_llm_ops::faults`], [`Site::Collective`]): nothing is
+/// enqueued when it fails.
+///
+/// [`Site::Collective`]: cudnn_llm_ops::faults::Site::Collective
+fn injected(what: &str) -> Result<(), NcclError> {
+    cudnn_llm_ops::faults::hit(cudnn_llm_ops::faults::Site::Collective)
+        .map_err(|e| NcclError::Injected(format!("{what}: {e}")))
+}
 
 /// Ends the communicators of `handles` that still live: their owners' later calls fail with
 /// [`NcclError::Aborted`] (`why`) at once, and a helper thread calls `ncclCommAbort` on each, which
@@ -1015,6 +1027,7 @@ impl Comm {
         stream: &CudaStream,
         buf: &mut impl DevicePtrMut<T>,
     ) -> Result<(), NcclError> {
+        injected("all_reduce_sum")?;
         let (dtype, _) = nccl_type::<T>()?;
         self.same_device("all_reduce_sum", stream, buf)?;
         self.after_graphs(stream)?;
@@ -1062,6 +1075,7 @@ impl Comm {
         stream: &CudaStream,
         buf: &mut impl DevicePtrMut<T>,
     ) -> Result<(), NcclError> {
+        injected(what)?;
         let element = nccl_type::<T>()?;
         self.same_device(what, stream, buf)?;
         let len = buf.len();

@@ -110,6 +110,21 @@ impl RankEnv {
         Self::from_vars(|k| std::env::var(k).ok())
     }
 
+    /// [`RankEnv::from_env`] when this process is one rank of several (`WORLD_SIZE` above 1), `None`
+    /// when `WORLD_SIZE` is unset or 1 (a job of one process is no job of ranks: the other variables
+    /// are not read). What the binaries use to choose their mode.
+    pub fn of_several() -> Result<Option<RankEnv>, RendezvousError> {
+        Self::of_several_from(|k| std::env::var(k).ok())
+    }
+
+    /// [`RankEnv::of_several`] with `var` as the environment.
+    pub fn of_several_from(var: impl Fn(&str) -> Option<String>) -> Result<Option<RankEnv>, RendezvousError> {
+        match var("WORLD_SIZE") {
+            Some(w) if w.trim() == "1" => Ok(None),
+            _ => Self::from_vars(var),
+        }
+    }
+
     /// [`RankEnv::from_env`] with `var` as the environment.
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Option<RankEnv>, RendezvousError> {
         let Some(world) = var("WORLD_SIZE") else { return Ok(None) };
@@ -197,14 +212,15 @@ pub struct Session {
     links: Vec<(usize, TcpStream)>,
     flags: Arc<Mutex<Flags>>,
     writers: Arc<Mutex<Vec<(usize, TcpStream)>>>,
-    /// What rank 0's watcher hands on (a follower's): taken by [`Session::watch`].
+    /// What the watchers hand on: taken by [`Session::watch`].
     inbox_sender: Option<mpsc::Sender<Inbound>>,
     inbox: Mutex<mpsc::Receiver<Inbound>>,
     /// Rank 0: each other rank's messages that came before the gather they belong to.
     early: Mutex<Vec<std::collections::VecDeque<Vec<u8>>>>,
 }
 
-/// What a follower's watcher of rank 0 hands to [`Session::receive`].
+/// What a watcher hands on: to a follower's [`Session::receive`] (from rank 0), or to rank 0's
+/// [`Session::gather`] (from the rank it watches).
 enum Inbound {
     /// A message: from rank 0 on a follower; on rank 0, from the rank named.
     Message(usize, Vec<u8>),
@@ -519,6 +535,11 @@ impl Session {
     pub fn watch(&mut self, silence: Duration, on_failure: impl Fn(String) + Send + Sync + 'static) {
         let on_failure = Arc::new(on_failure);
         let inbox = self.inbox_sender.take();
+        // A write to a host that vanished without a reset would block for the kernel's retransmits
+        // (minutes) under the writers' lock, stopping every heartbeat: it gives up after `silence`.
+        for (_, w) in lock(&self.writers).iter() {
+            let _ = w.set_write_timeout(Some(silence.max(Duration::from_millis(100))));
+        }
         for (peer, mut s) in std::mem::take(&mut self.links) {
             let (flags, writers, on_failure) = (self.flags.clone(), self.writers.clone(), on_failure.clone());
             let me = self.rank;
@@ -655,6 +676,14 @@ impl Session {
         let inbox = lock(&self.inbox);
         let mut early = lock(&self.early);
         let mut got: Vec<Option<Vec<u8>>> = (1..self.world).map(|r| early[r - 1].pop_front()).collect();
+        // On an error, what came stays first in line for the next gather.
+        let keep = |got: &mut Vec<Option<Vec<u8>>>, early: &mut Vec<std::collections::VecDeque<Vec<u8>>>| {
+            for (queue, m) in early.iter_mut().zip(got.drain(..)) {
+                if let Some(m) = m {
+                    queue.push_front(m);
+                }
+            }
+        };
         while let Some(missing) = got.iter().position(Option::is_none) {
             match inbox.recv_timeout(remaining(deadline)) {
                 Ok(Inbound::Message(peer, bytes)) if (1..self.world).contains(&peer) => {
@@ -664,16 +693,21 @@ impl Session {
                     }
                 }
                 Ok(Inbound::Message(..) | Inbound::Finished) => {}
-                Ok(Inbound::Failed(why)) => return Err(fail(0, self.world, why)),
+                Ok(Inbound::Failed(why)) => {
+                    keep(&mut got, &mut early);
+                    return Err(fail(0, self.world, why));
+                }
                 Err(mpsc::RecvTimeoutError::Timeout) => {
+                    keep(&mut got, &mut early);
                     return Err(fail(
                         0,
                         self.world,
                         format!("rank {} sent nothing within {timeout:.0?}", missing + 1),
-                    ))
+                    ));
                 }
                 Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    return Err(fail(0, self.world, "the other ranks' links are closed"))
+                    keep(&mut got, &mut early);
+                    return Err(fail(0, self.world, "the other ranks' links are closed"));
                 }
             }
         }
@@ -815,6 +849,19 @@ mod tests {
         let pairs: Vec<(String, String)> =
             pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         move |k| pairs.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
+    }
+
+    #[test]
+    fn a_job_of_one_process_is_no_job_of_ranks() {
+        assert_eq!(RankEnv::of_several_from(vars(&[])).unwrap(), None);
+        assert_eq!(
+            RankEnv::of_several_from(vars(&[("WORLD_SIZE", "1")])).unwrap(),
+            None,
+            "nothing else read"
+        );
+        let two = [("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "29500")];
+        assert_eq!(RankEnv::of_several_from(vars(&two)).unwrap().unwrap().rank, 1);
+        assert!(RankEnv::of_several_from(vars(&[("WORLD_SIZE", "2")])).is_err(), "RANK missing");
     }
 
     #[test]
@@ -1074,9 +1121,13 @@ mod tests {
         // Before watching nothing reads the link: an error, not a hang.
         let early = followers[0].receive(Duration::from_millis(10)).unwrap_err().to_string();
         assert!(early.contains("receive before watch"), "{early}");
-        zero.watch(T, |why| panic!("rank 0 saw a failure: {why}"));
+        // No rank fails here: whatever a watcher reports ends in `failures`, checked at the end.
+        let (report, failures) = mpsc::channel();
+        let r = report.clone();
+        zero.watch(T, move |why| r.send(why).unwrap());
         for f in &mut followers {
-            f.watch(T, |why| panic!("a follower saw a failure: {why}"));
+            let r = report.clone();
+            f.watch(T, move |why| r.send(why).unwrap());
         }
         let big: Vec<u8> = (0..1_000_003u32).map(|i| (i % 251) as u8).collect();
         let sent = [b"prefill 1 2 3".to_vec(), Vec::new(), big];
@@ -1102,6 +1153,8 @@ mod tests {
         for f in followers {
             f.finish();
         }
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(failures.try_iter().collect::<Vec<_>>(), Vec::<String>::new());
     }
 
     #[test]

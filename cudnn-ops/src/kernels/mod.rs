@@ -7,6 +7,7 @@ pub(crate) mod blas;
 mod store;
 
 use crate::exec::Exec;
+use crate::faults::Zeros;
 use crate::{Error, Result};
 use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
@@ -115,7 +116,7 @@ impl Kernels {
                 )));
             }
             held.buf = None;
-            held.buf = Some(ctx.stream().alloc_zeros::<T>(len.max(1))?);
+            held.buf = Some(ctx.stream().zeros::<T>(len.max(1))?);
             ctx.bump_epoch();
         }
         held.in_use = true;
@@ -345,7 +346,7 @@ pub(crate) fn scratch(ctx: &Exec, kernels: &Kernels, len: usize) -> Result<u64> 
     let mut s = kernels.scratch.borrow_mut();
     if s.as_ref().is_none_or(|s| s.len() < len) {
         *s = None;
-        *s = Some(ctx.stream().alloc_zeros::<f32>(len)?);
+        *s = Some(ctx.stream().zeros::<f32>(len)?);
         ctx.bump_epoch();
     }
     let slice = s.as_ref().expect("just allocated");

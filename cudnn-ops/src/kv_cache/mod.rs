@@ -57,6 +57,7 @@ pub use pages::{PageAllocator, SeqId};
 
 use crate::dtype::Element;
 use crate::error::ensure;
+use crate::faults::Zeros;
 use crate::ops::rope::{rope, RopeArgs, RopeOperands, RopeTables};
 use crate::ops::rows::{write_cache, CacheWrite, CacheWriteOperands};
 use crate::ops::sdpa::SeqLens;
@@ -104,17 +105,17 @@ impl<T: Element> KvCache<T> {
         let mut k = Vec::with_capacity(layers);
         let mut v = Vec::with_capacity(layers);
         for _ in 0..layers {
-            k.push(s.alloc_zeros::<T>(shape.layer_len())?);
-            v.push(s.alloc_zeros::<T>(shape.layer_len())?);
+            k.push(s.zeros::<T>(shape.layer_len())?);
+            v.push(s.zeros::<T>(shape.layer_len())?);
         }
         Ok(KvCache {
             shape,
             k,
             v,
             lens: Lens::new(batch, max_seq),
-            positions: s.alloc_zeros::<i32>(batch)?,
-            kv_lens: s.alloc_zeros::<i32>(batch)?,
-            q_lens: s.alloc_zeros::<i32>(batch)?,
+            positions: s.zeros::<i32>(batch)?,
+            kv_lens: s.zeros::<i32>(batch)?,
+            q_lens: s.zeros::<i32>(batch)?,
             seq_lens: SeqLens::new(ctx, batch, 1, max_seq)?,
             clamped: false,
             padded_refusal: None,

@@ -6,6 +6,7 @@ use super::pages::{PagedBook, PagedStep, SeqId};
 use super::{check_append, within, KvCacheShape, QkvRows};
 use crate::dtype::Element;
 use crate::error::ensure;
+use crate::faults::Zeros;
 use crate::ops::rope::{rope, RopeArgs, RopeOperands, RopeTables, TokenPositions};
 use crate::ops::rows::{
     gather_pages, CacheRows, PageGather, PageGatherOperands, PageShape, PageTable, TableShape,
@@ -201,8 +202,8 @@ impl<T: Element> PagedKvCache<T> {
         let s = ctx.stream();
         let (mut k, mut v) = (Vec::with_capacity(shape.layers), Vec::with_capacity(shape.layers));
         for _ in 0..shape.layers {
-            k.push(s.alloc_zeros::<T>(shape.pages.pool_len())?);
-            v.push(s.alloc_zeros::<T>(shape.pages.pool_len())?);
+            k.push(s.zeros::<T>(shape.pages.pool_len())?);
+            v.push(s.zeros::<T>(shape.pages.pool_len())?);
         }
         let n = shape.max_batch;
         Ok(PagedKvCache {
@@ -211,9 +212,9 @@ impl<T: Element> PagedKvCache<T> {
             v,
             table: PageTable::new(ctx, table)?,
             book: PagedBook::new(shape.pages.num_pages, shape.pages.page_size, table.max_pages, n)?,
-            positions: s.alloc_zeros::<i32>(n)?,
-            kv_lens: s.alloc_zeros::<i32>(n)?,
-            q_lens: s.alloc_zeros::<i32>(n)?,
+            positions: s.zeros::<i32>(n)?,
+            kv_lens: s.zeros::<i32>(n)?,
+            q_lens: s.zeros::<i32>(n)?,
             seq_lens: SeqLens::new(ctx, n, 1, shape.capacity())?,
             clamped: false,
             path: PagedPath::Fused,
@@ -221,7 +222,7 @@ impl<T: Element> PagedKvCache<T> {
             last_form: None,
             on_device: true,
             gathered: None,
-            tokens: s.alloc_zeros::<i32>(2)?,
+            tokens: s.zeros::<i32>(2)?,
             ragged: None,
         })
     }
@@ -305,7 +306,7 @@ impl<T: Element> PagedKvCache<T> {
             s.memcpy_htod(&v.q_lens, &mut self.q_lens)?;
             if !v.tokens.is_empty() {
                 if self.tokens.len() < v.tokens.len() {
-                    self.tokens = s.alloc_zeros::<i32>(v.tokens.len())?;
+                    self.tokens = s.zeros::<i32>(v.tokens.len())?;
                 }
                 s.memcpy_htod(&v.tokens, &mut self.tokens.slice_mut(..v.tokens.len()))?;
             }
@@ -621,10 +622,8 @@ impl<T: Element> PagedKvCache<T> {
         let contiguous = KvCacheShape::new(1, self.shape.max_batch, cap, heads_kv, d)?;
         if self.gathered.is_none() {
             let s = ctx.stream();
-            self.gathered = Some((
-                s.alloc_zeros::<T>(contiguous.layer_len())?,
-                s.alloc_zeros::<T>(contiguous.layer_len())?,
-            ));
+            self.gathered =
+                Some((s.zeros::<T>(contiguous.layer_len())?, s.zeros::<T>(contiguous.layer_len())?));
         }
         let (gk, gv) = self.gathered.as_mut().expect("allocated above");
         let g = PageGather::new(n, end, cap);

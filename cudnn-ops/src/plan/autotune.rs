@@ -8,6 +8,7 @@ use super::engine::{knob_ranges, EngineChoice, KnobRange};
 use super::lifecycle::Candidate;
 use super::{Bindings, Plan};
 use crate::exec::Exec;
+use crate::faults::Zeros;
 use crate::{Error, Result};
 use cudarc::driver::{CudaEvent, CudaSlice};
 use std::collections::HashMap;
@@ -224,15 +225,13 @@ impl Flusher {
         let rows = (2 * l2).div_ceil(4 * FLUSH_COLS);
         let stream = ctx.stream();
         if mode == L2Flush::Read && ctx.blas().is_ok() {
-            if let (Ok(a), Ok(x), Ok(y)) = (
-                stream.alloc_zeros(rows * FLUSH_COLS),
-                stream.alloc_zeros(FLUSH_COLS),
-                stream.alloc_zeros(rows),
-            ) {
+            if let (Ok(a), Ok(x), Ok(y)) =
+                (stream.zeros(rows * FLUSH_COLS), stream.zeros(FLUSH_COLS), stream.zeros(rows))
+            {
                 return Flusher::Read { a, x, y, rows };
             }
         }
-        stream.alloc_zeros::<u8>(2 * l2).map_or(Flusher::Off, Flusher::Write)
+        stream.zeros::<u8>(2 * l2).map_or(Flusher::Off, Flusher::Write)
     }
 
     /// Enqueues the flush on the context's stream (autotuning carries on without one if this fails).

@@ -70,6 +70,9 @@ impl Plan {
     /// the stored plan of this very graph is loaded instead when there is a usable one, and a plan
     /// built here is saved once final (now, or after the autotuning of its first execution).
     pub(crate) fn from_graph(ctx: &Exec, parts: PlanParts, started: Instant, tuning: Tuning) -> Result<Plan> {
+        // A graph's plan as a whole (not one engine configuration, whose failure is routine: the next
+        // is tried), loaded or built: the fault-injection site.
+        crate::faults::hit(crate::faults::Site::PlanBuild)?;
         let PlanParts { name, form, graph, descriptors, tensors, constants, persist } = parts;
         let Loaded { plan: stored, save } = match persist {
             Some(p) => p.load(ctx, &graph),

@@ -39,6 +39,7 @@ pub(crate) fn options((major, minor): (i32, i32)) -> Vec<String> {
 /// or the compiler's log. Call only after [`library_present`]. Programs are independent: several
 /// threads may compile at once.
 pub(crate) fn compile_cubin(source: &str, name: &str, arch: (i32, i32)) -> Result<Vec<u8>, String> {
+    crate::faults::hit(crate::faults::Site::Compile).map_err(|e| format!("{name}: {e}"))?;
     let src = CString::new(source).map_err(|_| format!("{name}: a NUL byte in the source"))?;
     let cname = CString::new(name).map_err(|_| format!("{name}: a NUL byte in the name"))?;
     let prog = Program(result::create_program(&src, Some(&cname)).map_err(|e| format!("{name}: {e:?}"))?);

@@ -13,6 +13,7 @@ use crate::modules::dispatch::Dispatch;
 use crate::modules::{Pass, Tokens};
 use crate::{Backend, Error, Result};
 use cudnn_llm_ops::cudarc::driver::{CudaGraph, CudaSlice, DevicePtrMut};
+use cudnn_llm_ops::faults::Zeros;
 use cudnn_llm_ops::{check_ids, Cudnn, Element, PageOrder, PageShape, PagedKvCache, PagedKvShape, SeqId};
 
 /// A paged KV cache made for a model ([`Llama::paged_cache`]): cudnn-ops' [`PagedKvCache`] (read
@@ -192,8 +193,7 @@ impl<T: Element> Llama<T> {
                 "RoPE or attention is not fused in every layer (positions would be host values)".into(),
             );
         }
-        let mut logits =
-            ctx.stream().alloc_zeros::<T>(rows * self.cfg.vocab).map_err(cudnn_llm_ops::Error::from)?;
+        let mut logits = ctx.stream().zeros::<T>(rows * self.cfg.vocab)?;
         let epoch = ctx.buffer_epoch();
         // SAFETY: the caller's promise (this function's contract is `Cudnn::capture`'s).
         let ((), graph) = unsafe {
@@ -237,6 +237,7 @@ impl<T: Element> Llama<T> {
         }
         self.check_current("decode_paged", ctx, graph.acts_id, graph.epoch)?;
         self.upload_ids(ctx, ids, rows)?;
+        cudnn_llm_ops::faults::hit(cudnn_llm_ops::faults::Site::Replay)?;
         graph.graph.launch().map_err(cudnn_llm_ops::Error::from)?;
         // The replay records no events: mark the logits written on this stream.
         drop(graph.logits.device_ptr_mut(ctx.stream()));

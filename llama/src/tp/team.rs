@@ -29,6 +29,10 @@ const GRACE: Duration = Duration::from_secs(30);
 const SILENCE_MIN: Duration = Duration::from_secs(5);
 const SILENCE_MAX: Duration = Duration::from_secs(60);
 
+/// How long a rank of a job of processes waits, after a collective failed here, for the rendezvous
+/// link to name another rank that failed.
+const PEER_REPORT: Duration = Duration::from_secs(1);
+
 /// The longest wait a team call takes, whatever its timeout says.
 const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
@@ -335,22 +339,32 @@ impl<T: Element> TpLlama<T> {
             UniqueId::new().map(|id| id.as_bytes().to_vec()).map_err(|e| e.to_string())
         })
         .map_err(tp)?;
+        // Watched from here on: a rank that fails or dies while the others make their communicators
+        // (which block until every rank has joined) ends their wait too.
+        let failure = Arc::new(Mutex::new(None::<String>));
+        let aborts = Arc::new(Mutex::new(Vec::<AbortHandle>::new()));
+        let (heard, to_abort) = (failure.clone(), aborts.clone());
+        session.watch(options.timeout.clamp(SILENCE_MIN, SILENCE_MAX), move |why| {
+            heard.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(why.clone());
+            crate::nccl::abort_all(&to_abort.lock().unwrap_or_else(|p| p.into_inner()), &why);
+        });
+        let link = Link { session, failure };
         let comm = if world > 1 {
-            let id = UniqueId::from_bytes(session.payload())?;
-            let made = Comm::init_rank(device, env.rank, world, &id, &options.nccl);
-            Some(made.inspect_err(|e| session.abort(&format!("its communicator: {e}")))?)
+            let made = UniqueId::from_bytes(link.session.payload())
+                .map_err(Error::from)
+                .and_then(|id| init_watched(device, env.rank, world, id, &options, &link));
+            let comm = made.inspect_err(|e| link.session.abort(&format!("its communicator: {e}")))?;
+            aborts.lock().unwrap_or_else(|p| p.into_inner()).push(comm.abort_handle());
+            Some(comm)
         } else {
             None
         };
-        let failure = Arc::new(Mutex::new(None::<String>));
-        let aborts: Vec<AbortHandle> = comm.iter().map(Comm::abort_handle).collect();
-        let heard = failure.clone();
-        session.watch(options.timeout.clamp(SILENCE_MIN, SILENCE_MAX), move |why| {
-            heard.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(why.clone());
-            crate::nccl::abort_all(&aborts, &why);
-        });
+        if let Some(why) = link.failure() {
+            // A rank failed after this one's communicator was made, before its abort was registered.
+            return Err(Error::Tp(why));
+        }
         let here = vec![(env.rank, device, comm)];
-        Self::start(cfg, plan, here, source, max_positions, &options, Some(Link { session, failure }))
+        Self::start(cfg, plan, here, source, max_positions, &options, Some(link))
     }
 
     /// Starts a thread for each of `here`'s ranks (index, GPU, communicator), which loads its shard,
@@ -431,6 +445,20 @@ impl<T: Element> TpLlama<T> {
         &self.plan
     }
 
+    /// Ends the team cleanly: as a rank of a job of processes, tells the others this rank is done (a
+    /// follower waiting in [`TpLlama::receive`] gets `None`) before its communicator goes; dropping
+    /// the team without this tells them it failed. With every rank in this process, the same as a
+    /// drop.
+    pub fn finish(mut self) {
+        if let Some(link) = self.link.take() {
+            if self.torn_down.is_none() {
+                link.session.finish();
+            } else {
+                self.link = Some(link); // Drop reports why
+            }
+        }
+    }
+
     /// The GPU ordinals of the ranks this process holds, in rank order (all of them, or with
     /// [`TpLlama::join`] its own).
     pub fn devices(&self) -> &[usize] {
@@ -453,10 +481,12 @@ impl<T: Element> TpLlama<T> {
     /// rank that cannot be reached.
     pub fn broadcast(&mut self, bytes: &[u8]) -> Result<()> {
         self.check("broadcast")?;
-        match &self.link {
-            Some(link) => link.session.broadcast(bytes).map_err(|e| self.peer_error(e.to_string())),
-            None => Ok(()),
-        }
+        let Some(link) = &self.link else { return Ok(()) };
+        link.session.broadcast(bytes).map_err(|e| {
+            let e = self.peer_error(e.to_string());
+            self.tear_down(&e.to_string());
+            e
+        })
     }
 
     /// Another rank of a job of processes: rank 0's next [`TpLlama::broadcast`], `None` once rank 0
@@ -493,6 +523,20 @@ impl<T: Element> TpLlama<T> {
             self.tear_down(&why);
             Error::Tp(why)
         })
+    }
+
+    /// A collective that failed here may have failed for another process's rank (NCCL saw its peer
+    /// go before the rendezvous link did): waits up to [`PEER_REPORT`] for the link to say which rank,
+    /// so that the error names the cause (tearing down first would silence the link).
+    fn await_peer_report(&self, e: &Error) {
+        let Some(link) = &self.link else { return };
+        if !matches!(e, Error::Nccl(_)) {
+            return;
+        }
+        let until = Instant::now() + PEER_REPORT;
+        while link.failure().is_none() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     /// An error if the team was torn down.
@@ -560,6 +604,7 @@ impl<T: Element> TpLlama<T> {
                         Ok(v) => values[rank] = Some(v),
                         Err(e) if failure.is_none() => {
                             let rank = self.first + rank;
+                            self.await_peer_report(&e);
                             self.tear_down(&format!("rank {rank} failed in {what}: {e}"));
                             failure = Some(Error::Rank { rank, error: Box::new(e) });
                             deadline = Instant::now() + GRACE;
@@ -716,14 +761,17 @@ impl<T: Element> Drop for TpLlama<T> {
     /// Ends the rank threads (each drops its shard and destroys its communicator); threads of a
     /// torn-down team that do not end within the grace period are left behind rather than waited for.
     fn drop(&mut self) {
-        // The other processes' ranks first (a goodbye, or why not): a follower waiting for rank 0's
-        // next message ends its own ranks now, and NCCL's teardown of a communicator waits for every
-        // rank's (so ending ours before telling them would wait forever).
+        // The other processes' ranks first: a follower waiting for rank 0's next message ends its
+        // own ranks now, and NCCL's teardown of a communicator waits for every rank's (so ending ours
+        // before telling them would wait forever). Dropped without [`TpLlama::finish`], this rank
+        // ends on an error or a panic: the others are told so.
         if let Some(link) = self.link.take() {
-            match &self.torn_down {
-                None => link.session.finish(),
-                Some(why) => link.session.abort(why), // then dropped: its links close
-            }
+            let why = match &self.torn_down {
+                Some(why) => why.clone(),
+                None if std::thread::panicking() => "it panicked".to_string(),
+                None => "it ended without finishing (an error on this rank)".to_string(),
+            };
+            link.session.abort(&why); // then dropped: its links close
         }
         for w in &mut self.workers {
             w.jobs = None;
@@ -740,6 +788,47 @@ impl<T: Element> Drop for TpLlama<T> {
                 }
             }
             let _ = thread.join();
+        }
+    }
+}
+
+/// This process's communicator, made on a helper thread while the rendezvous link is watched:
+/// `ncclCommInitRank` blocks until every rank has called it, so a rank that failed or died before
+/// (the link says which) or a wait past the timeout ends the wait here with an error. The helper
+/// thread is then left blocked in NCCL; the process's end takes it.
+fn init_watched(
+    device: usize,
+    rank: usize,
+    world: usize,
+    id: UniqueId,
+    options: &TpOptions,
+    link: &Link,
+) -> Result<Comm> {
+    let (made, wait) = mpsc::channel();
+    let nccl = options.nccl;
+    std::thread::Builder::new()
+        .name(format!("tp-rank-{rank}-init"))
+        .spawn(move || {
+            let _ = made.send(Comm::init_rank(device, rank, world, &id, &nccl));
+        })
+        .map_err(|e| Error::Tp(format!("cannot start rank {rank}'s communicator thread: {e}")))?;
+    let until = Instant::now() + options.timeout.min(CENTURY);
+    loop {
+        match wait.recv_timeout(Duration::from_millis(20)) {
+            Ok(comm) => return Ok(comm?),
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(Error::Tp(format!("rank {rank}'s communicator thread ended without a result")))
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+        }
+        if let Some(why) = link.failure() {
+            return Err(Error::Tp(format!("{why} (while rank {rank} made its NCCL communicator)")));
+        }
+        if Instant::now() >= until {
+            return Err(Error::Tp(format!(
+                "rank {rank}'s NCCL communicator was not made within {:?} (a rank did not join NCCL)",
+                options.timeout
+            )));
         }
     }
 }

@@ -10,6 +10,7 @@ use crate::config::LlamaConfig;
 use crate::weights::{Tensor, Weights};
 use crate::Result;
 use cudnn_llm_ops::cudarc::driver::CudaSlice;
+use cudnn_llm_ops::faults::Zeros;
 use cudnn_llm_ops::{Cudnn, Element};
 
 /// Tensors per layer in the parameter list.
@@ -150,7 +151,7 @@ impl<T: Element> Params<T> {
         let s = ctx.stream();
         let host = fuse(w);
         let ops = cudnn_llm_ops::Error::from;
-        let zeros = |n: usize| s.alloc_zeros::<f32>(n).map_err(ops);
+        let zeros = |n: usize| s.zeros::<f32>(n);
         let mut p = Params {
             ids: Ids::new(cfg),
             values: Vec::new(),

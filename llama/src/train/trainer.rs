@@ -16,6 +16,7 @@ use crate::weights::Weights;
 use crate::{Error, Result};
 use cudnn_llm_ops::cudarc::driver::sys::CUevent_flags;
 use cudnn_llm_ops::cudarc::driver::{CudaEvent, CudaSlice, DevicePtr, DevicePtrMut};
+use cudnn_llm_ops::faults::Zeros;
 use cudnn_llm_ops::{
     adamw, check_ids, grad_norm, AdamWArgs, AdamWOperands, AdamWTensor, Cudnn, DataType, Element,
     GradNormArgs, GradNormOperands, MultiTensor, RopeTables,
@@ -70,8 +71,8 @@ impl<T: Element> Acts<T> {
     fn new(ctx: &Cudnn, cfg: &LlamaConfig, batch: usize, seq: usize, checkpoint: bool) -> Result<Self> {
         let rows = batch * seq;
         let s = ctx.stream();
-        let t = |n: usize| s.alloc_zeros::<T>(n).map_err(ops_err);
-        let f = |n: usize| s.alloc_zeros::<f32>(n).map_err(ops_err);
+        let t = |n: usize| s.zeros::<T>(n).map_err(Error::Ops);
+        let f = |n: usize| s.zeros::<f32>(n).map_err(Error::Ops);
         let (h, w, a, ffn) = (cfg.hidden, cfg.qkv_width(), cfg.attn_width(), cfg.ffn);
         let layer = || -> Result<LayerActs<T>> {
             Ok(LayerActs {
@@ -90,8 +91,8 @@ impl<T: Element> Acts<T> {
             batch,
             seq,
             checkpoint,
-            ids: s.alloc_zeros::<u32>(rows).map_err(ops_err)?,
-            targets: s.alloc_zeros::<i32>(rows).map_err(ops_err)?,
+            ids: s.zeros::<u32>(rows)?,
+            targets: s.zeros::<i32>(rows)?,
             xs: (0..=cfg.layers).map(|_| t(rows * h)).collect::<Result<_>>()?,
             layers: (0..if checkpoint { 1 } else { cfg.layers }).map(|_| layer()).collect::<Result<_>>()?,
             y: t(rows * h)?,
@@ -197,8 +198,8 @@ impl<T: Element> Trainer<T> {
         Ok(Trainer {
             params: Params::new(ctx, cfg, weights, tcfg.master_weights)?,
             eye: s.clone_htod(&identities::<T>()).map_err(ops_err)?,
-            norm: s.alloc_zeros::<f32>(2).map_err(ops_err)?,
-            losses: s.alloc_zeros::<f32>(tcfg.micro_batches).map_err(ops_err)?,
+            norm: s.zeros::<f32>(2)?,
+            losses: s.zeros::<f32>(tcfg.micro_batches)?,
             cfg: cfg.clone(),
             tcfg,
             rope: None,

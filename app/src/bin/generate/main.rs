@@ -52,7 +52,7 @@ fn main() -> ExitCode {
         let plan = opts.resolve()?;
         let input = read_input(&opts)?;
         plan.backends.check_layers(input.config.layers).map_err(|e| format!("--fuse: {e}"))?;
-        let env = RankEnv::from_env().map_err(|e| e.to_string())?;
+        let env = RankEnv::of_several().map_err(|e| e.to_string())?;
         let ranks = match (&env, plan.tp) {
             (Some(env), Some(n)) if n != env.world => {
                 return Err(format!(

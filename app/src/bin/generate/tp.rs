@@ -143,6 +143,17 @@ impl<T: Element> TpGen<T> {
                     self.run_prefill(&ids)?;
                 }
                 Command::Step { id, capture, replay } => {
+                    if replay && !capture && std::mem::take(&mut self.prefilled) {
+                        // Rank 0 found its captured step current after the prefill: so must this rank.
+                        let stale = self.tp.each("a captured step's buffers", |r| {
+                            Ok(r.graph.as_ref().is_none_or(|g| !r.model.is_current(&r.ctx, g)))
+                        })?;
+                        if stale.contains(&true) {
+                            return Err("rank 0 replays its captured step, but this rank's is stale (its \
+                                        buffers were reallocated): the ranks' states differ"
+                                .into());
+                        }
+                    }
                     self.run_step(id, capture, replay)?;
                 }
             }
@@ -224,7 +235,9 @@ pub(crate) fn run<T: Element>(
         TpGen { tp, backends: plan.backends.clone(), graph, captured: false, launched: 0, prefilled: false };
     if !leads {
         // Rank 0 tokenizes, samples and prints; this rank runs what it sends until it finishes.
-        return g.follow();
+        g.follow()?;
+        g.tp.finish();
+        return Ok(());
     }
     let prompt = &input.prompt;
     if !opts.no_warmup {
@@ -307,6 +320,7 @@ pub(crate) fn run<T: Element>(
         Ok(())
     })?;
     report_startup(first_token);
+    g.tp.finish();
     Ok(())
 }
 

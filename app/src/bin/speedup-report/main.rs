@@ -49,7 +49,7 @@ fn main() -> ExitCode {
         || {
             let mut plan = opts.resolve()?;
             // Started as the ranks of a job of processes: one rank here, the world size the --tp.
-            let env = RankEnv::from_env().map_err(|e| e.to_string())?;
+            let env = RankEnv::of_several().map_err(|e| e.to_string())?;
             if let Some(env) = &env {
                 match plan.tp {
                     Some(n) if n != env.world => {

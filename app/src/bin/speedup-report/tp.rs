@@ -2,7 +2,7 @@
 //! ([`TpLlama`]: one thread, `Cudnn` context and NCCL communicator per GPU, GPUs `0..N`). Started as
 //! the ranks of a job of processes (`cudnn-llm-launch --nproc N -- speedup-report ...`), each process
 //! measures its own rank ([`TpLlama::join`]) and sends its rows to rank 0, which writes the report
-//! (the one-GPU baseline runs on rank 0's GPU once the ranks are done).
+//! (the one-GPU baseline runs on GPU 0 once the ranks are done).
 //!
 //! For each scenario (prefill, then decode steps) and each selection (all naive, then the fused
 //! one), every rank runs what the one-GPU report runs: a cold and a warm call of every module (host
@@ -175,11 +175,14 @@ pub(crate) fn run<T: Element>(
     // Every rank's rows, on the process holding rank 0 (as processes, each sends its own there).
     let here = PerRank { gpus, devices: tp.devices().to_vec(), base, peak, fallbacks, measured, stray };
     let everyone = match tp.gather(serde_json::to_vec(&here)?)? {
-        None => return Ok(()), // another rank's process: rank 0 reports
+        None => {
+            tp.finish(); // another rank's process: rank 0 reports
+            return Ok(());
+        }
         Some(parts) if parts.len() == 1 => here,
         Some(parts) => PerRank::merge(parts)?,
     };
-    drop(tp);
+    tp.finish();
     let PerRank { gpus, devices, base, peak, fallbacks, measured, stray } = everyone;
 
     let names = tp_ranges();

@@ -447,7 +447,7 @@ fn main() -> ExitCode {
         if opts.row_out.is_some() && opts.ranks.len() != 1 {
             return Err("--row-out takes one rank count in --ranks".into());
         }
-        let rank_env = RankEnv::from_env()?;
+        let rank_env = RankEnv::of_several()?;
         if let Some(env) = &rank_env {
             let whose = format!("launched as rank {} of {} (WORLD_SIZE is set)", env.rank, env.world);
             if !opts.allreduce_only && opts.ranks != [env.world] {
@@ -854,6 +854,7 @@ fn measure(
         tp.truncate(prompt + 1)?;
         timeline(&mut tp, (0..8).map(step_ids).collect())?;
     }
+    tp.finish();
     Ok(())
 }
 

@@ -25,6 +25,7 @@ mod naive;
 use crate::checked;
 use crate::dtype::{DataType, Element};
 use crate::error::ensure;
+use crate::faults::Zeros;
 use crate::ops::Op;
 use crate::{Backend, Cudnn, Error, Result};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
@@ -330,7 +331,7 @@ impl Table {
     fn upload(&mut self, ctx: &Cudnn, host: Vec<i64>) -> Result<u64> {
         if self.device.as_ref().is_none_or(|d| d.len() < host.len()) {
             self.device = None;
-            self.device = Some(ctx.stream().alloc_zeros::<i64>(host.len())?);
+            self.device = Some(ctx.stream().zeros::<i64>(host.len())?);
             self.host.clear();
         }
         let dev = self.device.as_mut().expect("just allocated");
@@ -403,7 +404,7 @@ impl MultiTensor {
     fn partial(&mut self, ctx: &Cudnn, len: usize) -> Result<u64> {
         if self.partial.as_ref().is_none_or(|p| p.len() < len.max(1)) {
             self.partial = None;
-            self.partial = Some(ctx.stream().alloc_zeros::<f32>(len.max(1))?);
+            self.partial = Some(ctx.stream().zeros::<f32>(len.max(1))?);
         }
         let (p, _g) = self.partial.as_ref().expect("just allocated").device_ptr(ctx.stream());
         Ok(p)
@@ -412,7 +413,7 @@ impl MultiTensor {
     /// The zeroed counter of the eager norm kernel, as a device address.
     fn counter(&mut self, ctx: &Cudnn) -> Result<u64> {
         if self.counter.is_none() {
-            self.counter = Some(ctx.stream().alloc_zeros::<u32>(1)?);
+            self.counter = Some(ctx.stream().zeros::<u32>(1)?);
         }
         let (p, _g) = self.counter.as_ref().expect("just allocated").device_ptr(ctx.stream());
         Ok(p)

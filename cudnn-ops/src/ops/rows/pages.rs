@@ -13,6 +13,7 @@ use super::sixteen_bit;
 use crate::checked;
 use crate::dtype::Element;
 use crate::error::ensure;
+use crate::faults::Zeros;
 use crate::kernels::{elementwise, Arg, Kernels};
 use crate::{Cudnn, Result};
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut};
@@ -192,7 +193,7 @@ pub struct PageTable {
 impl PageTable {
     /// A table of `shape`, every entry page 0.
     pub fn new(ctx: &Cudnn, shape: TableShape) -> Result<Self> {
-        let buf = ctx.stream().alloc_zeros::<i32>(shape.batch * shape.max_pages)?;
+        let buf = ctx.stream().zeros::<i32>(shape.batch * shape.max_pages)?;
         Ok(PageTable { buf, shape })
     }
 

@@ -3,6 +3,7 @@
 //! (`clamp_seq_lens` in `fused.cu`): either per call into a buffer of the context, or once into a
 //! [`SeqLens`] that any number of calls then read (every layer of a decode step).
 
+use crate::faults::Zeros;
 use crate::kernels::{elementwise, Arg, Kernels};
 use crate::{checked, Cudnn, Result};
 use cudarc::driver::{CudaSlice, DevicePtr};
@@ -61,7 +62,7 @@ impl SeqLens {
         }
         let kv_at = kv_offset(batch);
         let len = checked::mul("seq lens: 2 * batch", 2, kv_at)?;
-        let buf = ctx.stream().alloc_zeros::<i32>(len)?;
+        let buf = ctx.stream().zeros::<i32>(len)?;
         Ok(SeqLens { buf, batch, kv_at, capacities: (cap_q, cap_kv) })
     }
 
