@@ -20,13 +20,34 @@ pub enum DataType {
     I64,
     /// Boolean (graph intermediates only, e.g. attention masks).
     Bool,
+    /// FP8 E4M3 ([`crate::F8E4M3`], `float8_e4m3fn`).
+    F8E4M3,
+    /// FP8 E5M2 ([`crate::F8E5M2`], `float8_e5m2`).
+    F8E5M2,
 }
 
 impl DataType {
+    /// Every data type.
+    pub const ALL: [DataType; 8] = [
+        DataType::F32,
+        DataType::F16,
+        DataType::BF16,
+        DataType::I32,
+        DataType::I64,
+        DataType::Bool,
+        DataType::F8E4M3,
+        DataType::F8E5M2,
+    ];
+
+    /// Whether this is one of the 8-bit floats.
+    pub fn is_fp8(self) -> bool {
+        matches!(self, DataType::F8E4M3 | DataType::F8E5M2)
+    }
+
     /// Size of one element in bytes.
     pub fn size(self) -> usize {
         match self {
-            DataType::Bool => 1,
+            DataType::Bool | DataType::F8E4M3 | DataType::F8E5M2 => 1,
             DataType::F16 | DataType::BF16 => 2,
             DataType::F32 | DataType::I32 => 4,
             DataType::I64 => 8,
@@ -42,14 +63,14 @@ impl DataType {
             DataType::I32 => "i32",
             DataType::I64 => "i64",
             DataType::Bool => "bool",
+            DataType::F8E4M3 => "fp8e4m3",
+            DataType::F8E5M2 => "fp8e5m2",
         }
     }
 
     /// Parses [`DataType::name`].
     pub fn parse(s: &str) -> Option<Self> {
-        [DataType::F32, DataType::F16, DataType::BF16, DataType::I32, DataType::I64, DataType::Bool]
-            .into_iter()
-            .find(|d| d.name() == s)
+        DataType::ALL.into_iter().find(|d| d.name() == s)
     }
 
     pub(crate) fn to_raw(self) -> cudnn_llm_sys::cudnnDataType_t {
@@ -61,6 +82,8 @@ impl DataType {
             DataType::I32 => T::CUDNN_DATA_INT32,
             DataType::I64 => T::CUDNN_DATA_INT64,
             DataType::Bool => T::CUDNN_DATA_BOOLEAN,
+            DataType::F8E4M3 => T::CUDNN_DATA_FP8_E4M3,
+            DataType::F8E5M2 => T::CUDNN_DATA_FP8_E5M2,
         }
     }
 }
@@ -128,11 +151,14 @@ mod tests {
 
     #[test]
     fn names_round_trip_and_sizes() {
-        for d in [DataType::F32, DataType::F16, DataType::BF16, DataType::I32, DataType::I64, DataType::Bool]
-        {
+        for d in DataType::ALL {
             assert_eq!(DataType::parse(d.name()), Some(d));
         }
         assert_eq!(DataType::parse("fp8"), None);
+        assert_eq!(
+            (DataType::F8E4M3.size(), DataType::F8E4M3.is_fp8(), DataType::BF16.is_fp8()),
+            (1, true, false)
+        );
         assert_eq!((DataType::BF16.size(), DataType::F32.size(), DataType::I64.size()), (2, 4, 8));
         assert_eq!(<bf16 as Element>::DTYPE, DataType::BF16);
     }
@@ -146,5 +172,7 @@ mod tests {
         assert_eq!(DataType::I32.to_raw().0, 4);
         assert_eq!(DataType::I64.to_raw().0, 10);
         assert_eq!(DataType::Bool.to_raw().0, 11);
+        assert_eq!(DataType::F8E4M3.to_raw().0, 12);
+        assert_eq!(DataType::F8E5M2.to_raw().0, 13);
     }
 }

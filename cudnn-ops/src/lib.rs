@@ -46,6 +46,7 @@ mod error;
 mod exec;
 pub mod faults;
 mod features;
+mod fp8;
 mod graph;
 mod kernels;
 pub mod kv_cache;
@@ -73,6 +74,7 @@ pub use exec::{
     GEMV_SPLIT_ENV, MEMORY_HEADROOM, PDL_ENV,
 };
 pub use features::Features;
+pub use fp8::{F8E4M3, F8E5M2};
 pub use graph::{
     Binary, Graph, LayerNormOutputs, Mask, NormPhase, Reduce, RmsNormGradOutputs, RmsNormOutputs,
     SdpaBackwardOptions, SdpaForm, SdpaGradients, SdpaOptions, SdpaOutputs, TensorId, Unary,
@@ -105,6 +107,7 @@ pub use ops::rows::{
     EmbeddingArgs, EmbeddingOperands, PageGather, PageGatherOperands, PageOrder, PageShape, PageTable,
     TableShape,
 };
+pub use ops::scaled_matmul::{scaled_matmul, ScaledMatmulArgs, ScaledMatmulOperands, WeightScales};
 pub use ops::sdpa::{
     sdpa, sdpa_backward, sdpa_ragged, DeviceRagged, DeviceSeqLens, Layout, RaggedArgs, RaggedBatch,
     RaggedKey, RaggedOperands, RowStrides, SdpaArgs, SdpaGrads, SdpaKernel, SdpaLens, SdpaOperands, SeqLens,

@@ -180,12 +180,19 @@ pub const BF16_TOL: Tolerance = Tolerance { rel_l2: 1e-2 };
 pub const F16_TOL: Tolerance = Tolerance { rel_l2: 2e-3 };
 /// f32 outputs with f32 compute.
 pub const F32_TOL: Tolerance = Tolerance { rel_l2: 1e-5 };
+/// FP8 E4M3 outputs: 4 bits of mantissa (3 stored), a rounding of up to 1/16 per element, about 2%
+/// in relative L2 over many elements.
+pub const F8E4M3_TOL: Tolerance = Tolerance { rel_l2: 5e-2 };
+/// FP8 E5M2 outputs: 3 bits of mantissa (2 stored), twice E4M3's rounding.
+pub const F8E5M2_TOL: Tolerance = Tolerance { rel_l2: 1e-1 };
 
 /// The tolerance for outputs of `dtype`.
 pub fn tolerance(dtype: DataType) -> Tolerance {
     match dtype {
         DataType::BF16 => BF16_TOL,
         DataType::F16 => F16_TOL,
+        DataType::F8E4M3 => F8E4M3_TOL,
+        DataType::F8E5M2 => F8E5M2_TOL,
         _ => F32_TOL,
     }
 }

@@ -540,6 +540,8 @@ mod tests {
         match dtype {
             DataType::BF16 => bf16::from_f64(v).to_f64(),
             DataType::F16 => f16::from_f64(v).to_f64(),
+            DataType::F8E4M3 => cudnn_llm_ops::F8E4M3::from_f64(v).to_f64(),
+            DataType::F8E5M2 => cudnn_llm_ops::F8E5M2::from_f64(v).to_f64(),
             _ => v as f32 as f64,
         }
     }

@@ -305,6 +305,17 @@ impl Graph {
                 self.fail(c, format!("output dims {cd:?} are not [.., {}, {}]", ad[r - 2], bd[r - 1]))
             );
         }
+        let (da, db) = (self.spec(a).dtype, self.spec(b).dtype);
+        if da.is_fp8() || db.is_fp8() {
+            // Hopper's FP8 tensor cores: both operands FP8, not both E5M2.
+            if !(da.is_fp8() && db.is_fp8()) {
+                return Err(self.fail(b, format!("an FP8 matmul takes two FP8 operands, not {da} x {db}")));
+            }
+            if da == DataType::F8E5M2 && db == DataType::F8E5M2 {
+                return Err(self.fail(b, "an FP8 matmul of two E5M2 operands has no tensor-core form"));
+            }
+            return Ok(());
+        }
         for id in [a, b] {
             if !FLOATS.contains(&self.spec(id).dtype) {
                 return Err(
