@@ -107,7 +107,10 @@ pub use ops::rows::{
     EmbeddingArgs, EmbeddingOperands, PageGather, PageGatherOperands, PageOrder, PageShape, PageTable,
     TableShape,
 };
-pub use ops::scaled_matmul::{scaled_matmul, ScaledMatmulArgs, ScaledMatmulOperands, WeightScales};
+pub use ops::scaled_matmul::{
+    fp8_linear, scaled_matmul, Fp8LinearArgs, Fp8LinearOperands, ScaledMatmulArgs, ScaledMatmulOperands,
+    WeightScales,
+};
 pub use ops::sdpa::{
     sdpa, sdpa_backward, sdpa_ragged, DeviceRagged, DeviceSeqLens, Layout, RaggedArgs, RaggedBatch,
     RaggedKey, RaggedOperands, RowStrides, SdpaArgs, SdpaGrads, SdpaKernel, SdpaLens, SdpaOperands, SeqLens,

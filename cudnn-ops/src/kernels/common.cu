@@ -78,3 +78,67 @@ __device__ __forceinline__ float epi_gelu_tanh(float x) {
     return 0.5f * x * (1.0f + tanhf(beta * (x + kappa * x * x * x)));
 }
 __device__ __forceinline__ float epi_relu(float x) { return x <= 0.0f ? 0.0f : x; }  // NaN propagates
+
+// ---- The decode GEMVs' loads and unpacking (ops/matmul/decode.cu, ops/scaled_matmul/fp8_gemv.cu). ----
+// 16 bytes of a weight, not kept in L1.
+__device__ __forceinline__ uint4 gemv_stream16(const uint4* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// 16 bytes of the activations, kept in L1 for the other warps of the SM.
+__device__ __forceinline__ uint4 gemv_cached16(const uint4* p) {
+    uint4 v;
+    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// The dtypes: two elements of a 32-bit word (the lower one first) in f32, and one element of D, bias,
+// up or res to and from f32.
+struct GemvBf16 {
+    static __device__ __forceinline__ void unpack(unsigned u, float& lo, float& hi) {
+        lo = __uint_as_float(u << 16);
+        hi = __uint_as_float(u & 0xffff0000u);
+    }
+    static __device__ __forceinline__ float load(bits16 v) { return bf16_to_f32(v); }
+    static __device__ __forceinline__ bits16 store(float f) { return f32_to_bf16(f); }
+};
+struct GemvF16 {
+    static __device__ __forceinline__ void unpack(unsigned u, float& lo, float& hi) {
+        lo = f16_to_f32((bits16)(u & 0xffffu));
+        hi = f16_to_f32((bits16)(u >> 16));
+    }
+    static __device__ __forceinline__ float load(bits16 v) { return f16_to_f32(v); }
+    static __device__ __forceinline__ bits16 store(float f) { return f32_to_f16(f); }
+};
+
+// The 8 elements of a chunk in f32.
+template <class D>
+__device__ __forceinline__ void gemv_unpack8(uint4 v, float (&f)[8]) {
+    D::unpack(v.x, f[0], f[1]);
+    D::unpack(v.y, f[2], f[3]);
+    D::unpack(v.z, f[4], f[5]);
+    D::unpack(v.w, f[6], f[7]);
+}
+
+
+// ---- FP8 codes to f32, exactly (OCP FP8: E4M3 has no infinities and NaN at S.1111.111; E5M2 is
+// IEEE-like). cudnn-ops/src/fp8.rs is the host's side. ----
+__device__ __forceinline__ float fp8_e4m3_to_f32(unsigned char c) {
+    const float sign = (c & 0x80) ? -1.f : 1.f;
+    const int e = (c >> 3) & 0xf, m = c & 0x7;
+    if ((c & 0x7f) == 0x7f) return __int_as_float(0x7fc00000);
+    if (e == 0) return sign * ldexpf((float)m, -9);  // subnormal: m/8 * 2^-6
+    return sign * ldexpf((float)(8 + m), e - 10);    // (1 + m/8) * 2^(e-7)
+}
+
+__device__ __forceinline__ float fp8_e5m2_to_f32(unsigned char c) {
+    const float sign = (c & 0x80) ? -1.f : 1.f;
+    const int e = (c >> 2) & 0x1f, m = c & 0x3;
+    if (e == 31) return m ? __int_as_float(0x7fc00000) : sign * __int_as_float(0x7f800000);
+    if (e == 0) return sign * ldexpf((float)m, -16);  // subnormal: m/4 * 2^-14
+    return sign * ldexpf((float)(4 + m), e - 17);     // (1 + m/4) * 2^(e-15)
+}
+

@@ -12,6 +12,7 @@
 //! | [`matmul`] | [`matmul`](matmul::matmul) | matmul + epilogue graph; a custom GEMV for a Linear layer over at most 8 tokens ([`MatmulKernel`](matmul::MatmulKernel)) | cuBLAS GEMM + one kernel per step ([`matmul::naive`]) |
 //! | | [`linear_backward_data`](matmul::linear_backward_data), [`linear_backward_weight`](matmul::linear_backward_weight), [`swiglu_down_backward`](matmul::swiglu_down_backward) | matmul graphs over transposed views, reduction (bias), matmul + SwiGLU backward graph | cuBLAS GEMMs + eager kernels ([`matmul::backward::naive`]) |
 //! | [`scaled_matmul`] | [`scaled_matmul`](scaled_matmul::scaled_matmul) (FP8 A and B, per-tensor or per-channel scales) | FP8 matmul + scale multiplies graph | dequantize to bf16 (2 kernels) + cuBLAS GEMM ([`scaled_matmul::naive`]) |
+//! | | [`fp8_linear`](scaled_matmul::fp8_linear) (bf16/f16 activations, an FP8 weight) | an FP8-weight GEMV for at most 8 tokens | dequantize the weight + cuBLAS GEMM |
 //! | [`rope`] | [`rope`](rope::rope) | one custom kernel | 10 eager kernels |
 //! | [`rows`] | [`embedding`](rows::embedding), [`write_cache`](rows::write_cache), [`gather_pages`](rows::gather_pages) (page pools and tables: [`PageTable`](rows::PageTable)) | one kernel, the same on both backends | |
 //! | [`rope::backward`] | [`rope_backward`](rope::backward::rope_backward) | one custom kernel (rotation by −θ) | 10 eager kernels |

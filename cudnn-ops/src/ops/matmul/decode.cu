@@ -12,48 +12,8 @@
 // 1 silu, 2 gelu, 3 gelu_tanh, 4 relu; decode.rs `activation_code`). D, up and res are packed [m, n].
 // k is a multiple of 8; x and W are 16-byte aligned and so are their row strides (checked by decode.rs).
 
-// 16 bytes of W, not kept in L1.
-__device__ __forceinline__ uint4 gemv_stream16(const uint4* p) {
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-
-// 16 bytes of x, kept in L1 for the other warps of the SM.
-__device__ __forceinline__ uint4 gemv_cached16(const uint4* p) {
-    uint4 v;
-    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-
-// The dtypes: two elements of a 32-bit word (the lower one first) in f32, and one element of D, bias,
-// up or res to and from f32.
-struct GemvBf16 {
-    static __device__ __forceinline__ void unpack(unsigned u, float& lo, float& hi) {
-        lo = __uint_as_float(u << 16);
-        hi = __uint_as_float(u & 0xffff0000u);
-    }
-    static __device__ __forceinline__ float load(bits16 v) { return bf16_to_f32(v); }
-    static __device__ __forceinline__ bits16 store(float f) { return f32_to_bf16(f); }
-};
-struct GemvF16 {
-    static __device__ __forceinline__ void unpack(unsigned u, float& lo, float& hi) {
-        lo = f16_to_f32((bits16)(u & 0xffffu));
-        hi = f16_to_f32((bits16)(u >> 16));
-    }
-    static __device__ __forceinline__ float load(bits16 v) { return f16_to_f32(v); }
-    static __device__ __forceinline__ bits16 store(float f) { return f32_to_f16(f); }
-};
-
-// The 8 elements of a chunk in f32.
-template <class D>
-__device__ __forceinline__ void gemv_unpack8(uint4 v, float (&f)[8]) {
-    D::unpack(v.x, f[0], f[1]);
-    D::unpack(v.y, f[2], f[3]);
-    D::unpack(v.z, f[4], f[5]);
-    D::unpack(v.w, f[6], f[7]);
-}
+// The 16-byte loads and the dtype unpacking are in kernels/common.cu (the FP8 GEMV of
+// ops/scaled_matmul reads W and x the same way).
 
 // The epilogue's activation (the functions of matmul/naive.cu).
 __device__ __forceinline__ float gemv_activation(int act, float v) {

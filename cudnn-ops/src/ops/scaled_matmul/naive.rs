@@ -1,31 +1,68 @@
-//! What a framework without FP8 kernels runs for an FP8 Linear: dequantize A and B into bf16 (one
-//! elementwise kernel each, the scale multiplied in f32 and rounded once), then the bf16 cuBLAS GEMM
-//! with f32 compute into D, as eager's `matmul` on the dequantized tensors. (PyTorch's own FP8 path,
+//! What a framework without FP8 kernels runs for an FP8 Linear: dequantize the FP8 operands into a
+//! 16-bit type (one elementwise kernel each, the scale multiplied in f32 and rounded once), then the
+//! cuBLAS GEMM with f32 compute, as eager's `matmul` on the dequantized tensors. (PyTorch's own FP8 path,
 //! `torch._scaled_mm`, is a cuBLASLt FP8 GEMM: the anchor the fused backend is compared with, not this.)
 
-use super::{ScaledMatmulArgs, ScaledMatmulOperands};
+use super::{Fp8LinearArgs, Fp8LinearOperands, ScaledMatmulArgs, ScaledMatmulOperands};
 use crate::dtype::{DataType, Element};
 use crate::kernels::blas::{gemm, Gemm, Operand};
 use crate::kernels::{elementwise, scratch, Arg, Kernels};
 use crate::ops::Naive;
 use crate::{Cudnn, Result};
 
-/// Kernels launched per call: two dequantizations and the GEMM.
+/// Kernels launched per [`scaled_matmul`](super::scaled_matmul) call: two dequantizations and the GEMM.
 pub const KERNEL_COUNT: usize = 3;
+/// Kernels launched per [`fp8_linear`](super::fp8_linear) call: the weight's dequantization and the GEMM.
+pub const LINEAR_KERNEL_COUNT: usize = 2;
 
-/// The dequantization kernel of an FP8 dtype.
-fn dequant(dtype: DataType) -> Result<&'static str> {
-    match dtype {
-        DataType::F8E4M3 => Ok("dequant_e4m3_bf16"),
-        DataType::F8E5M2 => Ok("dequant_e5m2_bf16"),
-        other => Err(crate::Error::invalid(format!("scaled_matmul: {other} is not an FP8 dtype"))),
-    }
+/// The kernel dequantizing FP8 `dtype` into `out` (bf16 or f16).
+fn dequant(dtype: DataType, out: DataType) -> Result<String> {
+    let fmt = match dtype {
+        DataType::F8E4M3 => "e4m3",
+        DataType::F8E5M2 => "e5m2",
+        other => return Err(crate::Error::invalid(format!("{other} is not an FP8 dtype"))),
+    };
+    let to = match out {
+        DataType::BF16 => "bf16",
+        DataType::F16 => "f16",
+        other => return Err(crate::Error::invalid(format!("FP8 dequantizes to bf16 or f16, not {other}"))),
+    };
+    Ok(format!("dequant_{fmt}_{to}"))
+}
+
+/// Row-major `y[m, n] = x[m, k] · w[n, k]ᵀ` by cuBLAS (f32 compute), x and w in `dtype`: the
+/// column-major `yᵀ = w · xᵀ`, w (a column-major k x n, transposed) first, then x.
+fn gemm_nt(
+    ctx: &Cudnn,
+    (m, n, k): (usize, usize, usize),
+    x: u64,
+    w: u64,
+    dtype: DataType,
+    y: u64,
+    out: DataType,
+) -> Result<()> {
+    gemm(
+        ctx,
+        &Gemm {
+            transpose_a: true,
+            transpose_b: false,
+            m: n,
+            n: m,
+            k,
+            a: Operand { ptr: w, dtype, ld: k, batch_stride: 0 },
+            b: Operand { ptr: x, dtype, ld: k, batch_stride: 0 },
+            c: Operand { ptr: y, dtype: out, ld: n, batch_stride: 0 },
+            batch: 1,
+            alpha: 1.0,
+            beta: 0.0,
+        },
+    )
 }
 
 impl<A: Element, B: Element, O: Element> Naive<(A, B, O)> for ScaledMatmulArgs {
     fn naive(self, ctx: &Cudnn, x: ScaledMatmulOperands<'_, A, B, O>) -> Result<()> {
         let ScaledMatmulArgs { m, n, k, .. } = self;
-        let (da, db) = (dequant(A::DTYPE)?, dequant(B::DTYPE)?);
+        let (da, db) = (dequant(A::DTYPE, DataType::BF16)?, dequant(B::DTYPE, DataType::BF16)?);
         ctx.blas()?;
         let kernels = Kernels::get(ctx)?;
         // bf16 copies of A and B in the scratch (checked sizes: `check` bounded m·k and n·k), B's
@@ -40,28 +77,30 @@ impl<A: Element, B: Element, O: Element> Naive<(A, B, O)> for ScaledMatmulArgs {
         let (sb, _gsb) = x.b_scale.device_ptr(s);
         let per_row = (x.b_scale.len() > 1) as i64;
         let args = [Arg::Ptr(a), Arg::Ptr(sa), Arg::I64(0), Arg::I64(k as i64), Arg::Ptr(a16)];
-        elementwise(ctx, kernels, da, m * k, &args)?;
+        elementwise(ctx, kernels, &da, m * k, &args)?;
         let args = [Arg::Ptr(b), Arg::Ptr(sb), Arg::I64(per_row), Arg::I64(k as i64), Arg::Ptr(b16)];
-        elementwise(ctx, kernels, db, n * k, &args)?;
+        elementwise(ctx, kernels, &db, n * k, &args)?;
         let (d, _gd) = x.d.device_ptr_mut(s);
-        // Row-major D[m, n] = A[m, k] · B[n, k]ᵀ is the column-major Dᵀ = B · Aᵀ: B (a column-major
-        // k x n, transposed) first, then A (a column-major k x m).
-        let bf16 = DataType::BF16;
-        gemm(
-            ctx,
-            &Gemm {
-                transpose_a: true,
-                transpose_b: false,
-                m: n,
-                n: m,
-                k,
-                a: Operand { ptr: b16, dtype: bf16, ld: k, batch_stride: 0 },
-                b: Operand { ptr: a16, dtype: bf16, ld: k, batch_stride: 0 },
-                c: Operand { ptr: d, dtype: O::DTYPE, ld: n, batch_stride: 0 },
-                batch: 1,
-                alpha: 1.0,
-                beta: 0.0,
-            },
-        )
+        gemm_nt(ctx, (m, n, k), a16, b16, DataType::BF16, d, O::DTYPE)
+    }
+}
+
+impl<T: Element, W: Element> Naive<(T, W)> for Fp8LinearArgs {
+    fn naive(self, ctx: &Cudnn, x: Fp8LinearOperands<'_, T, W>) -> Result<()> {
+        let Fp8LinearArgs { m, n, k, .. } = self;
+        let dw = dequant(W::DTYPE, T::DTYPE)?;
+        ctx.blas()?;
+        let kernels = Kernels::get(ctx)?;
+        // W dequantized into the activations' dtype in the scratch (n·k bounded by `check`).
+        let w16 = scratch(ctx, kernels, (n * k).div_ceil(2))?;
+        let s = ctx.stream();
+        let (w, _gw) = x.w.device_ptr(s);
+        let (ws, _gs) = x.w_scale.device_ptr(s);
+        let per_row = (self.w_scales() > 1) as i64;
+        let args = [Arg::Ptr(w), Arg::Ptr(ws), Arg::I64(per_row), Arg::I64(k as i64), Arg::Ptr(w16)];
+        elementwise(ctx, kernels, &dw, n * k, &args)?;
+        let (xp, _gx) = x.x.device_ptr(s);
+        let (y, _gy) = x.y.device_ptr_mut(s);
+        gemm_nt(ctx, (m, n, k), xp, w16, T::DTYPE, y, T::DTYPE)
     }
 }
