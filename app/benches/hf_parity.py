@@ -71,15 +71,20 @@ def top1(a, b):
     return float(np.mean(a.argmax(-1) == b.argmax(-1)))
 
 
-def ours(runner, path, prompt, decode, out, vocab):
+# --bisect: all naive but one module kind fused, to find which naive module adds the error.
+MODULES = ["prenorm", "qkv_proj", "rope", "gqa", "o_proj", "mlp", "output_norm", "lm_head"]
+
+
+def ours(runner, path, prompt, decode, out, vocab, bisect=False):
     tokens = os.path.join(out, "tokens.json")
     with open(tokens, "w") as f:
         json.dump({"prefill": prompt, "decode": decode}, f)
-    cmd = shlex.split(runner) + [path, tokens, out]
+    extra = [f"naive-but-{m}:naive=all;fused={m}" for m in MODULES] if bisect else []
+    cmd = shlex.split(runner) + [path, tokens, out] + extra
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     res = {}
-    for backend in ("naive", "fused"):
+    for backend in ["naive", "fused"] + [e.split(":")[0] for e in extra]:
         rows = np.fromfile(os.path.join(out, f"logits-{backend}.f32"), dtype="<f4").reshape(-1, vocab)
         pre = rows[: BATCH * PROMPT].reshape(BATCH, PROMPT, vocab)
         dec = rows[BATCH * PROMPT:].reshape(DECODE, BATCH, vocab).transpose(1, 0, 2)
@@ -94,6 +99,8 @@ def main():
     ap.add_argument("--shapes", default=",".join(DEFAULT), help="comma-separated: " + ", ".join(CHECKPOINTS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gguf", help="a GGUF file (e.g. SmolLM2-135M-Instruct.Q4_1.gguf) instead of --shapes")
+    ap.add_argument("--bisect", action="store_true",
+                    help="also run all naive but one module kind fused, per kind (reported, not bounded)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     rows, failed = [], []
@@ -119,7 +126,7 @@ def main():
             bf_eager = hf_logits(path, torch.bfloat16, ids, attn="eager")
             prompt = [r[:PROMPT] for r in ids]
             decode = [[ids[b][PROMPT + t] for b in range(BATCH)] for t in range(DECODE)]
-            mine = ours(a.runner, path, prompt, decode, tmp, ref.shape[-1])
+            mine = ours(a.runner, path, prompt, decode, tmp, ref.shape[-1], a.bisect)
             parts = {"prefill": slice(0, PROMPT), "decode": slice(PROMPT, PROMPT + DECODE),
                      "all": slice(0, PROMPT + DECODE)}
             for part, sl in parts.items():
@@ -134,6 +141,8 @@ def main():
                     row[f"{backend}_top1"] = top1(got[:, sl], ref[:, sl])
                     row[f"{backend}_vs_yardstick"] = err / yard
                     row[f"{backend}_vs_eager"] = err / eager
+                    if backend not in ("naive", "fused"):
+                        continue  # a --bisect run: reported only
                     if err > BOUND * yard:
                         failed.append(f"{name} {part} {backend}: rel L2 {err:.3e} > {BOUND} x {yard:.3e}")
                 rows.append(row)
@@ -173,6 +182,12 @@ def main():
         for r in rows:
             f.write(f"| {r['model']} | {r['rows']} | {r['transformers_bf16_eager_rel_l2']:.3e} | "
                     f"{r['naive_vs_eager']:.2f} | {r['fused_vs_eager']:.2f} |\n")
+        if a.bisect:
+            f.write("\n`--bisect`: all naive but one module kind fused, x transformers' bf16 (sdpa) error:\n\n"
+                    "| model | rows | " + " | ".join(MODULES) + " |\n|---|---|" + "---:|" * len(MODULES) + "\n")
+            for r in rows:
+                cells = " | ".join(f"{r[f'naive-but-{m}_vs_yardstick']:.2f}" for m in MODULES)
+                f.write(f"| {r['model']} | {r['rows']} | {cells} |\n")
         f.write(f"\n{'FAILED: ' + '; '.join(failed) if failed else 'All within the bound.'}\n")
     if failed:
         print("FAILED:", *failed, sep="\n  ")

@@ -8,8 +8,9 @@
 //! `MODEL` is a checkpoint directory (config.json and safetensors) or a GGUF file (dequantized at load).
 //! `TOKENS_JSON` is `{"prefill": [[ids...], ...], "decode": [[id per sequence], ...]}`: a prefill of
 //! equal-length sequences, then decode steps of one token per sequence. For each backend (all naive,
-//! all fused) it writes `OUT_DIR/logits-{naive,fused}.f32`: little-endian f32 rows of `vocab` values,
-//! the prefill's rows (sequence-major, every position) followed by each decode step's rows.
+//! all fused, then each `NAME:SELECTION` given, e.g. `naive-but-rope:naive=all;fused=rope`) it writes
+//! `OUT_DIR/logits-NAME.f32`: little-endian f32 rows of `vocab` values, the prefill's rows
+//! (sequence-major, every position) followed by each decode step's rows.
 use cudnn_llm::half::bf16;
 use cudnn_llm::llama::gguf::{is_gguf_path, Gguf};
 use cudnn_llm::llama::weights::Weights;
@@ -25,9 +26,19 @@ struct Tokens {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let [model_dir, tokens, out] = args.as_slice() else {
-        return Err("usage: hf-logits MODEL TOKENS_JSON OUT_DIR".into());
+    let [model_dir, tokens, out, extra @ ..] = args.as_slice() else {
+        return Err("usage: hf-logits MODEL TOKENS_JSON OUT_DIR [NAME:SELECTION ...]".into());
     };
+    // The two runs, then any named selection (e.g. `naive-but-rope:naive=all;fused=rope`).
+    let mut runs = vec![("naive".to_string(), "naive=all".to_string()), ("fused".into(), "fused=all".into())];
+    for e in extra {
+        let (name, sel) = e.split_once(':').ok_or_else(|| format!("`{e}`: give NAME:SELECTION"))?;
+        if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
+            return Err(format!("`{name}`: a run's name is letters, digits, - and _").into());
+        }
+        Backends::parse(sel)?;
+        runs.push((name.to_string(), sel.to_string()));
+    }
     let (model_dir, out) = (PathBuf::from(model_dir), PathBuf::from(out));
     let toks: Tokens = serde_json::from_str(&std::fs::read_to_string(tokens)?)?;
     let (cfg, weights) = if is_gguf_path(&model_dir) {
@@ -46,7 +57,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let total = seq + toks.decode.len();
     let mut model = Llama::new(&ctx, &cfg, &weights, total)?;
     std::fs::create_dir_all(&out)?;
-    for (name, sel) in [("naive", "naive=all"), ("fused", "fused=all")] {
+    for (name, sel) in &runs {
         let backends = Backends::parse(sel)?;
         let mut cache = model.cache(&ctx, batch, total)?;
         let mut rows: Vec<f32> = Vec::new();
