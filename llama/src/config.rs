@@ -277,8 +277,8 @@ impl LlamaConfig {
         if let Some(w) = hf.get("sliding_window") {
             return Err(fail(format!("`sliding_window` {w} is not supported (full attention only)")));
         }
-        if hf.get("quantization_config").is_some() {
-            return Err(fail("`quantization_config`: quantized checkpoints are not supported".into()));
+        if let Some(q) = hf.get("quantization_config") {
+            return Err(fail(quantization_refusal(q)));
         }
         if let Some(tp) = hf.usize("pretraining_tp").map_err(err)? {
             if tp > 1 {
@@ -698,6 +698,28 @@ fn describe(s: Option<RopeScaling>) -> String {
     }
 }
 
+/// Why a checkpoint with this `quantization_config` is refused, naming its scheme: FP8 checkpoints
+/// (`fp8`, or `compressed-tensors` with float weights) are not loaded yet, and every other scheme is
+/// not supported.
+fn quantization_refusal(q: &serde_json::Value) -> String {
+    let method = q.get("quant_method").and_then(|m| m.as_str());
+    let float_weights = q.get("config_groups").and_then(|g| g.as_object()).is_some_and(|g| {
+        g.values().any(|v| v.pointer("/weights/type").and_then(|t| t.as_str()) == Some("float"))
+    });
+    match method {
+        Some("fp8") => "`quantization_config` quant_method `fp8`: FP8 checkpoints are not loaded yet (the FP8 ops \
+                         exist: cudnn_llm::fp8_linear, scaled_matmul)"
+            .into(),
+        Some("compressed-tensors") if float_weights => {
+            "`quantization_config` quant_method `compressed-tensors` with float (FP8) weights: FP8 checkpoints \
+             are not loaded yet"
+                .into()
+        }
+        Some(m) => format!("`quantization_config` quant_method `{m}`: this quantization scheme is not supported"),
+        None => "`quantization_config` without a quant_method: quantized checkpoints are not supported".into(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -917,7 +939,28 @@ mod tests {
             (set(HF4, "sliding_window", 4096.into()), "`sliding_window` 4096"),
             (
                 set(HF4, "quantization_config", serde_json::json!({"quant_method": "awq"})),
-                "`quantization_config`",
+                "`quantization_config` quant_method `awq`: this quantization scheme is not supported",
+            ),
+            (
+                set(
+                    HF4,
+                    "quantization_config",
+                    serde_json::json!({"quant_method": "fp8", "weight_block_size": [128, 128]}),
+                ),
+                "quant_method `fp8`: FP8 checkpoints are not loaded yet",
+            ),
+            (
+                set(
+                    HF4,
+                    "quantization_config",
+                    serde_json::json!({"quant_method": "compressed-tensors",
+                        "config_groups": {"group_0": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}}),
+                ),
+                "`compressed-tensors` with float (FP8) weights",
+            ),
+            (
+                set(HF4, "quantization_config", serde_json::json!({"bits": 4})),
+                "`quantization_config` without a quant_method",
             ),
             (set(HF4, "pretraining_tp", 2.into()), "`pretraining_tp` 2"),
             (set(HF4, "partial_rotary_factor", 0.5.into()), "`partial_rotary_factor` 0.5"),
