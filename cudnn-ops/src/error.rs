@@ -104,6 +104,11 @@ fn detail(message: &str) -> String {
 }
 
 impl Error {
+    /// Whether this is, or wraps the text of, a failure a test injected ([`crate::faults`]).
+    pub fn is_injected(&self) -> bool {
+        matches!(self, Error::Injected { .. }) || self.to_string().contains("injected failure:")
+    }
+
     /// True for [`Error::NotSupported`]: the request is valid but has no implementation here.
     pub fn is_not_supported(&self) -> bool {
         matches!(self, Error::NotSupported { .. })

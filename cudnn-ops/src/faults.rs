@@ -9,6 +9,10 @@
 //! | [`Site::Collective`] | an NCCL collective enqueued (`cudnn-llm-nccl`) |
 //! | [`Site::Replay`] | a captured decode step launched (`cudnn-llm-llama`) |
 //!
+//! The failure is [`Error::Injected`] at the allocation, plan and replay sites; an NVRTC compile's
+//! comes back as [`Error::Nvrtc`] and a collective's as `NcclError::Injected`, their text naming the
+//! injection ([`Error::is_injected`] tells all three apart from real failures).
+//!
 //! Off unless asked: [`fail_nth`] from a test, or `CUDNN_LLM_FAULTS=alloc:3,plan:1` (sites `alloc`,
 //! `plan`, `compile`, `collective`, `replay`, each with the call that fails, counted from the first
 //! context made), read by [`crate::Cudnn::new`], which refuses a value it cannot read. When nothing is

@@ -116,8 +116,9 @@ impl Kernels {
                 )));
             }
             held.buf = None;
-            held.buf = Some(ctx.stream().zeros::<T>(len.max(1))?);
+            // The old buffer is gone whether or not the new one comes: graphs that hold it are stale.
             ctx.bump_epoch();
+            held.buf = Some(ctx.stream().zeros::<T>(len.max(1))?);
         }
         held.in_use = true;
         let buf = held.buf.take();
@@ -346,8 +347,9 @@ pub(crate) fn scratch(ctx: &Exec, kernels: &Kernels, len: usize) -> Result<u64> 
     let mut s = kernels.scratch.borrow_mut();
     if s.as_ref().is_none_or(|s| s.len() < len) {
         *s = None;
-        *s = Some(ctx.stream().zeros::<f32>(len)?);
+        // The old scratch is gone whether or not the new one comes: graphs that hold it are stale.
         ctx.bump_epoch();
+        *s = Some(ctx.stream().zeros::<f32>(len)?);
     }
     let slice = s.as_ref().expect("just allocated");
     let (addr, _guard) = slice.device_ptr(ctx.stream());

@@ -8,7 +8,6 @@ use super::engine::{knob_ranges, EngineChoice, KnobRange};
 use super::lifecycle::Candidate;
 use super::{Bindings, Plan};
 use crate::exec::Exec;
-use crate::faults::Zeros;
 use crate::{Error, Result};
 use cudarc::driver::{CudaEvent, CudaSlice};
 use std::collections::HashMap;
@@ -61,11 +60,17 @@ impl Plan {
         let mut flush = Flusher::new(ctx, self.flush);
         let mut timings = Vec::new();
         let mut last_error = None;
+        let mut injected = None;
         let mut time = |i: usize, timings: &mut Vec<(String, f64)>| {
             let engine = self.candidates.borrow()[i].choice.tag();
-            // A configuration can finalize and still fail to run: it is timed as never finishing.
+            // A configuration can finalize and still fail to run: it is timed as never finishing. An
+            // injected failure (a test's, `crate::faults`) is the call's, not the configuration's.
             match self.time_candidate(ctx, b, i, (&start, &end), &mut flush) {
                 Ok(ms) => timings.push((engine, ms)),
+                Err(e @ crate::Error::Injected { .. }) => {
+                    timings.push((engine, f64::INFINITY));
+                    injected.get_or_insert(e);
+                }
                 Err(e) => {
                     timings.push((engine, f64::INFINITY));
                     last_error = Some(e);
@@ -122,6 +127,10 @@ impl Plan {
                 };
                 time(index, &mut timings);
             }
+        }
+        if let Some(e) = injected {
+            // Nothing is chosen: the next call tunes again.
+            return Err(e);
         }
         if timings.iter().all(|(_, ms)| ms.is_infinite()) {
             return Err(last_error.unwrap_or_else(|| Error::invalid("autotune: no candidate ran")));
@@ -225,13 +234,17 @@ impl Flusher {
         let rows = (2 * l2).div_ceil(4 * FLUSH_COLS);
         let stream = ctx.stream();
         if mode == L2Flush::Read && ctx.blas().is_ok() {
-            if let (Ok(a), Ok(x), Ok(y)) =
-                (stream.zeros(rows * FLUSH_COLS), stream.zeros(FLUSH_COLS), stream.zeros(rows))
-            {
+            // Plain allocations, not fault-injection sites: a flush buffer that cannot be made only
+            // turns the flush off.
+            if let (Ok(a), Ok(x), Ok(y)) = (
+                stream.alloc_zeros(rows * FLUSH_COLS),
+                stream.alloc_zeros(FLUSH_COLS),
+                stream.alloc_zeros(rows),
+            ) {
                 return Flusher::Read { a, x, y, rows };
             }
         }
-        stream.zeros::<u8>(2 * l2).map_or(Flusher::Off, Flusher::Write)
+        stream.alloc_zeros::<u8>(2 * l2).map_or(Flusher::Off, Flusher::Write)
     }
 
     /// Enqueues the flush on the context's stream (autotuning carries on without one if this fails).

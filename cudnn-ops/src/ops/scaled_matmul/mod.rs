@@ -295,10 +295,11 @@ pub fn linear_reference<W: Element>(args: Fp8LinearArgs, x: &[f64], w: &[W], w_s
 }
 
 /// `values` (row-major `[rows, cols]`) quantized to `T` with one dequantization factor per row
-/// (`per_row`) or for all: each factor is the rows' largest magnitude over `T`'s largest finite
+/// (`per_row`) or for all (`T` an FP8 type; it panics on another): each factor is the rows' largest magnitude over `T`'s largest finite
 /// value (1 for rows of zeros), each code the value over its factor rounded to `T` (saturating).
 /// Returns the codes and the factors (`value ≈ code · factor`).
 pub fn quantize<T: Element>(values: &[f32], rows: usize, cols: usize, per_row: bool) -> (Vec<T>, Vec<f32>) {
+    assert!(T::DTYPE.is_fp8(), "quantize: {} is not an FP8 type", T::DTYPE);
     assert_eq!(values.len(), rows * cols, "quantize: values length");
     let max = T::from_f64(f64::MAX).to_f64();
     let factor = |amax: f32| if amax > 0.0 { (amax as f64 / max) as f32 } else { 1.0 };
