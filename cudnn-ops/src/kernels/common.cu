@@ -114,6 +114,22 @@ struct GemvF16 {
     static __device__ __forceinline__ bits16 store(float f) { return f32_to_f16(f); }
 };
 
+// The warp's sums of every acc[r][t] (a butterfly over the 32 lanes, every lane ending with every
+// sum); lane r·M + t returns sum (r, t), the others 0.
+template <int R, int M>
+__device__ __forceinline__ float gemv_warp_sums(float (&acc)[R][M], int lane) {
+    float v = 0.0f;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int t = 0; t < M; ++t) {
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) acc[r][t] += __shfl_xor_sync(0xffffffffu, acc[r][t], o);
+            if (lane == r * M + t) v = acc[r][t];
+        }
+    return v;
+}
+
 // The 8 elements of a chunk in f32.
 template <class D>
 __device__ __forceinline__ void gemv_unpack8(uint4 v, float (&f)[8]) {

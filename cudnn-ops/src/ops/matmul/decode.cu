@@ -114,15 +114,7 @@ __device__ __forceinline__ void gemv(const bits16* x, long ldx, const bits16* w,
         for (; c + 32 * (U - 1) < chunks; c += 32 * U) gemv_step<D, M, R, U>(ws, xs, c, acc);
         for (; c < chunks; c += 32) gemv_step<D, M, R, 1>(ws, xs, c, acc);
         if (trigger && row0 == first) pdl_launch_dependents();
-        float v = 0.0f;
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-            for (int t = 0; t < M; ++t) {
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) acc[r][t] += __shfl_xor_sync(0xffffffffu, acc[r][t], o);
-                if (lane == r * M + t) v = acc[r][t];
-            }
+        float v = gemv_warp_sums<R, M>(acc, lane);
         const int r = lane / M, t = lane - r * M;
         const long row = row0 + r;
         if (lane < R * M && row < n && t < m) {

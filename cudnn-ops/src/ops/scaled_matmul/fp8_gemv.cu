@@ -79,15 +79,7 @@ __device__ __forceinline__ void f8gemv(const bits16* x, long ldx, const unsigned
                 }
             }
         }
-        float v = 0.0f;
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-            for (int t = 0; t < M; ++t) {
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) acc[r][t] += __shfl_xor_sync(0xffffffffu, acc[r][t], o);
-                if (lane == r * M + t) v = acc[r][t];
-            }
+        const float v = gemv_warp_sums<R, M>(acc, lane);
         const int r = lane / M, t = lane - r * M;
         const long row = row0 + r;
         if (lane < R * M && row < n && t < m) y[(long)t * n + row] = D::store(v * scale[per_row ? row : 0]);
