@@ -96,6 +96,7 @@ pub use ops::optim::{
     adamw, grad_norm, AdamWArgs, AdamWOperands, AdamWTensor, GradNormArgs, GradNormOperands, Grads,
     MultiTensor,
 };
+pub use ops::quantize::{quantize_fp8, QuantizeArgs, QuantizeOperands, Scaling};
 pub use ops::rmsnorm::{rms_norm, rms_norm_backward, RmsNormArgs, RmsNormGrads, RmsNormOperands};
 pub use ops::rope::backward::{rope_backward, RopeBackwardOperands};
 pub use ops::rope::{

@@ -5,7 +5,8 @@
 //! row and a prefill block; bad input touching nothing. GPU tests are ignored by default; run them
 //! with `--include-ignored` on a GPU machine (FP8 tensor cores: sm_89 or later).
 
-use cudnn_llm_ops::ops::scaled_matmul::{self, quantize};
+use cudnn_llm_ops::ops::quantize::quantize;
+use cudnn_llm_ops::ops::scaled_matmul;
 use cudnn_llm_ops::testing::{download, expect_invalid, gpu, poisoned, upload};
 use cudnn_llm_ops::{
     fp8_linear, reference, scaled_matmul, Backend, Cudnn, Element, Fp8LinearArgs, Fp8LinearOperands,

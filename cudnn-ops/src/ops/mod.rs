@@ -11,6 +11,7 @@
 //! | | [`sdpa_backward`](sdpa::sdpa_backward) | composite backward graph | math-path autograd ([`sdpa::naive`]) |
 //! | [`matmul`] | [`matmul`](matmul::matmul) | matmul + epilogue graph; a custom GEMV for a Linear layer over at most 8 tokens ([`MatmulKernel`](matmul::MatmulKernel)) | cuBLAS GEMM + one kernel per step ([`matmul::naive`]) |
 //! | | [`linear_backward_data`](matmul::linear_backward_data), [`linear_backward_weight`](matmul::linear_backward_weight), [`swiglu_down_backward`](matmul::swiglu_down_backward) | matmul graphs over transposed views, reduction (bias), matmul + SwiGLU backward graph | cuBLAS GEMMs + eager kernels ([`matmul::backward::naive`]) |
+//! | [`quantize`] | [`quantize_fp8`](quantize::quantize_fp8) (FP8 codes and factors per row or per tensor) | one kernel per row; per tensor three | eager: cast, abs, amax, factor, divide, cast ([`quantize::naive`]) |
 //! | [`scaled_matmul`] | [`scaled_matmul`](scaled_matmul::scaled_matmul) (FP8 A and B, per-tensor or per-channel scales) | FP8 matmul + scale multiplies graph | dequantize to bf16 (2 kernels) + cuBLAS GEMM ([`scaled_matmul::naive`]) |
 //! | | [`fp8_linear`](scaled_matmul::fp8_linear) (bf16/f16 activations, an FP8 weight) | an FP8-weight GEMV for at most 8 tokens | dequantize the weight + cuBLAS GEMM |
 //! | [`rope`] | [`rope`](rope::rope) | one custom kernel | 10 eager kernels |
@@ -32,6 +33,7 @@ pub mod layernorm;
 pub mod loss;
 pub mod matmul;
 pub mod optim;
+pub mod quantize;
 pub mod rmsnorm;
 pub mod rope;
 pub mod rows;

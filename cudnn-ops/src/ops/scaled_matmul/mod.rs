@@ -10,7 +10,8 @@
 //! multiplies fused after it ([`ScaledMatmulArgs::graph`]; Hopper's FP8 tensor cores, cuDNN 9 on
 //! sm_89 and later). Naive: dequantize A and B into bf16 (a kernel each), then the bf16 cuBLAS GEMM
 //! (`naive.rs`): what a framework without FP8 kernels runs. [`reference()`] is the f64 product of
-//! the dequantized codes, which both are checked against.
+//! the dequantized codes, which both are checked against. Activations come to FP8 through
+//! [`quantize_fp8`](crate::ops::quantize::quantize_fp8).
 
 mod fused;
 mod gemv;
@@ -294,32 +295,6 @@ pub fn linear_reference<W: Element>(args: Fp8LinearArgs, x: &[f64], w: &[W], w_s
     y
 }
 
-/// `values` (row-major `[rows, cols]`) quantized to `T` with one dequantization factor per row
-/// (`per_row`) or for all (`T` an FP8 type; it panics on another): each factor is the rows' largest magnitude over `T`'s largest finite
-/// value (1 for rows of zeros), each code the value over its factor rounded to `T` (saturating).
-/// Returns the codes and the factors (`value ≈ code · factor`).
-pub fn quantize<T: Element>(values: &[f32], rows: usize, cols: usize, per_row: bool) -> (Vec<T>, Vec<f32>) {
-    assert!(T::DTYPE.is_fp8(), "quantize: {} is not an FP8 type", T::DTYPE);
-    assert_eq!(values.len(), rows * cols, "quantize: values length");
-    let max = T::from_f64(f64::MAX).to_f64();
-    let factor = |amax: f32| if amax > 0.0 { (amax as f64 / max) as f32 } else { 1.0 };
-    let amax = |v: &[f32]| v.iter().fold(0f32, |m, x| m.max(x.abs()));
-    let factors: Vec<f32> = if per_row {
-        values.chunks(cols.max(1)).map(|r| factor(amax(r))).collect()
-    } else {
-        vec![factor(amax(values))]
-    };
-    let codes = values
-        .iter()
-        .enumerate()
-        .map(|(i, &v)| {
-            let f = if per_row { factors[i / cols.max(1)] } else { factors[0] };
-            T::from_f64(v as f64 / f as f64)
-        })
-        .collect();
-    (codes, factors)
-}
-
 /// The f64 reference: `D[m, n] = Σ_k (a[m, k] · a_scale) (b[n, k] · b_scale[n or 0])` over the codes'
 /// exact values.
 pub fn reference<A: Element, B: Element>(
@@ -345,6 +320,7 @@ pub fn reference<A: Element, B: Element>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::quantize::quantize;
     use crate::{F8E4M3, F8E5M2};
 
     #[test]
