@@ -27,10 +27,10 @@ fn check<A: Element, O: Element>(ctx: &Cudnn, args: ScaledMatmulArgs, seed: u64,
         .enumerate()
         .map(|(i, v)| *v as f32 * (0.01 + (i / k % 7) as f32))
         .collect();
-    let per_channel = args.b_scales() > 1;
-    let (qa, sa) = quantize::<A>(&x, m, k, false);
+    let (per_channel, per_token) = (args.b_scales() > 1, args.a_scales() > 1);
+    let (qa, sa) = quantize::<A>(&x, m, k, per_token);
     let (qb, sb) = quantize::<F8E4M3>(&w, n, k, per_channel);
-    let want = scaled_matmul::reference(args, &qa, sa[0], &qb, &sb);
+    let want = scaled_matmul::reference(args, &qa, &sa, &qb, &sb);
     let s = ctx.stream();
     let (da, db) = (s.clone_htod(&qa).unwrap(), s.clone_htod(&qb).unwrap());
     let (dsa, dsb) = (s.clone_htod(&sa).unwrap(), s.clone_htod(&sb).unwrap());
@@ -44,7 +44,7 @@ fn check<A: Element, O: Element>(ctx: &Cudnn, args: ScaledMatmulArgs, seed: u64,
             A::DTYPE,
             O::DTYPE,
             if per_channel { "per-channel" } else { "per-tensor" }
-        );
+        ) + if per_token { " per-token" } else { "" };
         let mut d = poisoned::<O>(ctx, m * n).unwrap();
         let run = scaled_matmul(ctx, args, ScaledMatmulOperands::new(&da, &dsa, &db, &dsb, &mut d), backend);
         if let Err(e) = run {
@@ -73,6 +73,7 @@ fn both_backends_match_the_reference_on_fp8_operands() {
         ScaledMatmulArgs::new(1, 1024, 2048).per_channel(),
         ScaledMatmulArgs::new(128, 512, 1024),
         ScaledMatmulArgs::new(128, 512, 1024).per_channel(),
+        ScaledMatmulArgs::new(128, 512, 1024).per_channel().per_token(),
     ]
     .into_iter()
     .enumerate()

@@ -5,6 +5,7 @@
 use super::{ScaledMatmulArgs, ScaledMatmulOperands, WeightScales};
 use crate::dtype::{DataType, Element};
 use crate::graph::{Binary, Graph};
+use crate::ops::quantize::Scaling;
 use crate::ops::Fused;
 use crate::plan::{Bindings, Plan};
 use crate::tensor::TensorSpec;
@@ -23,17 +24,23 @@ mod uid {
 impl ScaledMatmulArgs {
     /// The cuDNN graph: A `[1, m, k]` row-major and B as `[1, k, n]` over the `[n, k]` row-major
     /// weight (both K-major, as FP8 tensor cores read them), the f32 product, times `a_scale`
-    /// `[1, 1, 1]`, times `b_scale` (`[1, 1, 1]`, or `[1, 1, n]` per channel), D `[1, m, n]` packed.
+    /// (`[1, 1, 1]`, or `[1, m, 1]` per token), times `b_scale` (`[1, 1, 1]`, or `[1, 1, n]` per
+    /// channel), D `[1, m, n]` packed.
     pub fn graph(&self, a: DataType, b: DataType, out: DataType) -> Graph {
         let (m, n, k) = (self.m as i64, self.n as i64, self.k as i64);
         let form = match self.weight_scales {
             WeightScales::PerTensor => "per-tensor",
             WeightScales::PerChannel => "per-channel",
         };
-        let mut g = Graph::new(format!("scaled_matmul {m}x{n}x{k} {a}x{b}->{out} {form}"));
+        let per_token = if self.activation_scales == Scaling::PerRow { " per-token" } else { "" };
+        let mut g = Graph::new(format!("scaled_matmul {m}x{n}x{k} {a}x{b}->{out} {form}{per_token}"));
         let ta = g.tensor(TensorSpec::new("A", &[1, m, k], a).with_strides(&[m * k, k, 1]).with_uid(uid::A));
         let tb = g.tensor(TensorSpec::new("B", &[1, k, n], b).with_strides(&[n * k, 1, k]).with_uid(uid::B));
-        let sa = g.tensor(TensorSpec::new("a_scale", &[1, 1, 1], DataType::F32).with_uid(uid::A_SCALE));
+        let a_dims = match self.activation_scales {
+            Scaling::PerTensor => [1, 1, 1],
+            Scaling::PerRow => [1, m, 1],
+        };
+        let sa = g.tensor(TensorSpec::new("a_scale", &a_dims, DataType::F32).with_uid(uid::A_SCALE));
         let b_dims = match self.weight_scales {
             WeightScales::PerTensor => [1, 1, 1],
             WeightScales::PerChannel => [1, 1, n],
@@ -71,7 +78,11 @@ mod tests {
     #[test]
     fn graph_validates_and_binds_the_named_uids() {
         let (e4, e5) = (DataType::F8E4M3, DataType::F8E5M2);
-        for args in [ScaledMatmulArgs::new(16, 4096, 4096), ScaledMatmulArgs::new(1, 128, 64).per_channel()] {
+        for args in [
+            ScaledMatmulArgs::new(16, 4096, 4096),
+            ScaledMatmulArgs::new(1, 128, 64).per_channel(),
+            ScaledMatmulArgs::new(32, 128, 64).per_channel().per_token(),
+        ] {
             for (a, b) in [(e4, e4), (e5, e4), (e4, e5)] {
                 for out in [DataType::BF16, DataType::F16, DataType::F32] {
                     let g = args.graph(a, b, out);

@@ -1,8 +1,8 @@
 //! FP8 scaled matmul, a Linear layer over FP8 operands: `D[m, n] = (A · a_scale) × (B · b_scale)ᵀ`
 //! with A `[m, k]` (activations) and B `[n, k]` (the weight as a Linear holds it, a row per output
 //! channel) row-major in [`F8E4M3`](crate::F8E4M3) or [`F8E5M2`](crate::F8E5M2) (not both E5M2),
-//! `a_scale` one f32 for all of A, `b_scale` one f32 for all of B or one per output channel
-//! ([`WeightScales`]), f32 accumulation, D in bf16, f16 or f32. The scales are the dequantization
+//! `a_scale` one f32 for all of A or one per row (token, [`Scaling`]), `b_scale` one f32 for all of
+//! B or one per output channel ([`WeightScales`]), f32 accumulation, D in bf16, f16 or f32. The scales are the dequantization
 //! factors (`value = code · scale`, e.g. `amax / 448` for E4M3), device tensors so that a captured
 //! step can take new ones.
 //!
@@ -19,6 +19,7 @@ pub mod naive;
 
 use crate::dtype::{DataType, Element};
 use crate::error::ensure;
+use crate::ops::quantize::Scaling;
 use crate::ops::Op;
 use crate::{Backend, Cudnn, Error, Result};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
@@ -45,17 +46,39 @@ pub struct ScaledMatmulArgs {
     pub k: usize,
     /// B's scales.
     pub weight_scales: WeightScales,
+    /// A's scales: one, or one per row (per token, as [`quantize_fp8`](crate::quantize_fp8) makes them
+    /// with [`Scaling::PerRow`]).
+    pub activation_scales: Scaling,
 }
 
 impl ScaledMatmulArgs {
-    /// `[m, k] × [n, k]ᵀ` with B's scales per tensor.
+    /// `[m, k] × [n, k]ᵀ` with A's and B's scales per tensor.
     pub fn new(m: usize, n: usize, k: usize) -> Self {
-        ScaledMatmulArgs { m, n, k, weight_scales: WeightScales::PerTensor }
+        ScaledMatmulArgs {
+            m,
+            n,
+            k,
+            weight_scales: WeightScales::PerTensor,
+            activation_scales: Scaling::PerTensor,
+        }
     }
 
-    /// These arguments with one scale per output channel.
+    /// These arguments with one scale per output channel of B.
     pub fn per_channel(self) -> Self {
         ScaledMatmulArgs { weight_scales: WeightScales::PerChannel, ..self }
+    }
+
+    /// These arguments with one scale per row (token) of A.
+    pub fn per_token(self) -> Self {
+        ScaledMatmulArgs { activation_scales: Scaling::PerRow, ..self }
+    }
+
+    /// A's scale count: 1 or `m`.
+    pub fn a_scales(&self) -> usize {
+        match self.activation_scales {
+            Scaling::PerTensor => 1,
+            Scaling::PerRow => self.m,
+        }
     }
 
     /// B's scale count: 1 or `n`.
@@ -92,7 +115,12 @@ impl ScaledMatmulArgs {
         let need_d = crate::checked::product("scaled_matmul: m * n", &[m, n])?;
         ensure!(la >= need_a, "scaled_matmul: A has {la} elements, needs m*k = {need_a}");
         ensure!(lb >= need_b, "scaled_matmul: B has {lb} elements, needs n*k = {need_b}");
-        ensure!(lsa == 1, "scaled_matmul: a_scale has {lsa} elements, needs 1");
+        let want_a = self.a_scales();
+        ensure!(
+            lsa == want_a,
+            "scaled_matmul: a_scale has {lsa} elements, needs {want_a} ({:?})",
+            self.activation_scales
+        );
         let want = self.b_scales();
         ensure!(
             lsb == want,
@@ -295,23 +323,28 @@ pub fn linear_reference<W: Element>(args: Fp8LinearArgs, x: &[f64], w: &[W], w_s
     y
 }
 
-/// The f64 reference: `D[m, n] = Σ_k (a[m, k] · a_scale) (b[n, k] · b_scale[n or 0])` over the codes'
-/// exact values.
+/// The f64 reference: `D[m, n] = Σ_k (a[m, k] · a_scale[m or 0]) (b[n, k] · b_scale[n or 0])` over
+/// the codes' exact values.
 pub fn reference<A: Element, B: Element>(
     args: ScaledMatmulArgs,
     a: &[A],
-    a_scale: f32,
+    a_scale: &[f32],
     b: &[B],
     b_scale: &[f32],
 ) -> Vec<f64> {
     let ScaledMatmulArgs { m, n, k, .. } = args;
-    assert_eq!((a.len(), b.len(), b_scale.len()), (m * k, n * k, args.b_scales()), "reference scaled_matmul");
+    assert_eq!(
+        (a.len(), b.len(), a_scale.len(), b_scale.len()),
+        (m * k, n * k, args.a_scales(), args.b_scales()),
+        "reference scaled_matmul"
+    );
     let mut d = Vec::with_capacity(m * n);
-    for row in a.chunks(k) {
+    for (i, row) in a.chunks(k).enumerate() {
+        let sa = a_scale[if a_scale.len() == 1 { 0 } else { i }];
         for (j, col) in b.chunks(k).enumerate() {
             let s = row.iter().zip(col).map(|(x, y)| x.to_f64() * y.to_f64()).sum::<f64>();
             let sb = if b_scale.len() == 1 { b_scale[0] } else { b_scale[j] };
-            d.push(s * a_scale as f64 * sb as f64);
+            d.push(s * sa as f64 * sb as f64);
         }
     }
     d
@@ -342,7 +375,11 @@ mod tests {
             (ScaledMatmulArgs::new(4, 30, 64).check(e4, e4, bf, ok), "n = 30 must be a multiple of 8"),
             (a.check(e4, e4, bf, [255, 2048, 1, 1, 128]), "A has 255 elements"),
             (a.check(e4, e4, bf, [256, 2047, 1, 1, 128]), "B has 2047 elements"),
-            (a.check(e4, e4, bf, [256, 2048, 2, 1, 128]), "a_scale has 2 elements"),
+            (a.check(e4, e4, bf, [256, 2048, 2, 1, 128]), "a_scale has 2 elements, needs 1"),
+            (
+                a.per_token().check(e4, e4, bf, [256, 2048, 1, 1, 128]),
+                "a_scale has 1 elements, needs 4 (PerRow)",
+            ),
             (a.check(e4, e4, bf, [256, 2048, 1, 32, 128]), "b_scale has 32 elements, needs 1"),
             (a.per_channel().check(e4, e4, bf, [256, 2048, 1, 1, 128]), "needs 32 (PerChannel)"),
             (a.check(e4, e4, bf, [256, 2048, 1, 1, 127]), "D has 127 elements"),
@@ -388,7 +425,7 @@ mod tests {
             quantize::<F8E4M3>(&(0..n * k).map(|i| (i % 5) as f32).collect::<Vec<_>>(), n, k, true);
         let x: Vec<f64> = xq.iter().map(|v| v.to_f64()).collect();
         let lin = linear_reference(Fp8LinearArgs::new(m, n, k), &x, &wq, &ws);
-        let mm = reference(ScaledMatmulArgs::new(m, n, k).per_channel(), &xq, 1.0, &wq, &ws);
+        let mm = reference(ScaledMatmulArgs::new(m, n, k).per_channel(), &xq, &[1.0], &wq, &ws);
         assert_eq!(lin, mm);
     }
 
@@ -413,7 +450,13 @@ mod tests {
                 (0..n).map(move |j| (0..k).map(|t| x[i * k + t] as f64 * w[j * k + t] as f64).sum::<f64>())
             })
             .collect();
-        let got = reference(ScaledMatmulArgs::new(m, n, k).per_channel(), &qa, sa[0], &qb, &sb);
+        let got = reference(ScaledMatmulArgs::new(m, n, k).per_channel(), &qa, &sa, &qb, &sb);
+        // Per token: each row of A quantized with its own factor, the same product.
+        let (qt, st) = quantize::<F8E4M3>(&x, m, k, true);
+        let per_token =
+            reference(ScaledMatmulArgs::new(m, n, k).per_channel().per_token(), &qt, &st, &qb, &sb);
+        let c = crate::reference::compare(&per_token.iter().map(|v| *v as f32).collect::<Vec<_>>(), &exact);
+        assert!(c.passes(crate::reference::Tolerance::rel_l2(5e-2)), "per token: {c}");
         let c = crate::reference::compare(&got.iter().map(|v| *v as f32).collect::<Vec<_>>(), &exact);
         assert!(c.passes(crate::reference::Tolerance::rel_l2(5e-2)), "{c}");
         // Zeros quantize to zeros with a unit factor; E5M2 codes work the same way.

@@ -76,7 +76,8 @@ impl<A: Element, B: Element, O: Element> Naive<(A, B, O)> for ScaledMatmulArgs {
         let (sa, _gsa) = x.a_scale.device_ptr(s);
         let (sb, _gsb) = x.b_scale.device_ptr(s);
         let per_row = (x.b_scale.len() > 1) as i64;
-        let args = [Arg::Ptr(a), Arg::Ptr(sa), Arg::I64(0), Arg::I64(k as i64), Arg::Ptr(a16)];
+        let per_token = (x.a_scale.len() > 1) as i64;
+        let args = [Arg::Ptr(a), Arg::Ptr(sa), Arg::I64(per_token), Arg::I64(k as i64), Arg::Ptr(a16)];
         elementwise(ctx, kernels, &da, m * k, &args)?;
         let args = [Arg::Ptr(b), Arg::Ptr(sb), Arg::I64(per_row), Arg::I64(k as i64), Arg::Ptr(b16)];
         elementwise(ctx, kernels, &db, n * k, &args)?;
