@@ -466,6 +466,19 @@ pub(crate) fn float_suffix(op: &str, what: &str, dtype: crate::DataType) -> Resu
     }
 }
 
+/// The kernel-name suffix of an FP8 dtype (`e4m3`, `e5m2`); another dtype is
+/// [`crate::Error::NotSupported`] naming `op` and `what`.
+pub(crate) fn fp8_suffix(op: &str, what: &str, dtype: crate::DataType) -> Result<&'static str> {
+    match dtype {
+        crate::DataType::F8E4M3 => Ok("e4m3"),
+        crate::DataType::F8E5M2 => Ok("e5m2"),
+        other => Err(crate::Error::NotSupported {
+            op: op.into(),
+            reason: format!("takes FP8 {what}, not {other}"),
+        }),
+    }
+}
+
 /// Launches an elementwise kernel over `n` elements: `args`, then `n`. A grid too large for one launch
 /// (the kernels have no grid-stride loop) is an error, not a launch that silently covers fewer elements.
 pub(crate) fn elementwise(ctx: &Exec, kernels: &Kernels, name: &str, n: usize, args: &[Arg]) -> Result<()> {

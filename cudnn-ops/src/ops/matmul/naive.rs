@@ -41,7 +41,7 @@ fn transposed_view(l: &MatrixLayout) -> (bool, usize) {
 
 /// The GEMM for row-major `D[M, N] = A[M, K] · B[K, N]`, batched: cuBLAS computes the column-major
 /// `Dᵀ = Bᵀ · Aᵀ`, so B is cuBLAS's first operand and A its second.
-pub(super) fn gemm_config(args: &MatmulArgs, a: u64, b: u64, d: u64, dtype: DataType, out: DataType) -> Gemm {
+pub(crate) fn gemm_config(args: &MatmulArgs, a: u64, b: u64, d: u64, dtype: DataType, out: DataType) -> Gemm {
     let (m, n, k) = (args.m(), args.n(), args.k());
     let (transpose_a, lda) = transposed_view(&args.b);
     let (transpose_b, ldb) = transposed_view(&args.a);

@@ -3,9 +3,9 @@
 
 use super::{QuantizeArgs, QuantizeOperands, Scaling};
 use crate::dtype::{DataType, Element};
-use crate::kernels::{launch, Arg, Kernels, Owned};
+use crate::kernels::{float_suffix, fp8_suffix, launch, Arg, Kernels, Owned};
 use crate::ops::Fused;
-use crate::{Cudnn, Error, Result};
+use crate::{Cudnn, Result};
 use cudarc::driver::{DevicePtrMut, LaunchConfig};
 
 /// Threads per block.
@@ -17,21 +17,16 @@ const PARTIALS: Owned<f32> = Owned::new("fp8 quantization partial maxima");
 
 /// The kernels' suffixes: the input dtype and the FP8 format.
 pub(super) fn suffixes(x: DataType, q: DataType) -> Result<(&'static str, &'static str)> {
-    let src = match x {
-        DataType::BF16 => "bf16",
-        DataType::F16 => "f16",
-        DataType::F32 => "f32",
-        other => return Err(Error::invalid(format!("quantize_fp8: input of {other}"))),
-    };
-    let fmt = match q {
-        DataType::F8E4M3 => "e4m3",
-        DataType::F8E5M2 => "e5m2",
-        other => return Err(Error::invalid(format!("quantize_fp8: codes of {other}"))),
-    };
-    Ok((src, fmt))
+    Ok((float_suffix("quantize_fp8", "input", x)?, fp8_suffix("quantize_fp8", "codes", q)?))
 }
 
-fn config(blocks: usize) -> Result<LaunchConfig> {
+/// The blocks of a per-tensor pass over `n` elements.
+pub(super) fn tensor_blocks(n: usize) -> usize {
+    n.div_ceil(BLOCK as usize).min(MAX_BLOCKS)
+}
+
+/// A grid of `blocks` blocks of [`BLOCK`] threads.
+pub(super) fn config(blocks: usize) -> Result<LaunchConfig> {
     Ok(LaunchConfig {
         grid_dim: (crate::checked::launch_dim("quantize_fp8: blocks", blocks)?, 1, 1),
         block_dim: (BLOCK, 1, 1),
@@ -55,7 +50,7 @@ impl<T: Element, F: Element> Fused<(T, F)> for QuantizeArgs {
                 launch(ctx, kernels, &format!("quant_rows_{src}_{fmt}"), config(rows)?, &args)
             }
             Scaling::PerTensor => {
-                let blocks = n.div_ceil(BLOCK as usize).min(MAX_BLOCKS);
+                let blocks = tensor_blocks(n);
                 let mut partials = kernels.owned(ctx, PARTIALS, blocks)?;
                 let s = ctx.stream();
                 let (xp, _gx) = x.x.device_ptr(s);

@@ -3,18 +3,15 @@
 //! reduction, the fused half's kernels), the factor (`amax / FP8_MAX`, 1 where 0), `x / factor`, the
 //! cast to FP8.
 
-use super::fused::suffixes;
+use super::fused::{config, suffixes, tensor_blocks};
 use super::{QuantizeArgs, QuantizeOperands, Scaling};
 use crate::dtype::{DataType, Element};
 use crate::kernels::{elementwise, launch, scratch, Arg, Kernels};
 use crate::ops::Naive;
 use crate::{Cudnn, Result};
-use cudarc::driver::LaunchConfig;
 
 /// Kernels launched per call, per row with a 16-bit input (one fewer for f32 input).
 pub const KERNEL_COUNT: usize = 6;
-
-const BLOCK: u32 = 256;
 
 impl<T: Element, F: Element> Naive<(T, F)> for QuantizeArgs {
     fn naive(self, ctx: &Cudnn, x: QuantizeOperands<'_, T, F>) -> Result<()> {
@@ -22,7 +19,7 @@ impl<T: Element, F: Element> Naive<(T, F)> for QuantizeArgs {
         let kernels = Kernels::get(ctx)?;
         let (rows, cols) = (self.rows, self.cols);
         let n = rows * cols; // checked by `check`
-        let blocks = n.div_ceil(BLOCK as usize).min(1024);
+        let blocks = tensor_blocks(n);
         // f32 scratch: x.float() (n), |x| (n), the quotient (n), the row maxima or partials.
         let base = scratch(ctx, kernels, 3 * n + rows.max(blocks))?;
         let at = |i: usize| base + 4 * i as u64;
@@ -38,25 +35,18 @@ impl<T: Element, F: Element> Naive<(T, F)> for QuantizeArgs {
             xf
         };
         elementwise(ctx, kernels, "quant_naive_abs", n, &[Arg::Ptr(xf), Arg::Ptr(abs)])?;
-        let cfg = |blocks: usize| -> Result<LaunchConfig> {
-            Ok(LaunchConfig {
-                grid_dim: (crate::checked::launch_dim("quantize_fp8: blocks", blocks)?, 1, 1),
-                block_dim: (BLOCK, 1, 1),
-                shared_mem_bytes: 0,
-            })
-        };
         let per_row = match self.scaling {
             Scaling::PerRow => {
                 let args = [Arg::Ptr(abs), Arg::I64(cols as i64), Arg::Ptr(fp)];
-                launch(ctx, kernels, "quant_naive_amax_rows", cfg(rows)?, &args)?;
+                launch(ctx, kernels, "quant_naive_amax_rows", config(rows)?, &args)?;
                 elementwise(ctx, kernels, &format!("quant_naive_factor_{fmt}"), rows, &[Arg::Ptr(fp)])?;
                 1
             }
             Scaling::PerTensor => {
                 let args = [Arg::Ptr(abs), Arg::I64(n as i64), Arg::Ptr(amax)];
-                launch(ctx, kernels, "quant_amax_f32", cfg(blocks)?, &args)?;
+                launch(ctx, kernels, "quant_amax_f32", config(blocks)?, &args)?;
                 let args = [Arg::Ptr(amax), Arg::I64(blocks as i64), Arg::Ptr(fp)];
-                launch(ctx, kernels, &format!("quant_factor_{fmt}"), cfg(1)?, &args)?;
+                launch(ctx, kernels, &format!("quant_factor_{fmt}"), config(1)?, &args)?;
                 0
             }
         };

@@ -3,7 +3,7 @@
 
 use super::{Fp8LinearArgs, Fp8LinearOperands};
 use crate::dtype::{DataType, Element};
-use crate::kernels::{launch, Arg, Kernels};
+use crate::kernels::{float_suffix, fp8_suffix, launch, Arg, Kernels};
 use crate::ops::Fused;
 use crate::{Cudnn, Error, Result};
 use cudarc::driver::LaunchConfig;
@@ -16,16 +16,9 @@ const ROWS_PER_WARP: usize = 2;
 /// The kernel for x's dtype, W's format and `m` tokens: the smallest tile of 1, 2, 4 or 8 that holds
 /// them.
 fn kernel(x: DataType, w: DataType, m: usize) -> Result<String> {
-    let sx = match x {
-        DataType::BF16 => "bf16",
-        DataType::F16 => "f16",
-        other => return Err(Error::invalid(format!("fp8_linear: activations of {other}"))),
-    };
-    let sw = match w {
-        DataType::F8E4M3 => "e4m3",
-        DataType::F8E5M2 => "e5m2",
-        other => return Err(Error::invalid(format!("fp8_linear: a weight of {other}"))),
-    };
+    // The checks keep x to bf16 and f16, the dtypes the kernels take.
+    let sx = float_suffix("fp8_linear", "activations", x)?;
+    let sw = fp8_suffix("fp8_linear", "weights", w)?;
     let tile = [1, 2, 4, 8].into_iter().find(|&t| t >= m).ok_or_else(|| Error::NotSupported {
         op: format!("fp8_linear {m} tokens"),
         reason: format!(

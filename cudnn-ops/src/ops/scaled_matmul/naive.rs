@@ -5,8 +5,10 @@
 
 use super::{Fp8LinearArgs, Fp8LinearOperands, ScaledMatmulArgs, ScaledMatmulOperands};
 use crate::dtype::{DataType, Element};
-use crate::kernels::blas::{gemm, Gemm, Operand};
-use crate::kernels::{elementwise, scratch, Arg, Kernels};
+use crate::kernels::blas::gemm;
+use crate::kernels::{elementwise, float_suffix, fp8_suffix, scratch, Arg, Kernels};
+use crate::ops::matmul::naive::gemm_config;
+use crate::ops::matmul::MatmulArgs;
 use crate::ops::Naive;
 use crate::{Cudnn, Result};
 
@@ -15,24 +17,15 @@ pub const KERNEL_COUNT: usize = 3;
 /// Kernels launched per [`fp8_linear`](super::fp8_linear) call: the weight's dequantization and the GEMM.
 pub const LINEAR_KERNEL_COUNT: usize = 2;
 
-/// The kernel dequantizing FP8 `dtype` into `out` (bf16 or f16).
+/// The kernel dequantizing FP8 `dtype` into `out` (bf16 or f16: the checks keep the others out).
 fn dequant(dtype: DataType, out: DataType) -> Result<String> {
-    let fmt = match dtype {
-        DataType::F8E4M3 => "e4m3",
-        DataType::F8E5M2 => "e5m2",
-        other => return Err(crate::Error::invalid(format!("{other} is not an FP8 dtype"))),
-    };
-    let to = match out {
-        DataType::BF16 => "bf16",
-        DataType::F16 => "f16",
-        other => return Err(crate::Error::invalid(format!("FP8 dequantizes to bf16 or f16, not {other}"))),
-    };
-    Ok(format!("dequant_{fmt}_{to}"))
+    let fmt = fp8_suffix("FP8 dequantization", "codes", dtype)?;
+    Ok(format!("dequant_{fmt}_{}", float_suffix("FP8 dequantization", "output", out)?))
 }
 
-/// Row-major `y[m, n] = x[m, k] · w[n, k]ᵀ` by cuBLAS (f32 compute), x and w in `dtype`: the
-/// column-major `yᵀ = w · xᵀ`, w (a column-major k x n, transposed) first, then x.
-fn gemm_nt(
+/// Row-major `y[m, n] = x[m, k] · w[n, k]ᵀ` by cuBLAS, x and w in `dtype`: the GEMM of a naive Linear
+/// ([`MatmulArgs::linear`]).
+fn linear_gemm(
     ctx: &Cudnn,
     (m, n, k): (usize, usize, usize),
     x: u64,
@@ -41,22 +34,7 @@ fn gemm_nt(
     y: u64,
     out: DataType,
 ) -> Result<()> {
-    gemm(
-        ctx,
-        &Gemm {
-            transpose_a: true,
-            transpose_b: false,
-            m: n,
-            n: m,
-            k,
-            a: Operand { ptr: w, dtype, ld: k, batch_stride: 0 },
-            b: Operand { ptr: x, dtype, ld: k, batch_stride: 0 },
-            c: Operand { ptr: y, dtype: out, ld: n, batch_stride: 0 },
-            batch: 1,
-            alpha: 1.0,
-            beta: 0.0,
-        },
-    )
+    gemm(ctx, &gemm_config(&MatmulArgs::linear(m, k, n), x, w, y, dtype, out))
 }
 
 impl<A: Element, B: Element, O: Element> Naive<(A, B, O)> for ScaledMatmulArgs {
@@ -82,7 +60,7 @@ impl<A: Element, B: Element, O: Element> Naive<(A, B, O)> for ScaledMatmulArgs {
         let args = [Arg::Ptr(b), Arg::Ptr(sb), Arg::I64(per_row), Arg::I64(k as i64), Arg::Ptr(b16)];
         elementwise(ctx, kernels, &db, n * k, &args)?;
         let (d, _gd) = x.d.device_ptr_mut(s);
-        gemm_nt(ctx, (m, n, k), a16, b16, DataType::BF16, d, O::DTYPE)
+        linear_gemm(ctx, (m, n, k), a16, b16, DataType::BF16, d, O::DTYPE)
     }
 }
 
@@ -102,6 +80,6 @@ impl<T: Element, W: Element> Naive<(T, W)> for Fp8LinearArgs {
         elementwise(ctx, kernels, &dw, n * k, &args)?;
         let (xp, _gx) = x.x.device_ptr(s);
         let (y, _gy) = x.y.device_ptr_mut(s);
-        gemm_nt(ctx, (m, n, k), xp, w16, T::DTYPE, y, T::DTYPE)
+        linear_gemm(ctx, (m, n, k), xp, w16, T::DTYPE, y, T::DTYPE)
     }
 }
