@@ -794,21 +794,23 @@ fn send_abort(s: &mut TcpStream, why: &str) -> std::io::Result<()> {
 
 /// A message's bytes, after its tag.
 fn read_message(s: &mut impl Read) -> Result<Vec<u8>, String> {
-    let n = read_u32(s).map_err(|e| e.to_string())? as usize;
-    if n > MAX_MESSAGE_BYTES {
-        return Err(format!("{n} bytes, over {MAX_MESSAGE_BYTES}"));
-    }
-    let mut b = vec![0u8; n];
-    s.read_exact(&mut b).map_err(|e| e.to_string())?;
-    Ok(b)
+    read_counted(s, MAX_MESSAGE_BYTES)
 }
 
 /// The text of an abort, after its tag.
 fn read_text(s: &mut impl Read) -> Option<String> {
-    let n = read_u32(s).ok().map(|n| n as usize).filter(|&n| n <= MAX_MESSAGE)?;
+    read_counted(s, MAX_MESSAGE).ok().map(|b| String::from_utf8_lossy(&b).into_owned())
+}
+
+/// A `u32` byte count of at most `max`, then that many bytes.
+fn read_counted(s: &mut impl Read, max: usize) -> Result<Vec<u8>, String> {
+    let n = read_u32(s).map_err(|e| e.to_string())? as usize;
+    if n > max {
+        return Err(format!("{n} bytes, over {max}"));
+    }
     let mut b = vec![0u8; n];
-    s.read_exact(&mut b).ok()?;
-    Some(String::from_utf8_lossy(&b).into_owned())
+    s.read_exact(&mut b).map_err(|e| e.to_string())?;
+    Ok(b)
 }
 
 /// The instant `timeout` from now, at most a century away (a longer timeout, `Duration::MAX`

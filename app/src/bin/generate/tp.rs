@@ -110,15 +110,20 @@ impl<T: Element> TpGen<T> {
     fn step(&mut self, id: u32) -> Result<Vec<f32>, Error> {
         if self.captured && std::mem::take(&mut self.prefilled) {
             // A longer prefill reallocates the activations a captured step holds: capture again.
-            let stale = self.tp.each("a captured step's buffers", |r| {
-                Ok(r.graph.as_ref().is_none_or(|g| !r.model.is_current(&r.ctx, g)))
-            })?;
-            self.captured = !stale.contains(&true);
+            self.captured = !self.stale()?;
         }
         let capture = self.graph && self.launched > 0 && !self.captured;
         let replay = self.captured || capture;
         self.tp.broadcast(&Command::Step { id, capture, replay }.encode())?;
         self.run_step(id, capture, replay)
+    }
+
+    /// Whether a rank here has no captured step, or one that holds buffers a longer prefill replaced.
+    fn stale(&mut self) -> Result<bool, Error> {
+        let stale = self.tp.each("a captured step's buffers", |r| {
+            Ok(r.graph.as_ref().is_none_or(|g| !r.model.is_current(&r.ctx, g)))
+        })?;
+        Ok(stale.contains(&true))
     }
 
     /// A step as rank 0 decided it.
@@ -145,10 +150,7 @@ impl<T: Element> TpGen<T> {
                 Command::Step { id, capture, replay } => {
                     if replay && !capture && std::mem::take(&mut self.prefilled) {
                         // Rank 0 found its captured step current after the prefill: so must this rank.
-                        let stale = self.tp.each("a captured step's buffers", |r| {
-                            Ok(r.graph.as_ref().is_none_or(|g| !r.model.is_current(&r.ctx, g)))
-                        })?;
-                        if stale.contains(&true) {
+                        if self.stale()? {
                             return Err("rank 0 replays its captured step, but this rank's is stale (its \
                                         buffers were reallocated): the ranks' states differ"
                                 .into());

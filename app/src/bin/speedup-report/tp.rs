@@ -161,8 +161,10 @@ pub(crate) fn run<T: Element>(
     for (_, b) in &selections {
         hidden.push(hidden_states(&mut tp, &prompt, b, cfg.hidden)?);
     }
-    let fallbacks = tp.each("fallbacks", |r| Ok(fell_back(r.model.fallbacks())))?;
-    let rank0_fallbacks = tp.each("rank 0's fallbacks", |r| Ok(r.model.fallbacks().to_vec()))?.swap_remove(0);
+    // Each rank here's fallbacks; the first is rank 0's on the process that reports.
+    let local = tp.each("fallbacks", |r| Ok(r.model.fallbacks().to_vec()))?;
+    let fallbacks: Vec<Vec<(String, String)>> = local.iter().map(|f| fell_back(f)).collect();
+    let rank0_fallbacks = local.into_iter().next().unwrap_or_default();
     let plans = tp.each("plans", |r| Ok(plan_lines(&r.ctx)))?;
     let runs = tp.each("kernel runs", |r| {
         Ok(r.ctx
