@@ -1,7 +1,8 @@
 //! `cargo bench --bench fp8`: Llama-3.1-8B's Linear layers in FP8 against bf16 on one GPU.
 //!
-//! - Decode (one token): the bf16 matmul's decode GEMV (`matmul`, fused) against `fp8_linear` (an
-//!   E4M3 weight with per-channel factors; fused: the FP8-weight GEMV, naive: dequantize + cuBLAS),
+//! - Decode (one token): the bf16 matmul's decode GEMV (`matmul`, fused) against the same matmul over
+//!   an E4M3 weight with per-channel factors (fused: the decode GEMV streaming the codes, naive:
+//!   dequantize + cuBLAS),
 //!   as GB/s of weight read and the fraction of the device copy bandwidth.
 //! - Prefill (2048 tokens): the bf16 matmul graph against `quantize_fp8` (per token) followed by
 //!   `scaled_matmul` (per token, per channel), both fused, as TFLOP/s.
@@ -13,15 +14,14 @@
 
 use criterion::Criterion;
 use cudarc::driver::CudaSlice;
-use cudnn_llm::cudnn_ops::ops::quantize::quantize;
-use cudnn_llm::cudnn_ops::ops::scaled_matmul::{linear_reference, reference as scaled_reference};
+use cudnn_llm::cudnn_ops::ops::scaled_matmul::reference as scaled_reference;
 use cudnn_llm::cudnn_ops::{
-    fp8_linear, matmul, quantize_fp8, reference, scaled_matmul, Backend, Cudnn, Error, Fp8LinearArgs,
-    Fp8LinearOperands, MatmulArgs, MatmulOperands, QuantizeArgs, QuantizeOperands, Result, ScaledMatmulArgs,
-    ScaledMatmulOperands, F8E4M3,
+    fp8_weight_reference, matmul, quantize_fp8, reference, scaled_matmul, Backend, Cudnn, Error, MatmulArgs,
+    MatmulOperands, QuantizeArgs, QuantizeOperands, Result, ScaledMatmulArgs, ScaledMatmulOperands, F8E4M3,
 };
 use cudnn_llm_app::bench_util::{
-    bench_main, copy_bandwidth_gbps, csv_and_markdown, gpu_time_ms, median_call_ms, round, write_results,
+    bench_main, copy_bandwidth_gbps, csv_and_markdown, environment, gpu_time_ms, median_call_ms, round,
+    write_results,
 };
 use half::bf16;
 use std::fmt::Write as _;
@@ -57,20 +57,24 @@ impl Case {
         let seed = (m * 31 + n * 7 + k) as u64;
         let xs: Vec<bf16> =
             reference::random_values(seed, m * k).iter().map(|&v| bf16::from_f64(v)).collect();
-        let wf: Vec<f32> =
-            reference::random_values(seed + 1, n * k).iter().map(|&v| v as f32 * 0.05).collect();
-        let (wq, wscale) = quantize::<F8E4M3>(&wf, n, k, true);
+        let wf: Vec<bf16> =
+            reference::random_values(seed + 1, n * k).iter().map(|&v| bf16::from_f64(v * 0.05)).collect();
         let s = ctx.stream();
+        let w = s.clone_htod(&wf)?;
+        // The weight's codes and per-channel factors on the device, as `Llama::quantize_to_fp8` makes them.
+        let (mut wq, mut ws) = (s.alloc_zeros::<F8E4M3>(n * k)?, s.alloc_zeros::<f32>(n)?);
+        let q = QuantizeArgs::per_row(n, k);
+        quantize_fp8(ctx, q, QuantizeOperands::new(&w, &mut wq, &mut ws), Backend::Fused)?;
         Ok(Case {
             name,
             m,
             n,
             k,
             x: s.clone_htod(&xs)?,
-            w: s.clone_htod(&wf.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>())?,
+            w,
             y: s.alloc_zeros(m * n)?,
-            wq: s.clone_htod(&wq)?,
-            ws: s.clone_htod(&wscale)?,
+            wq,
+            ws,
             xq: s.alloc_zeros(m * k)?,
             xs: s.alloc_zeros(m)?,
         })
@@ -81,9 +85,10 @@ impl Case {
         matmul(ctx, &args, MatmulOperands::new(&self.x, &self.w, &mut self.y), Backend::Fused)
     }
 
-    fn fp8_linear(&mut self, ctx: &Cudnn, backend: Backend) -> Result<()> {
-        let args = Fp8LinearArgs::new(self.m, self.n, self.k);
-        fp8_linear(ctx, args, Fp8LinearOperands::new(&self.x, &self.wq, &self.ws, &mut self.y), backend)
+    /// The Linear over the E4M3 weight.
+    fn fp8_weight(&mut self, ctx: &Cudnn, backend: Backend) -> Result<()> {
+        let args = MatmulArgs::linear(self.m, self.k, self.n);
+        matmul(ctx, &args, MatmulOperands::fp8_weight(&self.x, &self.wq, &self.ws, &mut self.y), backend)
     }
 
     /// `quantize_fp8` per token, then `scaled_matmul` per token and per channel.
@@ -116,10 +121,10 @@ impl Case {
         let x: Vec<f64> = ctx.stream().clone_dtoh(&self.x)?.iter().map(|v| v.to_f64()).collect();
         let (wq, ws) = (ctx.stream().clone_dtoh(&self.wq)?, ctx.stream().clone_dtoh(&self.ws)?);
         if self.m == 1 {
-            let want = linear_reference(Fp8LinearArgs::new(1, self.n, self.k), &x[..self.k], &wq, &ws);
+            let want = fp8_weight_reference((1, self.n, self.k), &x[..self.k], &wq, &ws);
             for backend in [Backend::Fused, Backend::Naive] {
-                self.fp8_linear(ctx, backend)?;
-                self.expect(ctx, 1, &want, &format!("fp8_linear {}", backend.name()))?;
+                self.fp8_weight(ctx, backend)?;
+                self.expect(ctx, 1, &want, &format!("fp8 weight {}", backend.name()))?;
             }
         } else {
             self.fp8_prefill(ctx)?;
@@ -127,6 +132,9 @@ impl Case {
             let args = ScaledMatmulArgs::new(rows, self.n, self.k).per_channel().per_token();
             let want = scaled_reference(args, &xq[..rows * self.k], &xs[..rows], &wq, &ws);
             self.expect(ctx, rows, &want, "quantize + scaled_matmul")?;
+            // The matmul over the FP8 weight quantizes x the same way (the same kernel) into the FP8 graph.
+            self.fp8_weight(ctx, Backend::Fused)?;
+            self.expect(ctx, rows, &want, "fp8 weight fused")?;
         }
         Ok(())
     }
@@ -143,27 +151,21 @@ fn paths(m: usize) -> Vec<Path> {
     if m == 1 {
         vec![
             ("bf16 GEMV", |c, ctx| c.bf16(ctx)),
-            ("fp8_linear fused", |c, ctx| c.fp8_linear(ctx, Backend::Fused)),
-            ("fp8_linear naive", |c, ctx| c.fp8_linear(ctx, Backend::Naive)),
+            ("fp8 weight fused", |c, ctx| c.fp8_weight(ctx, Backend::Fused)),
+            ("fp8 weight naive", |c, ctx| c.fp8_weight(ctx, Backend::Naive)),
         ]
     } else {
         vec![
             ("bf16 matmul", |c, ctx| c.bf16(ctx)),
             ("fp8 quantize + scaled_matmul", |c, ctx| c.fp8_prefill(ctx)),
+            ("fp8 weight fused", |c, ctx| c.fp8_weight(ctx, Backend::Fused)),
         ]
     }
 }
 
 fn run(ctx: &Cudnn) -> Result<()> {
     let info = ctx.info().clone();
-    println!(
-        "# {} (sm_{}{}), driver {}, cuDNN {}",
-        info.name,
-        info.compute_capability.0,
-        info.compute_capability.1,
-        info.driver_version,
-        info.cudnn_version_string()
-    );
+    println!("# {}", environment(&info));
     let mut cases = Vec::new();
     for (name, n, k) in LINEARS {
         for m in [1, PREFILL] {

@@ -18,8 +18,8 @@ use cudnn_llm::cudnn_ops::{
     Result,
 };
 use cudnn_llm_app::bench_util::{
-    bench_main, copy_bandwidth_gbps, csv_and_markdown, gpu_time_ms, median_call_ms, round, upload,
-    write_results,
+    bench_main, copy_bandwidth_gbps, csv_and_markdown, environment, gpu_time_ms, median_call_ms, round,
+    upload, write_results,
 };
 use half::bf16;
 use std::collections::HashMap;
@@ -80,14 +80,7 @@ fn main() {
 
 fn run(ctx: &Cudnn) -> Result<()> {
     let info = ctx.info().clone();
-    println!(
-        "# {} (sm_{}{}), driver {}, cuDNN {}",
-        info.name,
-        info.compute_capability.0,
-        info.compute_capability.1,
-        info.driver_version,
-        info.cudnn_version_string()
-    );
+    println!("# {}", environment(&info));
     let mut cases = Vec::new();
     let mut cold = Vec::new();
     for hidden in HIDDEN {

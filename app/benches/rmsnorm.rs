@@ -13,8 +13,8 @@ use cudnn_llm::cudnn_ops::{
     reference, rms_norm, Backend, Bindings, Cudnn, DataType, NormPhase, Result, RmsNormArgs, RmsNormOperands,
 };
 use cudnn_llm_app::bench_util::{
-    bench_main, copy_bandwidth_gbps, csv_and_markdown, gpu_time_ms, median_call_ms, median_host_us, round,
-    upload, write_results,
+    bench_main, copy_bandwidth_gbps, csv_and_markdown, environment, gpu_time_ms, median_call_ms,
+    median_host_us, round, upload, write_results,
 };
 use half::bf16;
 use std::fmt::Write as _;
@@ -55,15 +55,7 @@ fn main() {
 
 fn run(ctx: &Cudnn) -> Result<()> {
     let info = ctx.info().clone();
-    println!(
-        "# {} (sm_{}{}), driver {}, cuDNN {} ({})",
-        info.name,
-        info.compute_capability.0,
-        info.compute_capability.1,
-        info.driver_version,
-        info.cudnn_version_string(),
-        info.cudnn_library
-    );
+    println!("# {}", environment(&info));
 
     // Cold plan build for every shape (cleared cache), before anything else touches cuDNN's engines.
     let mut cases = Vec::new();

@@ -13,6 +13,10 @@ use half::bf16;
 
 /// Hidden states through a whole bf16 model, against f64.
 const MODEL_TOL: Tolerance = Tolerance::rel_l2(3e-2);
+/// Hidden states of a model with FP8 projections whose fused prefill quantizes the activations per
+/// token too (E4M3 keeps 3 mantissa bits: up to 2^-4 relative rounding an element), against the f64
+/// forward over the dequantized weights and unquantized activations.
+const FP8_ACTIVATIONS_TOL: Tolerance = Tolerance::rel_l2(8e-2);
 
 fn tokens(batch: usize, seq: usize, vocab: usize, seed: u32) -> Vec<Vec<u32>> {
     (0..batch)
@@ -452,4 +456,93 @@ fn what_does_not_fit_is_an_error_before_it_allocates() {
     let out = model.forward(&ctx, &toks, &mut cache, &fused, &mut NoObserver).unwrap();
     let h = ctx.stream().clone_dtoh(out).unwrap();
     assert!(h[..8 * cfg.hidden].iter().all(|v| v.is_finite()));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fp8_projections_match_the_reference_over_their_dequantized_weights() {
+    // Prefill (fused: the activations quantized per token and FP8 GEMMs; naive: the weights
+    // dequantized and cuBLAS) and decode steps (the GEMV streaming the codes in every fold, plain and
+    // replayed) against the f64 forward over the weights the FP8 model multiplies by.
+    let ctx = gpu();
+    let cfg = LlamaConfig::tiny();
+    let w = Weights::<bf16>::random(&cfg, 21);
+    let mut model = Llama::new(&ctx, &cfg, &w, 64).unwrap();
+    let bf16_bytes = model.linear_weight_bytes();
+    model.quantize_to_fp8(&ctx).unwrap();
+    model.quantize_to_fp8(&ctx).unwrap();
+    assert!(model.linear_weight_bytes() * 2 < bf16_bytes + bf16_bytes / 4, "{}", model.linear_weight_bytes());
+    let fp8 = w.fp8_dequantized();
+    let (batch, prompt, steps) = (2, 6, 4);
+    let all = tokens(batch, prompt + steps, cfg.vocab, 13);
+    let expected = reference::forward(&cfg, &fp8, &all, 0);
+    // The bf16 reference is further away than the tolerance would hide: the test can tell FP8 from bf16.
+    let bf = reference::forward(&cfg, &w, &all, 0);
+    println!(
+        "bf16 vs dequantized FP8 weights (f64 forwards): {}",
+        compare(&bf.iter().map(|&v| v as f32).collect::<Vec<_>>(), &expected)
+    );
+    let h = cfg.hidden;
+    let mut failures = Vec::new();
+    for sel in ["", "fused=all"] {
+        let b = Backends::parse(sel).unwrap();
+        let tol = if sel.is_empty() { MODEL_TOL } else { FP8_ACTIVATIONS_TOL };
+        for fusion in [DecodeFusion::NONE, DecodeFusion::ALL] {
+            model.set_decode_fusion(fusion);
+            let mut cache = model.cache(&ctx, batch, prompt + steps).unwrap();
+            let first: Vec<Vec<u32>> = all.iter().map(|t| t[..prompt].to_vec()).collect();
+            let out = ctx
+                .stream()
+                .clone_dtoh(model.forward(&ctx, &first, &mut cache, &b, &mut NoObserver).unwrap())
+                .unwrap();
+            for bi in 0..batch {
+                for s in 0..prompt {
+                    let c = compare(
+                        &out[(bi * prompt + s) * h..][..h],
+                        &expected[(bi * (prompt + steps) + s) * h..][..h],
+                    );
+                    if !c.passes(tol) {
+                        failures.push(format!("`{sel}` {} prefill {bi}/{s}: {c}", fusion.name()));
+                    }
+                }
+            }
+            for s in prompt..prompt + steps {
+                let step: Vec<Vec<u32>> = all.iter().map(|t| vec![t[s]]).collect();
+                let out = ctx
+                    .stream()
+                    .clone_dtoh(model.forward(&ctx, &step, &mut cache, &b, &mut NoObserver).unwrap())
+                    .unwrap();
+                for bi in 0..batch {
+                    let c = compare(&out[bi * h..][..h], &expected[(bi * (prompt + steps) + s) * h..][..h]);
+                    println!("`{sel}` {} step {bi}/{s}: {c}", fusion.name());
+                    if !c.passes(tol) {
+                        failures.push(format!("`{sel}` {} step {bi}/{s}: {c}", fusion.name()));
+                    }
+                }
+            }
+        }
+    }
+    model.set_decode_fusion(DecodeFusion::default());
+    assert!(model.fallbacks().is_empty(), "{:?}", model.fallbacks());
+    assert!(failures.is_empty(), "{failures:#?}");
+    // One sequence, replayed steps against plain ones: the same logits bit for bit.
+    let fused = Backends::all(Backend::Fused);
+    let one = tokens(1, prompt + steps, cfg.vocab, 17);
+    let mut plain = Vec::new();
+    let mut cache = model.cache(&ctx, 1, prompt + steps + 1).unwrap();
+    model.forward(&ctx, &[one[0][..prompt].to_vec()], &mut cache, &fused, &mut NoObserver).unwrap();
+    for &id in &one[0][prompt..] {
+        model.forward(&ctx, &[vec![id]], &mut cache, &fused, &mut NoObserver).unwrap();
+        plain
+            .push(ctx.stream().clone_dtoh(&model.logits(&ctx, 1, &fused, &mut NoObserver).unwrap()).unwrap());
+    }
+    cache.truncate(prompt);
+    let Some(mut graph) = capture(&ctx, &mut model, &mut cache, &fused) else { return };
+    cache.truncate(prompt);
+    for (i, s) in (prompt..prompt + steps).enumerate() {
+        let logits = model.decode(&ctx, &mut graph, &[one[0][s]], &mut cache).unwrap();
+        let replayed = ctx.stream().clone_dtoh(logits).unwrap();
+        let same = replayed.iter().zip(&plain[i]).filter(|(a, b)| a.to_bits() == b.to_bits()).count();
+        assert_eq!(same, replayed.len().min(plain[i].len()), "step {s}: replayed vs plain logits");
+    }
 }

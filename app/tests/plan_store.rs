@@ -58,7 +58,7 @@ fn run_matmul(ctx: &Cudnn) -> Vec<u16> {
         reference::random_values(2, args.b.min_elements().unwrap()).iter().map(|v| v / 45.0).collect();
     let (b, _) = upload::<bf16>(ctx, &scaled).unwrap();
     let mut d = poisoned::<bf16>(ctx, args.d_len()).unwrap();
-    matmul::<bf16, bf16>(ctx, &args, MatmulOperands::new(&a, &b, &mut d), Backend::Fused).unwrap();
+    matmul::<bf16, bf16, bf16>(ctx, &args, MatmulOperands::new(&a, &b, &mut d), Backend::Fused).unwrap();
     bits(&download(ctx, &d).unwrap())
 }
 

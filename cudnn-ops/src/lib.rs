@@ -87,10 +87,10 @@ pub use ops::argmax::{argmax, ArgmaxArgs, ArgmaxOperands, Pick};
 pub use ops::layernorm::{layer_norm, LayerNormArgs, LayerNormOperands};
 pub use ops::loss::{cross_entropy, CrossEntropyArgs, CrossEntropyOperands, Logits};
 pub use ops::matmul::{
-    linear_backward_data, linear_backward_weight, matmul, sum_partials, sum_partials_reference,
-    swiglu_down_backward, Activation, BufferLens, DataGrad, Epilogue, LinearGradArgs, MatmulArgs,
-    MatmulKernel, MatmulOperands, MatrixLayout, Prologue, Rotary, RotaryLens, RotaryOperands, SwigluForm,
-    SwigluGrads, WeightGrad, DECODE_GEMV_AUTO_TOKENS, DECODE_GEMV_MAX_TOKENS,
+    fp8_weight_reference, linear_backward_data, linear_backward_weight, matmul, sum_partials,
+    sum_partials_reference, swiglu_down_backward, Activation, BufferLens, DataGrad, Epilogue, LinearGradArgs,
+    MatmulArgs, MatmulKernel, MatmulOperands, MatrixLayout, Prologue, Rotary, RotaryLens, RotaryOperands,
+    SwigluForm, SwigluGrads, WeightGrad, DECODE_GEMV_AUTO_TOKENS, DECODE_GEMV_MAX_TOKENS,
 };
 pub use ops::optim::{
     adamw, grad_norm, AdamWArgs, AdamWOperands, AdamWTensor, GradNormArgs, GradNormOperands, Grads,
@@ -108,10 +108,7 @@ pub use ops::rows::{
     EmbeddingArgs, EmbeddingOperands, PageGather, PageGatherOperands, PageOrder, PageShape, PageTable,
     TableShape,
 };
-pub use ops::scaled_matmul::{
-    fp8_linear, scaled_matmul, Fp8LinearArgs, Fp8LinearOperands, ScaledMatmulArgs, ScaledMatmulOperands,
-    WeightScales,
-};
+pub use ops::scaled_matmul::{scaled_matmul, ScaledMatmulArgs, ScaledMatmulOperands, WeightScales};
 pub use ops::sdpa::{
     sdpa, sdpa_backward, sdpa_ragged, DeviceRagged, DeviceSeqLens, Layout, RaggedArgs, RaggedBatch,
     RaggedKey, RaggedOperands, RowStrides, SdpaArgs, SdpaGrads, SdpaKernel, SdpaLens, SdpaOperands, SeqLens,

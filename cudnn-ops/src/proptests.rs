@@ -145,7 +145,7 @@ proptest! {
         };
         let _ = args.folded();
         let _ = args.d_len();
-        let _ = args.decode_gemv(DataType::BF16, DataType::BF16);
+        let _ = args.decode_gemv(DataType::BF16, DataType::BF16, DataType::BF16);
         let lens = BufferLens { a: l[0], b: l[1], d: l[2], ..BufferLens::default() };
         if typed(args.check(DataType::BF16, DataType::BF16, &lens))? {
             let g = args.graph(DataType::BF16, DataType::BF16);

@@ -8,7 +8,7 @@ use cudnn_llm_ops::testing::{self, download, expect_untouched, poisoned, upload}
 use cudnn_llm_ops::{
     knob_name, matmul, reference, rms_norm, rope, Activation, Backend, Cudnn, DataType, Element, Epilogue,
     Error, GemvSplit, L2Flush, MatmulArgs, MatmulKernel, MatmulOperands, MatrixLayout, Prologue, RmsNormArgs,
-    RmsNormOperands, RopeArgs, RopeOperands, RopeTables, DECODE_GEMV_MAX_TOKENS,
+    RmsNormOperands, RopeArgs, RopeOperands, RopeTables, DECODE_GEMV_MAX_TOKENS, F8E4M3, F8E5M2,
 };
 use half::{bf16, f16};
 
@@ -1010,7 +1010,10 @@ fn a_long_row_runs_the_norm_prologue_in_both_splits() {
     let ctx = gpu();
     println!("{} cuDNN {}", ctx.info().name, ctx.info().cudnn_version_string());
     let (k, bf) = (32768, DataType::BF16);
-    MatmulArgs::linear(1, k, 136).with_prologue(Prologue::rms_norm(NORM_EPS)).decode_gemv(bf, bf).unwrap();
+    MatmulArgs::linear(1, k, 136)
+        .with_prologue(Prologue::rms_norm(NORM_EPS))
+        .decode_gemv(bf, bf, bf)
+        .unwrap();
     let mut failures = Vec::new();
     for split in [GemvSplit::Warp, GemvSplit::Block] {
         ctx.set_gemv_split(split);
@@ -1506,4 +1509,327 @@ fn sum_partials_matches_the_reference_bit_for_bit() {
     let e = cudnn_llm_ops::sum_partials(&ctx, &parts.slice(..8), 2, Some(&short), &mut out).unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
     assert!(download(&ctx, &out).unwrap().iter().all(|v| v.is_nan()));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// A Linear's FP8 weight (`MatmulOperands::fp8_weight`): E4M3 (or E5M2, plain products) codes with one
+// dequantization factor or one per output channel.
+
+/// An FP8 weight `[n, k]`, its factors, and its dequantized values in `T` on the device. With
+/// `pow2` the factors are powers of two, so that every dequantized value is exact in bf16 and f16
+/// (an FP8 value has at most 4 significant bits) and a 16-bit weight holding them is the same
+/// weight: the FP8 GEMV must then agree with the 16-bit one up to the order of its sums.
+struct Fp8Weight<T: Element, W: Element> {
+    codes: CudaSlice<W>,
+    scales: CudaSlice<f32>,
+    dequantized: CudaSlice<T>,
+    host: (Vec<W>, Vec<f32>),
+}
+
+impl<T: Element, W: Element> Fp8Weight<T, W> {
+    fn new(ctx: &Cudnn, (n, k): (usize, usize), per_channel: bool, pow2: bool, seed: u64) -> Self {
+        use cudnn_llm_ops::ops::quantize::quantize;
+        // Output channels of different magnitudes, as trained weights have.
+        let w: Vec<f32> = reference::random_values(seed, n * k)
+            .iter()
+            .enumerate()
+            .map(|(i, v)| *v as f32 * (0.02 + (i / k % 5) as f32 * 0.1) * 3.0 / (k as f32).sqrt())
+            .collect();
+        let (codes, mut scales) = quantize::<W>(&w, n, k, per_channel);
+        if pow2 {
+            // At least 2^-14: every E4M3 value is a multiple of 2^-9, so the dequantized values are
+            // multiples of 2^-23, exact in f16 (whose subnormals are multiples of 2^-24) as in bf16.
+            scales = scales.iter().map(|s| 2f32.powi((s.log2().round() as i32).max(-14))).collect();
+        }
+        let at = |i: usize| scales[if scales.len() == 1 { 0 } else { i / k }] as f64;
+        let values: Vec<f64> = codes.iter().enumerate().map(|(i, c)| c.to_f64() * at(i)).collect();
+        let (dequantized, exact) = upload::<T>(ctx, &values).unwrap();
+        assert!(
+            !pow2 || exact == values,
+            "power-of-two factors keep the dequantized weight exact in {}",
+            T::DTYPE
+        );
+        let s = ctx.stream();
+        Fp8Weight {
+            codes: s.clone_htod(&codes).unwrap(),
+            scales: s.clone_htod(&scales).unwrap(),
+            dequantized,
+            host: (codes, scales),
+        }
+    }
+}
+
+/// `x · Wᵀ` and `e` over an FP8 weight on `backend` against the f64 reference over the codes' exact
+/// values: fused, the decode GEMV up to 8 tokens, past it x quantized per token and the FP8 graph (the
+/// reference quantizes x the same way); naive, the weight dequantized and cuBLAS. Failing lines go to
+/// `failures`.
+fn check_fp8_weight<T: Element, W: Element>(
+    ctx: &Cudnn,
+    (m, n, k): (usize, usize, usize),
+    per_channel: bool,
+    seed: u64,
+    failures: &mut Vec<String>,
+) {
+    let weight = Fp8Weight::<T, W>::new(ctx, (n, k), per_channel, false, seed);
+    let args = MatmulArgs::linear(m, k, n);
+    let h = Host::new(seed + 1, &args);
+    let dev = Device::<T, T>::new(ctx, &h);
+    let rows: Vec<usize> = (0..m).collect();
+    let (codes, factors) = (&weight.host.0, &weight.host.1);
+    let exact = cudnn_llm_ops::fp8_weight_reference((m, n, k), &dev.rounded.a, codes, factors);
+    // x as the FP8 graph sees it: E4M3 codes times a factor per token.
+    let x32: Vec<f32> = dev.rounded.a.iter().map(|&v| v as f32).collect();
+    let (xq, xs) = cudnn_llm_ops::ops::quantize::quantize::<F8E4M3>(&x32, m, k, true);
+    let x8: Vec<f64> = xq.iter().enumerate().map(|(i, c)| c.to_f64() * xs[i / k] as f64).collect();
+    let quantized = cudnn_llm_ops::fp8_weight_reference((m, n, k), &x8, codes, factors);
+    for e in [Epilogue::NONE, Epilogue::RESIDUAL, Epilogue::SWIGLU] {
+        for backend in [Backend::Fused, Backend::Naive] {
+            let fp8_graph = backend == Backend::Fused && m > DECODE_GEMV_MAX_TOKENS;
+            let product = if fp8_graph { &quantized } else { &exact };
+            let tag = format!(
+                "{} {} x {} {m}x{n}x{k} {} {e}",
+                backend.name(),
+                T::DTYPE,
+                W::DTYPE,
+                if per_channel { "per-channel" } else { "per-tensor" }
+            );
+            let mut d = poisoned::<T>(ctx, m * n + 64).unwrap();
+            let mut x = MatmulOperands::fp8_weight(&dev.a, &weight.codes, &weight.scales, &mut d);
+            if e.gate {
+                x = x.up(&dev.u);
+            }
+            if e.residual {
+                x = x.residual(&dev.r);
+            }
+            if let Err(err) = matmul(ctx, &args.with_epilogue(e), x, backend) {
+                failures.push(format!("{tag}: {err}"));
+                continue;
+            }
+            let mut out = download(ctx, &d).unwrap();
+            let guard = out.split_off(m * n).iter().filter(|v| !v.to_f64().is_nan()).count();
+            let c = reference::compare(&out, &dev.expected(e, n, &rows, product));
+            let ok = c.passes(reference::tolerance(T::DTYPE)) && guard == 0;
+            println!("{} {tag}: {c}; {guard} of 64 guard elements written", if ok { "ok  " } else { "FAIL" });
+            if !ok {
+                failures.push(format!("{tag}: {c}; guard {guard}"));
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fp8_weights_match_the_reference_on_both_backends() {
+    let ctx = gpu();
+    println!("{} cuDNN {}", ctx.info().name, ctx.info().cudnn_version_string());
+    let mut failures = Vec::new();
+    // The GEMV's tiles (1, 3 and 8 tokens), then past it (the dequantized weight through the graph);
+    // Llama-3.1-8B's down projection (at 1 and 9 tokens), a k with a remainder of chunks (4112: 257
+    // chunks of 16), a weight with one factor.
+    for (i, m) in [1, 3, 8, 9, 40].into_iter().enumerate() {
+        let seed = 3000 + 10 * i as u64;
+        if m == 1 || m == 9 {
+            // (The host quantizes and multiplies 58.7 M weights: two token counts only.)
+            check_fp8_weight::<bf16, F8E4M3>(&ctx, (m, 4096, 14336), true, seed, &mut failures);
+        }
+        check_fp8_weight::<bf16, F8E4M3>(&ctx, (m, 56, 4112), true, seed + 1, &mut failures);
+        check_fp8_weight::<bf16, F8E4M3>(&ctx, (m, 1000, 1024), false, seed + 2, &mut failures);
+        check_fp8_weight::<f16, F8E4M3>(&ctx, (m, 1000, 2048), true, seed + 3, &mut failures);
+        check_fp8_weight::<f16, F8E5M2>(&ctx, (m, 1000, 2048), true, seed + 4, &mut failures);
+    }
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+}
+
+/// Every fused decode form over an FP8 weight with power-of-two factors against the same form over
+/// the 16-bit weight holding its dequantized values (the dtype's tolerance; the bit-identical count
+/// is printed: the sums group 16 elements per chunk instead of 8, so some outputs round the other way).
+fn check_fp8_forms<T: Element>(ctx: &Cudnn, k: usize, n: usize, seed: u64, failures: &mut Vec<String>) {
+    let w = Fp8Weight::<T, F8E4M3>::new(ctx, (n, k), true, true, seed);
+    let w_up = Fp8Weight::<T, F8E4M3>::new(ctx, (n, k), true, true, seed + 1);
+    let mut case = FusedCase::<T>::new(ctx, k, n, seed + 2);
+    case.w = w.dequantized.clone();
+    case.w_up = w_up.dequantized.clone();
+    let norm = Prologue::rms_norm(NORM_EPS);
+    let base = MatmulArgs::linear(1, k, n);
+    let swiglu = base.with_epilogue(Epilogue::SWIGLU).with_up_product();
+    let forms = [
+        ("plain", base),
+        ("residual", base.with_epilogue(Epilogue::RESIDUAL)),
+        ("norm", base.with_prologue(norm)),
+        ("norm+residual", base.with_epilogue(Epilogue::RESIDUAL).with_prologue(norm)),
+        ("dual", swiglu),
+        ("norm+dual", swiglu.with_prologue(norm)),
+        (
+            "norm+dual+residual",
+            base.with_epilogue(Epilogue::SWIGLU.with_residual()).with_up_product().with_prologue(norm),
+        ),
+    ];
+    for (name, args) in forms {
+        let (want, _) = case.fused(ctx, &args);
+        let mut d = poisoned::<T>(ctx, n + 64).unwrap();
+        let mut x = MatmulOperands::fp8_weight(&case.x, &w.codes, &w.scales, &mut d);
+        if args.prologue.is_some() {
+            x = x.norm_weight(&case.norm);
+        }
+        if args.up_product {
+            x = x.up_weight(&w_up.codes).up_scale(&w_up.scales);
+        }
+        if args.epilogue.residual {
+            x = x.residual(&case.r);
+        }
+        let line = match matmul(ctx, &args.with_form(MatmulKernel::DecodeGemv), x, Backend::Fused) {
+            Err(e) => Err(format!("{} fp8 {name} [1, {k}] x [{k}, {n}]: {e}", T::DTYPE)),
+            Ok(()) => {
+                let mut out = download(ctx, &d).unwrap();
+                let guard = out.split_off(n).iter().filter(|v| !v.to_f64().is_nan()).count();
+                let want64: Vec<f64> = want.iter().map(|v| v.to_f64()).collect();
+                let c = reference::compare(&out, &want64);
+                let same = out.iter().zip(&want).filter(|(a, b)| a.to_f64() == b.to_f64()).count();
+                let line = format!(
+                    "{} fp8 {name} [1, {k}] x [{k}, {n}]: vs the 16-bit weight {c}, {same} of {n} identical; \
+                     {guard} of 64 guard elements written",
+                    T::DTYPE
+                );
+                if c.passes(reference::tolerance(T::DTYPE)) && guard == 0 {
+                    Ok(line)
+                } else {
+                    Err(line)
+                }
+            }
+        };
+        match line {
+            Ok(l) => println!("ok   {l}"),
+            Err(l) => {
+                println!("FAIL {l}");
+                failures.push(l);
+            }
+        }
+    }
+}
+
+/// The rotary form (qkv_proj with RoPE and the K/V append) over an FP8 weight with power-of-two
+/// factors against the same form over its dequantized 16-bit copy: D and both caches.
+fn check_fp8_rotary<T: Element>(
+    ctx: &Cudnn,
+    (hq, hkv, d): (usize, usize, usize),
+    k: usize,
+    norm: bool,
+    seed: u64,
+) -> Option<String> {
+    use cudnn_llm_ops::{Rotary, RotaryOperands};
+    let (n, half, max_seq, positions, pos) = ((hq + 2 * hkv) * d, d / 2, 64, 64, 37);
+    let w = Fp8Weight::<T, F8E4M3>::new(ctx, (n, k), true, true, seed);
+    let x = upload::<T>(ctx, &reference::random_values(seed + 1, k)).unwrap().0;
+    let gv: Vec<f64> = reference::random_values(seed + 2, k).iter().map(|v| 1.0 + 0.5 * v).collect();
+    let g = upload::<T>(ctx, &gv).unwrap().0;
+    let angle = |i: usize| (i / half) as f64 * 10000f64.powf(-((2 * (i % half)) as f64) / d as f64);
+    let cos: Vec<f64> = (0..positions * half).map(|i| angle(i).cos()).collect();
+    let sin: Vec<f64> = (0..positions * half).map(|i| angle(i).sin()).collect();
+    let tables = RopeTables::<T>::new(ctx, &cos, &sin, d).unwrap();
+    let at = ctx.stream().clone_htod(&[pos]).unwrap();
+    let mut args = MatmulArgs::linear(1, k, n)
+        .with_form(MatmulKernel::DecodeGemv)
+        .with_rotary(Rotary::new(hq, hkv, d, max_seq));
+    if norm {
+        args = args.with_prologue(Prologue::rms_norm(1e-5));
+    }
+    let cache = max_seq * hkv * d;
+    let mut outs = Vec::new();
+    for fp8 in [false, true] {
+        let (mut y, mut kc, mut vc) = (
+            poisoned::<T>(ctx, n).unwrap(),
+            poisoned::<T>(ctx, cache).unwrap(),
+            poisoned::<T>(ctx, cache).unwrap(),
+        );
+        let r = RotaryOperands::new(&tables, &at, &mut kc, &mut vc);
+        let run = if fp8 {
+            let ops = MatmulOperands::fp8_weight(&x, &w.codes, &w.scales, &mut y).rotary(r);
+            matmul(ctx, &args, if norm { ops.norm_weight(&g) } else { ops }, Backend::Fused)
+        } else {
+            let ops = MatmulOperands::new(&x, &w.dequantized, &mut y).rotary(r);
+            matmul(ctx, &args, if norm { ops.norm_weight(&g) } else { ops }, Backend::Fused)
+        };
+        if let Err(e) = run {
+            return Some(format!("{} fp8 rotary {hq}/{hkv}x{d} k {k}: {e}", T::DTYPE));
+        }
+        let row = |c: &CudaSlice<T>| {
+            download(ctx, c).unwrap()[pos as usize * hkv * d..(pos as usize + 1) * hkv * d].to_vec()
+        };
+        outs.push((download(ctx, &y).unwrap(), row(&kc), row(&vc)));
+    }
+    let tol = reference::tolerance(T::DTYPE);
+    let cmp = |a: &[T], b: &[T]| reference::compare(a, &b.iter().map(|v| v.to_f64()).collect::<Vec<_>>());
+    let (cy, ck, cv) =
+        (cmp(&outs[1].0, &outs[0].0), cmp(&outs[1].1, &outs[0].1), cmp(&outs[1].2, &outs[0].2));
+    let ok = cy.passes(tol) && ck.passes(tol) && cv.passes(tol);
+    let line = format!(
+        "{} fp8 rotary {hq}/{hkv}x{d} k {k}{}: D {cy}; K row {ck}; V row {cv} (vs the 16-bit weight)",
+        T::DTYPE,
+        if norm { " norm" } else { "" }
+    );
+    println!("{} {line}", if ok { "ok  " } else { "FAIL" });
+    (!ok).then_some(line)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fp8_weights_take_every_decode_form_as_the_16_bit_weight_does() {
+    let ctx = gpu();
+    let mut failures = Vec::new();
+    // Llama-3.1-8B's qkv shape and down's rows (k = 14336, the long-row tile, on fewer output rows:
+    // the host quantizes every weight); one chunk (k = 16), a remainder of chunks (k = 4112), n not a
+    // multiple of a block's warps.
+    for (i, (k, n)) in [(4096, 6144), (14336, 512), (16, 8), (64, 40), (4112, 56)].iter().enumerate() {
+        check_fp8_forms::<bf16>(&ctx, *k, *n, 4000 + 10 * i as u64, &mut failures);
+        check_fp8_forms::<f16>(&ctx, *k, *n, 4100 + 10 * i as u64, &mut failures);
+    }
+    for (i, (heads, k)) in [((32, 8, 128), 4096), ((16, 4, 128), 4096), ((4, 2, 64), 256)].iter().enumerate()
+    {
+        for norm in [false, true] {
+            failures.extend(check_fp8_rotary::<bf16>(&ctx, *heads, *k, norm, 4200 + 10 * i as u64));
+        }
+    }
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+}
+
+#[test]
+fn fp8_weight_arguments_are_checked_before_anything_runs() {
+    let (bf, e4, e5) = (DataType::BF16, DataType::F8E4M3, DataType::F8E5M2);
+    let a = MatmulArgs::linear(3, 64, 32);
+    a.check_weight(bf, e4, (Some(32), None)).unwrap();
+    a.check_weight(bf, e5, (Some(1), None)).unwrap();
+    a.check_weight(bf, bf, (None, None)).unwrap();
+    let dual = MatmulArgs::linear(1, 64, 32).with_epilogue(Epilogue::SWIGLU).with_up_product();
+    dual.check_weight(bf, e4, (Some(32), Some(32))).unwrap();
+    let cases = [
+        (a.check_weight(bf, bf, (Some(32), None)), "weight factors were given for a bf16 weight"),
+        (a.check_weight(bf, e4, (None, None)), "needs its dequantization factors"),
+        (a.check_weight(bf, e4, (Some(31), None)), "31 given, needs 1 or one per output channel (32)"),
+        (
+            MatmulArgs::linear(3, 40, 32).check_weight(bf, e4, (Some(32), None)),
+            "k = 40 must be a multiple of 16",
+        ),
+        (a.check_weight(bf, e4, (Some(32), Some(32))), "come with the up product, and only with it"),
+        (dual.check_weight(bf, e4, (Some(32), None)), "come with the up product, and only with it"),
+        (dual.check_weight(bf, e4, (Some(32), Some(1))), "B_up has 1 factors, B has 32"),
+        (
+            MatmulArgs::packed(2, 3, 64, 32).check_weight(bf, e4, (Some(32), None)),
+            "an FP8 weight is a Linear's",
+        ),
+    ];
+    for (r, expected) in cases {
+        let e = r.unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument(_)) && e.to_string().contains(expected),
+            "{e} (expected `{expected}`)"
+        );
+    }
+    let e = a.check_weight(bf, DataType::F16, (None, None)).unwrap_err();
+    assert!(e.is_not_supported() && e.to_string().contains("B in f16"), "{e}");
+    // The GEMV: E5M2 takes the plain product only; the forms read E4M3.
+    let norm = MatmulArgs::linear(1, 64, 32).with_prologue(Prologue::rms_norm(1e-5));
+    norm.decode_gemv(bf, e4, bf).unwrap();
+    let e = norm.decode_gemv(bf, e5, bf).unwrap_err();
+    assert!(e.is_not_supported() && e.to_string().contains("E5M2 weights with a fused form"), "{e}");
+    MatmulArgs::linear(8, 64, 32).decode_gemv(bf, e5, bf).unwrap();
 }

@@ -1,4 +1,4 @@
-//! FP8 scaled matmul and the FP8-weight Linear end to end: fused (cuDNN's FP8 matmul with the scales fused) and naive
+//! FP8 scaled matmul end to end (the FP8-weight Linear is a matmul: `tests/matmul.rs`): fused (cuDNN's FP8 matmul with the scales fused) and naive
 //! (dequantize to bf16, then the bf16 cuBLAS GEMM) against the f64 reference over the codes'
 //! exact values (`cudnn_llm_ops::ops::scaled_matmul::reference`), on poisoned outputs: E4M3 and
 //! E5M2 x E4M3 operands, per-tensor and per-channel weight scales, bf16 and f32 outputs, a decode
@@ -7,10 +7,9 @@
 
 use cudnn_llm_ops::ops::quantize::quantize;
 use cudnn_llm_ops::ops::scaled_matmul;
-use cudnn_llm_ops::testing::{download, expect_invalid, gpu, poisoned, upload};
+use cudnn_llm_ops::testing::{download, expect_invalid, gpu, poisoned};
 use cudnn_llm_ops::{
-    fp8_linear, reference, scaled_matmul, Backend, Cudnn, Element, Fp8LinearArgs, Fp8LinearOperands,
-    ScaledMatmulArgs, ScaledMatmulOperands, F8E4M3, F8E5M2,
+    reference, scaled_matmul, Backend, Cudnn, Element, ScaledMatmulArgs, ScaledMatmulOperands, F8E4M3, F8E5M2,
 };
 use half::bf16;
 
@@ -119,75 +118,4 @@ fn bad_input_touches_nothing() {
             )
         });
     }
-}
-
-fn check_linear<T: Element, W: Element>(
-    ctx: &Cudnn,
-    args: Fp8LinearArgs,
-    seed: u64,
-    failures: &mut Vec<String>,
-) {
-    let Fp8LinearArgs { m, n, k, .. } = args;
-    let per_channel = args.w_scales() > 1;
-    let w: Vec<f32> = reference::random_values(seed + 1, n * k)
-        .iter()
-        .enumerate()
-        .map(|(i, v)| *v as f32 * (0.02 + (i / k % 5) as f32 * 0.1))
-        .collect();
-    let (qw, ws) = quantize::<W>(&w, n, k, per_channel);
-    let (x, xr) = upload::<T>(ctx, &reference::random_values(seed, m * k)).unwrap();
-    let want = scaled_matmul::linear_reference(args, &xr, &qw, &ws);
-    let s = ctx.stream();
-    let (dw, dws) = (s.clone_htod(&qw).unwrap(), s.clone_htod(&ws).unwrap());
-    for backend in [Backend::Fused, Backend::Naive] {
-        let tag = format!(
-            "fp8_linear {} {m}x{n}x{k} {} x {} {}",
-            backend.name(),
-            T::DTYPE,
-            W::DTYPE,
-            if per_channel { "per-channel" } else { "per-tensor" }
-        );
-        let mut y = poisoned::<T>(ctx, m * n).unwrap();
-        if let Err(e) = fp8_linear(ctx, args, Fp8LinearOperands::new(&x, &dw, &dws, &mut y), backend) {
-            failures.push(format!("{tag}: {e}"));
-            continue;
-        }
-        let c = reference::compare(&download(ctx, &y).unwrap(), &want);
-        println!("{tag}: {c}");
-        if !c.passes(SCALED_TOL) {
-            failures.push(format!("{tag}: {c}"));
-        }
-    }
-}
-
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn the_fp8_weight_linear_matches_the_reference_on_both_backends() {
-    let ctx = gpu();
-    let mut failures = Vec::new();
-    for (i, m) in [1, 3, 8].into_iter().enumerate() {
-        let seed = 100 + 10 * i as u64;
-        check_linear::<bf16, F8E4M3>(&ctx, Fp8LinearArgs::new(m, 1000, 2048), seed, &mut failures);
-        check_linear::<bf16, F8E4M3>(
-            &ctx,
-            Fp8LinearArgs::new(m, 4096, 1024).per_tensor(),
-            seed + 1,
-            &mut failures,
-        );
-        check_linear::<half::f16, F8E5M2>(&ctx, Fp8LinearArgs::new(m, 1000, 2048), seed + 2, &mut failures);
-    }
-    assert!(failures.is_empty(), "{failures:#?}");
-    // More tokens than the GEMV takes: refused on the fused backend, run by the naive one.
-    let args = Fp8LinearArgs::new(9, 64, 64);
-    let s = ctx.stream();
-    let (x, w) = (
-        s.clone_htod(&vec![bf16::ONE; 9 * 64]).unwrap(),
-        s.clone_htod(&vec![F8E4M3(0x38); 64 * 64]).unwrap(),
-    );
-    let scales = s.clone_htod(&[0.5f32; 64]).unwrap();
-    let mut y = poisoned::<bf16>(&ctx, 9 * 64).unwrap();
-    let fused = fp8_linear(&ctx, args, Fp8LinearOperands::new(&x, &w, &scales, &mut y), Backend::Fused);
-    assert!(matches!(fused, Err(cudnn_llm_ops::Error::NotSupported { .. })), "{fused:?}");
-    fp8_linear(&ctx, args, Fp8LinearOperands::new(&x, &w, &scales, &mut y), Backend::Naive).unwrap();
-    assert!(download(&ctx, &y).unwrap().iter().all(|v| v.to_f32() == 32.0), "64 ones x 0.5");
 }

@@ -707,8 +707,8 @@ fn quantization_refusal(q: &serde_json::Value) -> String {
         g.values().any(|v| v.pointer("/weights/type").and_then(|t| t.as_str()) == Some("float"))
     });
     match method {
-        Some("fp8") => "`quantization_config` quant_method `fp8`: FP8 checkpoints are not loaded yet (the FP8 ops \
-                         exist: cudnn_llm::fp8_linear, scaled_matmul)"
+        Some("fp8") => "`quantization_config` quant_method `fp8`: FP8 checkpoints are not loaded yet (load the \
+                         16-bit checkpoint and quantize it: Llama::quantize_to_fp8, generate --dtype fp8)"
             .into(),
         Some("compressed-tensors") if float_weights => {
             "`quantization_config` quant_method `compressed-tensors` with float (FP8) weights: FP8 checkpoints \

@@ -382,6 +382,29 @@ impl<T: Element> Llama<T> {
         })
     }
 
+    /// Quantizes every layer's projection weights (Q/K/V, O, gate, up, down) to FP8 E4M3 with one
+    /// dequantization factor per output channel, on the device, and frees their 16-bit copies; the
+    /// embedding, `lm_head` and the norms stay in the model's dtype. From then on a fused decode step
+    /// streams the codes (the decode GEMV in every form: half the weight bytes of bf16), longer
+    /// passes dequantize each weight before its GEMM, and the naive backend dequantizes then runs
+    /// cuBLAS. Decode graphs captured before are stale (capture again). Quantizing twice does nothing.
+    pub fn quantize_to_fp8(&mut self, ctx: &Cudnn) -> Result<()> {
+        for block in &mut self.blocks {
+            block.quantize_to_fp8(ctx)?;
+        }
+        // Graphs captured over the old weights must not replay: new activations, new graphs.
+        self.acts = None;
+        self.half = None;
+        self.chain = None;
+        Ok(())
+    }
+
+    /// Bytes of the layers' projection weights on the device (FP8 codes and factors after
+    /// [`Llama::quantize_to_fp8`]).
+    pub fn linear_weight_bytes(&self) -> usize {
+        self.blocks.iter().map(|b| b.linear_bytes()).sum()
+    }
+
     /// What fused one-token steps fold together from now on ([`DecodeFusion::ALL`] unless set): a
     /// decode graph captured before keeps what it captured.
     pub fn set_decode_fusion(&mut self, fusion: DecodeFusion) {

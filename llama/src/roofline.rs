@@ -30,6 +30,19 @@ impl DecodeRoofline {
         DecodeRoofline { weight_bytes: weights * e, kv_bytes: kv * e }
     }
 
+    /// [`DecodeRoofline::new`] for a model whose layer projections are FP8 codes with one f32 factor
+    /// per output channel ([`Llama::quantize_to_fp8`](crate::Llama::quantize_to_fp8)), everything else (embedding,
+    /// `lm_head`, norms, K/V cache) `elem` bytes an element.
+    pub fn fp8(cfg: &LlamaConfig, batch: usize, cached: usize, elem: usize) -> Self {
+        let all = DecodeRoofline::new(cfg, batch, cached, elem);
+        let (h, layers) = (cfg.hidden as u64, cfg.layers as u64);
+        let outputs = cfg.qkv_width() as u64 + h + 3 * cfg.ffn as u64;
+        let linear =
+            layers * (h * cfg.qkv_width() as u64 + cfg.attn_width() as u64 * h + 3 * h * cfg.ffn as u64);
+        let weight_bytes = all.weight_bytes - linear * elem as u64 + linear + layers * outputs * 4;
+        DecodeRoofline { weight_bytes, ..all }
+    }
+
     /// All bytes read.
     pub fn bytes(&self) -> u64 {
         self.weight_bytes + self.kv_bytes
@@ -51,6 +64,18 @@ impl DecodeRoofline {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fp8_projections_halve_the_layers_bytes() {
+        let cfg = LlamaConfig::llama_3_1_8b();
+        let (bf, f8) = (DecodeRoofline::new(&cfg, 1, 512, 2), DecodeRoofline::fp8(&cfg, 1, 512, 2));
+        // 32 layers of 218,103,808 projection weights: a byte each instead of two, plus 4 bytes of
+        // factor per output row (6144 + 4096 + 3 · 14336 rows).
+        let linear = 32 * 218_103_808u64;
+        let factors = 32 * 4 * (6144 + 4096 + 3 * 14336u64);
+        assert_eq!(bf.weight_bytes - f8.weight_bytes, linear - factors);
+        assert_eq!(bf.kv_bytes, f8.kv_bytes);
+    }
 
     #[test]
     fn eight_b_decode_reads_its_weights_once() {

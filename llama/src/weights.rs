@@ -284,9 +284,59 @@ impl<T: Element> Weights<T> {
     }
 }
 
+impl<T: Element> Weights<T> {
+    /// These weights as an FP8 model multiplies by them
+    /// ([`Llama::quantize_to_fp8`](crate::Llama::quantize_to_fp8)): each layer projection quantized
+    /// to E4M3 with one factor per output row (the host's `quantize`, the device kernel's rule) and
+    /// dequantized; the rest as it is. In f32, for CPU references of FP8 models.
+    pub fn fp8_dequantized(&self) -> Weights<f32> {
+        use cudnn_llm_ops::ops::quantize::quantize;
+        use cudnn_llm_ops::F8E4M3;
+        self.map(|t, projection| {
+            let values: Vec<f32> = t.data.iter().map(|v| v.to_f64() as f32).collect();
+            if !projection {
+                return Tensor { shape: t.shape.clone(), data: values };
+            }
+            let cols = t.shape[1];
+            let (codes, factors) = quantize::<F8E4M3>(&values, t.shape[0], cols, true);
+            let data = codes
+                .iter()
+                .enumerate()
+                .map(|(i, c)| (c.to_f64() * factors[i / cols] as f64) as f32)
+                .collect();
+            Tensor { shape: t.shape.clone(), data }
+        })
+    }
+}
+
 /// What needs no arithmetic on the elements (so also host tensors of f64, as the CPU references
 /// compute them).
 impl<T> Weights<T> {
+    /// Every tensor through `f`, which is told whether the tensor is a layer projection (Q, K, V, O,
+    /// gate, up, down) rather than a norm, the embedding or `lm_head`.
+    pub fn map<U>(&self, f: impl Fn(&Tensor<T>, bool) -> Tensor<U>) -> Weights<U> {
+        Weights {
+            embed: f(&self.embed, false),
+            layers: self
+                .layers
+                .iter()
+                .map(|l| LayerWeights {
+                    attn_norm: f(&l.attn_norm, false),
+                    q_proj: f(&l.q_proj, true),
+                    k_proj: f(&l.k_proj, true),
+                    v_proj: f(&l.v_proj, true),
+                    o_proj: f(&l.o_proj, true),
+                    mlp_norm: f(&l.mlp_norm, false),
+                    gate_proj: f(&l.gate_proj, true),
+                    up_proj: f(&l.up_proj, true),
+                    down_proj: f(&l.down_proj, true),
+                })
+                .collect(),
+            norm: f(&self.norm, false),
+            lm_head: self.lm_head.as_ref().map(|t| f(t, false)),
+        }
+    }
+
     /// Every tensor in [`Weights::names`] order.
     pub(crate) fn tensors(&self) -> impl Iterator<Item = &Tensor<T>> {
         std::iter::once(&self.embed)
@@ -620,6 +670,26 @@ mod tests {
             assert!(max > hi - (hi - lo) * 0.05, "{name}: max {max}");
         }
         assert!(all_f64(&a).iter().all(|&v| v != 0.0));
+    }
+
+    #[test]
+    fn fp8_dequantized_weights_round_the_projections_only() {
+        let cfg = LlamaConfig::tiny();
+        let w = Weights::<f32>::random(&cfg, 4);
+        let q = w.fp8_dequantized();
+        assert_eq!(q.embed, w.embed);
+        assert_eq!(q.layers[0].attn_norm, w.layers[0].attn_norm);
+        let (orig, deq) = (&w.layers[1].down_proj, &q.layers[1].down_proj);
+        assert_eq!(orig.shape, deq.shape);
+        let cols = orig.shape[1];
+        for (r, (a, b)) in orig.data.chunks(cols).zip(deq.data.chunks(cols)).enumerate() {
+            let amax = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+            // E4M3 keeps 3 mantissa bits: within 2^-4 of each value, or of the row's step near zero.
+            for (x, y) in a.iter().zip(b) {
+                assert!((x - y).abs() <= x.abs() / 16.0 + amax / 448.0 / 8.0, "row {r}: {x} -> {y}");
+            }
+            assert!(a.iter().zip(b).any(|(x, y)| x != y), "row {r} unchanged: not quantized");
+        }
     }
 
     #[test]

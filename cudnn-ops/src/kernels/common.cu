@@ -79,7 +79,7 @@ __device__ __forceinline__ float epi_gelu_tanh(float x) {
 }
 __device__ __forceinline__ float epi_relu(float x) { return x <= 0.0f ? 0.0f : x; }  // NaN propagates
 
-// ---- The decode GEMVs' loads and unpacking (ops/matmul/decode.cu, ops/scaled_matmul/fp8_gemv.cu). ----
+// ---- The decode GEMV's loads and unpacking (ops/matmul/decode.cu). ----
 // 16 bytes of a weight, not kept in L1.
 __device__ __forceinline__ uint4 gemv_stream16(const uint4* p) {
     uint4 v;
@@ -158,3 +158,47 @@ __device__ __forceinline__ float fp8_e5m2_to_f32(unsigned char c) {
     return sign * ldexpf((float)(4 + m), e - 17);     // (1 + m/4) * 2^(e-15)
 }
 
+// Four FP8 codes of a 32-bit word (the low byte first) in f32: on sm_89 and later two
+// `cvt.rn.f16x2.{e4m3,e5m2}x2` (exact: every FP8 value is an f16), else the exact decoders above.
+template <int E5M2>
+__device__ __forceinline__ void fp8x4_to_f32(unsigned u, float* f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned lo, hi;
+    if (E5M2) {
+        asm("{ .reg .b16 a, b; mov.b32 {a, b}, %2; cvt.rn.f16x2.e5m2x2 %0, a; cvt.rn.f16x2.e5m2x2 %1, b; }"
+            : "=r"(lo), "=r"(hi) : "r"(u));
+    } else {
+        asm("{ .reg .b16 a, b; mov.b32 {a, b}, %2; cvt.rn.f16x2.e4m3x2 %0, a; cvt.rn.f16x2.e4m3x2 %1, b; }"
+            : "=r"(lo), "=r"(hi) : "r"(u));
+    }
+    f[0] = f16_to_f32((bits16)(lo & 0xffffu));
+    f[1] = f16_to_f32((bits16)(lo >> 16));
+    f[2] = f16_to_f32((bits16)(hi & 0xffffu));
+    f[3] = f16_to_f32((bits16)(hi >> 16));
+#else
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned char c = (unsigned char)(u >> (8 * i));
+        f[i] = E5M2 ? fp8_e5m2_to_f32(c) : fp8_e4m3_to_f32(c);
+    }
+#endif
+}
+
+// The decode GEMV's weight formats: `T` the element, `E` elements per 16-byte chunk, and `unpack8(v,
+// j, f)` the j-th 8 of a chunk's elements in f32 (j < E / 8). 16-bit weights in the I/O dtype D, or
+// FP8 codes (their dequantization factors multiply the row's sum at the end).
+template <class D>
+struct GemvW16 {
+    typedef bits16 T;
+    enum { E = 8 };
+    static __device__ __forceinline__ void unpack8(uint4 v, int, float (&f)[8]) { gemv_unpack8<D>(v, f); }
+};
+template <int E5M2>
+struct GemvW8 {
+    typedef unsigned char T;
+    enum { E = 16 };
+    static __device__ __forceinline__ void unpack8(uint4 v, int j, float (&f)[8]) {
+        fp8x4_to_f32<E5M2>(j ? v.z : v.x, f);
+        fp8x4_to_f32<E5M2>(j ? v.w : v.y, f + 4);
+    }
+};

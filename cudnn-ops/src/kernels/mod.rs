@@ -340,6 +340,43 @@ fn modules(ctx: &Exec, dir: Option<&std::path::Path>) -> Result<(Vec<Arc<CudaMod
     Ok((modules, detail))
 }
 
+/// A device buffer by address: `len` elements at `addr` on `stream`, for a call that binds a part of a
+/// buffer it holds, a second handle on it, or the scratch. It records nothing itself: the borrow it
+/// was taken from (or the scratch, owned by the context) orders it on the one stream of the call, and
+/// that borrow's guard must outlive every use.
+pub(crate) struct View {
+    pub(crate) addr: u64,
+    pub(crate) len: usize,
+    pub(crate) stream: std::sync::Arc<cudarc::driver::CudaStream>,
+}
+
+impl<T> cudarc::driver::DeviceSlice<T> for View {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn stream(&self) -> &std::sync::Arc<cudarc::driver::CudaStream> {
+        &self.stream
+    }
+}
+
+impl<T> cudarc::driver::DevicePtr<T> for View {
+    fn device_ptr<'a>(
+        &'a self,
+        _stream: &'a cudarc::driver::CudaStream,
+    ) -> (u64, cudarc::driver::SyncOnDrop<'a>) {
+        (self.addr, cudarc::driver::SyncOnDrop::Sync(None))
+    }
+}
+
+impl<T> cudarc::driver::DevicePtrMut<T> for View {
+    fn device_ptr_mut<'a>(
+        &'a mut self,
+        _stream: &'a cudarc::driver::CudaStream,
+    ) -> (u64, cudarc::driver::SyncOnDrop<'a>) {
+        (self.addr, cudarc::driver::SyncOnDrop::Sync(None))
+    }
+}
+
 /// Scratch f32 memory of at least `len` elements (grown, never shrunk), as a device address. Like
 /// PyTorch's caching allocator, it keeps allocation out of the timed kernels.
 pub(crate) fn scratch(ctx: &Exec, kernels: &Kernels, len: usize) -> Result<u64> {

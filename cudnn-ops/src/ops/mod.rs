@@ -9,11 +9,10 @@
 //! | [`layernorm`] | [`layer_norm`](layernorm::layer_norm) | `NORM_FORWARD` (LAYER_NORM) graph | eager's one `layer_norm` kernel ([`layernorm::naive`]) |
 //! | [`sdpa`] | [`sdpa`](sdpa::sdpa) | SDPA graph (unified or composite; paged K/V through page tables on the unified one); a decode: the split-KV kernel (one launch, contiguous or paged K/V) | math-path attention ([`sdpa::naive`]) |
 //! | | [`sdpa_backward`](sdpa::sdpa_backward) | composite backward graph | math-path autograd ([`sdpa::naive`]) |
-//! | [`matmul`] | [`matmul`](matmul::matmul) | matmul + epilogue graph; a custom GEMV for a Linear layer over at most 8 tokens ([`MatmulKernel`](matmul::MatmulKernel)) | cuBLAS GEMM + one kernel per step ([`matmul::naive`]) |
+//! | [`matmul`] | [`matmul`](matmul::matmul) (B in A's dtype, or a Linear's FP8 weight with its factors) | matmul + epilogue graph; a custom GEMV for a Linear layer over at most 8 tokens ([`MatmulKernel`](matmul::MatmulKernel)), streaming FP8 codes where the weight is FP8 | cuBLAS GEMM + one kernel per step ([`matmul::naive`]); an FP8 weight dequantized first |
 //! | | [`linear_backward_data`](matmul::linear_backward_data), [`linear_backward_weight`](matmul::linear_backward_weight), [`swiglu_down_backward`](matmul::swiglu_down_backward) | matmul graphs over transposed views, reduction (bias), matmul + SwiGLU backward graph | cuBLAS GEMMs + eager kernels ([`matmul::backward::naive`]) |
 //! | [`quantize`] | [`quantize_fp8`](quantize::quantize_fp8) (FP8 codes and factors per row or per tensor) | one kernel per row; per tensor three | eager: cast, abs, amax, factor, divide, cast ([`quantize::naive`]) |
 //! | [`scaled_matmul`] | [`scaled_matmul`](scaled_matmul::scaled_matmul) (FP8 A and B, per-tensor or per-channel scales) | FP8 matmul + scale multiplies graph | dequantize to bf16 (2 kernels) + cuBLAS GEMM ([`scaled_matmul::naive`]) |
-//! | | [`fp8_linear`](scaled_matmul::fp8_linear) (bf16/f16 activations, an FP8 weight) | an FP8-weight GEMV for at most 8 tokens | dequantize the weight + cuBLAS GEMM |
 //! | [`rope`] | [`rope`](rope::rope) | one custom kernel | 10 eager kernels |
 //! | [`rows`] | [`embedding`](rows::embedding), [`write_cache`](rows::write_cache), [`gather_pages`](rows::gather_pages) (page pools and tables: [`PageTable`](rows::PageTable)) | one kernel, the same on both backends | |
 //! | [`rope::backward`] | [`rope_backward`](rope::backward::rope_backward) | one custom kernel (rotation by −θ) | 10 eager kernels |

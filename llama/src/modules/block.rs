@@ -82,6 +82,29 @@ impl<T: Element> Block<T> {
         })
     }
 
+    /// Quantizes the layer's five projections to E4M3, one factor per output channel
+    /// ([`Linear::quantize_to_fp8`]); the norms stay in the model's dtype.
+    pub(crate) fn quantize_to_fp8(&mut self, ctx: &Cudnn) -> Result<()> {
+        for linear in [
+            &mut self.attn.qkv_proj,
+            &mut self.attn.o_proj,
+            &mut self.mlp.gate,
+            &mut self.mlp.up,
+            &mut self.mlp.down,
+        ] {
+            linear.quantize_to_fp8(ctx)?;
+        }
+        Ok(())
+    }
+
+    /// Bytes of the layer's projection weights on the device.
+    pub(crate) fn linear_bytes(&self) -> usize {
+        [&self.attn.qkv_proj, &self.attn.o_proj, &self.mlp.gate, &self.mlp.up, &self.mlp.down]
+            .iter()
+            .map(|l| l.weight_bytes())
+            .sum()
+    }
+
     /// The layer over the pass's tokens, appending their K and V to `cache`; with `ranks` (a
     /// tensor-parallel rank), each residual sum is summed over the ranks ([`RankSum`]). A fused one-token step
     /// folds what the pass's [`DecodeFusion`](super::DecodeFusion) asks for ([`Block::folds`]).

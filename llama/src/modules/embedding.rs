@@ -28,7 +28,8 @@ impl<T: Element> Embedding<T> {
         out: &mut CudaSlice<T>,
     ) -> Result<()> {
         let (rows, ctx) = (p.tokens.rows(), p.ctx);
-        let Linear { weight, in_features: hidden, out_features: vocab, .. } = &self.table;
+        let Linear { in_features: hidden, out_features: vocab, .. } = &self.table;
+        let weight = self.table.plain().expect("the embedding table stays in the model's dtype");
         let args = EmbeddingArgs::new(rows, *vocab, *hidden);
         let embedded = p
             .dispatch

@@ -3,7 +3,8 @@
 use super::norm::Normed;
 use cudnn_llm_ops::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use cudnn_llm_ops::{
-    matmul, Backend, Cudnn, Element, Epilogue, MatmulArgs, MatmulOperands, Prologue, Rotary, RotaryOperands,
+    matmul, quantize_fp8, Backend, Cudnn, DataType, Element, Epilogue, MatmulArgs, MatmulOperands, Prologue,
+    QuantizeArgs, QuantizeOperands, Rotary, RotaryOperands, F8E4M3,
 };
 use std::ops::Range;
 
@@ -24,9 +25,17 @@ pub(crate) enum Then<'a, T: Element> {
     Rotate(Rotary, RotaryOperands<'a, T>),
 }
 
-/// A weight `[out_features, in_features]` (row-major, as checkpoints store it) applied as `x · Wᵀ`.
+/// A Linear layer's weight `[out_features, in_features]` (row-major, as checkpoints store it): in the
+/// model's dtype, or E4M3 codes with one dequantization factor per output channel
+/// ([`Linear::quantize_to_fp8`]).
+pub(crate) enum Weight<T> {
+    Plain(CudaSlice<T>),
+    Fp8 { codes: CudaSlice<F8E4M3>, scales: CudaSlice<f32> },
+}
+
+/// A weight applied as `x · Wᵀ`.
 pub(crate) struct Linear<T> {
-    pub(crate) weight: CudaSlice<T>,
+    pub(crate) weight: Weight<T>,
     pub(crate) in_features: usize,
     pub(crate) out_features: usize,
     /// An all-reduce reads the output next ([`MatmulOperands::before_collective`]).
@@ -35,7 +44,47 @@ pub(crate) struct Linear<T> {
 
 impl<T: Element> Linear<T> {
     pub(crate) fn new(weight: CudaSlice<T>, in_features: usize, out_features: usize) -> Self {
-        Linear { weight, in_features, out_features, before_collective: false }
+        Linear { weight: Weight::Plain(weight), in_features, out_features, before_collective: false }
+    }
+
+    /// The weight in the model's dtype (the embedding table, a tied `lm_head`); `None` once in FP8.
+    pub(crate) fn plain(&self) -> Option<&CudaSlice<T>> {
+        match &self.weight {
+            Weight::Plain(w) => Some(w),
+            Weight::Fp8 { .. } => None,
+        }
+    }
+
+    /// The weight's element: the model's dtype or [`DataType::F8E4M3`].
+    pub(crate) fn weight_dtype(&self) -> DataType {
+        match self.weight {
+            Weight::Plain(_) => T::DTYPE,
+            Weight::Fp8 { .. } => DataType::F8E4M3,
+        }
+    }
+
+    /// Bytes of the weight on the device (codes and factors in FP8).
+    pub(crate) fn weight_bytes(&self) -> usize {
+        let elems = self.in_features * self.out_features;
+        match self.weight {
+            Weight::Plain(_) => elems * T::DTYPE.size(),
+            Weight::Fp8 { .. } => elems + 4 * self.out_features,
+        }
+    }
+
+    /// Quantizes the weight to E4M3 with one factor per output channel (its row's largest magnitude
+    /// over 448), on the device (`quantize_fp8` per row, the fused kernel), and drops the 16-bit copy.
+    /// A weight already in FP8 stays as it is.
+    pub(crate) fn quantize_to_fp8(&mut self, ctx: &Cudnn) -> cudnn_llm_ops::Result<()> {
+        let Weight::Plain(w) = &self.weight else { return Ok(()) };
+        let (rows, cols) = (self.out_features, self.in_features);
+        let s = ctx.stream();
+        let mut codes = s.alloc_zeros::<F8E4M3>(rows * cols)?;
+        let mut scales = s.alloc_zeros::<f32>(rows)?;
+        let args = QuantizeArgs::per_row(rows, cols);
+        quantize_fp8(ctx, args, QuantizeOperands::new(w, &mut codes, &mut scales), Backend::Fused)?;
+        self.weight = Weight::Fp8 { codes, scales };
+        Ok(())
     }
 
     /// This layer with its output all-reduced next (a tensor-parallel rank's o_proj and down): its
@@ -105,7 +154,8 @@ impl<T: Element> Linear<T> {
         }
     }
 
-    /// The one matmul call: the prologue's norm weight and ε when given.
+    /// The one matmul call: the prologue's norm weight and ε when given; the weight in the model's
+    /// dtype or FP8 (`SwiGluOf`'s up weight in the same form).
     #[allow(clippy::too_many_arguments)]
     fn call(
         &self,
@@ -117,8 +167,32 @@ impl<T: Element> Linear<T> {
         then: Then<'_, T>,
         out: &mut dyn DevicePtrMut<T>,
     ) -> cudnn_llm_ops::Result<()> {
+        match &self.weight {
+            Weight::Plain(w) => {
+                let operands = MatmulOperands::new(x, w, out);
+                self.run(backend, ctx, tokens, operands, norm, then, plain_up)
+            }
+            Weight::Fp8 { codes, scales } => {
+                let operands = MatmulOperands::fp8_weight(x, codes, scales, out);
+                self.run(backend, ctx, tokens, operands, norm, then, fp8_up)
+            }
+        }
+    }
+
+    /// [`Linear::call`] over the weight's operands; `up_of` gives `SwiGluOf`'s up weight (and its
+    /// factors) in the same form.
+    #[allow(clippy::too_many_arguments)]
+    fn run<'a, W: Element>(
+        &self,
+        backend: Backend,
+        ctx: &Cudnn,
+        tokens: usize,
+        mut operands: MatmulOperands<'a, T, T, W>,
+        norm: Option<(&'a CudaSlice<T>, f32)>,
+        then: Then<'a, T>,
+        up_of: fn(&'a Linear<T>) -> cudnn_llm_ops::Result<UpWeight<'a, W>>,
+    ) -> cudnn_llm_ops::Result<()> {
         let mut shape = MatmulArgs::linear(tokens, self.in_features, self.out_features);
-        let mut operands = MatmulOperands::new(x, &self.weight, out);
         if self.before_collective {
             operands = operands.before_collective();
         }
@@ -132,7 +206,9 @@ impl<T: Element> Linear<T> {
             Then::AddTo(residual) => (Epilogue::RESIDUAL, operands.residual(residual)),
             Then::SwiGluOf(up) => {
                 shape = shape.with_up_product();
-                (Epilogue::SWIGLU, operands.up_weight(&up.weight))
+                let (weight, scale) = up_of(up)?;
+                let operands = operands.up_weight(weight);
+                (Epilogue::SWIGLU, if let Some(s) = scale { operands.up_scale(s) } else { operands })
             }
             Then::Rotate(rotary, r) => {
                 shape = shape.with_rotary(rotary);
@@ -152,7 +228,7 @@ impl<T: Element> Linear<T> {
         if up {
             shape = shape.with_epilogue(Epilogue::SWIGLU).with_up_product();
         }
-        shape.decode_gemv(T::DTYPE, T::DTYPE).is_ok()
+        shape.decode_gemv(T::DTYPE, self.weight_dtype(), T::DTYPE).is_ok()
     }
 
     /// Whether the fused decode GEMV takes this layer at one token with `rotary` as its epilogue
@@ -162,6 +238,32 @@ impl<T: Element> Linear<T> {
         if norm {
             shape = shape.with_prologue(Prologue::rms_norm(1e-5));
         }
-        shape.decode_gemv(T::DTYPE, T::DTYPE).is_ok()
+        shape.decode_gemv(T::DTYPE, self.weight_dtype(), T::DTYPE).is_ok()
     }
+}
+
+/// An up weight of the up product and its factors (FP8).
+type UpWeight<'a, W> = (&'a dyn DevicePtr<W>, Option<&'a dyn DevicePtr<f32>>);
+
+/// The up product's weight beside a gate weight in the model's dtype.
+fn plain_up<T: Element>(up: &Linear<T>) -> cudnn_llm_ops::Result<UpWeight<'_, T>> {
+    match &up.weight {
+        Weight::Plain(u) => Ok((u, None)),
+        Weight::Fp8 { .. } => Err(forms_differ(up)),
+    }
+}
+
+/// The up product's weight and factors beside an FP8 gate weight.
+fn fp8_up<T: Element>(up: &Linear<T>) -> cudnn_llm_ops::Result<UpWeight<'_, F8E4M3>> {
+    match &up.weight {
+        Weight::Fp8 { codes, scales } => Ok((codes, Some(scales))),
+        Weight::Plain(_) => Err(forms_differ(up)),
+    }
+}
+
+fn forms_differ<T: Element>(up: &Linear<T>) -> cudnn_llm_ops::Error {
+    cudnn_llm_ops::Error::InvalidArgument(format!(
+        "linear: the up weight is {}, the gate weight is not: both run in one GEMV",
+        up.weight_dtype()
+    ))
 }

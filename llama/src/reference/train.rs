@@ -19,27 +19,7 @@ use cudnn_llm_ops::{Element, Layout, Mask};
 
 /// `w` with every value widened to f64 (exact).
 pub fn widen<T: Element>(w: &Weights<T>) -> Weights<f64> {
-    let t = |t: &Tensor<T>| Tensor { shape: t.shape.clone(), data: t.to_f64() };
-    Weights {
-        embed: t(&w.embed),
-        layers: w
-            .layers
-            .iter()
-            .map(|l| LayerWeights {
-                attn_norm: t(&l.attn_norm),
-                q_proj: t(&l.q_proj),
-                k_proj: t(&l.k_proj),
-                v_proj: t(&l.v_proj),
-                o_proj: t(&l.o_proj),
-                mlp_norm: t(&l.mlp_norm),
-                gate_proj: t(&l.gate_proj),
-                up_proj: t(&l.up_proj),
-                down_proj: t(&l.down_proj),
-            })
-            .collect(),
-        norm: t(&w.norm),
-        lm_head: w.lm_head.as_ref().map(t),
-    }
+    w.map(|t, _| Tensor { shape: t.shape.clone(), data: t.to_f64() })
 }
 
 /// What one layer's forward keeps for its backward (rows are `batch · seq` tokens, batch-major).

@@ -39,7 +39,11 @@ impl Linear {
             Then::AddTo(residual) => (Epilogue::RESIDUAL, operands.residual(residual)),
             Then::SwiGluOf(up) => {
                 shape = shape.with_up_product();
-                (Epilogue::SWIGLU, operands.up_weight(&up.weight))
+                let up = up.plain().ok_or_else(|| cudnn_llm_ops::Error::NotSupported {
+                    op: "training over FP8 weights".into(),
+                    reason: "training runs the model's 16-bit weights".into(),
+                })?;
+                (Epilogue::SWIGLU, operands.up_weight(up))
             }
             Then::Rotate(rotary, r) => {
                 shape = shape.with_rotary(rotary);

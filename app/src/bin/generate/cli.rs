@@ -48,7 +48,8 @@ pub struct Options {
     /// Modules to fuse, e.g. `fused=all`, `fused=prenorm,gqa`, or `` for all naive.
     #[arg(long, default_value = "fused=all")]
     pub fuse: String,
-    /// I/O dtype: bf16 or f16.
+    /// I/O dtype: bf16 or f16; or fp8: bf16 with every layer's projections quantized to FP8 E4M3 at
+    /// load, one factor per output channel (`Llama::quantize_to_fp8`).
     #[arg(long, default_value = "bf16")]
     pub dtype: String,
     /// Skip the untimed warm-up (a prefill and two decode steps that build and tune the fused plans).
@@ -109,6 +110,8 @@ pub struct Plan {
     pub backends: Backends,
     /// The I/O dtype.
     pub dtype: DataType,
+    /// `--dtype fp8`: the projections in FP8 (the I/O dtype bf16).
+    pub fp8: bool,
     /// How tokens are chosen.
     pub sampling: SamplingParams,
     /// How decode steps run.
@@ -144,10 +147,15 @@ impl Options {
             return Err("--tp 0: give the number of GPUs to split the model over (1 or more)".into());
         }
         let backends = Backends::parse(&self.fuse).map_err(|e| format!("--fuse: {e}"))?;
+        let fp8 = self.dtype.trim() == "fp8";
         let dtype = match DataType::parse(&self.dtype) {
+            _ if fp8 => DataType::BF16,
             Some(d @ (DataType::BF16 | DataType::F16)) => d,
-            _ => return Err(format!("--dtype {} is not supported: use bf16 or f16", self.dtype)),
+            _ => return Err(format!("--dtype {} is not supported: use bf16, f16 or fp8", self.dtype)),
         };
+        if fp8 && self.tp.is_some_and(|n| n > 1) {
+            return Err("--dtype fp8 runs on one GPU: leave out --tp".into());
+        }
         if self.temperature == 0.0 {
             for (set, name) in [
                 (self.top_k.is_some(), "--top-k"),
@@ -177,7 +185,7 @@ impl Options {
             Path::Device => SamplingPath::Device,
             Path::Host => SamplingPath::Host,
         };
-        Ok(Plan { backends, dtype, sampling, decode, sampling_path, plan_dir, tp: self.tp })
+        Ok(Plan { backends, dtype, fp8, sampling, decode, sampling_path, plan_dir, tp: self.tp })
     }
 }
 
@@ -246,7 +254,8 @@ mod tests {
         for (args, want) in [
             (vec!["--max-new-tokens", "0"], "--max-new-tokens"),
             (vec!["--fuse", "fused=attention"], "valid modules are"),
-            (vec!["--dtype", "f32"], "use bf16 or f16"),
+            (vec!["--dtype", "f32"], "use bf16, f16 or fp8"),
+            (vec!["--dtype", "fp8", "--tp", "2"], "--dtype fp8 runs on one GPU"),
             (vec!["--top-p", "0.9"], "--top-p samples"),
             (vec!["--top-k", "5"], "--top-k samples"),
             (vec!["--seed", "5"], "--seed samples"),

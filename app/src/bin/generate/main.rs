@@ -161,10 +161,11 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> R
     let cfg = &input.config;
     let info = ctx.info();
     eprintln!(
-        "generate: {} ({} layers, {}) on {}, backends `{}`, {} prompt tokens",
+        "generate: {} ({} layers, {}{}) on {}, backends `{}`, {} prompt tokens",
         cfg.name,
         cfg.layers,
         plan.dtype,
+        if plan.fp8 { ", projections in FP8 E4M3" } else { "" },
         info.name,
         plan.backends.to_selection(),
         input.prompt.len()
@@ -180,7 +181,11 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> R
             Some(g) => g.weights::<T>(cfg)?,
             None => Weights::<T>::load(cfg, &opts.model)?,
         };
-        Llama::new(ctx, cfg, &weights, max_seq)?
+        let mut model = Llama::new(ctx, cfg, &weights, max_seq)?;
+        if plan.fp8 {
+            startup::timed("fp8 quantization", || model.quantize_to_fp8(ctx), |_| String::new())?;
+        }
+        model
     };
     // SAFETY: this binary runs on one thread and makes no other stream of the context.
     let mut generator =
@@ -236,7 +241,11 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> R
         Some(counted) => counted.map_err(|e| format!("the step's kernels could not be counted: {e}")),
         None => Err("the step launches its kernels one by one (no captured graph)".into()),
     });
-    report(&rates, |i| DecodeRoofline::new(cfg, 1, rates.prompt_tokens + i, elem), bandwidth, "", kernels);
+    let roof = |i| match plan.fp8 {
+        true => DecodeRoofline::fp8(cfg, 1, rates.prompt_tokens + i, elem),
+        false => DecodeRoofline::new(cfg, 1, rates.prompt_tokens + i, elem),
+    };
+    report(&rates, roof, bandwidth, "", kernels);
     report_plans(ctx);
     report_startup(first_token.flatten());
     Ok(())

@@ -143,8 +143,11 @@ pub(super) struct Gemv {
     rows_per_warp: usize,
     /// A block of [`BLOCK`] threads shares each row ([`GemvSplit::Block`], one token), not a warp.
     block: bool,
-    /// Dtype of x, W, D and the epilogue's inputs.
+    /// Dtype of x, D and the epilogue's inputs.
     dtype: DataType,
+    /// W's element: `dtype`, or FP8 codes ([`DataType::F8E4M3`], [`DataType::F8E5M2`] plain only)
+    /// whose factors multiply each row's sum.
+    weight: DataType,
     /// The epilogue.
     epilogue: Epilogue,
     /// The prologue on x (one token).
@@ -176,7 +179,12 @@ impl Gemv {
     /// or `gemv_<dtype>_m1_<form>` for a fused form; with a block per row group `gemv_<dtype>_m1_block`
     /// or `gemv_<dtype>_m1_<form>_block`.
     fn kernel(&self) -> String {
-        let sfx = if self.dtype == DataType::F16 { "f16" } else { "bf16" };
+        let x = if self.dtype == DataType::F16 { "f16" } else { "bf16" };
+        let sfx = match self.weight {
+            DataType::F8E4M3 => format!("{x}_e4m3"),
+            DataType::F8E5M2 => format!("{x}_e5m2"),
+            _ => x.to_string(),
+        };
         match (self.fused_form(), self.block) {
             (Some(form), false) if self.deep => format!("gemv_{sfx}_m1_{form}_u{DEEP_ROPE_CHUNKS}"),
             (Some(form), false) => format!("gemv_{sfx}_m1_{form}"),
@@ -199,7 +207,11 @@ impl Gemv {
     pub(super) fn with_split(self, split: GemvSplit) -> Gemv {
         // The rotary form has no block split (a warp owns a head's row pair), nor does a GEMV that
         // must not let the next kernel start early (the block kernels always do).
-        let block = self.m == 1 && split == GemvSplit::Block && self.rotary.is_none() && !self.no_trigger;
+        let block = self.m == 1
+            && split == GemvSplit::Block
+            && self.rotary.is_none()
+            && !self.no_trigger
+            && self.weight == self.dtype;
         if !block {
             return Gemv { block: false, ..self };
         }
@@ -234,12 +246,13 @@ impl Gemv {
         let up = if self.dual { " up-product" } else { "" };
         let rope = self.rotary.map(|r| format!(" {}", r.name())).unwrap_or_default();
         format!(
-            "decode gemv {prologue}[{}, {}] x [{}, {}] {} epilogue {}{up}{rope} ({})",
+            "decode gemv {prologue}[{}, {}] x [{}, {}] {}{} epilogue {}{up}{rope} ({})",
             self.m,
             self.k,
             self.k,
             self.n,
             self.dtype,
+            if self.weight == self.dtype { String::new() } else { format!(" weight {}", self.weight) },
             self.epilogue,
             self.kernel()
         )
@@ -261,22 +274,26 @@ impl MatmulArgs {
     /// Whether the fused backend's decode GEMV runs this matmul (its own choice when
     /// [`MatmulArgs::form`] is `None`, provided x and W are 16-byte aligned): `Ok`, or
     /// [`Error::NotSupported`] naming what keeps it on the cuDNN graph. Needs no GPU.
-    pub fn decode_gemv(&self, dtype: DataType, out: DataType) -> Result<()> {
-        self.gemv(dtype, out).map(drop)
+    /// `weight` is W's element: `dtype`, or FP8 codes ([`DataType::F8E4M3`]; [`DataType::F8E5M2`]
+    /// without the prologue, the up product or the rotary epilogue).
+    pub fn decode_gemv(&self, dtype: DataType, weight: DataType, out: DataType) -> Result<()> {
+        self.gemv(dtype, weight, out).map(drop)
     }
 
     /// The GEMV the fused backend takes by itself: where it applies, over at most
-    /// [`DECODE_GEMV_AUTO_TOKENS`] tokens.
-    pub(super) fn auto_gemv(&self, dtype: DataType, out: DataType) -> Option<Gemv> {
-        self.gemv(dtype, out).ok().filter(|g| g.m <= DECODE_GEMV_AUTO_TOKENS)
+    /// [`DECODE_GEMV_AUTO_TOKENS`] tokens (any it takes over FP8 weights, which have no graph).
+    pub(super) fn auto_gemv(&self, dtype: DataType, weight: DataType, out: DataType) -> Option<Gemv> {
+        let most = if weight == dtype { DECODE_GEMV_AUTO_TOKENS } else { DECODE_GEMV_MAX_TOKENS };
+        self.gemv(dtype, weight, out).ok().filter(|g| g.m <= most)
     }
 
     /// The GEMV launch for these arguments (already checked), or why there is none.
-    pub(super) fn gemv(&self, dtype: DataType, out: DataType) -> Result<Gemv> {
+    pub(super) fn gemv(&self, dtype: DataType, weight: DataType, out: DataType) -> Result<Gemv> {
         let args = self.folded().unwrap_or(*self);
         let forms = args.forms().map(|f| format!(" {f}")).unwrap_or_default();
+        let w = if weight == dtype { String::new() } else { format!(" weight {weight}") };
         let refuse = |reason: String| Error::NotSupported {
-            op: format!("decode gemv {}{forms} {dtype}->{out}", args.describe()),
+            op: format!("decode gemv {}{forms} {dtype}{w}->{out}", args.describe()),
             reason,
         };
         let (m, k, n) = (args.m(), args.k(), args.n());
@@ -298,6 +315,17 @@ impl MatmulArgs {
         if out != dtype {
             return Err(refuse(format!("a {out} output: the GEMV writes its input dtype {dtype}")));
         }
+        let fp8 = matches!(weight, DataType::F8E4M3 | DataType::F8E5M2);
+        if weight != dtype && !fp8 {
+            return Err(refuse(format!("a {weight} weight: the GEMV reads weights in {dtype} or FP8")));
+        }
+        if weight == DataType::F8E5M2 && args.forms().is_some() {
+            return Err(refuse(
+                "E5M2 weights with a fused form: the forms read E4M3 weights (E5M2 is for gradients)".into(),
+            ));
+        }
+        // Elements of a 16-byte chunk of W: 8 in 16 bits, 16 FP8 codes.
+        let per_chunk = if fp8 { 16 } else { 8 };
         if args.a.strides[2] != 1 {
             return Err(refuse(format!("A strides {:?}: A must be row-major", args.a.strides)));
         }
@@ -309,12 +337,14 @@ impl MatmulArgs {
             )));
         }
         let (ldx, ldw) = (args.a.strides[1], args.b.strides[2]);
-        for (what, v, used) in
-            [("k", k, true), ("A's row stride", ldx, m > 1), ("the weight's row stride", ldw, n > 1)]
-        {
-            if used && !v.is_multiple_of(8) {
+        for (what, v, used, unit) in [
+            ("k", k, true, per_chunk),
+            ("A's row stride", ldx, m > 1, 8),
+            ("the weight's row stride", ldw, n > 1, per_chunk),
+        ] {
+            if used && !v.is_multiple_of(unit) {
                 return Err(refuse(format!(
-                    "{what} {v} is not a multiple of 8 elements (the GEMV reads 16-byte chunks)"
+                    "{what} {v} is not a multiple of {unit} elements (the GEMV reads 16-byte chunks)"
                 )));
             }
         }
@@ -334,6 +364,7 @@ impl MatmulArgs {
             rows_per_warp,
             block: false,
             dtype,
+            weight,
             epilogue: args.epilogue,
             prologue: args.prologue,
             dual: args.up_product,
@@ -362,10 +393,10 @@ impl MatmulArgs {
 /// it ([`Exec::programmatic_launch`](crate::Exec::programmatic_launch): the kernels prefetch their
 /// first chunks of W into L2, then wait for the kernel before them), and counts it in
 /// [`Cudnn::kernel_runs`]. Returns false, having launched nothing, when x or W is not 16-byte aligned.
-pub(super) fn launch_gemv<T: Element, O: Element>(
+pub(super) fn launch_gemv<T: Element, O: Element, W: Element>(
     ctx: &Cudnn,
     g: &Gemv,
-    x: &mut MatmulOperands<'_, T, O>,
+    x: &mut MatmulOperands<'_, T, O, W>,
 ) -> Result<bool> {
     if x.before_collective && g.fused_form().is_some() {
         return Err(Error::NotSupported {
@@ -393,6 +424,10 @@ pub(super) fn launch_gemv<T: Element, O: Element>(
     let (up, _g2) = optional_ptr(x.up, stream);
     let (residual, _g3) = optional_ptr(x.residual, stream);
     let (d, _gd) = x.d.device_ptr_mut(stream);
+    // FP8 weights' factors (checked with the operands: one, or one per row of W and of W_up).
+    let (wsc, _gws) = optional_ptr(x.b_scale, stream);
+    let (usc, _gus) = optional_ptr(x.up_scale, stream);
+    let wsr = Arg::I64(i64::from(x.b_scale.is_some_and(|s| s.len() > 1)));
     let i = |v: usize| Arg::I64(v as i64);
     let epilogue = [
         Arg::Ptr(bias),
@@ -410,11 +445,14 @@ pub(super) fn launch_gemv<T: Element, O: Element>(
             Arg::Ptr(b),
             Arg::Ptr(b_up),
             i(g.ldw),
+            Arg::Ptr(wsc),
+            Arg::Ptr(usc),
+            wsr,
             i(g.k),
             i(g.n),
         ]
     } else {
-        vec![Arg::Ptr(a), i(g.ldx), Arg::Ptr(b), i(g.ldw), i(g.m), i(g.k), i(g.n)]
+        vec![Arg::Ptr(a), i(g.ldx), Arg::Ptr(b), i(g.ldw), Arg::Ptr(wsc), wsr, i(g.m), i(g.k), i(g.n)]
     };
     let mut args: Vec<Arg> = head.into_iter().chain(epilogue).collect();
     if g.fused_form().is_none() && !g.block {
@@ -474,9 +512,12 @@ mod tests {
     fn the_rotary_form_pairs_rows_and_has_no_block_split() {
         let rotary = Rotary::new(32, 8, 128, 642);
         let args = MatmulArgs::linear(1, 4096, 6144).with_rotary(rotary);
-        let g = args.gemv(BF, BF).unwrap();
+        let g = args.gemv(BF, BF, BF).unwrap();
         assert_eq!((g.kernel(), g.rows_per_warp), ("gemv_bf16_m1_rope".to_string(), 2));
-        let normed = args.with_prologue(Prologue::rms_norm(1e-5)).gemv(DataType::F16, DataType::F16).unwrap();
+        let normed = args
+            .with_prologue(Prologue::rms_norm(1e-5))
+            .gemv(DataType::F16, DataType::F16, DataType::F16)
+            .unwrap();
         assert_eq!(normed.kernel(), "gemv_f16_m1_norm_rope");
         // A warp per pair of rows: 3072 warps, 768 blocks, whatever the split asked for.
         let blocked = normed.with_split(GemvSplit::Block);
@@ -485,7 +526,7 @@ mod tests {
             ("gemv_f16_m1_norm_rope".into(), 768)
         );
         assert!(g.describe().contains("rope(32/8x128)"), "{}", g.describe());
-        refused(MatmulArgs::linear(2, 4096, 6144).with_rotary(rotary).gemv(BF, BF), "at one token");
+        refused(MatmulArgs::linear(2, 4096, 6144).with_rotary(rotary).gemv(BF, BF, BF), "at one token");
     }
 
     #[test]
@@ -494,11 +535,11 @@ mod tests {
         let norm = Prologue::rms_norm(1e-5);
         let one = MatmulArgs::linear(1, 4096, 6144).with_rotary(Rotary::new(32, 8, 128, 642));
         let rank = MatmulArgs::linear(1, 4096, 3072).with_rotary(Rotary::new(16, 4, 128, 642));
-        let on = |a: MatmulArgs, sms| a.with_prologue(norm).gemv(BF, BF).unwrap().for_sms(sms);
+        let on = |a: MatmulArgs, sms| a.with_prologue(norm).gemv(BF, BF, BF).unwrap().for_sms(sms);
         assert_eq!(on(one, 132).kernel(), "gemv_bf16_m1_norm_rope");
         assert_eq!(on(rank, 132).kernel(), "gemv_bf16_m1_norm_rope_u4");
         assert_eq!(
-            rank.gemv(DataType::F16, DataType::F16).unwrap().for_sms(132).kernel(),
+            rank.gemv(DataType::F16, DataType::F16, DataType::F16).unwrap().for_sms(132).kernel(),
             "gemv_f16_m1_rope_u4"
         );
         // The threshold: 16 pairs per SM, so 3072 pairs are deep below 192 SMs, and the grid is the
@@ -508,7 +549,7 @@ mod tests {
         assert_eq!(on(rank, 132).config().unwrap().grid_dim.0, 1536 / 4);
         // Only the rotary form: the other one-token forms keep their tiles on any GPU.
         for a in [MatmulArgs::linear(1, 4096, 3072), MatmulArgs::linear(1, 4096, 3072).with_prologue(norm)] {
-            let g = a.gemv(BF, BF).unwrap();
+            let g = a.gemv(BF, BF, BF).unwrap();
             assert_eq!(g.for_sms(132).kernel(), g.kernel());
         }
     }
@@ -519,40 +560,41 @@ mod tests {
             for m in 1..=DECODE_GEMV_MAX_TOKENS {
                 for e in [Epilogue::NONE, Epilogue::RESIDUAL, Epilogue::SWIGLU] {
                     for dtype in [DataType::BF16, DataType::F16] {
-                        let g = MatmulArgs::linear(m, k, n).with_epilogue(e).gemv(dtype, dtype).unwrap();
+                        let g =
+                            MatmulArgs::linear(m, k, n).with_epilogue(e).gemv(dtype, dtype, dtype).unwrap();
                         assert_eq!((g.m, g.k, g.n, g.ldx, g.ldw, g.epilogue), (m, k, n, k, k, e));
                         assert!(g.tile >= m && g.tile < 2 * m, "m {m}: tile {}", g.tile);
                     }
                 }
             }
         }
-        let g = MatmulArgs::linear(3, 4096, 4096).gemv(BF, BF).unwrap();
+        let g = MatmulArgs::linear(3, 4096, 4096).gemv(BF, BF, BF).unwrap();
         assert_eq!((g.tile, g.rows_per_warp, g.kernel()), (4, 2, "gemv_bf16_m4".to_string()));
         assert_eq!(
-            MatmulArgs::linear(1, 64, 8).gemv(DataType::F16, DataType::F16).unwrap().kernel(),
+            MatmulArgs::linear(1, 64, 8).gemv(DataType::F16, DataType::F16, DataType::F16).unwrap().kernel(),
             "gemv_f16_m1"
         );
         assert_eq!(
             MatmulArgs::linear(1, 4096, 6144)
                 .with_epilogue(Epilogue::RESIDUAL)
-                .gemv(BF, BF)
+                .gemv(BF, BF, BF)
                 .unwrap()
                 .describe(),
             "decode gemv [1, 4096] x [4096, 6144] bf16 epilogue residual (gemv_bf16_m1)"
         );
         // Small and odd: k = 8, n = 1, n not a multiple of a warp's rows.
         for (m, k, n) in [(1, 8, 1), (3, 8, 5), (8, 16, 7), (5, 4104, 13)] {
-            let g = MatmulArgs::linear(m, k, n).gemv(BF, BF).unwrap();
+            let g = MatmulArgs::linear(m, k, n).gemv(BF, BF, BF).unwrap();
             let cfg = g.config().unwrap();
             let warps = cfg.grid_dim.0 as usize * BLOCK / 32;
             assert!(warps * g.rows_per_warp >= n && (warps - BLOCK / 32) * g.rows_per_warp < n, "{g:?}");
         }
         // A batch that folds into rows over a shared weight is a Linear layer of batch · m tokens.
         let shared = MatmulArgs::new(MatrixLayout::row_major(2, 3, 64), MatmulArgs::linear(1, 64, 128).b);
-        assert_eq!(shared.gemv(BF, BF).unwrap().m, 6);
+        assert_eq!(shared.gemv(BF, BF, BF).unwrap().m, 6);
         // The whole table is reachable.
         let tiles: Vec<usize> =
-            (1..=8).map(|m| MatmulArgs::linear(m, 64, 64).gemv(BF, BF).unwrap().tile).collect();
+            (1..=8).map(|m| MatmulArgs::linear(m, 64, 64).gemv(BF, BF, BF).unwrap().tile).collect();
         assert_eq!(tiles, [1, 2, 4, 4, 8, 8, 8, 8]);
     }
 
@@ -560,38 +602,38 @@ mod tests {
     fn everything_else_stays_on_the_graph_and_says_why() {
         let lin = MatmulArgs::linear(1, 4096, 4096);
         refused(
-            MatmulArgs::linear(9, 4096, 4096).gemv(BF, BF),
+            MatmulArgs::linear(9, 4096, 4096).gemv(BF, BF, BF),
             "9 rows of A (tokens): the GEMV takes at most 8",
         );
-        refused(MatmulArgs::linear(2048, 4096, 4096).gemv(BF, BF), "2048 rows of A");
-        refused(lin.gemv(DataType::F32, DataType::F32), "f32 inputs");
-        refused(lin.gemv(BF, DataType::F32), "a f32 output: the GEMV writes its input dtype bf16");
-        refused(MatmulArgs::packed(1, 1, 4096, 4096).gemv(BF, BF), "B must be the transposed view");
+        refused(MatmulArgs::linear(2048, 4096, 4096).gemv(BF, BF, BF), "2048 rows of A");
+        refused(lin.gemv(DataType::F32, DataType::F32, DataType::F32), "f32 inputs");
+        refused(lin.gemv(BF, BF, DataType::F32), "a f32 output: the GEMV writes its input dtype bf16");
+        refused(MatmulArgs::packed(1, 1, 4096, 4096).gemv(BF, BF, BF), "B must be the transposed view");
         let col_a = MatmulArgs::new(MatrixLayout::column_major(1, 2, 64), MatmulArgs::linear(2, 64, 64).b);
-        refused(col_a.gemv(BF, BF), "A must be row-major");
-        refused(MatmulArgs::packed(2, 1, 64, 64).gemv(BF, BF), "a batch of 2 products");
+        refused(col_a.gemv(BF, BF, BF), "A must be row-major");
+        refused(MatmulArgs::packed(2, 1, 64, 64).gemv(BF, BF, BF), "a batch of 2 products");
         let per_batch_w =
             MatmulArgs::new(MatrixLayout::row_major(2, 1, 64), MatrixLayout::column_major(2, 64, 64));
-        refused(per_batch_w.gemv(BF, BF), "a batch of 2 products that does not fold");
+        refused(per_batch_w.gemv(BF, BF, BF), "a batch of 2 products that does not fold");
         // Strides and k that are not whole 16-byte chunks (the shared check refuses these for bf16 too).
         let padded = MatmulArgs::new(
             MatrixLayout::strided([1, 2, 64], [2 * 68, 68, 1]),
             MatmulArgs::linear(2, 64, 64).b,
         );
-        refused(padded.gemv(BF, BF), "A's row stride 68 is not a multiple of 8");
-        refused(MatmulArgs::linear(1, 12, 64).gemv(BF, BF), "k 12 is not a multiple of 8");
+        refused(padded.gemv(BF, BF, BF), "A's row stride 68 is not a multiple of 8");
+        refused(MatmulArgs::linear(1, 12, 64).gemv(BF, BF, BF), "k 12 is not a multiple of 8");
         let w_padded =
             MatmulArgs::new(MatrixLayout::row_major(1, 1, 64), MatrixLayout::strided([1, 64, 4], [0, 1, 66]));
-        refused(w_padded.gemv(BF, BF), "the weight's row stride 66");
+        refused(w_padded.gemv(BF, BF, BF), "the weight's row stride 66");
         // One token or one output: its unused stride may be anything.
         let one = MatmulArgs::new(
             MatrixLayout::strided([1, 1, 64], [64, 3, 1]),
             MatrixLayout::strided([1, 64, 1], [0, 1, 5]),
         );
-        assert_eq!(one.gemv(BF, BF).unwrap().m, 1);
+        assert_eq!(one.gemv(BF, BF, BF).unwrap().m, 1);
         // The public check agrees, and so does what the fused backend says it runs.
-        assert!(lin.decode_gemv(BF, BF).is_ok());
-        assert!(MatmulArgs::linear(9, 64, 64).decode_gemv(BF, BF).unwrap_err().is_not_supported());
+        assert!(lin.decode_gemv(BF, BF, BF).is_ok());
+        assert!(MatmulArgs::linear(9, 64, 64).decode_gemv(BF, BF, BF).unwrap_err().is_not_supported());
         assert_eq!(lin.fused_kernel(BF, BF), MatmulKernel::DecodeGemv);
         assert_eq!(lin.fused_kernel(DataType::F32, DataType::F32), MatmulKernel::Graph);
         assert_eq!(MatmulArgs::linear(9, 64, 64).fused_kernel(BF, BF), MatmulKernel::Graph);
@@ -604,16 +646,16 @@ mod tests {
     fn one_token_takes_the_norm_and_dual_forms() {
         let norm = Prologue::rms_norm(1e-5);
         let qkv = MatmulArgs::linear(1, 4096, 6144).with_prologue(norm);
-        let g = qkv.gemv(BF, BF).unwrap();
+        let g = qkv.gemv(BF, BF, BF).unwrap();
         assert_eq!((g.kernel(), g.rows_per_warp, g.tile), ("gemv_bf16_m1_norm".to_string(), 2, 1));
         assert_eq!(
             g.describe(),
             "decode gemv rms_norm(1e-5) [1, 4096] x [4096, 6144] bf16 epilogue none (gemv_bf16_m1_norm)"
         );
         let gate = MatmulArgs::linear(1, 4096, 14336).with_epilogue(Epilogue::SWIGLU).with_up_product();
-        let g = gate.gemv(DataType::F16, DataType::F16).unwrap();
+        let g = gate.gemv(DataType::F16, DataType::F16, DataType::F16).unwrap();
         assert_eq!((g.kernel(), g.config().unwrap().shared_mem_bytes), ("gemv_f16_m1_dual".to_string(), 0));
-        let g = gate.with_prologue(norm).gemv(BF, BF).unwrap();
+        let g = gate.with_prologue(norm).gemv(BF, BF, BF).unwrap();
         assert_eq!(g.kernel(), "gemv_bf16_m1_norm_dual");
         assert!(
             g.describe().ends_with("epilogue silu+gate up-product (gemv_bf16_m1_norm_dual)"),
@@ -622,22 +664,22 @@ mod tests {
         );
         // The fused backend takes them by itself at one token.
         assert_eq!(qkv.fused_kernel(BF, BF), MatmulKernel::DecodeGemv);
-        assert_eq!(gate.auto_gemv(BF, BF).map(|g| g.dual), Some(true));
+        assert_eq!(gate.auto_gemv(BF, BF, BF).map(|g| g.dual), Some(true));
         // More tokens: refused, named.
         refused(
-            MatmulArgs::linear(2, 4096, 6144).with_prologue(norm).gemv(BF, BF),
+            MatmulArgs::linear(2, 4096, 6144).with_prologue(norm).gemv(BF, BF, BF),
             "2 rows of A (tokens): the prologue, the up product and the rotary epilogue run at one token",
         );
         refused(
-            MatmulArgs::linear(2, 64, 64).with_epilogue(Epilogue::SWIGLU).with_up_product().gemv(BF, BF),
+            MatmulArgs::linear(2, 64, 64).with_epilogue(Epilogue::SWIGLU).with_up_product().gemv(BF, BF, BF),
             "run at one token",
         );
         // The prologue keeps nothing in shared memory, so it takes any row length, in both splits.
-        let g = MatmulArgs::linear(1, 65536, 64).with_prologue(norm).gemv(BF, BF).unwrap();
+        let g = MatmulArgs::linear(1, 65536, 64).with_prologue(norm).gemv(BF, BF, BF).unwrap();
         for g in [g, g.with_split(GemvSplit::Block)] {
             assert_eq!(g.config().unwrap().shared_mem_bytes, 0, "{}", g.kernel());
         }
-        let e = MatmulArgs::linear(2, 64, 64).with_prologue(norm).gemv(BF, BF).unwrap_err().to_string();
+        let e = MatmulArgs::linear(2, 64, 64).with_prologue(norm).gemv(BF, BF, BF).unwrap_err().to_string();
         assert!(e.contains("rms_norm(1e-5)"), "{e}");
     }
 
@@ -650,27 +692,27 @@ mod tests {
         }
         assert_eq!(activation_code(None), 0);
         for (tile, rows) in TILES {
-            let line = format!("GEMV_KERNEL(sfx, D, {tile}, {rows}, ");
+            let line = format!("GEMV_KERNEL(sfx, D, W, {tile}, {rows}, ");
             assert!(src.contains(&line), "decode.cu lacks the tile `{line}`");
         }
         assert!(src.contains(&format!("__launch_bounds__({BLOCK})")));
         for (form, rows, chunks) in FUSED_TILES {
             let kernel = if form.ends_with("rope") { "GEMV_ROPE_KERNEL" } else { "GEMV_FUSED_KERNEL" };
-            let line = format!("{kernel}(sfx, D, {form}, {rows}, {chunks}, ");
+            let line = format!("{kernel}(sfx, D, W, {form}, {rows}, {chunks}, ");
             assert!(src.contains(&line), "decode.cu lacks the fused form `{line}`");
         }
         assert!(
-            src.contains(&format!("GEMV_KERNEL_U(sfx, D, {})", LONG_ROWS.1)),
+            src.contains(&format!("GEMV_KERNEL_U(sfx, D, W, {})", LONG_ROWS.1)),
             "decode.cu lacks the long-row tile"
         );
         for form in ["rope", "norm_rope"] {
             let line =
-                format!("GEMV_ROPE_KERNEL(sfx, D, {form}_u{DEEP_ROPE_CHUNKS}, 2, {DEEP_ROPE_CHUNKS}, ");
+                format!("GEMV_ROPE_KERNEL(sfx, D, W, {form}_u{DEEP_ROPE_CHUNKS}, 2, {DEEP_ROPE_CHUNKS}, ");
             assert!(src.contains(&line), "decode.cu lacks the deep rotary form `{line}`");
         }
         for (form, rows, chunks) in BLOCK_TILES {
             let form = if form.is_empty() { String::new() } else { format!("_{form}") };
-            let line = format!("GEMV_BLOCK_KERNEL(gemv_##sfx##_m1{form}_block, D, {rows}, {chunks}, ");
+            let line = format!("GEMV_BLOCK_KERNEL(gemv_##sfx##_m1{form}_block, D, W, {rows}, {chunks}, ");
             assert!(src.contains(&line), "decode.cu lacks the block form `{line}`");
         }
         assert!(src.contains("#define GEMV_WARPS 4") && BLOCK == 32 * 4);
@@ -680,7 +722,7 @@ mod tests {
     fn auto_keeps_warps_and_block_is_taken_only_when_forced_at_one_token() {
         let norm = Prologue::rms_norm(1e-5);
         let swiglu = Epilogue::SWIGLU;
-        let on = |a: MatmulArgs, split| a.gemv(BF, BF).unwrap().with_split(split);
+        let on = |a: MatmulArgs, split| a.gemv(BF, BF, BF).unwrap().with_split(split);
         // Llama-3.1-8B's one-token projections: the block form lost on the H200, so auto keeps warps.
         let cases = [
             MatmulArgs::linear(1, 4096, 6144).with_prologue(norm),
@@ -701,17 +743,53 @@ mod tests {
         let g = on(gate, GemvSplit::Block);
         assert_eq!((g.kernel().as_str(), g.config().unwrap().grid_dim.0), ("gemv_bf16_m1_dual_block", 14336));
         assert_eq!(on(MatmulArgs::linear(1, 4096, 4096), GemvSplit::Warp).kernel(), "gemv_bf16_m1");
-        let f16 =
-            MatmulArgs::linear(1, 64, 40).with_prologue(norm).gemv(DataType::F16, DataType::F16).unwrap();
+        let f16 = MatmulArgs::linear(1, 64, 40)
+            .with_prologue(norm)
+            .gemv(DataType::F16, DataType::F16, DataType::F16)
+            .unwrap();
         let g = f16.with_split(GemvSplit::Block);
         let c = g.config().unwrap();
         assert_eq!(g.kernel(), "gemv_f16_m1_norm_block");
         assert_eq!((c.grid_dim, c.block_dim, c.shared_mem_bytes), ((20, 1, 1), (128, 1, 1), 0));
         for m in 2..=DECODE_GEMV_MAX_TOKENS {
             let g = on(MatmulArgs::linear(m, 4096, 4096), GemvSplit::Block);
-            assert_eq!(g, MatmulArgs::linear(m, 4096, 4096).gemv(BF, BF).unwrap(), "m {m}");
+            assert_eq!(g, MatmulArgs::linear(m, 4096, 4096).gemv(BF, BF, BF).unwrap(), "m {m}");
         }
         assert!(g.describe().ends_with("(gemv_f16_m1_norm_block)"), "{}", g.describe());
+    }
+
+    #[test]
+    fn fp8_weights_name_their_kernels_and_keep_the_warp_form() {
+        let src = include_str!("decode.cu");
+        let (e4, e5, f16) = (DataType::F8E4M3, DataType::F8E5M2, DataType::F16);
+        let plain =
+            |m: usize, x: DataType, w: DataType| MatmulArgs::linear(m, 4096, 4096).gemv(x, w, x).unwrap();
+        assert_eq!(plain(1, BF, e4).kernel(), "gemv_bf16_e4m3_m1");
+        assert_eq!(plain(3, f16, e5).kernel(), "gemv_f16_e5m2_m4");
+        assert_eq!(
+            MatmulArgs::linear(1, 14336, 4096).gemv(BF, e4, BF).unwrap().kernel(),
+            "gemv_bf16_e4m3_m1_u2"
+        );
+        let dual = MatmulArgs::linear(1, 4096, 14336)
+            .with_epilogue(Epilogue::SWIGLU)
+            .with_up_product()
+            .with_prologue(Prologue::rms_norm(1e-5));
+        let g = dual.gemv(BF, e4, BF).unwrap();
+        assert_eq!(g.kernel(), "gemv_bf16_e4m3_m1_norm_dual");
+        assert!(g.describe().contains("bf16 weight fp8e4m3"), "{}", g.describe());
+        // No block split for FP8 weights (the block kernels read 16-bit weights).
+        assert_eq!(g.with_split(GemvSplit::Block).kernel(), "gemv_bf16_e4m3_m1_norm_dual");
+        for sfx in ["bf16_e4m3", "bf16_e5m2", "f16_e4m3", "f16_e5m2"] {
+            assert!(src.contains(&format!("GEMV_TILES({sfx}, ")), "{sfx}");
+        }
+        for sfx in ["bf16_e4m3", "f16_e4m3"] {
+            assert!(src.contains(&format!("GEMV_FUSED({sfx}, ")), "{sfx}");
+        }
+        // k in 16-byte chunks of 16 codes.
+        let e = MatmulArgs::linear(1, 4104, 64).gemv(BF, e4, BF).unwrap_err();
+        assert!(e.to_string().contains("k 4104 is not a multiple of 16 elements"), "{e}");
+        let e = MatmulArgs::linear(1, 64, 64).gemv(BF, f16, BF).unwrap_err();
+        assert!(e.to_string().contains("a f16 weight"), "{e}");
     }
 
     #[test]
@@ -719,14 +797,14 @@ mod tests {
         // The plain tiles take `trigger` last (launch_gemv passes it); the block kernels always
         // trigger, so a GEMV before a collective keeps the warp form whatever the split.
         let src = include_str!("decode.cu");
-        assert_eq!(src.matches("bits16* y, long trigger) {").count(), 2, "GEMV_KERNEL and GEMV_KERNEL_U");
+        assert_eq!(src.matches("long trigger) {").count(), 1, "GEMV_KERNEL_NAMED: every plain tile");
         assert!(src.contains("if (trigger && row0 == first) pdl_launch_dependents();"));
-        let g = MatmulArgs::linear(1, 4096, 4096).with_epilogue(Epilogue::RESIDUAL).gemv(BF, BF).unwrap();
+        let g = MatmulArgs::linear(1, 4096, 4096).with_epilogue(Epilogue::RESIDUAL).gemv(BF, BF, BF).unwrap();
         let quiet = Gemv { no_trigger: true, ..g };
         assert!(g.with_split(GemvSplit::Block).block);
         let q = quiet.with_split(GemvSplit::Block);
         assert!(!q.block && q.kernel() == "gemv_bf16_m1", "{}", q.kernel());
-        let down = MatmulArgs::linear(1, 7168, 4096).gemv(BF, BF).unwrap();
+        let down = MatmulArgs::linear(1, 7168, 4096).gemv(BF, BF, BF).unwrap();
         assert_eq!(
             Gemv { no_trigger: true, ..down }.with_split(GemvSplit::Block).kernel(),
             "gemv_bf16_m1_u2"
@@ -735,7 +813,7 @@ mod tests {
 
     #[test]
     fn long_rows_take_the_two_chunk_tile_at_one_token_only() {
-        let kernel = |m, k, n| MatmulArgs::linear(m, k, n).gemv(BF, BF).unwrap().kernel();
+        let kernel = |m, k, n| MatmulArgs::linear(m, k, n).gemv(BF, BF, BF).unwrap().kernel();
         // Llama-3.1-8B's down projection on one GPU (k 14336) and on a TP2 rank (k 7168); o_proj and
         // lm_head (k 4096, 2048) keep three.
         assert_eq!(kernel(1, 14336, 4096), "gemv_bf16_m1_u2");
@@ -745,11 +823,14 @@ mod tests {
         // More tokens keep their tiles; the fused forms and the block split keep theirs.
         assert_eq!(kernel(2, 14336, 4096), "gemv_bf16_m2");
         let norm = MatmulArgs::linear(1, 14336, 4096).with_prologue(Prologue::rms_norm(1e-5));
-        assert_eq!(norm.gemv(BF, BF).unwrap().kernel(), "gemv_bf16_m1_norm");
-        let g = MatmulArgs::linear(1, 14336, 4096).gemv(BF, BF).unwrap().with_split(GemvSplit::Block);
+        assert_eq!(norm.gemv(BF, BF, BF).unwrap().kernel(), "gemv_bf16_m1_norm");
+        let g = MatmulArgs::linear(1, 14336, 4096).gemv(BF, BF, BF).unwrap().with_split(GemvSplit::Block);
         assert_eq!(g.kernel(), "gemv_bf16_m1_block");
         assert_eq!(
-            MatmulArgs::linear(1, 14336, 4096).gemv(DataType::F16, DataType::F16).unwrap().kernel(),
+            MatmulArgs::linear(1, 14336, 4096)
+                .gemv(DataType::F16, DataType::F16, DataType::F16)
+                .unwrap()
+                .kernel(),
             "gemv_f16_m1_u2"
         );
     }

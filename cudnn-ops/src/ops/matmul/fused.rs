@@ -9,7 +9,8 @@ use crate::graph::{Binary, Graph};
 use crate::ops::Fused;
 use crate::plan::{Bindings, Plan};
 use crate::tensor::TensorSpec;
-use crate::{Cudnn, Error, Result};
+use crate::{Backend, Cudnn, Error, Result};
+use cudarc::driver::DevicePtr;
 use std::rc::Rc;
 
 /// The uids [`MatmulArgs::graph`] gives the tensors a call binds (graph intermediates take the ones
@@ -20,6 +21,9 @@ pub(super) mod uid {
     pub const BIAS: i64 = 3;
     pub const GATE: i64 = 4;
     pub const RESIDUAL: i64 = 5;
+    /// The FP8 graph's A factors (per token) and B factors (per output channel or one).
+    pub const A_SCALE: i64 = 6;
+    pub const B_SCALE: i64 = 7;
     pub const D: i64 = 100;
 }
 
@@ -39,10 +43,38 @@ impl MatmulArgs {
             return folded.graph(dtype, out);
         }
         let epilogue = self.epilogue;
-        let (batch, m, n) = (self.batch() as i64, self.m() as i64, self.n() as i64);
         let mut g = Graph::new(format!("matmul {} {dtype}->{out} epilogue {epilogue}", self.describe()));
         let a = g.tensor(spec(&self.a, "A", dtype).with_uid(uid::A));
         let b = g.tensor(spec(&self.b, "B", dtype).with_uid(uid::B));
+        let d = g.matmul(a, b);
+        self.with_epilogue_steps(g, d, out)
+    }
+
+    /// The graph of a Linear over an FP8 weight past the decode GEMV (`fused` quantizes A first):
+    /// A `[1, m, k]` E4M3 codes with one factor per token (`[1, m, 1]`), B the `weight` codes with
+    /// `b_factors` factors (`[1, 1, n]`, or `[1, 1, 1]`), the FP8 product in f32 times both, then the
+    /// epilogue as [`MatmulArgs::graph`]'s.
+    pub fn fp8_graph(&self, weight: DataType, b_factors: usize, out: DataType) -> Graph {
+        let (m, n) = (self.m() as i64, self.n() as i64);
+        let name = format!("matmul {} e4m3 x {weight}->{out} epilogue {}", self.describe(), self.epilogue);
+        let mut g = Graph::new(name);
+        let a = g.tensor(spec(&self.a, "A", DataType::F8E4M3).with_uid(uid::A));
+        let b = g.tensor(spec(&self.b, "B", weight).with_uid(uid::B));
+        let sa = g.tensor(TensorSpec::new("a_scale", &[1, m, 1], DataType::F32).with_uid(uid::A_SCALE));
+        let b_dims = if b_factors > 1 { [1, 1, n] } else { [1, 1, 1] };
+        let sb = g.tensor(TensorSpec::new("b_scale", &b_dims, DataType::F32).with_uid(uid::B_SCALE));
+        let d = g.matmul(a, b);
+        let d = g.binary(Binary::Mul, d, sa);
+        let d = g.binary(Binary::Mul, d, sb);
+        self.with_epilogue_steps(g, d, out)
+    }
+
+    /// `g` with the epilogue's inputs bias `[1, 1, n]`, U and R (in `out`) and its steps after the
+    /// product `d` (bias add, activation, gate multiply, residual add, all f32 virtual); the last
+    /// step's output is D, packed `[batch, m, n]`.
+    fn with_epilogue_steps(&self, mut g: Graph, mut d: crate::graph::TensorId, out: DataType) -> Graph {
+        let epilogue = self.epilogue;
+        let (batch, m, n) = (self.batch() as i64, self.m() as i64, self.n() as i64);
         let bias =
             epilogue.bias.then(|| g.tensor(TensorSpec::new("bias", &[1, 1, n], out).with_uid(uid::BIAS)));
         let gate =
@@ -50,7 +82,6 @@ impl MatmulArgs {
         let residual = epilogue
             .residual
             .then(|| g.tensor(TensorSpec::new("R", &[batch, m, n], out).with_uid(uid::RESIDUAL)));
-        let mut d = g.matmul(a, b);
         if let Some(bias) = bias {
             d = g.binary(Binary::Add, d, bias);
         }
@@ -127,19 +158,19 @@ impl MatmulArgs {
     pub fn fused_kernel(&self, dtype: DataType, out: DataType) -> MatmulKernel {
         match self.form {
             Some(kernel) => kernel,
-            None if self.auto_gemv(dtype, out).is_some() => MatmulKernel::DecodeGemv,
+            None if self.auto_gemv(dtype, dtype, out).is_some() => MatmulKernel::DecodeGemv,
             None => MatmulKernel::Graph,
         }
     }
 }
 
-impl<T: Element, O: Element> Fused<(T, O)> for MatmulArgs {
-    fn fused(self, ctx: &Cudnn, mut x: MatmulOperands<'_, T, O>) -> Result<()> {
-        let (dtype, out) = (T::DTYPE, O::DTYPE);
+impl<T: Element, O: Element, W: Element> Fused<(T, O, W)> for MatmulArgs {
+    fn fused(self, ctx: &Cudnn, mut x: MatmulOperands<'_, T, O, W>) -> Result<()> {
+        let (dtype, weight, out) = (T::DTYPE, W::DTYPE, O::DTYPE);
         match self.form {
             Some(MatmulKernel::Graph) => {}
             Some(MatmulKernel::DecodeGemv) => {
-                if launch_gemv(ctx, &self.gemv(dtype, out)?, &mut x)? {
+                if launch_gemv(ctx, &self.gemv(dtype, weight, out)?, &mut x)? {
                     return Ok(());
                 }
                 return Err(Error::NotSupported {
@@ -148,34 +179,111 @@ impl<T: Element, O: Element> Fused<(T, O)> for MatmulArgs {
                 });
             }
             None => {
-                if let Some(g) = self.auto_gemv(dtype, out) {
+                if let Some(g) = self.auto_gemv(dtype, weight, out) {
                     if launch_gemv(ctx, &g, &mut x)? {
                         return Ok(());
                     }
                 }
             }
         }
+        if weight != dtype {
+            // More tokens than the GEMV takes over FP8 codes (a prefill): A quantized per token and
+            // the FP8 graph (Hopper's FP8 tensor cores, sm_89+), else B dequantized into A's dtype
+            // and the 16-bit graph.
+            if self.fp8_prefill_applies(ctx, dtype) {
+                match self.run_fp8_graph(ctx, &mut x) {
+                    Err(Error::NotSupported { .. }) => {}
+                    done => return done,
+                }
+            }
+            let b = super::naive::dequantized(ctx, &self, &x)?;
+            return self.run_graph(ctx, x.with_b(&b));
+        }
         self.run_graph(ctx, x)
     }
 }
 
+/// What identifies the FP8 graph's plan ([`MatmulArgs::fp8_graph`]): the 16-bit key, B's format, and
+/// whether B's factors are per channel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Fp8Key(super::Key, DataType, bool);
+
 impl MatmulArgs {
-    /// Executes the cached graph on `x`.
-    fn run_graph<T: Element, O: Element>(&self, ctx: &Cudnn, x: MatmulOperands<'_, T, O>) -> Result<()> {
+    /// Whether a call over an FP8 weight past the GEMV runs the FP8 graph: A bf16 or f16 and packed
+    /// row-major (`quantize_fp8` reads rows of k), no decode form, FP8 tensor cores (sm_89+).
+    fn fp8_prefill_applies(&self, ctx: &Cudnn, dtype: DataType) -> bool {
+        let (m, k) = (self.batch() * self.m(), self.k());
+        matches!(dtype, DataType::BF16 | DataType::F16)
+            && self.forms().is_none()
+            && self.a.strides == [m * k, k, 1]
+            && ctx.info().compute_capability >= (8, 9)
+    }
+
+    /// Quantizes A per token into the scratch (`quantize_fp8`, the fused kernel: codes `[m, k]`,
+    /// then a factor per row) and executes the FP8 graph's cached plan on the codes, B's codes and
+    /// both factors. [`Error::NotSupported`], before anything ran, where cuDNN has no engine for it.
+    fn run_fp8_graph<T: Element, O: Element, W: Element>(
+        &self,
+        ctx: &Cudnn,
+        x: &mut MatmulOperands<'_, T, O, W>,
+    ) -> Result<()> {
+        use crate::kernels::{scratch, Kernels, View};
+        use crate::ops::quantize::{quantize_fp8, QuantizeArgs, QuantizeOperands};
+        let (m, k) = (self.batch() * self.m(), self.k());
+        let b_scale = x.b_scale.ok_or_else(|| Error::invalid("matmul: an FP8 weight without its factors"))?;
+        let (dtype, weight, out, per_channel) = (T::DTYPE, W::DTYPE, O::DTYPE, b_scale.len() > 1);
+        let key = Fp8Key(self.key(dtype, out), weight, per_channel);
+        let plan = ctx.cache().get_or_build(&key, || {
+            self.fp8_graph(weight, b_scale.len(), out).build_tuned(ctx, ctx.tuning())
+        })?;
+        // The scratch: m·k codes (16-byte aligned), then m f32 factors.
+        let codes_len = (m * k).next_multiple_of(16);
+        let kernels = Kernels::get(ctx)?;
+        let base = scratch(ctx, kernels, codes_len / 4 + m)?;
+        let stream = ctx.stream();
+        let mut codes = View { addr: base, len: m * k, stream: stream.clone() };
+        let mut factors = View { addr: base + codes_len as u64, len: m, stream: stream.clone() };
+        let q = QuantizeArgs::per_row(m, k);
+        quantize_fp8::<T, crate::F8E4M3>(
+            ctx,
+            q,
+            QuantizeOperands::new(x.a, &mut codes, &mut factors),
+            Backend::Fused,
+        )?;
+        let mut b = Bindings::new(stream);
+        b.input::<crate::F8E4M3>(uid::A, &codes).input(uid::B, x.b);
+        b.input::<f32>(uid::A_SCALE, &factors).input(uid::B_SCALE, b_scale);
+        bind_epilogue(&mut b, x.bias, x.up, x.residual);
+        b.output(uid::D, &mut *x.d);
+        plan.execute(ctx, &b)
+    }
+
+    /// Executes the cached graph on `x` (B in A's dtype: W is T, or B a dequantized weight).
+    fn run_graph<T: Element, O: Element, W: Element>(
+        &self,
+        ctx: &Cudnn,
+        x: MatmulOperands<'_, T, O, W>,
+    ) -> Result<()> {
         let plan = self.plan(ctx, T::DTYPE, O::DTYPE)?;
         let mut b = Bindings::new(ctx.stream());
         b.input(uid::A, x.a).input(uid::B, x.b);
-        if let Some(bias) = x.bias {
-            b.input(uid::BIAS, bias);
-        }
-        if let Some(u) = x.up {
-            b.input(uid::GATE, u);
-        }
-        if let Some(r) = x.residual {
-            b.input(uid::RESIDUAL, r);
-        }
+        bind_epilogue(&mut b, x.bias, x.up, x.residual);
         b.output(uid::D, x.d);
         plan.execute(ctx, &b)
+    }
+}
+
+/// Binds the epilogue's inputs a call gives (bias, U, R) to both graphs' uids.
+fn bind_epilogue<'a, O: Element>(
+    b: &mut Bindings<'a>,
+    bias: Option<&'a dyn DevicePtr<O>>,
+    up: Option<&'a dyn DevicePtr<O>>,
+    residual: Option<&'a dyn DevicePtr<O>>,
+) {
+    for (uid, buf) in [(uid::BIAS, bias), (uid::GATE, up), (uid::RESIDUAL, residual)] {
+        if let Some(buf) = buf {
+            b.input(uid, buf);
+        }
     }
 }
 

@@ -653,11 +653,16 @@ fn check_dtypes(dtype: DataType, out: DataType) -> Result<()> {
 /// The device buffers of one call: A and B in the input dtype `T`; bias, U and R (the epilogue's
 /// inputs) and the output D in the output dtype `O`.
 #[non_exhaustive]
-pub struct MatmulOperands<'a, T: Element, O: Element = T> {
+pub struct MatmulOperands<'a, T: Element, O: Element = T, W: Element = T> {
     /// A, laid out as [`MatmulArgs::a`].
     pub a: &'a dyn DevicePtr<T>,
-    /// B, laid out as [`MatmulArgs::b`].
-    pub b: &'a dyn DevicePtr<T>,
+    /// B, laid out as [`MatmulArgs::b`]: in A's dtype, or a Linear's FP8 weight
+    /// ([`MatmulOperands::fp8_weight`]).
+    pub b: &'a dyn DevicePtr<W>,
+    /// An FP8 B's dequantization factors (`value = code · factor`): one, or one per output channel.
+    pub b_scale: Option<&'a dyn DevicePtr<f32>>,
+    /// An FP8 B_up's factors, as `b_scale`.
+    pub up_scale: Option<&'a dyn DevicePtr<f32>>,
     /// The bias `[n]`.
     pub bias: Option<&'a dyn DevicePtr<O>>,
     /// The multiplier U of the gate step (`⊙ U`), packed `[batch, m, n]`: in SwiGLU, the up
@@ -668,7 +673,7 @@ pub struct MatmulOperands<'a, T: Element, O: Element = T> {
     /// The weight `[k]` of the RMSNorm prologue ([`MatmulArgs::with_prologue`]).
     pub norm_weight: Option<&'a dyn DevicePtr<T>>,
     /// The second weight `B_up` of the up product ([`MatmulArgs::with_up_product`]), laid out as B.
-    pub up_weight: Option<&'a dyn DevicePtr<T>>,
+    pub up_weight: Option<&'a dyn DevicePtr<W>>,
     /// The rotary epilogue's tables, position and caches ([`MatmulArgs::with_rotary`]).
     pub rotary: Option<RotaryOperands<'a, T>>,
     /// The next kernel reads D without waiting for this call in its code ([`MatmulOperands::before_collective`]).
@@ -705,9 +710,35 @@ impl<'a, T: Element> RotaryOperands<'a, T> {
 impl<'a, T: Element, O: Element> MatmulOperands<'a, T, O> {
     /// A and B in, D out, no epilogue inputs.
     pub fn new(a: &'a dyn DevicePtr<T>, b: &'a dyn DevicePtr<T>, d: &'a mut dyn DevicePtrMut<O>) -> Self {
+        MatmulOperands::with_weight(a, b, None, d)
+    }
+}
+
+impl<'a, T: Element, O: Element, W: Element> MatmulOperands<'a, T, O, W> {
+    /// A Linear layer's x, its FP8 weight `[n, k]` (E4M3, or E5M2 for the plain product) with the
+    /// dequantization factors `b_scale` (one, or one per output channel), and D: on the fused
+    /// backend the decode GEMV streams the codes (up to 8 tokens, every form); more tokens, and the
+    /// naive backend, dequantize the weight into A's dtype first.
+    pub fn fp8_weight(
+        a: &'a dyn DevicePtr<T>,
+        b: &'a dyn DevicePtr<W>,
+        b_scale: &'a dyn DevicePtr<f32>,
+        d: &'a mut dyn DevicePtrMut<O>,
+    ) -> Self {
+        MatmulOperands::with_weight(a, b, Some(b_scale), d)
+    }
+
+    fn with_weight(
+        a: &'a dyn DevicePtr<T>,
+        b: &'a dyn DevicePtr<W>,
+        b_scale: Option<&'a dyn DevicePtr<f32>>,
+        d: &'a mut dyn DevicePtrMut<O>,
+    ) -> Self {
         MatmulOperands {
             a,
             b,
+            b_scale,
+            up_scale: None,
             bias: None,
             up: None,
             residual: None,
@@ -746,8 +777,14 @@ impl<'a, T: Element, O: Element> MatmulOperands<'a, T, O> {
 
     /// Adds the second weight `B_up` of the up product (B's layout): the gate step multiplies by
     /// `A · B_up` instead of a U.
-    pub fn up_weight(mut self, w: &'a dyn DevicePtr<T>) -> Self {
+    pub fn up_weight(mut self, w: &'a dyn DevicePtr<W>) -> Self {
         self.up_weight = Some(w);
+        self
+    }
+
+    /// Adds an FP8 `B_up`'s dequantization factors (as many as B's).
+    pub fn up_scale(mut self, s: &'a dyn DevicePtr<f32>) -> Self {
+        self.up_scale = Some(s);
         self
     }
 
@@ -767,6 +804,28 @@ impl<'a, T: Element, O: Element> MatmulOperands<'a, T, O> {
     pub fn before_collective(mut self) -> Self {
         self.before_collective = true;
         self
+    }
+
+    /// These operands with B in A's dtype in place of an FP8 B (its dequantized copy, `b`); B_up and
+    /// the factors go (the forms that read them run in the decode GEMV only).
+    pub(crate) fn with_b<'b>(self, b: &'b dyn DevicePtr<T>) -> MatmulOperands<'b, T, O>
+    where
+        'a: 'b,
+    {
+        MatmulOperands {
+            a: self.a,
+            b,
+            b_scale: None,
+            up_scale: None,
+            bias: self.bias,
+            up: self.up,
+            residual: self.residual,
+            norm_weight: self.norm_weight,
+            up_weight: None,
+            rotary: self.rotary,
+            before_collective: self.before_collective,
+            d: self.d,
+        }
     }
 
     /// The buffer lengths.
@@ -791,12 +850,66 @@ impl<'a, T: Element, O: Element> MatmulOperands<'a, T, O> {
     }
 }
 
-impl<T: Element, O: Element> Op<(T, O)> for MatmulArgs {
-    type Operands<'a> = MatmulOperands<'a, T, O>;
+impl<T: Element, O: Element, W: Element> Op<(T, O, W)> for MatmulArgs {
+    type Operands<'a> = MatmulOperands<'a, T, O, W>;
 
-    fn checked(self, x: &MatmulOperands<'_, T, O>) -> Result<Self> {
+    fn checked(self, x: &MatmulOperands<'_, T, O, W>) -> Result<Self> {
+        let scales = (x.b_scale.map(|s| s.len()), x.up_scale.map(|s| s.len()));
+        self.check_weight(T::DTYPE, W::DTYPE, scales)?;
+        // An FP8 weight's layout and length are checked as B in A's dtype (one code per element).
         self.check(T::DTYPE, O::DTYPE, &x.lens())?;
         Ok(self)
+    }
+}
+
+impl MatmulArgs {
+    /// B's element and, for FP8 codes, their factors (`scales`: B's and B_up's counts): B in A's
+    /// dtype takes none; an FP8 B is a Linear's row-major `[n, k]` weight ([`MatmulArgs::linear`])
+    /// with k a multiple of 16, one factor or one per output channel (B_up's as many as B's).
+    pub fn check_weight(
+        &self,
+        dtype: DataType,
+        weight: DataType,
+        (b_scale, up_scale): (Option<usize>, Option<usize>),
+    ) -> Result<()> {
+        if weight == dtype {
+            ensure!(
+                b_scale.is_none() && up_scale.is_none(),
+                "matmul: weight factors were given for a {weight} weight (they dequantize FP8 codes)"
+            );
+            return Ok(());
+        }
+        if !matches!(weight, DataType::F8E4M3 | DataType::F8E5M2) {
+            return Err(Error::NotSupported {
+                op: format!("matmul {} {dtype} x {weight}", self.describe()),
+                reason: format!("B in {weight}: B is in A's dtype {dtype}, or FP8 codes (E4M3, E5M2)"),
+            });
+        }
+        let (k, n) = (self.k(), self.n());
+        let linear = MatmulArgs::linear(self.batch() * self.m(), k, n).b;
+        ensure!(
+            self.b == linear,
+            "matmul: an FP8 weight is a Linear's row-major [n, k] weight (MatmulArgs::linear), not {}",
+            self.b.describe()
+        );
+        ensure!(k.is_multiple_of(16), "matmul: FP8 weight: k = {k} must be a multiple of 16 (16-byte rows)");
+        let Some(count) = b_scale else {
+            return Err(Error::invalid(format!(
+                "matmul: a {weight} weight needs its dequantization factors (MatmulOperands::fp8_weight)"
+            )));
+        };
+        ensure!(
+            count == 1 || count == n,
+            "matmul: FP8 weight factors: {count} given, needs 1 or one per output channel ({n})"
+        );
+        ensure!(
+            up_scale.is_some() == self.up_product,
+            "matmul: an FP8 B_up's factors come with the up product, and only with it (MatmulOperands::up_scale)"
+        );
+        if let Some(up) = up_scale {
+            ensure!(up == count, "matmul: B_up has {up} factors, B has {count}: give as many");
+        }
+        Ok(())
     }
 }
 
@@ -804,13 +917,33 @@ impl<T: Element, O: Element> Op<(T, O)> for MatmulArgs {
 /// per epilogue step. A Linear layer is [`MatmulArgs::linear`] with `MatmulOperands::new(&x, &weight,
 /// &mut y)` plus the epilogue's inputs, e.g. `.residual(&h)` for `h + o_proj(attn)` or `.up(&up)`
 /// with [`Epilogue::SWIGLU`] (A·B being x and the gate weight).
-pub fn matmul<T: Element, O: Element>(
+pub fn matmul<T: Element, O: Element, W: Element>(
     ctx: &Cudnn,
     args: &MatmulArgs,
-    x: MatmulOperands<'_, T, O>,
+    x: MatmulOperands<'_, T, O, W>,
     backend: Backend,
 ) -> Result<()> {
-    crate::ops::run::<(T, O), _>(ctx, *args, x, backend)
+    crate::ops::run::<(T, O, W), _>(ctx, *args, x, backend)
+}
+
+/// The f64 reference of a Linear over an FP8 weight ([`MatmulOperands::fp8_weight`]):
+/// `y[m, n] = Σ_k x[m, k] · w[n, k] · w_scale[n or 0]`, `x` the activations as the device holds them.
+pub fn fp8_weight_reference<W: Element>(
+    (m, n, k): (usize, usize, usize),
+    x: &[f64],
+    w: &[W],
+    w_scale: &[f32],
+) -> Vec<f64> {
+    assert!(w_scale.len() == 1 || w_scale.len() == n, "reference FP8 weight: {} factors", w_scale.len());
+    assert_eq!((x.len(), w.len()), (m * k, n * k), "reference FP8 weight");
+    let mut y = Vec::with_capacity(m * n);
+    for row in x.chunks(k) {
+        for (j, col) in w.chunks(k).enumerate() {
+            let s = w_scale[if w_scale.len() == 1 { 0 } else { j }] as f64;
+            y.push(row.iter().zip(col).map(|(a, b)| a * b.to_f64()).sum::<f64>() * s);
+        }
+    }
+    y
 }
 
 #[cfg(test)]

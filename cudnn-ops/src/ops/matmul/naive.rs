@@ -16,7 +16,7 @@
 use super::{Epilogue, MatmulArgs, MatmulOperands, MatrixLayout};
 use crate::dtype::{DataType, Element};
 use crate::kernels::blas::{gemm, Gemm, Operand};
-use crate::kernels::{elementwise, Arg, Kernels};
+use crate::kernels::{elementwise, float_suffix, fp8_suffix, scratch, Arg, Kernels, View};
 use crate::ops::Naive;
 use crate::{Cudnn, Result};
 
@@ -62,8 +62,8 @@ pub(crate) fn gemm_config(args: &MatmulArgs, a: u64, b: u64, d: u64, dtype: Data
     }
 }
 
-impl<T: Element, O: Element> Naive<(T, O)> for MatmulArgs {
-    fn naive(self, ctx: &Cudnn, x: MatmulOperands<'_, T, O>) -> Result<()> {
+impl<T: Element, O: Element, W: Element> Naive<(T, O, W)> for MatmulArgs {
+    fn naive(self, ctx: &Cudnn, x: MatmulOperands<'_, T, O, W>) -> Result<()> {
         if let Some(forms) = self.forms() {
             return Err(crate::Error::NotSupported {
                 op: format!("naive matmul {forms}"),
@@ -73,12 +73,52 @@ impl<T: Element, O: Element> Naive<(T, O)> for MatmulArgs {
                         .into(),
             });
         }
+        if W::DTYPE != T::DTYPE {
+            // Eager over an FP8 weight: dequantize it (one kernel), then the 16-bit GEMM.
+            let b = dequantized(ctx, &self, &x)?;
+            return run(ctx, &self, x.with_b(&b));
+        }
         run(ctx, &self, x)
     }
 }
 
+/// The kernel dequantizing FP8 `codes` into `out` (bf16 or f16; others are refused by name).
+pub(crate) fn dequant(codes: DataType, out: DataType) -> Result<String> {
+    let fmt = fp8_suffix("FP8 dequantization", "codes", codes)?;
+    Ok(format!("dequant_{fmt}_{}", float_suffix("FP8 dequantization", "output", out)?))
+}
+
+/// B's FP8 codes times their factors, in A's dtype in the context's scratch (the kernel launched,
+/// ordered on the stream before whatever reads it): what eager runs before its GEMM, and the fused
+/// backend's B over more tokens than the decode GEMV takes. B is a Linear's `[n, k]` weight
+/// ([`MatmulArgs::check_weight`]).
+pub(super) fn dequantized<T: Element, O: Element, W: Element>(
+    ctx: &Cudnn,
+    args: &MatmulArgs,
+    x: &MatmulOperands<'_, T, O, W>,
+) -> Result<View> {
+    let (n, k) = (args.n(), args.k());
+    let name = dequant(W::DTYPE, T::DTYPE)?;
+    let scale =
+        x.b_scale.ok_or_else(|| crate::Error::invalid("matmul: an FP8 weight without its factors"))?;
+    let kernels = Kernels::get(ctx)?;
+    let len = n * k;
+    let addr = scratch(ctx, kernels, (len * T::DTYPE.size()).div_ceil(4))?;
+    let stream = ctx.stream();
+    let (b, _gb) = x.b.device_ptr(stream);
+    let (s, _gs) = scale.device_ptr(stream);
+    let per_row = i64::from(scale.len() > 1);
+    let args = [Arg::Ptr(b), Arg::Ptr(s), Arg::I64(per_row), Arg::I64(k as i64), Arg::Ptr(addr)];
+    elementwise(ctx, kernels, &name, len, &args)?;
+    Ok(View { addr, len, stream: stream.clone() })
+}
+
 /// The eager decomposition: the GEMM, then the epilogue's steps in place on D.
-fn run<T: Element, O: Element>(ctx: &Cudnn, args: &MatmulArgs, x: MatmulOperands<'_, T, O>) -> Result<()> {
+fn run<T: Element, O: Element, W: Element>(
+    ctx: &Cudnn,
+    args: &MatmulArgs,
+    x: MatmulOperands<'_, T, O, W>,
+) -> Result<()> {
     let epilogue = args.epilogue;
     let total = args.d_len();
     crate::error::ensure!(

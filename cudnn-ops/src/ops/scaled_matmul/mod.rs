@@ -14,7 +14,6 @@
 //! [`quantize_fp8`](crate::ops::quantize::quantize_fp8).
 
 mod fused;
-mod gemv;
 pub mod naive;
 
 use crate::dtype::{DataType, Element};
@@ -199,130 +198,6 @@ pub fn scaled_matmul<A: Element, B: Element, O: Element>(
     crate::ops::run::<(A, B, O), _>(ctx, args, x, backend)
 }
 
-/// Shape and scale form of a Linear layer over an FP8 weight with 16-bit activations:
-/// `y[m, n] = x[m, k] · (W[n, k] · w_scale)ᵀ`, x and y bf16 or f16, W FP8 (E4M3 or E5M2) with one
-/// dequantization factor for all of it or one per output channel, f32 accumulation. Fused: for a
-/// decode step (`m` at most [`Fp8LinearArgs::MAX_GEMV_TOKENS`]) a GEMV that streams the FP8 weight
-/// once, half the bytes of a bf16 weight (`fp8_gemv.cu`); more rows are [`Error::NotSupported`] on
-/// the fused backend (quantize the activations and run [`scaled_matmul`]). Naive: dequantize W to
-/// the activations' dtype, then the cuBLAS GEMM.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub struct Fp8LinearArgs {
-    /// Rows of x and y (tokens).
-    pub m: usize,
-    /// Output channels (rows of W).
-    pub n: usize,
-    /// Input channels.
-    pub k: usize,
-    /// W's scales.
-    pub weight_scales: WeightScales,
-}
-
-impl Fp8LinearArgs {
-    /// The most tokens the fused GEMV takes.
-    pub const MAX_GEMV_TOKENS: usize = 8;
-
-    /// `[m, k] × [n, k]ᵀ` with W's scales per output channel (how weights are quantized at load).
-    pub fn new(m: usize, n: usize, k: usize) -> Self {
-        Fp8LinearArgs { m, n, k, weight_scales: WeightScales::PerChannel }
-    }
-
-    /// These arguments with one scale for the whole weight.
-    pub fn per_tensor(self) -> Self {
-        Fp8LinearArgs { weight_scales: WeightScales::PerTensor, ..self }
-    }
-
-    /// W's scale count: 1 or `n`.
-    pub fn w_scales(&self) -> usize {
-        match self.weight_scales {
-            WeightScales::PerTensor => 1,
-            WeightScales::PerChannel => self.n,
-        }
-    }
-
-    /// Checks the shape, dtypes and buffer lengths (x, W, w_scale, y in elements); nothing is
-    /// touched on error.
-    pub fn check(&self, x: DataType, w: DataType, lens: [usize; 4]) -> Result<()> {
-        let Fp8LinearArgs { m, n, k, .. } = *self;
-        ensure!(m > 0 && n > 0 && k > 0, "fp8_linear: m, n and k must be > 0 (got {m}, {n}, {k})");
-        ensure!(
-            matches!(x, DataType::BF16 | DataType::F16),
-            "fp8_linear: the activations' dtype {x} is not bf16 or f16"
-        );
-        ensure!(w.is_fp8(), "fp8_linear: the weight's dtype {w} is not FP8");
-        ensure!(k % 16 == 0, "fp8_linear: k = {k} must be a multiple of 16 (16-byte FP8 rows)");
-        let [lx, lw, ls, ly] = lens;
-        let need_x = crate::checked::product("fp8_linear: m * k", &[m, k])?;
-        let need_w = crate::checked::product("fp8_linear: n * k", &[n, k])?;
-        let need_y = crate::checked::product("fp8_linear: m * n", &[m, n])?;
-        ensure!(lx >= need_x, "fp8_linear: x has {lx} elements, needs m*k = {need_x}");
-        ensure!(lw >= need_w, "fp8_linear: W has {lw} elements, needs n*k = {need_w}");
-        let want = self.w_scales();
-        ensure!(ls == want, "fp8_linear: w_scale has {ls} elements, needs {want} ({:?})", self.weight_scales);
-        ensure!(ly >= need_y, "fp8_linear: y has {ly} elements, needs m*n = {need_y}");
-        Ok(())
-    }
-}
-
-/// The buffers of an FP8 Linear call.
-#[non_exhaustive]
-pub struct Fp8LinearOperands<'a, T: Element, W: Element> {
-    /// `[m, k]` row-major, bf16 or f16.
-    pub x: &'a dyn DevicePtr<T>,
-    /// `[n, k]` row-major FP8 codes.
-    pub w: &'a dyn DevicePtr<W>,
-    /// One f32 or `n` ([`WeightScales`]).
-    pub w_scale: &'a dyn DevicePtr<f32>,
-    /// `[m, n]` row-major, x's dtype.
-    pub y: &'a mut dyn DevicePtrMut<T>,
-}
-
-impl<'a, T: Element, W: Element> Fp8LinearOperands<'a, T, W> {
-    /// x, W and its scales in, y out.
-    pub fn new(
-        x: &'a dyn DevicePtr<T>,
-        w: &'a dyn DevicePtr<W>,
-        w_scale: &'a dyn DevicePtr<f32>,
-        y: &'a mut dyn DevicePtrMut<T>,
-    ) -> Self {
-        Fp8LinearOperands { x, w, w_scale, y }
-    }
-}
-
-impl<T: Element, W: Element> Op<(T, W)> for Fp8LinearArgs {
-    type Operands<'a> = Fp8LinearOperands<'a, T, W>;
-
-    fn checked(self, x: &Fp8LinearOperands<'_, T, W>) -> Result<Self> {
-        self.check(T::DTYPE, W::DTYPE, [x.x.len(), x.w.len(), x.w_scale.len(), x.y.len()])?;
-        Ok(self)
-    }
-}
-
-/// The FP8-weight Linear on `backend`.
-pub fn fp8_linear<T: Element, W: Element>(
-    ctx: &Cudnn,
-    args: Fp8LinearArgs,
-    x: Fp8LinearOperands<'_, T, W>,
-    backend: Backend,
-) -> Result<()> {
-    crate::ops::run::<(T, W), _>(ctx, args, x, backend)
-}
-
-/// The f64 reference of [`fp8_linear`]: `y[m, n] = Σ_k x[m, k] · w[n, k] · w_scale[n or 0]`.
-pub fn linear_reference<W: Element>(args: Fp8LinearArgs, x: &[f64], w: &[W], w_scale: &[f32]) -> Vec<f64> {
-    let Fp8LinearArgs { m, n, k, .. } = args;
-    assert_eq!((x.len(), w.len(), w_scale.len()), (m * k, n * k, args.w_scales()), "reference fp8_linear");
-    let mut y = Vec::with_capacity(m * n);
-    for row in x.chunks(k) {
-        for (j, col) in w.chunks(k).enumerate() {
-            let s = w_scale[if w_scale.len() == 1 { 0 } else { j }] as f64;
-            y.push(row.iter().zip(col).map(|(a, b)| a * b.to_f64()).sum::<f64>() * s);
-        }
-    }
-    y
-}
-
 /// The f64 reference: `D[m, n] = Σ_k (a[m, k] · a_scale[m or 0]) (b[n, k] · b_scale[n or 0])` over
 /// the codes' exact values.
 pub fn reference<A: Element, B: Element>(
@@ -393,40 +268,6 @@ mod tests {
             Err(Error::NotSupported { reason, .. }) => assert!(reason.contains("E5M2"), "{reason}"),
             other => panic!("{other:?}"),
         }
-    }
-
-    #[test]
-    fn fp8_linear_argument_errors_name_the_argument() {
-        let (e4, bf) = (DataType::F8E4M3, DataType::BF16);
-        let a = Fp8LinearArgs::new(1, 64, 32);
-        assert!(a.check(bf, e4, [32, 2048, 64, 64]).is_ok());
-        assert!(a.per_tensor().check(DataType::F16, DataType::F8E5M2, [32, 2048, 1, 64]).is_ok());
-        let cases = [
-            (Fp8LinearArgs::new(1, 0, 32).check(bf, e4, [32, 2048, 64, 64]), "must be > 0"),
-            (a.check(DataType::F32, e4, [32, 2048, 64, 64]), "activations' dtype f32"),
-            (a.check(bf, bf, [32, 2048, 64, 64]), "weight's dtype bf16 is not FP8"),
-            (
-                Fp8LinearArgs::new(1, 64, 24).check(bf, e4, [24, 1536, 64, 64]),
-                "k = 24 must be a multiple of 16",
-            ),
-            (a.check(bf, e4, [31, 2048, 64, 64]), "x has 31 elements"),
-            (a.check(bf, e4, [32, 2047, 64, 64]), "W has 2047 elements"),
-            (a.check(bf, e4, [32, 2048, 1, 64]), "w_scale has 1 elements, needs 64"),
-            (a.check(bf, e4, [32, 2048, 64, 63]), "y has 63 elements"),
-        ];
-        for (r, expected) in cases {
-            let e = r.unwrap_err().to_string();
-            assert!(e.contains(expected), "{e} (expected `{expected}`)");
-        }
-        // The FP8 Linear and the scaled matmul agree where both apply (x exact in FP8).
-        let (m, n, k) = (2, 4, 16);
-        let xq: Vec<F8E4M3> = (0..m * k).map(|i| F8E4M3::from_f64((i % 7) as f64 - 3.0)).collect();
-        let (wq, ws) =
-            quantize::<F8E4M3>(&(0..n * k).map(|i| (i % 5) as f32).collect::<Vec<_>>(), n, k, true);
-        let x: Vec<f64> = xq.iter().map(|v| v.to_f64()).collect();
-        let lin = linear_reference(Fp8LinearArgs::new(m, n, k), &x, &wq, &ws);
-        let mm = reference(ScaledMatmulArgs::new(m, n, k).per_channel(), &xq, &[1.0], &wq, &ws);
-        assert_eq!(lin, mm);
     }
 
     #[test]

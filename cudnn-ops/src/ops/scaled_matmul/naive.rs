@@ -3,39 +3,17 @@
 //! cuBLAS GEMM with f32 compute, as eager's `matmul` on the dequantized tensors. (PyTorch's own FP8 path,
 //! `torch._scaled_mm`, is a cuBLASLt FP8 GEMM: the anchor the fused backend is compared with, not this.)
 
-use super::{Fp8LinearArgs, Fp8LinearOperands, ScaledMatmulArgs, ScaledMatmulOperands};
+use super::{ScaledMatmulArgs, ScaledMatmulOperands};
 use crate::dtype::{DataType, Element};
 use crate::kernels::blas::gemm;
-use crate::kernels::{elementwise, float_suffix, fp8_suffix, scratch, Arg, Kernels};
-use crate::ops::matmul::naive::gemm_config;
+use crate::kernels::{elementwise, scratch, Arg, Kernels};
+use crate::ops::matmul::naive::{dequant, gemm_config};
 use crate::ops::matmul::MatmulArgs;
 use crate::ops::Naive;
 use crate::{Cudnn, Result};
 
 /// Kernels launched per [`scaled_matmul`](super::scaled_matmul) call: two dequantizations and the GEMM.
 pub const KERNEL_COUNT: usize = 3;
-/// Kernels launched per [`fp8_linear`](super::fp8_linear) call: the weight's dequantization and the GEMM.
-pub const LINEAR_KERNEL_COUNT: usize = 2;
-
-/// The kernel dequantizing FP8 `dtype` into `out` (bf16 or f16: the checks keep the others out).
-fn dequant(dtype: DataType, out: DataType) -> Result<String> {
-    let fmt = fp8_suffix("FP8 dequantization", "codes", dtype)?;
-    Ok(format!("dequant_{fmt}_{}", float_suffix("FP8 dequantization", "output", out)?))
-}
-
-/// Row-major `y[m, n] = x[m, k] · w[n, k]ᵀ` by cuBLAS, x and w in `dtype`: the GEMM of a naive Linear
-/// ([`MatmulArgs::linear`]).
-fn linear_gemm(
-    ctx: &Cudnn,
-    (m, n, k): (usize, usize, usize),
-    x: u64,
-    w: u64,
-    dtype: DataType,
-    y: u64,
-    out: DataType,
-) -> Result<()> {
-    gemm(ctx, &gemm_config(&MatmulArgs::linear(m, k, n), x, w, y, dtype, out))
-}
 
 impl<A: Element, B: Element, O: Element> Naive<(A, B, O)> for ScaledMatmulArgs {
     fn naive(self, ctx: &Cudnn, x: ScaledMatmulOperands<'_, A, B, O>) -> Result<()> {
@@ -60,26 +38,6 @@ impl<A: Element, B: Element, O: Element> Naive<(A, B, O)> for ScaledMatmulArgs {
         let args = [Arg::Ptr(b), Arg::Ptr(sb), Arg::I64(per_row), Arg::I64(k as i64), Arg::Ptr(b16)];
         elementwise(ctx, kernels, &db, n * k, &args)?;
         let (d, _gd) = x.d.device_ptr_mut(s);
-        linear_gemm(ctx, (m, n, k), a16, b16, DataType::BF16, d, O::DTYPE)
-    }
-}
-
-impl<T: Element, W: Element> Naive<(T, W)> for Fp8LinearArgs {
-    fn naive(self, ctx: &Cudnn, x: Fp8LinearOperands<'_, T, W>) -> Result<()> {
-        let Fp8LinearArgs { m, n, k, .. } = self;
-        let dw = dequant(W::DTYPE, T::DTYPE)?;
-        ctx.blas()?;
-        let kernels = Kernels::get(ctx)?;
-        // W dequantized into the activations' dtype in the scratch (n·k bounded by `check`).
-        let w16 = scratch(ctx, kernels, (n * k).div_ceil(2))?;
-        let s = ctx.stream();
-        let (w, _gw) = x.w.device_ptr(s);
-        let (ws, _gs) = x.w_scale.device_ptr(s);
-        let per_row = (self.w_scales() > 1) as i64;
-        let args = [Arg::Ptr(w), Arg::Ptr(ws), Arg::I64(per_row), Arg::I64(k as i64), Arg::Ptr(w16)];
-        elementwise(ctx, kernels, &dw, n * k, &args)?;
-        let (xp, _gx) = x.x.device_ptr(s);
-        let (y, _gy) = x.y.device_ptr_mut(s);
-        linear_gemm(ctx, (m, n, k), xp, w16, T::DTYPE, y, T::DTYPE)
+        gemm(ctx, &gemm_config(&MatmulArgs::linear(m, k, n), a16, b16, d, DataType::BF16, O::DTYPE))
     }
 }

@@ -5,28 +5,23 @@
 use super::{DataGrad, DataOf, LinearGradArgs, SwigluGrads, SwigluOf, WeightGrad, WeightOf};
 use crate::dtype::{DataType, Element};
 use crate::graph::{Binary, Graph, Unary};
-use crate::kernels::{scratch, Kernels};
+use crate::kernels::{scratch, Kernels, View};
 use crate::ops::matmul::fused::uid;
 use crate::ops::matmul::MatmulArgs;
 use crate::ops::Fused;
 use crate::plan::{Bindings, Plan, Tuning};
 use crate::tensor::TensorSpec;
 use crate::{Cudnn, Error, Result};
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 use std::cell::RefCell;
 use std::collections::HashSet;
 use std::rc::Rc;
-use std::sync::Arc;
 
 /// A second handle on a buffer this call already holds: its address and length, on its stream. The
 /// accumulating graphs bind the gradient buffer as their residual R and their output D through two
 /// of these; the borrow it was taken from holds cudarc's stream-ordering guard for the whole call, so
 /// these record nothing themselves.
-struct Alias {
-    addr: u64,
-    len: usize,
-    stream: Arc<CudaStream>,
-}
+type Alias = View;
 
 /// Two aliases of `buf` (one to read, one to write) and the guard of its one real borrow, which must
 /// outlive every use of the aliases.
@@ -38,27 +33,6 @@ fn aliases<'a, O>(
     let (addr, guard) = buf.device_ptr_mut(stream);
     let alias = || Alias { addr, len, stream: owner.clone() };
     (alias(), alias(), guard)
-}
-
-impl<T> DeviceSlice<T> for Alias {
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
-    }
-}
-
-impl<T> DevicePtr<T> for Alias {
-    fn device_ptr<'a>(&'a self, _stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
-        (self.addr, SyncOnDrop::Sync(None))
-    }
-}
-
-impl<T> DevicePtrMut<T> for Alias {
-    fn device_ptr_mut<'a>(&'a mut self, _stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
-        (self.addr, SyncOnDrop::Sync(None))
-    }
 }
 
 /// The plan key of an in-place accumulating matmul (see [`execute_matmul`]).

@@ -5,41 +5,10 @@
 
 use super::{RaggedArgs, RaggedOperands};
 use crate::dtype::Element;
+use crate::kernels::View;
 use crate::ops::sdpa::{sdpa, Layout, SdpaArgs, SdpaOperands};
 use crate::ops::Naive;
 use crate::{Backend, Cudnn, Result};
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
-use std::sync::Arc;
-
-/// A view of a buffer from an element on: its address and the elements left. The buffer's own guard
-/// (held by the caller for the whole loop) ordered it against earlier work on the stream and records
-/// the calls' work when it drops; every call runs on that one stream.
-struct At {
-    addr: u64,
-    len: usize,
-    stream: Arc<CudaStream>,
-}
-
-impl<T> DeviceSlice<T> for At {
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
-    }
-}
-
-impl<T> DevicePtr<T> for At {
-    fn device_ptr<'a>(&'a self, _stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
-        (self.addr, SyncOnDrop::Sync(None))
-    }
-}
-
-impl<T> DevicePtrMut<T> for At {
-    fn device_ptr_mut<'a>(&'a mut self, _stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
-        (self.addr, SyncOnDrop::Sync(None))
-    }
-}
 
 impl<T: Element> Naive<T> for RaggedArgs {
     fn naive(self, ctx: &Cudnn, x: RaggedOperands<'_, T>) -> Result<()> {
@@ -52,7 +21,8 @@ impl<T: Element> Naive<T> for RaggedArgs {
         let (o_ptr, _go) = o.device_ptr_mut(stream);
         let elem = T::DTYPE.size() as u64;
         // Offsets the op checked against the buffers: each view lies inside its buffer.
-        let at = |ptr: u64, len: usize, offset: i32| At {
+        // A view of a buffer from an element on: the buffer's guard (held for the whole loop) orders it.
+        let at = |ptr: u64, len: usize, offset: i32| View {
             addr: ptr + elem * offset as u64,
             len: len - offset as usize,
             stream: owner.clone(),
