@@ -70,6 +70,72 @@ pub struct LlamaConfig {
     pub bos_token_id: Option<u32>,
     /// Tokens that end generation (`eos_token_id`, one id or a list); empty if the model names none.
     pub eos_token_ids: Vec<u32>,
+    /// The checkpoint stores its Linear weights in FP8 (`quantization_config`): they load dequantized
+    /// into the model's dtype, and [`Llama::quantize_to_fp8`](crate::Llama::quantize_to_fp8) puts them
+    /// back in FP8. `None` for a 16-bit checkpoint.
+    pub fp8: Option<Fp8Checkpoint>,
+}
+
+/// How an FP8 checkpoint's weights carry their dequantization factors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Fp8Factors {
+    /// One per weight (compressed-tensors `strategy: tensor`): `weight_scale` `[]` or `[1]`.
+    PerTensor,
+    /// One per output channel (compressed-tensors `strategy: channel`): `weight_scale` `[n, 1]` or `[n]`.
+    PerChannel,
+    /// One per `rows x cols` block (`quant_method: fp8` with `weight_block_size`): `weight_scale_inv`
+    /// `[ceil(n / rows), ceil(k / cols)]`.
+    Blocks {
+        /// Weight rows (output channels) per block.
+        rows: usize,
+        /// Weight columns (input channels) per block.
+        cols: usize,
+    },
+}
+
+/// An FP8 checkpoint's scheme, read from `quantization_config`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Fp8Checkpoint {
+    /// `compressed-tensors` or `fp8`.
+    pub method: &'static str,
+    /// How the weights' factors are given.
+    pub factors: Fp8Factors,
+    /// The checkpoint gives static activation scales (`input_scale`): not read; activations are
+    /// quantized per token at run time instead.
+    pub static_activations: bool,
+}
+
+impl Fp8Checkpoint {
+    /// The name of a weight's factor tensor: `<weight>_scale` (compressed-tensors) or
+    /// `<weight>_scale_inv` (`fp8`).
+    pub fn factor_name(&self, weight: &str) -> String {
+        match self.factors {
+            Fp8Factors::Blocks { .. } => format!("{weight}_scale_inv"),
+            _ => format!("{weight}_scale"),
+        }
+    }
+
+    /// The factor count and shape expected beside a `[n, k]` weight.
+    pub fn factor_shapes(&self, n: usize, k: usize) -> Vec<Vec<usize>> {
+        match self.factors {
+            Fp8Factors::PerTensor => vec![vec![], vec![1]],
+            Fp8Factors::PerChannel => vec![vec![n, 1], vec![n]],
+            Fp8Factors::Blocks { rows, cols } => vec![vec![n.div_ceil(rows), k.div_ceil(cols)]],
+        }
+    }
+
+    /// For reports: `compressed-tensors, per channel`.
+    pub fn describe(&self) -> String {
+        let f = match self.factors {
+            Fp8Factors::PerTensor => "per tensor".to_string(),
+            Fp8Factors::PerChannel => "per channel".to_string(),
+            Fp8Factors::Blocks { rows, cols } => format!("{rows}x{cols} blocks"),
+        };
+        let inputs = if self.static_activations { "; its static input scales are not read" } else { "" };
+        format!("{}, {f}{inputs}", self.method)
+    }
 }
 
 /// Names [`LlamaConfig::preset`] accepts.
@@ -128,6 +194,7 @@ impl LlamaConfig {
             max_positions: 131072,
             bos_token_id: Some(LLAMA3_BOS),
             eos_token_ids: LLAMA3_EOS.to_vec(),
+            fp8: None,
         }
     }
 
@@ -155,6 +222,7 @@ impl LlamaConfig {
             max_positions: 131072,
             bos_token_id: Some(LLAMA3_BOS),
             eos_token_ids: LLAMA3_EOS.to_vec(),
+            fp8: None,
         }
     }
 
@@ -190,6 +258,7 @@ impl LlamaConfig {
             tie_embeddings: false,
             bos_token_id: None,
             eos_token_ids: Vec::new(),
+            fp8: None,
             ..LlamaConfig::llama_3_1_8b()
         }
     }
@@ -241,7 +310,8 @@ impl LlamaConfig {
     /// `llama`, `architectures` without `LlamaForCausalLM`, `attention_bias` or `mlp_bias` true, a
     /// `hidden_act` other than `silu`, another rope type (yarn, dynamic, linear, longrope, ...), a key
     /// of the rope parameters this decoder does not read, a `partial_rotary_factor` other than 1, a
-    /// `sliding_window`, a `quantization_config`, `pretraining_tp` above 1. Keys that do not change the
+    /// `sliding_window`, a `quantization_config` other than the FP8 ones [`Fp8Checkpoint`] reads,
+    /// `pretraining_tp` above 1. Keys that do not change the
     /// forward (dtype, `initializer_range`, `use_cache`, `attention_dropout`, `pad_token_id`, ...) are
     /// ignored. The result passes [`LlamaConfig::check`].
     pub fn from_hf_json(name: &str, json: &str) -> Result<Self> {
@@ -277,9 +347,7 @@ impl LlamaConfig {
         if let Some(w) = hf.get("sliding_window") {
             return Err(fail(format!("`sliding_window` {w} is not supported (full attention only)")));
         }
-        if let Some(q) = hf.get("quantization_config") {
-            return Err(fail(quantization_refusal(q)));
-        }
+        let fp8 = hf.get("quantization_config").map(fp8_checkpoint).transpose().map_err(err)?;
         if let Some(tp) = hf.usize("pretraining_tp").map_err(err)? {
             if tp > 1 {
                 return Err(fail(format!("`pretraining_tp` {tp} is not supported (1 only)")));
@@ -322,6 +390,7 @@ impl LlamaConfig {
             max_positions: hf.usize("max_position_embeddings").map_err(err)?.unwrap_or(DEFAULT_MAX_POSITIONS),
             bos_token_id,
             eos_token_ids,
+            fp8,
         };
         cfg.check()?;
         Ok(cfg)
@@ -698,25 +767,129 @@ fn describe(s: Option<RopeScaling>) -> String {
     }
 }
 
-/// Why a checkpoint with this `quantization_config` is refused, naming its scheme: FP8 checkpoints
-/// (`fp8`, or `compressed-tensors` with float weights) are not loaded yet, and every other scheme is
-/// not supported.
-fn quantization_refusal(q: &serde_json::Value) -> String {
+/// The FP8 scheme of a `quantization_config`, or why it is refused, naming what: compressed-tensors
+/// `float-quantized` (8-bit float weights per tensor or per channel, symmetric, static; activations
+/// none, dynamic, or static per tensor) and `fp8` (blocks of `weight_block_size`, dynamic
+/// activations) load; every other scheme or option is an error.
+fn fp8_checkpoint(q: &serde_json::Value) -> std::result::Result<Fp8Checkpoint, String> {
     let method = q.get("quant_method").and_then(|m| m.as_str());
-    let float_weights = q.get("config_groups").and_then(|g| g.as_object()).is_some_and(|g| {
-        g.values().any(|v| v.pointer("/weights/type").and_then(|t| t.as_str()) == Some("float"))
-    });
+    let refuse =
+        |what: String| format!("`quantization_config` quant_method `{}`: {what}", method.unwrap_or(""));
     match method {
-        Some("fp8") => "`quantization_config` quant_method `fp8`: FP8 checkpoints are not loaded yet (load the \
-                         16-bit checkpoint and quantize it: Llama::quantize_to_fp8, generate --dtype fp8)"
-            .into(),
-        Some("compressed-tensors") if float_weights => {
-            "`quantization_config` quant_method `compressed-tensors` with float (FP8) weights: FP8 checkpoints \
-             are not loaded yet"
-                .into()
+        Some("compressed-tensors") => {
+            if let Some(f) = q.get("format").and_then(|f| f.as_str()) {
+                if f != "float-quantized" {
+                    return Err(refuse(format!("format `{f}` is not supported (float-quantized only)")));
+                }
+            }
+            for key in ["kv_cache_scheme", "sparsity_config", "transform_config"] {
+                if q.get(key).is_some_and(|v| !v.is_null()) {
+                    return Err(refuse(format!("`{key}` is not supported")));
+                }
+            }
+            let groups = q.get("config_groups").and_then(|g| g.as_object()).filter(|g| !g.is_empty());
+            let groups = groups.ok_or_else(|| refuse("no `config_groups`".into()))?;
+            let mut factors = None;
+            let mut static_activations = false;
+            for (name, g) in groups {
+                let at = |k: &str| format!("config_groups.{name}.{k}");
+                let targets = g.get("targets").and_then(|t| t.as_array());
+                if targets.is_none_or(|t| t.iter().any(|v| v.as_str() != Some("Linear"))) {
+                    return Err(refuse(format!(
+                        "{} {}: only `Linear` targets are supported",
+                        at("targets"),
+                        g.get("targets").unwrap_or(&serde_json::Value::Null)
+                    )));
+                }
+                let w = g.get("weights").ok_or_else(|| refuse(format!("{} is missing", at("weights"))))?;
+                let field = |k: &str| w.get(k).cloned().unwrap_or(serde_json::Value::Null);
+                if field("type").as_str() != Some("float") || field("num_bits").as_u64() != Some(8) {
+                    return Err(refuse(format!(
+                        "{}: {} bits of type {}: only 8-bit float (FP8) weights are supported",
+                        at("weights"),
+                        field("num_bits"),
+                        field("type")
+                    )));
+                }
+                if field("symmetric").as_bool() == Some(false) || field("dynamic").as_bool() == Some(true) {
+                    return Err(refuse(format!(
+                        "{}: asymmetric or dynamic weights are not supported",
+                        at("weights")
+                    )));
+                }
+                let f = match field("strategy").as_str() {
+                    Some("tensor") => Fp8Factors::PerTensor,
+                    Some("channel") => Fp8Factors::PerChannel,
+                    other => {
+                        return Err(refuse(format!(
+                            "{}.strategy {}: only `tensor` and `channel` are supported",
+                            at("weights"),
+                            other.unwrap_or("(none)")
+                        )))
+                    }
+                };
+                if factors.is_some_and(|x| x != f) {
+                    return Err(refuse(
+                        "config groups with different weight strategies are not supported".into(),
+                    ));
+                }
+                factors = Some(f);
+                if let Some(a) = g.get("input_activations").filter(|a| !a.is_null()) {
+                    let field = |k: &str| a.get(k).cloned().unwrap_or(serde_json::Value::Null);
+                    if field("type").as_str() != Some("float") || field("num_bits").as_u64() != Some(8) {
+                        return Err(refuse(format!(
+                            "{}: only 8-bit float activations are supported",
+                            at("input_activations")
+                        )));
+                    }
+                    match (field("dynamic").as_bool(), field("strategy").as_str()) {
+                        (Some(true), Some("token" | "tensor")) => {}
+                        (Some(false) | None, Some("tensor")) => static_activations = true,
+                        (d, s) => {
+                            return Err(refuse(format!(
+                                "{}: dynamic {d:?} strategy {s:?} is not supported",
+                                at("input_activations")
+                            )))
+                        }
+                    }
+                }
+                if g.get("output_activations").is_some_and(|v| !v.is_null()) {
+                    return Err(refuse(format!("{} is not supported", at("output_activations"))));
+                }
+            }
+            let factors = factors.expect("at least one group");
+            Ok(Fp8Checkpoint { method: "compressed-tensors", factors, static_activations })
         }
-        Some(m) => format!("`quantization_config` quant_method `{m}`: this quantization scheme is not supported"),
-        None => "`quantization_config` without a quant_method: quantized checkpoints are not supported".into(),
+        Some("fp8") => {
+            if let Some(a) = q.get("activation_scheme").and_then(|a| a.as_str()) {
+                if a != "dynamic" {
+                    return Err(refuse(format!("activation_scheme `{a}` is not supported (dynamic only)")));
+                }
+            }
+            let block = q.get("weight_block_size").and_then(|b| b.as_array());
+            let dims: Option<Vec<usize>> = block.map(|b| {
+                b.iter().filter_map(|v| v.as_u64().map(|v| v as usize)).filter(|&v| v > 0).collect()
+            });
+            match dims.as_deref() {
+                Some(&[rows, cols]) => Ok(Fp8Checkpoint {
+                    method: "fp8",
+                    factors: Fp8Factors::Blocks { rows, cols },
+                    static_activations: false,
+                }),
+                _ => Err(refuse(format!(
+                    "`weight_block_size` {}: two positive block dims are needed (per-tensor fp8 checkpoints are \
+                     not supported)",
+                    q.get("weight_block_size").unwrap_or(&serde_json::Value::Null)
+                ))),
+            }
+        }
+        Some(m) => Err(format!(
+            "`quantization_config` quant_method `{m}`: this quantization scheme is not supported"
+        )),
+        None => {
+            Err("`quantization_config` without a quant_method: quantized checkpoints are not supported"
+                .into())
+        }
     }
 }
 
@@ -921,6 +1094,87 @@ mod tests {
     }
 
     #[test]
+    fn fp8_quantization_configs_load_and_what_else_they_ask_is_refused_by_name() {
+        let with = |q: Value| {
+            edit(HF4, |m| {
+                m.insert("quantization_config".into(), q);
+            })
+        };
+        let ct = |weights: Value, inputs: Value| {
+            serde_json::json!({"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": inputs,
+                    "output_activations": null}}})
+        };
+        let channel = serde_json::json!({"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": true, "dynamic": false});
+        let per_token =
+            serde_json::json!({"num_bits": 8, "type": "float", "strategy": "token", "dynamic": true});
+        let cfg = LlamaConfig::from_hf_json("m", &with(ct(channel.clone(), per_token.clone()))).unwrap();
+        let q = cfg.fp8.expect("an FP8 checkpoint");
+        assert_eq!(
+            (q.method, q.factors, q.static_activations),
+            ("compressed-tensors", Fp8Factors::PerChannel, false)
+        );
+        assert_eq!(q.factor_name("a.weight"), "a.weight_scale");
+        assert_eq!(q.factor_shapes(6, 4), vec![vec![6, 1], vec![6]]);
+        let tensor = serde_json::json!({"num_bits": 8, "type": "float", "strategy": "tensor"});
+        let static_in =
+            serde_json::json!({"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": false});
+        let q = LlamaConfig::from_hf_json("m", &with(ct(tensor, static_in))).unwrap().fp8.unwrap();
+        assert_eq!((q.factors, q.static_activations), (Fp8Factors::PerTensor, true));
+        assert!(q.describe().contains("static input scales are not read"), "{}", q.describe());
+        let blocks = serde_json::json!({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 64]});
+        let q = LlamaConfig::from_hf_json("m", &with(blocks)).unwrap().fp8.unwrap();
+        assert_eq!(q.factors, Fp8Factors::Blocks { rows: 128, cols: 64 });
+        assert_eq!(
+            (q.factor_name("w"), q.factor_shapes(300, 64)),
+            ("w_scale_inv".to_string(), vec![vec![3, 1]])
+        );
+        // A 16-bit checkpoint has none.
+        assert_eq!(LlamaConfig::from_hf_json("m", HF4).unwrap().fp8, None);
+        let int8 = serde_json::json!({"num_bits": 8, "type": "int", "strategy": "channel"});
+        let group =
+            serde_json::json!({"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128});
+        let asym =
+            serde_json::json!({"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": false});
+        for (q, expected) in [
+            (ct(int8, Value::Null), "only 8-bit float (FP8) weights"),
+            (ct(group, Value::Null), "strategy group: only `tensor` and `channel`"),
+            (ct(asym, Value::Null), "asymmetric or dynamic weights"),
+            (
+                ct(
+                    channel.clone(),
+                    serde_json::json!({"num_bits": 8, "type": "float", "strategy": "group", "dynamic": true}),
+                ),
+                "input_activations: dynamic Some(true) strategy Some(\"group\")",
+            ),
+            (
+                {
+                    let mut q = ct(channel.clone(), per_token.clone());
+                    q["kv_cache_scheme"] = serde_json::json!({"num_bits": 8, "type": "float"});
+                    q
+                },
+                "`kv_cache_scheme` is not supported",
+            ),
+            (
+                {
+                    let mut q = ct(channel.clone(), per_token.clone());
+                    q["format"] = "pack-quantized".into();
+                    q
+                },
+                "format `pack-quantized`",
+            ),
+            (
+                serde_json::json!({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}),
+                "activation_scheme `static`",
+            ),
+            (serde_json::json!({"quant_method": "fp8"}), "`weight_block_size` null"),
+        ] {
+            let e = hf_err(&with(q));
+            assert!(e.contains(expected), "{e} (expected `{expected}`)");
+        }
+    }
+
+    #[test]
     fn unsupported_keys_are_errors_naming_the_key() {
         let set = |json: &str, key: &str, v: Value| {
             edit(json, |m| {
@@ -945,9 +1199,9 @@ mod tests {
                 set(
                     HF4,
                     "quantization_config",
-                    serde_json::json!({"quant_method": "fp8", "weight_block_size": [128, 128]}),
+                    serde_json::json!({"quant_method": "fp8", "weight_block_size": [128]}),
                 ),
-                "quant_method `fp8`: FP8 checkpoints are not loaded yet",
+                "`weight_block_size` [128]: two positive block dims are needed",
             ),
             (
                 set(
@@ -956,7 +1210,7 @@ mod tests {
                     serde_json::json!({"quant_method": "compressed-tensors",
                         "config_groups": {"group_0": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}}),
                 ),
-                "`compressed-tensors` with float (FP8) weights",
+                "only `Linear` targets are supported",
             ),
             (
                 set(HF4, "quantization_config", serde_json::json!({"bits": 4})),

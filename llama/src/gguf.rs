@@ -679,6 +679,7 @@ fn config_from(
             }
             ids
         },
+        fp8: None,
     };
     cfg.check().map_err(|e| e.to_string())?;
     Ok(cfg)

@@ -46,7 +46,7 @@ pub mod weights;
 
 pub use backends::{Backends, ModuleKind, Site};
 pub use batching::{BatchConfig, BatchEngine, GraphCounts, StepTimes};
-pub use config::LlamaConfig;
+pub use config::{Fp8Checkpoint, Fp8Factors, LlamaConfig};
 pub use cudnn_llm_ops::Backend;
 pub use generate::{DecodeMode, Generation, Generator, SamplingPath, StopReason, PIPELINE_STEPS};
 pub use model::{

@@ -387,15 +387,17 @@ impl<T: Element> Llama<T> {
     /// embedding, `lm_head` and the norms stay in the model's dtype. From then on a fused decode step
     /// streams the codes (the decode GEMV in every form: half the weight bytes of bf16), longer
     /// passes dequantize each weight before its GEMM, and the naive backend dequantizes then runs
-    /// cuBLAS. Decode graphs captured before are stale (capture again). Quantizing twice does nothing.
+    /// cuBLAS. Decode graphs captured before are stale (capture again). Quantizing twice does nothing;
+    /// a failure (out of memory) leaves each layer whole, in bf16 or in FP8.
     pub fn quantize_to_fp8(&mut self, ctx: &Cudnn) -> Result<()> {
-        for block in &mut self.blocks {
-            block.quantize_to_fp8(ctx)?;
-        }
-        // Graphs captured over the old weights must not replay: new activations, new graphs.
+        // Graphs captured over the old weights must not replay, even if a layer fails below: new
+        // activations, new graphs.
         self.acts = None;
         self.half = None;
         self.chain = None;
+        for block in &mut self.blocks {
+            block.quantize_to_fp8(ctx)?;
+        }
         Ok(())
     }
 

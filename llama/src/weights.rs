@@ -231,7 +231,7 @@ impl<T: Element> Weights<T> {
         let jobs: Vec<_> = wanted.into_iter().zip(&files).collect();
         let tensors = map_parallel(&jobs, |((name, shape), file)| {
             let table = &tables[shards.binary_search(file).expect("every file was mapped")];
-            read(table, name.clone(), shape.clone(), file)
+            read(table, name.clone(), shape.clone(), file, cfg.fp8.as_ref())
         })
         .into_iter()
         .collect::<Result<Vec<_>>>()?;
@@ -467,11 +467,28 @@ pub(crate) fn map_file(path: &Path) -> Result<memmap2::Mmap> {
     unsafe { memmap2::Mmap::map(&file) }.map_err(|e| fail(format!("{}: {e}", path.display())))
 }
 
-/// Reads one tensor from a file's table, checking its shape and converting it to `T`.
-fn read<T: Element>(table: &SafeTensors, name: String, shape: Vec<usize>, file: &Path) -> Result<Tensor<T>> {
+/// Reads one tensor from a file's table, checking its shape and converting it to `T`; in an FP8
+/// checkpoint (`fp8`) a weight in E4M3 is dequantized with its factors ([`fp8_weight`]).
+fn read<T: Element>(
+    table: &SafeTensors,
+    name: String,
+    shape: Vec<usize>,
+    file: &Path,
+    fp8: Option<&crate::config::Fp8Checkpoint>,
+) -> Result<Tensor<T>> {
     let view = table
         .tensor(&name)
         .map_err(|_| fail(format!("tensor `{name}` is missing from {}", file.display())))?;
+    if matches!(view.dtype(), Dtype::F8_E4M3 | Dtype::F8_E5M2) && view.shape() == shape && shape.len() == 2 {
+        let Some(scheme) = fp8 else {
+            return Err(fail(format!(
+                "tensor `{name}` in {} is {:?}, but config.json has no FP8 `quantization_config`",
+                file.display(),
+                view.dtype()
+            )));
+        };
+        return fp8_weight(table, &name, &view, scheme, file);
+    }
     if view.shape() != shape {
         return Err(fail(format!(
             "tensor `{name}` in {} has shape {:?}, expected {shape:?}",
@@ -488,6 +505,57 @@ fn read<T: Element>(table: &SafeTensors, name: String, shape: Vec<usize>, file: 
         )));
     }
     Ok(Tensor { shape, data })
+}
+
+/// An FP8 checkpoint's weight `[n, k]` dequantized into `T`: each E4M3 code times its factor from
+/// `<name>_scale` (per tensor or per channel) or `<name>_scale_inv` (per block), in f64, rounded
+/// once. The factor tensor must be in the same file, of the scheme's shape, finite and positive; a
+/// NaN code or an E5M2 weight is an error.
+fn fp8_weight<T: Element>(
+    table: &SafeTensors,
+    name: &str,
+    view: &TensorView<'_>,
+    scheme: &crate::config::Fp8Checkpoint,
+    file: &Path,
+) -> Result<Tensor<T>> {
+    use crate::config::Fp8Factors;
+    use cudnn_llm_ops::F8E4M3;
+    let at = |what: String| fail(format!("tensor `{name}` in {}: {what}", file.display()));
+    if view.dtype() != Dtype::F8_E4M3 {
+        return Err(at(format!("{:?} weights are not supported (E4M3 only)", view.dtype())));
+    }
+    let (n, k) = (view.shape()[0], view.shape()[1]);
+    let factor_name = scheme.factor_name(name);
+    let f = table.tensor(&factor_name).map_err(|_| {
+        at(format!("its factors `{factor_name}` ({}) are not in the same file", scheme.describe()))
+    })?;
+    let shapes = scheme.factor_shapes(n, k);
+    if !shapes.iter().any(|s| s.as_slice() == f.shape()) {
+        return Err(at(format!("`{factor_name}` has shape {:?}, expected {:?}", f.shape(), shapes[0])));
+    }
+    let mut factors: Vec<f32> = Vec::new();
+    if !decode_into(f.dtype(), f.data(), &mut factors) {
+        return Err(at(format!("`{factor_name}` is {:?}, expected BF16, F16 or F32", f.dtype())));
+    }
+    if let Some(bad) = factors.iter().find(|v| !(v.is_finite() && **v > 0.0)) {
+        return Err(at(format!("`{factor_name}` holds {bad}: factors must be finite and positive")));
+    }
+    let factor = |i: usize, j: usize| -> f64 {
+        f64::from(match scheme.factors {
+            Fp8Factors::PerTensor => factors[0],
+            Fp8Factors::PerChannel => factors[i],
+            Fp8Factors::Blocks { rows, cols } => factors[(i / rows) * k.div_ceil(cols) + j / cols],
+        })
+    };
+    let mut data = Vec::with_capacity(n * k);
+    for (idx, &code) in view.data().iter().enumerate() {
+        let v = F8E4M3(code).to_f64();
+        if v.is_nan() {
+            return Err(at(format!("element {idx} is a NaN code")));
+        }
+        data.push(T::from_f64(v * factor(idx / k, idx % k)));
+    }
+    Ok(Tensor { shape: vec![n, k], data })
 }
 
 /// Appends the little-endian `dtype` values of `bytes` to `out`, converted to `T`; false (and nothing
@@ -598,6 +666,113 @@ mod tests {
 
     fn all_f64<T: Element>(w: &Weights<T>) -> Vec<f64> {
         w.tensors().flat_map(Tensor::to_f64).collect()
+    }
+
+    /// A tensor as `write` takes it: name, dtype, shape, bytes.
+    type Entry = (String, Dtype, Vec<usize>, Vec<u8>);
+
+    /// The tensors of `w` as an FP8 checkpoint of `scheme` holds them: each layer projection as E4M3
+    /// codes (from `codes(name, i)`) with f32 factors (from `factor(name, i)`) in `<name>_scale[_inv]`,
+    /// the rest in bf16; and the values a load must give for the projections.
+    fn fp8_entries(
+        cfg: &LlamaConfig,
+        w: &Weights<f32>,
+        scheme: &crate::config::Fp8Checkpoint,
+        code: impl Fn(&str, usize) -> u8,
+        factor: impl Fn(&str, usize) -> f32,
+    ) -> (Vec<Entry>, HashMap<String, Vec<f64>>) {
+        let mut out = Vec::new();
+        let mut want = HashMap::new();
+        for ((name, shape), t) in Weights::<f32>::names(cfg).into_iter().zip(w.tensors()) {
+            let projection = shape.len() == 2 && name != EMBED && name != "lm_head.weight";
+            if !projection {
+                out.push((name, Dtype::BF16, shape, encode(&t.data, DataType::BF16)));
+                continue;
+            }
+            let (n, k) = (shape[0], shape[1]);
+            let fshape = scheme.factor_shapes(n, k).swap_remove(0);
+            let fcount: usize = fshape.iter().product();
+            let factors: Vec<f32> = (0..fcount).map(|i| factor(&name, i)).collect();
+            let codes: Vec<u8> = (0..n * k).map(|i| code(&name, i)).collect();
+            let at = |i: usize, j: usize| match scheme.factors {
+                crate::config::Fp8Factors::PerTensor => factors[0],
+                crate::config::Fp8Factors::PerChannel => factors[i],
+                crate::config::Fp8Factors::Blocks { rows, cols } => {
+                    factors[(i / rows) * k.div_ceil(cols) + j / cols]
+                }
+            };
+            let values = codes
+                .iter()
+                .enumerate()
+                .map(|(idx, &c)| cudnn_llm_ops::F8E4M3(c).to_f64() * at(idx / k, idx % k) as f64)
+                .map(|v| v as f32 as f64)
+                .collect();
+            want.insert(name.clone(), values);
+            let fbytes = factors.iter().flat_map(|f| f.to_le_bytes()).collect();
+            out.push((scheme.factor_name(&name), Dtype::F32, fshape, fbytes));
+            out.push((name, Dtype::F8_E4M3, shape, codes));
+        }
+        (out, want)
+    }
+
+    #[test]
+    fn an_fp8_checkpoint_loads_dequantized_and_what_is_wrong_in_it_is_named() {
+        use crate::config::{Fp8Checkpoint, Fp8Factors};
+        let dir = temp_dir("fp8");
+        let base = tiny();
+        let w = Weights::<f32>::random(&base, 9);
+        let code = |name: &str, i: usize| {
+            ((i * 7 + name.len()) % 0x7f) as u8 | if i.is_multiple_of(3) { 0x80 } else { 0 }
+        };
+        let factor = |name: &str, i: usize| 2f32.powi(-(((i + name.len()) % 9) as i32)) * 0.75;
+        for factors in
+            [Fp8Factors::PerChannel, Fp8Factors::PerTensor, Fp8Factors::Blocks { rows: 32, cols: 48 }]
+        {
+            let scheme = Fp8Checkpoint { method: "test", factors, static_activations: false };
+            let cfg = LlamaConfig { fp8: Some(scheme.clone()), ..base.clone() };
+            let (entries, want) = fp8_entries(&cfg, &w, &scheme, code, factor);
+            let file = dir.path().join("model.safetensors");
+            write(&file, &entries);
+            let loaded = Weights::<f32>::load(&cfg, &file).unwrap();
+            for ((name, _), t) in Weights::<f32>::names(&cfg).iter().zip(loaded.tensors()) {
+                if let Some(values) = want.get(name) {
+                    assert_eq!(&t.to_f64(), values, "{factors:?} {name}");
+                }
+            }
+            let norm: Vec<f64> = w.norm.to_f64().iter().map(|&v| round(v, DataType::BF16)).collect();
+            assert_eq!(loaded.norm.to_f64(), norm);
+            // What is wrong in the file is named: a missing or mis-shaped factor tensor, a bad factor,
+            // a NaN code, FP8 without a quantization_config.
+            let q = "model.layers.0.self_attn.q_proj.weight";
+            let fname = scheme.factor_name(q);
+            let edited = |f: &dyn Fn(&mut Vec<Entry>)| {
+                let mut e = entries.clone();
+                f(&mut e);
+                write(&file, &e);
+                load_err(&cfg, &file)
+            };
+            let e = edited(&|e| e.retain(|t| t.0 != fname));
+            assert!(
+                e.contains(&format!("its factors `{fname}`")) && e.contains("not in the same file"),
+                "{e}"
+            );
+            let e = edited(&|e| {
+                let t = e.iter_mut().find(|t| t.0 == fname).unwrap();
+                t.2 = vec![7, 7];
+                t.3 = vec![0; 49 * 4];
+            });
+            assert!(e.contains("has shape [7, 7], expected"), "{e}");
+            let e = edited(&|e| {
+                let t = e.iter_mut().find(|t| t.0 == fname).unwrap();
+                t.3[..4].copy_from_slice(&0f32.to_le_bytes());
+            });
+            assert!(e.contains("holds 0: factors must be finite and positive"), "{e}");
+            let e = edited(&|e| e.iter_mut().find(|t| t.0 == q).unwrap().3[5] = 0x7f);
+            assert!(e.contains("element 5 is a NaN code"), "{e}");
+            write(&file, &entries);
+            let e = load_err(&base, &file);
+            assert!(e.contains("has no FP8 `quantization_config`"), "{e}");
+        }
     }
 
     #[test]

@@ -35,7 +35,9 @@ pub struct Options {
     /// Modules to fuse, e.g. `fused=all` or `fused=prenorm,gqa` (compared with all naive).
     #[arg(long, default_value = "fused=all")]
     pub fuse: String,
-    /// I/O dtype: bf16 or f16.
+    /// I/O dtype: bf16 or f16; or fp8: bf16 with every layer's projections in FP8 E4M3
+    /// (`Llama::quantize_to_fp8`: fused, the decode GEMV over the codes and FP8 GEMMs; naive, the
+    /// weights dequantized and cuBLAS).
     #[arg(long, default_value = "bf16")]
     pub dtype: String,
     /// Untimed forwards before measuring.
@@ -85,6 +87,8 @@ pub struct Resolved {
     pub fused: Backends,
     /// The I/O dtype.
     pub dtype: DataType,
+    /// `--dtype fp8`: the projections in FP8 (the I/O dtype bf16).
+    pub fp8: bool,
     /// `--tp`: the ranks the model is split over (`None`: one GPU, no tensor parallelism).
     pub tp: Option<usize>,
 }
@@ -173,11 +177,25 @@ impl Options {
                 )
             })?;
         let fused = Backends::parse_for(&self.fuse, config.layers).map_err(|e| format!("--fuse: {e}"))?;
+        let fp8 = self.dtype.trim() == "fp8";
         let dtype = match DataType::parse(&self.dtype) {
+            _ if fp8 => DataType::BF16,
             Some(d @ (DataType::BF16 | DataType::F16)) => d,
-            _ => return Err(format!("--dtype {} is not supported: use bf16 or f16", self.dtype)),
+            _ => return Err(format!("--dtype {} is not supported: use bf16, f16 or fp8", self.dtype)),
         };
-        Ok(Resolved { config, model_dir: self.model.clone(), max_seq, forwards, fused, dtype, tp: self.tp })
+        if fp8 && self.tp.is_some() {
+            return Err("--dtype fp8 runs the one-GPU report: leave out --tp".into());
+        }
+        Ok(Resolved {
+            config,
+            model_dir: self.model.clone(),
+            max_seq,
+            forwards,
+            fused,
+            dtype,
+            fp8,
+            tp: self.tp,
+        })
     }
 
     /// `--tp n`'s conditions that hold without a GPU: at least one rank, an inference report, and a
@@ -243,6 +261,7 @@ impl Options {
             forwards,
             fused,
             dtype: DataType::BF16,
+            fp8: false,
             tp: None,
         })
     }
@@ -372,7 +391,8 @@ mod tests {
             (vec!["--config", "gpt2"], "unknown preset `gpt2`"),
             (vec!["--layers", "0"], "--layers"),
             (vec!["--fuse", "fused=attention"], "valid modules are"),
-            (vec!["--dtype", "f32"], "use bf16 or f16"),
+            (vec!["--dtype", "f32"], "use bf16, f16 or fp8"),
+            (vec!["--dtype", "fp8", "--tp", "2"], "--dtype fp8 runs the one-GPU report"),
             (vec!["--repeat", "0"], "--repeat"),
         ] {
             let e = parse(&args).unwrap().resolve().unwrap_err();
@@ -425,7 +445,7 @@ mod tests {
             (vec!["--tp", "5", "--config", "tiny"], "--tp 5: "),
             (vec!["--no-baseline"], "--no-baseline applies to --tp only"),
             // The options' own checks still apply.
-            (vec!["--tp", "2", "--dtype", "f32"], "use bf16 or f16"),
+            (vec!["--tp", "2", "--dtype", "f32"], "use bf16, f16 or fp8"),
             (vec!["--tp", "2", "--fuse", "fused=attention"], "valid modules are"),
         ] {
             let e = parse(&args).unwrap().resolve().unwrap_err();

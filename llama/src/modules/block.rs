@@ -83,16 +83,22 @@ impl<T: Element> Block<T> {
     }
 
     /// Quantizes the layer's five projections to E4M3, one factor per output channel
-    /// ([`Linear::quantize_to_fp8`]); the norms stay in the model's dtype.
+    /// ([`Linear::fp8_weight`]); the norms stay in the model's dtype. All five or none: a failure
+    /// leaves the layer as it was (its gate and up must stay in one form for the gate-up GEMV).
     pub(crate) fn quantize_to_fp8(&mut self, ctx: &Cudnn) -> Result<()> {
-        for linear in [
+        let linears = [
             &mut self.attn.qkv_proj,
             &mut self.attn.o_proj,
             &mut self.mlp.gate,
             &mut self.mlp.up,
             &mut self.mlp.down,
-        ] {
-            linear.quantize_to_fp8(ctx)?;
+        ];
+        let quantized =
+            linears.iter().map(|l| l.fp8_weight(ctx)).collect::<cudnn_llm_ops::Result<Vec<_>>>()?;
+        for (linear, weight) in linears.into_iter().zip(quantized) {
+            if let Some(w) = weight {
+                linear.set_weight(w);
+            }
         }
         Ok(())
     }

@@ -72,19 +72,29 @@ impl<T: Element> Linear<T> {
         }
     }
 
-    /// Quantizes the weight to E4M3 with one factor per output channel (its row's largest magnitude
-    /// over 448), on the device (`quantize_fp8` per row, the fused kernel), and drops the 16-bit copy.
-    /// A weight already in FP8 stays as it is.
-    pub(crate) fn quantize_to_fp8(&mut self, ctx: &Cudnn) -> cudnn_llm_ops::Result<()> {
-        let Weight::Plain(w) = &self.weight else { return Ok(()) };
+    /// The weight quantized to E4M3 with one factor per output channel (its row's largest
+    /// magnitude over 448), on the device (`quantize_fp8` per row, the fused kernel); `None` for a
+    /// weight already in FP8. The layer keeps its weight until [`Linear::set_weight`].
+    pub(crate) fn fp8_weight(&self, ctx: &Cudnn) -> cudnn_llm_ops::Result<Option<Weight<T>>> {
+        let Weight::Plain(w) = &self.weight else { return Ok(None) };
         let (rows, cols) = (self.out_features, self.in_features);
+        if !cols.is_multiple_of(16) {
+            return Err(cudnn_llm_ops::Error::NotSupported {
+                op: format!("an FP8 weight [{rows}, {cols}]"),
+                reason: format!("{cols} input features: FP8 weights need a multiple of 16 (16-byte rows)"),
+            });
+        }
         let s = ctx.stream();
         let mut codes = s.alloc_zeros::<F8E4M3>(rows * cols)?;
         let mut scales = s.alloc_zeros::<f32>(rows)?;
         let args = QuantizeArgs::per_row(rows, cols);
         quantize_fp8(ctx, args, QuantizeOperands::new(w, &mut codes, &mut scales), Backend::Fused)?;
-        self.weight = Weight::Fp8 { codes, scales };
-        Ok(())
+        Ok(Some(Weight::Fp8 { codes, scales }))
+    }
+
+    /// Replaces the weight (dropping the old one).
+    pub(crate) fn set_weight(&mut self, weight: Weight<T>) {
+        self.weight = weight;
     }
 
     /// This layer with its output all-reduced next (a tensor-parallel rank's o_proj and down): its

@@ -69,6 +69,9 @@ fn main() -> ExitCode {
                     "--tp {n}: a GGUF file runs on one GPU; give a checkpoint directory to split it"
                 ));
             }
+            if let Some(q) = &input.config.fp8 {
+                return Err(format!("--tp {n}: an FP8 checkpoint ({}) runs on one GPU", q.describe()));
+            }
             ShardPlan::new(&input.config, n).map_err(|e| format!("--tp {n}: {e}"))?;
         }
         Ok::<_, String>((plan, input, ranks))
@@ -159,13 +162,19 @@ fn read_input(opts: &Options) -> Result<Input, String> {
 
 fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> Result<(), Error> {
     let cfg = &input.config;
+    // An FP8 checkpoint loads dequantized and runs its projections in FP8 again, whatever --dtype.
+    let fp8 = plan.fp8 || cfg.fp8.is_some();
     let info = ctx.info();
     eprintln!(
         "generate: {} ({} layers, {}{}) on {}, backends `{}`, {} prompt tokens",
         cfg.name,
         cfg.layers,
         plan.dtype,
-        if plan.fp8 { ", projections in FP8 E4M3" } else { "" },
+        match (&cfg.fp8, fp8) {
+            (Some(q), _) => format!(", an FP8 checkpoint ({}): projections in FP8 E4M3", q.describe()),
+            (None, true) => ", projections in FP8 E4M3".into(),
+            (None, false) => String::new(),
+        },
         info.name,
         plan.backends.to_selection(),
         input.prompt.len()
@@ -182,7 +191,7 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> R
             None => Weights::<T>::load(cfg, &opts.model)?,
         };
         let mut model = Llama::new(ctx, cfg, &weights, max_seq)?;
-        if plan.fp8 {
+        if fp8 {
             startup::timed("fp8 quantization", || model.quantize_to_fp8(ctx), |_| String::new())?;
         }
         model
@@ -241,7 +250,7 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> R
         Some(counted) => counted.map_err(|e| format!("the step's kernels could not be counted: {e}")),
         None => Err("the step launches its kernels one by one (no captured graph)".into()),
     });
-    let roof = |i| match plan.fp8 {
+    let roof = |i| match fp8 {
         true => DecodeRoofline::fp8(cfg, 1, rates.prompt_tokens + i, elem),
         false => DecodeRoofline::new(cfg, 1, rates.prompt_tokens + i, elem),
     };

@@ -84,7 +84,7 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Resolved) -> Result<(), E
         "speedup-report: {} x {} layers, {}, on {}",
         plan.config.name,
         plan.config.layers,
-        plan.dtype,
+        dtype_name(plan),
         ctx.info().name
     );
     // Before any weight is read or made on the host: a model that cannot fit fails here.
@@ -99,6 +99,9 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Resolved) -> Result<(), E
     // Checked by resolve: within the model's positions, and every activation size fits.
     let mut model = Llama::new(ctx, &plan.config, &weights, plan.max_seq)?;
     drop(weights);
+    if plan.fp8 {
+        model.quantize_to_fp8(ctx)?;
+    }
     let kernels = Kernels::probe();
     let measured = measure_all(ctx, &mut model, opts, plan, &kernels)?;
     let (agreement, disagree) = check(&measured.hidden, plan);
@@ -188,7 +191,11 @@ fn measure_all<T: Element>(
                 f.push(("fused step + logits, CUDA graph replay (wall)".into(), replay));
                 // Step s (of 0..steps) runs after seq + 1 + s cached tokens: the mean is half-way.
                 let cached = opts.seq + 1 + (steps - 1) / 2;
-                let roof = DecodeRoofline::new(cfg, opts.batch, cached, std::mem::size_of::<T>());
+                let elem = std::mem::size_of::<T>();
+                let roof = match plan.fp8 {
+                    true => DecodeRoofline::fp8(cfg, opts.batch, cached, elem),
+                    false => DecodeRoofline::new(cfg, opts.batch, cached, elem),
+                };
                 let line = match copy_bandwidth_gbps(ctx, 1 << 30, 10) {
                     Ok(copy) => {
                         let mut line = format!(
@@ -304,7 +311,15 @@ fn metadata<T: Element>(
         extra.push((format!("kernel {}", i + 1), format!("{}, {} calls", r.name, r.calls)));
     }
     let shape = format!("{} layers, batch {}, seq {}", cfg.layers, opts.batch, opts.seq);
-    meta(ctx, plan, &shape, plan.dtype.to_string(), extra, model.fallbacks())
+    meta(ctx, plan, &shape, dtype_name(plan), extra, model.fallbacks())
+}
+
+/// The report's dtype: the I/O dtype, or `fp8 (E4M3 projections, bf16 activations)`.
+fn dtype_name(plan: &Resolved) -> String {
+    match plan.fp8 {
+        true => format!("fp8 (E4M3 projections, {} activations)", plan.dtype),
+        false => plan.dtype.to_string(),
+    }
 }
 
 /// Both reports' metadata: the GPU, driver, cuDNN, build, the model (`shape` after its name) and
@@ -493,7 +508,14 @@ fn gpu_clocks() -> String {
 /// and with transformers' initialization: on an 8B-shaped, 32-layer random checkpoint written by
 /// transformers, transformers' own bf16 forward is 5.3e-2 from its fp32 forward, naive and fused are
 /// 1.01x and 0.87x that, and 6.7e-2 from each other (benches/results/h100/hf_parity-8b-32layers.md).
+/// FP8 projections on seeded random weights: 8e-2, the bound of `app/tests/llama.rs`'s FP8 test.
 fn agreement(plan: &Resolved) -> reference::Tolerance {
-    let rel_l2 = if plan.model_dir.is_some() { 1e-1 } else { 3e-2 };
+    // FP8: the fused prefill quantizes the activations per token (3 mantissa bits), the naive one
+    // does not.
+    let rel_l2 = match (plan.model_dir.is_some(), plan.fp8) {
+        (true, _) => 1e-1,
+        (false, true) => 8e-2,
+        (false, false) => 3e-2,
+    };
     reference::Tolerance::rel_l2(rel_l2)
 }

@@ -103,7 +103,7 @@ pub enum Start {
     /// A Hugging Face checkpoint directory.
     Checkpoint(PathBuf),
     /// A preset with seeded random weights.
-    Random(LlamaConfig),
+    Random(Box<LlamaConfig>),
 }
 
 /// The options, checked and resolved.
@@ -146,7 +146,7 @@ impl Options {
                 let cfg = LlamaConfig::preset(&self.preset).map_err(|_| {
                     format!("--preset {}: expected one of {}", self.preset, PRESETS.join(", "))
                 })?;
-                Start::Random(cfg)
+                Start::Random(Box::new(cfg))
             }
         };
         let backends = Backends::parse(&self.fuse).map_err(|e| format!("--fuse: {e}"))?;
@@ -261,7 +261,7 @@ mod tests {
         let o = parse(&[]).unwrap();
         assert_eq!((o.batch, o.seq, o.steps, o.micro_batches), (8, 32, 100, 1));
         let p = o.resolve().unwrap();
-        assert_eq!(p.start, Start::Random(LlamaConfig::tiny()));
+        assert_eq!(p.start, Start::Random(Box::new(LlamaConfig::tiny())));
         assert_eq!(p.train.backends, Backends::all(Backend::Fused));
         assert_eq!((p.train.lr, p.train.clip, p.train.standalone), (3e-3, None, Backend::Fused));
         let args =

@@ -62,7 +62,7 @@ fn splitmix(seed: u64) -> impl FnMut() -> u64 {
 fn read_input(opts: &Options, plan: &Plan) -> Result<Input, String> {
     let (mut config, checkpoint) = match &plan.start {
         Start::Checkpoint(dir) => (LlamaConfig::from_dir(dir).map_err(|e| e.to_string())?, Some(dir)),
-        Start::Random(cfg) => (cfg.clone(), None),
+        Start::Random(cfg) => ((**cfg).clone(), None),
     };
     if let Some(n) = opts.layers {
         if n == 0 || n > config.layers {

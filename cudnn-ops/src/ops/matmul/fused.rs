@@ -187,11 +187,16 @@ impl<T: Element, O: Element, W: Element> Fused<(T, O, W)> for MatmulArgs {
             }
         }
         if weight != dtype {
+            // A decode form the GEMV did not take: the graph refuses it by name, before anything runs.
+            if self.forms().is_some() {
+                return self.plan(ctx, dtype, out).map(drop);
+            }
             // More tokens than the GEMV takes over FP8 codes (a prefill): A quantized per token and
             // the FP8 graph (Hopper's FP8 tensor cores, sm_89+), else B dequantized into A's dtype
             // and the 16-bit graph.
-            if self.fp8_prefill_applies(ctx, dtype) {
-                match self.run_fp8_graph(ctx, &mut x) {
+            let rows = self.folded().unwrap_or(self);
+            if rows.fp8_prefill_applies(ctx, dtype) {
+                match rows.run_fp8_graph(ctx, &mut x) {
                     Err(Error::NotSupported { .. }) => {}
                     done => return done,
                 }
@@ -209,12 +214,14 @@ impl<T: Element, O: Element, W: Element> Fused<(T, O, W)> for MatmulArgs {
 struct Fp8Key(super::Key, DataType, bool);
 
 impl MatmulArgs {
-    /// Whether a call over an FP8 weight past the GEMV runs the FP8 graph: A bf16 or f16 and packed
-    /// row-major (`quantize_fp8` reads rows of k), no decode form, FP8 tensor cores (sm_89+).
+    /// Whether a call over an FP8 weight past the GEMV runs the FP8 graph (`self` with any batch
+    /// folded into rows): A bf16 or f16, one batch of packed row-major rows (`quantize_fp8` reads
+    /// rows of k), no decode form, FP8 tensor cores (sm_89+).
     fn fp8_prefill_applies(&self, ctx: &Cudnn, dtype: DataType) -> bool {
-        let (m, k) = (self.batch() * self.m(), self.k());
+        let (m, k) = (self.m(), self.k());
         matches!(dtype, DataType::BF16 | DataType::F16)
             && self.forms().is_none()
+            && self.a.dims[0] == 1
             && self.a.strides == [m * k, k, 1]
             && ctx.info().compute_capability >= (8, 9)
     }
@@ -229,7 +236,7 @@ impl MatmulArgs {
     ) -> Result<()> {
         use crate::kernels::{scratch, Kernels, View};
         use crate::ops::quantize::{quantize_fp8, QuantizeArgs, QuantizeOperands};
-        let (m, k) = (self.batch() * self.m(), self.k());
+        let (m, k) = (self.m(), self.k());
         let b_scale = x.b_scale.ok_or_else(|| Error::invalid("matmul: an FP8 weight without its factors"))?;
         let (dtype, weight, out, per_channel) = (T::DTYPE, W::DTYPE, O::DTYPE, b_scale.len() > 1);
         let key = Fp8Key(self.key(dtype, out), weight, per_channel);

@@ -74,12 +74,26 @@ impl<T: Element, O: Element, W: Element> Naive<(T, O, W)> for MatmulArgs {
             });
         }
         if W::DTYPE != T::DTYPE {
-            // Eager over an FP8 weight: dequantize it (one kernel), then the 16-bit GEMM.
+            // Eager over an FP8 weight: dequantize it (one kernel), then the 16-bit GEMM; what can
+            // fail without touching memory first.
+            ready(ctx, &self)?;
             let b = dequantized(ctx, &self, &x)?;
             return run(ctx, &self, x.with_b(&b));
         }
         run(ctx, &self, x)
     }
+}
+
+/// What the eager decomposition checks before it touches memory: the epilogue kernels' 32-bit
+/// indexing, cuBLAS.
+fn ready(ctx: &Cudnn, args: &MatmulArgs) -> Result<()> {
+    let total = args.d_len();
+    crate::error::ensure!(
+        args.epilogue.steps() == 0 || total <= u32::MAX as usize,
+        "naive matmul: {total} output elements exceed the epilogue kernels' 32-bit indexing"
+    );
+    ctx.blas()?;
+    Ok(())
 }
 
 /// The kernel dequantizing FP8 `codes` into `out` (bf16 or f16; others are refused by name).
@@ -119,19 +133,14 @@ fn run<T: Element, O: Element, W: Element>(
     args: &MatmulArgs,
     x: MatmulOperands<'_, T, O, W>,
 ) -> Result<()> {
-    let epilogue = args.epilogue;
-    let total = args.d_len();
-    crate::error::ensure!(
-        epilogue.steps() == 0 || total <= u32::MAX as usize,
-        "naive matmul: {total} output elements exceed the epilogue kernels' 32-bit indexing"
-    );
+    let (epilogue, total) = (args.epilogue, args.d_len());
     let suffix = match O::DTYPE {
         DataType::BF16 => "bf16",
         DataType::F16 => "f16",
         _ => "f32",
     };
     // Everything that can fail without touching memory comes first: cuBLAS, NVRTC.
-    ctx.blas()?;
+    ready(ctx, args)?;
     let kernels = if epilogue.steps() > 0 { Some(Kernels::get(ctx)?) } else { None };
     let stream = ctx.stream();
     let (a_ptr, _ga) = x.a.device_ptr(stream);
