@@ -1640,6 +1640,50 @@ fn fp8_weights_match_the_reference_on_both_backends() {
     assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
 }
 
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn an_fp8_weight_under_a_batch_of_rows_equals_the_same_rows_as_one_linear() {
+    // A `[2, 12, k]` x shared `[n, k]` FP8 weight (the FP8 graph folds the batch into 24 rows) and a
+    // `[2, 3, k]` one (the decode GEMV over 6 rows): bit for bit the Linear over the rows.
+    let ctx = gpu();
+    let (n, k) = (320, 512);
+    let w = Fp8Weight::<bf16, F8E4M3>::new(&ctx, (n, k), true, false, 4400);
+    for (batch, m) in [(2, 12), (2, 3)] {
+        let linear = MatmulArgs::linear(batch * m, k, n).with_epilogue(Epilogue::RESIDUAL);
+        let batched =
+            MatmulArgs::new(MatrixLayout::row_major(batch, m, k), linear.b).with_epilogue(Epilogue::RESIDUAL);
+        let x = upload::<bf16>(&ctx, &reference::random_values(4401, batch * m * k)).unwrap().0;
+        let r = upload::<bf16>(&ctx, &reference::random_values(4402, batch * m * n)).unwrap().0;
+        let mut outs = Vec::new();
+        for args in [linear, batched] {
+            let mut y = poisoned::<bf16>(&ctx, batch * m * n).unwrap();
+            let ops = MatmulOperands::fp8_weight(&x, &w.codes, &w.scales, &mut y).residual(&r);
+            matmul(&ctx, &args, ops, Backend::Fused).unwrap();
+            outs.push(download(&ctx, &y).unwrap());
+        }
+        let same = outs[0].iter().zip(&outs[1]).filter(|(a, b)| a.to_bits() == b.to_bits()).count();
+        println!("batch {batch} x {m} rows: {same} of {} outputs identical", outs[0].len());
+        assert_eq!(same, outs[0].len(), "batch {batch} x {m}");
+    }
+    // A decode form the GEMV does not take over FP8 (the prologue at 2 tokens) is refused by name,
+    // touching nothing.
+    let x = upload::<bf16>(&ctx, &reference::random_values(4403, 2 * k)).unwrap().0;
+    let g = upload::<bf16>(&ctx, &vec![1.0; k]).unwrap().0;
+    let mut y = poisoned::<bf16>(&ctx, 2 * n).unwrap();
+    let epoch = ctx.buffer_epoch();
+    let args = MatmulArgs::linear(2, k, n).with_prologue(Prologue::rms_norm(1e-5));
+    let e = matmul(
+        &ctx,
+        &args,
+        MatmulOperands::fp8_weight(&x, &w.codes, &w.scales, &mut y).norm_weight(&g),
+        Backend::Fused,
+    )
+    .unwrap_err();
+    assert!(e.is_not_supported() && e.to_string().contains("prologue"), "{e}");
+    assert_eq!(ctx.buffer_epoch(), epoch, "the refusal regrew no scratch");
+    assert!(download(&ctx, &y).unwrap().iter().all(|v| v.is_nan()), "the refusal wrote nothing");
+}
+
 /// Every fused decode form over an FP8 weight with power-of-two factors against the same form over
 /// the 16-bit weight holding its dequantized values (the dtype's tolerance; the bit-identical count
 /// is printed: the sums group 16 elements per chunk instead of 8, so some outputs round the other way).

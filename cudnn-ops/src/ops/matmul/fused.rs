@@ -46,8 +46,10 @@ impl MatmulArgs {
         let mut g = Graph::new(format!("matmul {} {dtype}->{out} epilogue {epilogue}", self.describe()));
         let a = g.tensor(spec(&self.a, "A", dtype).with_uid(uid::A));
         let b = g.tensor(spec(&self.b, "B", dtype).with_uid(uid::B));
+        // Every bound tensor before the first node: a node's output takes the next free uid.
+        let inputs = self.epilogue_inputs(&mut g, out);
         let d = g.matmul(a, b);
-        self.with_epilogue_steps(g, d, out)
+        self.epilogue_steps(g, d, inputs, out)
     }
 
     /// The graph of a Linear over an FP8 weight past the decode GEMV (`fused` quantizes A first):
@@ -63,16 +65,16 @@ impl MatmulArgs {
         let sa = g.tensor(TensorSpec::new("a_scale", &[1, m, 1], DataType::F32).with_uid(uid::A_SCALE));
         let b_dims = if b_factors > 1 { [1, 1, n] } else { [1, 1, 1] };
         let sb = g.tensor(TensorSpec::new("b_scale", &b_dims, DataType::F32).with_uid(uid::B_SCALE));
+        let inputs = self.epilogue_inputs(&mut g, out);
         let d = g.matmul(a, b);
         let d = g.binary(Binary::Mul, d, sa);
         let d = g.binary(Binary::Mul, d, sb);
-        self.with_epilogue_steps(g, d, out)
+        self.epilogue_steps(g, d, inputs, out)
     }
 
-    /// `g` with the epilogue's inputs bias `[1, 1, n]`, U and R (in `out`) and its steps after the
-    /// product `d` (bias add, activation, gate multiply, residual add, all f32 virtual); the last
-    /// step's output is D, packed `[batch, m, n]`.
-    fn with_epilogue_steps(&self, mut g: Graph, mut d: crate::graph::TensorId, out: DataType) -> Graph {
+    /// The epilogue's inputs in `g`: bias `[1, 1, n]`, U and R `[batch, m, n]`, in `out`, each with
+    /// its uid (added before any node, whose outputs take the next free uids).
+    fn epilogue_inputs(&self, g: &mut Graph, out: DataType) -> [Option<crate::graph::TensorId>; 3] {
         let epilogue = self.epilogue;
         let (batch, m, n) = (self.batch() as i64, self.m() as i64, self.n() as i64);
         let bias =
@@ -82,10 +84,23 @@ impl MatmulArgs {
         let residual = epilogue
             .residual
             .then(|| g.tensor(TensorSpec::new("R", &[batch, m, n], out).with_uid(uid::RESIDUAL)));
+        [bias, gate, residual]
+    }
+
+    /// `g` with the epilogue's steps after the product `d` (bias add, activation, gate multiply,
+    /// residual add, all f32 virtual) over its `inputs`; the last step's output is D, packed
+    /// `[batch, m, n]`.
+    fn epilogue_steps(
+        &self,
+        mut g: Graph,
+        mut d: crate::graph::TensorId,
+        [bias, gate, residual]: [Option<crate::graph::TensorId>; 3],
+        out: DataType,
+    ) -> Graph {
         if let Some(bias) = bias {
             d = g.binary(Binary::Add, d, bias);
         }
-        if let Some(act) = epilogue.activation {
+        if let Some(act) = self.epilogue.activation {
             d = g.unary(act.unary(), d);
         }
         if let Some(u) = gate {
@@ -345,6 +360,42 @@ mod tests {
             .check(DataType::BF16, DataType::BF16, &lens)
             .unwrap_err();
         assert!(e.to_string().contains("64-bit signed"), "{e}");
+    }
+
+    #[test]
+    fn every_epilogue_fp8_graph_validates_and_binds_the_named_uids() {
+        let args = MatmulArgs::linear(24, 64, 128);
+        for weight in [DataType::F8E4M3, DataType::F8E5M2] {
+            for factors in [1, 128] {
+                for e in Epilogue::all() {
+                    let g = args.with_epilogue(e).fp8_graph(weight, factors, DataType::BF16);
+                    g.validate().unwrap_or_else(|err| panic!("{}: {err}", g.name()));
+                    let bound: Vec<(&str, i64)> = g
+                        .tensors()
+                        .iter()
+                        .filter(|t| !t.is_virtual)
+                        .map(|t| (t.name.as_str(), t.uid))
+                        .collect();
+                    let mut expected = vec![
+                        ("A", uid::A),
+                        ("B", uid::B),
+                        ("a_scale", uid::A_SCALE),
+                        ("b_scale", uid::B_SCALE),
+                    ];
+                    for (on, name, id) in [
+                        (e.bias, "bias", uid::BIAS),
+                        (e.gate, "U", uid::GATE),
+                        (e.residual, "R", uid::RESIDUAL),
+                    ] {
+                        if on {
+                            expected.push((name, id));
+                        }
+                    }
+                    expected.push(("D", uid::D));
+                    assert_eq!(bound, expected, "{}", g.name());
+                }
+            }
+        }
     }
 
     #[test]
