@@ -1324,6 +1324,21 @@ fn a_captured_decode_chain_replays_with_pdl_as_it_runs_without() {
     ctx.set_programmatic_launch(true);
 }
 
+/// A norm weight `[k]` around 1, as trained ones are.
+fn norm_weight<T: Element>(ctx: &Cudnn, k: usize, seed: u64) -> CudaSlice<T> {
+    let g: Vec<f64> = reference::random_values(seed, k).iter().map(|v| 1.0 + 0.5 * v).collect();
+    upload::<T>(ctx, &g).unwrap().0
+}
+
+/// RoPE tables of head dim `d` (base 10000) for `positions` positions.
+fn rope_tables<T: Element>(ctx: &Cudnn, d: usize, positions: usize) -> RopeTables<T> {
+    let half = d / 2;
+    let angle = |i: usize| (i / half) as f64 * 10000f64.powf(-((2 * (i % half)) as f64) / d as f64);
+    let cos: Vec<f64> = (0..positions * half).map(|i| angle(i).cos()).collect();
+    let sin: Vec<f64> = (0..positions * half).map(|i| angle(i).sin()).collect();
+    RopeTables::<T>::new(ctx, &cos, &sin, d).unwrap()
+}
+
 /// One rotary-epilogue case: `[1, k] x [k, (hq + 2 hkv) d]` (with the RMSNorm prologue or not), RoPE
 /// tables of `positions` rows, caches of `max_seq` rows, the token at `pos`. The GEMV with the rotary
 /// epilogue against the same GEMV followed by the RoPE op with its K/V append (device position): D and
@@ -1342,17 +1357,11 @@ fn check_rotary<T: Element>(
 ) -> Option<String> {
     use cudnn_llm_ops::{Rotary, RotaryOperands};
     let n = (hq + 2 * hkv) * d;
-    let half = d / 2;
     let scale = 3.0 / (k as f64).sqrt();
     let x = upload::<T>(ctx, &reference::random_values(seed, k)).unwrap().0;
     let wv: Vec<f64> = reference::random_values(seed + 1, n * k).iter().map(|v| v * scale).collect();
     let w = upload::<T>(ctx, &wv).unwrap().0;
-    let gv: Vec<f64> = reference::random_values(seed + 2, k).iter().map(|v| 1.0 + 0.5 * v).collect();
-    let g = upload::<T>(ctx, &gv).unwrap().0;
-    let angle = |i: usize| (i / half) as f64 * 10000f64.powf(-((2 * (i % half)) as f64) / d as f64);
-    let cos: Vec<f64> = (0..positions * half).map(|i| angle(i).cos()).collect();
-    let sin: Vec<f64> = (0..positions * half).map(|i| angle(i).sin()).collect();
-    let tables = RopeTables::<T>::new(ctx, &cos, &sin, d).unwrap();
+    let (g, tables) = (norm_weight::<T>(ctx, k, seed + 2), rope_tables::<T>(ctx, d, positions));
     let at = ctx.stream().clone_htod(&[pos]).unwrap();
     let cache = max_seq * hkv * d;
     let mut base = MatmulArgs::linear(1, k, n).with_form(MatmulKernel::DecodeGemv);
@@ -1761,15 +1770,10 @@ fn check_fp8_rotary<T: Element>(
     seed: u64,
 ) -> Option<String> {
     use cudnn_llm_ops::{Rotary, RotaryOperands};
-    let (n, half, max_seq, positions, pos) = ((hq + 2 * hkv) * d, d / 2, 64, 64, 37);
+    let (n, max_seq, positions, pos) = ((hq + 2 * hkv) * d, 64, 64, 37);
     let w = Fp8Weight::<T, F8E4M3>::new(ctx, (n, k), true, true, seed);
     let x = upload::<T>(ctx, &reference::random_values(seed + 1, k)).unwrap().0;
-    let gv: Vec<f64> = reference::random_values(seed + 2, k).iter().map(|v| 1.0 + 0.5 * v).collect();
-    let g = upload::<T>(ctx, &gv).unwrap().0;
-    let angle = |i: usize| (i / half) as f64 * 10000f64.powf(-((2 * (i % half)) as f64) / d as f64);
-    let cos: Vec<f64> = (0..positions * half).map(|i| angle(i).cos()).collect();
-    let sin: Vec<f64> = (0..positions * half).map(|i| angle(i).sin()).collect();
-    let tables = RopeTables::<T>::new(ctx, &cos, &sin, d).unwrap();
+    let (g, tables) = (norm_weight::<T>(ctx, k, seed + 2), rope_tables::<T>(ctx, d, positions));
     let at = ctx.stream().clone_htod(&[pos]).unwrap();
     let mut args = MatmulArgs::linear(1, k, n)
         .with_form(MatmulKernel::DecodeGemv)
