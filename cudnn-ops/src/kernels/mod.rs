@@ -489,18 +489,33 @@ pub(crate) fn launch_programmatic(
     }
 }
 
-/// The kernel-name suffix of a float element type (`bf16`, `f16`, `f32`); another type is an
-/// [`Error::NotSupported`] of `op` saying it takes bf16, f16 or f32 `what`.
-pub(crate) fn float_suffix(op: &str, what: &str, dtype: crate::DataType) -> Result<&'static str> {
-    match dtype {
-        crate::DataType::BF16 => Ok("bf16"),
-        crate::DataType::F16 => Ok("f16"),
-        crate::DataType::F32 => Ok("f32"),
-        other => Err(crate::Error::NotSupported {
-            op: op.into(),
-            reason: format!("takes bf16, f16 or f32 {what}, not {other}"),
-        }),
+/// The kernel-name suffix of `dtype` (its name: `bf16`, `f16`, `f32`) when `allowed` holds it; else
+/// an [`Error::NotSupported`] of `op` saying which dtypes of `what` it takes.
+pub(crate) fn suffix_of(
+    op: &str,
+    what: &str,
+    dtype: crate::DataType,
+    allowed: &[crate::DataType],
+) -> Result<&'static str> {
+    if allowed.contains(&dtype) {
+        return Ok(dtype.name());
     }
+    let names: Vec<&str> = allowed.iter().map(|d| d.name()).collect();
+    let takes = match names.split_last() {
+        Some((last, [])) => last.to_string(),
+        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+        None => "nothing".into(),
+    };
+    Err(crate::Error::NotSupported { op: op.into(), reason: format!("takes {takes} {what}, not {dtype}") })
+}
+
+/// The float element types most kernels take.
+pub(crate) const FLOATS: [crate::DataType; 3] =
+    [crate::DataType::BF16, crate::DataType::F16, crate::DataType::F32];
+
+/// [`suffix_of`] over [`FLOATS`]: `bf16`, `f16` or `f32`.
+pub(crate) fn float_suffix(op: &str, what: &str, dtype: crate::DataType) -> Result<&'static str> {
+    suffix_of(op, what, dtype, &FLOATS)
 }
 
 /// The kernel-name suffix of an FP8 dtype (`e4m3`, `e5m2`); another dtype is

@@ -27,7 +27,7 @@ use crate::dtype::{DataType, Element};
 use crate::error::ensure;
 use crate::faults::Zeros;
 use crate::ops::Op;
-use crate::{Backend, Cudnn, Error, Result};
+use crate::{Backend, Cudnn, Result};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 
 /// Elements per block of the multi-tensor kernels (`OPT_CHUNK` in optim.cu).
@@ -376,11 +376,7 @@ fn grid(blocks: usize) -> Result<LaunchConfig> {
 }
 
 fn suffix(op: &str, dtype: DataType, allowed: &[DataType]) -> Result<&'static str> {
-    if allowed.contains(&dtype) {
-        return Ok(dtype.name());
-    }
-    let names: Vec<&str> = allowed.iter().map(|d| d.name()).collect();
-    Err(Error::NotSupported { op: op.into(), reason: format!("takes {}, not {dtype}", names.join(" or ")) })
+    crate::kernels::suffix_of(op, "tensors", dtype, allowed)
 }
 
 /// The device tables of the multi-tensor kernels, the grad norm's partial sums and the eager norm's
@@ -478,6 +474,7 @@ fn grad_addresses<'a, G>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Error;
 
     #[test]
     fn hyperparameters_are_checked() {

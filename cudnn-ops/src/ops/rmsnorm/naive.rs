@@ -62,12 +62,7 @@ pub fn backward_kernel_count(dtype: DataType, d_residual: bool) -> usize {
 
 /// The kernel-name suffix of a float dtype.
 fn suffix(dtype: DataType, op: &str) -> Result<&'static str> {
-    match dtype {
-        DataType::BF16 => Ok("bf16"),
-        DataType::F16 => Ok("f16"),
-        DataType::F32 => Ok("f32"),
-        other => Err(crate::Error::invalid(format!("{op}: dtype {other} is not a float type"))),
-    }
+    crate::kernels::float_suffix(op, "elements", dtype)
 }
 
 /// `y[cols] = x[rows, cols].sum(0)` as eager's reduction kernel: reads `input`, writes `output` (the
@@ -194,12 +189,7 @@ impl<T: Element> Naive<T> for RmsNormArgs {
 /// The eager decomposition; the training phase writes the rsqrt output straight to `inv_rms`.
 fn run<T: Element>(ctx: &Cudnn, args: RmsNormArgs, x: RmsNormOperands<'_, T>) -> Result<()> {
     let RmsNormOperands { x, weight, y, inv_rms } = x;
-    let suffix = match T::DTYPE {
-        DataType::BF16 => "bf16",
-        DataType::F16 => "f16",
-        DataType::F32 => "f32",
-        other => return Err(crate::Error::invalid(format!("rms_norm: dtype {other} is not a float type"))),
-    };
+    let suffix = suffix(T::DTYPE, "rms_norm")?;
     let kernels = Kernels::get(ctx)?;
     let (rows, cols) = (args.tokens, args.hidden);
     let n = rows * cols;

@@ -21,7 +21,7 @@ use crate::dtype::{DataType, Element};
 use crate::error::ensure;
 use crate::ops::rows::{CacheRows, CacheWrite, PageTable};
 use crate::ops::Op;
-use crate::{Backend, Cudnn, Error, Result};
+use crate::{Backend, Cudnn, Result};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 /// Shape of a RoPE call.
@@ -193,13 +193,7 @@ pub const NAIVE_KERNELS: usize = 10;
 
 /// The kernels' name suffix for an I/O dtype (f16 and bf16 only).
 fn suffix(dtype: DataType) -> Result<&'static str> {
-    match dtype {
-        DataType::BF16 => Ok("bf16"),
-        DataType::F16 => Ok("f16"),
-        other => {
-            Err(Error::NotSupported { op: "rope".into(), reason: format!("takes f16 or bf16, not {other}") })
-        }
-    }
+    crate::kernels::suffix_of("rope", "I/O", dtype, &[DataType::F16, DataType::BF16])
 }
 
 /// The buffers of a RoPE call: the tables, the QKV buffer rotated in place and, optionally, each

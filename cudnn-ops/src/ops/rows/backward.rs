@@ -83,13 +83,7 @@ impl<'a, T: Element> EmbeddingBackwardOperands<'a, T> {
 struct Backward(EmbeddingArgs);
 
 fn suffix(dtype: DataType) -> Result<&'static str> {
-    match dtype {
-        DataType::BF16 | DataType::F16 | DataType::F32 => Ok(dtype.name()),
-        other => Err(Error::NotSupported {
-            op: "embedding_backward".into(),
-            reason: format!("takes bf16, f16 or f32 gradients, not {other}"),
-        }),
-    }
+    crate::kernels::float_suffix("embedding_backward", "gradients", dtype)
 }
 
 impl<T: Element> Op<T> for Backward {

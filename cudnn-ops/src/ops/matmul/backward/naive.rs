@@ -43,14 +43,7 @@ pub fn weight_kernel_count(accumulate: bool, bias: bool) -> usize {
 pub const SWIGLU_KERNELS: usize = 5;
 
 fn suffix(dtype: DataType) -> Result<&'static str> {
-    match dtype {
-        DataType::BF16 => Ok("bf16"),
-        DataType::F16 => Ok("f16"),
-        DataType::F32 => Ok("f32"),
-        other => {
-            Err(crate::Error::invalid(format!("naive linear backward: dtype {other} is not a float type")))
-        }
-    }
+    crate::kernels::float_suffix("naive linear backward", "elements", dtype)
 }
 
 /// The f32 scratch elements that hold `len` elements of `dtype`.
