@@ -298,9 +298,48 @@ pub fn write_results(name: &str, csv: &str, md: &str) {
     }
 }
 
+/// The summed negative log-likelihood (natural log, f64) of each row's target under the row's logits:
+/// `Σ_r (logsumexp(logits[r]) - logits[r][targets[r]])`, rows of `vocab` values. A target outside the
+/// vocabulary or a non-finite logit is an error naming the row.
+pub fn next_token_nll(logits: &[f32], vocab: usize, targets: &[u32]) -> std::result::Result<f64, String> {
+    if vocab == 0 || logits.len() != vocab * targets.len() {
+        return Err(format!("{} logits are not {} rows of {vocab}", logits.len(), targets.len()));
+    }
+    let mut sum = 0.0;
+    for (r, (row, &t)) in logits.chunks(vocab).zip(targets).enumerate() {
+        let t = t as usize;
+        if t >= vocab {
+            return Err(format!("row {r}: target {t} is outside the vocabulary of {vocab}"));
+        }
+        if let Some(bad) = row.iter().find(|v| !v.is_finite()) {
+            return Err(format!("row {r}: logit {bad}"));
+        }
+        let max = row.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64));
+        let lse = max + row.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
+        sum += lse - row[t] as f64;
+    }
+    Ok(sum)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn next_token_nll_is_the_log_softmax_loss() {
+        // Uniform logits over 4: ln 4 per row; a certain row: 0; rows checked.
+        let uniform = [1.0f32; 4];
+        assert!((next_token_nll(&uniform, 4, &[2]).unwrap() - 4f64.ln()).abs() < 1e-12);
+        let sure = [0.0, 0.0, 100.0, 0.0];
+        assert!(next_token_nll(&sure, 4, &[2]).unwrap() < 1e-40);
+        let two: Vec<f32> = uniform.iter().chain(&sure).copied().collect();
+        let nll = next_token_nll(&two, 4, &[0, 1]).unwrap();
+        // Row 2 puts its mass on id 2, the target is 1: logsumexp ≈ 100, the loss ≈ 100.
+        assert!((nll - (4f64.ln() + 100.0)).abs() < 1e-9, "{nll}");
+        assert!(next_token_nll(&uniform, 4, &[4]).unwrap_err().contains("target 4 is outside"));
+        assert!(next_token_nll(&[f32::NAN, 0.0], 2, &[0]).unwrap_err().contains("row 0"));
+        assert!(next_token_nll(&uniform, 3, &[0]).is_err());
+    }
 
     #[derive(serde::Serialize)]
     struct Row {
