@@ -12,8 +12,7 @@ use std::ffi::c_void;
 
 /// Whether libcublas can be opened; cudarc panics on its first call otherwise.
 pub(crate) fn library_present() -> bool {
-    // SAFETY: only probes whether the shared library can be opened; nothing is called in it.
-    unsafe { sys::is_culib_present() }
+    super::library_present("cublas")
 }
 
 /// `y = A · x` in f32 on `blas`'s stream, `a` a column-major `rows × cols` matrix; an error if a

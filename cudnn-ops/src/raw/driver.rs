@@ -11,8 +11,7 @@ use std::rc::Rc;
 
 /// Whether the driver library (libcuda) can be opened; cudarc panics on its first call otherwise.
 pub(crate) fn library_present() -> bool {
-    // SAFETY: only probes whether the shared library can be opened; nothing is called in it.
-    unsafe { sys::is_culib_present() }
+    super::library_present("cuda")
 }
 
 /// `cuDriverGetVersion()` (e.g. 13000); 0 where the library is missing or the call fails.

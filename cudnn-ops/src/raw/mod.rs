@@ -9,6 +9,42 @@ pub(crate) mod cublas;
 pub(crate) mod driver;
 pub(crate) mod nvrtc;
 
+/// Whether one of the names cudarc's dynamic loading tries for the CUDA library `name` (`"cuda"`,
+/// `"nvrtc"`, `"cublas"`) opens: cudarc panics on its first call into a library it cannot open.
+///
+/// The workspace leaves cudarc's linking mode to the final build (`fallback-dynamic-loading`): alone it
+/// loads the libraries at run time, and a dependent that links them (candle turns on cudarc's
+/// `dynamic-linking`) started with them loaded, where the probe finds them too. cudarc's own probe
+/// (`is_culib_present`) exists in the first mode only, hence this one.
+pub(crate) fn library_present(name: &str) -> bool {
+    cudarc_names(name).iter().any(|n| {
+        // SAFETY: opening a CUDA library runs no initializer with preconditions (the CUDA libraries
+        // initialize on their first call); the handle is closed when dropped here, and the library
+        // stays loaded while cudarc or the system loader holds it too.
+        unsafe { libloading::Library::new(n) }.is_ok()
+    })
+}
+
+/// The names cudarc 0.19's dynamic loading tries for `name` on Linux, for the CUDA 13.0 it is built
+/// for (`get_lib_name_candidates`, whose list exists in that mode only).
+fn cudarc_names(name: &str) -> Vec<String> {
+    let (major, minor) = (13, 0);
+    let w = 64;
+    let mut names = vec![
+        format!("lib{name}.so"),
+        format!("lib{name}{w}.so"),
+        format!("lib{name}{w}_{major}.so"),
+        format!("lib{name}{w}_{major}{minor}.so"),
+        format!("lib{name}{w}_{major}{minor}_0.so"),
+        format!("lib{name}{w}_{major}0_{minor}.so"),
+    ];
+    names.extend([10, 11, 12].map(|v| format!("lib{name}{w}_{v}.so")));
+    names.push(format!("lib{name}{w}_{major}0_0.so"));
+    names.push(format!("lib{name}{w}_9.so"));
+    names.extend([major, 12, 11, 10, 9, 1].map(|v| format!("lib{name}.so.{v}")));
+    names
+}
+
 use crate::{Error, Result};
 use cudnn_llm_sys as sys;
 use std::ffi::{c_void, CStr};
@@ -246,5 +282,18 @@ mod tests {
         assert_eq!(sys::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED.0, 3000);
         assert_eq!(sys::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED_GRAPH_PATTERN.0 / 1000, 3);
         assert_eq!(sys::cudnnStatus_t::CUDNN_STATUS_BAD_PARAM.0, 2000);
+    }
+}
+
+#[cfg(test)]
+mod probe_tests {
+    #[test]
+    fn the_probe_tries_the_sonames_cudarc_tries() {
+        let names = super::cudarc_names("nvrtc");
+        assert_eq!(names.len(), 17);
+        for soname in ["libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.1"] {
+            assert!(names.iter().any(|n| n == soname), "{soname} missing from {names:?}");
+        }
+        assert!(!super::library_present("no-such-cuda-library"));
     }
 }

@@ -6,8 +6,7 @@ use std::ffi::{CStr, CString};
 
 /// Whether libnvrtc can be opened; cudarc panics on its first call otherwise.
 pub(crate) fn library_present() -> bool {
-    // SAFETY: only probes whether the shared library can be opened; nothing is called in it.
-    unsafe { sys::is_culib_present() }
+    super::library_present("nvrtc")
 }
 
 /// NVRTC's `(major, minor)` version. Call only after [`library_present`].
