@@ -1,0 +1,186 @@
+//! The ops' CUDA forms: candle's device buffers bound straight into the library's ops, on candle's
+//! stream, through one cuDNN context per thread and device.
+
+use crate::shapes::refuse;
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, CudaView};
+use candle_core::cuda_backend::{CudaDType, CudaDevice};
+use candle_core::{CudaStorage, DType, Layout, Result};
+use cudnn_llm_ops::{Backend, Cudnn, Element};
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::sync::Arc;
+
+thread_local! {
+    /// This thread's contexts, one per candle stream (each holds its stream, so a key's address is
+    /// not reused while its entry lives).
+    static CONTEXTS: RefCell<Vec<(usize, Rc<Cudnn>)>> = const { RefCell::new(Vec::new()) };
+    /// Why the last fused call on this thread was refused (cuDNN or the library cannot run the shape),
+    /// for the public functions' fallback to candle's own ops.
+    static REFUSED: RefCell<Option<String>> = const { RefCell::new(None) };
+}
+
+/// This thread's cuDNN context on `device`'s stream, made on first use.
+pub(crate) fn context(device: &CudaDevice) -> Result<Rc<Cudnn>> {
+    let stream: Arc<CudaStream> = device.cuda_stream();
+    let key = Arc::as_ptr(&stream) as usize;
+    if let Some(ctx) = CONTEXTS.with_borrow(|c| c.iter().find(|(k, _)| *k == key).map(|(_, c)| c.clone())) {
+        return Ok(ctx);
+    }
+    let ctx = Rc::new(Cudnn::with_stream(stream).map_err(candle_core::Error::wrap)?);
+    CONTEXTS.with_borrow_mut(|c| c.push((key, ctx.clone())));
+    Ok(ctx)
+}
+
+/// Takes the refusal the last call on this thread recorded, if any.
+pub(crate) fn take_refusal() -> Option<String> {
+    REFUSED.with_borrow_mut(Option::take)
+}
+
+/// The library's error as candle's; a refusal is also recorded for the fallback.
+pub(crate) fn error(op: &str, e: cudnn_llm_ops::Error) -> candle_core::Error {
+    if let cudnn_llm_ops::Error::NotSupported { .. } = e {
+        REFUSED.with_borrow_mut(|r| *r = Some(e.to_string()));
+    }
+    refuse(op, e)
+}
+
+/// The elements of `storage` from the layout's first one on.
+pub(crate) fn view<'a, T: CudaDType>(storage: &'a CudaStorage, layout: &Layout) -> Result<CudaView<'a, T>> {
+    let slice: &CudaSlice<T> = storage.as_cuda_slice::<T>()?;
+    let start = layout.start_offset();
+    if start > slice.len() {
+        return Err(refuse("view", format!("offset {start} past a buffer of {}", slice.len())));
+    }
+    Ok(slice.slice(start..))
+}
+
+/// A new output buffer of `len` elements on `device`.
+pub(crate) fn output<T: CudaDType + cudnn_llm_ops::cudarc::driver::DeviceRepr>(
+    device: &CudaDevice,
+    len: usize,
+) -> Result<CudaSlice<T>> {
+    // SAFETY: the buffer is handed to an op that writes every one of its `len` elements before anything
+    // reads it (the ops' GPU tests poison outputs and check every element is written); on an error the
+    // buffer is dropped unread.
+    unsafe { device.alloc::<T>(len) }
+}
+
+/// Runs `$body` with `$t` the Rust element type of `$dtype`.
+macro_rules! with_float {
+    ($op:expr, $dtype:expr, $t:ident => $body:expr) => {
+        match $dtype {
+            candle_core::DType::BF16 => {
+                type $t = half::bf16;
+                $body
+            }
+            candle_core::DType::F16 => {
+                type $t = half::f16;
+                $body
+            }
+            candle_core::DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            other => {
+                Err($crate::shapes::refuse($op, format!("takes bf16, f16 or f32 tensors, not {other:?}")))
+            }
+        }
+    };
+}
+
+/// RMSNorm of x over its last dimension.
+pub(crate) fn rms_norm(
+    (x, xl): (&CudaStorage, &Layout),
+    (w, wl): (&CudaStorage, &Layout),
+    eps: f32,
+    backend: Backend,
+) -> Result<CudaStorage> {
+    let args = crate::shapes::rms_norm(xl, wl, x.dtype(), w.dtype(), eps)?;
+    let dev = x.device().clone();
+    let ctx = context(&dev)?;
+    with_float!("rms_norm", x.dtype(), T => {
+        let mut y = output::<T>(&dev, args.tokens * args.hidden)?;
+        let (xv, wv) = (view::<T>(x, xl)?, view::<T>(w, wl)?);
+        cudnn_llm_ops::rms_norm(&ctx, args, cudnn_llm_ops::RmsNormOperands::new(&xv, &wv, &mut y), backend)
+            .map_err(|e| error("rms_norm", e))?;
+        Ok(CudaStorage::wrap_cuda_slice(y, dev))
+    })
+}
+
+/// Attention; O packed `[b, h_q, s_q, d]`.
+pub(crate) fn sdpa(
+    (q, ql): (&CudaStorage, &Layout),
+    (k, kl): (&CudaStorage, &Layout),
+    (v, vl): (&CudaStorage, &Layout),
+    args: cudnn_llm_ops::SdpaArgs,
+    backend: Backend,
+) -> Result<CudaStorage> {
+    let dev = q.device().clone();
+    let ctx = context(&dev)?;
+    let n = args.batch * args.heads_q * args.seq_q * args.head_dim;
+    sdpa_typed(&ctx, &dev, (q, ql), (k, kl), (v, vl), args, n, backend)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn sdpa_typed(
+    ctx: &Cudnn,
+    dev: &CudaDevice,
+    (q, ql): (&CudaStorage, &Layout),
+    (k, kl): (&CudaStorage, &Layout),
+    (v, vl): (&CudaStorage, &Layout),
+    args: cudnn_llm_ops::SdpaArgs,
+    n: usize,
+    backend: Backend,
+) -> Result<CudaStorage> {
+    fn run<T: CudaDType + Element>(
+        ctx: &Cudnn,
+        dev: &CudaDevice,
+        (q, ql): (&CudaStorage, &Layout),
+        (k, kl): (&CudaStorage, &Layout),
+        (v, vl): (&CudaStorage, &Layout),
+        args: cudnn_llm_ops::SdpaArgs,
+        n: usize,
+        backend: Backend,
+    ) -> Result<CudaStorage> {
+        let mut o = output::<T>(dev, n)?;
+        let (qv, kv, vv) = (view::<T>(q, ql)?, view::<T>(k, kl)?, view::<T>(v, vl)?);
+        cudnn_llm_ops::sdpa(ctx, args, cudnn_llm_ops::SdpaOperands::new(&qv, &kv, &vv, &mut o), backend)
+            .map_err(|e| error("sdpa", e))?;
+        Ok(CudaStorage::wrap_cuda_slice(o, dev.clone()))
+    }
+    match q.dtype() {
+        DType::BF16 => run::<half::bf16>(ctx, dev, (q, ql), (k, kl), (v, vl), args, n, backend),
+        DType::F16 => run::<half::f16>(ctx, dev, (q, ql), (k, kl), (v, vl), args, n, backend),
+        other => {
+            let e = cudnn_llm_ops::Error::NotSupported {
+                op: "sdpa".into(),
+                reason: format!("cuDNN's attention takes bf16 or f16, not {other:?}"),
+            };
+            Err(error("sdpa", e))
+        }
+    }
+}
+
+/// A Linear with its epilogue; y `[tokens, out]`.
+pub(crate) fn linear(
+    (x, xl): (&CudaStorage, &Layout),
+    (w, wl): (&CudaStorage, &Layout),
+    bias: Option<(&CudaStorage, &Layout)>,
+    args: cudnn_llm_ops::MatmulArgs,
+    backend: Backend,
+) -> Result<CudaStorage> {
+    let dev = x.device().clone();
+    let ctx = context(&dev)?;
+    with_float!("linear", x.dtype(), T => {
+        let mut y = output::<T>(&dev, args.m() * args.n())?;
+        let (xv, wv) = (view::<T>(x, xl)?, view::<T>(w, wl)?);
+        let bv = bias.map(|(b, bl)| view::<T>(b, bl)).transpose()?;
+        let mut operands = cudnn_llm_ops::MatmulOperands::new(&xv, &wv, &mut y);
+        if let Some(b) = &bv {
+            operands = operands.bias(b);
+        }
+        cudnn_llm_ops::matmul(&ctx, &args, operands, backend).map_err(|e| error("linear", e))?;
+        Ok(CudaStorage::wrap_cuda_slice(y, dev))
+    })
+}

@@ -1,0 +1,528 @@
+//! cuDNN's fused ops on candle tensors: [`rms_norm`], [`sdpa`] (causal, grouped-query heads, strided
+//! Q/K/V) and [`linear`] (bias and activation fused into the product), each a candle custom op.
+//!
+//! On a CUDA tensor (feature `cuda`) an op binds candle's device buffers into the library's op and
+//! enqueues it on candle's own stream: no copy, no synchronization between candle's kernels and these.
+//! Each thread keeps one cuDNN context per candle device, with its plan cache (the first call of a
+//! shape builds a plan; later calls reuse it). On a CPU tensor an op runs the library's f64 reference
+//! and rounds once to the tensor's dtype, so the same model code runs, slowly, without a GPU.
+//!
+//! ```no_run
+//! use candle_core::{DType, Device, Tensor};
+//! use cudnn_llm_candle::{sdpa, Attention, Causal};
+//! # fn main() -> candle_core::Result<()> {
+//! let dev = Device::new_cuda(0)?;
+//! // Llama-3.2-1B's attention: 32 query heads over 8 K/V heads of 64, a 128-token prompt.
+//! let q = Tensor::randn(0f32, 1.0, (1, 128, 32, 64), &dev)?.to_dtype(DType::BF16)?;
+//! let k = Tensor::randn(0f32, 1.0, (1, 128, 8, 64), &dev)?.to_dtype(DType::BF16)?;
+//! let v = Tensor::randn(0f32, 1.0, (1, 128, 8, 64), &dev)?.to_dtype(DType::BF16)?;
+//! // [b, s, h, d] as the projections write it, viewed as [b, h, s, d]: no copy.
+//! let (q, k, v) = (q.transpose(1, 2)?, k.transpose(1, 2)?, v.transpose(1, 2)?);
+//! let o = sdpa(&q, &k, &v, &Attention::causal(Causal::TopLeft))?; // [1, 32, 128, 64]
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Shapes candle can express and these ops cannot run (an f32 attention, a head dimension cuDNN does
+//! not take) are an error naming them, or, with [`Fallback::Candle`], the same function computed by
+//! candle's own ops.
+#![deny(missing_docs)]
+
+mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
+mod shapes;
+
+pub use cudnn_llm_ops::Backend;
+pub use shapes::{Activation, Causal};
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
+
+/// What an op does with a shape or dtype the fused path cannot run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Fallback {
+    /// Return the error, which names what was refused.
+    #[default]
+    Error,
+    /// Compute the same function with candle's own ops.
+    Candle,
+}
+
+/// Attention options: the mask, the scale, what runs, and what to do where it cannot.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub struct Attention {
+    /// The causal mask, if any.
+    pub causal: Causal,
+    /// The scores' scale; `None` is `1/sqrt(head_dim)`.
+    pub scale: Option<f32>,
+    /// The library's fused path (cuDNN) or its naive one (one kernel per step, as PyTorch eager does).
+    pub backend: Backend,
+    /// Where the fused path refuses the call.
+    pub fallback: Fallback,
+}
+
+impl Default for Attention {
+    /// No mask, the default scale, fused, no fallback.
+    fn default() -> Self {
+        Attention { causal: Causal::None, scale: None, backend: Backend::Fused, fallback: Fallback::Error }
+    }
+}
+
+impl Attention {
+    /// Causal attention (or none), default scale, fused, no fallback.
+    pub fn causal(causal: Causal) -> Self {
+        Attention { causal, ..Attention::default() }
+    }
+
+    /// With the scores scaled by `scale`.
+    pub fn with_scale(self, scale: f32) -> Self {
+        Attention { scale: Some(scale), ..self }
+    }
+
+    /// With a fallback.
+    pub fn with_fallback(self, fallback: Fallback) -> Self {
+        Attention { fallback, ..self }
+    }
+
+    /// On `backend`.
+    pub fn on(self, backend: Backend) -> Self {
+        Attention { backend, ..self }
+    }
+}
+
+/// An operand as the fused path can bind it: as it is when its strides and alignment allow, else a
+/// contiguous copy (made by candle, on its stream).
+fn bindable(t: &Tensor, for_attention: bool) -> Result<Tensor> {
+    let (storage, layout) = t.storage_and_layout();
+    // cuDNN's tensors are declared 16-byte aligned; a view into the middle of a buffer may not be.
+    let aligned = !t.device().is_cuda()
+        || (layout.start_offset() * t.dtype().size_in_bytes())
+            .is_multiple_of(cudnn_llm_ops::DEFAULT_ALIGNMENT as usize);
+    let binds =
+        if for_attention { shapes::attention_strides(layout).is_ok() } else { layout.is_contiguous() };
+    drop(storage);
+    if aligned && binds {
+        Ok(t.clone())
+    } else {
+        t.force_contiguous()
+    }
+}
+
+/// Runs `f`; where it fails because the fused path refused the call and `fallback` asks for it, runs
+/// `candle` instead.
+fn with_fallback(
+    fallback: Fallback,
+    f: impl FnOnce() -> Result<Tensor>,
+    candle: impl FnOnce() -> Result<Tensor>,
+) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    let _ = cuda::take_refusal();
+    match f() {
+        Ok(t) => Ok(t),
+        #[cfg(feature = "cuda")]
+        Err(e) if fallback == Fallback::Candle => match cuda::take_refusal() {
+            Some(_) => candle(),
+            None => Err(e),
+        },
+        Err(e) => {
+            let _ = (fallback, candle);
+            Err(e)
+        }
+    }
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct RmsNorm {
+    eps: f32,
+    backend: Backend,
+}
+
+impl CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "cudnn-llm-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        w: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let args = shapes::rms_norm(xl, wl, x.dtype(), w.dtype(), self.eps)?;
+        let (xs, ws) = (cpu::gather(x, xl)?, cpu::gather(w, wl)?);
+        let (y, _) =
+            cudnn_llm_ops::reference::rms_norm(&xs, &ws, args.tokens, args.hidden, f64::from(self.eps));
+        Ok((cpu::store(&y, x.dtype())?, xl.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        w: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((cuda::rms_norm((x, xl), (w, wl), self.eps, self.backend)?, xl.shape().clone()))
+    }
+}
+
+/// RMSNorm over the last dimension: `x / sqrt(mean(x²) + eps) · weight`, x `[..., hidden]` and
+/// weight `[hidden]` of one dtype (bf16, f16, f32), in one cuDNN graph on a CUDA tensor.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
+    rms_norm_on(x, weight, eps, Backend::Fused)
+}
+
+/// [`rms_norm`] on `backend` (the naive one runs one kernel per elementary step, as PyTorch eager does).
+pub fn rms_norm_on(x: &Tensor, weight: &Tensor, eps: f32, backend: Backend) -> Result<Tensor> {
+    let (x, w) = (bindable(x, false)?, bindable(weight, false)?);
+    x.apply_op2_no_bwd(&w, &RmsNorm { eps, backend })
+}
+
+/// [`rms_norm`] in candle's own ops (in f32), the baseline and the fallback.
+pub fn rms_norm_candle(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let x = x.to_dtype(DType::F32)?;
+    let inv = (x.sqr()?.mean_keepdim(D::Minus1)? + f64::from(eps))?.sqrt()?.recip()?;
+    x.broadcast_mul(&inv)?.to_dtype(dtype)?.broadcast_mul(weight)
+}
+
+struct Sdpa {
+    options: Attention,
+}
+
+impl CustomOp3 for Sdpa {
+    fn name(&self) -> &'static str {
+        "cudnn-llm-sdpa"
+    }
+
+    fn cpu_fwd(
+        &self,
+        q: &CpuStorage,
+        ql: &Layout,
+        k: &CpuStorage,
+        kl: &Layout,
+        v: &CpuStorage,
+        vl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let a = self.args((ql, kl, vl), [q.dtype(), k.dtype(), v.dtype()])?;
+        let shape = cudnn_llm_ops::reference::AttentionShape {
+            batch: a.batch,
+            heads_q: a.heads_q,
+            heads_kv: a.heads_kv,
+            seq_q: a.seq_q,
+            seq_kv: a.seq_kv,
+            dim: a.head_dim,
+        };
+        let (qs, ks, vs) = (cpu::gather(q, ql)?, cpu::gather(k, kl)?, cpu::gather(v, vl)?);
+        let (o, _) = cudnn_llm_ops::reference::attention(&qs, &ks, &vs, shape, f64::from(a.scale()), a.mask);
+        Ok((cpu::store(&o, q.dtype())?, ql.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        q: &candle_core::CudaStorage,
+        ql: &Layout,
+        k: &candle_core::CudaStorage,
+        kl: &Layout,
+        v: &candle_core::CudaStorage,
+        vl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let a = self.args((ql, kl, vl), [q.dtype(), k.dtype(), v.dtype()])?;
+        Ok((cuda::sdpa((q, ql), (k, kl), (v, vl), a, self.options.backend)?, ql.shape().clone()))
+    }
+}
+
+impl Sdpa {
+    fn args(
+        &self,
+        layouts: (&Layout, &Layout, &Layout),
+        dtypes: [DType; 3],
+    ) -> Result<cudnn_llm_ops::SdpaArgs> {
+        shapes::sdpa(layouts, dtypes, self.options.causal, self.options.scale)
+    }
+}
+
+/// Scaled dot-product attention: `softmax(scale · Q Kᵀ, masked) V` with query head `h` reading K/V
+/// head `h / (h_q / h_kv)`. Q `[b, h_q, s_q, d]`, K and V `[b, h_kv, s_kv, d]`, of one dtype (bf16
+/// or f16 on the fused path), strided as candle has them wherever the head dimension steps by 1 (a
+/// `[b, s, h, d]` projection output transposed to `[b, h, s, d]` binds without a copy). Returns O
+/// `[b, h_q, s_q, d]`, contiguous.
+pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, options: &Attention) -> Result<Tensor> {
+    let options = *options;
+    with_fallback(
+        options.fallback,
+        || {
+            let (q, k, v) = (bindable(q, true)?, bindable(k, true)?, bindable(v, true)?);
+            q.apply_op3_no_bwd(&k, &v, &Sdpa { options })
+        },
+        || sdpa_candle(q, k, v, &options),
+    )
+}
+
+/// [`sdpa`] in candle's own ops (scores and softmax in f32, then V), the baseline and the fallback.
+pub fn sdpa_candle(q: &Tensor, k: &Tensor, v: &Tensor, options: &Attention) -> Result<Tensor> {
+    let (b, h_q, s_q, d) = q.dims4()?;
+    let (_, h_kv, s_kv, _) = k.dims4()?;
+    if h_kv == 0 || h_q % h_kv != 0 {
+        return Err(shapes::refuse(
+            "sdpa",
+            format!("{h_q} query heads are not a multiple of {h_kv} K/V heads"),
+        ));
+    }
+    let group = h_q / h_kv;
+    let repeat = |t: &Tensor| -> Result<Tensor> {
+        if group == 1 {
+            return t.contiguous();
+        }
+        t.unsqueeze(2)?.expand((b, h_kv, group, s_kv, d))?.reshape((b, h_q, s_kv, d))
+    };
+    let dtype = q.dtype();
+    let (k, v) = (repeat(k)?.to_dtype(DType::F32)?, repeat(v)?.to_dtype(DType::F32)?);
+    let scale = options.scale.map(f64::from).unwrap_or(1.0 / (d as f64).sqrt());
+    let scores = (q.to_dtype(DType::F32)?.contiguous()?.matmul(&k.t()?.contiguous()?)? * scale)?;
+    let scores = match options.causal {
+        Causal::None => scores,
+        causal => {
+            let shift = if causal == Causal::BottomRight { s_kv as i64 - s_q as i64 } else { 0 };
+            let keep: Vec<u8> = (0..s_q as i64)
+                .flat_map(|i| (0..s_kv as i64).map(move |j| u8::from(j <= i + shift)))
+                .collect();
+            let keep = Tensor::from_vec(keep, (s_q, s_kv), q.device())?.broadcast_as(scores.shape())?;
+            let hidden = Tensor::full(f32::NEG_INFINITY, scores.shape(), q.device())?;
+            keep.where_cond(&scores, &hidden)?
+        }
+    };
+    let max = scores.max_keepdim(D::Minus1)?;
+    let e = scores.broadcast_sub(&max)?.exp()?;
+    let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
+    p.matmul(&v.contiguous()?)?.to_dtype(dtype)
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct Linear {
+    activation: Option<Activation>,
+    backend: Backend,
+}
+
+impl Linear {
+    fn out_shape(x: &Layout, w: &Layout) -> Shape {
+        let mut dims = x.dims().to_vec();
+        if let (Some(last), Some(&out)) = (dims.last_mut(), w.dims().first()) {
+            *last = out;
+        }
+        Shape::from(dims)
+    }
+
+    fn cpu(
+        &self,
+        x: (&CpuStorage, &Layout),
+        w: (&CpuStorage, &Layout),
+        bias: Option<(&CpuStorage, &Layout)>,
+    ) -> Result<(CpuStorage, Shape)> {
+        let dtypes: Vec<DType> =
+            [Some(x.0.dtype()), Some(w.0.dtype()), bias.map(|b| b.0.dtype())].into_iter().flatten().collect();
+        let (args, epilogue) = shapes::linear(x.1, w.1, bias.map(|b| b.1), &dtypes, self.activation)?;
+        let (xs, ws) = (cpu::gather(x.0, x.1)?, cpu::gather(w.0, w.1)?);
+        let bs = bias.map(|(b, bl)| cpu::gather(b, bl)).transpose()?;
+        let y = cudnn_llm_ops::reference::matmul(&args, epilogue, &xs, &ws, bs.as_deref(), None, None);
+        Ok((cpu::store(&y, x.0.dtype())?, Self::out_shape(x.1, w.1)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(
+        &self,
+        x: (&candle_core::CudaStorage, &Layout),
+        w: (&candle_core::CudaStorage, &Layout),
+        bias: Option<(&candle_core::CudaStorage, &Layout)>,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let dtypes: Vec<DType> =
+            [Some(x.0.dtype()), Some(w.0.dtype()), bias.map(|b| b.0.dtype())].into_iter().flatten().collect();
+        let (args, _) = shapes::linear(x.1, w.1, bias.map(|b| b.1), &dtypes, self.activation)?;
+        Ok((cuda::linear(x, w, bias, args, self.backend)?, Self::out_shape(x.1, w.1)))
+    }
+}
+
+impl CustomOp2 for Linear {
+    fn name(&self) -> &'static str {
+        "cudnn-llm-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        w: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.cpu((x, xl), (w, wl), None)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        w: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.cuda((x, xl), (w, wl), None)
+    }
+}
+
+impl CustomOp3 for Linear {
+    fn name(&self) -> &'static str {
+        "cudnn-llm-linear-bias"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        w: &CpuStorage,
+        wl: &Layout,
+        b: &CpuStorage,
+        bl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.cpu((x, xl), (w, wl), Some((b, bl)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        w: &candle_core::CudaStorage,
+        wl: &Layout,
+        b: &candle_core::CudaStorage,
+        bl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.cuda((x, xl), (w, wl), Some((b, bl)))
+    }
+}
+
+/// A Linear layer with its epilogue in one cuDNN graph: `act(x · weightᵀ + bias)`, x `[..., in]`,
+/// weight `[out, in]` as checkpoints store it, bias `[out]`, one dtype (bf16, f16, f32). Returns
+/// `[..., out]`.
+pub fn linear(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    activation: Option<Activation>,
+) -> Result<Tensor> {
+    linear_on(x, weight, bias, activation, Backend::Fused)
+}
+
+/// [`linear`] on `backend`.
+pub fn linear_on(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    activation: Option<Activation>,
+    backend: Backend,
+) -> Result<Tensor> {
+    let op = Linear { activation, backend };
+    let (x, w) = (bindable(x, false)?, bindable(weight, false)?);
+    match bias {
+        None => x.apply_op2_no_bwd(&w, &op),
+        Some(b) => x.apply_op3_no_bwd(&w, &bindable(b, false)?, &op),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The CPU forms against candle's own ops, on CPU tensors (the CUDA forms: `tests/cuda.rs`).
+    use super::*;
+    use candle_core::Device;
+
+    fn rel(a: &Tensor, b: &Tensor) -> f64 {
+        let a = a.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let b = b.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        assert_eq!(a.len(), b.len());
+        let num: f64 = a.iter().zip(&b).map(|(x, y)| (x - y) * (x - y)).sum();
+        let den: f64 = b.iter().map(|y| y * y).sum();
+        (num / den).sqrt()
+    }
+
+    fn randn(shape: &[usize], seed: u64) -> Tensor {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> =
+            cudnn_llm_ops::reference::random_values(seed, n).into_iter().map(|x| x as f32).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn rms_norm_matches_candle() {
+        let x = randn(&[2, 3, 64], 1);
+        let w = randn(&[64], 2);
+        let ours = rms_norm(&x, &w, 1e-5).unwrap();
+        assert_eq!(ours.dims(), [2, 3, 64]);
+        assert!(rel(&ours, &rms_norm_candle(&x, &w, 1e-5).unwrap()) < 1e-6);
+        // bf16 in, bf16 out, one rounding.
+        let (xb, wb) = (x.to_dtype(DType::BF16).unwrap(), w.to_dtype(DType::BF16).unwrap());
+        let ours = rms_norm(&xb, &wb, 1e-5).unwrap();
+        assert_eq!(ours.dtype(), DType::BF16);
+        assert!(rel(&ours, &rms_norm_candle(&xb, &wb, 1e-5).unwrap()) < 1e-2);
+        // A transposed x is copied first.
+        let xt = randn(&[64, 3], 3).t().unwrap();
+        let ours = rms_norm(&xt, &w, 1e-5).unwrap();
+        assert!(rel(&ours, &rms_norm_candle(&xt.contiguous().unwrap(), &w, 1e-5).unwrap()) < 1e-6);
+    }
+
+    #[test]
+    fn sdpa_matches_candle_for_every_mask_with_grouped_heads_and_strided_inputs() {
+        // [b, s, h, d] transposed to [b, h, s, d], as a projection's output: strided, not copied.
+        let q = randn(&[2, 5, 6, 16], 4).transpose(1, 2).unwrap();
+        let k = randn(&[2, 9, 2, 16], 5).transpose(1, 2).unwrap();
+        let v = randn(&[2, 9, 2, 16], 6).transpose(1, 2).unwrap();
+        for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
+            for scale in [None, Some(0.3)] {
+                let mut options = Attention::causal(causal);
+                options.scale = scale;
+                let ours = sdpa(&q, &k, &v, &options).unwrap();
+                assert_eq!(ours.dims(), [2, 6, 5, 16]);
+                let e = rel(&ours, &sdpa_candle(&q, &k, &v, &options).unwrap());
+                assert!(e < 1e-6, "{causal:?} {scale:?}: {e}");
+            }
+        }
+        // The masks differ where they should: top-left hides more of a 5x9 block than bottom-right.
+        let tl = sdpa(&q, &k, &v, &Attention::causal(Causal::TopLeft)).unwrap();
+        let br = sdpa(&q, &k, &v, &Attention::causal(Causal::BottomRight)).unwrap();
+        assert!(rel(&tl, &br) > 1e-2);
+    }
+
+    #[test]
+    fn linear_matches_candle_with_bias_and_activation() {
+        let x = randn(&[2, 3, 32], 7);
+        let w = randn(&[24, 32], 8);
+        let b = randn(&[24], 9);
+        let plain = x.broadcast_matmul(&w.t().unwrap()).unwrap();
+        assert!(rel(&linear(&x, &w, None, None).unwrap(), &plain) < 1e-6);
+        let biased = plain.broadcast_add(&b).unwrap();
+        assert!(rel(&linear(&x, &w, Some(&b), None).unwrap(), &biased) < 1e-6);
+        let silu = (&biased
+            * candle_core::Tensor::ones_like(&biased)
+                .unwrap()
+                .broadcast_div(&(biased.neg().unwrap().exp().unwrap() + 1.0).unwrap())
+                .unwrap())
+        .unwrap();
+        let ours = linear(&x, &w, Some(&b), Some(Activation::Silu)).unwrap();
+        assert_eq!(ours.dims(), [2, 3, 24]);
+        assert!(rel(&ours, &silu) < 1e-6);
+    }
+
+    #[test]
+    fn refused_shapes_name_what_is_wrong() {
+        let q = randn(&[1, 6, 4, 16], 10);
+        let kv = randn(&[1, 4, 4, 16], 11);
+        let e = sdpa(&q, &kv, &kv, &Attention::default()).unwrap_err().to_string();
+        assert!(e.contains("not a multiple of 4"), "{e}");
+        let e = rms_norm(&q, &randn(&[8], 12), 1e-5).unwrap_err().to_string();
+        assert!(e.contains("last dimension is 16"), "{e}");
+    }
+}
