@@ -55,6 +55,13 @@ pub(crate) fn view<'a, T: CudaDType>(storage: &'a CudaStorage, layout: &Layout) 
     Ok(slice.slice(start..))
 }
 
+/// [`view`] of an optional operand.
+fn optional<'a, T: CudaDType>(
+    operand: Option<(&'a CudaStorage, &Layout)>,
+) -> Result<Option<CudaView<'a, T>>> {
+    operand.map(|(s, l)| view::<T>(s, l)).transpose()
+}
+
 /// A new output buffer of `len` elements on `device`.
 pub(crate) fn output<T: CudaDType + cudnn_llm_ops::cudarc::driver::DeviceRepr>(
     device: &CudaDevice,
@@ -162,11 +169,18 @@ fn sdpa_typed(
     }
 }
 
+/// A Linear's epilogue inputs.
+pub(crate) struct LinearExtras<'a> {
+    pub(crate) bias: Option<(&'a CudaStorage, &'a Layout)>,
+    pub(crate) gate: Option<(&'a CudaStorage, &'a Layout)>,
+    pub(crate) residual: Option<(&'a CudaStorage, &'a Layout)>,
+}
+
 /// A Linear with its epilogue; y `[tokens, out]`.
 pub(crate) fn linear(
     (x, xl): (&CudaStorage, &Layout),
     (w, wl): (&CudaStorage, &Layout),
-    bias: Option<(&CudaStorage, &Layout)>,
+    extra: LinearExtras<'_>,
     args: cudnn_llm_ops::MatmulArgs,
     backend: Backend,
 ) -> Result<CudaStorage> {
@@ -175,10 +189,16 @@ pub(crate) fn linear(
     with_float!("linear", x.dtype(), T => {
         let mut y = output::<T>(&dev, args.m() * args.n())?;
         let (xv, wv) = (view::<T>(x, xl)?, view::<T>(w, wl)?);
-        let bv = bias.map(|(b, bl)| view::<T>(b, bl)).transpose()?;
+        let (bv, gv, rv) = (optional::<T>(extra.bias)?, optional::<T>(extra.gate)?, optional::<T>(extra.residual)?);
         let mut operands = cudnn_llm_ops::MatmulOperands::new(&xv, &wv, &mut y);
         if let Some(b) = &bv {
             operands = operands.bias(b);
+        }
+        if let Some(g) = &gv {
+            operands = operands.up(g);
+        }
+        if let Some(r) = &rv {
+            operands = operands.residual(r);
         }
         cudnn_llm_ops::matmul(&ctx, &args, operands, backend).map_err(|e| error("linear", e))?;
         Ok(CudaStorage::wrap_cuda_slice(y, dev))

@@ -304,134 +304,179 @@ pub fn sdpa_candle(q: &Tensor, k: &Tensor, v: &Tensor, options: &Attention) -> R
     p.matmul(&v.contiguous()?)?.to_dtype(dtype)
 }
 
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-struct Linear {
-    activation: Option<Activation>,
-    backend: Backend,
+/// The steps after a Linear's product, fused into its cuDNN graph in this order:
+/// `y = act(x · Wᵀ + bias) ⊙ gate + residual` (each optional; gate and residual shaped like y).
+#[derive(Debug, Clone, Copy, Default)]
+#[non_exhaustive]
+pub struct LinearEpilogue<'a> {
+    /// `[out]`, added to each row.
+    pub bias: Option<&'a Tensor>,
+    /// Applied after the bias.
+    pub activation: Option<Activation>,
+    /// Multiplied in after the activation: SwiGLU's `silu(x · W_gateᵀ) ⊙ up` is the gate projection
+    /// with `activation(Silu).gate(&up)`.
+    pub gate: Option<&'a Tensor>,
+    /// Added last: a residual connection.
+    pub residual: Option<&'a Tensor>,
 }
 
-impl Linear {
-    fn out_shape(x: &Layout, w: &Layout) -> Shape {
-        let mut dims = x.dims().to_vec();
-        if let (Some(last), Some(&out)) = (dims.last_mut(), w.dims().first()) {
-            *last = out;
-        }
-        Shape::from(dims)
+impl<'a> LinearEpilogue<'a> {
+    /// Nothing after the product.
+    pub fn none() -> Self {
+        LinearEpilogue::default()
     }
 
-    fn cpu(
-        &self,
-        x: (&CpuStorage, &Layout),
-        w: (&CpuStorage, &Layout),
-        bias: Option<(&CpuStorage, &Layout)>,
-    ) -> Result<(CpuStorage, Shape)> {
-        let dtypes: Vec<DType> =
-            [Some(x.0.dtype()), Some(w.0.dtype()), bias.map(|b| b.0.dtype())].into_iter().flatten().collect();
-        let (args, epilogue) = shapes::linear(x.1, w.1, bias.map(|b| b.1), &dtypes, self.activation)?;
-        let (xs, ws) = (cpu::gather(x.0, x.1)?, cpu::gather(w.0, w.1)?);
-        let bs = bias.map(|(b, bl)| cpu::gather(b, bl)).transpose()?;
-        let y = cudnn_llm_ops::reference::matmul(&args, epilogue, &xs, &ws, bs.as_deref(), None, None);
-        Ok((cpu::store(&y, x.0.dtype())?, Self::out_shape(x.1, w.1)))
+    /// With a bias.
+    pub fn bias(self, bias: &'a Tensor) -> Self {
+        LinearEpilogue { bias: Some(bias), ..self }
     }
 
-    #[cfg(feature = "cuda")]
-    fn cuda(
-        &self,
-        x: (&candle_core::CudaStorage, &Layout),
-        w: (&candle_core::CudaStorage, &Layout),
-        bias: Option<(&candle_core::CudaStorage, &Layout)>,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let dtypes: Vec<DType> =
-            [Some(x.0.dtype()), Some(w.0.dtype()), bias.map(|b| b.0.dtype())].into_iter().flatten().collect();
-        let (args, _) = shapes::linear(x.1, w.1, bias.map(|b| b.1), &dtypes, self.activation)?;
-        Ok((cuda::linear(x, w, bias, args, self.backend)?, Self::out_shape(x.1, w.1)))
-    }
-}
-
-impl CustomOp2 for Linear {
-    fn name(&self) -> &'static str {
-        "cudnn-llm-linear"
+    /// With an activation.
+    pub fn activation(self, activation: Activation) -> Self {
+        LinearEpilogue { activation: Some(activation), ..self }
     }
 
-    fn cpu_fwd(
-        &self,
-        x: &CpuStorage,
-        xl: &Layout,
-        w: &CpuStorage,
-        wl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        self.cpu((x, xl), (w, wl), None)
+    /// With a gate multiplier.
+    pub fn gate(self, gate: &'a Tensor) -> Self {
+        LinearEpilogue { gate: Some(gate), ..self }
     }
 
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        x: &candle_core::CudaStorage,
-        xl: &Layout,
-        w: &candle_core::CudaStorage,
-        wl: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.cuda((x, xl), (w, wl), None)
+    /// With a residual.
+    pub fn residual(self, residual: &'a Tensor) -> Self {
+        LinearEpilogue { residual: Some(residual), ..self }
     }
 }
 
-impl CustomOp3 for Linear {
-    fn name(&self) -> &'static str {
-        "cudnn-llm-linear-bias"
-    }
-
-    fn cpu_fwd(
-        &self,
-        x: &CpuStorage,
-        xl: &Layout,
-        w: &CpuStorage,
-        wl: &Layout,
-        b: &CpuStorage,
-        bl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        self.cpu((x, xl), (w, wl), Some((b, bl)))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        x: &candle_core::CudaStorage,
-        xl: &Layout,
-        w: &candle_core::CudaStorage,
-        wl: &Layout,
-        b: &candle_core::CudaStorage,
-        bl: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.cuda((x, xl), (w, wl), Some((b, bl)))
-    }
+/// A Linear layer with its epilogue in one cuDNN graph: x `[..., in]`, weight `[out, in]` as
+/// checkpoints store it, one dtype (bf16, f16, f32) for every operand. Returns `[..., out]`.
+pub fn linear(x: &Tensor, weight: &Tensor, epilogue: &LinearEpilogue<'_>) -> Result<Tensor> {
+    linear_on(x, weight, epilogue, Backend::Fused)
 }
 
-/// A Linear layer with its epilogue in one cuDNN graph: `act(x · weightᵀ + bias)`, x `[..., in]`,
-/// weight `[out, in]` as checkpoints store it, bias `[out]`, one dtype (bf16, f16, f32). Returns
-/// `[..., out]`.
-pub fn linear(
-    x: &Tensor,
-    weight: &Tensor,
-    bias: Option<&Tensor>,
-    activation: Option<Activation>,
-) -> Result<Tensor> {
-    linear_on(x, weight, bias, activation, Backend::Fused)
-}
-
-/// [`linear`] on `backend`.
+/// [`linear`] on `backend` (the naive one: cuBLAS, then one kernel per epilogue step).
 pub fn linear_on(
     x: &Tensor,
     weight: &Tensor,
-    bias: Option<&Tensor>,
-    activation: Option<Activation>,
+    epilogue: &LinearEpilogue<'_>,
     backend: Backend,
 ) -> Result<Tensor> {
-    let op = Linear { activation, backend };
+    use candle_core::Storage;
+    let op = "linear";
+    let bind = |t: Option<&Tensor>| t.map(|t| bindable(t, false)).transpose();
     let (x, w) = (bindable(x, false)?, bindable(weight, false)?);
-    match bias {
-        None => x.apply_op2_no_bwd(&w, &op),
-        Some(b) => x.apply_op3_no_bwd(&w, &bindable(b, false)?, &op),
+    let (bias, gate, residual) = (bind(epilogue.bias)?, bind(epilogue.gate)?, bind(epilogue.residual)?);
+    let given = [Some(&w), bias.as_ref(), gate.as_ref(), residual.as_ref()];
+    if let Some(t) = given.iter().flatten().find(|t| !t.device().same_device(x.device())) {
+        return Err(shapes::refuse(
+            op,
+            format!("x is on {:?}, an operand on {:?}", x.device().location(), t.device().location()),
+        ));
     }
+    let dtypes: Vec<DType> = [Some(&x)].into_iter().chain(given).flatten().map(|t| t.dtype()).collect();
+    let layout = |t: &Option<Tensor>| t.as_ref().map(|t| t.layout().clone());
+    let (args, steps) = shapes::linear(
+        shapes::LinearLayouts {
+            x: x.layout(),
+            w: w.layout(),
+            bias: layout(&bias).as_ref(),
+            gate: layout(&gate).as_ref(),
+            residual: layout(&residual).as_ref(),
+        },
+        &dtypes,
+        epilogue.activation,
+    )?;
+    let mut dims = x.dims().to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last = args.n();
+    }
+    let storage = {
+        fn read(t: &Tensor) -> candle_core::StorageRef<'_> {
+            t.storage_and_layout().0
+        }
+        let (xs, ws) = (read(&x), read(&w));
+        let (bs, gs, rs) = (bias.as_ref().map(read), gate.as_ref().map(read), residual.as_ref().map(read));
+        match (&*xs, &*ws) {
+            (Storage::Cpu(xc), Storage::Cpu(wc)) => {
+                let cpu = |s: &Option<candle_core::StorageRef<'_>>,
+                           t: &Option<Tensor>|
+                 -> Result<Option<Vec<f64>>> {
+                    match (s.as_deref(), t) {
+                        (Some(Storage::Cpu(c)), Some(t)) => Ok(Some(cpu::gather(c, t.layout())?)),
+                        (None, _) => Ok(None),
+                        _ => Err(shapes::refuse(op, "operands on different devices")),
+                    }
+                };
+                let (bv, gv, rv) = (cpu(&bs, &bias)?, cpu(&gs, &gate)?, cpu(&rs, &residual)?);
+                let (xv, wv) = (cpu::gather(xc, x.layout())?, cpu::gather(wc, w.layout())?);
+                let y = cudnn_llm_ops::reference::matmul(
+                    &args,
+                    steps,
+                    &xv,
+                    &wv,
+                    bv.as_deref(),
+                    gv.as_deref(),
+                    rv.as_deref(),
+                );
+                Storage::Cpu(cpu::store(&y, x.dtype())?)
+            }
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda(xc), Storage::Cuda(wc)) => {
+                fn cuda<'a>(
+                    s: &'a Option<candle_core::StorageRef<'_>>,
+                    t: &'a Option<Tensor>,
+                ) -> Result<Option<(&'a candle_core::CudaStorage, &'a Layout)>> {
+                    match (s.as_deref(), t) {
+                        (Some(Storage::Cuda(c)), Some(t)) => Ok(Some((c, t.layout()))),
+                        (None, _) => Ok(None),
+                        _ => Err(shapes::refuse("linear", "operands on different devices")),
+                    }
+                }
+                let extra = cuda::LinearExtras {
+                    bias: cuda(&bs, &bias)?,
+                    gate: cuda(&gs, &gate)?,
+                    residual: cuda(&rs, &residual)?,
+                };
+                Storage::Cuda(cuda::linear((xc, x.layout()), (wc, w.layout()), extra, args, backend)?)
+            }
+            _ => {
+                return Err(shapes::refuse(
+                    op,
+                    format!("runs on CPU and CUDA tensors, not on {:?}", x.device().location()),
+                ))
+            }
+        }
+    };
+    let _ = backend;
+    Ok(Tensor::from_storage(storage, dims, candle_core::op::BackpropOp::none(), false))
+}
+
+/// [`linear`] in candle's own ops, the baseline.
+pub fn linear_candle(x: &Tensor, weight: &Tensor, epilogue: &LinearEpilogue<'_>) -> Result<Tensor> {
+    let mut y = x.broadcast_matmul(&weight.t()?)?;
+    if let Some(b) = epilogue.bias {
+        y = y.broadcast_add(b)?;
+    }
+    if let Some(a) = epilogue.activation {
+        y = match a {
+            Activation::Silu => y.silu()?,
+            Activation::Gelu => y.gelu_erf()?,
+            Activation::GeluTanh => y.gelu()?,
+            Activation::Relu => y.relu()?,
+            other => {
+                return Err(shapes::refuse(
+                    "linear_candle",
+                    format!("{} has no candle op here", other.name()),
+                ))
+            }
+        };
+    }
+    if let Some(g) = epilogue.gate {
+        y = (y * g)?;
+    }
+    if let Some(r) = epilogue.residual {
+        y = (y + r)?;
+    }
+    Ok(y)
 }
 
 #[cfg(test)]
@@ -497,23 +542,32 @@ mod tests {
     }
 
     #[test]
-    fn linear_matches_candle_with_bias_and_activation() {
+    fn linear_matches_candle_for_every_epilogue() {
         let x = randn(&[2, 3, 32], 7);
         let w = randn(&[24, 32], 8);
         let b = randn(&[24], 9);
+        let u = randn(&[2, 3, 24], 10);
+        let r = randn(&[2, 3, 24], 11);
+        let epilogues = [
+            LinearEpilogue::none(),
+            LinearEpilogue::none().bias(&b),
+            LinearEpilogue::none().bias(&b).activation(Activation::Silu),
+            LinearEpilogue::none().activation(Activation::Silu).gate(&u),
+            LinearEpilogue::none().residual(&r),
+            LinearEpilogue::none().bias(&b).activation(Activation::Gelu).gate(&u).residual(&r),
+        ];
+        for e in epilogues {
+            let ours = linear(&x, &w, &e).unwrap();
+            assert_eq!(ours.dims(), [2, 3, 24]);
+            let err = rel(&ours, &linear_candle(&x, &w, &e).unwrap());
+            assert!(err < 1e-5, "{e:?}: {err}");
+        }
+        // The plain product is candle's matmul.
         let plain = x.broadcast_matmul(&w.t().unwrap()).unwrap();
-        assert!(rel(&linear(&x, &w, None, None).unwrap(), &plain) < 1e-6);
-        let biased = plain.broadcast_add(&b).unwrap();
-        assert!(rel(&linear(&x, &w, Some(&b), None).unwrap(), &biased) < 1e-6);
-        let silu = (&biased
-            * candle_core::Tensor::ones_like(&biased)
-                .unwrap()
-                .broadcast_div(&(biased.neg().unwrap().exp().unwrap() + 1.0).unwrap())
-                .unwrap())
-        .unwrap();
-        let ours = linear(&x, &w, Some(&b), Some(Activation::Silu)).unwrap();
-        assert_eq!(ours.dims(), [2, 3, 24]);
-        assert!(rel(&ours, &silu) < 1e-6);
+        assert!(rel(&linear(&x, &w, &LinearEpilogue::none()).unwrap(), &plain) < 1e-6);
+        // A gate of the wrong shape is named.
+        let e = linear(&x, &w, &LinearEpilogue::none().gate(&b)).unwrap_err().to_string();
+        assert!(e.contains("gate has shape [24]"), "{e}");
     }
 
     #[test]

@@ -179,50 +179,72 @@ pub(crate) fn sdpa(
 /// An activation after a Linear's bias.
 pub use cudnn_llm_ops::Activation;
 
-/// `y [..., out] = act(x [..., inp] · wᵀ + bias)`, w `[out, inp]` as checkpoints store it, all
-/// contiguous and of one dtype.
+/// The layouts of a Linear's operands.
+pub(crate) struct LinearLayouts<'a> {
+    pub(crate) x: &'a Layout,
+    pub(crate) w: &'a Layout,
+    pub(crate) bias: Option<&'a Layout>,
+    pub(crate) gate: Option<&'a Layout>,
+    pub(crate) residual: Option<&'a Layout>,
+}
+
+/// `y [..., out] = act(x [..., inp] · wᵀ + bias) ⊙ gate + residual`, w `[out, inp]` as checkpoints
+/// store it, gate and residual shaped like y, all contiguous and of one dtype.
 pub(crate) fn linear(
-    x: &Layout,
-    w: &Layout,
-    bias: Option<&Layout>,
+    l: LinearLayouts<'_>,
     dtypes: &[DType],
     activation: Option<Activation>,
 ) -> Result<(MatmulArgs, Epilogue)> {
     let op = "linear";
     check_float(op, dtypes[0])?;
     if dtypes.iter().any(|&t| t != dtypes[0]) {
-        return Err(refuse(
-            op,
-            format!("x, the weight and the bias are {dtypes:?}; they must share one dtype"),
-        ));
+        return Err(refuse(op, format!("the operands are {dtypes:?}; they must share one dtype")));
     }
-    let Some(&inp) = x.dims().last() else {
+    let Some(&inp) = l.x.dims().last() else {
         return Err(refuse(op, "x is a scalar"));
     };
-    let [out, w_inp] = *w.dims() else {
+    let [out, w_inp] = *l.w.dims() else {
         return Err(refuse(
             op,
-            format!("the weight has shape {:?}; it takes [out_features, in_features]", w.dims()),
+            format!("the weight has shape {:?}; it takes [out_features, in_features]", l.w.dims()),
         ));
     };
     if w_inp != inp {
         return Err(refuse(op, format!("x has {inp} features, the weight takes {w_inp}")));
     }
-    if let Some(b) = bias {
+    if let Some(b) = l.bias {
         if b.dims() != [out] {
             return Err(refuse(op, format!("the bias has shape {:?}, the weight {out} outputs", b.dims())));
         }
     }
-    if !rows_packed(x) || !rows_packed(w) || !bias.is_none_or(rows_packed) {
-        return Err(refuse(op, "x, the weight and the bias must be contiguous (call .contiguous() first)"));
+    let mut y = l.x.dims().to_vec();
+    if let Some(last) = y.last_mut() {
+        *last = out;
     }
-    let tokens = x.dims()[..x.dims().len() - 1].iter().product::<usize>();
+    for (name, t) in [("gate", l.gate), ("residual", l.residual)] {
+        if let Some(t) = t {
+            if t.dims() != y {
+                return Err(refuse(op, format!("the {name} has shape {:?}, the output {y:?}", t.dims())));
+            }
+        }
+    }
+    let all = [Some(l.x), Some(l.w), l.bias, l.gate, l.residual];
+    if !all.into_iter().flatten().all(rows_packed) {
+        return Err(refuse(op, "every operand must be contiguous (call .contiguous() first)"));
+    }
+    let tokens = l.x.dims()[..l.x.dims().len() - 1].iter().product::<usize>();
     let mut epilogue = Epilogue::NONE;
-    if bias.is_some() {
+    if l.bias.is_some() {
         epilogue = epilogue.with_bias();
     }
     if let Some(a) = activation {
         epilogue = epilogue.with_activation(a);
+    }
+    if l.gate.is_some() {
+        epilogue = epilogue.with_gate();
+    }
+    if l.residual.is_some() {
+        epilogue = epilogue.with_residual();
     }
     Ok((MatmulArgs::linear(tokens, inp, out).with_epilogue(epilogue), epilogue))
 }
@@ -234,6 +256,10 @@ mod tests {
 
     fn layout(dims: &[usize]) -> Layout {
         Layout::contiguous(Shape::from(dims))
+    }
+
+    fn lin<'a>(x: &'a Layout, w: &'a Layout, bias: Option<&'a Layout>) -> LinearLayouts<'a> {
+        LinearLayouts { x, w, bias, gate: None, residual: None }
     }
 
     #[test]
@@ -315,15 +341,35 @@ mod tests {
                 "contiguous",
             ),
             (rms_norm(&layout(&[3, 8]), &layout(&[8]), DType::F32, DType::F32, -1.0).map(drop), "epsilon"),
-            (linear(&layout(&[3, 8]), &layout(&[4, 7]), None, &[DType::F32; 2], None).map(drop), "takes 7"),
             (
-                linear(&layout(&[3, 8]), &layout(&[4, 8]), Some(&layout(&[5])), &[DType::F32; 3], None)
+                linear(lin(&layout(&[3, 8]), &layout(&[4, 7]), None), &[DType::F32; 2], None).map(drop),
+                "takes 7",
+            ),
+            (
+                linear(lin(&layout(&[3, 8]), &layout(&[4, 8]), Some(&layout(&[5]))), &[DType::F32; 3], None)
                     .map(drop),
                 "bias has shape [5]",
             ),
             (
-                linear(&layout(&[3, 8]), &layout(&[8]), None, &[DType::F32; 2], None).map(drop),
+                linear(lin(&layout(&[3, 8]), &layout(&[8]), None), &[DType::F32; 2], None).map(drop),
                 "[out_features, in_features]",
+            ),
+            (
+                linear(lin(&layout(&[3, 8]), &layout(&[4, 8]), None), &[DType::F32, DType::F16], None)
+                    .map(drop),
+                "one dtype",
+            ),
+            (
+                linear(
+                    LinearLayouts {
+                        residual: Some(&layout(&[3, 5])),
+                        ..lin(&layout(&[3, 8]), &layout(&[4, 8]), None)
+                    },
+                    &[DType::F32; 3],
+                    None,
+                )
+                .map(drop),
+                "the residual has shape [3, 5], the output [3, 4]",
             ),
         ];
         for (r, expected) in cases {
@@ -337,9 +383,7 @@ mod tests {
         let a = rms_norm(&layout(&[2, 3, 64]), &layout(&[64]), DType::BF16, DType::BF16, 1e-6).unwrap();
         assert_eq!((a.tokens, a.hidden), (6, 64));
         let (m, e) = linear(
-            &layout(&[2, 3, 64]),
-            &layout(&[32, 64]),
-            Some(&layout(&[32])),
+            lin(&layout(&[2, 3, 64]), &layout(&[32, 64]), Some(&layout(&[32]))),
             &[DType::F16; 3],
             Some(Activation::Silu),
         )

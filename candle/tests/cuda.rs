@@ -6,6 +6,7 @@
 use candle_core::{DType, Device, Tensor};
 use cudnn_llm_candle::{
     linear_on, rms_norm_on, sdpa, sdpa_candle, Activation, Attention, Backend, Causal, Fallback,
+    LinearEpilogue,
 };
 
 fn gpu() -> Device {
@@ -114,19 +115,34 @@ fn a_decode_step_attends_to_a_cache_prefix() {
 #[ignore = "needs a CUDA GPU"]
 fn linear_with_its_epilogue_matches_the_reference() {
     let dev = gpu();
+    let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap();
     for dtype in [DType::BF16, DType::F16] {
+        let x = randn(&[2, 17, 256], 8, &dev).to_dtype(dtype).unwrap();
+        let w = randn(&[384, 256], 9, &dev).to_dtype(dtype).unwrap();
+        let b = randn(&[384], 10, &dev).to_dtype(dtype).unwrap();
+        let u = randn(&[2, 17, 384], 11, &dev).to_dtype(dtype).unwrap();
+        let r = randn(&[2, 17, 384], 12, &dev).to_dtype(dtype).unwrap();
+        let (bc, uc, rc) = (cpu(&b), cpu(&u), cpu(&r));
+        let cases = [
+            (LinearEpilogue::none(), LinearEpilogue::none()),
+            (
+                LinearEpilogue::none().bias(&b).activation(Activation::Gelu),
+                LinearEpilogue::none().bias(&bc).activation(Activation::Gelu),
+            ),
+            (
+                LinearEpilogue::none().activation(Activation::Silu).gate(&u),
+                LinearEpilogue::none().activation(Activation::Silu).gate(&uc),
+            ),
+            (LinearEpilogue::none().residual(&r), LinearEpilogue::none().residual(&rc)),
+        ];
         for backend in [Backend::Fused, Backend::Naive] {
-            let x = randn(&[2, 17, 256], 8, &dev).to_dtype(dtype).unwrap();
-            let w = randn(&[384, 256], 9, &dev).to_dtype(dtype).unwrap();
-            let b = randn(&[384], 10, &dev).to_dtype(dtype).unwrap();
-            let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap();
-            for activation in [None, Some(Activation::Silu), Some(Activation::Gelu)] {
-                let reference = linear_on(&cpu(&x), &cpu(&w), Some(&cpu(&b)), activation, backend).unwrap();
+            for (on_gpu, on_cpu) in &cases {
+                let reference = linear_on(&cpu(&x), &cpu(&w), on_cpu, backend).unwrap();
                 poison(&dev, 2 * 17 * 384, dtype);
-                let ours = linear_on(&x, &w, Some(&b), activation, backend).unwrap();
+                let ours = linear_on(&x, &w, on_gpu, backend).unwrap();
                 assert_eq!(ours.dims(), [2, 17, 384]);
                 let e = rel(&ours, &reference);
-                assert!(e < tolerance(dtype), "{dtype:?} {backend:?} {activation:?}: {e}");
+                assert!(e < tolerance(dtype), "{dtype:?} {backend:?} {on_gpu:?}: {e}");
             }
         }
     }
