@@ -169,6 +169,46 @@ fn sdpa_typed(
     }
 }
 
+/// Padded attention; O packed `[b, h_q, s_q, d]`, the lengths i32 device tensors `[b]`.
+pub(crate) fn sdpa_padded(
+    [(q, ql), (k, kl), (v, vl)]: [(&CudaStorage, &Layout); 3],
+    [(lq, lql), (lkv, lkvl)]: [(&CudaStorage, &Layout); 2],
+    args: cudnn_llm_ops::SdpaArgs,
+    backend: Backend,
+) -> Result<CudaStorage> {
+    fn run<T: CudaDType + Element>(
+        ctx: &Cudnn,
+        dev: &CudaDevice,
+        qkv: [(&CudaStorage, &Layout); 3],
+        lens: [CudaView<'_, i32>; 2],
+        args: cudnn_llm_ops::SdpaArgs,
+        backend: Backend,
+    ) -> Result<CudaStorage> {
+        let n = args.batch * args.heads_q * args.seq_q * args.head_dim;
+        let mut o = output::<T>(dev, n)?;
+        let [(q, ql), (k, kl), (v, vl)] = qkv;
+        let (qv, kv, vv) = (view::<T>(q, ql)?, view::<T>(k, kl)?, view::<T>(v, vl)?);
+        let ops = cudnn_llm_ops::SdpaOperands::new(&qv, &kv, &vv, &mut o).seq_lens(&lens[0], &lens[1]);
+        cudnn_llm_ops::sdpa(ctx, args, ops, backend).map_err(|e| error("sdpa_padded", e))?;
+        Ok(CudaStorage::wrap_cuda_slice(o, dev.clone()))
+    }
+    let dev = q.device().clone();
+    let ctx = context(&dev)?;
+    let lens = [view::<i32>(lq, lql)?, view::<i32>(lkv, lkvl)?];
+    let qkv = [(q, ql), (k, kl), (v, vl)];
+    match q.dtype() {
+        DType::BF16 => run::<half::bf16>(&ctx, &dev, qkv, lens, args, backend),
+        DType::F16 => run::<half::f16>(&ctx, &dev, qkv, lens, args, backend),
+        other => {
+            let e = cudnn_llm_ops::Error::NotSupported {
+                op: "sdpa_padded".into(),
+                reason: format!("cuDNN's attention takes bf16 or f16, not {other:?}"),
+            };
+            Err(error("sdpa_padded", e))
+        }
+    }
+}
+
 /// A Linear's epilogue inputs.
 pub(crate) struct LinearExtras<'a> {
     pub(crate) bias: Option<(&'a CudaStorage, &'a Layout)>,

@@ -265,9 +265,224 @@ pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, options: &Attention) -> Result<T
     )
 }
 
+/// Attention over a padded batch, as a KV cache of sequences at different lengths holds it: sequence
+/// `i` has `q_lens[i]` queries (the first rows of its Q) and `kv_lens[i]` keys (the first rows of its
+/// K and V), and the mask is aligned on those lengths (bottom-right: its last query sees its last key).
+/// The lengths are I32 tensors `[b]` on Q's device, read there (one plan serves every length; each is
+/// clamped into the capacities `s_q`, `s_kv` before cuDNN reads it). O `[b, h_q, s_q, d]`: rows past a
+/// sequence's queries are unspecified. Fused only (cuDNN 9.15+ for most forms); elsewhere an error,
+/// or with [`Fallback::Candle`] candle's ops over a mask built from the lengths.
+pub fn sdpa_padded(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    q_lens: &Tensor,
+    kv_lens: &Tensor,
+    options: &Attention,
+) -> Result<Tensor> {
+    let options = *options;
+    with_fallback(
+        options.fallback,
+        || {
+            let (q, k, v) = (bindable(q, true)?, bindable(k, true)?, bindable(v, true)?);
+            let (ql, kvl) = (q_lens.contiguous()?, kv_lens.contiguous()?);
+            padded(&q, &k, &v, &ql, &kvl, options)
+        },
+        || sdpa_candle_padded(q, k, v, q_lens, kv_lens, &options),
+    )
+}
+
+/// Checks the lengths' tensors against Q: I32 `[b]` on Q's device.
+fn check_lens(q: &Tensor, lens: [&Tensor; 2]) -> Result<()> {
+    let b = q.dim(0)?;
+    for (name, t) in ["q_lens", "kv_lens"].into_iter().zip(lens) {
+        if t.dtype() != DType::I32 || t.dims() != [b] {
+            return Err(shapes::refuse(
+                "sdpa_padded",
+                format!(
+                    "{name} is {:?} {:?}; it takes I32 [{b}], one length per sequence",
+                    t.dtype(),
+                    t.dims()
+                ),
+            ));
+        }
+        if !t.device().same_device(q.device()) {
+            return Err(shapes::refuse("sdpa_padded", format!("{name} is on another device than Q")));
+        }
+    }
+    Ok(())
+}
+
+/// The lengths on the host, each checked against its capacity (the CPU form and the fallback).
+fn host_lens(
+    q_lens: &Tensor,
+    kv_lens: &Tensor,
+    (cap_q, cap_kv): (usize, usize),
+    causal: Causal,
+) -> Result<Vec<(usize, usize)>> {
+    let (ql, kvl) = (q_lens.to_vec1::<i32>()?, kv_lens.to_vec1::<i32>()?);
+    ql.iter()
+        .zip(&kvl)
+        .enumerate()
+        .map(|(i, (&a, &b))| {
+            let ok = a >= 1 && b >= 1 && a as usize <= cap_q && b as usize <= cap_kv;
+            if !ok || (causal == Causal::BottomRight && a > b) {
+                return Err(shapes::refuse(
+                    "sdpa_padded",
+                    format!("sequence {i}: {a} queries and {b} keys do not fit capacities {cap_q} and {cap_kv} ({causal:?})"),
+                ));
+            }
+            Ok((a as usize, b as usize))
+        })
+        .collect()
+}
+
+fn padded(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    q_lens: &Tensor,
+    kv_lens: &Tensor,
+    options: Attention,
+) -> Result<Tensor> {
+    use candle_core::Storage;
+    check_lens(q, [q_lens, kv_lens])?;
+    let args = shapes::sdpa(
+        (q.layout(), k.layout(), v.layout()),
+        [q.dtype(), k.dtype(), v.dtype()],
+        options.causal,
+        options.scale,
+    )?
+    .with_seq_lens();
+    let storage = if q.device().is_cpu() {
+        let lens = host_lens(q_lens, kv_lens, (args.seq_q, args.seq_kv), options.causal)?;
+        let (hq, hkv, d, sq, skv) = (args.heads_q, args.heads_kv, args.head_dim, args.seq_q, args.seq_kv);
+        let all = |t: &Tensor| -> Result<Vec<f64>> {
+            let (s, l) = t.storage_and_layout();
+            match &*s {
+                Storage::Cpu(c) => cpu::gather(c, l),
+                _ => Err(shapes::refuse("sdpa_padded", "operands on different devices")),
+            }
+        };
+        let (qv, kv, vv) = (all(q)?, all(k)?, all(v)?);
+        // Rows `0..n` of every head of sequence `b` of a packed `[b, h, s, d]` tensor.
+        let rows = |x: &[f64], b: usize, h: usize, s: usize, n: usize| -> Vec<f64> {
+            (0..h).flat_map(|head| x[((b * h + head) * s) * d..][..n * d].to_vec()).collect()
+        };
+        let mut o = vec![0.0; args.batch * hq * sq * d];
+        for (b, &(nq, nkv)) in lens.iter().enumerate() {
+            let shape = cudnn_llm_ops::reference::AttentionShape {
+                batch: 1,
+                heads_q: hq,
+                heads_kv: hkv,
+                seq_q: nq,
+                seq_kv: nkv,
+                dim: d,
+            };
+            let (ob, _) = cudnn_llm_ops::reference::attention(
+                &rows(&qv, b, hq, sq, nq),
+                &rows(&kv, b, hkv, skv, nkv),
+                &rows(&vv, b, hkv, skv, nkv),
+                shape,
+                f64::from(args.scale()),
+                args.mask,
+            );
+            for head in 0..hq {
+                o[((b * hq + head) * sq) * d..][..nq * d].copy_from_slice(&ob[head * nq * d..][..nq * d]);
+            }
+        }
+        Storage::Cpu(cpu::store(&o, q.dtype())?)
+    } else {
+        #[cfg(feature = "cuda")]
+        {
+            fn read(t: &Tensor) -> (candle_core::StorageRef<'_>, &Layout) {
+                t.storage_and_layout()
+            }
+            let (qs, ks, vs, qls, kvls) = (read(q), read(k), read(v), read(q_lens), read(kv_lens));
+            match (&*qs.0, &*ks.0, &*vs.0, &*qls.0, &*kvls.0) {
+                (
+                    Storage::Cuda(qc),
+                    Storage::Cuda(kc),
+                    Storage::Cuda(vc),
+                    Storage::Cuda(lq),
+                    Storage::Cuda(lkv),
+                ) => Storage::Cuda(cuda::sdpa_padded(
+                    [(qc, qs.1), (kc, ks.1), (vc, vs.1)],
+                    [(lq, qls.1), (lkv, kvls.1)],
+                    args,
+                    options.backend,
+                )?),
+                _ => return Err(shapes::refuse("sdpa_padded", "operands on different devices")),
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        return Err(shapes::refuse(
+            "sdpa_padded",
+            format!("runs on CPU tensors here (built without `cuda`), not on {:?}", q.device().location()),
+        ));
+    };
+    let dims = (args.batch, args.heads_q, args.seq_q, args.head_dim);
+    Ok(Tensor::from_storage(storage, dims, candle_core::op::BackpropOp::none(), false))
+}
+
+/// [`sdpa_padded`] in candle's own ops, over a mask built from the lengths (read back to the host).
+pub fn sdpa_candle_padded(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    q_lens: &Tensor,
+    kv_lens: &Tensor,
+    options: &Attention,
+) -> Result<Tensor> {
+    check_lens(q, [q_lens, kv_lens])?;
+    let (b, _, s_q, _) = q.dims4()?;
+    let s_kv = k.dim(2)?;
+    let lens = host_lens(q_lens, kv_lens, (s_q, s_kv), options.causal)?;
+    let keep: Vec<u8> = lens
+        .iter()
+        .flat_map(|&(nq, nkv)| {
+            (0..s_q).flat_map(move |i| {
+                (0..s_kv).map(move |j| {
+                    // A row past the sequence's queries keeps key 0 (it stays finite; it is unspecified).
+                    let visible = match options.causal {
+                        Causal::None => j < nkv,
+                        Causal::TopLeft => j < nkv && j <= i,
+                        Causal::BottomRight => j < nkv && j + nq <= i + nkv,
+                    };
+                    u8::from(if i < nq { visible } else { j == 0 })
+                })
+            })
+        })
+        .collect();
+    let keep = Tensor::from_vec(keep, (b, 1, s_q, s_kv), q.device())?;
+    attention_candle(q, k, v, options.scale, Some(&keep))
+}
+
 /// [`sdpa`] in candle's own ops (scores and softmax in f32, then V), the baseline and the fallback.
 pub fn sdpa_candle(q: &Tensor, k: &Tensor, v: &Tensor, options: &Attention) -> Result<Tensor> {
-    let (b, h_q, s_q, d) = q.dims4()?;
+    let (s_q, s_kv) = (q.dim(2)?, k.dim(2)?);
+    let keep = match options.causal {
+        Causal::None => None,
+        causal => {
+            let shift = if causal == Causal::BottomRight { s_kv as i64 - s_q as i64 } else { 0 };
+            let keep: Vec<u8> = (0..s_q as i64)
+                .flat_map(|i| (0..s_kv as i64).map(move |j| u8::from(j <= i + shift)))
+                .collect();
+            Some(Tensor::from_vec(keep, (1, 1, s_q, s_kv), q.device())?)
+        }
+    };
+    attention_candle(q, k, v, options.scale, keep.as_ref())
+}
+
+/// `softmax(scale · Q Kᵀ where keep, else -inf) V` in candle's ops, K/V heads repeated for the groups.
+fn attention_candle(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: Option<f32>,
+    keep: Option<&Tensor>,
+) -> Result<Tensor> {
+    let (b, h_q, _, d) = q.dims4()?;
     let (_, h_kv, s_kv, _) = k.dims4()?;
     if h_kv == 0 || h_q % h_kv != 0 {
         return Err(shapes::refuse(
@@ -284,16 +499,12 @@ pub fn sdpa_candle(q: &Tensor, k: &Tensor, v: &Tensor, options: &Attention) -> R
     };
     let dtype = q.dtype();
     let (k, v) = (repeat(k)?.to_dtype(DType::F32)?, repeat(v)?.to_dtype(DType::F32)?);
-    let scale = options.scale.map(f64::from).unwrap_or(1.0 / (d as f64).sqrt());
+    let scale = scale.map(f64::from).unwrap_or(1.0 / (d as f64).sqrt());
     let scores = (q.to_dtype(DType::F32)?.contiguous()?.matmul(&k.t()?.contiguous()?)? * scale)?;
-    let scores = match options.causal {
-        Causal::None => scores,
-        causal => {
-            let shift = if causal == Causal::BottomRight { s_kv as i64 - s_q as i64 } else { 0 };
-            let keep: Vec<u8> = (0..s_q as i64)
-                .flat_map(|i| (0..s_kv as i64).map(move |j| u8::from(j <= i + shift)))
-                .collect();
-            let keep = Tensor::from_vec(keep, (s_q, s_kv), q.device())?.broadcast_as(scores.shape())?;
+    let scores = match keep {
+        None => scores,
+        Some(keep) => {
+            let keep = keep.broadcast_as(scores.shape())?;
             let hidden = Tensor::full(f32::NEG_INFINITY, scores.shape(), q.device())?;
             keep.where_cond(&scores, &hidden)?
         }
@@ -568,6 +779,40 @@ mod tests {
         // A gate of the wrong shape is named.
         let e = linear(&x, &w, &LinearEpilogue::none().gate(&b)).unwrap_err().to_string();
         assert!(e.contains("gate has shape [24]"), "{e}");
+    }
+
+    #[test]
+    fn padded_attention_reads_each_sequence_to_its_length() {
+        // Two sequences in a cache of 9 rows: 3 new tokens over 7 keys, and 1 over 4.
+        let q = randn(&[2, 4, 3, 16], 12);
+        let k = randn(&[2, 2, 9, 16], 13);
+        let v = randn(&[2, 2, 9, 16], 14);
+        let q_lens = Tensor::new(&[3i32, 1], &Device::Cpu).unwrap();
+        let kv_lens = Tensor::new(&[7i32, 4], &Device::Cpu).unwrap();
+        for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
+            let options = Attention::causal(causal);
+            let ours = sdpa_padded(&q, &k, &v, &q_lens, &kv_lens, &options).unwrap();
+            let theirs = sdpa_candle_padded(&q, &k, &v, &q_lens, &kv_lens, &options).unwrap();
+            assert_eq!(ours.dims(), [2, 4, 3, 16]);
+            // Each sequence's valid rows equal the unpadded attention over its own lengths.
+            for (b, (nq, nkv)) in [(0usize, (3usize, 7usize)), (1, (1, 4))] {
+                let part = |t: &Tensor, n: usize| t.narrow(0, b, 1).unwrap().narrow(2, 0, n).unwrap();
+                let want = sdpa(&part(&q, nq), &part(&k, nkv), &part(&v, nkv), &options).unwrap();
+                assert!(rel(&part(&ours, nq), &want) < 1e-6, "{causal:?} sequence {b}");
+                assert!(rel(&part(&theirs, nq), &want) < 1e-6, "{causal:?} sequence {b}, candle's");
+            }
+        }
+        // Lengths past the capacities, of the wrong dtype or shape, are named.
+        let e = |ql: &Tensor, kl: &Tensor| {
+            sdpa_padded(&q, &k, &v, ql, kl, &Attention::default()).unwrap_err().to_string()
+        };
+        assert!(e(&q_lens, &Tensor::new(&[10i32, 4], &Device::Cpu).unwrap()).contains("sequence 0"));
+        assert!(e(&q_lens, &Tensor::new(&[7u32, 4], &Device::Cpu).unwrap()).contains("takes I32 [2]"));
+        assert!(e(&Tensor::new(&[3i32], &Device::Cpu).unwrap(), &kv_lens).contains("q_lens"));
+        let br = Attention::causal(Causal::BottomRight);
+        let more_queries = Tensor::new(&[3i32, 1], &Device::Cpu).unwrap();
+        let fewer_keys = Tensor::new(&[2i32, 4], &Device::Cpu).unwrap();
+        assert!(sdpa_padded(&q, &k, &v, &more_queries, &fewer_keys, &br).is_err());
     }
 
     #[test]

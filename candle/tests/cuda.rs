@@ -5,7 +5,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use cudnn_llm_candle::{
-    linear_on, rms_norm_on, sdpa, sdpa_candle, Activation, Attention, Backend, Causal, Fallback,
+    linear_on, rms_norm_on, sdpa, sdpa_candle, sdpa_padded, Activation, Attention, Backend, Causal, Fallback,
     LinearEpilogue,
 };
 
@@ -164,4 +164,50 @@ fn a_refused_call_is_named_or_falls_back_to_candle() {
     let bad = randn(&[1, 3, 8, 64], 13, &dev).to_dtype(DType::BF16).unwrap();
     let q16 = q.to_dtype(DType::BF16).unwrap();
     assert!(sdpa(&q16, &bad, &bad, &options).unwrap_err().to_string().contains("not a multiple of 3"));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn padded_attention_serves_sequences_at_different_lengths() {
+    // A batch of 3 sequences in a 256-row cache: a decode step each (one query, 5, 200 and 256 keys),
+    // then a padded causal prefill (each sequence's prompt of 17, 100 and 256 tokens over itself).
+    let dev = gpu();
+    let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap();
+    let lens = |v: &[i32]| Tensor::new(v, &dev).unwrap();
+    let k = randn(&[3, 2, 256, 64], 14, &dev).to_dtype(DType::BF16).unwrap();
+    let v = randn(&[3, 2, 256, 64], 15, &dev).to_dtype(DType::BF16).unwrap();
+    let cases = [
+        (
+            randn(&[3, 8, 1, 64], 16, &dev),
+            lens(&[1, 1, 1]),
+            lens(&[5, 200, 256]),
+            Causal::BottomRight,
+            [1usize, 1, 1],
+        ),
+        (
+            randn(&[3, 8, 256, 64], 17, &dev),
+            lens(&[17, 100, 256]),
+            lens(&[17, 100, 256]),
+            Causal::TopLeft,
+            [17, 100, 256],
+        ),
+    ];
+    for (q, ql, kvl, causal, rows) in cases {
+        let q = q.to_dtype(DType::BF16).unwrap();
+        let options = Attention::causal(causal);
+        let ours = match sdpa_padded(&q, &k, &v, &ql, &kvl, &options) {
+            Ok(o) => o,
+            Err(e) if e.to_string().contains("not supported") => {
+                println!("SKIPPED {causal:?}: {e}");
+                continue;
+            }
+            Err(e) => panic!("{e}"),
+        };
+        let want = sdpa_padded(&cpu(&q), &cpu(&k), &cpu(&v), &cpu(&ql), &cpu(&kvl), &options).unwrap();
+        for (b, &n) in rows.iter().enumerate() {
+            let part = |t: &Tensor| t.narrow(0, b, 1).unwrap().narrow(2, 0, n).unwrap();
+            let e = rel(&part(&ours), &part(&want));
+            assert!(e < 1e-2, "{causal:?} sequence {b}: {e}");
+        }
+    }
 }
