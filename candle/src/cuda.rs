@@ -115,96 +115,47 @@ pub(crate) fn rms_norm(
     })
 }
 
-/// Attention; O packed `[b, h_q, s_q, d]`.
+/// Attention, over each sequence's lengths where they are given (i32 device tensors `[b]`); O packed
+/// `[b, h_q, s_q, d]`.
 pub(crate) fn sdpa(
-    (q, ql): (&CudaStorage, &Layout),
-    (k, kl): (&CudaStorage, &Layout),
-    (v, vl): (&CudaStorage, &Layout),
+    qkv: [(&CudaStorage, &Layout); 3],
+    lens: Option<[(&CudaStorage, &Layout); 2]>,
     args: cudnn_llm_ops::SdpaArgs,
-    backend: Backend,
-) -> Result<CudaStorage> {
-    let dev = q.device().clone();
-    let ctx = context(&dev)?;
-    let n = args.batch * args.heads_q * args.seq_q * args.head_dim;
-    sdpa_typed(&ctx, &dev, (q, ql), (k, kl), (v, vl), args, n, backend)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn sdpa_typed(
-    ctx: &Cudnn,
-    dev: &CudaDevice,
-    (q, ql): (&CudaStorage, &Layout),
-    (k, kl): (&CudaStorage, &Layout),
-    (v, vl): (&CudaStorage, &Layout),
-    args: cudnn_llm_ops::SdpaArgs,
-    n: usize,
     backend: Backend,
 ) -> Result<CudaStorage> {
     fn run<T: CudaDType + Element>(
         ctx: &Cudnn,
         dev: &CudaDevice,
-        (q, ql): (&CudaStorage, &Layout),
-        (k, kl): (&CudaStorage, &Layout),
-        (v, vl): (&CudaStorage, &Layout),
+        [(q, ql), (k, kl), (v, vl)]: [(&CudaStorage, &Layout); 3],
+        lens: Option<[CudaView<'_, i32>; 2]>,
         args: cudnn_llm_ops::SdpaArgs,
-        n: usize,
         backend: Backend,
     ) -> Result<CudaStorage> {
+        let n = args.batch * args.heads_q * args.seq_q * args.head_dim;
         let mut o = output::<T>(dev, n)?;
         let (qv, kv, vv) = (view::<T>(q, ql)?, view::<T>(k, kl)?, view::<T>(v, vl)?);
-        cudnn_llm_ops::sdpa(ctx, args, cudnn_llm_ops::SdpaOperands::new(&qv, &kv, &vv, &mut o), backend)
-            .map_err(|e| error("sdpa", e))?;
+        let mut ops = cudnn_llm_ops::SdpaOperands::new(&qv, &kv, &vv, &mut o);
+        if let Some([lq, lkv]) = &lens {
+            ops = ops.seq_lens(lq, lkv);
+        }
+        cudnn_llm_ops::sdpa(ctx, args, ops, backend).map_err(|e| error("sdpa", e))?;
         Ok(CudaStorage::wrap_cuda_slice(o, dev.clone()))
     }
-    match q.dtype() {
-        DType::BF16 => run::<half::bf16>(ctx, dev, (q, ql), (k, kl), (v, vl), args, n, backend),
-        DType::F16 => run::<half::f16>(ctx, dev, (q, ql), (k, kl), (v, vl), args, n, backend),
+    let dev = qkv[0].0.device().clone();
+    let ctx = context(&dev)?;
+    let lens = match lens {
+        Some([(lq, lql), (lkv, lkvl)]) => Some([view::<i32>(lq, lql)?, view::<i32>(lkv, lkvl)?]),
+        None => None,
+    };
+    match qkv[0].0.dtype() {
+        DType::BF16 => run::<half::bf16>(&ctx, &dev, qkv, lens, args, backend),
+        DType::F16 => run::<half::f16>(&ctx, &dev, qkv, lens, args, backend),
         other => {
             let e = cudnn_llm_ops::Error::NotSupported {
                 op: "sdpa".into(),
                 reason: format!("cuDNN's attention takes bf16 or f16, not {other:?}"),
             };
             Err(error("sdpa", e))
-        }
-    }
-}
-
-/// Padded attention; O packed `[b, h_q, s_q, d]`, the lengths i32 device tensors `[b]`.
-pub(crate) fn sdpa_padded(
-    [(q, ql), (k, kl), (v, vl)]: [(&CudaStorage, &Layout); 3],
-    [(lq, lql), (lkv, lkvl)]: [(&CudaStorage, &Layout); 2],
-    args: cudnn_llm_ops::SdpaArgs,
-    backend: Backend,
-) -> Result<CudaStorage> {
-    fn run<T: CudaDType + Element>(
-        ctx: &Cudnn,
-        dev: &CudaDevice,
-        qkv: [(&CudaStorage, &Layout); 3],
-        lens: [CudaView<'_, i32>; 2],
-        args: cudnn_llm_ops::SdpaArgs,
-        backend: Backend,
-    ) -> Result<CudaStorage> {
-        let n = args.batch * args.heads_q * args.seq_q * args.head_dim;
-        let mut o = output::<T>(dev, n)?;
-        let [(q, ql), (k, kl), (v, vl)] = qkv;
-        let (qv, kv, vv) = (view::<T>(q, ql)?, view::<T>(k, kl)?, view::<T>(v, vl)?);
-        let ops = cudnn_llm_ops::SdpaOperands::new(&qv, &kv, &vv, &mut o).seq_lens(&lens[0], &lens[1]);
-        cudnn_llm_ops::sdpa(ctx, args, ops, backend).map_err(|e| error("sdpa_padded", e))?;
-        Ok(CudaStorage::wrap_cuda_slice(o, dev.clone()))
-    }
-    let dev = q.device().clone();
-    let ctx = context(&dev)?;
-    let lens = [view::<i32>(lq, lql)?, view::<i32>(lkv, lkvl)?];
-    let qkv = [(q, ql), (k, kl), (v, vl)];
-    match q.dtype() {
-        DType::BF16 => run::<half::bf16>(&ctx, &dev, qkv, lens, args, backend),
-        DType::F16 => run::<half::f16>(&ctx, &dev, qkv, lens, args, backend),
-        other => {
-            let e = cudnn_llm_ops::Error::NotSupported {
-                op: "sdpa_padded".into(),
-                reason: format!("cuDNN's attention takes bf16 or f16, not {other:?}"),
-            };
-            Err(error("sdpa_padded", e))
         }
     }
 }

@@ -37,7 +37,7 @@ pub use cudnn_llm_ops::Backend;
 pub use shapes::{Activation, Causal};
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
 
 /// What an op does with a shape or dtype the fused path cannot run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -191,63 +191,6 @@ pub fn rms_norm_candle(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> 
     x.broadcast_mul(&inv)?.to_dtype(dtype)?.broadcast_mul(weight)
 }
 
-struct Sdpa {
-    options: Attention,
-}
-
-impl CustomOp3 for Sdpa {
-    fn name(&self) -> &'static str {
-        "cudnn-llm-sdpa"
-    }
-
-    fn cpu_fwd(
-        &self,
-        q: &CpuStorage,
-        ql: &Layout,
-        k: &CpuStorage,
-        kl: &Layout,
-        v: &CpuStorage,
-        vl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let a = self.args((ql, kl, vl), [q.dtype(), k.dtype(), v.dtype()])?;
-        let shape = cudnn_llm_ops::reference::AttentionShape {
-            batch: a.batch,
-            heads_q: a.heads_q,
-            heads_kv: a.heads_kv,
-            seq_q: a.seq_q,
-            seq_kv: a.seq_kv,
-            dim: a.head_dim,
-        };
-        let (qs, ks, vs) = (cpu::gather(q, ql)?, cpu::gather(k, kl)?, cpu::gather(v, vl)?);
-        let (o, _) = cudnn_llm_ops::reference::attention(&qs, &ks, &vs, shape, f64::from(a.scale()), a.mask);
-        Ok((cpu::store(&o, q.dtype())?, ql.shape().clone()))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        q: &candle_core::CudaStorage,
-        ql: &Layout,
-        k: &candle_core::CudaStorage,
-        kl: &Layout,
-        v: &candle_core::CudaStorage,
-        vl: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let a = self.args((ql, kl, vl), [q.dtype(), k.dtype(), v.dtype()])?;
-        Ok((cuda::sdpa((q, ql), (k, kl), (v, vl), a, self.options.backend)?, ql.shape().clone()))
-    }
-}
-
-impl Sdpa {
-    fn args(
-        &self,
-        layouts: (&Layout, &Layout, &Layout),
-        dtypes: [DType; 3],
-    ) -> Result<cudnn_llm_ops::SdpaArgs> {
-        shapes::sdpa(layouts, dtypes, self.options.causal, self.options.scale)
-    }
-}
-
 /// Scaled dot-product attention: `softmax(scale · Q Kᵀ, masked) V` with query head `h` reading K/V
 /// head `h / (h_q / h_kv)`. Q `[b, h_q, s_q, d]`, K and V `[b, h_kv, s_kv, d]`, of one dtype (bf16
 /// or f16 on the fused path), strided as candle has them wherever the head dimension steps by 1 (a
@@ -259,7 +202,7 @@ pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, options: &Attention) -> Result<T
         options.fallback,
         || {
             let (q, k, v) = (bindable(q, true)?, bindable(k, true)?, bindable(v, true)?);
-            q.apply_op3_no_bwd(&k, &v, &Sdpa { options })
+            attend(&q, &k, &v, None, options)
         },
         || sdpa_candle(q, k, v, &options),
     )
@@ -286,7 +229,7 @@ pub fn sdpa_padded(
         || {
             let (q, k, v) = (bindable(q, true)?, bindable(k, true)?, bindable(v, true)?);
             let (ql, kvl) = (q_lens.contiguous()?, kv_lens.contiguous()?);
-            padded(&q, &k, &v, &ql, &kvl, options)
+            attend(&q, &k, &v, Some((&ql, &kvl)), options)
         },
         || sdpa_candle_padded(q, k, v, q_lens, kv_lens, &options),
     )
@@ -337,31 +280,36 @@ fn host_lens(
         .collect()
 }
 
-fn padded(
+/// Attention over the whole of each sequence, or over the lengths given (padded).
+fn attend(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    q_lens: &Tensor,
-    kv_lens: &Tensor,
+    lens: Option<(&Tensor, &Tensor)>,
     options: Attention,
 ) -> Result<Tensor> {
     use candle_core::Storage;
-    check_lens(q, [q_lens, kv_lens])?;
-    let args = shapes::sdpa(
+    let mut args = shapes::sdpa(
         (q.layout(), k.layout(), v.layout()),
         [q.dtype(), k.dtype(), v.dtype()],
         options.causal,
         options.scale,
-    )?
-    .with_seq_lens();
+    )?;
+    if let Some((q_lens, kv_lens)) = lens {
+        check_lens(q, [q_lens, kv_lens])?;
+        args = args.with_seq_lens();
+    }
     let storage = if q.device().is_cpu() {
-        let lens = host_lens(q_lens, kv_lens, (args.seq_q, args.seq_kv), options.causal)?;
+        let lens = match lens {
+            Some((q_lens, kv_lens)) => host_lens(q_lens, kv_lens, (args.seq_q, args.seq_kv), options.causal)?,
+            None => vec![(args.seq_q, args.seq_kv); args.batch],
+        };
         let (hq, hkv, d, sq, skv) = (args.heads_q, args.heads_kv, args.head_dim, args.seq_q, args.seq_kv);
         let all = |t: &Tensor| -> Result<Vec<f64>> {
             let (s, l) = t.storage_and_layout();
             match &*s {
                 Storage::Cpu(c) => cpu::gather(c, l),
-                _ => Err(shapes::refuse("sdpa_padded", "operands on different devices")),
+                _ => Err(shapes::refuse("sdpa", "operands on different devices")),
             }
         };
         let (qv, kv, vv) = (all(q)?, all(k)?, all(v)?);
@@ -398,26 +346,26 @@ fn padded(
             fn read(t: &Tensor) -> (candle_core::StorageRef<'_>, &Layout) {
                 t.storage_and_layout()
             }
-            let (qs, ks, vs, qls, kvls) = (read(q), read(k), read(v), read(q_lens), read(kv_lens));
-            match (&*qs.0, &*ks.0, &*vs.0, &*qls.0, &*kvls.0) {
-                (
-                    Storage::Cuda(qc),
-                    Storage::Cuda(kc),
-                    Storage::Cuda(vc),
-                    Storage::Cuda(lq),
-                    Storage::Cuda(lkv),
-                ) => Storage::Cuda(cuda::sdpa_padded(
+            let (qs, ks, vs) = (read(q), read(k), read(v));
+            let lens = lens.map(|(a, b)| (read(a), read(b)));
+            let lens = match lens.as_ref().map(|(a, b)| (&*a.0, a.1, &*b.0, b.1)) {
+                None => None,
+                Some((Storage::Cuda(lq), lql, Storage::Cuda(lkv), lkvl)) => Some([(lq, lql), (lkv, lkvl)]),
+                Some(_) => return Err(shapes::refuse("sdpa", "the lengths are on another device than Q")),
+            };
+            match (&*qs.0, &*ks.0, &*vs.0) {
+                (Storage::Cuda(qc), Storage::Cuda(kc), Storage::Cuda(vc)) => Storage::Cuda(cuda::sdpa(
                     [(qc, qs.1), (kc, ks.1), (vc, vs.1)],
-                    [(lq, qls.1), (lkv, kvls.1)],
+                    lens,
                     args,
                     options.backend,
                 )?),
-                _ => return Err(shapes::refuse("sdpa_padded", "operands on different devices")),
+                _ => return Err(shapes::refuse("sdpa", "operands on different devices")),
             }
         }
         #[cfg(not(feature = "cuda"))]
         return Err(shapes::refuse(
-            "sdpa_padded",
+            "sdpa",
             format!("runs on CPU tensors here (built without `cuda`), not on {:?}", q.device().location()),
         ));
     };
