@@ -20,6 +20,13 @@ thread_local! {
     static REFUSED: RefCell<Option<String>> = const { RefCell::new(None) };
 }
 
+/// Drops this thread's cuDNN contexts (handles, workspaces, plan caches), e.g. after dropping the candle
+/// devices they served: each `Device::new_cuda` has a stream of its own and so a context of its own,
+/// kept until the thread ends or this is called.
+pub fn release_contexts() {
+    CONTEXTS.with_borrow_mut(Vec::clear);
+}
+
 /// This thread's cuDNN context on `device`'s stream, made on first use.
 pub(crate) fn context(device: &CudaDevice) -> Result<Rc<Cudnn>> {
     let stream: Arc<CudaStream> = device.cuda_stream();
@@ -49,10 +56,25 @@ pub(crate) fn error(op: &str, e: cudnn_llm_ops::Error) -> candle_core::Error {
 pub(crate) fn view<'a, T: CudaDType>(storage: &'a CudaStorage, layout: &Layout) -> Result<CudaView<'a, T>> {
     let slice: &CudaSlice<T> = storage.as_cuda_slice::<T>()?;
     let start = layout.start_offset();
-    if start > slice.len() {
-        return Err(refuse("view", format!("offset {start} past a buffer of {}", slice.len())));
+    // The tensor's own elements only (a narrowed weight's buffer runs on past it, and the ops check a
+    // view's length against what they read).
+    let extent = extent(layout);
+    match start.checked_add(extent) {
+        Some(end) if end <= slice.len() => Ok(slice.slice(start..end)),
+        _ => Err(refuse(
+            "view",
+            format!("{extent} elements from offset {start} past a buffer of {}", slice.len()),
+        )),
     }
-    Ok(slice.slice(start..))
+}
+
+/// The elements a layout spans from its first one: one past its last element's offset.
+fn extent(layout: &Layout) -> usize {
+    let dims = layout.dims();
+    if dims.contains(&0) {
+        return 0;
+    }
+    1 + dims.iter().zip(crate::shapes::strides(layout)).map(|(&d, s)| (d - 1) * s).sum::<usize>()
 }
 
 /// [`view`] of an optional operand.
@@ -62,15 +84,27 @@ fn optional<'a, T: CudaDType>(
     operand.map(|(s, l)| view::<T>(s, l)).transpose()
 }
 
-/// A new output buffer of `len` elements on `device`.
+/// A new output buffer of `len` elements on `device`, for an op that writes every one of them.
 pub(crate) fn output<T: CudaDType + cudnn_llm_ops::cudarc::driver::DeviceRepr>(
     device: &CudaDevice,
     len: usize,
 ) -> Result<CudaSlice<T>> {
     // SAFETY: the buffer is handed to an op that writes every one of its `len` elements before anything
-    // reads it (the ops' GPU tests poison outputs and check every element is written); on an error the
-    // buffer is dropped unread.
+    // reads it (RMSNorm, a Linear, unpadded attention; the GPU tests poison the pool and check every
+    // element is written); on an error the buffer is dropped unread. Padded attention, which leaves
+    // rows, takes `zeroed_output`.
     unsafe { device.alloc::<T>(len) }
+}
+
+/// A new zero-filled output buffer, for an op that leaves some of it (padded attention's rows past a
+/// sequence's queries).
+fn zeroed_output<
+    T: CudaDType + cudnn_llm_ops::cudarc::driver::DeviceRepr + cudnn_llm_ops::cudarc::driver::ValidAsZeroBits,
+>(
+    device: &CudaDevice,
+    len: usize,
+) -> Result<CudaSlice<T>> {
+    device.alloc_zeros::<T>(len)
 }
 
 /// Runs `$body` with `$t` the Rust element type of `$dtype`.
@@ -123,7 +157,7 @@ pub(crate) fn sdpa(
     args: cudnn_llm_ops::SdpaArgs,
     backend: Backend,
 ) -> Result<CudaStorage> {
-    fn run<T: CudaDType + Element>(
+    fn run<T: CudaDType + Element + cudnn_llm_ops::cudarc::driver::ValidAsZeroBits>(
         ctx: &Cudnn,
         dev: &CudaDevice,
         [(q, ql), (k, kl), (v, vl)]: [(&CudaStorage, &Layout); 3],
@@ -132,7 +166,7 @@ pub(crate) fn sdpa(
         backend: Backend,
     ) -> Result<CudaStorage> {
         let n = args.batch * args.heads_q * args.seq_q * args.head_dim;
-        let mut o = output::<T>(dev, n)?;
+        let mut o = if lens.is_some() { zeroed_output::<T>(dev, n)? } else { output::<T>(dev, n)? };
         let (qv, kv, vv) = (view::<T>(q, ql)?, view::<T>(k, kl)?, view::<T>(v, vl)?);
         let mut ops = cudnn_llm_ops::SdpaOperands::new(&qv, &kv, &vv, &mut o);
         if let Some([lq, lkv]) = &lens {
@@ -147,6 +181,15 @@ pub(crate) fn sdpa(
         Some([(lq, lql), (lkv, lkvl)]) => Some([view::<i32>(lq, lql)?, view::<i32>(lkv, lkvl)?]),
         None => None,
     };
+    if !args.head_dim.is_multiple_of(8) {
+        // cuDNN's attention and the library's kernels take 16-byte rows: a refusal (the fallback's
+        // case), not the caller's error.
+        let e = cudnn_llm_ops::Error::NotSupported {
+            op: "sdpa".into(),
+            reason: format!("head_dim {} is not a multiple of 8", args.head_dim),
+        };
+        return Err(error("sdpa", e));
+    }
     match qkv[0].0.dtype() {
         DType::BF16 => run::<half::bf16>(&ctx, &dev, qkv, lens, args, backend),
         DType::F16 => run::<half::f16>(&ctx, &dev, qkv, lens, args, backend),

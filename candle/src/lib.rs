@@ -25,13 +25,20 @@
 //!
 //! Shapes candle can express and these ops cannot run (an f32 attention, a head dimension cuDNN does
 //! not take) are an error naming them, or, with [`Fallback::Candle`], the same function computed by
-//! candle's own ops.
+//! candle's own ops. A Linear on the GPU takes in- and out-features that are multiples of 8 (16-byte
+//! rows).
+//!
+//! The ops are forward only: their outputs carry no gradient (candle's `*_no_bwd`), so they serve
+//! inference; a model trained through them would not train what lies before them.
 #![deny(missing_docs)]
 
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod shapes;
+
+#[cfg(feature = "cuda")]
+pub use cuda::release_contexts;
 
 pub use cudnn_llm_ops::Backend;
 pub use shapes::{Activation, Causal};
@@ -183,12 +190,13 @@ pub fn rms_norm_on(x: &Tensor, weight: &Tensor, eps: f32, backend: Backend) -> R
     x.apply_op2_no_bwd(&w, &RmsNorm { eps, backend })
 }
 
-/// [`rms_norm`] in candle's own ops (in f32), the baseline and the fallback.
+/// [`rms_norm`] in candle's elementwise ops, in f32 with one rounding to x's dtype (what candle-nn's
+/// `rms_norm` computes in one kernel): the CPU-checkable reference of the op's semantics.
 pub fn rms_norm_candle(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
     let dtype = x.dtype();
     let x = x.to_dtype(DType::F32)?;
     let inv = (x.sqr()?.mean_keepdim(D::Minus1)? + f64::from(eps))?.sqrt()?.recip()?;
-    x.broadcast_mul(&inv)?.to_dtype(dtype)?.broadcast_mul(weight)
+    x.broadcast_mul(&inv)?.broadcast_mul(&weight.to_dtype(DType::F32)?)?.to_dtype(dtype)
 }
 
 /// Scaled dot-product attention: `softmax(scale · Q Kᵀ, masked) V` with query head `h` reading K/V
@@ -212,8 +220,9 @@ pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, options: &Attention) -> Result<T
 /// `i` has `q_lens[i]` queries (the first rows of its Q) and `kv_lens[i]` keys (the first rows of its
 /// K and V), and the mask is aligned on those lengths (bottom-right: its last query sees its last key).
 /// The lengths are I32 tensors `[b]` on Q's device, read there (one plan serves every length; each is
-/// clamped into the capacities `s_q`, `s_kv` before cuDNN reads it). O `[b, h_q, s_q, d]`: rows past a
-/// sequence's queries are unspecified. Fused only (cuDNN 9.15+ for most forms); elsewhere an error,
+/// clamped into `0..=s_q` and `0..=s_kv` before cuDNN reads it, where the CPU form refuses a length
+/// out of `1..=capacity`). O `[b, h_q, s_q, d]`: rows past a sequence's queries are zero (the output
+/// starts zeroed on the GPU). Fused only (cuDNN 9.15+ for most forms); elsewhere an error,
 /// or with [`Fallback::Candle`] candle's ops over a mask built from the lengths.
 pub fn sdpa_padded(
     q: &Tensor,
@@ -295,6 +304,9 @@ fn attend(
         options.causal,
         options.scale,
     )?;
+    if !k.device().same_device(q.device()) || !v.device().same_device(q.device()) {
+        return Err(shapes::refuse("sdpa", "Q, K and V must be on one device"));
+    }
     if let Some((q_lens, kv_lens)) = lens {
         check_lens(q, [q_lens, kv_lens])?;
         args = args.with_seq_lens();
@@ -391,7 +403,7 @@ pub fn sdpa_candle_padded(
         .flat_map(|&(nq, nkv)| {
             (0..s_q).flat_map(move |i| {
                 (0..s_kv).map(move |j| {
-                    // A row past the sequence's queries keeps key 0 (it stays finite; it is unspecified).
+                    // A row past the sequence's queries keeps key 0 (finite), then is zeroed below.
                     let visible = match options.causal {
                         Causal::None => j < nkv,
                         Causal::TopLeft => j < nkv && j <= i,
@@ -403,7 +415,10 @@ pub fn sdpa_candle_padded(
         })
         .collect();
     let keep = Tensor::from_vec(keep, (b, 1, s_q, s_kv), q.device())?;
-    attention_candle(q, k, v, options.scale, Some(&keep))
+    let rows: Vec<f32> =
+        lens.iter().flat_map(|&(nq, _)| (0..s_q).map(move |i| if i < nq { 1.0 } else { 0.0 })).collect();
+    let rows = Tensor::from_vec(rows, (b, 1, s_q, 1), q.device())?.to_dtype(q.dtype())?;
+    attention_candle(q, k, v, options.scale, Some(&keep))?.broadcast_mul(&rows)
 }
 
 /// [`sdpa`] in candle's own ops (scores and softmax in f32, then V), the baseline and the fallback.
@@ -749,6 +764,14 @@ mod tests {
                 assert!(rel(&part(&ours, nq), &want) < 1e-6, "{causal:?} sequence {b}");
                 assert!(rel(&part(&theirs, nq), &want) < 1e-6, "{causal:?} sequence {b}, candle's");
             }
+        }
+        // Rows past a sequence's queries are zero in both.
+        for t in [
+            &sdpa_padded(&q, &k, &v, &q_lens, &kv_lens, &Attention::default()).unwrap(),
+            &sdpa_candle_padded(&q, &k, &v, &q_lens, &kv_lens, &Attention::default()).unwrap(),
+        ] {
+            let rest = t.narrow(0, 1, 1).unwrap().narrow(2, 1, 2).unwrap().abs().unwrap().max_all().unwrap();
+            assert_eq!(rest.to_scalar::<f32>().unwrap(), 0.0);
         }
         // Lengths past the capacities, of the wrong dtype or shape, are named.
         let e = |ql: &Tensor, kl: &Tensor| {

@@ -25,8 +25,8 @@ pub(crate) fn strides(layout: &Layout) -> Vec<usize> {
     out
 }
 
-/// Whether a layout is row-major packed in its last `inner` dimensions and may step by any stride in
-/// the rest: what an op that reads rows needs.
+/// Whether a layout is row-major packed (any offset): what the row-reading ops (RMSNorm, a Linear's
+/// operands) bind.
 fn rows_packed(layout: &Layout) -> bool {
     layout.is_contiguous()
 }

@@ -208,6 +208,35 @@ fn padded_attention_serves_sequences_at_different_lengths() {
             let part = |t: &Tensor| t.narrow(0, b, 1).unwrap().narrow(2, 0, n).unwrap();
             let e = rel(&part(&ours), &part(&want));
             assert!(e < 1e-2, "{causal:?} sequence {b}: {e}");
+            // The rows past the sequence's queries are zero, as the CPU form has them.
+            let s_q = q.dim(2).unwrap();
+            if n < s_q {
+                let rest = ours.narrow(0, b, 1).unwrap().narrow(2, n, s_q - n).unwrap();
+                let rest = rest.to_dtype(DType::F32).unwrap().abs().unwrap().max_all().unwrap();
+                assert_eq!(rest.to_scalar::<f32>().unwrap(), 0.0, "{causal:?} sequence {b}: rows past {n}");
+            }
         }
     }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn narrowed_weights_bind_as_their_own_elements() {
+    // A weight and a bias taken out of larger buffers (a stacked tensor, a fused QKV bias): the ops see
+    // the tensor's elements only, not the rest of its buffer.
+    let dev = gpu();
+    let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap();
+    let x = randn(&[5, 128], 18, &dev).to_dtype(DType::BF16).unwrap();
+    let stacked = randn(&[3, 128], 19, &dev).to_dtype(DType::BF16).unwrap();
+    let w = stacked.get(1).unwrap();
+    let ours = rms_norm_on(&x, &w, 1e-5, Backend::Fused).unwrap();
+    let want = rms_norm_on(&cpu(&x), &cpu(&w), 1e-5, Backend::Fused).unwrap();
+    assert!(rel(&ours, &want) < 1e-2);
+    let weight = randn(&[64, 128], 20, &dev).to_dtype(DType::BF16).unwrap();
+    let biases = randn(&[192], 21, &dev).to_dtype(DType::BF16).unwrap();
+    let b = biases.narrow(0, 64, 64).unwrap();
+    let ours = linear_on(&x, &weight, &LinearEpilogue::none().bias(&b), Backend::Fused).unwrap();
+    let want =
+        linear_on(&cpu(&x), &cpu(&weight), &LinearEpilogue::none().bias(&cpu(&b)), Backend::Fused).unwrap();
+    assert!(rel(&ours, &want) < 1e-2);
 }
