@@ -2,8 +2,8 @@
 """Link-time stand-ins for the CUDA libraries candle links, for building on a machine without them.
 
 candle's CUDA backend turns on cudarc's `dynamic-linking`: an executable that uses it (a test binary, an
-example) names libcuda.so.1, libcublas.so.13, libcublasLt.so.13, libcurand.so.10 and libnvrtc.so.13 and
-needs them to link. A machine with no GPU driver and no CUDA toolkit has none of them, and PyPI carries no
+example) names libcuda.so.1, libcublas.so.13, libcublasLt.so.13, libcurand.so.10 and libnvrtc.so.13 (and
+libnccl.so.2 where cudnn-llm-nccl is in it, for cudarc's NCCL types) and needs them to link. A machine with no GPU driver and no CUDA toolkit has none of them, and PyPI carries no
 libcuda. This writes one shared library per name into OUT, with that soname and an empty function for
 every symbol cudarc's bindings of it can call (read from cudarc's sources), plus `libcudart.so` pointing
 at the CUDA runtime given (candle's kernels link it). Binaries linked against these run where the real
@@ -29,6 +29,9 @@ LIBRARIES = {
     "cublaslt": ("cublasLt", "libcublasLt.so.13"),
     "curand": ("curand", "libcurand.so.10"),
     "nvrtc": ("nvrtc", "libnvrtc.so.13"),
+    # cudnn-llm-nccl takes cudarc's NCCL types (it opens NCCL itself), so under `dynamic-linking` a
+    # binary that has the decoder in it (the Llama example's GGUF loader) links libnccl too.
+    "nccl": ("nccl", "libnccl.so.2"),
 }
 
 
