@@ -3,7 +3,8 @@
 # through nvcc.sh; no GPU needed) and stages them in .gpu-candle/ with a runner, for a GPU machine with
 # no Rust toolchain:
 #
-#   bash candle/stage.sh                      # here
+#   bash candle/stage.sh                      # here (also packs .gpu-candle-pack/candle.tgz)
+#   tar xzf .gpu-candle-pack/candle.tgz       # there, with carry: [".gpu-candle-pack"]
 #   bash .gpu-candle/run tests                # there: the GPU tests, ignored ones included
 #   bash .gpu-candle/run llama --preset 1b    # there: candle's Llama against the fused ops
 #
@@ -51,3 +52,9 @@ esac
 RUN
 chmod +x "$out/run"
 du -sh "$out" | awk '{print "staged in .gpu-candle/: " $1}'
+# One gzipped tarball for a device call (which carries at most 64 MiB; the binaries are about 90 MB
+# and pack to about 25): carry .gpu-candle-pack and unpack it there with `tar xzf .gpu-candle-pack/candle.tgz`.
+pack=.gpu-candle-pack
+mkdir -p "$pack" && tar czf "$pack/candle.tgz" "$out"
+grep -qxF "/$pack/" "$exclude" 2>/dev/null || echo "/$pack/" >> "$exclude"
+ls -la "$pack/candle.tgz" | awk '{print "packed " $9 ": " $5 " bytes"}'
