@@ -92,19 +92,8 @@ pub(crate) fn output<T: CudaDType + cudnn_llm_ops::cudarc::driver::DeviceRepr>(
     // SAFETY: the buffer is handed to an op that writes every one of its `len` elements before anything
     // reads it (RMSNorm, a Linear, unpadded attention; the GPU tests poison the pool and check every
     // element is written); on an error the buffer is dropped unread. Padded attention, which leaves
-    // rows, takes `zeroed_output`.
+    // rows, allocates zeroed.
     unsafe { device.alloc::<T>(len) }
-}
-
-/// A new zero-filled output buffer, for an op that leaves some of it (padded attention's rows past a
-/// sequence's queries).
-fn zeroed_output<
-    T: CudaDType + cudnn_llm_ops::cudarc::driver::DeviceRepr + cudnn_llm_ops::cudarc::driver::ValidAsZeroBits,
->(
-    device: &CudaDevice,
-    len: usize,
-) -> Result<CudaSlice<T>> {
-    device.alloc_zeros::<T>(len)
 }
 
 /// Runs `$body` with `$t` the Rust element type of `$dtype`.
@@ -166,7 +155,8 @@ pub(crate) fn sdpa(
         backend: Backend,
     ) -> Result<CudaStorage> {
         let n = args.batch * args.heads_q * args.seq_q * args.head_dim;
-        let mut o = if lens.is_some() { zeroed_output::<T>(dev, n)? } else { output::<T>(dev, n)? };
+        // Padded attention leaves the rows past a sequence's queries: they start zeroed.
+        let mut o = if lens.is_some() { dev.alloc_zeros::<T>(n)? } else { output::<T>(dev, n)? };
         let (qv, kv, vv) = (view::<T>(q, ql)?, view::<T>(k, kl)?, view::<T>(v, vl)?);
         let mut ops = cudnn_llm_ops::SdpaOperands::new(&qv, &kv, &vv, &mut o);
         if let Some([lq, lkv]) = &lens {

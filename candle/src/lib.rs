@@ -1,5 +1,6 @@
-//! cuDNN's fused ops on candle tensors: [`rms_norm`], [`sdpa`] (causal, grouped-query heads, strided
-//! Q/K/V) and [`linear`] (bias and activation fused into the product), each a candle custom op.
+//! cuDNN's fused ops on candle tensors: [`rms_norm`], [`sdpa`] and [`sdpa_padded`] (causal,
+//! grouped-query heads, strided Q/K/V, per-sequence lengths) and [`linear`] (bias, activation, gate and
+//! residual fused into the product), each a forward op returning a new candle tensor.
 //!
 //! On a CUDA tensor (feature `cuda`) an op binds candle's device buffers into the library's op and
 //! enqueues it on candle's own stream: no copy, no synchronization between candle's kernels and these.
@@ -398,23 +399,7 @@ pub fn sdpa_candle_padded(
     let (b, _, s_q, _) = q.dims4()?;
     let s_kv = k.dim(2)?;
     let lens = host_lens(q_lens, kv_lens, (s_q, s_kv), options.causal)?;
-    let keep: Vec<u8> = lens
-        .iter()
-        .flat_map(|&(nq, nkv)| {
-            (0..s_q).flat_map(move |i| {
-                (0..s_kv).map(move |j| {
-                    // A row past the sequence's queries keeps key 0 (finite), then is zeroed below.
-                    let visible = match options.causal {
-                        Causal::None => j < nkv,
-                        Causal::TopLeft => j < nkv && j <= i,
-                        Causal::BottomRight => j < nkv && j + nq <= i + nkv,
-                    };
-                    u8::from(if i < nq { visible } else { j == 0 })
-                })
-            })
-        })
-        .collect();
-    let keep = Tensor::from_vec(keep, (b, 1, s_q, s_kv), q.device())?;
+    let keep = keep_mask(&lens, (s_q, s_kv), options.causal, q.device())?;
     let rows: Vec<f32> =
         lens.iter().flat_map(|&(nq, _)| (0..s_q).map(move |i| if i < nq { 1.0 } else { 0.0 })).collect();
     let rows = Tensor::from_vec(rows, (b, 1, s_q, 1), q.device())?.to_dtype(q.dtype())?;
@@ -426,15 +411,32 @@ pub fn sdpa_candle(q: &Tensor, k: &Tensor, v: &Tensor, options: &Attention) -> R
     let (s_q, s_kv) = (q.dim(2)?, k.dim(2)?);
     let keep = match options.causal {
         Causal::None => None,
-        causal => {
-            let shift = if causal == Causal::BottomRight { s_kv as i64 - s_q as i64 } else { 0 };
-            let keep: Vec<u8> = (0..s_q as i64)
-                .flat_map(|i| (0..s_kv as i64).map(move |j| u8::from(j <= i + shift)))
-                .collect();
-            Some(Tensor::from_vec(keep, (1, 1, s_q, s_kv), q.device())?)
-        }
+        causal => Some(keep_mask(&[(s_q, s_kv)], (s_q, s_kv), causal, q.device())?),
     };
     attention_candle(q, k, v, options.scale, keep.as_ref())
+}
+
+/// `[sequences, 1, s_q, s_kv]`: 1 where query `i` of a sequence of `(queries, keys)` sees key `j` (the
+/// mask within its own lengths, [`Mask::keeps`](cudnn_llm_ops::Mask::keeps)). A row past its queries
+/// keeps key 0, so that it stays finite (the padded fallback zeroes it).
+fn keep_mask(
+    lens: &[(usize, usize)],
+    (s_q, s_kv): (usize, usize),
+    causal: Causal,
+    device: &candle_core::Device,
+) -> Result<Tensor> {
+    let mask = causal.mask();
+    let keep: Vec<u8> = lens
+        .iter()
+        .flat_map(|&(nq, nkv)| {
+            (0..s_q).flat_map(move |i| {
+                (0..s_kv).map(move |j| {
+                    u8::from(if i < nq { j < nkv && mask.keeps(i, j, nq, nkv) } else { j == 0 })
+                })
+            })
+        })
+        .collect();
+    Tensor::from_vec(keep, (lens.len(), 1, s_q, s_kv), device)
 }
 
 /// `softmax(scale · Q Kᵀ where keep, else -inf) V` in candle's ops, K/V heads repeated for the groups.
