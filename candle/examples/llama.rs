@@ -363,7 +363,7 @@ fn run(
 }
 
 fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
-    let a = parse().map_err(|e| format!("usage: llama [--preset 1b|8b|smollm2|tiny] [--layers N] [--model DIR] [--prompt N] [--steps N] [--no-f32] [--cpu] [--check TOL]: {e}"))?;
+    let a = parse().map_err(|e| format!("usage: llama [--preset 1b|8b|smollm2|tiny] [--layers N] [--model DIR | --gguf FILE] [--prompt N] [--steps N] [--no-f32] [--cpu] [--check TOL]: {e}"))?;
     let dev = if a.cpu { Device::Cpu } else { Device::new_cuda(0)? };
     // bf16 on the GPU; on the CPU f32, where both models must agree with the f32 reference closely.
     let dtype = if a.cpu { DType::F32 } else { DType::BF16 };
@@ -391,7 +391,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         llama_cfg.num_hidden_layers = n;
     }
     let cfg = llama_cfg.into_config(false);
-    let max_seq = a.prompt + a.steps;
+    let max_seq = a.prompt.saturating_add(a.steps);
     if max_seq > cfg.max_position_embeddings {
         return Err(format!(
             "--prompt + --steps = {max_seq} exceeds max_position_embeddings {}",
