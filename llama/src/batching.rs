@@ -401,7 +401,8 @@ impl<T: Element> BatchEngine<T> {
     /// chooses its next id with its sampler. Returns `(sequence, next id)` for each, oldest first. An
     /// error where a sequence has no room left (remove it first) or the pool has too few free pages
     /// ([`cudnn_llm_ops::Error::OutOfPages`] inside [`Error::Ops`]; nothing ran, remove or wait for a
-    /// sequence and step again).
+    /// sequence and step again). A step that fails while it runs (a kernel, a plan, a replay) changes
+    /// nothing: no sequence gains an id, the pages it took go back, and the next step carries on.
     pub fn step(&mut self, ctx: &Cudnn) -> Result<Vec<(SeqId, u32)>> {
         let ids = self.sequences();
         if ids.is_empty() {

@@ -328,8 +328,8 @@ impl<T: Element> PagedKvCache<T> {
         self.book.finish()
     }
 
-    /// Drops the step begun, if any: nothing of it counts (its pages stay with their sequences), and
-    /// its sequences may be removed.
+    /// Drops the step begun, if any: nothing of it counts, the pages it gave its sequences go back to
+    /// the pool, and its sequences may be removed.
     pub fn cancel(&mut self) {
         self.book.cancel();
     }

@@ -330,9 +330,21 @@ impl PagedBook {
         v
     }
 
-    /// Drops the step begun, if any (nothing of it counts; its pages stay with their sequences).
+    /// Drops the step begun, if any: nothing of it counts, and the pages it handed out go back to the
+    /// pool (each of its sequences keeps the pages its length needs), so a failed step changes nothing.
     pub(crate) fn cancel(&mut self) {
-        self.step = None;
+        let Some(step) = self.step.take() else { return };
+        // Last sequence first: the pool's free list ends as it was before the step.
+        for id in step.order.iter().rev() {
+            let Some(s) = self.seqs.get_mut(id) else { continue };
+            let keep = s.len.div_ceil(self.page_size);
+            if s.pages.len() > keep {
+                let extra = s.pages.split_off(keep);
+                // Handed out by this step's `grow` and held by this sequence alone: always taken back.
+                let taken = self.alloc.release(&extra);
+                debug_assert!(taken.is_ok(), "{taken:?}");
+            }
+        }
     }
 
     /// Counts the step's tokens; returns how many each of its sequences got (a packed step: all of
@@ -474,13 +486,40 @@ mod tests {
             assert_eq!(book, before, "{expected}: nothing changed");
         }
         let err = book.begin_packed(&[e, d], &[12, 12]).unwrap_err();
-        assert!(matches!(err, Error::OutOfPages { needed: 5, free: 3, .. }), "{err:?}");
+        assert!(matches!(err, Error::OutOfPages { needed: 6, free: 4, .. }), "{err:?}"); // d's cancelled step took its page back
         assert!(err.to_string().contains("a packed step of 24 tokens for 2 sequences"), "{err}");
         assert_eq!(book, before);
         let mut full = PagedBook::new(8, 4, 3, 2).unwrap();
         let ids: Vec<SeqId> = (0..3).map(|_| full.add()).collect();
         let err = full.begin_packed(&ids, &[1, 1, 1]).unwrap_err().to_string();
         assert!(err.contains("3 sequences in one packed step, the table has 2"), "{err}");
+    }
+
+    #[test]
+    fn cancelled_steps_give_their_pages_back() {
+        let mut book = PagedBook::new(8, 4, 3, 3).unwrap();
+        let (a, b) = (book.add(), book.add());
+        book.begin(&[a], 4, 1).unwrap(); // a fills its first page
+        book.finish().unwrap();
+        book.begin(&[b], 2, 1).unwrap();
+        book.finish().unwrap();
+        let before = book.clone();
+        // A decode step that needs a new page for a (position 4), none for b (position 2).
+        book.begin(&[a, b], 1, 2).unwrap();
+        assert_eq!(book.allocator().free(), 5);
+        book.cancel();
+        assert_eq!(book, before, "a cancelled step leaves the book as it was");
+        // A packed prefill of two new sequences, cancelled: every page back, the sequences empty.
+        let (c, d) = (book.add(), book.add());
+        let with_cd = book.clone();
+        book.begin_packed(&[c, d], &[5, 3]).unwrap();
+        assert_eq!(book.allocator().free(), 3);
+        book.cancel();
+        assert_eq!(book, with_cd);
+        // The same steps afterwards get the same pages and count their tokens.
+        book.begin(&[a, b], 1, 2).unwrap();
+        book.finish().unwrap();
+        assert_eq!((book.len(a).unwrap(), book.pages(a).unwrap().len()), (5, 2));
     }
 
     #[test]
@@ -519,6 +558,7 @@ mod tests {
         assert!(book.remove(c).unwrap_err().to_string().contains("finish it first"));
         book.cancel();
         assert_eq!(book.len(c).unwrap(), 0, "a cancelled step counts nothing");
+        assert_eq!((book.pages(c).unwrap().len(), book.allocator().free()), (0, 1), "and holds no page");
         book.begin(&[c], 1, 1).unwrap();
         book.finish().unwrap();
         book.remove(c).unwrap();
