@@ -27,7 +27,7 @@ const ITEMS: u32 = 4;
 pub struct Kernels {
     /// The kernel cache's folder (in the plan directory when the context had one at its first launch).
     dir: Option<PathBuf>,
-    modules: OnceCell<Vec<Arc<CudaModule>>>,
+    modules: OnceCell<Modules>,
     functions: RefCell<HashMap<String, CudaFunction>>,
     scratch: RefCell<Option<CudaSlice<f32>>>,
     /// The buffers fused ops own, by the name of their [`Owned`] slot (each a `Rc<RefCell<Held<T>>>`).
@@ -142,10 +142,14 @@ impl Kernels {
             crate::startup::record("kernels", t.elapsed(), detail);
             Ok::<_, Error>(modules)
         })?;
-        // A name no room defines is "not found" in every module; any other error is the driver's.
+        // The room whose cubin names the kernel, else every room in turn (a name no room defines is
+        // "not found" in each; any other error is the driver's). The index keeps lookups from asking
+        // modules that lack the name, which compute-sanitizer reports as API errors.
         let mut found = None;
-        for m in modules {
-            match m.load_function(name) {
+        let rooms = modules.index.get(name).map(std::slice::from_ref).unwrap_or(&[]);
+        let order = rooms.iter().copied().chain((0..modules.all.len()).filter(|i| !rooms.contains(i)));
+        for i in order {
+            match modules.all[i].load_function(name) {
                 Ok(f) => {
                     found = Some(f);
                     break;
@@ -258,7 +262,36 @@ fn compile_rooms(which: &[usize], arch: (i32, i32)) -> Vec<(usize, std::result::
 /// Every room's module for this device: its CUBIN from the kernel cache in `dir` where it holds one
 /// for this source, options, NVRTC and driver, else compiled (rooms in parallel) and stored there; a
 /// cached CUBIN the driver does not load is compiled again and replaced. Also a line saying which.
-fn modules(ctx: &Exec, dir: Option<&std::path::Path>) -> Result<(Vec<Arc<CudaModule>>, String)> {
+/// The rooms' loaded modules, and which module defines each kernel name their cubins list.
+struct Modules {
+    all: Vec<Arc<CudaModule>>,
+    index: HashMap<String, usize>,
+}
+
+/// The kernel names a cubin defines: each entry function has an ELF section `.text.<name>`, whose name
+/// sits NUL-terminated in the section-name table. Other `.text.` sections (device functions kept
+/// apart) only add names no launch asks for.
+fn kernel_names(cubin: &[u8]) -> Vec<String> {
+    const TEXT: &[u8] = b".text.";
+    let mut names = Vec::new();
+    let mut at = 0;
+    while let Some(i) = cubin[at..].windows(TEXT.len()).position(|w| w == TEXT) {
+        let start = at + i + TEXT.len();
+        let len = cubin[start..]
+            .iter()
+            .take_while(|&&c| c.is_ascii_alphanumeric() || c == b'_' || c == b'$')
+            .count();
+        if len > 0 && cubin.get(start + len) == Some(&0) {
+            names.push(String::from_utf8_lossy(&cubin[start..start + len]).into_owned());
+        }
+        at = start;
+    }
+    names.sort();
+    names.dedup();
+    names
+}
+
+fn modules(ctx: &Exec, dir: Option<&std::path::Path>) -> Result<(Modules, String)> {
     if !crate::raw::nvrtc::library_present() {
         return Err(Error::Nvrtc("libnvrtc.so was not found: install the CUDA 13 NVRTC library".into()));
     }
@@ -303,8 +336,12 @@ fn modules(ctx: &Exec, dir: Option<&std::path::Path>) -> Result<(Vec<Arc<CudaMod
             .load_module(cudarc::nvrtc::Ptx::from_binary(cubin.expect("loaded or compiled")))
     };
     let mut modules = Vec::with_capacity(rooms.len());
+    let mut index = HashMap::new();
     let mut recompiled = 0;
     for i in 0..rooms.len() {
+        for name in cubins[i].as_deref().map(kernel_names).unwrap_or_default() {
+            index.entry(name).or_insert(i);
+        }
         let module = match load(cubins[i].take()) {
             Ok(m) => m,
             Err(e) if cached[i] => {
@@ -337,7 +374,7 @@ fn modules(ctx: &Exec, dir: Option<&std::path::Path>) -> Result<(Vec<Arc<CudaMod
     if let Some(why) = unsaved {
         detail += &format!("; {why}");
     }
-    Ok((modules, detail))
+    Ok((Modules { all: modules, index }, detail))
 }
 
 /// A device buffer by address: `len` elements at `addr` on `stream`, for a call that binds a part of a
@@ -566,6 +603,47 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The kernel names read from a cubin's section names: `.text.<name>` NUL-terminated, nothing else.
+    #[test]
+    fn kernel_names_are_the_text_sections_of_a_cubin() {
+        let fake =
+            b"\x7fELF\0.text.pow2_f32\0.nv.info.pow2_f32\0.text.gemv_bf16_m1\0.text.\0.textual\0.text.cut";
+        assert_eq!(super::kernel_names(fake), ["gemv_bf16_m1", "pow2_f32"]);
+        assert!(super::kernel_names(b"").is_empty());
+    }
+
+    /// Where libnvrtc can be loaded: every room's cubin names its kernels, and a kernel name is
+    /// defined by one room, or by every room (`common.cu`'s, compiled into each program): a lookup goes
+    /// to a room that has it.
+    #[test]
+    fn each_kernel_name_belongs_to_one_room_or_to_all() {
+        if !crate::raw::nvrtc::library_present() {
+            eprintln!(
+                "SKIPPED each_kernel_name_belongs_to_one_room_or_to_all: no libnvrtc on the library path"
+            );
+            return;
+        }
+        let all: Vec<usize> = (0..super::programs().count()).collect();
+        let mut rooms_of = std::collections::BTreeMap::<String, Vec<&str>>::new();
+        for (i, cubin) in super::compile_rooms(&all, (9, 0)) {
+            let room = super::programs().nth(i).unwrap().0;
+            let names = super::kernel_names(&cubin.unwrap());
+            assert!(!names.is_empty(), "{room}: no kernel names read from its cubin");
+            for name in names {
+                rooms_of.entry(name).or_default().push(room);
+            }
+        }
+        for (name, rooms) in &rooms_of {
+            assert!(rooms.len() == 1 || rooms.len() == all.len(), "kernel {name} is defined by {rooms:?}");
+        }
+        for (name, rooms) in
+            [("pow2_f32", 1), ("mean_rows_f32", 1), ("colsum_bf16_bf16", 1), ("cast_bf16_f32", all.len())]
+        {
+            assert_eq!(rooms_of.get(name).map(Vec::len), Some(rooms), "{name}: {:?}", rooms_of.get(name));
+        }
+        println!("{} kernel names in {} rooms", rooms_of.len(), all.len());
     }
 
     /// Every buffer a fused op owns has a name of its own: two ops declaring one name would share a
