@@ -17,6 +17,10 @@ use cudnn_llm_app::bench_util::median_call_ms;
 
 type Error = Box<dyn std::error::Error>;
 
+/// A graph to time: its label, the graph, and whether A's factors are per token and B's per channel
+/// (`None`: no factor inputs).
+type Form = (&'static str, Graph, Option<(bool, bool)>);
+
 const CANDIDATES: usize = 32;
 const KNOB_SEARCH: usize = 16;
 const M: usize = 2048;
@@ -56,7 +60,7 @@ fn main() -> Result<(), Error> {
         let base = ScaledMatmulArgs::new(M, n, k);
         let scaled = |args: ScaledMatmulArgs| args.graph(DataType::F8E4M3, DataType::F8E4M3, DataType::BF16);
         // (label, graph, A's scales per token, B's scales per channel); no scale inputs where None.
-        let graphs: [(&str, Graph, Option<(bool, bool)>); 6] = [
+        let graphs: [Form; 6] = [
             ("fp8 per-tensor scales", scaled(base), Some((false, false))),
             ("fp8 per-tensor x per-channel", scaled(base.per_channel()), Some((false, true))),
             ("fp8 per-token x per-tensor", scaled(base.per_token()), Some((true, false))),

@@ -104,6 +104,19 @@ pub trait Element: DeviceRepr + ValidAsZeroBits + Copy + Default + Send + Sync +
     fn to_f64(self) -> f64;
     /// A NaN of this type, used to poison outputs before a run.
     fn nan() -> Self;
+    /// Converts from bf16, rounding to nearest: [`Element::from_f64`] of its exact value, without the
+    /// f64 where the conversion is a copy or a widening (a checkpoint's tensors convert through this).
+    fn from_bf16(v: bf16) -> Self {
+        Self::from_f64(v.to_f64())
+    }
+    /// Converts from f16, as [`Element::from_bf16`].
+    fn from_f16(v: f16) -> Self {
+        Self::from_f64(v.to_f64())
+    }
+    /// Converts from f32, as [`Element::from_bf16`].
+    fn from_f32(v: f32) -> Self {
+        Self::from_f64(v as f64)
+    }
 }
 
 impl Element for f32 {
@@ -116,6 +129,15 @@ impl Element for f32 {
     }
     fn nan() -> Self {
         f32::NAN
+    }
+    fn from_bf16(v: bf16) -> Self {
+        v.to_f32()
+    }
+    fn from_f16(v: f16) -> Self {
+        v.to_f32()
+    }
+    fn from_f32(v: f32) -> Self {
+        v
     }
 }
 
@@ -130,6 +152,12 @@ impl Element for f16 {
     fn nan() -> Self {
         f16::NAN
     }
+    fn from_f16(v: f16) -> Self {
+        v
+    }
+    fn from_f32(v: f32) -> Self {
+        f16::from_f32(v)
+    }
 }
 
 impl Element for bf16 {
@@ -143,11 +171,57 @@ impl Element for bf16 {
     fn nan() -> Self {
         bf16::NAN
     }
+    fn from_bf16(v: bf16) -> Self {
+        v
+    }
+    fn from_f32(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The direct conversions give what `from_f64` of the exact value gives: every bf16 and f16 bit
+    /// pattern, and f32 patterns spread over every exponent (NaN compared as NaN). The f32 patterns keep
+    /// their three lowest bits zero: `half`'s f64 -> bf16 (2.7) drops an f64's low 32 bits before it
+    /// rounds, so an f32 whose only bits past a tie lie there rounds as a tie; the direct f32 route
+    /// rounds it right (checked below).
+    #[test]
+    fn direct_conversions_equal_the_f64_route() {
+        fn same<T: Element>(a: T, b: T, what: &str) {
+            let (x, y) = (a.to_f64(), b.to_f64());
+            assert!(x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()), "{what}: {x} vs {y}");
+        }
+        fn check<T: Element>() {
+            for bits in 0..=u16::MAX {
+                let (b, h) = (bf16::from_bits(bits), f16::from_bits(bits));
+                same(T::from_bf16(b), T::from_f64(b.to_f64()), &format!("bf16 {bits:#06x}"));
+                same(T::from_f16(h), T::from_f64(h.to_f64()), &format!("f16 {bits:#06x}"));
+            }
+            let mut x = 0x9e37_79b9u32;
+            for i in 0..(1u32 << 20) {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                // every fourth a pattern near a bf16 or f16 rounding boundary
+                let bits = match i % 4 {
+                    0 => (x & 0xffff_0000) | 0x8000 | (x & 0x7ff8),
+                    1 => (x & 0xffff_e000) | 0x1000 | (x & 0x0ff8),
+                    _ => x & !7,
+                };
+                let v = f32::from_bits(bits);
+                same(T::from_f32(v), T::from_f64(v as f64), &format!("f32 {bits:#010x}"));
+            }
+        }
+        check::<f32>();
+        check::<f16>();
+        check::<bf16>();
+        // Past a tie by bit 1 only: rounds up (half's f64 route rounds it down, as a tie to even).
+        let v = f32::from_bits(0x3f80_8002);
+        assert_eq!(<bf16 as Element>::from_f32(v).to_bits(), 0x3f81);
+    }
 
     #[test]
     fn names_round_trip_and_sizes() {

@@ -563,14 +563,13 @@ fn fp8_weight<T: Element>(
 pub(crate) fn decode_into<T: Element>(dtype: Dtype, bytes: &[u8], out: &mut Vec<T>) -> bool {
     match dtype {
         Dtype::BF16 => {
-            out.extend(bytes.chunks_exact(2).map(|c| T::from_f64(bf16::from_le_bytes([c[0], c[1]]).to_f64())))
+            out.extend(bytes.chunks_exact(2).map(|c| T::from_bf16(bf16::from_le_bytes([c[0], c[1]]))))
         }
         Dtype::F16 => {
-            out.extend(bytes.chunks_exact(2).map(|c| T::from_f64(f16::from_le_bytes([c[0], c[1]]).to_f64())))
+            out.extend(bytes.chunks_exact(2).map(|c| T::from_f16(f16::from_le_bytes([c[0], c[1]]))))
         }
-        Dtype::F32 => out.extend(
-            bytes.chunks_exact(4).map(|c| T::from_f64(f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64)),
-        ),
+        Dtype::F32 => out
+            .extend(bytes.chunks_exact(4).map(|c| T::from_f32(f32::from_le_bytes([c[0], c[1], c[2], c[3]])))),
         _ => return false,
     }
     true
