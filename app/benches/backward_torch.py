@@ -43,12 +43,15 @@ fails (a refused backend, out of memory) is a row with `ms` empty and the error 
 """
 import csv
 import math
-import statistics
+import os
 import sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cuda_timing  # noqa: E402
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -57,24 +60,7 @@ LLAMA_1B = {"hidden": 2048, "inter": 8192, "heads": 32, "kv_heads": 8, "head_dim
 
 
 def time_ms(fn):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    batch = max(1, min(100, math.ceil(2.0 / max(start.elapsed_time(end), 1e-3))))
-    samples = []
-    for _ in range(15):
-        start.record()
-        for _ in range(batch):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / batch)
-    return statistics.median(samples)
+    return cuda_timing.time_ms(fn, warmup=5, samples=15, cover_ms=2.0, max_batch=100)
 
 
 def randn(*shape, dtype=BF16, scale=1.0, seed=0):

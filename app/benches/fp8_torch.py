@@ -15,35 +15,17 @@ to cover about a millisecond. Writes CSV rows to the path given as the first arg
 """
 import csv
 import math
-import statistics
+import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cuda_timing import time_ms  # noqa: E402
+
 LINEARS = [("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
 E4M3_MAX = 448.0
-
-
-def time_ms(fn):
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    batch = max(1, min(500, math.ceil(1.0 / max(start.elapsed_time(end), 1e-3))))
-    samples = []
-    for _ in range(21):
-        start.record()
-        for _ in range(batch):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / batch)
-    return statistics.median(samples)
 
 
 def quantize_rows(t):

@@ -14,7 +14,8 @@ llama-3.1-8b-32layers) it:
    prefill rows, the decode rows and all rows.
 
 It fails (exit 1) when the crate's error on any backend exceeds 1.5x transformers' bf16-vs-fp32 error
-on the same rows. Writes `hf_parity.csv` and `hf_parity.md` to `--out`.
+on the same rows. Writes `hf_parity.csv` and `hf_parity.md` to `--out`, and each position's errors (both
+sequences together, every run) to `hf_parity_positions.csv` there, appended.
 
     python3 app/benches/hf_parity.py --runner "bash .gpu/run example hf-logits" --out benches/results/h200
     python3 app/benches/hf_parity.py   # runner: cargo run --release --example hf-logits --
@@ -127,6 +128,18 @@ def main():
             prompt = [r[:PROMPT] for r in ids]
             decode = [[ids[b][PROMPT + t] for b in range(BATCH)] for t in range(DECODE)]
             mine = ours(a.runner, path, prompt, decode, tmp, ref.shape[-1], a.bisect)
+            # Per position (both sequences together): where along the prompt each run's error sits.
+            with open(os.path.join(a.out, "hf_parity_positions.csv"), "a", newline="") as f:
+                w = csv.writer(f)
+                if f.tell() == 0:
+                    w.writerow(["model", "position", "logits_rms", "transformers_bf16", "transformers_bf16_eager",
+                                *mine])
+                for p in range(PROMPT + DECODE):
+                    rms = float(np.sqrt(np.mean(ref[:, p].astype(np.float64) ** 2)))
+                    errs = [rel_l2(x[:, p], ref[:, p]) for x in (bf, bf_eager, *mine.values())]
+                    w.writerow([name, p, f"{rms:.4g}", *(f"{e:.4e}" for e in errs)])
+                    print(f"position {p:2d}: rms {rms:.3g}, transformers bf16 {errs[0]:.3e}, eager {errs[1]:.3e}, "
+                          + ", ".join(f"{k} {e:.3e}" for k, e in zip(mine, errs[2:])), flush=True)
             parts = {"prefill": slice(0, PROMPT), "decode": slice(PROMPT, PROMPT + DECODE),
                      "all": slice(0, PROMPT + DECODE)}
             for part, sl in parts.items():

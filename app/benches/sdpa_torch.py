@@ -17,13 +17,15 @@ first argument. Small cases are host-bound in PyTorch eager (tens of microsecond
 dispatcher work per call), so their times measure that, not the kernel.
 """
 import csv
-import math
-import statistics
+import os
 import sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cuda_timing import time_ms  # noqa: E402
 
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
 
@@ -36,25 +38,6 @@ def cases():
     yield "Llama-3.1-8B", 32, 8, 2048, 2048, 128, "none"
 
 
-def time_ms(fn):
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    batch = max(1, min(200, math.ceil(1.0 / max(start.elapsed_time(end), 1e-3))))
-    samples = []
-    for _ in range(21):
-        start.record()
-        for _ in range(batch):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / batch)
-    return statistics.median(samples)
 
 
 def main():
