@@ -578,8 +578,9 @@ pub(crate) fn decode_into<T: Element>(dtype: Dtype, bytes: &[u8], out: &mut Vec<
 /// Little-endian bytes of `data` rounded to `dtype` (bf16, f16 or f32).
 fn encode<T: Element>(data: &[T], dtype: DataType) -> Vec<u8> {
     match dtype {
-        DataType::BF16 => data.iter().flat_map(|v| bf16::from_f64(v.to_f64()).to_le_bytes()).collect(),
-        DataType::F16 => data.iter().flat_map(|v| f16::from_f64(v.to_f64()).to_le_bytes()).collect(),
+        // Every Element is exact in f32; half's f32 routes round right (its f64 -> bf16 misjudges ties).
+        DataType::BF16 => data.iter().flat_map(|v| bf16::from_f32(v.to_f64() as f32).to_le_bytes()).collect(),
+        DataType::F16 => data.iter().flat_map(|v| f16::from_f32(v.to_f64() as f32).to_le_bytes()).collect(),
         DataType::F32 => data.iter().flat_map(|v| (v.to_f64() as f32).to_le_bytes()).collect(),
         other => unreachable!("save checked the dtype, got {other}"),
     }
@@ -655,8 +656,9 @@ mod tests {
     /// `v` rounded to `dtype`, as a file in that dtype holds it.
     fn round(v: f64, dtype: DataType) -> f64 {
         match dtype {
-            DataType::BF16 => bf16::from_f64(v).to_f64(),
-            DataType::F16 => f16::from_f64(v).to_f64(),
+            // The values here are f32s: round through f32, as the loader does.
+            DataType::BF16 => bf16::from_f32(v as f32).to_f64(),
+            DataType::F16 => f16::from_f32(v as f32).to_f64(),
             DataType::F8E4M3 => cudnn_llm_ops::F8E4M3::from_f64(v).to_f64(),
             DataType::F8E5M2 => cudnn_llm_ops::F8E5M2::from_f64(v).to_f64(),
             _ => v as f32 as f64,
