@@ -325,7 +325,7 @@ impl Gguf {
             } else if name.ends_with("attn_k.weight") {
                 values = unpermute(&values, cfg.kv_heads, shape[1]);
             }
-            let data = values.into_iter().map(|v| T::from_f64(v as f64)).collect();
+            let data = values.into_iter().map(T::from_f32).collect();
             Ok(Tensor { shape, data })
         };
         // Tensors dequantize independently, on every core.
