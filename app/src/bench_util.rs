@@ -61,6 +61,24 @@ pub fn same_greedy_ids(tag: &str, got: &[u32], want: &[u32], logits: &[Vec<f32>]
         .then(|| format!("{tag}: new id {i} is {}, alone {} (gap {gap}, rms {})", got[i], want[i], rms(row)))
 }
 
+/// For batching-engine GPU tests: ends each request of `handles` (its sequence -> its index `r`) whose
+/// `got[r]` holds its `outputs[r]` new ids, checking that the engine kept its prompt then exactly those
+/// ids (`tag` names the run in the failure). Panics on an error, as a test does.
+pub fn end_finished<T: Element>(
+    engine: &mut cudnn_llm_llama::BatchEngine<T>,
+    handles: &mut std::collections::HashMap<cudnn_llm_ops::SeqId, usize>,
+    (prompts, got, outputs): (&[Vec<u32>], &[Vec<u32>], &[usize]),
+    tag: &str,
+) {
+    for (id, r) in handles.clone() {
+        if got[r].len() == outputs[r] {
+            let all = engine.remove(id).unwrap();
+            assert_eq!(all, [&prompts[r][..], &got[r][..]].concat(), "{tag} request {r}: its ids");
+            handles.remove(&id);
+        }
+    }
+}
+
 /// A binary of this package for an integration test: where cargo built it (`cargo_path`, i.e.
 /// `env!("CARGO_BIN_EXE_<name>")`), else `bin-<name>` beside the test executable, where
 /// `../shared/gpu/stage` puts it (staged tests run at another path than the one cargo compiled in).

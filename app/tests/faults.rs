@@ -196,7 +196,7 @@ fn a_failing_request_in_the_batching_engine_ends_alone_and_the_others_finish_rig
     use cudnn_llm::llama::generate::{DecodeMode, Generator};
     use cudnn_llm::llama::sampling::SamplingParams;
     use cudnn_llm::llama::{BatchConfig, BatchEngine};
-    use cudnn_llm_app::bench_util::{greedy_alone, same_greedy_ids};
+    use cudnn_llm_app::bench_util::{end_finished, greedy_alone, same_greedy_ids};
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let ctx = fresh_context();
     let cfg = LlamaConfig::tiny();
@@ -260,20 +260,15 @@ fn a_failing_request_in_the_batching_engine_ends_alone_and_the_others_finish_rig
                 handles.insert(id, 2);
                 added = true;
             }
-            for (id, r) in handles.clone() {
-                if got[r].len() == outputs[r] {
-                    let all = engine.remove(id).unwrap();
-                    assert_eq!(all, [&prompts[r][..], &got[r][..]].concat(), "{mode:?} request {r}: its ids");
-                    handles.remove(&id);
-                }
-            }
+            end_finished(&mut engine, &mut handles, (&prompts, &got, &outputs), &format!("{mode:?}"));
             // One failing step: in launch mode the first step of three sequences (a bucket of 4 not run
             // before, so its plans are built), in graph mode a replay of that bucket's captured step.
-            if step == fail_at && !handles.is_empty() {
+            let stepped = if step == fail_at && !handles.is_empty() {
                 let site = if mode == DecodeMode::Graph { Site::Replay } else { Site::PlanBuild };
-                let free = engine.free_pages();
-                let lens: Vec<usize> =
-                    engine.sequences().iter().map(|&id| engine.tokens(id).unwrap().len()).collect();
+                let lengths = |e: &BatchEngine<bf16>| -> Vec<usize> {
+                    e.sequences().iter().map(|&id| e.tokens(id).unwrap().len()).collect()
+                };
+                let (free, lens) = (engine.free_pages(), lengths(&engine));
                 faults::fail_nth(site, 1);
                 let failed = engine.step(&ctx);
                 faults::disarm();
@@ -282,23 +277,19 @@ fn a_failing_request_in_the_batching_engine_ends_alone_and_the_others_finish_rig
                     Err(e) => failures.push(format!("{mode:?}: the step failed otherwise: {e}")),
                     Ok(_) => println!("{mode:?}: step {step} reached no {} call", site.name()),
                 }
-                let after: Vec<usize> =
-                    engine.sequences().iter().map(|&id| engine.tokens(id).unwrap().len()).collect();
+                let after = lengths(&engine);
                 if step_failed && (after != lens || engine.free_pages() != free) {
                     failures.push(format!(
                         "{mode:?}: the failed step changed lengths {lens:?} -> {after:?}, free pages {free} -> {}",
                         engine.free_pages()
                     ));
                 }
-                if !step_failed {
-                    for (id, t) in failed.into_iter().flatten() {
-                        got[handles[&id]].push(t);
-                    }
-                }
+                failed.ok()
             } else {
-                for (id, t) in engine.step(&ctx).unwrap() {
-                    got[handles[&id]].push(t);
-                }
+                Some(engine.step(&ctx).unwrap())
+            };
+            for (id, t) in stepped.into_iter().flatten() {
+                got[handles[&id]].push(t);
             }
             step += 1;
         }

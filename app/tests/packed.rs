@@ -16,7 +16,7 @@ use cudnn_llm::llama::generate::{DecodeMode, Generator};
 use cudnn_llm::llama::sampling::{argmax, SamplingParams};
 use cudnn_llm::llama::weights::Weights;
 use cudnn_llm::llama::{Backends, BatchConfig, BatchEngine, Llama, LlamaConfig, NoObserver};
-use cudnn_llm_app::bench_util::{download, gpu, greedy_alone, rms, same_greedy_ids, NEAR_TIE};
+use cudnn_llm_app::bench_util::{download, end_finished, gpu, greedy_alone, rms, same_greedy_ids, NEAR_TIE};
 use half::bf16;
 
 /// Logits of one sequence prefilled packed against alone: bf16 activations through every layer,
@@ -165,13 +165,7 @@ fn packed_engine(
                 handles.insert(id, r);
             }
         }
-        for (id, r) in handles.clone() {
-            if got[r].len() == outputs[r] {
-                let all = engine.remove(id).unwrap();
-                assert_eq!(all, [&prompts[r][..], &got[r][..]].concat(), "{tag} request {r}: its ids");
-                handles.remove(&id);
-            }
-        }
+        end_finished(&mut engine, &mut handles, (prompts, &got, outputs), &tag);
         if handles.is_empty() && step >= 2 {
             break;
         }

@@ -22,7 +22,7 @@ use cudnn_llm::llama::sampling::{argmax, SamplingParams};
 use cudnn_llm::llama::weights::Weights;
 use cudnn_llm::llama::{Backends, BatchConfig, BatchEngine, Llama, LlamaConfig, NoObserver};
 use cudnn_llm_app::bench_util::{
-    download, expect_untouched, gpu, greedy_alone, rms, same_greedy_ids, upload, NEAR_TIE,
+    download, end_finished, expect_untouched, gpu, greedy_alone, rms, same_greedy_ids, upload, NEAR_TIE,
 };
 use half::bf16;
 
@@ -532,13 +532,7 @@ fn continuous_batching_equals_each_request_alone() {
                 handles.insert(id, next);
                 next += 1;
             }
-            for (id, r) in handles.clone() {
-                if got[r].len() == outputs[r] {
-                    let all = engine.remove(id).unwrap();
-                    assert_eq!(all, [&prompts[r][..], &got[r][..]].concat(), "request {r}: its ids");
-                    handles.remove(&id);
-                }
-            }
+            end_finished(&mut engine, &mut handles, (&prompts, &got, &outputs), &format!("{mode:?}"));
             for (id, t) in engine.step(&ctx).unwrap() {
                 got[handles[&id]].push(t);
             }
@@ -658,12 +652,7 @@ fn continuous_batching_picks_greedy_rows_on_the_device_beside_a_sampled_request(
                 handles.insert(id, next);
                 next += 1;
             }
-            for (id, r) in handles.clone() {
-                if got[r].len() == outputs[r] {
-                    engine.remove(id).unwrap();
-                    handles.remove(&id);
-                }
-            }
+            end_finished(&mut engine, &mut handles, (&prompts, &got, &outputs), &format!("{mode:?}"));
             for (id, t) in engine.step(&ctx).unwrap() {
                 got[handles[&id]].push(t);
             }
