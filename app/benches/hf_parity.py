@@ -14,7 +14,9 @@ llama-3.1-8b-32layers) it:
    prefill rows, the decode rows and all rows.
 
 It fails (exit 1) when the crate's error on any backend exceeds 1.5x transformers' bf16-vs-fp32 error
-on the same rows. Writes `hf_parity.csv` and `hf_parity.md` to `--out`, and each position's errors (both
+on the same rows. `--bos` starts every sequence with the model's BOS id (as its tokenizer does) instead of a
+random id, and `--sequences N` runs N sequences instead of 2: without a BOS, position 1 of SmolLM2 is an
+ill-conditioned row whose bf16 error, transformers' own included, is several times every other row's. Writes `hf_parity.csv` and `hf_parity.md` to `--out`, and each position's errors (both
 sequences together, every run) to `hf_parity_positions.csv` there, appended.
 
     python3 app/benches/hf_parity.py --runner "bash .gpu/run example hf-logits" --out benches/results/h200
@@ -39,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from random_checkpoint import build  # noqa: E402
 
 BOUND = 1.5
-BATCH, PROMPT, DECODE = 2, 24, 4
+PROMPT, DECODE = 24, 4
 
 # Checkpoint name -> (shape in random_checkpoint.SHAPES, layers).
 CHECKPOINTS = {"llama-3.2-1b-2layers": ("llama-3.2-1b", 2), "llama-3.1-8b-2layers": ("llama-3.1-8b", 2),
@@ -77,6 +79,7 @@ MODULES = ["prenorm", "qkv_proj", "rope", "gqa", "o_proj", "mlp", "output_norm",
 
 
 def ours(runner, path, prompt, decode, out, vocab, bisect=False):
+    batch = len(prompt)
     tokens = os.path.join(out, "tokens.json")
     with open(tokens, "w") as f:
         json.dump({"prefill": prompt, "decode": decode}, f)
@@ -87,8 +90,8 @@ def ours(runner, path, prompt, decode, out, vocab, bisect=False):
     res = {}
     for backend in ["naive", "fused"] + [e.split(":")[0] for e in extra]:
         rows = np.fromfile(os.path.join(out, f"logits-{backend}.f32"), dtype="<f4").reshape(-1, vocab)
-        pre = rows[: BATCH * PROMPT].reshape(BATCH, PROMPT, vocab)
-        dec = rows[BATCH * PROMPT:].reshape(DECODE, BATCH, vocab).transpose(1, 0, 2)
+        pre = rows[: batch * PROMPT].reshape(batch, PROMPT, vocab)
+        dec = rows[batch * PROMPT:].reshape(DECODE, batch, vocab).transpose(1, 0, 2)
         res[backend] = np.concatenate([pre, dec], axis=1)  # [batch, positions, vocab]
     return res
 
@@ -100,6 +103,8 @@ def main():
     ap.add_argument("--shapes", default=",".join(DEFAULT), help="comma-separated: " + ", ".join(CHECKPOINTS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gguf", help="a GGUF file (e.g. SmolLM2-135M-Instruct.Q4_1.gguf) instead of --shapes")
+    ap.add_argument("--sequences", type=int, default=2, help="sequences of the prefill (default 2)")
+    ap.add_argument("--bos", action="store_true", help="start every sequence with the model's BOS id")
     ap.add_argument("--bisect", action="store_true",
                     help="also run all naive but one module kind fused, per kind (reported, not bounded)")
     a = ap.parse_args()
@@ -111,33 +116,42 @@ def main():
             if a.gguf:
                 from gguf import GGUFReader
                 path = os.path.abspath(a.gguf)
-                vocab = len(GGUFReader(path).fields["tokenizer.ggml.tokens"].data)
+                reader = GGUFReader(path)
+                vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+                bos = reader.fields.get("tokenizer.ggml.bos_token_id")
+                bos = int(bos.parts[bos.data[0]][0]) if bos is not None else None
             else:
                 path, vocab = os.path.join(tmp, name), 128256
                 shape, layers = CHECKPOINTS[name]
                 build(shape, path, a.seed, layers)
                 with open(os.path.join(path, "config.json")) as f:
-                    keys = sorted(json.load(f))
-                print(f"{name}: config.json keys {keys}", flush=True)
-            ids = rng.integers(0, vocab, size=(BATCH, PROMPT + DECODE)).tolist()
+                    config = json.load(f)
+                print(f"{name}: config.json keys {sorted(config)}", flush=True)
+                bos = config.get("bos_token_id")
+            ids = rng.integers(0, vocab, size=(a.sequences, PROMPT + DECODE))
+            if a.bos:
+                if bos is None:
+                    sys.exit(f"{name}: --bos, but the model names no BOS id")
+                ids[:, 0] = bos
+            ids = ids.tolist()
             ref = hf_logits(path, torch.float32, ids)
             bf = hf_logits(path, torch.bfloat16, ids)
             # PyTorch eager attention (softmax in fp32, its probabilities rounded to bf16 before the
             # product with V), as this crate's naive backend does: a second yardstick, reported only.
             bf_eager = hf_logits(path, torch.bfloat16, ids, attn="eager")
             prompt = [r[:PROMPT] for r in ids]
-            decode = [[ids[b][PROMPT + t] for b in range(BATCH)] for t in range(DECODE)]
+            decode = [[ids[b][PROMPT + t] for b in range(a.sequences)] for t in range(DECODE)]
             mine = ours(a.runner, path, prompt, decode, tmp, ref.shape[-1], a.bisect)
             # Per position (both sequences together): where along the prompt each run's error sits.
             with open(os.path.join(a.out, "hf_parity_positions.csv"), "a", newline="") as f:
                 w = csv.writer(f)
                 if f.tell() == 0:
-                    w.writerow(["model", "position", "logits_rms", "transformers_bf16", "transformers_bf16_eager",
-                                *mine])
+                    w.writerow(["model", "sequences", "bos", "position", "logits_rms", "transformers_bf16",
+                                "transformers_bf16_eager", *mine])
                 for p in range(PROMPT + DECODE):
                     rms = float(np.sqrt(np.mean(ref[:, p].astype(np.float64) ** 2)))
                     errs = [rel_l2(x[:, p], ref[:, p]) for x in (bf, bf_eager, *mine.values())]
-                    w.writerow([name, p, f"{rms:.4g}", *(f"{e:.4e}" for e in errs)])
+                    w.writerow([name, a.sequences, a.bos, p, f"{rms:.4g}", *(f"{e:.4e}" for e in errs)])
                     print(f"position {p:2d}: rms {rms:.3g}, transformers bf16 {errs[0]:.3e}, eager {errs[1]:.3e}, "
                           + ", ".join(f"{k} {e:.3e}" for k, e in zip(mine, errs[2:])), flush=True)
             parts = {"prefill": slice(0, PROMPT), "decode": slice(PROMPT, PROMPT + DECODE),
@@ -177,7 +191,8 @@ def main():
                 f"transformers' loader and to bf16 by ours)" if a.gguf else
                 "Random-init checkpoints written by `save_pretrained` (bf16 safetensors, "
                 "`rope_parameters` with llama3 scaling)")
-        f.write(f"GPU: {gpu}. {what}, random token ids, {BATCH} sequences x {PROMPT} prompt tokens "
+        start = "the model's BOS id then random token ids" if a.bos else "random token ids"
+        f.write(f"GPU: {gpu}. {what}, {start}, {a.sequences} sequences x {PROMPT} prompt tokens "
                 f"then {DECODE} decode steps. Reference: transformers fp32 on the same checkpoint. "
                 f"Yardstick: transformers bf16 vs fp32; bound {BOUND}x the yardstick. "
                 f"`app/benches/hf_parity.py`.\n\n")

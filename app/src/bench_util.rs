@@ -22,24 +22,24 @@ pub fn rms(row: &[f32]) -> f32 {
     (row.iter().map(|v| v * v).sum::<f32>() / row.len() as f32).sqrt()
 }
 
-/// For GPU tests: one request run alone on `g` (reset first; its contiguous cache), greedy: its `n`
-/// new ids and the logits each was picked from. Panics on an error, as a test does.
+/// One request run alone on `g` (reset first; its contiguous cache), greedy: its `n` new ids and the
+/// logits each was picked from (what GPU tests and `serve-bench --check-alone` compare batched runs to).
 pub fn greedy_alone<T: Element>(
     ctx: &Cudnn,
     g: &mut cudnn_llm_llama::generate::Generator<T>,
     prompt: &[u32],
     n: usize,
-) -> (Vec<u32>, Vec<Vec<f32>>) {
+) -> cudnn_llm_llama::Result<(Vec<u32>, Vec<Vec<f32>>)> {
     use cudnn_llm_llama::sampling::argmax;
     g.reset();
-    let mut logits = vec![g.prefill(ctx, prompt).unwrap()];
-    let mut ids = vec![argmax(&logits[0]).unwrap()];
+    let mut logits = vec![g.prefill(ctx, prompt)?];
+    let mut ids = vec![argmax(&logits[0])?];
     while ids.len() < n {
-        let l = g.step(ctx, *ids.last().unwrap()).unwrap();
-        ids.push(argmax(&l).unwrap());
+        let l = g.step(ctx, *ids.last().expect("at least the first id"))?;
+        ids.push(argmax(&l)?);
         logits.push(l);
     }
-    (ids, logits)
+    Ok((ids, logits))
 }
 
 /// For GPU tests: `got` against `want` (greedy ids of the same request run alone, and the logits of

@@ -211,7 +211,7 @@ fn a_failing_request_in_the_batching_engine_ends_alone_and_the_others_finish_rig
     let mut generator =
         Generator::new(&ctx, Llama::new(&ctx, &cfg, &w, max_seq).unwrap(), fused.clone(), max_seq).unwrap();
     let want: Vec<(Vec<u32>, Vec<Vec<f32>>)> =
-        prompts.iter().zip(outputs).map(|(p, n)| greedy_alone(&ctx, &mut generator, p, n)).collect();
+        prompts.iter().zip(outputs).map(|(p, n)| greedy_alone(&ctx, &mut generator, p, n).unwrap()).collect();
     drop(generator);
     let mut failures = Vec::new();
     for mode in [DecodeMode::Launch, DecodeMode::Graph] {

@@ -207,8 +207,11 @@ fn check_preset(cfg: LlamaConfig, lens: &[usize], max_seq: usize) {
         packed_logits(&ctx, &mut model, &b, &prompts, max_seq, &tag, &mut failures);
         let mut generator =
             Generator::new(&ctx, Llama::new(&ctx, &cfg, &w, max_seq).unwrap(), b, max_seq).unwrap();
-        let want: Vec<_> =
-            prompts.iter().zip(&outputs).map(|(p, &n)| greedy_alone(&ctx, &mut generator, p, n)).collect();
+        let want: Vec<_> = prompts
+            .iter()
+            .zip(&outputs)
+            .map(|(p, &n)| greedy_alone(&ctx, &mut generator, p, n).unwrap())
+            .collect();
         let modes: &[DecodeMode] = if backends.starts_with("fused") {
             &[DecodeMode::Launch, DecodeMode::Graph]
         } else {

@@ -512,7 +512,7 @@ fn continuous_batching_equals_each_request_alone() {
     )
     .unwrap();
     let want: Vec<(Vec<u32>, Vec<Vec<f32>>)> =
-        prompts.iter().zip(outputs).map(|(p, n)| greedy_alone(&ctx, &mut generator, p, n)).collect();
+        prompts.iter().zip(outputs).map(|(p, n)| greedy_alone(&ctx, &mut generator, p, n).unwrap()).collect();
     let mut failures = Vec::new();
     for mode in [DecodeMode::Launch, DecodeMode::Graph] {
         let model = Llama::new(&ctx, &cfg, &w, max_seq).unwrap();
@@ -634,7 +634,7 @@ fn continuous_batching_picks_greedy_rows_on_the_device_beside_a_sampled_request(
     let mut generator =
         Generator::new(&ctx, Llama::new(&ctx, &cfg, &w, max_seq).unwrap(), fused.clone(), max_seq).unwrap();
     let want: Vec<(Vec<u32>, Vec<Vec<f32>>)> =
-        prompts.iter().zip(outputs).map(|(p, n)| greedy_alone(&ctx, &mut generator, p, n)).collect();
+        prompts.iter().zip(outputs).map(|(p, n)| greedy_alone(&ctx, &mut generator, p, n).unwrap()).collect();
     let mut failures = Vec::new();
     let mut sampled_ids = Vec::new();
     for mode in [DecodeMode::Launch, DecodeMode::Graph] {

@@ -220,6 +220,11 @@ impl<T: Element> BatchEngine<T> {
         self
     }
 
+    /// The model back (to serve it another way); the cache and the captured graphs are freed.
+    pub fn into_model(self) -> Llama<T> {
+        self.model
+    }
+
     /// The configuration.
     pub fn config(&self) -> &BatchConfig {
         &self.cfg

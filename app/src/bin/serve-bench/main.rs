@@ -23,14 +23,27 @@
 //! capture there is a stall: a graph gone stale, [`BatchEngine::graph_counts`]); `--out` adds
 //! `serve-steps.csv` (one row per call: kind, rows, bucket, gpu_ms, wall_ms, host_ms).
 //!
-//! Exit codes: 0 done; 2 bad options; 1 no usable GPU, or a failure while serving.
+//! A soak (`--duration`, `--burst`, `--cancel`, `--check-alone`): the requests arriving in the first
+//! `--duration` seconds, in bursts, a fraction cancelled part way (ended with [`BatchEngine::remove`]
+//! after a uniform number of their ids); the summary adds the requests cancelled and lost (every
+//! request must end with the ids it asked for, or those it had when cancelled), the device memory
+//! before and after the run (free, the context's pool in use, the workspace, the plans held), and
+//! with `--check-alone S` how many ended greedy requests, rerun one at a time on a single-sequence
+//! decoder for up to S seconds, gave the same ids (or parted only at a near-tie,
+//! [`bench_util::NEAR_TIE`]). A stream of more than 64 prompt lengths has none of them warmed up:
+//! their plans build during the run, as a server's would.
+//!
+//! Exit codes: 0 done; 2 bad options; 1 no usable GPU, a failure while serving, a lost request or a
+//! request whose ids parted from its run alone.
 
 use clap::Parser;
-use cudnn_llm_app::bench_util::{csv_and_markdown, environment, tool_main};
+use cudnn_llm_app::bench_util::{
+    self, csv_and_markdown, environment, greedy_alone, same_greedy_ids, tool_main,
+};
 use cudnn_llm_llama::generate::DecodeMode;
 use cudnn_llm_llama::sampling::SamplingParams;
 use cudnn_llm_llama::weights::Weights;
-use cudnn_llm_llama::{Backends, BatchConfig, BatchEngine, GraphCounts, Llama, LlamaConfig};
+use cudnn_llm_llama::{Backends, BatchConfig, BatchEngine, Generator, GraphCounts, Llama, LlamaConfig};
 use cudnn_llm_ops::{
     default_plan_dir, Cudnn, DataType, Element, PageOrder, PageShape, PagedKvShape, PLAN_DIR_ENV,
 };
@@ -45,7 +58,7 @@ mod steps;
 mod workload;
 
 use steps::{CallDetail, Dist, StepKind, StepLog, StepRow, StepSummary};
-use workload::{prefill_groups, requests, Request, Span};
+use workload::{prefill_groups, requests, Mix, Request, Span};
 
 type Error = Box<dyn std::error::Error>;
 
@@ -103,6 +116,23 @@ struct Options {
     /// Sampling temperature (0: greedy); each request draws from its own stream seeded by --seed.
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
+    /// Arrivals come in bursts of 1 to this many requests at one time (the bursts' times a Poisson
+    /// process, so that requests still arrive at --rate); 1: one at a time.
+    #[arg(long, default_value_t = 1)]
+    burst: usize,
+    /// The fraction of requests (of 2 or more new ids) cancelled part way, each after a uniform number
+    /// of its ids (1 to one fewer than it asked for).
+    #[arg(long, default_value_t = 0.0)]
+    cancel: f64,
+    /// A soak of this many seconds: the requests arriving in that window are served (the stream of
+    /// --requests must reach past it), and the run ends when they have all ended.
+    #[arg(long)]
+    duration: Option<f64>,
+    /// After the run, reruns the ended greedy requests one at a time on a single-sequence decoder, in a
+    /// seeded order, for up to this many seconds, and compares their ids (a cancelled one's: those it
+    /// had); 0: no check.
+    #[arg(long, default_value_t = 0.0)]
+    check_alone: f64,
     /// Seed of the weights, the request stream and the sampling.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -126,6 +156,12 @@ const MAX_STREAM_TOKENS: usize = 1 << 28;
 
 /// The most requests a stream holds (each is drawn up front, with its prompt ids, before the run).
 const MAX_REQUESTS: usize = 1_000_000;
+
+/// The largest burst of arrivals at one time.
+const MAX_BURST: usize = MAX_REQUESTS;
+
+/// A stream of more prompt lengths than this has none warmed up (their plans build in the run).
+const MAX_WARM_PROMPT_LENGTHS: usize = 64;
 
 /// The options, checked.
 #[derive(Debug, Clone)]
@@ -182,6 +218,26 @@ impl Options {
         }
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
             return Err(format!("--temperature {}: give a finite value >= 0", self.temperature));
+        }
+        if !(1..=MAX_BURST).contains(&self.burst) {
+            return Err(format!("--burst {}: give 1 to {MAX_BURST}", self.burst));
+        }
+        if !(0.0..=1.0).contains(&self.cancel) {
+            return Err(format!("--cancel {}: give a fraction in 0..=1", self.cancel));
+        }
+        if let Some(d) = self.duration {
+            if !(d.is_finite() && d > 0.0) {
+                return Err(format!("--duration {d}: give a finite number of seconds > 0"));
+            }
+        }
+        if !(self.check_alone.is_finite() && self.check_alone >= 0.0) {
+            return Err(format!("--check-alone {}: give a finite number of seconds >= 0", self.check_alone));
+        }
+        if self.check_alone > 0.0 && self.temperature != 0.0 {
+            return Err(format!(
+                "--check-alone with --temperature {}: only greedy requests (temperature 0) are compared",
+                self.temperature
+            ));
         }
         // Prompt lengths in steps: the multiples of the step inside the range.
         let step = self.prompt_step;
@@ -246,7 +302,22 @@ impl Options {
             .map_err(|e| format!("--pages {pages}: {e}"))?;
         PagedKvShape::new(config.layers, self.max_batch, max_seq, shape)
             .map_err(|e| format!("--pages {pages}, --max-batch {}: {e}", self.max_batch))?;
-        let mut reqs = requests(self.requests, self.rate, steps, self.output_len, config.vocab, self.seed);
+        let mix = Mix { rate: self.rate, burst: self.burst, cancel: self.cancel };
+        let mut reqs = requests(self.requests, mix, steps, self.output_len, config.vocab, self.seed);
+        if let Some(d) = self.duration {
+            let last = reqs.last().map_or(0.0, |r| r.arrival);
+            if last < d {
+                return Err(format!(
+                    "--duration {d}: the stream of --requests {} at --rate {} ends at {last:.1} s; give more \
+                     requests",
+                    self.requests, self.rate
+                ));
+            }
+            reqs.retain(|r| r.arrival < d);
+            if reqs.is_empty() {
+                return Err(format!("--duration {d}: no request arrives in the window"));
+            }
+        }
         for r in &mut reqs {
             // `steps` drew the number of steps: the prompt is that many steps long.
             let n = r.prompt.len() * step;
@@ -285,6 +356,8 @@ struct RequestRow {
     arrival_s: f64,
     prompt_tokens: usize,
     output_tokens: usize,
+    /// Ended by a cancellation before its last id.
+    cancelled: bool,
     /// Arrival to admission (waiting for a slot or pages).
     queue_ms: f64,
     /// Arrival to the first new id on the host.
@@ -324,7 +397,8 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
     let weights = Weights::<T>::random(cfg, opts.seed);
     let model = Llama::new(ctx, cfg, &weights, capacity)?;
     drop(weights);
-    let engine = BatchEngine::new(ctx, model, Backends::parse("fused=all")?, b.clone())?;
+    let backends = Backends::parse("fused=all")?;
+    let engine = BatchEngine::new(ctx, model, backends.clone(), b.clone())?;
     // SAFETY: this binary runs one thread on the context's stream.
     let mut engine = unsafe { engine.with_mode(plan.mode) };
     let params = |r: usize| {
@@ -336,6 +410,7 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
     };
     warm_up(ctx, &mut engine, plan, opts.prefill_tokens)?;
     let captures_before = engine.graph_counts();
+    let memory_before = Memory::read(ctx)?;
     let mut log = StepLog::new(ctx, !opts.no_step_timing);
 
     let reqs = &plan.requests;
@@ -345,22 +420,35 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
     let (mut arrived, mut waiting) = (0, VecDeque::new());
     let mut live: HashMap<_, State> = HashMap::new();
     let mut rows: Vec<Option<RequestRow>> = vec![None; n];
+    // The new ids each request ended with (compared with its run alone by --check-alone).
+    let mut ended: Vec<Option<Vec<u32>>> = vec![None; n];
     let (mut reserved, mut steps, mut batch_sum, mut generated) = (0usize, 0usize, 0usize, 0usize);
     let mut prefills = 0usize;
     let mut itl_all = Vec::new();
-    let finish = |s: State, t: f64, rows: &mut Vec<Option<RequestRow>>| {
-        let r = &reqs[s.request];
-        rows[s.request] = Some(RequestRow {
-            request: s.request,
-            arrival_s: r.arrival,
-            prompt_tokens: r.prompt.len(),
-            output_tokens: s.produced,
-            queue_ms: s.queue * 1e3,
-            ttft_ms: s.ttft * 1e3,
-            mean_itl_ms: (!s.itl.is_empty()).then(|| s.itl.iter().sum::<f64>() / s.itl.len() as f64 * 1e3),
-            e2e_ms: (t - r.arrival) * 1e3,
-        });
-    };
+    // A request ends with its last id, or with the one it is cancelled after.
+    let ends =
+        |r: usize, produced: usize| produced == reqs[r].output || Some(produced) == reqs[r].cancel_after;
+    // Ends request `s.request` (sequence `id`) at `t`: its pages back, its row and ids recorded.
+    let mut finish =
+        |engine: &mut BatchEngine<T>, id, s: State, t: f64, reserved: &mut usize| -> Result<(), Error> {
+            let r = &reqs[s.request];
+            let mut ids = engine.remove(id)?;
+            *reserved -= s.pages;
+            ended[s.request] = Some(ids.split_off(r.prompt.len().min(ids.len())));
+            rows[s.request] = Some(RequestRow {
+                request: s.request,
+                arrival_s: r.arrival,
+                prompt_tokens: r.prompt.len(),
+                output_tokens: s.produced,
+                cancelled: s.produced < r.output,
+                queue_ms: s.queue * 1e3,
+                ttft_ms: s.ttft * 1e3,
+                mean_itl_ms: (!s.itl.is_empty())
+                    .then(|| s.itl.iter().sum::<f64>() / s.itl.len() as f64 * 1e3),
+                e2e_ms: (t - r.arrival) * 1e3,
+            });
+            Ok(())
+        };
     loop {
         let t = now();
         while arrived < n && reqs[arrived].arrival <= t {
@@ -402,10 +490,8 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
                     queue: at - reqs[r].arrival,
                     ttft: t - reqs[r].arrival,
                 };
-                if reqs[r].output == 1 {
-                    engine.remove(id)?;
-                    reserved -= need;
-                    finish(s, t, &mut rows);
+                if ends(r, 1) {
+                    finish(&mut engine, id, s, t, &mut reserved)?;
                 } else {
                     live.insert(id, s);
                 }
@@ -442,20 +528,152 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
             s.last_at = t;
             s.produced += 1;
             generated += 1;
-            if s.produced == reqs[s.request].output {
+            if ends(s.request, s.produced) {
                 let s = live.remove(&id).expect("just seen");
-                engine.remove(id)?;
-                reserved -= s.pages;
-                finish(s, t, &mut rows);
+                finish(&mut engine, id, s, t, &mut reserved)?;
             }
         }
     }
     let elapsed = now();
+    let memory_after = Memory::read(ctx)?;
     let rows: Vec<RequestRow> = rows.into_iter().flatten().collect();
+    // Every request ended, with the ids it asked for or those it had when cancelled.
+    let lost: Vec<usize> = (0..n)
+        .filter(|&r| {
+            let want = reqs[r].cancel_after.unwrap_or(reqs[r].output);
+            ended[r].as_ref().is_none_or(|ids| ids.len() != want)
+        })
+        .collect();
     let captures = (captures_before, engine.graph_counts());
     let step_rows = log.finish()?;
     let totals = Totals { elapsed, steps, batch_sum, generated, prefills, itl: itl_all, captures };
-    report(ctx, opts, plan, &engine, &rows, &step_rows, totals)
+    let form = engine.decode_form().map_or("-", |f| f.name());
+    let mut lines = vec![
+        line("decode attention", form.to_string()),
+        line("paged refusal", engine.paged_refusal().unwrap_or_else(|| "none".into())),
+        line("graph refusal", engine.graph_refusal().unwrap_or("none").to_string()),
+        line("fallbacks", engine.model().fallbacks().len().to_string()),
+        line("requests cancelled", rows.iter().filter(|r| r.cancelled).count().to_string()),
+        line("requests lost (not ended with their ids)", lost.len().to_string()),
+    ];
+    lines.extend(memory_before.lines(&memory_after));
+    let mut failures: Vec<String> =
+        lost.iter().take(8).map(|r| format!("request {r} did not end with its ids")).collect();
+    if opts.check_alone > 0.0 {
+        let mut generator = Generator::new(ctx, engine.into_model(), backends, capacity)?;
+        // SAFETY: as the engine's, one thread.
+        generator = unsafe { generator.with_mode(plan.mode) };
+        let check = check_alone(ctx, &mut generator, reqs, &ended, opts.check_alone, opts.seed)?;
+        lines.push(line(
+            "alone check: requests rerun alone / ended",
+            format!("{} / {}", check.checked, ended.iter().flatten().count()),
+        ));
+        lines.push(line("alone check: same ids", check.same.to_string()));
+        lines.push(line("alone check: parted at a near-tie", check.near_tie.to_string()));
+        lines.push(line("alone check: parted", check.failures.len().to_string()));
+        failures.extend(check.failures);
+    }
+    report(ctx, opts, plan, lines, &rows, &step_rows, totals)?;
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(failures.join("; ").into())
+    }
+}
+
+/// What device memory the run holds, read with the stream idle.
+#[derive(Debug, Clone, Copy)]
+struct Memory {
+    /// Free device memory (the driver's count: every allocation of the process, cuDNN's and cuBLAS's
+    /// included).
+    free: usize,
+    /// The context's stream-ordered pool in use (every buffer it and cudarc allocate).
+    pool: u64,
+    /// The shared workspace held.
+    workspace: usize,
+    /// Plans in the context's cache.
+    plans: usize,
+}
+
+impl Memory {
+    fn read(ctx: &Cudnn) -> Result<Memory, Error> {
+        ctx.synchronize()?;
+        Ok(Memory {
+            free: ctx.memory_info()?.0,
+            pool: ctx.pool_memory()?.0,
+            workspace: ctx.workspace_bytes(),
+            plans: ctx.cache().stats().entries,
+        })
+    }
+
+    /// The summary's lines of the memory before the run (`self`) and after it.
+    fn lines(&self, after: &Memory) -> Vec<SummaryRow> {
+        let mib = |b: f64| b / (1u64 << 20) as f64;
+        let pair = |a: f64, b: f64| format!("{:.1} -> {:.1} ({:+.1})", mib(a), mib(b), mib(b - a));
+        vec![
+            line(
+                "device memory free (MiB), before -> after the run",
+                pair(self.free as f64, after.free as f64),
+            ),
+            line("pool in use (MiB), before -> after", pair(self.pool as f64, after.pool as f64)),
+            line("workspace (MiB), before -> after", pair(self.workspace as f64, after.workspace as f64)),
+            line("plans held, before -> after", format!("{} -> {}", self.plans, after.plans)),
+        ]
+    }
+}
+
+/// What [`check_alone`] found.
+struct AloneCheck {
+    checked: usize,
+    same: usize,
+    near_tie: usize,
+    failures: Vec<String>,
+}
+
+/// Reruns the requests that ended (`ended[r]`: the new ids request `r` had), one at a time on
+/// `generator`, in an order seeded by `seed`, until `budget` seconds have passed, and compares each
+/// one's ids with its run alone ([`same_greedy_ids`]: equal, or parting first at a near-tie).
+fn check_alone<T: Element>(
+    ctx: &Cudnn,
+    generator: &mut Generator<T>,
+    reqs: &[Request],
+    ended: &[Option<Vec<u32>>],
+    budget: f64,
+    seed: u64,
+) -> Result<AloneCheck, Error> {
+    let mut order: Vec<usize> = (0..reqs.len()).filter(|&r| ended[r].is_some()).collect();
+    // Fisher-Yates with the seed's stream: any prefix of the order is a uniform sample.
+    let mut draw = cudnn_llm::reference::random_iter(seed ^ 0xA10E);
+    for i in (1..order.len()).rev() {
+        let u = draw.next().map_or(0.5, |v| v * 0.5 + 0.5);
+        order.swap(i, ((u * (i + 1) as f64) as usize).min(i));
+    }
+    let start = Instant::now();
+    let mut check = AloneCheck { checked: 0, same: 0, near_tie: 0, failures: Vec::new() };
+    for r in order {
+        if start.elapsed().as_secs_f64() > budget {
+            break;
+        }
+        let got = ended[r].as_deref().expect("only ended requests");
+        let (want, logits) = greedy_alone(ctx, generator, &reqs[r].prompt, got.len())?;
+        check.checked += 1;
+        match same_greedy_ids(&format!("request {r}"), got, &want, &logits) {
+            None if got == want => check.same += 1,
+            None => check.near_tie += 1,
+            Some(f) => check.failures.push(f),
+        }
+    }
+    eprintln!(
+        "serve-bench: {} requests rerun alone in {:.1} s: {} the same, {} parted at a near-tie (gap under {} x \
+         the logits' RMS), {} parted",
+        check.checked,
+        start.elapsed().as_secs_f64(),
+        check.same,
+        check.near_tie,
+        bench_util::NEAR_TIE,
+        check.failures.len()
+    );
+    Ok(check)
 }
 
 /// Runs every prompt length of the stream once (its prefill plans), with prefill batching
@@ -470,7 +688,9 @@ fn warm_up<T: Element>(
     prefill_tokens: usize,
 ) -> Result<(), Error> {
     let t = Instant::now();
-    for &len in &plan.prompt_lengths {
+    let warm_prompts =
+        if plan.prompt_lengths.len() <= MAX_WARM_PROMPT_LENGTHS { &plan.prompt_lengths[..] } else { &[] };
+    for &len in warm_prompts {
         let (id, _) = engine.add(ctx, &vec![0; len], SamplingParams::greedy())?;
         engine.remove(id)?;
     }
@@ -514,8 +734,9 @@ fn warm_up<T: Element>(
     }
     let g = engine.graph_counts();
     eprintln!(
-        "serve-bench: warmed up {} prompt lengths and {} batch buckets in {:.1} s ({} graph captures, {} of \
-         stale graphs, {} refused)",
+        "serve-bench: warmed up {} of {} prompt lengths and {} batch buckets in {:.1} s ({} graph captures, {} \
+         of stale graphs, {} refused)",
+        warm_prompts.len(),
         plan.prompt_lengths.len(),
         plan.batch.buckets.len(),
         t.elapsed().as_secs_f64(),
@@ -539,11 +760,11 @@ struct Totals {
     captures: (GraphCounts, GraphCounts),
 }
 
-fn report<T: Element>(
+fn report(
     ctx: &Cudnn,
     opts: &Options,
     plan: &Plan,
-    engine: &BatchEngine<T>,
+    engine_lines: Vec<SummaryRow>,
     rows: &[RequestRow],
     step_rows: &[StepRow],
     t: Totals,
@@ -553,7 +774,6 @@ fn report<T: Element>(
     let itl: Vec<f64> = t.itl.iter().map(|s| s * 1e3).collect();
     let prompt_tokens: usize = rows.iter().map(|r| r.prompt_tokens).sum();
     let dist = |metric: &str, v: &[f64]| dist_row(metric, Dist::of(v));
-    let form = engine.decode_form().map_or("-", |f| f.name());
     let summary = vec![
         line("requests", rows.len().to_string()),
         line("wall time (s)", format!("{:.2}", t.elapsed)),
@@ -566,25 +786,23 @@ fn report<T: Element>(
         dist("time to first token (ms)", &ttft),
         dist("inter-token latency (ms)", &itl),
         dist("end-to-end latency (ms)", &e2e),
-        line("decode attention", form.to_string()),
-        line("paged refusal", engine.paged_refusal().unwrap_or_else(|| "none".into())),
-        line("graph refusal", engine.graph_refusal().unwrap_or("none").to_string()),
-        line("fallbacks", engine.model().fallbacks().len().to_string()),
     ];
-    let summary = [summary, step_lines(&StepSummary::of(step_rows), t.captures.0, t.captures.1)].concat();
+    let steps = step_lines(&StepSummary::of(step_rows), t.captures.0, t.captures.1);
+    let summary = [summary, engine_lines, steps].concat();
     let (summary_csv, summary_md) = csv_and_markdown(&summary)?;
     let (requests_csv, _) = csv_and_markdown(rows)?;
     let (steps_csv, _) = csv_and_markdown(step_rows)?;
     let b = &plan.batch;
     let settings = format!(
-        "{} ({} layers, {}), {} requests at {} /s (seed {}), prompts {}:{} (step {}), outputs {}:{}, \
+        "{} ({} layers, {}), {} requests at {} /s (seed {}{}), prompts {}:{} (step {}), outputs {}:{}, \
          max batch {}, buckets {:?}, pages {} of {} ({}), mode {:?}, temperature {}, prefill batching {}",
         plan.config.name,
         plan.config.layers,
         plan.dtype,
-        opts.requests,
+        plan.requests.len(),
         opts.rate,
         opts.seed,
+        soak_settings(opts),
         opts.prompt_len.min,
         opts.prompt_len.max,
         opts.prompt_step,
@@ -616,6 +834,24 @@ fn report<T: Element>(
         );
     }
     Ok(())
+}
+
+/// The settings of a soak, for the report's settings line (empty without one).
+fn soak_settings(o: &Options) -> String {
+    let mut s = String::new();
+    if let Some(d) = o.duration {
+        s += &format!(", arriving in the first {d} s of a stream of {}", o.requests);
+    }
+    if o.burst > 1 {
+        s += &format!(", in bursts of 1 to {}", o.burst);
+    }
+    if o.cancel > 0.0 {
+        s += &format!(", {}% cancelled part way", o.cancel * 100.0);
+    }
+    if o.check_alone > 0.0 {
+        s += &format!(", rerun alone for up to {} s after", o.check_alone);
+    }
+    s
 }
 
 /// A summary line of one value.
@@ -683,6 +919,40 @@ mod tests {
             assert!((64..=512).contains(&r.output));
         }
         assert!(p.prompt_lengths.windows(2).all(|w| w[0] < w[1]));
+    }
+
+    #[test]
+    fn a_soak_serves_the_window_of_a_bursty_stream_with_cancellations() {
+        let args =
+            ["--preset", "tiny", "--requests", "400", "--rate", "20", "--burst", "5", "--cancel", "0.2"];
+        let p =
+            parse(&[&args[..], &["--duration", "6", "--prompt-len", "1:64", "--prompt-step", "1"]].concat())
+                .unwrap();
+        // Only the first 6 s of the stream (about 120 of its 400 requests), the rest as drawn.
+        let all = parse(&[&args[..], &["--prompt-len", "1:64", "--prompt-step", "1"]].concat()).unwrap();
+        assert!(p.requests.iter().all(|r| r.arrival < 6.0));
+        assert!((80..=170).contains(&p.requests.len()), "{}", p.requests.len());
+        assert_eq!(p.requests[..], all.requests[..p.requests.len()]);
+        assert!(all.requests[p.requests.len()].arrival >= 6.0);
+        assert!(p.requests.iter().any(|r| r.cancel_after.is_some()));
+        assert!(p.requests.windows(2).any(|w| w[0].arrival == w[1].arrival), "bursts");
+        assert!(p.requests.iter().all(|r| (1..=64).contains(&r.prompt.len())));
+        assert!(p.prompt_lengths.len() > 32, "{} prompt lengths", p.prompt_lengths.len());
+        // Without the soak options the stream is the plain Poisson one of before.
+        let plain = parse(&["--preset", "tiny", "--requests", "50", "--rate", "20"]).unwrap();
+        assert!(plain.requests.iter().all(|r| r.cancel_after.is_none()));
+        assert!(plain.requests.windows(2).all(|w| w[0].arrival < w[1].arrival));
+    }
+
+    #[test]
+    fn memory_lines_give_before_after_and_the_difference() {
+        let before = Memory { free: 10 << 30, pool: 3 << 20, workspace: 1 << 20, plans: 40 };
+        let after = Memory { free: (10 << 30) - (5 << 19), pool: 3 << 20, workspace: 2 << 20, plans: 52 };
+        let l = before.lines(&after);
+        assert_eq!(l[0].value, "10240.0 -> 10237.5 (-2.5)");
+        assert_eq!(l[1].value, "3.0 -> 3.0 (+0.0)");
+        assert_eq!(l[2].value, "1.0 -> 2.0 (+1.0)");
+        assert_eq!(l[3].value, "40 -> 52");
     }
 
     #[test]
@@ -769,6 +1039,16 @@ mod tests {
             (&["--prompt-len", "0:4"], "MIN <= MAX"),
             (&["--page-size", "18446744073709551616"], "too large"),
             (&["--rate", "nan"], "--rate NaN"),
+            (&["--burst", "0"], "--burst 0"),
+            (&["--burst", "18446744073709551615"], "--burst"),
+            (&["--cancel", "1.5"], "--cancel 1.5"),
+            (&["--cancel", "nan"], "--cancel NaN"),
+            (&["--duration", "0"], "--duration 0"),
+            (&["--duration", "inf"], "--duration inf"),
+            (&["--duration", "1000", "--requests", "20"], "give more requests"),
+            (&["--duration", "5", "--rate", "inf"], "give more requests"),
+            (&["--check-alone=-1"], "--check-alone"),
+            (&["--check-alone", "5", "--temperature", "0.7"], "only greedy requests"),
         ] {
             let e = parse(args).err().unwrap_or_else(|| panic!("{args:?} passed"));
             assert!(e.contains(expected), "{args:?}: {e}");

@@ -1,6 +1,9 @@
 //! The synthetic request stream and the latency statistics (no GPU): arrivals of a Poisson process
-//! (exponential gaps at `rate` requests/s, or all at once), prompt and output lengths uniform in their
-//! ranges, prompt ids uniform over the vocabulary; all drawn from SplitMix64 streams seeded by `--seed`
+//! (exponential gaps at `rate` requests/s, or all at once), optionally in bursts (a burst of 1 to
+//! `burst` requests at each arrival time, the bursts' times a Poisson process at `rate` / the mean
+//! burst), prompt and output lengths uniform in their ranges, prompt ids uniform over the vocabulary,
+//! and a `cancel` fraction of the requests cancelled after a uniform number of their ids (1 to one
+//! fewer than asked); all drawn from SplitMix64 streams seeded by `--seed`
 //! (`cudnn_llm::reference::random_iter`), so that a seed gives the same requests on every machine.
 
 use cudnn_llm::reference::random_iter;
@@ -38,15 +41,44 @@ pub struct Request {
     pub prompt: Vec<u32>,
     /// New ids it asks for (at least 1).
     pub output: usize,
+    /// Cancelled once it has this many new ids (fewer than `output`), if at all.
+    pub cancel_after: Option<usize>,
 }
 
-/// `n` requests arriving at `rate` per second (`f64::INFINITY`: all at 0), prompts of `prompt`
-/// lengths, outputs of `output` lengths, ids below `vocab`; deterministic for `seed`.
-pub fn requests(n: usize, rate: f64, prompt: Span, output: Span, vocab: usize, seed: u64) -> Vec<Request> {
-    // Independent streams for gaps, lengths and ids, so that one change leaves the others as they were.
+/// How requests arrive and leave, besides their lengths.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Mix {
+    /// Arrivals per second (`f64::INFINITY`: all at 0).
+    pub rate: f64,
+    /// The largest burst (1: one request per arrival time).
+    pub burst: usize,
+    /// The fraction of requests (with 2 or more new ids) cancelled part way, in 0..=1.
+    pub cancel: f64,
+}
+
+#[cfg(test)]
+impl Mix {
+    /// Poisson arrivals at `rate`, one at a time, none cancelled.
+    pub fn poisson(rate: f64) -> Self {
+        Mix { rate, burst: 1, cancel: 0.0 }
+    }
+}
+
+/// `n` requests arriving and cancelled as `mix` says, prompts of `prompt` lengths, outputs of
+/// `output` lengths, ids below `vocab`; deterministic for `seed`.
+pub fn requests(n: usize, mix: Mix, prompt: Span, output: Span, vocab: usize, seed: u64) -> Vec<Request> {
+    // Independent streams for gaps, lengths, ids, bursts and cancellations, so that one change leaves
+    // the others as they were (a mix of single arrivals and no cancellations draws from neither of the
+    // last two: its stream is the plain Poisson one).
     let mut gaps = random_iter(seed ^ 0xA11);
     let mut lens = random_iter(seed ^ 0x1E4);
     let mut ids = random_iter(seed ^ 0x1D5);
+    let mut bursts = random_iter(seed ^ 0xB57);
+    let mut cancels = random_iter(seed ^ 0xCA7);
+    let burst = Span { min: 1, max: mix.burst.max(1) };
+    // Bursts arrive at rate / their mean size, so that requests still arrive at `rate`.
+    let burst_rate = mix.rate / ((1 + burst.max) as f64 / 2.0);
+    let mut left_in_burst = 0;
     let unit = |r: &mut dyn Iterator<Item = f64>| r.next().map_or(0.5, |v| v * 0.5 + 0.5); // [0, 1)
     let pick = |r: &mut dyn Iterator<Item = f64>, s: Span| {
         s.min + ((unit(r) * (s.max - s.min + 1) as f64) as usize).min(s.max - s.min)
@@ -54,15 +86,21 @@ pub fn requests(n: usize, rate: f64, prompt: Span, output: Span, vocab: usize, s
     let mut t = 0.0;
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
-        if rate.is_finite() {
-            // Exponential gap: -ln(1 - u) / rate, u in [0, 1).
-            t += -(1.0 - unit(&mut gaps)).ln() / rate;
+        if left_in_burst == 0 {
+            if mix.rate.is_finite() {
+                // Exponential gap: -ln(1 - u) / rate, u in [0, 1).
+                t += -(1.0 - unit(&mut gaps)).ln() / burst_rate;
+            }
+            left_in_burst = if burst.max > 1 { pick(&mut bursts, burst) } else { 1 };
         }
+        left_in_burst -= 1;
         let p = pick(&mut lens, prompt);
         let o = pick(&mut lens, output);
         let prompt =
             (0..p).map(|_| ((unit(&mut ids) * vocab as f64) as usize).min(vocab - 1) as u32).collect();
-        out.push(Request { arrival: t, prompt, output: o });
+        let cancel_after = (mix.cancel > 0.0 && o >= 2 && unit(&mut cancels) < mix.cancel)
+            .then(|| pick(&mut cancels, Span { min: 1, max: o - 1 }));
+        out.push(Request { arrival: t, prompt, output: o, cancel_after });
     }
     out
 }
@@ -122,9 +160,10 @@ mod tests {
     #[test]
     fn streams_are_seeded_and_follow_their_distributions() {
         let (p, o) = (Span { min: 16, max: 64 }, Span { min: 1, max: 8 });
-        let a = requests(2000, 10.0, p, o, 500, 3);
-        assert_eq!(a, requests(2000, 10.0, p, o, 500, 3), "the same seed, the same stream");
-        assert_ne!(a, requests(2000, 10.0, p, o, 500, 4));
+        let a = requests(2000, Mix::poisson(10.0), p, o, 500, 3);
+        assert_eq!(a, requests(2000, Mix::poisson(10.0), p, o, 500, 3), "the same seed, the same stream");
+        assert_ne!(a, requests(2000, Mix::poisson(10.0), p, o, 500, 4));
+        assert!(a.iter().all(|r| r.cancel_after.is_none()));
         assert!(a.windows(2).all(|w| w[0].arrival <= w[1].arrival), "arrivals in order");
         // Poisson at 10/s: the mean gap is 0.1 s (2000 gaps: within a few percent).
         let mean_gap = a.last().unwrap().arrival / 2000.0;
@@ -139,7 +178,39 @@ mod tests {
         assert!([16, 64].iter().all(|n| a.iter().any(|r| r.prompt.len() == *n)));
         assert!([1, 8].iter().all(|n| a.iter().any(|r| r.output == *n)));
         // An infinite rate: everything at once.
-        assert!(requests(10, f64::INFINITY, p, o, 500, 3).iter().all(|r| r.arrival == 0.0));
+        assert!(requests(10, Mix::poisson(f64::INFINITY), p, o, 500, 3).iter().all(|r| r.arrival == 0.0));
+    }
+
+    #[test]
+    fn bursts_keep_the_rate_and_cancellations_their_fraction() {
+        let (p, o) = (Span { min: 16, max: 64 }, Span { min: 1, max: 8 });
+        let mix = Mix { rate: 10.0, burst: 7, cancel: 0.25 };
+        let a = requests(4000, mix, p, o, 500, 3);
+        assert_eq!(a, requests(4000, mix, p, o, 500, 3));
+        // The lengths and ids are those of the plain stream: bursts and cancellations draw apart.
+        let plain = requests(4000, Mix::poisson(10.0), p, o, 500, 3);
+        assert!(a.iter().zip(&plain).all(|(x, y)| x.prompt == y.prompt && x.output == y.output));
+        // Bursts of 1 to 7 (mean 4) at 2.5/s: requests still at 10/s, within a few percent.
+        let rate = 4000.0 / a.last().unwrap().arrival;
+        assert!((rate - 10.0).abs() < 0.6, "rate {rate}");
+        let mut sizes = vec![1usize];
+        for w in a.windows(2) {
+            if w[1].arrival == w[0].arrival {
+                *sizes.last_mut().unwrap() += 1;
+            } else {
+                sizes.push(1);
+            }
+        }
+        assert!(sizes.iter().all(|&s| (1..=7).contains(&s)) && sizes.contains(&7), "{sizes:?}");
+        let mean = 4000.0 / sizes.len() as f64;
+        assert!((mean - 4.0).abs() < 0.3, "mean burst {mean}");
+        // A quarter of the requests that can be cancelled are, each before its last id.
+        let can = a.iter().filter(|r| r.output >= 2).count() as f64;
+        let cancelled: Vec<_> = a.iter().filter_map(|r| r.cancel_after.map(|k| (k, r.output))).collect();
+        let share = cancelled.len() as f64 / can;
+        assert!((share - 0.25).abs() < 0.03, "share {share}");
+        assert!(cancelled.iter().all(|&(k, o)| (1..o).contains(&k)));
+        assert!(a.iter().filter(|r| r.output == 1).all(|r| r.cancel_after.is_none()));
     }
 
     #[test]
