@@ -6,17 +6,18 @@ llama-3.1-8b-32layers) it:
 1. builds a random-init `LlamaForCausalLM` (seeded) and writes it with `save_pretrained` (safetensors,
    bf16; transformers 5 writes the RoPE settings under `rope_parameters`),
 2. runs transformers' forward on that directory in fp32 (the reference) and in bf16 (the yardstick:
-   how far transformers' own bf16 run is from its fp32 run) over 2 sequences of 24 prompt tokens plus
+   how far transformers' own bf16 run is from its fp32 run) over 8 sequences of 24 prompt tokens plus
    4 decode tokens each (one causal forward over all 28 positions),
-3. runs this crate on the same directory (`examples/hf-logits.rs`: a 2 x 24 prefill, then 4 decode
+3. runs this crate on the same directory (`examples/hf-logits.rs`: an 8 x 24 prefill, then 4 decode
    steps through the KV cache, all naive and all fused),
 4. compares logits by relative L2 error and top-1 agreement against the fp32 reference, for the
    prefill rows, the decode rows and all rows.
 
 It fails (exit 1) when the crate's error on any backend exceeds 1.5x transformers' bf16-vs-fp32 error
-on the same rows. `--bos` starts every sequence with the model's BOS id (as its tokenizer does) instead of a
-random id, and `--sequences N` runs N sequences instead of 2: without a BOS, position 1 of SmolLM2 is an
-ill-conditioned row whose bf16 error, transformers' own included, is several times every other row's. Writes `hf_parity.csv` and `hf_parity.md` to `--out`, and each position's errors (both
+on the same rows. `--bos` starts every sequence with the model's BOS id (as a chat prompt does) instead of a
+random id, and `--sequences N` runs N sequences instead of 8. Without a BOS, position 1 of SmolLM2 is an
+ill-conditioned row whose bf16 error, transformers' own included, is several times every other row's: with
+only 2 sequences (the default before 2026-12-03) those two rows decided the prefill figure. Writes `hf_parity.csv` and `hf_parity.md` to `--out`, and each position's errors (both
 sequences together, every run) to `hf_parity_positions.csv` there, appended.
 
     python3 app/benches/hf_parity.py --runner "bash .gpu/run example hf-logits" --out benches/results/h200
@@ -103,7 +104,7 @@ def main():
     ap.add_argument("--shapes", default=",".join(DEFAULT), help="comma-separated: " + ", ".join(CHECKPOINTS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gguf", help="a GGUF file (e.g. SmolLM2-135M-Instruct.Q4_1.gguf) instead of --shapes")
-    ap.add_argument("--sequences", type=int, default=2, help="sequences of the prefill (default 2)")
+    ap.add_argument("--sequences", type=int, default=8, help="sequences of the prefill (default 8)")
     ap.add_argument("--bos", action="store_true", help="start every sequence with the model's BOS id")
     ap.add_argument("--bisect", action="store_true",
                     help="also run all naive but one module kind fused, per kind (reported, not bounded)")

@@ -24,6 +24,19 @@ pub const DEFAULT_AUTOTUNE: usize = 8;
 /// Environment variable that sets a new context's autotuning candidates (a positive integer).
 pub const AUTOTUNE_ENV: &str = "CUDNN_LLM_AUTOTUNE";
 
+/// Matmuls of fewer rows than this take the heuristics' first choice unless
+/// [`Cudnn::set_autotune_min_rows`] or [`AUTOTUNE_MIN_ROWS_ENV`] says otherwise ([`Tuning::for_rows`]).
+pub const DEFAULT_AUTOTUNE_MIN_ROWS: usize = 128;
+
+/// Environment variable that sets a new context's [`Cudnn::set_autotune_min_rows`] (a count; 0 tunes
+/// every size).
+pub const AUTOTUNE_MIN_ROWS_ENV: &str = "CUDNN_LLM_AUTOTUNE_MIN_ROWS";
+
+/// The row threshold `value` of [`AUTOTUNE_MIN_ROWS_ENV`] asks for, else [`DEFAULT_AUTOTUNE_MIN_ROWS`].
+fn autotune_min_rows_from(value: Option<&str>) -> usize {
+    value.and_then(|v| v.trim().parse::<usize>().ok()).unwrap_or(DEFAULT_AUTOTUNE_MIN_ROWS)
+}
+
 /// Environment variable that sets a new context's knob search: how many engine configurations
 /// autotuning may build beyond the heuristics' (a count; 0 turns the search off).
 pub const KNOB_SEARCH_ENV: &str = "CUDNN_LLM_KNOB_SEARCH";
@@ -63,6 +76,7 @@ pub struct Cudnn {
     cache: PlanCache,
     kernels: OnceCell<Kernels>,
     autotune: Cell<usize>,
+    autotune_min_rows: Cell<usize>,
     knob_search: Cell<usize>,
     tune_flush: Cell<L2Flush>,
     exec: Exec,
@@ -106,6 +120,9 @@ impl Cudnn {
             cache: PlanCache::default(),
             kernels: OnceCell::new(),
             autotune: Cell::new(autotune_from(std::env::var(AUTOTUNE_ENV).ok().as_deref())),
+            autotune_min_rows: Cell::new(autotune_min_rows_from(
+                std::env::var(AUTOTUNE_MIN_ROWS_ENV).ok().as_deref(),
+            )),
             knob_search: Cell::new(knob_search_from(std::env::var(KNOB_SEARCH_ENV).ok().as_deref())),
             tune_flush: Cell::new(
                 std::env::var(TUNE_FLUSH_ENV).ok().and_then(|v| L2Flush::parse(&v)).unwrap_or(L2Flush::Read),
@@ -270,6 +287,14 @@ impl Cudnn {
         self.autotune.get()
     }
 
+    /// Matmuls of fewer rows than `rows` (per batch) take the heuristics' first choice instead of
+    /// autotuning ([`Tuning::for_rows`]: they are bound by their weights' bytes); 0 tunes every size.
+    /// [`DEFAULT_AUTOTUNE_MIN_ROWS`] unless [`AUTOTUNE_MIN_ROWS_ENV`] is set. Affects plans built
+    /// afterwards.
+    pub fn set_autotune_min_rows(&self, rows: usize) {
+        self.autotune_min_rows.set(rows);
+    }
+
     /// How many configurations beyond the heuristics' autotuning may build and time, one knob at a
     /// time around the fastest so far ([`Tuning::knob_search`]); 0 (the default unless
     /// [`KNOB_SEARCH_ENV`] is set) turns the search off. Affects plans built afterwards.
@@ -284,12 +309,13 @@ impl Cudnn {
     }
 
     /// What plans that autotune (matmul) are built with: [`Cudnn::set_autotune`],
-    /// [`Cudnn::set_knob_search`] and [`Cudnn::set_tune_flush`].
+    /// [`Cudnn::set_autotune_min_rows`], [`Cudnn::set_knob_search`] and [`Cudnn::set_tune_flush`].
     pub fn tuning(&self) -> Tuning {
         Tuning {
             candidates: self.autotune.get(),
             knob_search: self.knob_search.get(),
             flush: self.tune_flush.get(),
+            min_rows: self.autotune_min_rows.get(),
         }
     }
 }
@@ -346,6 +372,19 @@ mod tests {
         drop(again);
         let bigger = k.owned(&ctx, A, 1000).unwrap();
         assert!(bigger.len() >= 1000 && ctx.buffer_epoch() > e1);
+    }
+
+    #[test]
+    fn small_matmuls_take_the_first_choice_unless_asked() {
+        assert_eq!(autotune_min_rows_from(None), DEFAULT_AUTOTUNE_MIN_ROWS);
+        assert_eq!(autotune_min_rows_from(Some(" 0 ")), 0);
+        assert_eq!(autotune_min_rows_from(Some("x")), DEFAULT_AUTOTUNE_MIN_ROWS);
+        let t = Tuning::FIRST.with_candidates(8).with_knob_search(12).with_min_rows(128);
+        assert_eq!(t.for_rows(128), t, "at the threshold: tuned");
+        let small = t.for_rows(127);
+        assert_eq!((small.candidates, small.knob_search, small.min_rows), (1, 0, 128));
+        assert_eq!(small.flush, t.flush);
+        assert_eq!(t.with_min_rows(0).for_rows(1), t.with_min_rows(0), "0 tunes every size");
     }
 
     #[test]

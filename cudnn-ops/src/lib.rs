@@ -65,7 +65,8 @@ mod version;
 pub use backend::Backend;
 pub use cache::{CacheStats, PlanCache, PlanKey};
 pub use context::{
-    default_plan_dir, Cudnn, AUTOTUNE_ENV, DEFAULT_AUTOTUNE, KNOB_SEARCH_ENV, PLAN_DIR_ENV, TUNE_FLUSH_ENV,
+    default_plan_dir, Cudnn, AUTOTUNE_ENV, AUTOTUNE_MIN_ROWS_ENV, DEFAULT_AUTOTUNE,
+    DEFAULT_AUTOTUNE_MIN_ROWS, KNOB_SEARCH_ENV, PLAN_DIR_ENV, TUNE_FLUSH_ENV,
 };
 pub use dtype::{DataType, Element};
 pub use error::{Error, Result};

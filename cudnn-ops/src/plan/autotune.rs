@@ -188,11 +188,28 @@ pub struct Tuning {
     pub knob_search: usize,
     /// How L2 is emptied before each timed execution.
     pub flush: L2Flush,
+    /// Matmuls of fewer rows than this (per batch) take the heuristics' first choice, untimed
+    /// ([`Tuning::for_rows`]); 0 tunes every size.
+    pub min_rows: usize,
 }
 
 impl Tuning {
     /// The heuristics' first choice, untimed.
-    pub const FIRST: Tuning = Tuning { candidates: 1, knob_search: 0, flush: L2Flush::Read };
+    pub const FIRST: Tuning = Tuning { candidates: 1, knob_search: 0, flush: L2Flush::Read, min_rows: 0 };
+
+    /// What a matmul of `rows` rows per batch is built with: this tuning, or the heuristics' first
+    /// choice below [`Tuning::min_rows`]. On Hopper a GEMM of under about 128 rows is bound by reading
+    /// its weights (bf16 arithmetic intensity is about the row count, the H200's ridge near 200
+    /// FLOP/byte), so engines differ little there, while finalizing and timing each candidate costs
+    /// tens to hundreds of milliseconds: the first token of a short prompt in a new process waited
+    /// on it.
+    pub const fn for_rows(self, rows: usize) -> Self {
+        if rows < self.min_rows {
+            Tuning { candidates: 1, knob_search: 0, ..self }
+        } else {
+            self
+        }
+    }
 
     /// The same timing the heuristics' first `candidates` configurations.
     pub const fn with_candidates(self, candidates: usize) -> Self {
@@ -207,6 +224,11 @@ impl Tuning {
     /// The same emptying L2 by `flush` before each timed execution.
     pub const fn with_flush(self, flush: L2Flush) -> Self {
         Tuning { flush, ..self }
+    }
+
+    /// The same tuning matmuls of at least `min_rows` rows only.
+    pub const fn with_min_rows(self, min_rows: usize) -> Self {
+        Tuning { min_rows, ..self }
     }
 }
 

@@ -160,8 +160,9 @@ impl MatmulArgs {
                 ),
             });
         }
-        ctx.cache()
-            .get_or_build(&self.key(dtype, out), || self.graph(dtype, out).build_tuned(ctx, ctx.tuning()))
+        ctx.cache().get_or_build(&self.key(dtype, out), || {
+            self.graph(dtype, out).build_tuned(ctx, ctx.tuning().for_rows(self.weight_rows()))
+        })
     }
 }
 
@@ -256,7 +257,8 @@ impl MatmulArgs {
         let (dtype, weight, out, per_channel) = (T::DTYPE, W::DTYPE, O::DTYPE, b_scale.len() > 1);
         let key = Fp8Key(self.key(dtype, out), weight, per_channel);
         let plan = ctx.cache().get_or_build(&key, || {
-            self.fp8_graph(weight, b_scale.len(), out).build_tuned(ctx, ctx.tuning())
+            self.fp8_graph(weight, b_scale.len(), out)
+                .build_tuned(ctx, ctx.tuning().for_rows(self.weight_rows()))
         })?;
         // The scratch: m·k codes (16-byte aligned), then m f32 factors.
         let codes_len = (m * k).next_multiple_of(16);

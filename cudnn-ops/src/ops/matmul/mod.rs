@@ -414,6 +414,17 @@ impl MatmulArgs {
         self.a.dims[1]
     }
 
+    /// Rows each read of a B matrix serves: every batch's (`batch · m`) where all batches share one B
+    /// (a linear layer over packed rows), else one batch's `m`. Autotuning goes by it
+    /// ([`Tuning::for_rows`](crate::Tuning::for_rows)).
+    pub fn weight_rows(&self) -> usize {
+        if self.b.dims[0] == 1 {
+            self.batch().saturating_mul(self.m())
+        } else {
+            self.m()
+        }
+    }
+
     /// The inner dimension (of A; B's must match).
     pub fn k(&self) -> usize {
         self.a.dims[2]
