@@ -4,8 +4,8 @@
 //! has one). cuDNN plans are the only thing this crate tunes: cuBLAS serves only the L2 flush and
 //! the naive baselines, with cuBLAS's own heuristic choice.
 
+use super::candidate::Candidate;
 use super::engine::{knob_ranges, EngineChoice, KnobRange};
-use super::lifecycle::Candidate;
 use super::{Bindings, Plan};
 use crate::exec::Exec;
 use crate::{Error, Result};

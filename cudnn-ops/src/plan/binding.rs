@@ -1,7 +1,7 @@
 //! Binding buffers to a plan's tensors: [`Bindings`], their checks against the plan (context, stream,
 //! device, dtype, length, alignment), the variant pack, and the execution it enqueues.
 
-use super::lifecycle::Candidate;
+use super::candidate::Candidate;
 use super::Plan;
 use crate::descriptor::{Attr, Descriptor};
 use crate::dtype::{DataType, Element};

@@ -10,14 +10,15 @@ use crate::exec::Exec;
 use crate::raw::HandleId;
 use crate::tensor::TensorSpec;
 use crate::{Error, Result};
+use candidate::Candidate;
 use engine::knob_ranges;
-use lifecycle::Candidate;
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::time::Duration;
 
 mod autotune;
 mod binding;
+mod candidate;
 mod engine;
 mod lifecycle;
 mod persist;

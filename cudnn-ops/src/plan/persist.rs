@@ -7,7 +7,7 @@
 //! engines only): for those the file holds the engine and knobs alone, and the next process finalizes
 //! that one configuration, skipping heuristics and autotuning but not the engine's compilation.
 
-use super::lifecycle::Candidate;
+use super::candidate::Candidate;
 use super::store::{DiskEventKind, Slot};
 use super::{Plan, PlanOrigin};
 use crate::descriptor::Descriptor;
