@@ -58,7 +58,7 @@ mod steps;
 mod workload;
 
 use steps::{CallDetail, Dist, StepKind, StepLog, StepRow, StepSummary};
-use workload::{prefill_groups, requests, Mix, Request, Span};
+use workload::{lost, prefill_groups, requests, Mix, Request, Span};
 
 type Error = Box<dyn std::error::Error>;
 
@@ -425,9 +425,6 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
     let (mut reserved, mut steps, mut batch_sum, mut generated) = (0usize, 0usize, 0usize, 0usize);
     let mut prefills = 0usize;
     let mut itl_all = Vec::new();
-    // A request ends with its last id, or with the one it is cancelled after.
-    let ends =
-        |r: usize, produced: usize| produced == reqs[r].output || Some(produced) == reqs[r].cancel_after;
     // Ends request `s.request` (sequence `id`) at `t`: its pages back, its row and ids recorded.
     let mut finish =
         |engine: &mut BatchEngine<T>, id, s: State, t: f64, reserved: &mut usize| -> Result<(), Error> {
@@ -490,7 +487,7 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
                     queue: at - reqs[r].arrival,
                     ttft: t - reqs[r].arrival,
                 };
-                if ends(r, 1) {
+                if reqs[r].ends_at(1) {
                     finish(&mut engine, id, s, t, &mut reserved)?;
                 } else {
                     live.insert(id, s);
@@ -528,7 +525,7 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
             s.last_at = t;
             s.produced += 1;
             generated += 1;
-            if ends(s.request, s.produced) {
+            if reqs[s.request].ends_at(s.produced) {
                 let s = live.remove(&id).expect("just seen");
                 finish(&mut engine, id, s, t, &mut reserved)?;
             }
@@ -538,12 +535,7 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan) -> Result<(), Error
     let memory_after = Memory::read(ctx)?;
     let rows: Vec<RequestRow> = rows.into_iter().flatten().collect();
     // Every request ended, with the ids it asked for or those it had when cancelled.
-    let lost: Vec<usize> = (0..n)
-        .filter(|&r| {
-            let want = reqs[r].cancel_after.unwrap_or(reqs[r].output);
-            ended[r].as_ref().is_none_or(|ids| ids.len() != want)
-        })
-        .collect();
+    let lost = lost(reqs, &ended);
     let captures = (captures_before, engine.graph_counts());
     let step_rows = log.finish()?;
     let totals = Totals { elapsed, steps, batch_sum, generated, prefills, itl: itl_all, captures };

@@ -45,6 +45,26 @@ pub struct Request {
     pub cancel_after: Option<usize>,
 }
 
+impl Request {
+    /// Whether it ends once it has `produced` new ids: its last, or the one it is cancelled after.
+    pub fn ends_at(&self, produced: usize) -> bool {
+        produced == self.output || Some(produced) == self.cancel_after
+    }
+
+    /// The new ids it ends with: all it asked for, or those it has when cancelled.
+    pub fn wanted(&self) -> usize {
+        self.cancel_after.unwrap_or(self.output)
+    }
+}
+
+/// The requests of `reqs` that did not end with the ids they wanted (`ended[r]`: the new ids request
+/// `r` ended with, `None` if it never ended).
+pub fn lost(reqs: &[Request], ended: &[Option<Vec<u32>>]) -> Vec<usize> {
+    (0..reqs.len())
+        .filter(|&r| ended.get(r).and_then(Option::as_ref).is_none_or(|ids| ids.len() != reqs[r].wanted()))
+        .collect()
+}
+
 /// How requests arrive and leave, besides their lengths.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Mix {
@@ -211,6 +231,20 @@ mod tests {
         assert!((share - 0.25).abs() < 0.03, "share {share}");
         assert!(cancelled.iter().all(|&(k, o)| (1..o).contains(&k)));
         assert!(a.iter().filter(|r| r.output == 1).all(|r| r.cancel_after.is_none()));
+    }
+
+    #[test]
+    fn a_request_ends_at_its_last_id_or_its_cancellation_and_is_lost_otherwise() {
+        let r = |output, cancel_after| Request { arrival: 0.0, prompt: vec![1], output, cancel_after };
+        let reqs = [r(4, None), r(5, Some(2)), r(1, None), r(3, None)];
+        assert!(!reqs[0].ends_at(3) && reqs[0].ends_at(4));
+        assert!(reqs[1].ends_at(2) && !reqs[1].ends_at(1));
+        assert_eq!(reqs.iter().map(Request::wanted).collect::<Vec<_>>(), [4, 2, 1, 3]);
+        let ended = [Some(vec![7; 4]), Some(vec![7; 2]), Some(vec![7]), None];
+        assert_eq!(lost(&reqs, &ended), [3], "never ended");
+        let short = [Some(vec![7; 3]), Some(vec![7; 5]), Some(vec![7]), Some(vec![7; 3])];
+        assert_eq!(lost(&reqs, &short), [0, 1], "ended with other counts than wanted");
+        assert_eq!(lost(&reqs, &ended[..2]), [2, 3], "no record at all");
     }
 
     #[test]
