@@ -91,11 +91,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let mut table = PageTable::new(&ctx, TableShape::new(batch, max_pages, pages)?)?;
             // Pages handed out in a seeded shuffle, as a pool looks after sequences came and went.
             let mut free: Vec<u32> = (0..pages.num_pages as u32).collect();
-            let mut shuffle = reference::random_iter(page_size as u64);
-            for i in (1..free.len()).rev() {
-                let j = ((shuffle.next().unwrap() * 0.5 + 0.5) * (i + 1) as f64) as usize;
-                free.swap(i, j.min(i));
-            }
+            reference::shuffle(&mut free, page_size as u64);
             let mut entries = vec![0u32; batch * max_pages];
             let mut next = free.into_iter();
             for (b, &len) in lens.iter().enumerate() {

@@ -68,11 +68,7 @@ fn twin(
     let mut table = PageTable::new(ctx, TableShape::new(rows, max_pages, pages).unwrap()).unwrap();
     // A seeded shuffle of every page: row i's page j is perm[i · max_pages + j].
     let mut perm: Vec<u32> = (0..num_pages as u32).collect();
-    let mut r = reference::random_iter(seed + 100);
-    for i in (1..perm.len()).rev() {
-        let j = ((r.next().unwrap() * 0.5 + 0.5) * (i + 1) as f64) as usize;
-        perm.swap(i, j.min(i));
-    }
+    reference::shuffle(&mut perm, seed + 100);
     let entries: Vec<u32> = perm[..rows * max_pages].to_vec();
     table.upload(ctx, &entries).unwrap();
     let w = (hq + 2 * hkv) * d;

@@ -257,6 +257,16 @@ pub fn random_values(seed: u64, n: usize) -> Vec<f64> {
     random_iter(seed).take(n).collect()
 }
 
+/// Shuffles `items` in place, seeded (Fisher-Yates over [`random_iter`]`(seed)`): the same order on
+/// every machine, and any prefix of the result is a uniform sample.
+pub fn shuffle<T>(items: &mut [T], seed: u64) {
+    let mut draw = random_iter(seed);
+    for i in (1..items.len()).rev() {
+        let u = draw.next().expect("random_iter is endless") * 0.5 + 0.5; // [0, 1)
+        items.swap(i, ((u * (i + 1) as f64) as usize).min(i));
+    }
+}
+
 /// The endless sequence [`random_values`] takes its values from (no buffer of f64s for large tensors).
 pub fn random_iter(seed: u64) -> impl Iterator<Item = f64> {
     random_iter_from(seed, 0)
@@ -580,6 +590,29 @@ mod tests {
         let c = compare(&nan, &r);
         assert_eq!(c.non_finite, 1);
         assert!(!c.passes(BF16_TOL));
+    }
+
+    #[test]
+    fn shuffle_is_a_seeded_permutation_drawn_as_the_loops_it_replaced() {
+        let mut v: Vec<u32> = (0..1000).collect();
+        shuffle(&mut v, 7);
+        // The loop the paged tests and examples wrote before, on the same stream.
+        let mut w: Vec<u32> = (0..1000).collect();
+        let mut r = random_iter(7);
+        for i in (1..w.len()).rev() {
+            let j = ((r.next().unwrap() * 0.5 + 0.5) * (i + 1) as f64) as usize;
+            w.swap(i, j.min(i));
+        }
+        assert_eq!(v, w);
+        assert_ne!(v, (0..1000).collect::<Vec<_>>());
+        let mut sorted = v.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, (0..1000).collect::<Vec<_>>(), "a permutation");
+        let mut again: Vec<u32> = (0..1000).collect();
+        shuffle(&mut again, 7);
+        assert_eq!(v, again, "the same seed, the same order");
+        shuffle(&mut [0u8; 0], 1);
+        shuffle(&mut [5u8], 1);
     }
 
     #[test]

@@ -634,12 +634,8 @@ fn check_alone<T: Element>(
     seed: u64,
 ) -> Result<AloneCheck, Error> {
     let mut order: Vec<usize> = (0..reqs.len()).filter(|&r| ended[r].is_some()).collect();
-    // Fisher-Yates with the seed's stream: any prefix of the order is a uniform sample.
-    let mut draw = cudnn_llm::reference::random_iter(seed ^ 0xA10E);
-    for i in (1..order.len()).rev() {
-        let u = draw.next().map_or(0.5, |v| v * 0.5 + 0.5);
-        order.swap(i, ((u * (i + 1) as f64) as usize).min(i));
-    }
+    // Seeded: any prefix of the order is a uniform sample.
+    cudnn_llm::reference::shuffle(&mut order, seed ^ 0xA10E);
     let start = Instant::now();
     let mut check = AloneCheck { checked: 0, same: 0, near_tie: 0, failures: Vec::new() };
     for r in order {
