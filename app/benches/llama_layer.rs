@@ -105,12 +105,12 @@ impl Bench {
 
     /// One token against a cache holding `DECODE_KV - 1` (contents are whatever was written).
     fn decode(&mut self, ctx: &Cudnn, b: &Backends) -> Result<()> {
-        if self.cache.len() < DECODE_KV - 1 {
+        if self.cache.lens()[0] < DECODE_KV - 1 {
             self.cache.clear();
             let filler = vec![vec![1u32; DECODE_KV - 1]];
             self.model.forward(ctx, &filler, &mut self.cache, b, &mut NoObserver).map_err(ops)?;
         }
-        self.cache.truncate(DECODE_KV - 1);
+        self.cache.truncate_to(DECODE_KV - 1);
         self.model.forward(ctx, &[vec![42]], &mut self.cache, b, &mut NoObserver).map(drop).map_err(ops)
     }
 }

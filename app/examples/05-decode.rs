@@ -35,7 +35,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let prompt = vec![(0..prompt_len as u32).map(|t| (t * 7919) % cfg.vocab as u32).collect::<Vec<_>>()];
     let mut cache = model.cache(&ctx, 1, max_seq)?;
     model.forward(&ctx, &prompt, &mut cache, &fused, &mut NoObserver)?;
-    let at = cache.len() + 1;
+    let at = cache.lens()[0] + 1;
     let mut timed = Vec::new();
     // Each fusion with the defaults (the split chosen by shape, PDL where the GPU has it, the decode
     // attention the library picks) and with the split-KV attention kernel; then the default fusion
@@ -58,7 +58,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ctx.set_gemv_split(split);
         ctx.set_programmatic_launch(on);
         ctx.set_decode_attention(attention);
-        cache.truncate(at - 1);
+        cache.truncate_to(at - 1);
         // A plain step first: plans are built and kernels loaded outside the capture.
         model.forward(&ctx, &[vec![1]], &mut cache, &fused, &mut NoObserver)?;
         model.logits(&ctx, 1, &fused, &mut NoObserver)?;
@@ -75,13 +75,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         for step in 0..steps {
             // Both at the same cache lengths, alternating.
             let token = 100 + step as u32;
-            cache.truncate(at + step);
+            cache.truncate_to(at + step);
             plain.push(wall_ms(&ctx, || -> Result<(), cudnn_llm::llama::Error> {
                 model.forward(&ctx, &[vec![token]], &mut cache, &fused, &mut NoObserver)?;
                 model.logits(&ctx, 1, &fused, &mut NoObserver)?;
                 Ok(())
             })?);
-            cache.truncate(at + step);
+            cache.truncate_to(at + step);
             replay.push(wall_ms(&ctx, || model.decode(&ctx, &mut graph, &[token], &mut cache).map(drop))?);
         }
         timed.push((fusion, split, on, form, median(plain), median(replay)));
@@ -146,7 +146,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for run in ctx.kernel_runs() {
         println!("in place of a plan: {}, {} calls", run.name, run.calls);
     }
-    cache.truncate(at - 1);
+    cache.truncate_to(at - 1);
     timeline(&ctx, &mut model, &mut cache, &fused, &roof, copy)?;
     drop((cache, model));
     projections(&ctx, copy)?;
@@ -171,20 +171,20 @@ fn timeline(
             return Ok(());
         }
     };
-    let at = cache.len() + 1;
+    let at = cache.lens()[0] + 1;
     model.forward(ctx, &[vec![1]], cache, fused, &mut NoObserver)?;
     model.logits(ctx, 1, fused, &mut NoObserver)?;
-    cache.truncate(at - 1);
+    cache.truncate_to(at - 1);
     // SAFETY: one thread, no other stream of this context.
     let mut graph = unsafe { model.capture_decode(ctx, cache, fused) }?;
     for step in 0..3 {
-        cache.truncate(at + step);
+        cache.truncate_to(at + step);
         model.decode(ctx, &mut graph, &[7 + step as u32], cache)?;
     }
     ctx.synchronize()?;
     cupti.start()?;
     for step in 0..STEPS {
-        cache.truncate(at + step);
+        cache.truncate_to(at + step);
         model.decode(ctx, &mut graph, &[11 + step as u32], cache)?;
         ctx.synchronize()?;
     }

@@ -142,7 +142,7 @@ fn run(ctx: &Cudnn, cfg: &LlamaConfig, model: &mut Llama<bf16>, max_seq: usize) 
     // A plain step builds what the step needs outside the capture.
     model.forward(ctx, &[vec![token(0)]], &mut cache, &fused, &mut NoObserver)?;
     model.logits(ctx, 1, &fused, &mut NoObserver)?;
-    cache.truncate(PROMPT);
+    cache.truncate_to(PROMPT);
     // SAFETY: one thread, no other stream of this context.
     let mut graph = unsafe { model.capture_decode(ctx, &mut cache, &fused) }?;
     // The logits of each step first, then the same steps timed alone.
@@ -150,7 +150,7 @@ fn run(ctx: &Cudnn, cfg: &LlamaConfig, model: &mut Llama<bf16>, max_seq: usize) 
         let out = model.decode(ctx, &mut graph, &[token(s)], &mut cache)?;
         logits.push(ctx.stream().clone_dtoh(out)?);
     }
-    cache.truncate(PROMPT);
+    cache.truncate_to(PROMPT);
     let mut times = Vec::new();
     for s in 0..STEPS {
         times.push(wall_ms(ctx, || model.decode(ctx, &mut graph, &[token(s)], &mut cache).map(drop))?);
@@ -159,7 +159,7 @@ fn run(ctx: &Cudnn, cfg: &LlamaConfig, model: &mut Llama<bf16>, max_seq: usize) 
     let long: Vec<u32> = (0..PREFILL as u32).map(|t| (t * 104729 + 17) % cfg.vocab as u32).collect();
     let mut prefill = Vec::new();
     for i in 0..4 {
-        cache.truncate(0);
+        cache.truncate_to(0);
         let ms = wall_ms(ctx, || -> Result<(), cudnn_llm::llama::Error> {
             model.forward(ctx, std::slice::from_ref(&long), &mut cache, &fused, &mut NoObserver)?;
             model.logits(ctx, 1, &fused, &mut NoObserver)?;

@@ -119,7 +119,7 @@ fn prefill_then_decode_equals_a_full_forward() {
                 assert!(c.passes(MODEL_TOL), "`{sel}` sequence {bi} position {s}: {c}");
             }
         }
-        assert_eq!(cache.len(), prompt + steps);
+        assert_eq!(cache.uniform_len(), Some(prompt + steps));
         assert!(
             model.forward(&ctx, &[vec![1], vec![2]], &mut cache, &b, &mut NoObserver).is_err(),
             "cache full"
@@ -236,7 +236,7 @@ fn captured_decode_steps_replay_at_every_position() {
         model.logits(&ctx, batch, &fused, &mut NoObserver).unwrap();
     }
     let Some(mut graph) = capture(&ctx, &mut model, &mut replay, &fused) else { return };
-    assert_eq!(replay.len(), prompt + 1, "a capture runs nothing");
+    assert_eq!(replay.uniform_len(), Some(prompt + 1), "a capture runs nothing");
     assert!(model.decode(&ctx, &mut graph, &step(prompt + 1), &mut plain).is_err(), "another cache");
     for s in prompt + 1..prompt + steps {
         let one: Vec<Vec<u32>> = step(s).iter().map(|&t| vec![t]).collect();
@@ -258,7 +258,7 @@ fn captured_decode_steps_replay_at_every_position() {
         let c = compare(&p[..batch * h], &want);
         assert!(c.passes(MODEL_TOL), "position {s} (plain, device positions): {c}");
     }
-    assert_eq!(replay.len(), prompt + steps);
+    assert_eq!(replay.uniform_len(), Some(prompt + steps));
     assert!(model.decode(&ctx, &mut graph, &step(0), &mut replay).is_err(), "cache full");
     // A naive step takes its position from the host: no graph.
     let naive = Backends::all(Backend::Naive);
@@ -536,9 +536,9 @@ fn fp8_projections_match_the_reference_over_their_dequantized_weights() {
         plain
             .push(ctx.stream().clone_dtoh(&model.logits(&ctx, 1, &fused, &mut NoObserver).unwrap()).unwrap());
     }
-    cache.truncate(prompt);
+    cache.truncate_to(prompt);
     let Some(mut graph) = capture(&ctx, &mut model, &mut cache, &fused) else { return };
-    cache.truncate(prompt);
+    cache.truncate_to(prompt);
     for (i, s) in (prompt..prompt + steps).enumerate() {
         let logits = model.decode(&ctx, &mut graph, &[one[0][s]], &mut cache).unwrap();
         let replayed = ctx.stream().clone_dtoh(logits).unwrap();

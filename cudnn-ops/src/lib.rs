@@ -82,7 +82,8 @@ pub use graph::{
 };
 pub use kernels::KernelRun;
 pub use kv_cache::{
-    AttendForm, KvCache, KvCacheShape, PageAllocator, PagedForm, PagedKvCache, PagedKvShape, QkvRows, SeqId,
+    AttendForm, KvCache, KvCacheShape, KvLayer, PageAllocator, PagedForm, PagedKvCache, PagedKvShape,
+    QkvRows, SeqId,
 };
 pub use ops::argmax::{argmax, ArgmaxArgs, ArgmaxOperands, Pick};
 pub use ops::layernorm::{layer_norm, LayerNormArgs, LayerNormOperands};

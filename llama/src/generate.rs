@@ -419,7 +419,7 @@ impl<T: Element> Generator<T> {
         let words = match words {
             Ok(w) => w,
             Err(e) => {
-                self.cache.truncate(len); // steps that were enqueued are forgotten with the error
+                self.cache.truncate_to(len); // steps that were enqueued are forgotten with the error
                 return Err(e);
             }
         };
@@ -438,7 +438,7 @@ impl<T: Element> Generator<T> {
     fn roll_back(&mut self, n: usize) {
         let len = self.tokens.len() - n;
         self.tokens.truncate(len);
-        self.cache.truncate(len);
+        self.cache.truncate_to(len);
     }
 
     /// Errors unless `n` more ids fit the cache.

@@ -40,7 +40,7 @@
 
 use crate::backends::{Backends, ModuleKind, Site};
 use crate::config::LlamaConfig;
-use crate::modules::attention::{AttnBuffers, LayerCache};
+use crate::modules::attention::AttnBuffers;
 use crate::modules::block::{Block, Scratch};
 use crate::modules::dispatch::{Dispatch, Fallbacks};
 use crate::modules::embedding::Embedding;
@@ -55,13 +55,16 @@ use crate::weights::{LayerWeights, Tensor, Weights};
 use crate::{Backend, Error, Result};
 use cudnn_llm_ops::cudarc::driver::{CudaSlice, CudaView, DevicePtrMut};
 use cudnn_llm_ops::faults::Zeros;
-use cudnn_llm_ops::{argmax, check_ids, ArgmaxArgs, ArgmaxOperands, Cudnn, Element, RopeTables, SeqLens};
+use cudnn_llm_ops::{
+    argmax, check_ids, ArgmaxArgs, ArgmaxOperands, Cudnn, Element, KvCacheShape, RopeTables,
+};
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use crate::modules::{
     DecodeFusion, Fallback, NoObserver, Observer, ATTN_ALLREDUCE_RANGE, EMBED_RANGE, MLP_ALLREDUCE_RANGE,
 };
+pub use cudnn_llm_ops::KvCache;
 pub use paged::{PagedCache, PagedDecodeGraph};
 
 mod halves;
@@ -78,63 +81,13 @@ fn next_id() -> u64 {
     NEXT_ID.fetch_add(1, Ordering::Relaxed)
 }
 
-/// Per-layer K and V caches, `[batch, max_seq, h_kv · d]` each.
-pub struct KvCache<T> {
-    k: Vec<CudaSlice<T>>,
-    v: Vec<CudaSlice<T>>,
-    batch: usize,
-    max_seq: usize,
-    len: usize,
-    /// Per sequence, the keys a decode step attends to (`len + 1`), and the query count (1): the
-    /// run-time lengths of the one padded attention plan every decode step shares.
-    kv_lens: CudaSlice<i32>,
-    q_lens: CudaSlice<i32>,
-    /// Per sequence, the position of the token a decode step writes (`len`): fused RoPE and the
-    /// K/V append read it on the device, so a captured decode step serves every position.
-    positions: CudaSlice<i32>,
-    /// `kv_lens` and `q_lens` clamped into the cache's capacity, once per fused decode step, for every
-    /// layer's attention.
-    seq_lens: SeqLens,
-    /// `[max_seq + 1, batch]`: row `p` is `p` for every sequence, the source of the device-to-device
-    /// copies that set `positions` and `kv_lens` for a step enqueued ahead ([`Llama::decode_next`]),
-    /// where a host upload could wait for the stream.
-    ramp: CudaSlice<i32>,
-    id: u64,
-}
-
-impl<T> KvCache<T> {
-    /// Tokens cached per sequence.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// True before the first forward.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Forgets the cached tokens (the memory is kept).
-    pub fn clear(&mut self) {
-        self.len = 0;
-    }
-
-    /// Keeps only the first `len` cached tokens of each sequence (e.g. to time one decode step again).
-    pub fn truncate(&mut self, len: usize) {
-        self.len = self.len.min(len);
-    }
-
-    /// Layer `layer`'s caches and the decode step's device values.
-    fn layer(&mut self, layer: usize) -> LayerCache<'_, T> {
-        LayerCache {
-            k: &mut self.k[layer],
-            v: &mut self.v[layer],
-            max_seq: self.max_seq,
-            kv_lens: &self.kv_lens,
-            q_lens: &self.q_lens,
-            positions: &self.positions,
-            seq_lens: &mut self.seq_lens,
-        }
-    }
+/// Tokens cached per sequence: the decoder runs sequences of one length.
+pub(crate) fn cache_len<T: Element>(cache: &KvCache<T>) -> Result<usize> {
+    cache.uniform_len().ok_or_else(|| {
+        Error::Config(
+            "the decoder runs sequences of one length; this cache's sequences hold different counts".into(),
+        )
+    })
 }
 
 /// Activation buffers for `rows` tokens.
@@ -436,42 +389,9 @@ impl<T: Element> Llama<T> {
                 self.rope.positions()
             )));
         }
-        let too_large = || Error::Config(format!("a cache of {batch} x {max_seq} positions overflows"));
-        let n = [batch, max_seq, self.cfg.kv_heads, self.cfg.head_dim]
-            .into_iter()
-            .try_fold(1usize, usize::checked_mul)
-            .ok_or_else(too_large)?;
-        let bytes = n.checked_mul(2 * self.cfg.layers * T::DTYPE.size()).ok_or_else(too_large)?;
-        ctx.ensure_free(bytes, || {
-            format!("a KV cache of {} layers x {batch} sequences x {max_seq} positions", self.cfg.layers)
-        })?;
-        let alloc = || ctx.stream().zeros::<T>(n);
-        let mut k = Vec::with_capacity(self.cfg.layers);
-        let mut v = Vec::with_capacity(self.cfg.layers);
-        for _ in 0..self.cfg.layers {
-            k.push(alloc()?);
-            v.push(alloc()?);
-        }
-        let s = ctx.stream();
-        let kv_lens = s.zeros::<i32>(batch)?;
-        let q_lens = s.clone_htod(&vec![1i32; batch]).map_err(cudnn_llm_ops::Error::from)?;
-        let positions = s.zeros::<i32>(batch)?;
-        let seq_lens = SeqLens::new(ctx, batch, 1, max_seq)?;
-        let ramp: Vec<i32> = (0..=max_seq as i32).flat_map(|p| std::iter::repeat_n(p, batch)).collect();
-        let ramp = s.clone_htod(&ramp).map_err(cudnn_llm_ops::Error::from)?;
-        Ok(KvCache {
-            k,
-            v,
-            batch,
-            max_seq,
-            len: 0,
-            kv_lens,
-            q_lens,
-            positions,
-            seq_lens,
-            ramp,
-            id: next_id(),
-        })
+        let c = &self.cfg;
+        let shape = KvCacheShape::new(c.layers, batch, max_seq, c.kv_heads, c.head_dim)?;
+        Ok(KvCache::new(ctx, shape)?)
     }
 
     fn activations(&mut self, ctx: &Cudnn, rows: usize) -> Result<()> {
@@ -502,7 +422,7 @@ impl<T: Element> Llama<T> {
         obs: &mut dyn Observer,
     ) -> Result<&CudaSlice<T>> {
         backends.check_layers(self.cfg.layers)?;
-        let (batch, seq) = self.upload(ctx, tokens, cache)?;
+        let (batch, seq) = self.upload(ctx, tokens, cache, false)?;
         self.run(ctx, batch, seq, cache, backends, obs)?;
         Ok(&self.acts.as_ref().expect("allocated by upload").out)
     }
@@ -565,14 +485,15 @@ impl<T: Element> Llama<T> {
         greedy: bool,
     ) -> Result<DecodeGraph<T>> {
         backends.check_layers(self.cfg.layers)?;
-        if cache.is_empty() || cache.len >= cache.max_seq {
+        let (len, shape) = (cache_len(cache)?, cache.shape());
+        if len == 0 || len >= shape.max_seq {
             return Err(Error::Config(format!(
-                "capture_decode: needs a cache holding a prefill with room for a token (holds {} of {})",
-                cache.len, cache.max_seq
+                "capture_decode: needs a cache holding a prefill with room for a token (holds {len} of {})",
+                shape.max_seq
             )));
         }
         let acts_id = match &self.acts {
-            Some(a) if a.rows >= cache.batch => a.id,
+            Some(a) if a.rows >= shape.batch => a.id,
             _ => return Err(Error::Config("capture_decode: run a forward first".into())),
         };
         let host_positions = || {
@@ -588,23 +509,25 @@ impl<T: Element> Llama<T> {
         if !self.padded_decode || !(0..self.cfg.layers).all(fused) {
             return Err(host_positions());
         }
-        let mut logits = ctx.stream().zeros::<T>(cache.batch * self.cfg.vocab)?;
+        let mut logits = ctx.stream().zeros::<T>(shape.batch * self.cfg.vocab)?;
         let mut picks = match greedy {
             true => {
-                let mut picks = ctx.stream().zeros::<u32>(cache.batch)?;
+                let mut picks = ctx.stream().zeros::<u32>(shape.batch)?;
                 // Loads the kernel outside the capture: the picks of the zeroed logits, all id 0.
                 argmax(ctx, ArgmaxArgs::new(1, 1), ArgmaxOperands::new(&logits, &mut picks))?;
                 Some(picks)
             }
             false => None,
         };
-        let (batch, vocab) = (cache.batch, self.cfg.vocab);
+        let (batch, vocab) = (shape.batch, self.cfg.vocab);
         let epoch = ctx.buffer_epoch();
+        // The step the capture records: its device values are uploaded before each replay.
+        cache.begin_on_host(1)?;
         // SAFETY: the caller's promise (this function's contract is `Cudnn::capture`'s).
         let (baked, graph) = unsafe {
             ctx.capture(|| {
                 let baked = self.run(ctx, batch, 1, cache, backends, &mut NoObserver)?;
-                cache.len -= 1; // nothing ran: the capture only recorded the step
+                cache.truncate_to(len); // nothing ran: the capture only recorded the step
                 self.head(ctx, 0..batch, backends, &mut NoObserver, &mut logits)?;
                 if let Some(picks) = picks.as_mut() {
                     let acts = self.acts.as_mut().expect("checked above");
@@ -631,8 +554,8 @@ impl<T: Element> Llama<T> {
             logits,
             picks,
             serial,
-            batch: cache.batch,
-            cache_id: cache.id,
+            batch: shape.batch,
+            cache_id: cache.id(),
             acts_id,
             epoch,
         })
@@ -649,7 +572,7 @@ impl<T: Element> Llama<T> {
         tokens: &[u32],
         cache: &mut KvCache<T>,
     ) -> Result<&'g CudaSlice<T>> {
-        if graph.cache_id != cache.id || graph.batch != tokens.len() {
+        if graph.cache_id != cache.id() || graph.batch != tokens.len() {
             return Err(Error::Config(format!(
                 "decode: the graph was captured for another cache or batch ({} sequences, {} tokens given)",
                 graph.batch,
@@ -661,9 +584,8 @@ impl<T: Element> Llama<T> {
             return Err(Error::Config("decode: the cache holds no prefill".into()));
         }
         let step: Vec<Vec<u32>> = tokens.iter().map(|&t| vec![t]).collect();
-        self.upload(ctx, &step, cache)?;
-        // The graph reads these whatever the model's padded-decode state is now.
-        Self::upload_positions(ctx, cache)?;
+        // The graph reads the step's device values whatever the model's padded-decode state is now.
+        self.upload(ctx, &step, cache, true)?;
         self.replay(ctx, graph, cache)?;
         Ok(&graph.logits)
     }
@@ -688,17 +610,18 @@ impl<T: Element> Llama<T> {
                     .into(),
             ));
         }
-        if graph.cache_id != cache.id {
+        if graph.cache_id != cache.id() {
             return Err(Error::Config("decode_next: the graph was captured for another cache".into()));
         }
         self.check_current("decode_next", ctx, graph.acts_id, graph.epoch)?;
-        if cache.is_empty() || cache.len >= cache.max_seq {
+        let (len, max_seq) = (cache_len(cache)?, cache.shape().max_seq);
+        if len == 0 || len >= max_seq {
             return Err(Error::Config(format!(
-                "decode_next: needs a cache holding a prefill with room for a token (holds {} of {})",
-                cache.len, cache.max_seq
+                "decode_next: needs a cache holding a prefill with room for a token (holds {len} of {max_seq})"
             )));
         }
-        Self::advance_positions(ctx, cache)?;
+        // The host never waits for the stream here: the step is enqueued ahead of the one running.
+        cache.begin_on_device(ctx)?;
         self.replay(ctx, graph, cache)?;
         Ok(graph.picks.as_ref().expect("checked above"))
     }
@@ -715,7 +638,7 @@ impl<T: Element> Llama<T> {
             drop(self.acts.as_mut().expect("checked by the caller").ids.device_ptr_mut(ctx.stream()));
         }
         self.chain = graph.picks.as_ref().map(|_| graph.serial);
-        cache.len += 1;
+        cache.finish()?;
         // Last, so that the bookkeeping above holds whatever this returns: the launch ran.
         if let Some(comm) = &self.comm {
             comm.graph_launched(ctx.stream())?;
@@ -773,15 +696,23 @@ impl<T: Element> Llama<T> {
             ));
         }
         backends.check_layers(self.cfg.layers)?;
-        let (batch, seq) = self.upload(ctx, tokens, cache)?;
+        let (batch, seq) = self.upload(ctx, tokens, cache, false)?;
         // SAFETY: the caller's promise (this function's contract is `Cudnn::capture`'s).
         let ((), graph) =
             unsafe { ctx.capture(|| self.run(ctx, batch, seq, cache, backends, &mut NoObserver).map(drop)) }?;
         Ok(graph)
     }
 
-    /// Checks the tokens against the cache and vocabulary, sizes the activations and uploads the ids.
-    fn upload(&mut self, ctx: &Cudnn, tokens: &[Vec<u32>], cache: &mut KvCache<T>) -> Result<(usize, usize)> {
+    /// Checks the tokens against the cache and vocabulary, sizes the activations, uploads the ids and
+    /// begins the cache's step: with its device values for a decode step that reads them (a padded
+    /// one, or any with `device_values`), else with the position from the host.
+    fn upload(
+        &mut self,
+        ctx: &Cudnn,
+        tokens: &[Vec<u32>],
+        cache: &mut KvCache<T>,
+        device_values: bool,
+    ) -> Result<(usize, usize)> {
         let batch = tokens.len();
         let seq = tokens.first().map_or(0, Vec::len);
         if batch == 0 || seq == 0 || tokens.iter().any(|t| t.len() != seq) {
@@ -789,19 +720,20 @@ impl<T: Element> Llama<T> {
                 "forward: give one or more sequences of equal, non-zero length".into(),
             ));
         }
-        if batch != cache.batch || cache.len + seq > cache.max_seq {
+        let (len, shape) = (cache_len(cache)?, cache.shape());
+        if batch != shape.batch || len + seq > shape.max_seq {
             return Err(Error::Config(format!(
-                "forward: {batch} x {seq} tokens do not fit a cache of {} x {} holding {}",
-                cache.batch, cache.max_seq, cache.len
+                "forward: {batch} x {seq} tokens do not fit a cache of {} x {} holding {len}",
+                shape.batch, shape.max_seq
             )));
         }
         let ids: Vec<u32> = tokens.iter().flatten().copied().collect();
         check_ids(&ids, self.cfg.vocab)?;
-        if cache.k.len() != self.cfg.layers {
+        let c = &self.cfg;
+        if (shape.layers, shape.heads_kv, shape.head_dim) != (c.layers, c.kv_heads, c.head_dim) {
             return Err(Error::Config(format!(
-                "forward: a cache of {} layers for a {}-layer model",
-                cache.k.len(),
-                self.cfg.layers
+                "forward: a cache of {} layers of {} K/V heads of {} for a model of {} layers of {} of {}",
+                shape.layers, shape.heads_kv, shape.head_dim, c.layers, c.kv_heads, c.head_dim
             )));
         }
         self.activations(ctx, batch * seq)?;
@@ -811,32 +743,12 @@ impl<T: Element> Llama<T> {
         ctx.stream()
             .memcpy_htod(&ids, &mut acts.ids.slice_mut(..ids.len()))
             .map_err(cudnn_llm_ops::Error::from)?;
-        if seq == 1 && cache.len > 0 && self.padded_decode {
-            Self::upload_positions(ctx, cache)?;
+        if seq == 1 && len > 0 && (device_values || self.padded_decode) {
+            cache.begin(ctx, 1)?;
+        } else {
+            cache.begin_on_host(seq)?;
         }
         Ok((batch, seq))
-    }
-
-    /// The device values of a decode step at the cache's length: each sequence attends to `len + 1`
-    /// keys and writes position `len`.
-    fn upload_positions(ctx: &Cudnn, cache: &mut KvCache<T>) -> Result<()> {
-        let s = ctx.stream();
-        let lens = vec![(cache.len + 1) as i32; cache.batch];
-        s.memcpy_htod(&lens, &mut cache.kv_lens).map_err(cudnn_llm_ops::Error::from)?;
-        let positions = vec![cache.len as i32; cache.batch];
-        s.memcpy_htod(&positions, &mut cache.positions).map_err(cudnn_llm_ops::Error::from)?;
-        Ok(())
-    }
-
-    /// [`Llama::upload_positions`] by device-to-device copies from the cache's ramp (the host never
-    /// waits for the stream, which a host-to-device copy from pageable memory may do).
-    fn advance_positions(ctx: &Cudnn, cache: &mut KvCache<T>) -> Result<()> {
-        let (b, len) = (cache.batch, cache.len);
-        let s = ctx.stream();
-        let at = |p: usize| cache.ramp.slice(p * b..(p + 1) * b);
-        s.memcpy_dtod(&at(len + 1), &mut cache.kv_lens).map_err(cudnn_llm_ops::Error::from)?;
-        s.memcpy_dtod(&at(len), &mut cache.positions).map_err(cudnn_llm_ops::Error::from)?;
-        Ok(())
     }
 
     /// The forward body over ids already uploaded: only kernel launches and cuDNN/cuBLAS calls, so it
@@ -852,7 +764,7 @@ impl<T: Element> Llama<T> {
         backends: &Backends,
         obs: &mut dyn Observer,
     ) -> Result<bool> {
-        let tokens = Tokens { batch, seq, start: cache.len };
+        let tokens = Tokens { batch, seq, start: cache_len(cache)? };
         if let Some(baked) = self.run_halves(ctx, tokens, cache, backends, obs)? {
             return Ok(baked);
         }
@@ -871,11 +783,11 @@ impl<T: Element> Llama<T> {
             None => None,
         };
         for (l, block) in self.blocks.iter().enumerate() {
-            block.forward(&mut p, &mut acts.x, &mut acts.scratch, cache.layer(l), ranks.as_ref())?;
+            block.forward(&mut p, &mut acts.x, &mut acts.scratch, cache.layer_step(l)?, ranks.as_ref())?;
         }
         self.norm.forward(&mut p, acts.x.get(), &mut acts.out)?;
         self.padded_decode = p.positions.padded;
-        cache.len += seq;
+        cache.finish()?;
         Ok(p.positions.baked)
     }
 

@@ -64,7 +64,8 @@ impl<T: Element> KvCache<T> {
         let (k, v) = (&self.k[layer], &self.v[layer]);
         let (q_len, o_len) = (q.len(), o.len());
         capacity.check(SdpaLens { q: q_len, k: k.len(), v: v.len(), o: o_len, stats: None })?;
-        let form = if seq == 1 && backend == Backend::Fused && self.padded_refusal.is_none() {
+        let form = if seq == 1 && backend == Backend::Fused && self.uploaded && self.padded_refusal.is_none()
+        {
             let padded = capacity.with_mask(Mask::None).with_seq_lens();
             let padded = padded.with_decode_choice(ctx.decode_attention(), ctx.features());
             let x = SdpaOperands::new(&q, k, v, &mut o);

@@ -237,6 +237,14 @@ impl Lens {
         Ok(())
     }
 
+    /// Keeps at most `len` rows of every sequence; drops a step begun.
+    pub(crate) fn truncate_each(&mut self, len: usize) {
+        for l in &mut self.lens {
+            *l = (*l).min(len);
+        }
+        self.step = None;
+    }
+
     /// Forgets every cached token and the step begun.
     pub(crate) fn clear(&mut self) {
         self.lens.iter_mut().for_each(|l| *l = 0);
@@ -337,6 +345,12 @@ mod tests {
         assert!(e.contains("sequence 1 holds 5 of 8 rows, no room for 4"), "{e}");
         assert!(l.step().is_err());
         assert!(l.begin(0).is_err());
+        // truncate_each keeps at most a length of every sequence and drops a step begun.
+        l.begin(1).unwrap();
+        l.truncate_each(4);
+        assert_eq!((l.get(), l.step().is_err()), (&[3, 4, 4][..], true));
+        l.truncate_each(9);
+        assert_eq!(l.get(), &[3, 4, 4]);
         for (bad, expected) in [(&[1, 1][..], "2 lengths for 3"), (&[4, 5, 4][..], "sequence 0 holds 3 rows")]
         {
             let e = l.truncate(bad).unwrap_err().to_string();

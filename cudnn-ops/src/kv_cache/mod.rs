@@ -39,6 +39,13 @@
 //! # }
 //! ```
 //!
+//! A decoder that runs its own kernels on the cache (e.g. `cudnn-llm-llama`'s, with RoPE and the append
+//! fused into the QKV projection's GEMV, and its decode steps captured as CUDA graphs) begins and
+//! finishes steps the same way and reads each layer's buffers and the step's device values through
+//! [`KvCache::layer_step`]; [`KvCache::begin_on_device`] begins a one-token step without the host
+//! (the device values copied on the device), [`KvCache::begin_on_host`] one whose kernels take the
+//! position from the host (nothing uploaded).
+//!
 //! A paged cache ([`PagedKvCache`], `paged.rs`) keeps K and V in page pools read through a page table,
 //! for sequences that come and go (continuous batching); its module docs have its recipe.
 //!
@@ -64,6 +71,10 @@ use crate::ops::sdpa::SeqLens;
 use crate::{Backend, Cudnn, Error, Result};
 use book::Lens;
 use cudarc::driver::{CudaSlice, CudaViewMut, DevicePtr};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Identities of caches ([`KvCache::id`]).
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 /// Per-layer K and V caches and the bookkeeping of steps (see the [module docs](self)).
 pub struct KvCache<T> {
@@ -84,6 +95,35 @@ pub struct KvCache<T> {
     /// is older than 9.15 or refused its padded plan); `None` while it may.
     padded_refusal: Option<String>,
     last_form: Option<AttendForm>,
+    /// `[max_seq + 1, batch]`: row `p` is `p` for every sequence, the source of
+    /// [`KvCache::begin_on_device`]'s device-to-device copies.
+    ramp: CudaSlice<i32>,
+    /// The query count `q_lens` holds on the device, when known (a step repeating it skips its upload).
+    q_on_device: Option<usize>,
+    /// The step begun has its device values (`begin`, `begin_on_device`; not `begin_on_host`).
+    uploaded: bool,
+    id: u64,
+}
+
+/// One layer's K and V buffers and the device values of the step begun, for a decoder that runs its
+/// own kernels on the cache ([`KvCache::layer_step`]).
+#[non_exhaustive]
+pub struct KvLayer<'a, T> {
+    /// K `[batch, max_seq, h_kv · d]` (strides in the [module docs](self)).
+    pub k: &'a mut CudaSlice<T>,
+    /// V, as K.
+    pub v: &'a mut CudaSlice<T>,
+    /// Rows per sequence.
+    pub max_seq: usize,
+    /// Per sequence, the keys the step's queries attend to (`len + seq`).
+    pub kv_lens: &'a CudaSlice<i32>,
+    /// Per sequence, the step's queries (`seq`).
+    pub q_lens: &'a CudaSlice<i32>,
+    /// Per sequence, the first position the step writes (`len`).
+    pub positions: &'a CudaSlice<i32>,
+    /// `q_lens` and `kv_lens` clamped into the cache, for padded attention on cuDNN's plan (the
+    /// decoder clamps them once per step, [`SeqLens::clamp`]).
+    pub seq_lens: &'a mut SeqLens,
 }
 
 impl<T: Element> KvCache<T> {
@@ -96,12 +136,17 @@ impl<T: Element> KvCache<T> {
             });
         }
         let KvCacheShape { layers, batch, max_seq, .. } = shape;
+        let ramp_len = crate::checked::product("kv cache: ramp", &[max_seq + 1, batch])?;
         let bytes =
             crate::checked::product("kv cache: bytes", &[2, layers, shape.layer_len(), T::DTYPE.size()])?;
+        let bytes = crate::checked::add("kv cache: bytes", bytes, 4 * ramp_len)?;
         ctx.ensure_free(bytes, || {
             format!("a KV cache of {layers} layers x {batch} sequences x {max_seq} positions")
         })?;
         let s = ctx.stream();
+        // Each value is at most max_seq, which fits i32 (KvCacheShape::new).
+        let ramp: Vec<i32> = (0..=max_seq as i32).flat_map(|p| std::iter::repeat_n(p, batch)).collect();
+        let ramp = s.clone_htod(&ramp)?;
         let mut k = Vec::with_capacity(layers);
         let mut v = Vec::with_capacity(layers);
         for _ in 0..layers {
@@ -120,7 +165,34 @@ impl<T: Element> KvCache<T> {
             clamped: false,
             padded_refusal: None,
             last_form: None,
+            ramp,
+            q_on_device: None,
+            uploaded: false,
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
         })
+    }
+
+    /// Tells this cache from every other of the process: a CUDA graph captured over it holds its
+    /// buffers' addresses and checks it before a replay.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Tokens cached per sequence where every sequence holds as many (a decoder of equal-length
+    /// sequences), else `None`.
+    pub fn uniform_len(&self) -> Option<usize> {
+        self.lens.uniform()
+    }
+
+    /// True while no sequence holds a token.
+    pub fn is_empty(&self) -> bool {
+        self.lens.get().iter().all(|&l| l == 0)
+    }
+
+    /// Keeps at most `len` tokens of every sequence (e.g. to time one decode step again); drops a step
+    /// begun.
+    pub fn truncate_to(&mut self, len: usize) {
+        self.lens.truncate_each(len);
     }
 
     /// The shape.
@@ -158,13 +230,72 @@ impl<T: Element> KvCache<T> {
         // Last step's clamped lengths are stale from here on, whatever happens below; the step counts
         // as begun only once its values are on the device.
         self.clamped = false;
+        self.uploaded = false;
         let values = self.lens.values(seq)?;
         let s = ctx.stream();
         s.memcpy_htod(&values.positions, &mut self.positions)?;
         s.memcpy_htod(&values.kv_lens, &mut self.kv_lens)?;
-        s.memcpy_htod(&values.q_lens, &mut self.q_lens)?;
+        if self.q_on_device != Some(seq) {
+            self.q_on_device = None;
+            s.memcpy_htod(&values.q_lens, &mut self.q_lens)?;
+            self.q_on_device = Some(seq);
+        }
+        self.lens.begin(seq)?;
+        self.uploaded = true;
+        Ok(())
+    }
+
+    /// [`begin`](KvCache::begin) of one token per sequence, every sequence at the same length, with the
+    /// device values copied on the device from a table the cache keeps: the host never waits for the
+    /// stream (a copy from pageable host memory may), so a decoder can enqueue a step ahead of the
+    /// one running. An error, with nothing changed, where the lengths differ or the cache is full.
+    pub fn begin_on_device(&mut self, ctx: &Cudnn) -> Result<()> {
+        self.clamped = false;
+        self.uploaded = false;
+        let Some(len) = self.lens.uniform() else {
+            return Err(Error::invalid("kv cache: begin_on_device needs every sequence at one length"));
+        };
+        self.lens.values(1)?; // room for the token
+        let b = self.shape.batch;
+        let row = |p: usize| self.ramp.slice(p * b..(p + 1) * b);
+        let s = ctx.stream();
+        s.memcpy_dtod(&row(len + 1), &mut self.kv_lens)?;
+        s.memcpy_dtod(&row(len), &mut self.positions)?;
+        if self.q_on_device != Some(1) {
+            self.q_on_device = None;
+            s.memcpy_dtod(&row(1), &mut self.q_lens)?;
+            self.q_on_device = Some(1);
+        }
+        self.lens.begin(1)?;
+        self.uploaded = true;
+        Ok(())
+    }
+
+    /// Begins a step of `seq` new tokens per sequence, every sequence at the same length, whose kernels
+    /// take that length from the host as the first position (a prefill): nothing is uploaded, the
+    /// device values keep the last step's, and this cache's own calls take the host's length too
+    /// (attention runs a plan per length). An error, with nothing changed, where the lengths differ
+    /// or a sequence has no room.
+    pub fn begin_on_host(&mut self, seq: usize) -> Result<()> {
+        ensure!(self.lens.uniform().is_some(), "kv cache: begin_on_host needs every sequence at one length");
+        self.clamped = false;
+        self.uploaded = false;
         self.lens.begin(seq)?;
         Ok(())
+    }
+
+    /// Layer `layer`'s K and V buffers and the step's device values, for a decoder's own kernels.
+    pub fn layer_step(&mut self, layer: usize) -> Result<KvLayer<'_, T>> {
+        self.check_layer(layer)?;
+        Ok(KvLayer {
+            k: &mut self.k[layer],
+            v: &mut self.v[layer],
+            max_seq: self.shape.max_seq,
+            kv_lens: &self.kv_lens,
+            q_lens: &self.q_lens,
+            positions: &self.positions,
+            seq_lens: &mut self.seq_lens,
+        })
     }
 
     /// Counts the step's tokens in [`lens`](KvCache::lens); returns how many each sequence got.
@@ -232,7 +363,7 @@ impl<T: Element> KvCache<T> {
         write.check(qkv.len().saturating_sub(k_at), self.k[layer].len())?;
         write.check(qkv.len().saturating_sub(v_at), self.v[layer].len())?;
         let (k, v) = (&mut self.k[layer], &mut self.v[layer]);
-        if backend == Backend::Fused {
+        if backend == Backend::Fused && self.uploaded {
             let x = RopeOperands::new(tables, &mut qkv).append(k, v, max_seq).starts(&self.positions);
             return rope(ctx, args, x, backend);
         }
@@ -273,6 +404,13 @@ impl<T: Element> KvCache<T> {
         w.check(k_rows.len(), self.k[layer].len())?;
         w.check(v_rows.len(), self.v[layer].len())?;
         let (k, v, p) = (&mut self.k[layer], &mut self.v[layer], &self.positions);
+        if !self.uploaded {
+            // begin_on_host: one length for every sequence, from the host.
+            let start = self.lens.uniform().ok_or_else(|| Error::invalid("kv cache: lengths differ"))?;
+            let w = CacheWrite { start, ..w };
+            write_cache(ctx, w, CacheWriteOperands::new(k_rows, k))?;
+            return write_cache(ctx, w, CacheWriteOperands::new(v_rows, v));
+        }
         write_cache(ctx, w, CacheWriteOperands::new(k_rows, k).starts(p))?;
         write_cache(ctx, w, CacheWriteOperands::new(v_rows, v).starts(p))
     }

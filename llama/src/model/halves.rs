@@ -77,7 +77,7 @@ impl<T: Element> Llama<T> {
                 if let Some(before) = l.checked_sub(1).map(|l| &blocks[l]) {
                     before.sum_over_ranks(&mut p, r, MLP_ALLREDUCE_RANGE, x)?;
                 }
-                block.attention(&mut p, x, s, cache.layer(l), r)?;
+                block.attention(&mut p, x, s, cache.layer_step(l)?, r)?;
             }
             for (h, (_, x, s, _)) in bufs.iter_mut().enumerate() {
                 p.set_tokens(halves[h]);
@@ -99,7 +99,7 @@ impl<T: Element> Llama<T> {
             .map_err(err)?;
         self.padded_decode = p.positions.padded;
         self.halved += 1;
-        cache.len += tokens.seq;
+        cache.finish()?;
         Ok(Some(p.positions.baked))
     }
 }

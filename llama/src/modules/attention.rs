@@ -8,23 +8,9 @@ use crate::backends::Site;
 use crate::{Backend, Result};
 use cudnn_llm_ops::cudarc::driver::CudaSlice;
 use cudnn_llm_ops::{
-    rope, sdpa, Element, Layout, Mask, RopeArgs, RopeOperands, Rotary, RotaryOperands, SdpaArgs,
-    SdpaOperands, SeqLens,
+    rope, sdpa, Element, KvLayer, Layout, Mask, RopeArgs, RopeOperands, Rotary, RotaryOperands, SdpaArgs,
+    SdpaOperands,
 };
-
-/// One layer's K and V caches (`[batch, max_seq, h_kv · d]` each) and the device values a decode step
-/// reads: per sequence, the keys it attends to and its query count (the run-time lengths of the padded
-/// attention plan, and those lengths clamped into the cache, shared by every layer), and the position
-/// it writes.
-pub(crate) struct LayerCache<'a, T> {
-    pub(crate) k: &'a mut CudaSlice<T>,
-    pub(crate) v: &'a mut CudaSlice<T>,
-    pub(crate) max_seq: usize,
-    pub(crate) kv_lens: &'a CudaSlice<i32>,
-    pub(crate) q_lens: &'a CudaSlice<i32>,
-    pub(crate) positions: &'a CudaSlice<i32>,
-    pub(crate) seq_lens: &'a mut SeqLens,
-}
 
 /// Attention's scratch: the fused Q/K/V rows and the attention output.
 pub(crate) struct AttnBuffers<T> {
@@ -57,7 +43,7 @@ impl<T: Element> Attention<T> {
         p: &mut Pass<'_, T>,
         h: Normed<'_, T>,
         bufs: &mut AttnBuffers<T>,
-        mut cache: LayerCache<'_, T>,
+        mut cache: KvLayer<'_, T>,
         x: &CudaSlice<T>,
         sum: &mut CudaSlice<T>,
         fold_rope: bool,
@@ -96,11 +82,11 @@ impl<T: Element> Attention<T> {
         p: &mut Pass<'_, T>,
         mut h: Normed<'_, T>,
         qkv: &mut CudaSlice<T>,
-        cache: &mut LayerCache<'_, T>,
+        cache: &mut KvLayer<'_, T>,
     ) -> Result<()> {
         let (ctx, rows, tables) = (p.ctx, p.tokens.rows(), p.rope);
         let rotary = Rotary::new(self.heads, self.kv_heads, self.head_dim, cache.max_seq);
-        let LayerCache { k, v, positions, .. } = cache;
+        let KvLayer { k, v, positions, .. } = cache;
         p.dispatch.run(Site::QKV_PROJ, Some(self.layer), &p.shape, |b| {
             let then = Then::Rotate(rotary, RotaryOperands::new(tables, positions, &mut **k, &mut **v));
             self.qkv_proj.forward_normed(b, ctx, rows, &mut h, then, qkv)
@@ -145,7 +131,7 @@ impl<T: Element> Attention<T> {
     /// Rotates Q and K in place and appends the rotated K and V to the cache (one kernel fused, as
     /// serving decoders do; eager: HF's rotation, then `StaticCache.update`'s two row copies); fused
     /// decode steps read the position on the device.
-    fn rope(&self, p: &mut Pass<'_, T>, qkv: &mut CudaSlice<T>, cache: &mut LayerCache<'_, T>) -> Result<()> {
+    fn rope(&self, p: &mut Pass<'_, T>, qkv: &mut CudaSlice<T>, cache: &mut KvLayer<'_, T>) -> Result<()> {
         let Tokens { batch, seq, start } = p.tokens;
         let (heads_q, heads_kv, head_dim, row_stride) =
             (self.heads, self.kv_heads, self.head_dim, self.width());
@@ -154,7 +140,7 @@ impl<T: Element> Attention<T> {
             .with_start(start);
         let (ctx, tables, on_device) = (p.ctx, p.rope, p.positions.on_device);
         let baked = &mut p.positions.baked;
-        let LayerCache { k, v, max_seq, positions, .. } = cache;
+        let KvLayer { k, v, max_seq, positions, .. } = cache;
         p.dispatch.run(Site::ROPE, Some(self.layer), &p.shape, |b| {
             let x = RopeOperands::new(tables, qkv).append(*k, *v, *max_seq);
             if b == Backend::Fused && on_device {
@@ -174,12 +160,12 @@ impl<T: Element> Attention<T> {
         &self,
         p: &mut Pass<'_, T>,
         qkv: &CudaSlice<T>,
-        cache: LayerCache<'_, T>,
+        cache: KvLayer<'_, T>,
         o: &mut CudaSlice<T>,
     ) -> Result<()> {
         let Tokens { batch, seq, start } = p.tokens;
         let (hq, hkv, d, w) = (self.heads, self.kv_heads, self.head_dim, self.width());
-        let LayerCache { k, v, max_seq, kv_lens, q_lens, seq_lens, .. } = cache;
+        let KvLayer { k, v, max_seq, kv_lens, q_lens, seq_lens, .. } = cache;
         let mask = if start == 0 { Mask::CausalTopLeft } else { Mask::CausalBottomRight };
         let mut attn = SdpaArgs::new(batch, hq, hkv, seq, start + seq, d, Layout::Bshd).with_mask(mask);
         attn.q_strides = [seq * w, d, w, 1];

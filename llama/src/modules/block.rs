@@ -1,6 +1,6 @@
 //! One decoder layer.
 
-use super::attention::{Attention, AttnBuffers, LayerCache};
+use super::attention::{Attention, AttnBuffers};
 use super::linear::Linear;
 use super::mlp::{Mlp, MlpBuffers};
 use super::norm::{Normed, RmsNorm};
@@ -13,7 +13,7 @@ use crate::weights::LayerWeights;
 use crate::Backend;
 use crate::Result;
 use cudnn_llm_ops::cudarc::driver::CudaSlice;
-use cudnn_llm_ops::{Cudnn, Element};
+use cudnn_llm_ops::{Cudnn, Element, KvLayer};
 
 /// The range of the all-reduce after attention on a tensor-parallel rank.
 pub const ATTN_ALLREDUCE_RANGE: &str = "fwd.layer.attn.allreduce";
@@ -119,7 +119,7 @@ impl<T: Element> Block<T> {
         p: &mut Pass<'_, T>,
         x: &mut Residual<T>,
         s: &mut Scratch<T>,
-        cache: LayerCache<'_, T>,
+        cache: KvLayer<'_, T>,
         ranks: Option<&RankSum<'_, T>>,
     ) -> Result<()> {
         self.attention(p, x, s, cache, ranks)?;
@@ -136,7 +136,7 @@ impl<T: Element> Block<T> {
         p: &mut Pass<'_, T>,
         x: &mut Residual<T>,
         s: &mut Scratch<T>,
-        cache: LayerCache<'_, T>,
+        cache: KvLayer<'_, T>,
         ranks: Option<&RankSum<'_, T>>,
     ) -> Result<()> {
         let Scratch { h, attn, .. } = s;

@@ -679,7 +679,7 @@ impl<T: Element> TpLlama<T> {
 
     /// Tokens cached per sequence (the same on every rank).
     pub fn cache_len(&mut self) -> Result<usize> {
-        let lens = self.each("cache_len", |r| Ok(r.parts()?.2.len()))?;
+        let lens = self.each("cache_len", |r| crate::model::cache_len(r.parts()?.2))?;
         match lens.windows(2).find(|w| w[0] != w[1]) {
             Some(w) => Err(Error::Tp(format!("the ranks' caches disagree: {} and {} tokens", w[0], w[1]))),
             None => Ok(lens[0]),
@@ -689,7 +689,7 @@ impl<T: Element> TpLlama<T> {
     /// Keeps the first `len` cached tokens of each sequence on every rank.
     pub fn truncate(&mut self, len: usize) -> Result<()> {
         self.each("truncate", move |r| {
-            r.parts()?.2.truncate(len);
+            r.parts()?.2.truncate_to(len);
             Ok(())
         })
         .map(drop)

@@ -221,20 +221,20 @@ pub(crate) fn decode_graph<T: Element>(
     model.logits(ctx, batch, backends, &mut NoObserver)?;
     // SAFETY: the report runs on one thread and makes no other stream of this context.
     let mut graph = unsafe { model.capture_decode(ctx, cache, backends) }?;
-    let at = cache.len();
+    let at = cache.lens()[0];
     let (mut plain, mut replay) = (Vec::new(), Vec::new());
     for _ in 0..repeat.max(3) {
         let (mut p, mut r) = (0.0, 0.0);
         for s in 0..steps {
             let tokens = step_tokens(s + 1);
             let rows: Vec<Vec<u32>> = tokens.iter().map(|&t| vec![t]).collect();
-            cache.truncate(at + s);
+            cache.truncate_to(at + s);
             p += wall_ms(ctx, || -> Result<(), Error> {
                 model.forward(ctx, &rows, cache, backends, &mut NoObserver)?;
                 model.logits(ctx, batch, backends, &mut NoObserver)?;
                 Ok(())
             })?;
-            cache.truncate(at + s);
+            cache.truncate_to(at + s);
             r += wall_ms(ctx, || -> Result<(), Error> {
                 model.decode(ctx, &mut graph, &tokens, cache)?;
                 Ok(())

@@ -711,7 +711,7 @@ fn measure(
     for rep in 0..opts.warmup + opts.reps {
         let (ids, b) = (ids.clone(), b.clone());
         let ms = slowest(tp.each("prefill", move |r| {
-            r.parts()?.2.truncate(0);
+            r.parts()?.2.clear();
             let ((), ms) = r.timed(|r| {
                 let (ctx, model, cache) = r.parts()?;
                 model.forward(ctx, &ids, cache, &b, &mut NoObserver).map(drop)
