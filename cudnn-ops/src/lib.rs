@@ -10,6 +10,7 @@
 //! | [`PlanCache`], [`PlanKey`] | plans by op-declared keys (shape/stride/dtype/flags), with hit and miss counters; optionally persistent in a plan directory ([`Cudnn::set_plan_dir`], [`PLAN_DIR_ENV`]), so a new process loads plans and autotuning choices instead of rebuilding them |
 //! | [`ops`] | one room per op: [`rms_norm`], [`sdpa`], [`matmul`], [`rope`], [`embedding`] and [`write_cache`], each with its arguments, operands, fused half and eager baseline; backward phases [`rms_norm_backward`], [`sdpa_backward`], [`linear_backward_data`], [`linear_backward_weight`], [`swiglu_down_backward`], [`rope_backward`], [`embedding_backward`]; the training side's custom kernels [`cross_entropy`], [`adamw`], [`grad_norm`] |
 //! | [`KvCache`], [`PagedKvCache`], [`RopeFrequencies`] | what a decoder keeps between steps: per-layer K/V caches with per-sequence positions, appends (RoPE fused) and decode attention that picks the one-launch padded form (cuDNN's padded plan, or the split-KV kernel where cuDNN has none) and falls back by itself ([`kv_cache`]); a paged cache of page pools and a page table for sequences that come and go (continuous batching), its decode attention reading K/V through the table; RoPE tables for plain and Llama-3-scaled frequencies |
+//! | [`Uploader`] | host-to-device uploads through two pinned staging buffers that host threads fill while the copy engine moves the other (a model's weights at load) |
 //! | [`reference`](mod@reference) | f64 CPU references and the comparison used by tests and reports |
 //!
 //! Recipe for an op call:
@@ -57,6 +58,7 @@ mod proptests;
 mod raw;
 pub mod reference;
 mod sources;
+pub mod staging;
 pub mod startup;
 mod tensor;
 pub mod testing;
@@ -119,5 +121,6 @@ pub use plan::{
     knob_name, Bindings, DiskEvent, DiskEventKind, KnobRange, L2Flush, Plan, PlanOrigin, Prepared, Scalar,
     Tuning,
 };
+pub use staging::Uploader;
 pub use tensor::{packed_strides, TensorSpec, DEFAULT_ALIGNMENT, MAX_RANK};
 pub use version::{version_string, HEADER_VERSION};

@@ -55,8 +55,9 @@ use crate::weights::{LayerWeights, Tensor, Weights};
 use crate::{Backend, Error, Result};
 use cudnn_llm_ops::cudarc::driver::{CudaSlice, CudaView, DevicePtrMut};
 use cudnn_llm_ops::faults::Zeros;
+use cudnn_llm_ops::staging::DEFAULT_STAGE_BYTES;
 use cudnn_llm_ops::{
-    argmax, check_ids, ArgmaxArgs, ArgmaxOperands, Cudnn, Element, KvCacheShape, RopeTables,
+    argmax, check_ids, ArgmaxArgs, ArgmaxOperands, Cudnn, Element, KvCacheShape, RopeTables, Uploader,
 };
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -215,14 +216,16 @@ impl<T: Element> Llama<T> {
                 cfg.layers
             )));
         }
+        let mut up = Uploader::new(ctx, DEFAULT_STAGE_BYTES)?;
         let blocks = weights
             .layers
             .iter()
             .enumerate()
-            .map(|(l, w)| Block::new(ctx, cfg, l, w, [true, false]))
+            .map(|(l, w)| Block::new(ctx, &mut up, cfg, l, w, [true, false]))
             .collect::<Result<_>>()?;
         let (embed, norm) = (&weights.embed, &weights.norm);
-        Self::assemble(ctx, cfg, blocks, [embed, norm], weights.lm_head.as_ref(), max_positions, None)
+        let head = weights.lm_head.as_ref();
+        Self::assemble(ctx, &mut up, cfg, blocks, [embed, norm], head, max_positions, None)
     }
 
     /// Checks the config (as [`Llama::new`] does) and that its weights and RoPE tables for
@@ -273,10 +276,11 @@ impl<T: Element> Llama<T> {
             return Err(Error::Tp("a rank of several needs its own lm_head rows".into()));
         }
         let first = comm.as_ref().is_none_or(|c| c.rank() == 0);
+        let mut up = Uploader::new(ctx, DEFAULT_STAGE_BYTES)?;
         let blocks = (0..cfg.layers)
-            .map(|l| Block::new(ctx, cfg, l, &layer(l)?, [first, comm.is_some()]))
+            .map(|l| Block::new(ctx, &mut up, cfg, l, &layer(l)?, [first, comm.is_some()]))
             .collect::<Result<_>>()?;
-        Self::assemble(ctx, cfg, blocks, [embed, norm], lm_head, max_positions, comm)
+        Self::assemble(ctx, &mut up, cfg, blocks, [embed, norm], lm_head, max_positions, comm)
     }
 
     /// Row chunks whose sums over the ranks the copy engines gathered so far (a tensor-parallel
@@ -298,8 +302,10 @@ impl<T: Element> Llama<T> {
 
     /// The model around uploaded `blocks`: uploads the embedding, output norm and `lm_head` (`None`:
     /// tied), and RoPE tables for positions `0..max_positions`.
+    #[allow(clippy::too_many_arguments)]
     fn assemble(
         ctx: &Cudnn,
+        uploader: &mut Uploader,
         cfg: &LlamaConfig,
         blocks: Vec<Block<T>>,
         [embed, norm]: [&Tensor<T>; 2],
@@ -307,7 +313,7 @@ impl<T: Element> Llama<T> {
         max_positions: usize,
         comm: Option<Comm>,
     ) -> Result<Self> {
-        let up = |t: &Tensor<T>| ctx.stream().clone_htod(&t.data).map_err(cudnn_llm_ops::Error::from);
+        let mut up = |t: &Tensor<T>| uploader.upload(ctx, &[&t.data]);
         let head_rows = cfg.vocab / comm.as_ref().map_or(1, Comm::ranks);
         let eps = cfg.rms_eps as f32;
         let gather = match &comm {

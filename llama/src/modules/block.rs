@@ -13,7 +13,7 @@ use crate::weights::LayerWeights;
 use crate::Backend;
 use crate::Result;
 use cudnn_llm_ops::cudarc::driver::CudaSlice;
-use cudnn_llm_ops::{Cudnn, Element, KvLayer};
+use cudnn_llm_ops::{Cudnn, Element, KvLayer, Uploader};
 
 /// The range of the all-reduce after attention on a tensor-parallel rank.
 pub const ATTN_ALLREDUCE_RANGE: &str = "fwd.layer.attn.allreduce";
@@ -40,7 +40,7 @@ pub(crate) struct Block<T> {
 }
 
 impl<T: Element> Block<T> {
-    /// Uploads layer `layer`'s weights; Q, K and V projections become one `[(h_q + 2·h_kv)·d, hidden]`
+    /// Uploads layer `layer`'s weights through `uploader`; Q, K and V projections become one `[(h_q + 2·h_kv)·d, hidden]`
     /// weight. `cfg` gives the shapes of `w` (a tensor-parallel rank's: its heads, its MLP rows);
     /// `adds_residual`: the two projections whose output is summed into `x` add `x` in their
     /// epilogue where they are all-reduced or alone (every rank but the first of a tensor-parallel
@@ -49,20 +49,29 @@ impl<T: Element> Block<T> {
     /// kernel start early ([`Linear::before_collective`]).
     pub(crate) fn new(
         ctx: &Cudnn,
+        uploader: &mut Uploader,
         cfg: &LlamaConfig,
         layer: usize,
         w: &LayerWeights<T>,
         [adds_residual, reduced]: [bool; 2],
     ) -> Result<Self> {
-        let upload = |data: &[T]| ctx.stream().clone_htod(data).map_err(cudnn_llm_ops::Error::from);
-        let qkv: Vec<T> =
-            [&w.q_proj, &w.k_proj, &w.v_proj].iter().flat_map(|t| t.data.iter().copied()).collect();
+        let mut upload = |parts: &[&[T]]| uploader.upload(ctx, parts);
         let (hidden, eps) = (cfg.hidden, cfg.rms_eps as f32);
         Ok(Block {
-            attn_norm: RmsNorm::new(upload(&w.attn_norm.data)?, hidden, eps, Site::ATTN_PRENORM, Some(layer)),
+            attn_norm: RmsNorm::new(
+                upload(&[&w.attn_norm.data])?,
+                hidden,
+                eps,
+                Site::ATTN_PRENORM,
+                Some(layer),
+            ),
             attn: Attention {
-                qkv_proj: Linear::new(upload(&qkv)?, hidden, cfg.qkv_width()),
-                o_proj: Linear::new(upload(&w.o_proj.data)?, cfg.attn_width(), hidden)
+                qkv_proj: Linear::new(
+                    upload(&[&w.q_proj.data, &w.k_proj.data, &w.v_proj.data])?,
+                    hidden,
+                    cfg.qkv_width(),
+                ),
+                o_proj: Linear::new(upload(&[&w.o_proj.data])?, cfg.attn_width(), hidden)
                     .before_collective(reduced),
                 heads: cfg.heads,
                 kv_heads: cfg.kv_heads,
@@ -70,11 +79,11 @@ impl<T: Element> Block<T> {
                 layer,
                 adds_residual,
             },
-            mlp_norm: RmsNorm::new(upload(&w.mlp_norm.data)?, hidden, eps, Site::MLP_PRENORM, Some(layer)),
+            mlp_norm: RmsNorm::new(upload(&[&w.mlp_norm.data])?, hidden, eps, Site::MLP_PRENORM, Some(layer)),
             mlp: Mlp {
-                gate: Linear::new(upload(&w.gate_proj.data)?, hidden, cfg.ffn),
-                up: Linear::new(upload(&w.up_proj.data)?, hidden, cfg.ffn),
-                down: Linear::new(upload(&w.down_proj.data)?, cfg.ffn, hidden).before_collective(reduced),
+                gate: Linear::new(upload(&[&w.gate_proj.data])?, hidden, cfg.ffn),
+                up: Linear::new(upload(&[&w.up_proj.data])?, hidden, cfg.ffn),
+                down: Linear::new(upload(&[&w.down_proj.data])?, cfg.ffn, hidden).before_collective(reduced),
                 layer,
                 adds_residual,
             },
