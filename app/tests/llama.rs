@@ -3,7 +3,7 @@
 //! ignored by default; run them with `--include-ignored` on a GPU machine.
 
 use cudnn_llm::cudnn_ops::reference::{compare, Tolerance};
-use cudnn_llm::cudnn_ops::{Backend, Cudnn};
+use cudnn_llm::cudnn_ops::{Backend, Cudnn, DataType};
 use cudnn_llm::llama::weights::Weights;
 use cudnn_llm::llama::{
     reference, Backends, DecodeFusion, DecodeGraph, KvCache, Llama, LlamaConfig, ModuleKind, NoObserver,
@@ -55,6 +55,36 @@ fn tiny_model_matches_the_cpu_reference_on_every_backend_mix() {
     }
     assert!(model.fallbacks().is_empty(), "{:?}", model.fallbacks());
     assert!(failures.is_empty(), "{failures:?}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_checkpoint_loaded_straight_from_its_files_is_the_model_of_its_host_weights() {
+    let ctx = gpu();
+    let dir = tempfile::tempdir().unwrap();
+    let toks = tokens(2, 9, LlamaConfig::tiny().vocab, 3);
+    let b = Backends::all(Backend::Fused);
+    for tied in [false, true] {
+        let mut cfg = LlamaConfig::tiny();
+        cfg.tie_embeddings = tied;
+        let w = Weights::<f32>::random(&cfg, 4);
+        for dtype in [DataType::BF16, DataType::F32] {
+            let file = dir.path().join(format!("{dtype}-{tied}.safetensors"));
+            w.save(&cfg, &file, dtype).unwrap();
+            let host = Weights::<bf16>::load(&cfg, &file).unwrap();
+            let want = hidden(&ctx, &mut Llama::new(&ctx, &cfg, &host, 64).unwrap(), &toks, &b);
+            let got = hidden(&ctx, &mut Llama::<bf16>::load(&ctx, &cfg, &file, 64).unwrap(), &toks, &b);
+            assert!(want.iter().zip(&got).all(|(x, y)| x.to_bits() == y.to_bits()), "{dtype}, tied {tied}");
+        }
+    }
+    // A tensor of the wrong shape is refused from the headers, before any upload.
+    let cfg = LlamaConfig::tiny();
+    let file = dir.path().join("bad.safetensors");
+    let mut other = cfg.clone();
+    other.heads /= 2;
+    Weights::<f32>::random(&other, 4).save(&other, &file, DataType::BF16).unwrap();
+    let e = Llama::<bf16>::load(&ctx, &cfg, &file, 64).err().expect("a mis-shaped checkpoint").to_string();
+    assert!(e.contains("has shape") && e.contains("expected"), "{e}");
 }
 
 #[test]

@@ -51,11 +51,11 @@ use crate::modules::reduce::{Gather, RankSum};
 use crate::modules::residual::Residual;
 use crate::modules::{Pass, Tokens};
 use crate::nccl::{Comm, WindowBuf};
-use crate::weights::{LayerWeights, Tensor, Weights};
+use crate::weights::{self, Checkpoint, LayerWeights, Tensor, Weights};
 use crate::{Backend, Error, Result};
 use cudnn_llm_ops::cudarc::driver::{CudaSlice, CudaView, DevicePtrMut};
 use cudnn_llm_ops::faults::Zeros;
-use cudnn_llm_ops::staging::DEFAULT_STAGE_BYTES;
+use cudnn_llm_ops::staging::{Source, DEFAULT_STAGE_BYTES};
 use cudnn_llm_ops::{
     argmax, check_ids, ArgmaxArgs, ArgmaxOperands, Cudnn, Element, KvCacheShape, RopeTables, Uploader,
 };
@@ -221,11 +221,61 @@ impl<T: Element> Llama<T> {
             .layers
             .iter()
             .enumerate()
-            .map(|(l, w)| Block::new(ctx, &mut up, cfg, l, w, [true, false]))
+            .map(|(l, w)| Block::new(ctx, &mut up, cfg, l, w.sources(), [true, false]))
             .collect::<Result<_>>()?;
-        let (embed, norm) = (&weights.embed, &weights.norm);
-        let head = weights.lm_head.as_ref();
+        let (embed, norm) = (&weights.embed as &dyn Source<T>, &weights.norm as &dyn Source<T>);
+        let head = weights.lm_head.as_ref().map(|h| h as &dyn Source<T>);
         Self::assemble(ctx, &mut up, cfg, blocks, [embed, norm], head, max_positions, None)
+    }
+
+    /// Reads the Hugging Face checkpoint at `path` (as [`Weights::load`] takes it) straight into the
+    /// device: every tensor's header is checked first (names, shapes, dtypes; nothing is uploaded on
+    /// an error, which is [`Weights::load`]'s), then each tensor is converted from its file's bytes
+    /// into the pinned staging buffers as it is uploaded, with no host copy of the model
+    /// ([`Llama::new`] of [`Weights::load`] makes one). The same model as that, value for value. An
+    /// FP8 checkpoint ([`LlamaConfig::fp8`]) is read as [`Weights::load`] reads it (dequantized on the
+    /// host), then uploaded.
+    pub fn load(
+        ctx: &Cudnn,
+        cfg: &LlamaConfig,
+        path: &std::path::Path,
+        max_positions: usize,
+    ) -> Result<Self> {
+        Self::ensure_fits(ctx, cfg, max_positions)?;
+        if cfg.fp8.is_some() {
+            return Self::new(ctx, cfg, &Weights::load(cfg, path)?, max_positions);
+        }
+        let checkpoint = Checkpoint::open(cfg, path)?;
+        cudnn_llm_ops::startup::timed(
+            "weights read and upload",
+            || Self::upload_checkpoint(ctx, cfg, &checkpoint, max_positions),
+            |_| "safetensors, mapped".into(),
+        )
+    }
+
+    fn upload_checkpoint(
+        ctx: &Cudnn,
+        cfg: &LlamaConfig,
+        checkpoint: &Checkpoint,
+        max_positions: usize,
+    ) -> Result<Self> {
+        let mut up = Uploader::new(ctx, DEFAULT_STAGE_BYTES)?;
+        let mut blocks = Vec::with_capacity(cfg.layers);
+        for l in 0..cfg.layers {
+            let w = checkpoint.layer(l)?;
+            blocks.push(Block::new(
+                ctx,
+                &mut up,
+                cfg,
+                l,
+                w.each_ref().map(|t| t as &dyn Source<T>),
+                [true, false],
+            )?);
+        }
+        let (embed, norm) = (checkpoint.mapped(weights::EMBED)?, checkpoint.mapped(weights::NORM)?);
+        let head = if cfg.tie_embeddings { None } else { Some(checkpoint.mapped(weights::LM_HEAD)?) };
+        let head = head.as_ref().map(|h| h as &dyn Source<T>);
+        Self::assemble(ctx, &mut up, cfg, blocks, [&embed, &norm], head, max_positions, None)
     }
 
     /// Checks the config (as [`Llama::new`] does) and that its weights and RoPE tables for
@@ -278,9 +328,10 @@ impl<T: Element> Llama<T> {
         let first = comm.as_ref().is_none_or(|c| c.rank() == 0);
         let mut up = Uploader::new(ctx, DEFAULT_STAGE_BYTES)?;
         let blocks = (0..cfg.layers)
-            .map(|l| Block::new(ctx, &mut up, cfg, l, &layer(l)?, [first, comm.is_some()]))
+            .map(|l| Block::new(ctx, &mut up, cfg, l, layer(l)?.sources(), [first, comm.is_some()]))
             .collect::<Result<_>>()?;
-        Self::assemble(ctx, &mut up, cfg, blocks, [embed, norm], lm_head, max_positions, comm)
+        let head = lm_head.map(|h| h as &dyn Source<T>);
+        Self::assemble(ctx, &mut up, cfg, blocks, [embed, norm], head, max_positions, comm)
     }
 
     /// Row chunks whose sums over the ranks the copy engines gathered so far (a tensor-parallel
@@ -308,12 +359,12 @@ impl<T: Element> Llama<T> {
         uploader: &mut Uploader,
         cfg: &LlamaConfig,
         blocks: Vec<Block<T>>,
-        [embed, norm]: [&Tensor<T>; 2],
-        lm_head: Option<&Tensor<T>>,
+        [embed, norm]: [&dyn Source<T>; 2],
+        lm_head: Option<&dyn Source<T>>,
         max_positions: usize,
         comm: Option<Comm>,
     ) -> Result<Self> {
-        let mut up = |t: &Tensor<T>| uploader.upload(ctx, &[&t.data]);
+        let mut up = |t: &dyn Source<T>| uploader.upload_from(ctx, &[t]);
         let head_rows = cfg.vocab / comm.as_ref().map_or(1, Comm::ranks);
         let eps = cfg.rms_eps as f32;
         let gather = match &comm {

@@ -13,6 +13,7 @@ use crate::json::UniqueMap;
 use crate::{Error, LlamaConfig, Result};
 use cudnn_llm_ops::half::{bf16, f16};
 use cudnn_llm_ops::reference::random_iter;
+use cudnn_llm_ops::staging::Source;
 use cudnn_llm_ops::{DataType, Element};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use std::collections::HashMap;
@@ -88,6 +89,14 @@ impl<T> LayerWeights<T> {
         ]
     }
 
+    /// The nine tensors in [`Weights::names`] order, as upload sources.
+    pub(crate) fn sources(&self) -> [&dyn Source<T>; 9]
+    where
+        T: Copy + Sync,
+    {
+        self.tensors().map(|t| t as &dyn Source<T>)
+    }
+
     /// The nine tensors in [`Weights::names`] order.
     fn tensors(&self) -> [&Tensor<T>; 9] {
         [
@@ -118,7 +127,7 @@ pub struct Weights<T> {
 }
 
 /// Hugging Face's per-layer suffixes, in [`LayerWeights::tensors`] order.
-const LAYER_TENSORS: [&str; 9] = [
+pub(crate) const LAYER_TENSORS: [&str; 9] = [
     "input_layernorm",
     "self_attn.q_proj",
     "self_attn.k_proj",
@@ -131,6 +140,8 @@ const LAYER_TENSORS: [&str; 9] = [
 ];
 
 pub(crate) const EMBED: &str = "model.embed_tokens.weight";
+pub(crate) const NORM: &str = "model.norm.weight";
+pub(crate) const LM_HEAD: &str = "lm_head.weight";
 const SINGLE_FILE: &str = "model.safetensors";
 const INDEX_FILE: &str = "model.safetensors.index.json";
 
@@ -158,9 +169,9 @@ impl<T: Element> Weights<T> {
                 names.push((format!("model.layers.{i}.{suffix}.weight"), shape.clone()));
             }
         }
-        names.push(("model.norm.weight".to_string(), vec![h]));
+        names.push((NORM.to_string(), vec![h]));
         if !cfg.tie_embeddings {
-            names.push(("lm_head.weight".to_string(), vec![cfg.vocab, h]));
+            names.push((LM_HEAD.to_string(), vec![cfg.vocab, h]));
         }
         names
     }
@@ -378,6 +389,124 @@ impl<T> Weights<T> {
     }
 }
 
+/// Where one tensor's bytes are.
+pub(crate) struct Entry {
+    pub(crate) file: usize,
+    pub(crate) dtype: Dtype,
+    pub(crate) shape: Vec<usize>,
+    /// Byte offset of its data in the file.
+    pub(crate) offset: usize,
+}
+
+/// A Hugging Face checkpoint (one `safetensors` file, or shards named by an index) with every tensor
+/// a config needs located and checked, its files memory-mapped; reads copy only the slices asked for.
+pub struct Checkpoint {
+    pub(crate) files: Vec<PathBuf>,
+    pub(crate) maps: Vec<memmap2::Mmap>,
+    pub(crate) tensors: HashMap<String, Entry>,
+}
+
+impl Checkpoint {
+    /// Opens the checkpoint at `path` (as [`Weights::load`] takes it) for `cfg`: maps its files and
+    /// checks that every tensor `cfg` needs is there with its shape and a bf16, f16 or f32 dtype,
+    /// reading headers only. The errors are [`Weights::load`]'s.
+    pub fn open(cfg: &LlamaConfig, path: &Path) -> Result<Self> {
+        cfg.check()?;
+        let wanted = Weights::<f32>::names(cfg);
+        let located = locate(path, &wanted)?;
+        let mut files: Vec<PathBuf> = located.clone();
+        files.sort();
+        files.dedup();
+        let maps = files.iter().map(|p| map_file(p)).collect::<Result<Vec<_>>>()?;
+        let mut tensors = HashMap::with_capacity(wanted.len());
+        for (i, (file, map)) in files.iter().zip(&maps).enumerate() {
+            unique_header_names(file, map)?;
+            let table = SafeTensors::deserialize(map).map_err(st_fail(file))?;
+            for ((name, shape), _) in wanted.iter().zip(&located).filter(|(_, f)| *f == file) {
+                let view = table
+                    .tensor(name)
+                    .map_err(|_| fail(format!("tensor `{name}` is missing from {}", file.display())))?;
+                if view.shape() != shape.as_slice() {
+                    return Err(fail(format!(
+                        "tensor `{name}` in {} has shape {:?}, expected {shape:?}",
+                        file.display(),
+                        view.shape()
+                    )));
+                }
+                if !matches!(view.dtype(), Dtype::BF16 | Dtype::F16 | Dtype::F32) {
+                    return Err(fail(format!(
+                        "tensor `{name}` in {} has dtype {:?}, expected BF16, F16 or F32",
+                        file.display(),
+                        view.dtype()
+                    )));
+                }
+                let offset = view.data().as_ptr() as usize - map.as_ptr() as usize;
+                tensors.insert(
+                    name.clone(),
+                    Entry { file: i, dtype: view.dtype(), shape: shape.clone(), offset },
+                );
+            }
+        }
+        Ok(Checkpoint { files, maps, tensors })
+    }
+
+    /// The files mapped.
+    pub fn files(&self) -> &[PathBuf] {
+        &self.files
+    }
+
+    /// Tensor `name` as it lies in its file, for an upload that converts it to the model's dtype as
+    /// it is staged ([`Uploader::upload_from`](cudnn_llm_ops::Uploader::upload_from)): no host copy
+    /// of the whole is made. An [`Error::Weights`] for a name the checkpoint was not opened with.
+    pub fn mapped(&self, name: &str) -> Result<Mapped<'_>> {
+        let e = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| fail(format!("tensor `{name}` was not located when the checkpoint opened")))?;
+        let len: usize = e.shape.iter().product();
+        let bytes = &self.maps[e.file][e.offset..e.offset + len * (e.dtype.bitsize() / 8)];
+        Ok(Mapped { bytes, dtype: e.dtype, len })
+    }
+
+    /// Layer `layer`'s nine tensors in [`Weights::names`] order, as [`Checkpoint::mapped`] gives them.
+    pub(crate) fn layer(&self, layer: usize) -> Result<[Mapped<'_>; 9]> {
+        let mut out = Vec::with_capacity(9);
+        for suffix in LAYER_TENSORS {
+            out.push(self.mapped(&format!("model.layers.{layer}.{suffix}.weight"))?);
+        }
+        Ok(out.try_into().unwrap_or_else(|_| unreachable!("nine layer tensors")))
+    }
+}
+
+/// A checkpoint's tensor in its file's bytes and dtype (bf16, f16 or f32, checked when the checkpoint
+/// opened), written into an upload's staging buffer converted to `T` ([`Checkpoint::mapped`]).
+pub struct Mapped<'a> {
+    bytes: &'a [u8],
+    dtype: Dtype,
+    len: usize,
+}
+
+impl<T: Element> Source<T> for Mapped<'_> {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn write(&self, start: usize, out: &mut [T]) {
+        let size = self.dtype.bitsize() / 8;
+        decode_to(self.dtype, &self.bytes[start * size..(start + out.len()) * size], out);
+    }
+}
+
+impl<T: Copy + Sync> Source<T> for Tensor<T> {
+    fn len(&self) -> usize {
+        self.data.len()
+    }
+
+    fn write(&self, start: usize, out: &mut [T]) {
+        self.data.write(start, out)
+    }
+}
+
 /// How [`Weights::random`] turns a draw `u` in [-1, 1) into a value of the tensor `name` of `shape`:
 /// norm scales `1 + 0.1·u`, the embedding `u`, Linear weights `u / √in_features`.
 pub(crate) fn random_init(name: &str, shape: &[usize]) -> impl Fn(f64) -> f64 {
@@ -573,6 +702,26 @@ pub(crate) fn decode_into<T: Element>(dtype: Dtype, bytes: &[u8], out: &mut Vec<
         _ => return false,
     }
     true
+}
+
+/// Writes the little-endian `dtype` values of `bytes` (bf16, f16 or f32, as many as `out` holds) into
+/// `out`, converted to `T`; another dtype leaves `out` as it is (checked before by the caller).
+fn decode_to<T: Element>(dtype: Dtype, bytes: &[u8], out: &mut [T]) {
+    match dtype {
+        Dtype::BF16 => bytes
+            .chunks_exact(2)
+            .zip(out)
+            .for_each(|(c, o)| *o = T::from_bf16(bf16::from_le_bytes([c[0], c[1]]))),
+        Dtype::F16 => bytes
+            .chunks_exact(2)
+            .zip(out)
+            .for_each(|(c, o)| *o = T::from_f16(f16::from_le_bytes([c[0], c[1]]))),
+        Dtype::F32 => bytes
+            .chunks_exact(4)
+            .zip(out)
+            .for_each(|(c, o)| *o = T::from_f32(f32::from_le_bytes([c[0], c[1], c[2], c[3]]))),
+        _ => {}
+    }
 }
 
 /// Little-endian bytes of `data` rounded to `dtype` (bf16, f16 or f32).
@@ -865,6 +1014,52 @@ mod tests {
                 assert!((x - y).abs() <= x.abs() / 16.0 + amax / 448.0 / 8.0, "row {r}: {x} -> {y}");
             }
             assert!(a.iter().zip(b).any(|(x, y)| x != y), "row {r} unchanged: not quantized");
+        }
+    }
+
+    /// Every tensor of a checkpoint as [`Checkpoint::mapped`] stages it, in runs of `run` values.
+    fn staged<T: Element>(cfg: &LlamaConfig, ckpt: &Checkpoint, run: usize) -> Vec<Vec<T>> {
+        Weights::<f32>::names(cfg)
+            .iter()
+            .map(|(name, _)| {
+                let m = ckpt.mapped(name).unwrap();
+                let mut out = vec![T::default(); Source::<T>::len(&m)];
+                for (i, chunk) in out.chunks_mut(run).enumerate() {
+                    m.write(i * run, chunk);
+                }
+                out
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_mapped_checkpoint_stages_the_values_load_reads() {
+        let cfg = tiny();
+        let dir = temp_dir("mapped");
+        let w = Weights::<f32>::random(&cfg, 3);
+        for dtype in [DataType::BF16, DataType::F16, DataType::F32] {
+            let file = dir.path().join(format!("{dtype}.safetensors"));
+            w.save(&cfg, &file, dtype).unwrap();
+            let ckpt = Checkpoint::open(&cfg, &file).unwrap();
+            let loaded = Weights::<bf16>::load(&cfg, &file).unwrap();
+            let want: Vec<Vec<bf16>> = loaded.tensors().map(|t| t.data.clone()).collect();
+            for run in [1, 7, 64, 1 << 20] {
+                assert_eq!(staged::<bf16>(&cfg, &ckpt, run), want, "{dtype} into bf16, runs of {run}");
+            }
+            let loaded = Weights::<f32>::load(&cfg, &file).unwrap();
+            let want: Vec<Vec<f32>> = loaded.tensors().map(|t| t.data.clone()).collect();
+            assert_eq!(staged::<f32>(&cfg, &ckpt, 33), want, "{dtype} into f32");
+            // The layer's nine come in names order.
+            let layer = ckpt.layer(0).unwrap();
+            let host = w.layers[0].sources();
+            assert_eq!(layer.each_ref().map(Source::<f32>::len), host.map(|t| t.len()));
+            let e = ckpt.layer(cfg.layers).err().unwrap().to_string();
+            assert!(
+                e.contains(
+                    "`model.layers.1.input_layernorm.weight` was not located when the checkpoint opened"
+                ),
+                "{e}"
+            );
         }
     }
 

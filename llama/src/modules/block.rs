@@ -9,10 +9,10 @@ use super::residual::Residual;
 use super::Pass;
 use crate::backends::Site;
 use crate::config::LlamaConfig;
-use crate::weights::LayerWeights;
 use crate::Backend;
 use crate::Result;
 use cudnn_llm_ops::cudarc::driver::CudaSlice;
+use cudnn_llm_ops::staging::Source;
 use cudnn_llm_ops::{Cudnn, Element, KvLayer, Uploader};
 
 /// The range of the all-reduce after attention on a tensor-parallel rank.
@@ -40,50 +40,44 @@ pub(crate) struct Block<T> {
 }
 
 impl<T: Element> Block<T> {
-    /// Uploads layer `layer`'s weights through `uploader`; Q, K and V projections become one `[(h_q + 2·h_kv)·d, hidden]`
-    /// weight. `cfg` gives the shapes of `w` (a tensor-parallel rank's: its heads, its MLP rows);
-    /// `adds_residual`: the two projections whose output is summed into `x` add `x` in their
-    /// epilogue where they are all-reduced or alone (every rank but the first of a tensor-parallel
-    /// model leaves it out; a gathered pass adds it in the sum on every rank); `reduced`: those
-    /// two outputs are all-reduced (a tensor-parallel rank), so their GEMVs do not let the next
-    /// kernel start early ([`Linear::before_collective`]).
+    /// Uploads layer `layer`'s weights `w` (its nine tensors in [`Weights::names`] order: a host
+    /// layer's [`LayerWeights::sources`], or a mapped checkpoint's) through `uploader`; Q, K and V
+    /// projections become one `[(h_q + 2·h_kv)·d, hidden]` weight. `cfg` gives the shapes of `w` (a
+    /// tensor-parallel rank's: its heads, its MLP rows); `adds_residual`: the two projections whose
+    /// output is summed into `x` add `x` in their epilogue where they are all-reduced or alone (every
+    /// rank but the first of a tensor-parallel model leaves it out; a gathered pass adds it in the sum
+    /// on every rank); `reduced`: those two outputs are all-reduced (a tensor-parallel rank), so their
+    /// GEMVs do not let the next kernel start early ([`Linear::before_collective`]).
+    ///
+    /// [`Weights::names`]: crate::weights::Weights::names
+    /// [`LayerWeights::sources`]: crate::weights::LayerWeights::sources
     pub(crate) fn new(
         ctx: &Cudnn,
         uploader: &mut Uploader,
         cfg: &LlamaConfig,
         layer: usize,
-        w: &LayerWeights<T>,
+        w: [&dyn Source<T>; 9],
         [adds_residual, reduced]: [bool; 2],
     ) -> Result<Self> {
-        let mut upload = |parts: &[&[T]]| uploader.upload(ctx, parts);
+        let [attn_norm, q, k, v, o, mlp_norm, gate, up, down] = w;
+        let mut upload = |parts: &[&dyn Source<T>]| uploader.upload_from(ctx, parts);
         let (hidden, eps) = (cfg.hidden, cfg.rms_eps as f32);
         Ok(Block {
-            attn_norm: RmsNorm::new(
-                upload(&[&w.attn_norm.data])?,
-                hidden,
-                eps,
-                Site::ATTN_PRENORM,
-                Some(layer),
-            ),
+            attn_norm: RmsNorm::new(upload(&[attn_norm])?, hidden, eps, Site::ATTN_PRENORM, Some(layer)),
             attn: Attention {
-                qkv_proj: Linear::new(
-                    upload(&[&w.q_proj.data, &w.k_proj.data, &w.v_proj.data])?,
-                    hidden,
-                    cfg.qkv_width(),
-                ),
-                o_proj: Linear::new(upload(&[&w.o_proj.data])?, cfg.attn_width(), hidden)
-                    .before_collective(reduced),
+                qkv_proj: Linear::new(upload(&[q, k, v])?, hidden, cfg.qkv_width()),
+                o_proj: Linear::new(upload(&[o])?, cfg.attn_width(), hidden).before_collective(reduced),
                 heads: cfg.heads,
                 kv_heads: cfg.kv_heads,
                 head_dim: cfg.head_dim,
                 layer,
                 adds_residual,
             },
-            mlp_norm: RmsNorm::new(upload(&[&w.mlp_norm.data])?, hidden, eps, Site::MLP_PRENORM, Some(layer)),
+            mlp_norm: RmsNorm::new(upload(&[mlp_norm])?, hidden, eps, Site::MLP_PRENORM, Some(layer)),
             mlp: Mlp {
-                gate: Linear::new(upload(&[&w.gate_proj.data])?, hidden, cfg.ffn),
-                up: Linear::new(upload(&[&w.up_proj.data])?, hidden, cfg.ffn),
-                down: Linear::new(upload(&[&w.down_proj.data])?, cfg.ffn, hidden).before_collective(reduced),
+                gate: Linear::new(upload(&[gate])?, hidden, cfg.ffn),
+                up: Linear::new(upload(&[up])?, hidden, cfg.ffn),
+                down: Linear::new(upload(&[down])?, cfg.ffn, hidden).before_collective(reduced),
                 layer,
                 adds_residual,
             },

@@ -5,13 +5,11 @@
 
 use super::shard::{Part, ShardPlan, Slice};
 use crate::config::LlamaConfig;
-use crate::weights::{self, LayerWeights, Tensor, Weights};
+use crate::weights::{self, Checkpoint, LayerWeights, Tensor, Weights};
 use crate::{Error, Result};
 use cudnn_llm_ops::reference::random_iter_from;
 use cudnn_llm_ops::Element;
-use safetensors::tensor::{Dtype, SafeTensors};
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 /// Where the ranks' weights come from.
@@ -35,72 +33,7 @@ impl std::fmt::Debug for WeightSource {
     }
 }
 
-/// Where one tensor's bytes are.
-struct Entry {
-    file: usize,
-    dtype: Dtype,
-    shape: Vec<usize>,
-    /// Byte offset of its data in the file.
-    offset: usize,
-}
-
-/// A Hugging Face checkpoint (one `safetensors` file, or shards named by an index) with every tensor
-/// a config needs located and checked, its files memory-mapped; reads copy only the slices asked for.
-pub struct Checkpoint {
-    files: Vec<PathBuf>,
-    maps: Vec<memmap2::Mmap>,
-    tensors: HashMap<String, Entry>,
-}
-
 impl Checkpoint {
-    /// Opens the checkpoint at `path` (as [`Weights::load`] takes it) for `cfg`: maps its files and
-    /// checks that every tensor `cfg` needs is there with its shape and a bf16, f16 or f32 dtype,
-    /// reading headers only. The errors are [`Weights::load`]'s.
-    pub fn open(cfg: &LlamaConfig, path: &Path) -> Result<Self> {
-        cfg.check()?;
-        let wanted = Weights::<f32>::names(cfg);
-        let located = weights::locate(path, &wanted)?;
-        let mut files: Vec<PathBuf> = located.clone();
-        files.sort();
-        files.dedup();
-        let maps = files.iter().map(|p| weights::map_file(p)).collect::<Result<Vec<_>>>()?;
-        let mut tensors = HashMap::with_capacity(wanted.len());
-        for (i, (file, map)) in files.iter().zip(&maps).enumerate() {
-            weights::unique_header_names(file, map)?;
-            let table = SafeTensors::deserialize(map).map_err(weights::st_fail(file))?;
-            for ((name, shape), _) in wanted.iter().zip(&located).filter(|(_, f)| *f == file) {
-                let view = table.tensor(name).map_err(|_| {
-                    weights::fail(format!("tensor `{name}` is missing from {}", file.display()))
-                })?;
-                if view.shape() != shape.as_slice() {
-                    return Err(weights::fail(format!(
-                        "tensor `{name}` in {} has shape {:?}, expected {shape:?}",
-                        file.display(),
-                        view.shape()
-                    )));
-                }
-                if !matches!(view.dtype(), Dtype::BF16 | Dtype::F16 | Dtype::F32) {
-                    return Err(weights::fail(format!(
-                        "tensor `{name}` in {} has dtype {:?}, expected BF16, F16 or F32",
-                        file.display(),
-                        view.dtype()
-                    )));
-                }
-                let offset = view.data().as_ptr() as usize - map.as_ptr() as usize;
-                tensors.insert(
-                    name.clone(),
-                    Entry { file: i, dtype: view.dtype(), shape: shape.clone(), offset },
-                );
-            }
-        }
-        Ok(Checkpoint { files, maps, tensors })
-    }
-
-    /// The files mapped.
-    pub fn files(&self) -> &[PathBuf] {
-        &self.files
-    }
-
     /// `slice` of the tensor `name`, converted to `T` (only its bytes are read).
     pub fn read<T: Element>(&self, name: &str, slice: &Slice) -> Result<Tensor<T>> {
         let e = self.tensors.get(name).ok_or_else(|| {
@@ -404,7 +337,11 @@ mod tests {
                 .map(|t| t.data.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect())
                 .collect();
             let views = part.iter().zip(&bytes).map(|((n, s), b)| {
-                (n.clone(), safetensors::tensor::TensorView::new(Dtype::BF16, s.clone(), b).unwrap())
+                (
+                    n.clone(),
+                    safetensors::tensor::TensorView::new(safetensors::tensor::Dtype::BF16, s.clone(), b)
+                        .unwrap(),
+                )
             });
             safetensors::serialize_to_file(views, None, &sharded.join(&shard)).unwrap();
             for (n, _) in part.iter() {

@@ -17,7 +17,7 @@
 //! | piece | what |
 //! |---|---|
 //! | [`ShardPlan`] | which slice of each Hugging Face tensor a rank holds ([`Part`], [`Slice`]), the rank's shapes ([`ShardPlan::local`]), the fused QKV rows, typed errors for what does not split |
-//! | [`WeightSource`], [`Checkpoint`] | a rank's slices from a memory-mapped checkpoint (only their bytes read) or drawn as [`Weights::random`](crate::weights::Weights::random) draws them |
+//! | [`WeightSource`] ([`Checkpoint`](crate::weights::Checkpoint)) | a rank's slices from a memory-mapped checkpoint (only their bytes read) or drawn as [`Weights::random`](crate::weights::Weights::random) draws them |
 //! | [`TpLlama`], [`Rank`] | the ranks: one thread each, jobs run on all of them, teardown when one fails; or this process's rank of a job of processes ([`TpLlama::join`], [`RankEnv`]) |
 //! | [`crate::nccl`] | NCCL opened at run time, the communicators and the two collectives |
 //!
@@ -61,6 +61,6 @@ mod shard;
 mod team;
 
 pub use crate::nccl::rendezvous::RankEnv;
-pub use load::{random_slice, Checkpoint, WeightSource};
+pub use load::{random_slice, WeightSource};
 pub use shard::{Part, ShardPlan, Slice};
 pub use team::{gathered_to_rows, Rank, TpLlama, TpOptions};

@@ -15,7 +15,6 @@ use cudnn_llm_llama::generate::{eos_token_ids, Generation, StopReason};
 use cudnn_llm_llama::gguf::Gguf;
 use cudnn_llm_llama::roofline::DecodeRoofline;
 use cudnn_llm_llama::tp::{RankEnv, ShardPlan};
-use cudnn_llm_llama::weights::Weights;
 use cudnn_llm_llama::{DecodeMode, Generator, Llama, LlamaConfig, Sampler, SamplingPath, Tokenizer};
 use cudnn_llm_ops::{default_plan_dir, Cudnn, DataType, Element, PLAN_DIR_ENV};
 use half::{bf16, f16};
@@ -186,11 +185,11 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> R
     let model = {
         // Before any weight is read: a model that cannot fit fails here.
         Llama::<T>::ensure_fits(ctx, cfg, max_seq)?;
-        let weights = match &input.gguf {
-            Some(g) => g.weights::<T>(cfg)?,
-            None => Weights::<T>::load(cfg, &opts.model)?,
+        let mut model = match &input.gguf {
+            Some(g) => Llama::new(ctx, cfg, &g.weights::<T>(cfg)?, max_seq)?,
+            // Straight from the mapped files into the device, no host copy of the weights.
+            None => Llama::load(ctx, cfg, &opts.model, max_seq)?,
         };
-        let mut model = Llama::new(ctx, cfg, &weights, max_seq)?;
         if fp8 {
             startup::timed("fp8 quantization", || model.quantize_to_fp8(ctx), |_| String::new())?;
         }

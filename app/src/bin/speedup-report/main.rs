@@ -89,16 +89,15 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Resolved) -> Result<(), E
     );
     // Before any weight is read or made on the host: a model that cannot fit fails here.
     Llama::<T>::ensure_fits(ctx, &plan.config, plan.max_seq)?;
-    let weights = match &plan.model_dir {
-        Some(file) if cudnn_llm_llama::gguf::is_gguf_path(file) => {
-            cudnn_llm_llama::gguf::Gguf::open(file)?.weights::<T>(&plan.config)?
-        }
-        Some(dir) => Weights::<T>::load(&plan.config, dir)?,
-        None => Weights::<T>::random(&plan.config, 0),
-    };
     // Checked by resolve: within the model's positions, and every activation size fits.
-    let mut model = Llama::new(ctx, &plan.config, &weights, plan.max_seq)?;
-    drop(weights);
+    let (cfg, max_seq) = (&plan.config, plan.max_seq);
+    let mut model = match &plan.model_dir {
+        Some(file) if cudnn_llm_llama::gguf::is_gguf_path(file) => {
+            Llama::new(ctx, cfg, &cudnn_llm_llama::gguf::Gguf::open(file)?.weights::<T>(cfg)?, max_seq)?
+        }
+        Some(dir) => Llama::load(ctx, cfg, dir, max_seq)?,
+        None => Llama::new(ctx, cfg, &Weights::<T>::random(cfg, 0), max_seq)?,
+    };
     if plan.fp8 {
         model.quantize_to_fp8(ctx)?;
     }
