@@ -10,6 +10,7 @@
 //!
 //! `cargo run --release --example 11-fp8-decode [-- PRESET [LAYERS]]`; writes `fp8-decode.{csv,md}` to
 //! `$BENCH_RESULTS_DIR` (default `benches/results`).
+use cudnn_llm::cudnn_ops::WeightScales;
 use cudnn_llm::half::bf16;
 use cudnn_llm::llama::roofline::DecodeRoofline;
 use cudnn_llm::llama::weights::Weights;
@@ -54,7 +55,7 @@ fn main() -> Result<(), Error> {
     drop(weights);
     let bf16_bytes = model.linear_weight_bytes();
     let bf = run(&ctx, &cfg, &mut model, max_seq)?;
-    model.quantize_to_fp8(&ctx)?;
+    model.quantize_to_fp8(&ctx, WeightScales::PerChannel)?;
     let fp8_bytes = model.linear_weight_bytes();
     let f8 = run(&ctx, &cfg, &mut model, max_seq)?;
     // Accuracy: every logits row of FP8 against bf16.

@@ -8,9 +8,10 @@
 //! `MODEL` is a checkpoint directory (config.json, tokenizer.json, safetensors) or a GGUF file; `TEXT`
 //! a text file (e.g. the repository's `LICENSE-APACHE`), tokenized with the model's tokenizer (BOS
 //! first) and cut into windows of `CHUNK` tokens (default 512), each a fresh prefill; every token of a
-//! window but the first is predicted from those before it. Prints the perplexity of both and their
+//! window but the first is predicted from those before it. Prints the perplexity in bf16, FP8 with per-channel factors and FP8 with per-tensor ones, and their
 //! ratio, and writes `perplexity-<model>.{csv,md}` to `$BENCH_RESULTS_DIR` (default
 //! `benches/results`).
+use cudnn_llm::cudnn_ops::WeightScales;
 use cudnn_llm::half::bf16;
 use cudnn_llm::llama::gguf::{is_gguf_path, Gguf};
 use cudnn_llm::llama::weights::Weights;
@@ -52,13 +53,17 @@ fn main() -> Result<(), Error> {
     let ctx = Cudnn::new(0)?;
     let info = ctx.info().clone();
     println!("# {}", environment(&info));
-    let mut model = Llama::new(&ctx, &cfg, &weights, chunk)?;
-    drop(weights);
     let fused = Backends::all(Backend::Fused);
     let mut rows = Vec::new();
-    for dtype in ["bf16", "fp8"] {
-        if dtype == "fp8" {
-            model.quantize_to_fp8(&ctx)?;
+    for (dtype, scales) in [
+        ("bf16", None),
+        ("fp8", Some(WeightScales::PerChannel)),
+        ("fp8-tensor", Some(WeightScales::PerTensor)),
+    ] {
+        // A fresh model per row: quantizing frees the bf16 weights.
+        let mut model = Llama::new(&ctx, &cfg, &weights, chunk)?;
+        if let Some(scales) = scales {
+            model.quantize_to_fp8(&ctx, scales)?;
         }
         let (mut nll, mut predicted) = (0.0, 0usize);
         for w in &windows {
@@ -86,20 +91,23 @@ fn main() -> Result<(), Error> {
             perplexity: ppl,
         });
     }
-    let ratio = rows[1].perplexity / rows[0].perplexity;
     let mut md = String::new();
     writeln!(md, "## Perplexity of `{text}` under {} in bf16 and with FP8 projections\n", cfg.name)?;
     writeln!(
         md,
         "{} Windows of {chunk} tokens, each a fresh prefill, fused backend. FP8: `Llama::quantize_to_fp8` \
-         (E4M3 projections, a factor per output row; the prefill quantizes activations per token).\n",
+         (E4M3 projections; fp8: a factor per output row, the prefill quantizes activations per token; \
+         fp8-tensor: one factor per weight and per activation tensor).\n",
         environment(&info)
     )?;
     writeln!(md, "| dtype | predicted tokens | perplexity |\n|---|---:|---:|")?;
     for r in &rows {
         writeln!(md, "| {} | {} | {:.4} |", r.dtype, r.tokens, r.perplexity)?;
     }
-    writeln!(md, "\nFP8 / bf16 perplexity: {ratio:.4} ({:+.2}%).", 100.0 * (ratio - 1.0))?;
+    for r in &rows[1..] {
+        let ratio = r.perplexity / rows[0].perplexity;
+        writeln!(md, "\n{} / bf16 perplexity: {ratio:.4} ({:+.2}%).", r.dtype, 100.0 * (ratio - 1.0))?;
+    }
     println!("\n{md}");
     let (csv, _) = csv_and_markdown(&rows)?;
     let stem: String = cfg.name.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).collect();

@@ -3,7 +3,7 @@
 //! ignored by default; run them with `--include-ignored` on a GPU machine.
 
 use cudnn_llm::cudnn_ops::reference::{compare, Tolerance};
-use cudnn_llm::cudnn_ops::{Backend, Cudnn, DataType};
+use cudnn_llm::cudnn_ops::{Backend, Cudnn, DataType, WeightScales};
 use cudnn_llm::llama::weights::Weights;
 use cudnn_llm::llama::{
     reference, Backends, DecodeFusion, DecodeGraph, KvCache, Llama, LlamaConfig, ModuleKind, NoObserver,
@@ -491,18 +491,29 @@ fn what_does_not_fit_is_an_error_before_it_allocates() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn fp8_projections_match_the_reference_over_their_dequantized_weights() {
-    // Prefill (fused: the activations quantized per token and FP8 GEMMs; naive: the weights
-    // dequantized and cuBLAS) and decode steps (the GEMV streaming the codes in every fold, plain and
-    // replayed) against the f64 forward over the weights the FP8 model multiplies by.
+    fp8_projections_match_the_reference(WeightScales::PerChannel);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fp8_projections_with_one_factor_per_tensor_match_the_reference() {
+    fp8_projections_match_the_reference(WeightScales::PerTensor);
+}
+
+fn fp8_projections_match_the_reference(scales: WeightScales) {
+    // Prefill (fused: the activations quantized per token, or per tensor for per-tensor weights, and
+    // FP8 GEMMs; naive: the weights dequantized and cuBLAS) and decode steps (the GEMV streaming the
+    // codes in every fold, plain and replayed) against the f64 forward over the weights the FP8 model
+    // multiplies by.
     let ctx = gpu();
     let cfg = LlamaConfig::tiny();
     let w = Weights::<bf16>::random(&cfg, 21);
     let mut model = Llama::new(&ctx, &cfg, &w, 64).unwrap();
     let bf16_bytes = model.linear_weight_bytes();
-    model.quantize_to_fp8(&ctx).unwrap();
-    model.quantize_to_fp8(&ctx).unwrap();
+    model.quantize_to_fp8(&ctx, scales).unwrap();
+    model.quantize_to_fp8(&ctx, scales).unwrap();
     assert!(model.linear_weight_bytes() * 2 < bf16_bytes + bf16_bytes / 4, "{}", model.linear_weight_bytes());
-    let fp8 = w.fp8_dequantized();
+    let fp8 = w.fp8_dequantized(scales);
     let (batch, prompt, steps) = (2, 6, 4);
     let all = tokens(batch, prompt + steps, cfg.vocab, 13);
     let expected = reference::forward(&cfg, &fp8, &all, 0);

@@ -1571,8 +1571,8 @@ impl<T: Element, W: Element> Fp8Weight<T, W> {
 }
 
 /// `x · Wᵀ` and `e` over an FP8 weight on `backend` against the f64 reference over the codes' exact
-/// values: fused, the decode GEMV up to 8 tokens, past it x quantized per token and the FP8 graph (the
-/// reference quantizes x the same way); naive, the weight dequantized and cuBLAS. Failing lines go to
+/// values: fused, the decode GEMV up to 8 tokens, past it x quantized (per token, or per tensor for a
+/// weight with one factor) and the FP8 graph (the reference quantizes x the same way); naive, the weight dequantized and cuBLAS. Failing lines go to
 /// `failures`.
 fn check_fp8_weight<T: Element, W: Element>(
     ctx: &Cudnn,
@@ -1588,10 +1588,12 @@ fn check_fp8_weight<T: Element, W: Element>(
     let rows: Vec<usize> = (0..m).collect();
     let (codes, factors) = (&weight.host.0, &weight.host.1);
     let exact = cudnn_llm_ops::fp8_weight_reference((m, n, k), &dev.rounded.a, codes, factors);
-    // x as the FP8 graph sees it: E4M3 codes times a factor per token.
+    // x as the FP8 graph sees it: E4M3 codes times a factor per token (per-channel weights), or one
+    // factor for all of x (a weight with one factor).
     let x32: Vec<f32> = dev.rounded.a.iter().map(|&v| v as f32).collect();
-    let (xq, xs) = cudnn_llm_ops::ops::quantize::quantize::<F8E4M3>(&x32, m, k, true);
-    let x8: Vec<f64> = xq.iter().enumerate().map(|(i, c)| c.to_f64() * xs[i / k] as f64).collect();
+    let (xq, xs) = cudnn_llm_ops::ops::quantize::quantize::<F8E4M3>(&x32, m, k, per_channel);
+    let x_factor = |i: usize| xs[if per_channel { i / k } else { 0 }] as f64;
+    let x8: Vec<f64> = xq.iter().enumerate().map(|(i, c)| c.to_f64() * x_factor(i)).collect();
     let quantized = cudnn_llm_ops::fp8_weight_reference((m, n, k), &x8, codes, factors);
     for e in [Epilogue::NONE, Epilogue::RESIDUAL, Epilogue::SWIGLU] {
         for backend in [Backend::Fused, Backend::Naive] {

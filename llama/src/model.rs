@@ -56,6 +56,7 @@ use crate::{Backend, Error, Result};
 use cudnn_llm_ops::cudarc::driver::{CudaSlice, CudaView, DevicePtrMut};
 use cudnn_llm_ops::faults::Zeros;
 use cudnn_llm_ops::staging::{Source, DEFAULT_STAGE_BYTES};
+use cudnn_llm_ops::WeightScales;
 use cudnn_llm_ops::{
     argmax, check_ids, ArgmaxArgs, ArgmaxOperands, Cudnn, Element, KvCacheShape, RopeTables, Uploader,
 };
@@ -392,21 +393,25 @@ impl<T: Element> Llama<T> {
         })
     }
 
-    /// Quantizes every layer's projection weights (Q/K/V, O, gate, up, down) to FP8 E4M3 with one
-    /// dequantization factor per output channel, on the device, and frees their 16-bit copies; the
-    /// embedding, `lm_head` and the norms stay in the model's dtype. From then on a fused decode step
-    /// streams the codes (the decode GEMV in every form: half the weight bytes of bf16), longer
-    /// passes dequantize each weight before its GEMM, and the naive backend dequantizes then runs
-    /// cuBLAS. Decode graphs captured before are stale (capture again). Quantizing twice does nothing;
-    /// a failure (out of memory) leaves each layer whole, in bf16 or in FP8.
-    pub fn quantize_to_fp8(&mut self, ctx: &Cudnn) -> Result<()> {
+    /// Quantizes every layer's projection weights (Q/K/V, O, gate, up, down) to FP8 E4M3 on the
+    /// device, with one dequantization factor per output channel ([`WeightScales::PerChannel`]) or
+    /// one per weight ([`WeightScales::PerTensor`]), and frees their 16-bit copies; the embedding,
+    /// `lm_head` and the norms stay in the model's dtype. From then on a fused decode step streams the
+    /// codes (the decode GEMV in every form: half the weight bytes of bf16); a fused longer pass
+    /// quantizes each projection's input on the device, per token for per-channel weights, per
+    /// tensor for per-tensor ones (scalar factors on both operands reach cuDNN's fastest FP8 engine,
+    /// at the accuracy of one scale per tensor), and runs one FP8 cuDNN graph; the naive backend
+    /// dequantizes the weight then runs cuBLAS. Decode graphs captured before are stale (capture
+    /// again). Quantizing twice does nothing; a failure (out of memory) leaves each layer whole, in
+    /// bf16 or in FP8.
+    pub fn quantize_to_fp8(&mut self, ctx: &Cudnn, scales: WeightScales) -> Result<()> {
         // Graphs captured over the old weights must not replay, even if a layer fails below: new
         // activations, new graphs.
         self.acts = None;
         self.half = None;
         self.chain = None;
         for block in &mut self.blocks {
-            block.quantize_to_fp8(ctx)?;
+            block.quantize_to_fp8(ctx, scales)?;
         }
         Ok(())
     }

@@ -297,24 +297,23 @@ impl<T: Element> Weights<T> {
 
 impl<T: Element> Weights<T> {
     /// These weights as an FP8 model multiplies by them
-    /// ([`Llama::quantize_to_fp8`](crate::Llama::quantize_to_fp8)): each layer projection quantized
-    /// to E4M3 with one factor per output row (the host's `quantize`, the device kernel's rule) and
-    /// dequantized; the rest as it is. In f32, for CPU references of FP8 models.
-    pub fn fp8_dequantized(&self) -> Weights<f32> {
+    /// ([`Llama::quantize_to_fp8`](crate::Llama::quantize_to_fp8) with `scales`): each layer
+    /// projection quantized to E4M3 with one factor per output row, or one per tensor (the host's
+    /// `quantize`, the device kernel's rule) and dequantized; the rest as it is. In f32, for CPU
+    /// references of FP8 models.
+    pub fn fp8_dequantized(&self, scales: cudnn_llm_ops::WeightScales) -> Weights<f32> {
         use cudnn_llm_ops::ops::quantize::quantize;
         use cudnn_llm_ops::F8E4M3;
+        let per_row = scales != cudnn_llm_ops::WeightScales::PerTensor;
         self.map(|t, projection| {
             let values: Vec<f32> = t.data.iter().map(|v| v.to_f64() as f32).collect();
             if !projection {
                 return Tensor { shape: t.shape.clone(), data: values };
             }
             let cols = t.shape[1];
-            let (codes, factors) = quantize::<F8E4M3>(&values, t.shape[0], cols, true);
-            let data = codes
-                .iter()
-                .enumerate()
-                .map(|(i, c)| (c.to_f64() * factors[i / cols] as f64) as f32)
-                .collect();
+            let (codes, factors) = quantize::<F8E4M3>(&values, t.shape[0], cols, per_row);
+            let factor = |i: usize| factors[if per_row { i / cols } else { 0 }] as f64;
+            let data = codes.iter().enumerate().map(|(i, c)| (c.to_f64() * factor(i)) as f32).collect();
             Tensor { shape: t.shape.clone(), data }
         })
     }
@@ -999,22 +998,34 @@ mod tests {
 
     #[test]
     fn fp8_dequantized_weights_round_the_projections_only() {
+        use cudnn_llm_ops::WeightScales;
         let cfg = LlamaConfig::tiny();
         let w = Weights::<f32>::random(&cfg, 4);
-        let q = w.fp8_dequantized();
-        assert_eq!(q.embed, w.embed);
-        assert_eq!(q.layers[0].attn_norm, w.layers[0].attn_norm);
-        let (orig, deq) = (&w.layers[1].down_proj, &q.layers[1].down_proj);
-        assert_eq!(orig.shape, deq.shape);
-        let cols = orig.shape[1];
-        for (r, (a, b)) in orig.data.chunks(cols).zip(deq.data.chunks(cols)).enumerate() {
-            let amax = a.iter().fold(0f32, |m, v| m.max(v.abs()));
-            // E4M3 keeps 3 mantissa bits: within 2^-4 of each value, or of the row's step near zero.
-            for (x, y) in a.iter().zip(b) {
-                assert!((x - y).abs() <= x.abs() / 16.0 + amax / 448.0 / 8.0, "row {r}: {x} -> {y}");
+        for scales in [WeightScales::PerChannel, WeightScales::PerTensor] {
+            let q = w.fp8_dequantized(scales);
+            assert_eq!(q.embed, w.embed);
+            assert_eq!(q.layers[0].attn_norm, w.layers[0].attn_norm);
+            let (orig, deq) = (&w.layers[1].down_proj, &q.layers[1].down_proj);
+            assert_eq!(orig.shape, deq.shape);
+            let cols = orig.shape[1];
+            let whole = orig.data.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for (r, (a, b)) in orig.data.chunks(cols).zip(deq.data.chunks(cols)).enumerate() {
+                let row = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let amax = if scales == WeightScales::PerTensor { whole } else { row };
+                // E4M3 keeps 3 mantissa bits: within 2^-4 of each value, or of the factor's step near zero.
+                for (x, y) in a.iter().zip(b) {
+                    assert!(
+                        (x - y).abs() <= x.abs() / 16.0 + amax / 448.0 / 8.0,
+                        "{scales:?} row {r}: {x} -> {y}"
+                    );
+                }
+                assert!(a.iter().zip(b).any(|(x, y)| x != y), "{scales:?} row {r} unchanged: not quantized");
             }
-            assert!(a.iter().zip(b).any(|(x, y)| x != y), "row {r} unchanged: not quantized");
         }
+        // One factor per tensor is not one per row: the two differ on some value.
+        let (c, t) =
+            (w.fp8_dequantized(WeightScales::PerChannel), w.fp8_dequantized(WeightScales::PerTensor));
+        assert_ne!(c.layers[1].down_proj, t.layers[1].down_proj);
     }
 
     /// Every tensor of a checkpoint as [`Checkpoint::mapped`] stages it, in runs of `run` values.

@@ -3,7 +3,7 @@
 use clap::Parser;
 use cudnn_llm_llama::tp::ShardPlan;
 use cudnn_llm_llama::{Backends, LlamaConfig};
-use cudnn_llm_ops::DataType;
+use cudnn_llm_ops::{DataType, WeightScales};
 use std::path::PathBuf;
 
 /// What to run and where to write the report.
@@ -35,9 +35,10 @@ pub struct Options {
     /// Modules to fuse, e.g. `fused=all` or `fused=prenorm,gqa` (compared with all naive).
     #[arg(long, default_value = "fused=all")]
     pub fuse: String,
-    /// I/O dtype: bf16 or f16; or fp8: bf16 with every layer's projections in FP8 E4M3
-    /// (`Llama::quantize_to_fp8`: fused, the decode GEMV over the codes and FP8 GEMMs; naive, the
-    /// weights dequantized and cuBLAS).
+    /// I/O dtype: bf16 or f16; or fp8: bf16 with every layer's projections in FP8 E4M3, a factor
+    /// per output channel (`Llama::quantize_to_fp8`: fused, the decode GEMV over the codes and FP8
+    /// GEMMs over activations quantized per token; naive, the weights dequantized and cuBLAS); or
+    /// fp8-tensor: the same with one factor per weight and per activation tensor.
     #[arg(long, default_value = "bf16")]
     pub dtype: String,
     /// Untimed forwards before measuring.
@@ -87,8 +88,8 @@ pub struct Resolved {
     pub fused: Backends,
     /// The I/O dtype.
     pub dtype: DataType,
-    /// `--dtype fp8`: the projections in FP8 (the I/O dtype bf16).
-    pub fp8: bool,
+    /// `--dtype fp8` or `fp8-tensor`: the projections in FP8 with these factors (the I/O dtype bf16).
+    pub fp8: Option<WeightScales>,
     /// `--tp`: the ranks the model is split over (`None`: one GPU, no tensor parallelism).
     pub tp: Option<usize>,
 }
@@ -177,13 +178,8 @@ impl Options {
                 )
             })?;
         let fused = Backends::parse_for(&self.fuse, config.layers).map_err(|e| format!("--fuse: {e}"))?;
-        let fp8 = self.dtype.trim() == "fp8";
-        let dtype = match DataType::parse(&self.dtype) {
-            _ if fp8 => DataType::BF16,
-            Some(d @ (DataType::BF16 | DataType::F16)) => d,
-            _ => return Err(format!("--dtype {} is not supported: use bf16, f16 or fp8", self.dtype)),
-        };
-        if fp8 && self.tp.is_some() {
+        let (dtype, fp8) = parse_dtype(&self.dtype)?;
+        if fp8.is_some() && self.tp.is_some() {
             return Err("--dtype fp8 runs the one-GPU report: leave out --tp".into());
         }
         Ok(Resolved {
@@ -261,9 +257,24 @@ impl Options {
             forwards,
             fused,
             dtype: DataType::BF16,
-            fp8: false,
+            fp8: None,
             tp: None,
         })
+    }
+}
+
+/// A `--dtype` of the report and `generate`: `bf16` or `f16`; `fp8` (bf16 activations, every layer's
+/// projections in E4M3 with a factor per output channel, prefill activations per token) or
+/// `fp8-tensor` (one factor per weight and per activation tensor: cuDNN's fastest FP8 engine, less
+/// accurate). The I/O dtype and, for the FP8 forms, the weights' factors.
+pub fn parse_dtype(s: &str) -> Result<(DataType, Option<WeightScales>), String> {
+    match s.trim() {
+        "fp8" => Ok((DataType::BF16, Some(WeightScales::PerChannel))),
+        "fp8-tensor" => Ok((DataType::BF16, Some(WeightScales::PerTensor))),
+        other => match DataType::parse(other) {
+            Some(d @ (DataType::BF16 | DataType::F16)) => Ok((d, None)),
+            _ => Err(format!("--dtype {s} is not supported: use bf16, f16, fp8 or fp8-tensor")),
+        },
     }
 }
 
@@ -391,7 +402,7 @@ mod tests {
             (vec!["--config", "gpt2"], "unknown preset `gpt2`"),
             (vec!["--layers", "0"], "--layers"),
             (vec!["--fuse", "fused=attention"], "valid modules are"),
-            (vec!["--dtype", "f32"], "use bf16, f16 or fp8"),
+            (vec!["--dtype", "f32"], "use bf16, f16, fp8 or fp8-tensor"),
             (vec!["--dtype", "fp8", "--tp", "2"], "--dtype fp8 runs the one-GPU report"),
             (vec!["--repeat", "0"], "--repeat"),
         ] {
@@ -445,7 +456,7 @@ mod tests {
             (vec!["--tp", "5", "--config", "tiny"], "--tp 5: "),
             (vec!["--no-baseline"], "--no-baseline applies to --tp only"),
             // The options' own checks still apply.
-            (vec!["--tp", "2", "--dtype", "f32"], "use bf16, f16 or fp8"),
+            (vec!["--tp", "2", "--dtype", "f32"], "use bf16, f16, fp8 or fp8-tensor"),
             (vec!["--tp", "2", "--fuse", "fused=attention"], "valid modules are"),
         ] {
             let e = parse(&args).unwrap().resolve().unwrap_err();

@@ -13,7 +13,7 @@ use crate::Backend;
 use crate::Result;
 use cudnn_llm_ops::cudarc::driver::CudaSlice;
 use cudnn_llm_ops::staging::Source;
-use cudnn_llm_ops::{Cudnn, Element, KvLayer, Uploader};
+use cudnn_llm_ops::{Cudnn, Element, KvLayer, Uploader, WeightScales};
 
 /// The range of the all-reduce after attention on a tensor-parallel rank.
 pub const ATTN_ALLREDUCE_RANGE: &str = "fwd.layer.attn.allreduce";
@@ -85,10 +85,10 @@ impl<T: Element> Block<T> {
         })
     }
 
-    /// Quantizes the layer's five projections to E4M3, one factor per output channel
+    /// Quantizes the layer's five projections to E4M3 with `scales` factors
     /// ([`Linear::fp8_weight`]); the norms stay in the model's dtype. All five or none: a failure
     /// leaves the layer as it was (its gate and up must stay in one form for the gate-up GEMV).
-    pub(crate) fn quantize_to_fp8(&mut self, ctx: &Cudnn) -> Result<()> {
+    pub(crate) fn quantize_to_fp8(&mut self, ctx: &Cudnn, scales: WeightScales) -> Result<()> {
         let linears = [
             &mut self.attn.qkv_proj,
             &mut self.attn.o_proj,
@@ -97,7 +97,7 @@ impl<T: Element> Block<T> {
             &mut self.mlp.down,
         ];
         let quantized =
-            linears.iter().map(|l| l.fp8_weight(ctx)).collect::<cudnn_llm_ops::Result<Vec<_>>>()?;
+            linears.iter().map(|l| l.fp8_weight(ctx, scales)).collect::<cudnn_llm_ops::Result<Vec<_>>>()?;
         for (linear, weight) in linears.into_iter().zip(quantized) {
             if let Some(w) = weight {
                 linear.set_weight(w);

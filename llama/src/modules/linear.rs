@@ -4,7 +4,7 @@ use super::norm::Normed;
 use cudnn_llm_ops::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use cudnn_llm_ops::{
     matmul, quantize_fp8, Backend, Cudnn, DataType, Element, Epilogue, MatmulArgs, MatmulOperands, Prologue,
-    QuantizeArgs, QuantizeOperands, Rotary, RotaryOperands, F8E4M3,
+    QuantizeArgs, QuantizeOperands, Rotary, RotaryOperands, WeightScales, F8E4M3,
 };
 use std::ops::Range;
 
@@ -26,8 +26,8 @@ pub(crate) enum Then<'a, T: Element> {
 }
 
 /// A Linear layer's weight `[out_features, in_features]` (row-major, as checkpoints store it): in the
-/// model's dtype, or E4M3 codes with one dequantization factor per output channel
-/// ([`Linear::quantize_to_fp8`]).
+/// model's dtype, or E4M3 codes with one dequantization factor per output channel or one for the
+/// whole weight ([`Linear::fp8_weight`]).
 pub(crate) enum Weight<T> {
     Plain(CudaSlice<T>),
     Fp8 { codes: CudaSlice<F8E4M3>, scales: CudaSlice<f32> },
@@ -73,9 +73,14 @@ impl<T: Element> Linear<T> {
     }
 
     /// The weight quantized to E4M3 with one factor per output channel (its row's largest
-    /// magnitude over 448), on the device (`quantize_fp8` per row, the fused kernel); `None` for a
-    /// weight already in FP8. The layer keeps its weight until [`Linear::set_weight`].
-    pub(crate) fn fp8_weight(&self, ctx: &Cudnn) -> cudnn_llm_ops::Result<Option<Weight<T>>> {
+    /// magnitude over 448) or one for the whole weight (its largest magnitude over 448), on the
+    /// device (`quantize_fp8`, the fused kernel); `None` for a weight already in FP8. The layer keeps
+    /// its weight until [`Linear::set_weight`].
+    pub(crate) fn fp8_weight(
+        &self,
+        ctx: &Cudnn,
+        factors: WeightScales,
+    ) -> cudnn_llm_ops::Result<Option<Weight<T>>> {
         let Weight::Plain(w) = &self.weight else { return Ok(None) };
         let (rows, cols) = (self.out_features, self.in_features);
         if !cols.is_multiple_of(16) {
@@ -84,10 +89,21 @@ impl<T: Element> Linear<T> {
                 reason: format!("{cols} input features: FP8 weights need a multiple of 16 (16-byte rows)"),
             });
         }
+        let (args, count) = match factors {
+            WeightScales::PerTensor => (QuantizeArgs::per_tensor(rows, cols), 1),
+            WeightScales::PerChannel => (QuantizeArgs::per_row(rows, cols), rows),
+            other => {
+                return Err(cudnn_llm_ops::Error::NotSupported {
+                    op: format!("an FP8 weight [{rows}, {cols}]"),
+                    reason: format!(
+                        "{other:?} factors: a model's FP8 weights take per-channel or per-tensor ones"
+                    ),
+                })
+            }
+        };
         let s = ctx.stream();
         let mut codes = s.alloc_zeros::<F8E4M3>(rows * cols)?;
-        let mut scales = s.alloc_zeros::<f32>(rows)?;
-        let args = QuantizeArgs::per_row(rows, cols);
+        let mut scales = s.alloc_zeros::<f32>(count)?;
         quantize_fp8(ctx, args, QuantizeOperands::new(w, &mut codes, &mut scales), Backend::Fused)?;
         Ok(Some(Weight::Fp8 { codes, scales }))
     }

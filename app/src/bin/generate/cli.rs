@@ -49,7 +49,8 @@ pub struct Options {
     #[arg(long, default_value = "fused=all")]
     pub fuse: String,
     /// I/O dtype: bf16 or f16; or fp8: bf16 with every layer's projections quantized to FP8 E4M3 at
-    /// load, one factor per output channel (`Llama::quantize_to_fp8`).
+    /// load, one factor per output channel (`Llama::quantize_to_fp8`); or fp8-tensor: one factor per
+    /// weight and per prefill activation tensor (cuDNN's fastest FP8 engine, less accurate).
     #[arg(long, default_value = "bf16")]
     pub dtype: String,
     /// Skip the untimed warm-up (a prefill and two decode steps that build and tune the fused plans).
@@ -110,8 +111,8 @@ pub struct Plan {
     pub backends: Backends,
     /// The I/O dtype.
     pub dtype: DataType,
-    /// `--dtype fp8`: the projections in FP8 (the I/O dtype bf16).
-    pub fp8: bool,
+    /// `--dtype fp8` or `fp8-tensor`: the projections in FP8 with these factors (the I/O dtype bf16).
+    pub fp8: Option<cudnn_llm_ops::WeightScales>,
     /// How tokens are chosen.
     pub sampling: SamplingParams,
     /// How decode steps run.
@@ -147,13 +148,8 @@ impl Options {
             return Err("--tp 0: give the number of GPUs to split the model over (1 or more)".into());
         }
         let backends = Backends::parse(&self.fuse).map_err(|e| format!("--fuse: {e}"))?;
-        let fp8 = self.dtype.trim() == "fp8";
-        let dtype = match DataType::parse(&self.dtype) {
-            _ if fp8 => DataType::BF16,
-            Some(d @ (DataType::BF16 | DataType::F16)) => d,
-            _ => return Err(format!("--dtype {} is not supported: use bf16, f16 or fp8", self.dtype)),
-        };
-        if fp8 && self.tp.is_some_and(|n| n > 1) {
+        let (dtype, fp8) = cudnn_llm_app::report::cli::parse_dtype(&self.dtype)?;
+        if fp8.is_some() && self.tp.is_some_and(|n| n > 1) {
             return Err("--dtype fp8 runs on one GPU: leave out --tp".into());
         }
         if self.temperature == 0.0 {
@@ -254,7 +250,7 @@ mod tests {
         for (args, want) in [
             (vec!["--max-new-tokens", "0"], "--max-new-tokens"),
             (vec!["--fuse", "fused=attention"], "valid modules are"),
-            (vec!["--dtype", "f32"], "use bf16, f16 or fp8"),
+            (vec!["--dtype", "f32"], "use bf16, f16, fp8 or fp8-tensor"),
             (vec!["--dtype", "fp8", "--tp", "2"], "--dtype fp8 runs on one GPU"),
             (vec!["--top-p", "0.9"], "--top-p samples"),
             (vec!["--top-k", "5"], "--top-k samples"),

@@ -16,7 +16,7 @@ use cudnn_llm_llama::gguf::Gguf;
 use cudnn_llm_llama::roofline::DecodeRoofline;
 use cudnn_llm_llama::tp::{RankEnv, ShardPlan};
 use cudnn_llm_llama::{DecodeMode, Generator, Llama, LlamaConfig, Sampler, SamplingPath, Tokenizer};
-use cudnn_llm_ops::{default_plan_dir, Cudnn, DataType, Element, PLAN_DIR_ENV};
+use cudnn_llm_ops::{default_plan_dir, Cudnn, DataType, Element, WeightScales, PLAN_DIR_ENV};
 use half::{bf16, f16};
 use std::io::Write;
 use std::ops::ControlFlow;
@@ -162,7 +162,7 @@ fn read_input(opts: &Options) -> Result<Input, String> {
 fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> Result<(), Error> {
     let cfg = &input.config;
     // An FP8 checkpoint loads dequantized and runs its projections in FP8 again, whatever --dtype.
-    let fp8 = plan.fp8 || cfg.fp8.is_some();
+    let fp8 = plan.fp8.or(cfg.fp8.is_some().then_some(WeightScales::PerChannel));
     let info = ctx.info();
     eprintln!(
         "generate: {} ({} layers, {}{}) on {}, backends `{}`, {} prompt tokens",
@@ -171,8 +171,9 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> R
         plan.dtype,
         match (&cfg.fp8, fp8) {
             (Some(q), _) => format!(", an FP8 checkpoint ({}): projections in FP8 E4M3", q.describe()),
-            (None, true) => ", projections in FP8 E4M3".into(),
-            (None, false) => String::new(),
+            (None, Some(WeightScales::PerTensor)) => ", projections in FP8 E4M3, factors per tensor".into(),
+            (None, Some(_)) => ", projections in FP8 E4M3".into(),
+            (None, None) => String::new(),
         },
         info.name,
         plan.backends.to_selection(),
@@ -190,8 +191,8 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> R
             // Straight from the mapped files into the device, no host copy of the weights.
             None => Llama::load(ctx, cfg, &opts.model, max_seq)?,
         };
-        if fp8 {
-            startup::timed("fp8 quantization", || model.quantize_to_fp8(ctx), |_| String::new())?;
+        if let Some(scales) = fp8 {
+            startup::timed("fp8 quantization", || model.quantize_to_fp8(ctx, scales), |_| String::new())?;
         }
         model
     };
@@ -249,7 +250,7 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> R
         Some(counted) => counted.map_err(|e| format!("the step's kernels could not be counted: {e}")),
         None => Err("the step launches its kernels one by one (no captured graph)".into()),
     });
-    let roof = |i| match fp8 {
+    let roof = |i| match fp8.is_some() {
         true => DecodeRoofline::fp8(cfg, 1, rates.prompt_tokens + i, elem),
         false => DecodeRoofline::new(cfg, 1, rates.prompt_tokens + i, elem),
     };
