@@ -263,7 +263,7 @@ fn binary_bad_options_and_bad_model_directories_exit_2() {
         (vec!["--model", empty, "--prompt", "hi", "--top-p", "0.9"], "--top-p samples"),
         (vec!["--model", empty, "--prompt", "hi", "--temperature", "1", "--top-p", "2"], "top_p"),
         (vec!["--model", empty, "--prompt", "hi", "--fuse", "fused=attention"], "valid modules are"),
-        (vec!["--model", empty, "--prompt", "hi", "--dtype", "f32"], "use bf16, f16 or fp8"),
+        (vec!["--model", empty, "--prompt", "hi", "--dtype", "f32"], "use bf16, f16, fp8 or fp8-tensor"),
         (vec!["--model", empty, "--prompt", "hi", "--tp", "0"], "--tp 0: give the number of GPUs"),
         (vec!["--model", "/nonexistent/model", "--prompt", "hi"], "not a directory"),
         (vec!["--model", empty, "--prompt", "hi"], "config.json"),
