@@ -1,4 +1,4 @@
-//! Batch-1 decode against the memory roofline: Llama-3.1-8B shapes with random weights (all 32 layers
+//! Batch-1 decode against the memory roofline: a preset's shapes (Llama-3.1-8B by default) with random weights (all layers
 //! unless `LAYERS` is given), a 512-token prompt, then fused decode steps launched plainly and replayed
 //! as one CUDA graph per step, beside the floor (weight + KV bytes over the measured copy bandwidth),
 //! and which attention the fused decode runs (`examples/06-decode-attention.rs` times it alone); then
@@ -9,7 +9,8 @@
 //! fusion without programmatic dependent launch ([`Cudnn::set_programmatic_launch`]) and under the
 //! block GEMV split ([`GemvSplit`]); then where a replayed step's time goes (CUPTI: kernels, and the
 //! idle time between them, per kernel kind); the projections alone are timed in both splits:
-//! `cargo run --release --example 05-decode [-- LAYERS]` on a GPU machine.
+//! `cargo run --release --example 05-decode [-- [PRESET] [LAYERS]]` on a GPU machine (`smollm2-135m`
+//! and `llama-3.2-1b` time the step and its timeline; the per-projection tables are Llama-3.1-8B's).
 use cudnn_llm::cudarc::driver::sys::{CUdevice_attribute, CUevent_flags};
 use cudnn_llm::cudarc::driver::CudaSlice;
 use cudnn_llm::half::bf16;
@@ -26,8 +27,16 @@ use cudnn_llm_app::bench_util::{copy_bandwidth_gbps, median, wall_ms};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let ctx = Cudnn::new(0)?;
-    let layers = std::env::args().nth(1).map(|s| s.parse()).transpose()?.unwrap_or(32);
-    let cfg = LlamaConfig::llama_3_1_8b().with_layers(layers);
+    // `[PRESET] [LAYERS]`: a preset name first (Llama-3.1-8B by default), then a layer count (all of
+    // the preset's by default); a lone number is a layer count of Llama-3.1-8B.
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let preset = match args.first() {
+        Some(a) if a.parse::<usize>().is_err() => args.remove(0),
+        _ => "llama-3.1-8b".to_string(),
+    };
+    let base = LlamaConfig::preset(&preset)?;
+    let layers = args.first().map(|s| s.parse()).transpose()?.unwrap_or(base.layers);
+    let cfg = base.with_layers(layers);
     let (prompt_len, steps) = (512, 64);
     let max_seq = prompt_len + 2 * steps + 2;
     let mut model = Llama::new(&ctx, &cfg, &Weights::<bf16>::random(&cfg, 0), max_seq)?;
@@ -149,6 +158,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     cache.truncate_to(at - 1);
     timeline(&ctx, &mut model, &mut cache, &fused, &roof, copy)?;
     drop((cache, model));
+    if preset != "llama-3.1-8b" {
+        println!("\n(the per-projection tables are of Llama-3.1-8B's shapes: run without a preset for them)");
+        return Ok(());
+    }
     projections(&ctx, copy)?;
     fused_forms(&ctx, copy)
 }

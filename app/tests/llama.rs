@@ -325,6 +325,7 @@ fn decode_fusion_folds_launches_and_keeps_the_hidden_states() {
     };
     let device_positions = ctx.features().sdpa_seq_lens();
     let mut unfused: Vec<Vec<bf16>> = Vec::new();
+    let mut layer_runs_before = 0u64;
     for fusion in DecodeFusion::EVERY {
         model.set_decode_fusion(fusion);
         let before: Vec<u64> = form_runs(&ctx);
@@ -350,8 +351,20 @@ fn decode_fusion_folds_launches_and_keeps_the_hidden_states() {
         let ran: Vec<u64> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
         println!("{}: fused-form launches {FORMS:?}: {ran:?}", fusion.name());
         let l = (cfg.layers * steps) as u64;
-        let (norm, gate_up) = (fusion.norm_into_projection, fusion.gate_up);
-        let rope = fusion.rope_into_qkv && device_positions;
+        // The whole layer in one launch runs none of the GEMV forms in the layers (the decode
+        // layer's kernel instead, once per layer and step).
+        let whole = fusion.whole_layer && device_positions;
+        let layer_runs: u64 =
+            ctx.kernel_runs().iter().filter(|r| r.name.starts_with("decode layer")).map(|r| r.calls).sum();
+        assert_eq!(
+            layer_runs - layer_runs_before,
+            if whole { l } else { 0 },
+            "{}: decode layer launches",
+            fusion.name()
+        );
+        layer_runs_before = layer_runs;
+        let (norm, gate_up) = (fusion.norm_into_projection && !whole, fusion.gate_up && !whole);
+        let rope = fusion.rope_into_qkv && device_positions && !whole;
         // qkv_proj: norm, rope or norm_rope; the MLP: up and gate each with the norm, dual or norm_dual.
         let want = vec![
             if norm && !rope { l } else { 0 } + if norm && !gate_up { 2 * l } else { 0 },

@@ -88,6 +88,7 @@ pub use kv_cache::{
     QkvRows, SeqId,
 };
 pub use ops::argmax::{argmax, ArgmaxArgs, ArgmaxOperands, Pick};
+pub use ops::decode_layer::{decode_layer, DecodeLayerArgs, DecodeLayerOperands, DecodeLayerWeights};
 pub use ops::layernorm::{layer_norm, LayerNormArgs, LayerNormOperands};
 pub use ops::loss::{cross_entropy, CrossEntropyArgs, CrossEntropyOperands, Logits};
 pub use ops::matmul::{

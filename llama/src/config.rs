@@ -139,7 +139,7 @@ impl Fp8Checkpoint {
 }
 
 /// Names [`LlamaConfig::preset`] accepts.
-pub const PRESETS: [&str; 4] = ["llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b", "tiny"];
+pub const PRESETS: [&str; 5] = ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b", "tiny"];
 
 /// Most decoder layers [`LlamaConfig::check`] accepts (Llama-3.1-405B has 126).
 pub const MAX_LAYERS: usize = 1 << 12;
@@ -242,6 +242,32 @@ impl LlamaConfig {
         }
     }
 
+    /// SmolLM2-135M's shapes (a Llama-architecture model): hidden 576, 30 layers, 9 heads, 3 KV heads,
+    /// head dim 64, FFN 1536, vocabulary 49152, tied embeddings, RoPE base 100000 without scaling,
+    /// 8192 positions, bos and eos 0 (`<|endoftext|>`). The real checkpoint loads from its GGUF or
+    /// `config.json`; this preset gives its shapes with random weights, for decode benches of a
+    /// model whose step is bound by launches rather than bytes.
+    pub fn smollm2_135m() -> Self {
+        LlamaConfig {
+            name: "smollm2-135m".into(),
+            hidden: 576,
+            layers: 30,
+            heads: 9,
+            kv_heads: 3,
+            head_dim: 64,
+            ffn: 1536,
+            vocab: 49152,
+            rms_eps: 1e-5,
+            rope_theta: 100000.0,
+            rope_scaling: None,
+            tie_embeddings: true,
+            max_positions: 8192,
+            bos_token_id: Some(0),
+            eos_token_ids: vec![0],
+            fp8: None,
+        }
+    }
+
     /// A model small enough for an f64 CPU reference: hidden 128, 2 layers, 4 heads, 2 KV heads, head
     /// dim 32, FFN 256, vocabulary 512, Llama-3 RoPE scaling. Its vocabulary has no special tokens:
     /// no bos, no eos (generation runs to its length limit).
@@ -266,6 +292,7 @@ impl LlamaConfig {
     /// A preset by name (one of [`PRESETS`]).
     pub fn preset(name: &str) -> Result<Self> {
         match name {
+            "smollm2-135m" => Ok(Self::smollm2_135m()),
             "llama-3.2-1b" => Ok(Self::llama_3_2_1b()),
             "llama-3.1-8b" => Ok(Self::llama_3_1_8b()),
             "llama-3.1-70b" => Ok(Self::llama_3_1_70b()),
@@ -940,13 +967,23 @@ mod tests {
             (b70.rope_scaling, b70.tie_embeddings, b70.rope_theta),
             (b8.rope_scaling, false, 500000.0)
         );
+        // SmolLM2-135M: 134,515,008 parameters (Hugging Face's count), the shapes of its GGUF
+        // (`tests/fixtures/smollm2_gguf.json`).
+        let smol = LlamaConfig::smollm2_135m();
+        assert_eq!(smol.parameters(), 134_515_008);
+        assert_eq!(
+            (smol.layers, smol.hidden, smol.ffn, smol.heads, smol.kv_heads, smol.vocab, smol.max_positions),
+            (30, 576, 1536, 9, 3, 49152, 8192)
+        );
+        assert_eq!((smol.rope_theta, smol.rope_scaling, smol.tie_embeddings), (100000.0, None, true));
         for name in PRESETS {
             LlamaConfig::preset(name).unwrap().check().unwrap();
         }
         assert_eq!(LlamaConfig::llama_3_1_8b().with_layers(4).layers, 4);
         let e = LlamaConfig::preset("llama-2-7b").unwrap_err().to_string();
         assert!(
-            e.contains("llama-2-7b") && e.contains("llama-3.2-1b, llama-3.1-8b, llama-3.1-70b, tiny"),
+            e.contains("llama-2-7b")
+                && e.contains("smollm2-135m, llama-3.2-1b, llama-3.1-8b, llama-3.1-70b, tiny"),
             "{e}"
         );
     }

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 #[derive(Debug, Clone, PartialEq, Parser)]
 #[command(name = "speedup-report", about = "Per-module speedup of fused cuDNN graphs over naive kernels")]
 pub struct Options {
-    /// Model preset, with random weights: llama-3.2-1b, llama-3.1-8b or tiny.
+    /// Model preset, with random weights: smollm2-135m, llama-3.2-1b, llama-3.1-8b, llama-3.1-70b or tiny.
     #[arg(long, default_value = "llama-3.1-8b")]
     pub config: String,
     /// A Hugging Face checkpoint directory to run instead of a preset: its config.json, and

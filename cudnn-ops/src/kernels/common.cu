@@ -130,6 +130,15 @@ __device__ __forceinline__ float gemv_warp_sums(float (&acc)[R][M], int lane) {
     return v;
 }
 
+// The dot product of 8 elements of W and of x in f32, in the order every GEMV form sums them (the
+// decode GEMV, ops/matmul/decode.cu, and the one-launch decode layer, ops/decode_layer/layer.cu).
+__device__ __forceinline__ float gemv_dot8(const float (&w)[8], const float (&x)[8]) {
+    float dot = w[0] * x[0];
+#pragma unroll
+    for (int e = 1; e < 8; ++e) dot = fmaf(w[e], x[e], dot);
+    return dot;
+}
+
 // The 8 elements of a chunk in f32.
 template <class D>
 __device__ __forceinline__ void gemv_unpack8(uint4 v, float (&f)[8]) {

@@ -19,6 +19,7 @@
 //! | [`rows::backward`] | [`embedding_backward`](rows::backward::embedding_backward) | atomic scatter-add or a deterministic tiled kernel | `embedding_dense_backward`: zeros, sort, segment sums |
 //! | [`loss`] | [`cross_entropy`](loss::cross_entropy) (loss, or loss and gradient) | 3 launches, no f32 logits | `.float()`, `log_softmax`, `nll_loss` and their backward |
 //! | [`argmax`] | [`argmax`](argmax::argmax) (greedy picks, optionally into the next step's input ids) | one kernel, a block per row, the same on both backends | |
+//! | [`decode_layer`] | [`decode_layer`](decode_layer::decode_layer) (a whole decoder layer of a one-token step) | one persistent launch, grid barriers between its five phases | the layer's module calls (the decoder's own path; [`decode_layer::reference`] in f64) |
 //! | [`optim`] | [`adamw`](optim::adamw), [`grad_norm`](optim::grad_norm) (norm, or norm and clip) | one multi-tensor launch each (+1 to clip) | single-tensor `AdamW`, `clip_grad_norm_(foreach=False)` |
 //!
 //! Every public call takes the op's arguments, an operands struct (inputs by name, outputs, optional
@@ -28,6 +29,7 @@
 //! `mod.rs`.
 
 pub mod argmax;
+pub mod decode_layer;
 pub mod layernorm;
 pub mod loss;
 pub mod matmul;

@@ -13,8 +13,13 @@ use crate::Backend;
 use crate::Result;
 use cudnn_llm_ops::cudarc::driver::CudaSlice;
 use cudnn_llm_ops::staging::Source;
-use cudnn_llm_ops::{Cudnn, Element, KvLayer, Uploader, WeightScales};
+use cudnn_llm_ops::{
+    decode_layer, Cudnn, DecodeLayerArgs, DecodeLayerOperands, DecodeLayerWeights, Element, KvLayer,
+    Uploader, WeightScales,
+};
 
+/// The range of a layer run in one launch ([`DecodeFusion::whole_layer`](super::DecodeFusion)).
+pub const WHOLE_LAYER_RANGE: &str = "fwd.layer.whole";
 /// The range of the all-reduce after attention on a tensor-parallel rank.
 pub const ATTN_ALLREDUCE_RANGE: &str = "fwd.layer.attn.allreduce";
 /// The range of the all-reduce after the MLP on a tensor-parallel rank.
@@ -125,6 +130,9 @@ impl<T: Element> Block<T> {
         cache: KvLayer<'_, T>,
         ranks: Option<&RankSum<'_, T>>,
     ) -> Result<()> {
+        if ranks.is_none() && self.runs_whole(p) {
+            return self.whole(p, x, cache);
+        }
         self.attention(p, x, s, cache, ranks)?;
         self.sum_over_ranks(p, ranks, ATTN_ALLREDUCE_RANGE, x)?;
         self.mlp(p, x, s, ranks)?;
@@ -189,6 +197,65 @@ impl<T: Element> Block<T> {
         rows <= cudnn_llm_ops::DECODE_GEMV_AUTO_TOKENS
             && [Site::O_PROJ, Site::MLP].iter().all(|s| backends.get(layer, s.kind) == Backend::Fused)
             && [&self.attn.o_proj, &self.mlp.down].iter().all(|l| l.takes_decode_form(false, false))
+    }
+
+    /// The layer's shapes as the one-launch decode layer takes them.
+    fn layer_args(&self, max_seq: usize) -> DecodeLayerArgs {
+        let a = &self.attn;
+        DecodeLayerArgs::new(
+            self.hidden,
+            a.heads,
+            a.kv_heads,
+            a.head_dim,
+            self.mlp.gate.out_features,
+            self.attn_norm.epsilon(),
+            max_seq,
+        )
+    }
+
+    /// Whether this pass runs the layer in one launch ([`DecodeFusion::whole_layer`](super::DecodeFusion)):
+    /// a one-token step on device positions, every module of the layer fused, 16-bit weights, both
+    /// residuals added here (a single GPU's layer), shapes the kernel takes.
+    fn runs_whole(&self, p: &Pass<'_, T>) -> bool {
+        let layer = Some(self.attn.layer);
+        let linears = [&self.attn.qkv_proj, &self.attn.o_proj, &self.mlp.gate, &self.mlp.up, &self.mlp.down];
+        p.fusion.whole_layer
+            && p.tokens.rows() == 1
+            && p.positions.on_device
+            && self.attn.adds_residual
+            && self.mlp.adds_residual
+            && Site::ALL
+                .iter()
+                .filter(|s| s.range.starts_with("fwd.layer."))
+                .all(|&s| p.dispatch.backend(s, layer) == Backend::Fused)
+            && linears.iter().all(|l| l.plain().is_some())
+            && self.layer_args(1).refusal().is_none()
+    }
+
+    /// The layer in one launch ([`cudnn_llm_ops::decode_layer`]), inside the range
+    /// [`WHOLE_LAYER_RANGE`]: `x` becomes `x1 + mlp(mlp_norm(x1))` with `x1 = x + attn(attn_norm(x))`.
+    fn whole(&self, p: &mut Pass<'_, T>, x: &mut Residual<T>, cache: KvLayer<'_, T>) -> Result<()> {
+        let (ctx, tables) = (p.ctx, p.rope);
+        let KvLayer { k, v, max_seq, positions, .. } = cache;
+        let args = self.layer_args(max_seq);
+        fn plain<T: Element>(l: &Linear<T>) -> Result<&CudaSlice<T>> {
+            l.plain().ok_or_else(|| crate::Error::Config("the one-launch decode layer: an FP8 weight".into()))
+        }
+        let w = DecodeLayerWeights {
+            attn_norm: self.attn_norm.weight(),
+            qkv: plain(&self.attn.qkv_proj)?,
+            o: plain(&self.attn.o_proj)?,
+            mlp_norm: self.mlp_norm.weight(),
+            gate: plain(&self.mlp.gate)?,
+            up: plain(&self.mlp.up)?,
+            down: plain(&self.mlp.down)?,
+        };
+        p.dispatch.observe(WHOLE_LAYER_RANGE, Some(self.attn.layer), || {
+            x.add(|x, y| {
+                let ops = DecodeLayerOperands { x, w, tables, position: positions, k, v, y };
+                decode_layer(ctx, args, ops).map_err(crate::Error::from)
+            })
+        })
     }
 
     /// What this layer folds in this pass ([`Folds`]). Only a one-token pass whose modules involved

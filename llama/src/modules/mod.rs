@@ -71,12 +71,24 @@ pub struct DecodeFusion {
     /// owns a head's pair of rotated rows), where the step reads its position on the device and the
     /// cache is contiguous: one launch less per layer.
     pub rope_into_qkv: bool,
+    /// The whole layer in one launch where it takes the layer's shapes (bf16 or f16 weights, head
+    /// dim 32-128, every phase's input within 12 Ki elements: SmolLM2-135M, Llama-3.2-1B; not 8B):
+    /// the persistent kernel of [`cudnn_llm_ops::decode_layer`], a grid barrier between its phases,
+    /// in place of the five or six launches the other folds leave. Layers it does not take run the
+    /// other folds. Off by default: on an H200 it wins only where steps are launched plainly
+    /// (SmolLM2-135M 0.824 ms a step against 1.625), and loses to the defaults in a replayed graph
+    /// (0.728 against 0.608; Llama-3.2-1B 1.154 against 0.919; `cudnn_llm_ops::ops::decode_layer`).
+    pub whole_layer: bool,
 }
 
 impl DecodeFusion {
     /// Nothing folded: every module as in prefill.
-    pub const NONE: DecodeFusion =
-        DecodeFusion { norm_into_projection: false, gate_up: false, rope_into_qkv: false };
+    pub const NONE: DecodeFusion = DecodeFusion {
+        norm_into_projection: false,
+        gate_up: false,
+        rope_into_qkv: false,
+        whole_layer: false,
+    };
     /// The prenorms folded into the projections only.
     pub const NORM: DecodeFusion = DecodeFusion { norm_into_projection: true, ..DecodeFusion::NONE };
     /// Gate and up in one GEMV only.
@@ -85,24 +97,31 @@ impl DecodeFusion {
     /// 4.463 ms against 4.631 with gate and up alone and 4.883 unfolded, in one run;
     /// `benches/results/h200/decode-roofline.md`).
     pub const NORM_GATE_UP: DecodeFusion =
-        DecodeFusion { norm_into_projection: true, gate_up: true, rope_into_qkv: false };
+        DecodeFusion { norm_into_projection: true, gate_up: true, ..DecodeFusion::NONE };
     /// Everything folded, RoPE and the K/V append into `qkv_proj` too (the default: on an H200 the
     /// 8B step took 4.134 ms against 4.196 without RoPE folded and 4.520 with nothing folded, in one
     /// run).
     pub const ALL: DecodeFusion =
-        DecodeFusion { norm_into_projection: true, gate_up: true, rope_into_qkv: true };
+        DecodeFusion { norm_into_projection: true, gate_up: true, rope_into_qkv: true, whole_layer: false };
+    /// [`DecodeFusion::ALL`] and each layer in one launch where the layer kernel takes it (for steps
+    /// launched without a CUDA graph, [`DecodeFusion::whole_layer`]).
+    pub const LAYER: DecodeFusion = DecodeFusion { whole_layer: true, ..DecodeFusion::ALL };
     /// Each choice, nothing folded first, for A/B tables.
-    pub const EVERY: [DecodeFusion; 5] = [
+    pub const EVERY: [DecodeFusion; 6] = [
         DecodeFusion::NONE,
         DecodeFusion::NORM,
         DecodeFusion::GATE_UP,
         DecodeFusion::NORM_GATE_UP,
         DecodeFusion::ALL,
+        DecodeFusion::LAYER,
     ];
 
     /// `none`, `norm`, `gate_up` or `norm+gate_up`, then `+rope` with RoPE folded (`rope` alone),
     /// for tables.
     pub fn name(self) -> &'static str {
+        if self.whole_layer {
+            return "layer";
+        }
         match (self.norm_into_projection, self.gate_up, self.rope_into_qkv) {
             (false, false, false) => "none",
             (true, false, false) => "norm",

@@ -69,7 +69,7 @@ type Error = Box<dyn std::error::Error>;
     about = "Continuous batching over a paged KV cache on a synthetic request stream"
 )]
 struct Options {
-    /// Model preset, with seeded random weights: llama-3.2-1b, llama-3.1-8b or tiny.
+    /// Model preset, with seeded random weights: smollm2-135m, llama-3.2-1b, llama-3.1-8b, llama-3.1-70b or tiny.
     #[arg(long, default_value = "llama-3.1-8b")]
     preset: String,
     /// Decoder layers (default: the preset's).

@@ -92,7 +92,7 @@ macro_rules! println {
 #[derive(Debug, Clone, Parser)]
 #[command(name = "tp-bench", about = "Tensor-parallel prefill and decode against one GPU")]
 struct Options {
-    /// Model preset: llama-3.2-1b, llama-3.1-8b, llama-3.1-70b or tiny.
+    /// Model preset: smollm2-135m, llama-3.2-1b, llama-3.1-8b, llama-3.1-70b or tiny.
     #[arg(long, default_value = "llama-3.1-8b")]
     preset: String,
     /// Decoder layers (default: the preset's).

@@ -39,14 +39,6 @@ __device__ __forceinline__ void gemv_load(const uint4* const (&ws)[R], int c, ui
         for (int r = 0; r < R; ++r) wv[v][r] = gemv_stream16(ws[r] + c + S * v);
 }
 
-// The dot product of 8 elements of W and of x in f32, in the order every form sums them.
-__device__ __forceinline__ float gemv_dot8(const float (&w)[8], const float (&x)[8]) {
-    float dot = w[0] * x[0];
-#pragma unroll
-    for (int e = 1; e < 8; ++e) dot = fmaf(w[e], x[e], dot);
-    return dot;
-}
-
 // Chunks c, c + S, ..., c + S (V - 1) of the R rows ws against the M tokens xs (S: the threads that
 // share a row, a warp or a block): every load of W first, then per 8 elements of a chunk one load of
 // each token's x (through L1) and the R·M dot products of 8, each added to its accumulator (V·R·M
