@@ -61,9 +61,58 @@ impl DecodeRoofline {
     }
 }
 
+/// What bounds a measured step of `step_ms` against its memory floor of `floor_ms`
+/// ([`DecodeRoofline::floor_ms`]) when its bytes do not, for reports; `None` at [`BYTES_BOUND`] of
+/// the floor or more. Below it, the time above the floor is the step's chain of kernels (each one's
+/// latency: waiting for the one before, reading its input, reducing, writing), which `kernels` (the
+/// kernels a replayed step launches, or why they are not known) puts a number on. Under half the
+/// floor the step is bound by its kernels; between half and [`BYTES_BOUND`], partly.
+pub fn bound(floor_ms: f64, step_ms: f64, kernels: Result<usize, String>) -> Option<String> {
+    let f = floor_ms / step_ms;
+    if f >= BYTES_BOUND {
+        return None;
+    }
+    let above_us = (step_ms - floor_ms) * 1e3;
+    let how = if f < 0.5 { "bound by its kernels" } else { "partly bound by its kernels" };
+    let count = match kernels {
+        Ok(k) => format!("{k} kernels a step, {:.2} us each above the floor", above_us / k.max(1) as f64),
+        Err(e) => format!("its kernels are not counted: {e}"),
+    };
+    Some(format!(
+        "the step is {how} and the gaps between them, not by its bytes: {above_us:.1} us a step above the \
+         {:.1} us floor ({count})",
+        floor_ms * 1e3
+    ))
+}
+
+/// The fraction of the floor from which a step counts as bound by its bytes
+/// ([`bound`]): Llama-3.1-8B's step replays at 86-88% of it on an H200.
+pub const BYTES_BOUND: f64 = 0.8;
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_step_far_from_its_floor_says_its_kernels_bound_it() {
+        // SmolLM2-135M's shapes: 0.28 GB, 0.067 ms at 4231 GB/s; its step replays in 0.592 ms.
+        let r = DecodeRoofline::new(&LlamaConfig::smollm2_135m(), 1, 545, 2);
+        let floor = r.floor_ms(4231.0);
+        assert!((floor - 0.067).abs() < 0.001, "{floor}");
+        let line = bound(floor, 0.592, Ok(184)).unwrap();
+        assert!(line.starts_with("the step is bound by its kernels"), "{line}");
+        assert!(
+            line.contains("525.4 us a step above the 66.6 us floor (184 kernels a step, 2.86 us each"),
+            "{line}"
+        );
+        let uncounted = bound(floor, 0.592, Err("no captured graph".into())).unwrap();
+        assert!(uncounted.ends_with("(its kernels are not counted: no captured graph)"), "{uncounted}");
+        // Between half and 80% of the floor: partly; from 80%: the bytes bound it, nothing to say.
+        let half = bound(floor, floor / 0.63, Ok(100)).unwrap();
+        assert!(half.starts_with("the step is partly bound by its kernels"), "{half}");
+        assert_eq!(bound(floor, floor / 0.8, Ok(100)), None);
+        assert_eq!(bound(floor, floor / 0.87, Ok(196)), None);
+    }
 
     #[test]
     fn fp8_projections_halve_the_layers_bytes() {

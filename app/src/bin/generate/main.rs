@@ -13,7 +13,7 @@ use cudnn_llm_app::bench_util::{copy_bandwidth_gbps, tool_main};
 use cudnn_llm_llama::chat::{ChatTemplate, Message};
 use cudnn_llm_llama::generate::{eos_token_ids, Generation, StopReason};
 use cudnn_llm_llama::gguf::Gguf;
-use cudnn_llm_llama::roofline::DecodeRoofline;
+use cudnn_llm_llama::roofline::{self, DecodeRoofline};
 use cudnn_llm_llama::tp::{RankEnv, ShardPlan};
 use cudnn_llm_llama::{DecodeMode, Generator, Llama, LlamaConfig, Sampler, SamplingPath, Tokenizer};
 use cudnn_llm_ops::{default_plan_dir, Cudnn, DataType, Element, WeightScales, PLAN_DIR_ENV};
@@ -247,7 +247,7 @@ fn run<T: Element>(ctx: &Cudnn, opts: &Options, plan: &Plan, input: &Input) -> R
     // error, e.g. out of memory, leaves the roofline line without a bandwidth, saying why).
     let bandwidth = copy_bandwidth_gbps(ctx, COPY_BYTES, 10).map_err(|e| e.to_string());
     let kernels = Some(match generator.step_kernels() {
-        Some(counted) => counted.map_err(|e| format!("the step's kernels could not be counted: {e}")),
+        Some(counted) => counted.map_err(|e| e.to_string()),
         None => Err("the step launches its kernels one by one (no captured graph)".into()),
     });
     let roof = |i| match fp8.is_some() {
@@ -408,17 +408,9 @@ fn report(
         bandwidth_gbps,
         100.0 * floor_ms / step_ms
     );
-    if let (true, Some(kernels)) = (floor_ms < 0.5 * step_ms, kernels) {
-        let why = match kernels {
-            Ok((k, nodes)) => format!(
-                "one replay of the step launches {k} kernels ({nodes} graph nodes), {:.2} us of the step per kernel",
-                step_ms * 1e3 / k.max(1) as f64
-            ),
-            Err(e) => e,
-        };
-        eprintln!(
-            "roofline: under half the memory floor, the step is bound by its kernels and the gaps between \
-             them, not by its bytes: {why}"
-        );
+    if let Some(kernels) = kernels {
+        if let Some(why) = roofline::bound(floor_ms, step_ms, kernels.map(|(k, _)| k)) {
+            eprintln!("roofline: {why}");
+        }
     }
 }

@@ -22,7 +22,7 @@ use cudnn_llm_app::bench_util::{copy_bandwidth_gbps, tool_main};
 use cudnn_llm_app::report::cli::{Options, Resolved};
 use cudnn_llm_app::report::{chart, FirstCall, Meta, ModuleRow, Report, Scenario, Side};
 use cudnn_llm_app::BUILD;
-use cudnn_llm_llama::roofline::DecodeRoofline;
+use cudnn_llm_llama::roofline::{self, DecodeRoofline};
 use cudnn_llm_llama::tp::RankEnv;
 use cudnn_llm_llama::weights::Weights;
 use cudnn_llm_llama::{Backend, Backends, Fallback, Llama, NoObserver, Site};
@@ -206,16 +206,9 @@ fn measure_all<T: Element>(
                             100.0 * roof.fraction(plain, copy)
                         );
                         // Far from the floor, bytes do not bound the step: say what does.
-                        if roof.fraction(replay, copy) < 0.5 {
-                            line += &match &kernels {
-                                Ok((k, nodes)) => format!(
-                                    "; under half the floor, the step is bound by its kernels and the gaps \
-                                     between them: one replay launches {k} kernels ({nodes} graph nodes), {:.2} us \
-                                     of the step per kernel",
-                                    replay * 1e3 / (*k).max(1) as f64
-                                ),
-                                Err(e) => format!("; the step's kernels could not be counted: {e}"),
-                            };
+                        let counted = kernels.clone().map(|(k, _)| k);
+                        if let Some(why) = roofline::bound(roof.floor_ms(copy), replay, counted) {
+                            line += &format!("; {why}");
                         }
                         line
                     }

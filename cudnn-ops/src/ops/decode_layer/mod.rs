@@ -6,7 +6,7 @@
 //! and `q, k, v = rope(qkv_proj(rms_norm(x)))` at the token's position, read on the device; `k` and
 //! `v` are appended to the caches at that row first and attention reads the `position + 1` rows
 //! (clamped into the cache). Rounded as the fused decode kernels round each phase
-//! ([`reference`] follows them in f64). A position outside the RoPE tables or the cache leaves the
+//! ([`reference()`] follows them in f64). A position outside the RoPE tables or the cache leaves the
 //! caches untouched and q unrotated, as the rotary GEMV does.
 //!
 //! The baseline is the same layer through the modules' op calls (the fused decode GEMVs and cuDNN's
