@@ -21,6 +21,12 @@
 //! kernel boundary costs under programmatic dependent launch: in block 0 a phase took 2.6-4.0 µs
 //! with its barrier (attention 5.4-6.4 µs) and the last phase, which has none, 1.9 µs; so the layer
 //! saves the CPU's launches, not the GPU's synchronizations, and stays opt-in.
+//!
+//! **Co-residency**: the grid barrier needs every block of the launch on the GPU at once (a block
+//! per SM, up to two fit). The launch is an ordinary (programmatic) one, not a cooperative launch,
+//! so the driver does not check it: kernels on other streams only delay the blocks they hold back,
+//! but a GPU shared with a persistent kernel that never yields its SMs, or an MPS client limited to
+//! under half the SMs, would leave the barrier waiting. Run it on a GPU this process has to itself.
 
 mod fused;
 
