@@ -227,17 +227,11 @@ impl<T: Element> Weights<T> {
         cfg.check()?;
         let wanted = Self::names(cfg);
         let files = locate(path, &wanted)?;
-        let mut shards: Vec<&PathBuf> = files.iter().collect();
-        shards.sort();
-        shards.dedup();
-        let maps = shards.iter().map(|p| map_file(p)).collect::<Result<Vec<_>>>()?;
+        let (shards, maps) = map_shards(&files)?;
         let tables = shards
             .iter()
             .zip(&maps)
-            .map(|(p, map)| {
-                unique_header_names(p, map)?;
-                SafeTensors::deserialize(map).map_err(st_fail(p))
-            })
+            .map(|(p, map)| SafeTensors::deserialize(map).map_err(st_fail(p)))
             .collect::<Result<Vec<_>>>()?;
         let jobs: Vec<_> = wanted.into_iter().zip(&files).collect();
         let tensors = map_parallel(&jobs, |((name, shape), file)| {
@@ -413,31 +407,14 @@ impl Checkpoint {
         cfg.check()?;
         let wanted = Weights::<f32>::names(cfg);
         let located = locate(path, &wanted)?;
-        let mut files: Vec<PathBuf> = located.clone();
-        files.sort();
-        files.dedup();
-        let maps = files.iter().map(|p| map_file(p)).collect::<Result<Vec<_>>>()?;
+        let (files, maps) = map_shards(&located)?;
         let mut tensors = HashMap::with_capacity(wanted.len());
         for (i, (file, map)) in files.iter().zip(&maps).enumerate() {
-            unique_header_names(file, map)?;
             let table = SafeTensors::deserialize(map).map_err(st_fail(file))?;
             for ((name, shape), _) in wanted.iter().zip(&located).filter(|(_, f)| *f == file) {
-                let view = table
-                    .tensor(name)
-                    .map_err(|_| fail(format!("tensor `{name}` is missing from {}", file.display())))?;
-                if view.shape() != shape.as_slice() {
-                    return Err(fail(format!(
-                        "tensor `{name}` in {} has shape {:?}, expected {shape:?}",
-                        file.display(),
-                        view.shape()
-                    )));
-                }
+                let view = tensor_view(&table, name, shape, file)?;
                 if !matches!(view.dtype(), Dtype::BF16 | Dtype::F16 | Dtype::F32) {
-                    return Err(fail(format!(
-                        "tensor `{name}` in {} has dtype {:?}, expected BF16, F16 or F32",
-                        file.display(),
-                        view.dtype()
-                    )));
+                    return Err(dtype_error(name, file, view.dtype()));
                 }
                 let offset = view.data().as_ptr() as usize - map.as_ptr() as usize;
                 tensors.insert(
@@ -604,10 +581,8 @@ fn read<T: Element>(
     file: &Path,
     fp8: Option<&crate::config::Fp8Checkpoint>,
 ) -> Result<Tensor<T>> {
-    let view = table
-        .tensor(&name)
-        .map_err(|_| fail(format!("tensor `{name}` is missing from {}", file.display())))?;
-    if matches!(view.dtype(), Dtype::F8_E4M3 | Dtype::F8_E5M2) && view.shape() == shape && shape.len() == 2 {
+    let view = tensor_view(table, &name, &shape, file)?;
+    if matches!(view.dtype(), Dtype::F8_E4M3 | Dtype::F8_E5M2) && shape.len() == 2 {
         let Some(scheme) = fp8 else {
             return Err(fail(format!(
                 "tensor `{name}` in {} is {:?}, but config.json has no FP8 `quantization_config`",
@@ -617,6 +592,36 @@ fn read<T: Element>(
         };
         return fp8_weight(table, &name, &view, scheme, file);
     }
+    let mut data = Vec::with_capacity(shape.iter().product());
+    if !decode_into(view.dtype(), view.data(), &mut data) {
+        return Err(dtype_error(&name, file, view.dtype()));
+    }
+    Ok(Tensor { shape, data })
+}
+
+/// The files a checkpoint's tensors are in (`located`, one per tensor), sorted and each once,
+/// memory-mapped, each header checked for a name listed twice ([`unique_header_names`]).
+fn map_shards(located: &[PathBuf]) -> Result<(Vec<PathBuf>, Vec<memmap2::Mmap>)> {
+    let mut files = located.to_vec();
+    files.sort();
+    files.dedup();
+    let maps = files.iter().map(|p| map_file(p)).collect::<Result<Vec<_>>>()?;
+    for (file, map) in files.iter().zip(&maps) {
+        unique_header_names(file, map)?;
+    }
+    Ok((files, maps))
+}
+
+/// Tensor `name` of `file`'s table, which must be there with `shape`.
+fn tensor_view<'a>(
+    table: &'a SafeTensors<'a>,
+    name: &str,
+    shape: &[usize],
+    file: &Path,
+) -> Result<TensorView<'a>> {
+    let view = table
+        .tensor(name)
+        .map_err(|_| fail(format!("tensor `{name}` is missing from {}", file.display())))?;
     if view.shape() != shape {
         return Err(fail(format!(
             "tensor `{name}` in {} has shape {:?}, expected {shape:?}",
@@ -624,15 +629,12 @@ fn read<T: Element>(
             view.shape()
         )));
     }
-    let mut data = Vec::with_capacity(shape.iter().product());
-    if !decode_into(view.dtype(), view.data(), &mut data) {
-        return Err(fail(format!(
-            "tensor `{name}` in {} has dtype {:?}, expected BF16, F16 or F32",
-            file.display(),
-            view.dtype()
-        )));
-    }
-    Ok(Tensor { shape, data })
+    Ok(view)
+}
+
+/// The error for tensor `name` of `file` in a dtype the loaders do not convert.
+fn dtype_error(name: &str, file: &Path, dtype: Dtype) -> Error {
+    fail(format!("tensor `{name}` in {} has dtype {dtype:?}, expected BF16, F16 or F32", file.display()))
 }
 
 /// An FP8 checkpoint's weight `[n, k]` dequantized into `T`: each E4M3 code times its factor from
