@@ -130,7 +130,7 @@ impl<T: Element> Block<T> {
         cache: KvLayer<'_, T>,
         ranks: Option<&RankSum<'_, T>>,
     ) -> Result<()> {
-        if ranks.is_none() && self.runs_whole(p) {
+        if ranks.is_none() && self.runs_whole(p, cache.max_seq) {
             return self.whole(p, x, cache);
         }
         self.attention(p, x, s, cache, ranks)?;
@@ -215,8 +215,9 @@ impl<T: Element> Block<T> {
 
     /// Whether this pass runs the layer in one launch ([`DecodeFusion::whole_layer`](super::DecodeFusion)):
     /// a one-token step on device positions, every module of the layer fused, 16-bit weights, both
-    /// residuals added here (a single GPU's layer), shapes the kernel takes.
-    fn runs_whole(&self, p: &Pass<'_, T>) -> bool {
+    /// residuals added here (a single GPU's layer), shapes the kernel takes (over caches of
+    /// `max_seq` rows).
+    fn runs_whole(&self, p: &Pass<'_, T>, max_seq: usize) -> bool {
         let layer = Some(self.attn.layer);
         let linears = [&self.attn.qkv_proj, &self.attn.o_proj, &self.mlp.gate, &self.mlp.up, &self.mlp.down];
         p.fusion.whole_layer
@@ -229,7 +230,7 @@ impl<T: Element> Block<T> {
                 .filter(|s| s.range.starts_with("fwd.layer."))
                 .all(|&s| p.dispatch.backend(s, layer) == Backend::Fused)
             && linears.iter().all(|l| l.plain().is_some())
-            && self.layer_args(1).refusal().is_none()
+            && self.layer_args(max_seq).refusal().is_none()
     }
 
     /// The layer in one launch ([`cudnn_llm_ops::decode_layer`]), inside the range

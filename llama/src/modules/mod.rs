@@ -76,8 +76,8 @@ pub struct DecodeFusion {
     /// the persistent kernel of [`cudnn_llm_ops::decode_layer`], a grid barrier between its phases,
     /// in place of the five or six launches the other folds leave. Layers it does not take run the
     /// other folds. Off by default: on an H200 it wins only where steps are launched plainly
-    /// (SmolLM2-135M 0.824 ms a step against 1.625), and loses to the defaults in a replayed graph
-    /// (0.728 against 0.608; Llama-3.2-1B 1.154 against 0.919; `cudnn_llm_ops::ops::decode_layer`).
+    /// (SmolLM2-135M 0.824 ms a step against 1.740), and loses to the defaults in a replayed graph
+    /// (0.728 against 0.592; Llama-3.2-1B 1.154 against 0.935; `cudnn_llm_ops::ops::decode_layer`).
     pub whole_layer: bool,
 }
 

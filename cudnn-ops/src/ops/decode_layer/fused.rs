@@ -6,6 +6,8 @@ use super::{DecodeLayerArgs, DecodeLayerOperands};
 use crate::kernels::{launch_programmatic, Arg, Kernels, Owned};
 use crate::{checked, Cudnn, DataType, Element, Error, Result};
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
 
 /// Threads per block (`LAYER_THREADS` in layer.cu).
 const THREADS: u32 = 256;
@@ -46,12 +48,6 @@ pub(super) fn launch<T: Element>(
     let (hidden, attn_w, ffn) = (a.hidden, a.attn_width(), a.ffn);
     let widest = hidden.max(attn_w).max(ffn);
     let weight_bytes = 2 * (2 * hidden + a.qkv_width() * hidden + hidden * attn_w + 3 * ffn * hidden);
-    let kernels = Kernels::get(ctx)?;
-    let acts = checked::add("decode layer: activations", 2 * attn_w + hidden, ffn)?;
-    let mut act = kernels.owned(ctx, ACTIVATIONS, acts)?;
-    let mut part = kernels.owned(ctx, PARTIALS, a.heads_q * max_splits * (a.head_dim + 2))?;
-    let mut bar = kernels.owned(ctx, BARRIER, a.heads_q + 1)?;
-    let mut clocks = kernels.owned(ctx, CLOCKS, STAMPS)?;
     let s = ctx.stream();
     let DecodeLayerOperands { x: xin, w, tables, position, k, v, y } = x;
     fn ptr<'a, T>(
@@ -75,15 +71,33 @@ pub(super) fn launch<T: Element>(
     let (kp, _g11) = k.device_ptr_mut(s);
     let (vp, _g12) = v.device_ptr_mut(s);
     let (yp, _g13) = y.device_ptr_mut(s);
+    // Every buffer the kernel reads or writes 16 bytes at a time, checked before the op's own
+    // buffers are allocated.
+    let read16 = [
+        ("x", xp),
+        ("attn_norm", an),
+        ("qkv", qkv),
+        ("o", wo),
+        ("mlp_norm", mn),
+        ("gate", wg),
+        ("up", wu),
+        ("down", wd),
+        ("k cache", kp),
+        ("v cache", vp),
+    ];
+    if let Some((what, p)) = read16.into_iter().find(|&(_, p)| p % 16 != 0) {
+        return Err(refused(format!("{what} pointer {p:#x} is not 16-byte aligned (16-byte loads)")));
+    }
+    let kernels = Kernels::get(ctx)?;
+    let acts = checked::add("decode layer: activations", 2 * attn_w + hidden, ffn)?;
+    let mut act = kernels.owned(ctx, ACTIVATIONS, acts)?;
+    let mut part = kernels.owned(ctx, PARTIALS, a.heads_q * max_splits * (a.head_dim + 2))?;
+    let mut bar = kernels.owned(ctx, BARRIER, a.heads_q + 1)?;
+    let mut clocks = kernels.owned(ctx, CLOCKS, STAMPS)?;
     let (ap, _g14) = act.device_ptr_mut(s);
     let (prt, _g15) = part.device_ptr_mut(s);
     let (bp, _g16) = bar.device_ptr_mut(s);
     let (tp, _g17) = clocks.device_ptr_mut(s);
-    for (what, p) in [("x", xp), ("qkv", qkv), ("o", wo), ("gate", wg), ("up", wu), ("down", wd)] {
-        if p % 16 != 0 || kp % 16 != 0 || vp % 16 != 0 {
-            return Err(refused(format!("{what} or a cache pointer is not 16-byte aligned (16-byte loads)")));
-        }
-    }
     // The activations: q [attn_w], o [attn_w], x1 [hidden], act [ffn]; every width a multiple of
     // 8 elements, so each starts 16-byte aligned.
     let at = |elems: usize| Arg::Ptr(ap + 2 * elems as u64);
@@ -129,7 +143,10 @@ pub(super) fn launch<T: Element>(
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: (4 * widest) as u32,
     };
-    kernels.count_run(0xdec0_de1a ^ (hidden as u64) << 20 ^ ffn as u64, || {
+    // One entry per shape, dtype and grid (each has its own description).
+    let mut key = DefaultHasher::new();
+    ("decode layer", hidden, a.heads_q, a.heads_kv, a.head_dim, ffn, sfx, blocks).hash(&mut key);
+    kernels.count_run(key.finish(), || {
         format!(
             "decode layer [1, {hidden}] heads {}/{}x{} ffn {ffn} {sfx} ({name}, {blocks} blocks)",
             a.heads_q, a.heads_kv, a.head_dim

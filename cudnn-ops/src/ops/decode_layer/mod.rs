@@ -15,9 +15,9 @@
 //!
 //! **Where it wins, measured** (H200, cuDNN 9.19, `examples/05-decode`, 545 cached tokens, step
 //! with logits; `benches/results/h200/decode-small/`): launched plainly, SmolLM2-135M's step takes
-//! 0.824 ms against 1.625 with the default folds (1.282 at their fastest setting); replayed as a
-//! CUDA graph it loses, 0.728 ms against 0.608 (0.554 at the fastest setting), and on
-//! Llama-3.2-1B it loses both ways (1.154 against 0.919 replayed). A grid barrier costs about what a
+//! 0.824 ms against 1.740 with the default folds (1.383 at their fastest setting); replayed as a
+//! CUDA graph it loses, 0.728 ms against 0.592 (0.553 at the fastest setting), and on
+//! Llama-3.2-1B it loses both ways (1.154 against 0.935 replayed). A grid barrier costs about what a
 //! kernel boundary costs under programmatic dependent launch: in block 0 a phase took 2.6-4.0 µs
 //! with its barrier (attention 5.4-6.4 µs) and the last phase, which has none, 1.9 µs; so the layer
 //! saves the CPU's launches, not the GPU's synchronizations, and stays opt-in.
